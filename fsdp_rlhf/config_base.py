@@ -1,0 +1,330 @@
+"""Typed, frozen config trees: build from defaults < YAML < CLI flags, with strict checking.
+
+Every leaf field is documented by ``doc(...)`` (its help text) and may carry a ``flag``: the flat
+OpenRLHF/AIAK flag name users already type (``--train_batch_size``). Leaves without a flag are
+reachable by their dotted path (``--optim.betas``). Errors name the dotted path and raise
+``ConfigError``; the CLI turns them into one line and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import MISSING, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem (bad key, bad type, bad value)."""
+
+
+def doc(default: Any = MISSING, help: str = "", *, flag: str | None = None, factory=MISSING):
+    """A dataclass field with help text and an optional flat CLI flag name."""
+    meta = {"help": help, "flag": flag}
+    if factory is not MISSING:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def section(cls: type):
+    """A nested sub-config field, defaulting to the sub-config's own defaults."""
+    return dataclasses.field(default_factory=cls, metadata={"help": cls.__doc__ or "", "flag": None})
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One settable field: its dotted path, type and docs."""
+
+    path: str
+    type: Any
+    default: Any
+    help: str
+    flag: str | None
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def iter_leaves(cls: type, prefix: str = "") -> list[Leaf]:
+    """All leaf fields of a config class, depth first, with dotted paths."""
+    out: list[Leaf] = []
+    hints = _hints(cls)
+    for f in fields(cls):
+        tp = hints[f.name]
+        path = f"{prefix}{f.name}"
+        if is_dataclass(tp):
+            out.extend(iter_leaves(tp, path + "."))
+            continue
+        default = f.default if f.default is not MISSING else (
+            f.default_factory() if f.default_factory is not MISSING else MISSING
+        )
+        out.append(Leaf(path, tp, default, f.metadata.get("help", ""), f.metadata.get("flag")))
+    return out
+
+
+def flag_table(cls: type) -> dict[str, Leaf]:
+    """Map every accepted flag name (flat flag and dotted path) to its leaf."""
+    table: dict[str, Leaf] = {}
+    for leaf in iter_leaves(cls):
+        names = [leaf.path] + ([leaf.flag] if leaf.flag else [])
+        for name in names:
+            if name in table and table[name].path != leaf.path:
+                raise AssertionError(f"flag {name!r} maps to {table[name].path} and {leaf.path}")
+            table[name] = leaf
+    return table
+
+
+# ---------------------------------------------------------------- type checking / coercion
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return "one of " + "|".join(str(a) for a in get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def coerce(value: Any, tp: Any, path: str) -> Any:
+    """Check ``value`` against annotation ``tp``; convert lossless cases (int -> float, str flags)."""
+    origin = get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        if isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return coerce(value, arg, path)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{path}: bad value {value!r}")
+    if origin is Literal:
+        choices = get_args(tp)
+        if value in choices:
+            return value
+        raise ConfigError(f"{path}: expected one of {list(choices)}, got {value!r}")
+    if origin is tuple:
+        item_tp = get_args(tp)[0]
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v.strip()]
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        return tuple(coerce(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{path}: expected a bool, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{path}: expected an int, got {value!r}")
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{path}: expected a float, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return str(value)  # YAML reads `dataset_probs: 1` as an int
+        raise ConfigError(f"{path}: expected a string, got {value!r}")
+    raise AssertionError(f"{path}: unsupported annotation {tp!r}")
+
+
+# ---------------------------------------------------------------- building
+
+
+def _suggest(name: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(name, choices, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def from_dict(cls: type, data: dict[str, Any], prefix: str = ""):
+    """Build ``cls`` from a nested dict, rejecting unknown keys and wrong types by dotted path."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or '<root>'}: expected a mapping, got {data!r}")
+    hints = _hints(cls)
+    names = [f.name for f in fields(cls)]
+    for key in data:
+        if key not in names:
+            raise ConfigError(f"unknown config key {prefix}{key}{_suggest(key, names)}")
+    kwargs = {}
+    for f in fields(cls):
+        if f.name not in data:
+            continue
+        tp, path = hints[f.name], f"{prefix}{f.name}"
+        if is_dataclass(tp):
+            kwargs[f.name] = from_dict(tp, data[f.name], path + ".")
+        else:
+            kwargs[f.name] = coerce(data[f.name], tp, path)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{prefix.rstrip('.') or '<root>'}: {e}") from None
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Nested plain dict (tuples become lists) suitable for YAML."""
+    out = {}
+    for f in fields(cfg):
+        v = getattr(cfg, f.name)
+        if is_dataclass(v):
+            out[f.name] = to_dict(v)
+        else:
+            out[f.name] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def set_path(data: dict[str, Any], path: str, value: Any) -> None:
+    node = data
+    *parents, last = path.split(".")
+    for p in parents:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{path}: {p} is not a section")
+    node[last] = value
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config: no such file {path}")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: top level must be a mapping")
+    return data
+
+
+def dump_yaml(cfg: Any) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+# ---------------------------------------------------------------- CLI flags
+
+# torch.distributed.launch appends these; torchrun users never see them.
+_IGNORED_FLAGS = ("local_rank", "local-rank")
+
+
+def _flag_names(cls: type) -> dict[str, Leaf]:
+    """Accepted flags: dotted paths, explicit ``flag=`` names, bare leaf names that are unique,
+    and the root's ``FLAG_ALIASES`` (for sections used twice, e.g. actor and critic optimizers)."""
+    table = flag_table(cls)
+    leaves = iter_leaves(cls)
+    by_path = {leaf.path: leaf for leaf in leaves}
+    bare: dict[str, list[Leaf]] = {}
+    for leaf in leaves:
+        bare.setdefault(leaf.path.rsplit(".", 1)[-1], []).append(leaf)
+    for name, group in bare.items():
+        if len(group) == 1 and name not in table:
+            table[name] = group[0]
+    for alias, path in getattr(cls, "FLAG_ALIASES", {}).items():
+        table[alias] = by_path[path]
+    return table
+
+
+def parse_cli(cls: type, argv: list[str]) -> tuple[str | None, dict[str, Any], bool]:
+    """Parse ``--flag value`` style args into dotted-path overrides.
+
+    Returns ``(config_path, overrides, debug)``. Booleans are switches (``--bf16``), or take an
+    explicit ``--bf16=false``/``--no_bf16``. Tuple fields take one or more following values.
+    """
+    table = _flag_names(cls)
+    overrides: dict[str, Any] = {}
+    config_path, debug = None, False
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        i += 1
+        if not tok.startswith("--"):
+            raise ConfigError(f"unexpected argument {tok!r} (flags start with --)")
+        name, eq, inline = tok[2:].partition("=")
+        name = name.replace("-", "_")
+        if name in ("local_rank",) or tok[2:].split("=")[0] in _IGNORED_FLAGS:
+            if not eq and i < len(argv) and not argv[i].startswith("--"):
+                i += 1
+            continue
+        if name == "debug":
+            debug = True
+            continue
+        if name == "config":
+            if not eq:
+                if i >= len(argv):
+                    raise ConfigError("--config needs a path")
+                inline, i = argv[i], i + 1
+            config_path = inline
+            continue
+        negate = name.startswith("no_") and name not in table and name[3:] in table
+        leaf = table.get(name[3:] if negate else name)
+        if leaf is None:
+            raise ConfigError(f"unknown flag --{name}{_suggest(name, sorted(table))}")
+        if leaf.type is bool:
+            overrides[leaf.path] = (not negate) if not eq else coerce(inline, bool, "--" + name)
+            continue
+        if negate:
+            raise ConfigError(f"--no_{name[3:]}: only boolean flags can be negated")
+        if eq:
+            values = [inline]
+        else:
+            values = []
+            while i < len(argv) and not argv[i].startswith("--"):
+                values.append(argv[i])
+                i += 1
+                if get_origin(leaf.type) is not tuple:
+                    break
+            if not values:
+                raise ConfigError(f"--{name} needs a value")
+        value = values if get_origin(leaf.type) is tuple and len(values) > 1 else values[0]
+        overrides[leaf.path] = coerce(value, leaf.type, "--" + name)
+    return config_path, overrides, debug
+
+
+def build_config(cls: type, argv: list[str]):
+    """defaults < YAML (``--config``) < CLI flags. Returns ``(config, debug)``."""
+    config_path, overrides, debug = parse_cli(cls, argv)
+    data = load_yaml(config_path) if config_path else {}
+    for path, value in overrides.items():
+        set_path(data, path, value)
+    return from_dict(cls, data), debug
+
+
+def flags_help(cls: type) -> list[tuple[str, str, str, str]]:
+    """Rows of (flag, type, default, help) for ``--help``."""
+    table = _flag_names(cls)
+    primary: dict[str, str] = {}
+    for name, leaf in table.items():
+        if "." not in name and (leaf.path not in primary or len(name) < len(primary[leaf.path])):
+            primary.setdefault(leaf.path, name)
+    rows = []
+    for leaf in iter_leaves(cls):
+        name = primary.get(leaf.path, leaf.path)
+        default = "-" if leaf.default is MISSING else repr(leaf.default)
+        rows.append((f"--{name}", _type_name(leaf.type), default, leaf.help))
+    return rows

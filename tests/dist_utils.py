@@ -1,0 +1,70 @@
+"""Run a test function on N gloo ranks in spawned processes (CPU), and collect per-rank results."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        queue.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException:  # noqa: BLE001 - shipped to the parent, which re-raises
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int = 2, *args: Any, timeout: float = 600) -> list[Any]:
+    """Spawn ``world_size`` processes running ``fn(rank, world_size, *args)`` under gloo.
+
+    ``fn`` must be a module-level function (picklable). Returns the per-rank return values
+    (they must be picklable); a failure on any rank raises with that rank's traceback.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=False)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors = []
+    for _ in range(world_size):
+        rank, status, payload = queue.get()
+        if status == "ok":
+            results[rank] = payload
+        else:
+            errors.append(f"rank {rank} failed:\n{payload}")
+            break
+    for p in procs:
+        p.join(timeout=timeout if not errors else 5)
+        if p.is_alive():
+            p.kill()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [results[r] for r in range(world_size)]
