@@ -184,3 +184,216 @@ def plan_rm_batches(batch: RMBatchConfig, world_size: int) -> RMBatchPlan:
         grad_accum_steps=batch.train_batch_size // per_step,
         batch_size_per_rank=batch.train_batch_size // world_size,
     )
+
+
+# ---------------------------------------------------------------- ppo
+
+
+@dataclass(frozen=True, kw_only=True)
+class PPOModelsConfig:
+    """The four models and where rewards come from."""
+
+    pretrain: str = doc("", "SFT model: initial actor and the reference model.")
+    reward_pretrain: str | None = doc(None, "Reward model folder (HF sequence classification).")
+    critic_pretrain: str | None = doc(None, "Critic init (default: the reward model).")
+    value_head_prefix: str = doc("score", "Value-head name to look for in reward/critic folders.")
+    remote_rm_url: str | None = doc(
+        None, "Rule reward: a .py file with reward_func(queries, prompts, labels), or an HTTP URL."
+    )
+    normalize_reward: bool = doc(False, "Normalise scores by the mean/std in the RM's config.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlacementConfig:
+    """Where models live. Everything is colocated on every rank; flags kept for seed scripts."""
+
+    colocate_all: bool = doc(True, "All models and the vLLM engine share every GPU (the only mode).")
+    num_nodes: int | None = doc(None, "Expected nodes; checked against the torchrun world.")
+    num_gpus_per_node: int | None = doc(None, "Expected ranks per node; checked likewise.")
+    ref_reward_offload: bool = doc(False, "Keep reference and reward models in host memory.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PromptDataConfig:
+    """Prompt data for rollouts."""
+
+    prompt_data: str = doc("", "Comma-separated sources: JSON/JSONL/parquet file, folder, hub name.")
+    prompt_data_probs: str = doc("1.0", "Comma-separated mixing probabilities, one per source.")
+    input_key: str = doc("input", "Key of the prompt (string or chat-message list).")
+    label_key: str | None = doc(None, "Key of a label passed to the rule reward.")
+    input_template: str | None = doc(
+        "Human: {}\nAssistant: ", "Template for raw prompts when no chat template is applied."
+    )
+    apply_chat_template: bool = doc(False, "Render prompts with the tokenizer's chat template.")
+    prompt_max_len: int = doc(1024, "Prompts longer than this (tokens) are truncated from the left.")
+    max_samples: int = doc(100_000, "Use at most this many prompts.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """Generation: engine, sampling, vLLM layout."""
+
+    rollout_engine: Literal["vllm", "hf"] = doc("vllm", "vllm (default) or HF generate.")
+    vllm_num_engines: int | None = doc(None, "Engines = world / TP (checked when given).")
+    vllm_tensor_parallel_size: int = doc(1, "TP size of each engine (contiguous ranks).")
+    vllm_gpu_memory_utilization: float = doc(0.9, "GPU memory fraction vLLM may use.")
+    vllm_enable_sleep: bool = doc(True, "Release vLLM memory between rollouts (GPU only).")
+    vllm_sleep_level: int = doc(1, "1: offload weights to CPU; 2: discard them (full sync).")
+    vllm_kvcache_space_gib: float = doc(0.0, "CPU only: KV cache size (0: sized from the config).")
+    enforce_eager: bool = doc(False, "Disable CUDA graphs in vLLM.")
+    generate_max_len: int = doc(1024, "Max new tokens per response.")
+    temperature: float = doc(1.0, "Sampling temperature.")
+    top_p: float = doc(1.0, "Nucleus sampling.")
+    top_k: int = doc(-1, "Top-k sampling (-1: off).")
+    micro_rollout_batch_size: int = doc(8, "Sequences per forward in the scoring phases, per rank.")
+
+    def __post_init__(self) -> None:
+        if self.vllm_sleep_level not in (1, 2):
+            raise ConfigError(f"vllm_sleep_level must be 1 or 2, got {self.vllm_sleep_level}")
+        if self.temperature <= 0:
+            raise ConfigError(f"temperature must be > 0, got {self.temperature}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PPOBatchConfig:
+    """Batch sizes; 'global' means summed over all ranks."""
+
+    rollout_batch_size: int = doc(512, "Prompts per step, global.")
+    n_samples_per_prompt: int = doc(1, "Responses sampled per prompt.")
+    train_batch_size: int = doc(128, "Sequences per optimizer step, global.")
+    micro_train_batch_size: int = doc(8, "Sequences per forward/backward on one rank.")
+    max_epochs: int = doc(1, "Passes over the prompt data.")
+    num_episodes: int = doc(1, "Repeat the whole schedule this many times.")
+    max_steps: int = doc(-1, "Stop after this many steps (-1: run the data out).")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PPOAlgoConfig:
+    """PPO objective, advantages and KL."""
+
+    advantage_estimator: Literal["gae", "reinforce++", "rloo", "grpo", "dr_grpo"] = doc(
+        "gae", "gae needs a critic; the others are critic-free."
+    )
+    gamma: float = doc(1.0, "Discount factor.")
+    lam: float = doc(0.95, "GAE lambda.", flag="lambd")
+    eps_clip: float = doc(0.2, "Policy ratio clip (lower side).")
+    eps_clip_high: float | None = doc(None, "Upper-side clip (default: eps_clip).")
+    value_clip: float = doc(0.2, "Value clip around old values (<= 0 disables).")
+    dual_clip: float | None = doc(None, "Dual-clip constant c > 1 for negative advantages.")
+    kl_estimator: Literal["k1", "k2", "k3", "k3+"] = doc("k1", "KL estimator (Schulman).")
+    use_kl_loss: bool = doc(False, "KL in the actor loss instead of in the reward.")
+    init_kl_coef: float = doc(0.02, "KL coefficient (initial value when kl_target is set).")
+    kl_target: float | None = doc(None, "Adaptive KL controller target (Ziegler et al.).")
+    kl_horizon: int = doc(10000, "Adaptive KL controller horizon.")
+    entropy_loss_coef: float = doc(0.0, "Entropy bonus weight.")
+    reward_clip_range: float = doc(10.0, "Clip scores to [-x, x].")
+    ppo_epochs: int = doc(1, "Passes over each rollout batch.")
+    freezing_actor_steps: int = doc(-1, "Train only the critic for the first N steps.")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean"] = doc(
+        "token-mean", "How per-token losses are averaged (global over ranks)."
+    )
+    use_tis: bool = doc(False, "Truncated importance sampling for vLLM/trainer log-prob mismatch.")
+    tis_cap: float = doc(2.0, "Cap of the truncated importance weights.")
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.lam <= 1.0:
+            raise ConfigError(f"lambd must be in [0, 1], got {self.lam}")
+        if not 0.0 < self.gamma <= 1.0:
+            raise ConfigError(f"gamma must be in (0, 1], got {self.gamma}")
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ConfigError(f"dual_clip must be > 1, got {self.dual_clip}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PPOConfig:
+    """`fsdp-rlhf ppo`."""
+
+    FLAG_ALIASES: ClassVar[dict[str, str | tuple[str, ...]]] = {
+        "actor_learning_rate": "actor_optim.lr",
+        "critic_learning_rate": "critic_optim.lr",
+        "max_norm": ("actor_optim.max_norm", "critic_optim.max_norm"),
+        "lr_warmup_ratio": ("actor_optim.lr_warmup_ratio", "critic_optim.lr_warmup_ratio"),
+        "lr_scheduler": ("actor_optim.lr_scheduler", "critic_optim.lr_scheduler"),
+        "adam_betas": ("actor_optim.adam_betas", "critic_optim.adam_betas"),
+        "l2": ("actor_optim.l2", "critic_optim.l2"),
+        "min_lr_ratio": ("actor_optim.min_lr_ratio", "critic_optim.min_lr_ratio"),
+    }
+
+    models: PPOModelsConfig = section(PPOModelsConfig)
+    placement: PlacementConfig = section(PlacementConfig)
+    backend: BackendConfig = section(BackendConfig)
+    fsdp: FSDPConfig = section(FSDPConfig)
+    data: PromptDataConfig = section(PromptDataConfig)
+    rollout: RolloutConfig = section(RolloutConfig)
+    batch: PPOBatchConfig = section(PPOBatchConfig)
+    algo: PPOAlgoConfig = section(PPOAlgoConfig)
+    actor_optim: OptimConfig = section(OptimConfig)
+    critic_optim: OptimConfig = section(OptimConfig)
+    ckpt: CheckpointConfig = section(CheckpointConfig)
+    logging: LoggingConfig = section(LoggingConfig)
+    seed: int = doc(42, "Seed for data order, init and sampling.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PPOBatchPlan:
+    """Sizes derived from the PPO config and the world (all per rank unless named global)."""
+
+    world_size: int
+    tp_size: int
+    num_engines: int
+    prompts_per_rank: int
+    samples_per_rank: int
+    micro_rollout_batch_size: int
+    train_batch_size_per_rank: int
+    micro_train_batch_size: int
+    grad_accum_steps: int
+    optimizer_steps_per_epoch: int
+
+
+def plan_ppo_batches(cfg: PPOConfig, world_size: int) -> PPOBatchPlan:
+    """Check divisibility and derive per-rank sizes; raises ``ConfigError`` naming the flags."""
+    b, r = cfg.batch, cfg.rollout
+    tp = r.vllm_tensor_parallel_size
+    if tp < 1 or world_size % tp:
+        raise ConfigError(f"vllm_tensor_parallel_size ({tp}) must divide the world size ({world_size})")
+    if r.vllm_num_engines is not None and r.vllm_num_engines * tp != world_size:
+        raise ConfigError(
+            f"vllm_num_engines ({r.vllm_num_engines}) x vllm_tensor_parallel_size ({tp}) must "
+            f"equal the world size ({world_size}): every rank holds one engine slice"
+        )
+    if b.rollout_batch_size % world_size:
+        raise ConfigError(
+            f"rollout_batch_size ({b.rollout_batch_size}) must be divisible by the world size "
+            f"({world_size})"
+        )
+    samples = b.rollout_batch_size * b.n_samples_per_prompt
+    samples_per_rank = samples // world_size
+    if samples_per_rank % r.micro_rollout_batch_size:
+        raise ConfigError(
+            f"rollout samples per rank ({samples_per_rank} = rollout_batch_size x "
+            f"n_samples_per_prompt / world) must be divisible by micro_rollout_batch_size "
+            f"({r.micro_rollout_batch_size})"
+        )
+    per_step = world_size * b.micro_train_batch_size
+    if b.train_batch_size % per_step or samples % b.train_batch_size:
+        raise ConfigError(
+            f"train_batch_size ({b.train_batch_size}) must be divisible by world size x "
+            f"micro_train_batch_size ({per_step}) and divide rollout_batch_size x "
+            f"n_samples_per_prompt ({samples})"
+        )
+    if cfg.algo.advantage_estimator in ("rloo", "grpo", "dr_grpo") and b.n_samples_per_prompt < 2:
+        raise ConfigError(
+            f"advantage_estimator {cfg.algo.advantage_estimator} needs n_samples_per_prompt >= 2"
+        )
+    return PPOBatchPlan(
+        world_size=world_size,
+        tp_size=tp,
+        num_engines=world_size // tp,
+        prompts_per_rank=b.rollout_batch_size // world_size,
+        samples_per_rank=samples_per_rank,
+        micro_rollout_batch_size=r.micro_rollout_batch_size,
+        train_batch_size_per_rank=b.train_batch_size // world_size,
+        micro_train_batch_size=b.micro_train_batch_size,
+        grad_accum_steps=b.train_batch_size // per_step,
+        optimizer_steps_per_epoch=samples // b.train_batch_size,
+    )

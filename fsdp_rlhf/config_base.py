@@ -18,8 +18,10 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
+from fsdp_rlhf.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A user-facing configuration problem (bad key, bad type, bad value)."""
 
 
@@ -229,14 +231,11 @@ def dump_yaml(cfg: Any) -> str:
 
 # ---------------------------------------------------------------- CLI flags
 
-# torch.distributed.launch appends these; torchrun users never see them.
-_IGNORED_FLAGS = ("local_rank", "local-rank")
-
-
-def _flag_names(cls: type) -> dict[str, Leaf]:
-    """Accepted flags: dotted paths, explicit ``flag=`` names, bare leaf names that are unique,
-    and the root's ``FLAG_ALIASES`` (for sections used twice, e.g. actor and critic optimizers)."""
-    table = flag_table(cls)
+def _flag_names(cls: type) -> dict[str, list[Leaf]]:
+    """Accepted flags -> the leaves they set: dotted paths, explicit ``flag=`` names, bare leaf
+    names that are unique in the tree, and the root's ``FLAG_ALIASES`` (a name for a leaf of a
+    section used twice, or for several leaves at once, e.g. ``--max_norm`` for actor and critic)."""
+    table = {name: [leaf] for name, leaf in flag_table(cls).items()}
     leaves = iter_leaves(cls)
     by_path = {leaf.path: leaf for leaf in leaves}
     bare: dict[str, list[Leaf]] = {}
@@ -244,9 +243,10 @@ def _flag_names(cls: type) -> dict[str, Leaf]:
         bare.setdefault(leaf.path.rsplit(".", 1)[-1], []).append(leaf)
     for name, group in bare.items():
         if len(group) == 1 and name not in table:
-            table[name] = group[0]
-    for alias, path in getattr(cls, "FLAG_ALIASES", {}).items():
-        table[alias] = by_path[path]
+            table[name] = group
+    for alias, paths in getattr(cls, "FLAG_ALIASES", {}).items():
+        paths = (paths,) if isinstance(paths, str) else paths
+        table[alias] = [by_path[p] for p in paths]
     return table
 
 
@@ -267,7 +267,7 @@ def parse_cli(cls: type, argv: list[str]) -> tuple[str | None, dict[str, Any], b
             raise ConfigError(f"unexpected argument {tok!r} (flags start with --)")
         name, eq, inline = tok[2:].partition("=")
         name = name.replace("-", "_")
-        if name in ("local_rank",) or tok[2:].split("=")[0] in _IGNORED_FLAGS:
+        if name == "local_rank":  # torch.distributed.launch passes --local-rank=N / --local_rank N
             if not eq and i < len(argv) and not argv[i].startswith("--"):
                 i += 1
             continue
@@ -282,11 +282,13 @@ def parse_cli(cls: type, argv: list[str]) -> tuple[str | None, dict[str, Any], b
             config_path = inline
             continue
         negate = name.startswith("no_") and name not in table and name[3:] in table
-        leaf = table.get(name[3:] if negate else name)
-        if leaf is None:
+        leaves = table.get(name[3:] if negate else name)
+        if leaves is None:
             raise ConfigError(f"unknown flag --{name}{_suggest(name, sorted(table))}")
-        if leaf.type is bool:
-            overrides[leaf.path] = (not negate) if not eq else coerce(inline, bool, "--" + name)
+        tp = leaves[0].type
+        if tp is bool:
+            value = (not negate) if not eq else coerce(inline, bool, "--" + name)
+            overrides.update({leaf.path: value for leaf in leaves})
             continue
         if negate:
             raise ConfigError(f"--no_{name[3:]}: only boolean flags can be negated")
@@ -294,15 +296,16 @@ def parse_cli(cls: type, argv: list[str]) -> tuple[str | None, dict[str, Any], b
             values = [inline]
         else:
             values = []
-            while i < len(argv) and not argv[i].startswith("--"):
+            while i < len(argv) and not (argv[i].startswith("--") and len(argv[i]) > 2):
                 values.append(argv[i])
                 i += 1
-                if get_origin(leaf.type) is not tuple:
+                if get_origin(tp) is not tuple:
                     break
             if not values:
                 raise ConfigError(f"--{name} needs a value")
-        value = values if get_origin(leaf.type) is tuple and len(values) > 1 else values[0]
-        overrides[leaf.path] = coerce(value, leaf.type, "--" + name)
+        raw = values if get_origin(tp) is tuple and len(values) > 1 else values[0]
+        value = coerce(raw, tp, "--" + name)
+        overrides.update({leaf.path: value for leaf in leaves})
     return config_path, overrides, debug
 
 
@@ -316,15 +319,18 @@ def build_config(cls: type, argv: list[str]):
 
 
 def flags_help(cls: type) -> list[tuple[str, str, str, str]]:
-    """Rows of (flag, type, default, help) for ``--help``."""
-    table = _flag_names(cls)
-    primary: dict[str, str] = {}
-    for name, leaf in table.items():
-        if "." not in name and (leaf.path not in primary or len(name) < len(primary[leaf.path])):
-            primary.setdefault(leaf.path, name)
-    rows = []
-    for leaf in iter_leaves(cls):
-        name = primary.get(leaf.path, leaf.path)
+    """Rows of (flag, type, default, help) for ``--help``: one row per flat flag, then the
+    leaves reachable only by dotted path."""
+    rows, covered = [], set()
+    for name, leaves in _flag_names(cls).items():
+        if "." in name:
+            continue
+        covered.update(leaf.path for leaf in leaves)
+        leaf = leaves[0]
         default = "-" if leaf.default is MISSING else repr(leaf.default)
         rows.append((f"--{name}", _type_name(leaf.type), default, leaf.help))
-    return rows
+    for leaf in iter_leaves(cls):
+        if leaf.path not in covered:
+            default = "-" if leaf.default is MISSING else repr(leaf.default)
+            rows.append((f"--{leaf.path}", _type_name(leaf.type), default, leaf.help))
+    return sorted(rows)

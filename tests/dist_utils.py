@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import queue as queue_mod
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -44,7 +46,7 @@ def run_distributed(fn: Callable, world_size: int = 2, *args: Any, timeout: floa
     (they must be picklable); a failure on any rank raises with that rank's traceback.
     """
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
+    queue = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=False)
@@ -54,13 +56,21 @@ def run_distributed(fn: Callable, world_size: int = 2, *args: Any, timeout: floa
         p.start()
     results: dict[int, Any] = {}
     errors = []
-    for _ in range(world_size):
-        rank, status, payload = queue.get()
+    deadline = time.monotonic() + timeout
+    while len(results) < world_size and not errors:
+        try:
+            rank, status, payload = queue.get(timeout=1.0)
+        except queue_mod.Empty:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                errors.append(f"a rank died with exit code {dead[0].exitcode}")
+            elif time.monotonic() > deadline:
+                errors.append(f"timed out after {timeout}s")
+            continue
         if status == "ok":
             results[rank] = payload
         else:
             errors.append(f"rank {rank} failed:\n{payload}")
-            break
     for p in procs:
         p.join(timeout=timeout if not errors else 5)
         if p.is_alive():

@@ -1,0 +1,118 @@
+"""Per-token KL estimators and KL-coefficient controllers.
+
+The estimators follow J. Schulman, "Approximating KL Divergence" (2020,
+http://joschu.net/blog/kl-approx.html). With tokens sampled from the policy and
+``log_ratio = logprobs - ref_logprobs``:
+
+* ``k1 = log_ratio``: unbiased for KL(policy || ref), high variance, can be negative.
+* ``k2 = 0.5 * log_ratio ** 2``: biased, low variance, always >= 0. Its gradient with respect
+  to ``logprobs`` is ``log_ratio``, which is the gradient of the true KL in expectation.
+* ``k3 = exp(-log_ratio) - 1 + log_ratio``: unbiased, low variance, always >= 0.
+* ``k3+``: the value of k3 with the gradient of k2 (straight-through). Used directly as an
+  on-policy loss, k3's gradient estimates the gradient of the reverse KL(ref || policy), not
+  of KL(policy || ref); the k2 gradient is the right one, so k3+ logs the k3 value but
+  optimises with the k2 gradient.
+
+The controllers implement the KL penalty schedule of Ziegler et al., "Fine-Tuning Language
+Models from Human Preferences" (2019), section 2.2.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+KLKind = Literal["k1", "k2", "k3", "k3+"]
+
+
+def kl_estimate(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    kind: KLKind = "k1",
+    clamp: float | None = 10.0,
+    log_ratio_clamp: float = 20.0,
+) -> torch.Tensor:
+    """Per-token estimate of KL(policy || ref) from log-probs of sampled tokens.
+
+    Args:
+        logprobs: (B, T) log-probs of the sampled tokens under the policy.
+        ref_logprobs: (B, T) log-probs of the same tokens under the reference model.
+        kind: One of ``"k1"``, ``"k2"``, ``"k3"``, ``"k3+"`` (see the module docstring).
+        clamp: Clamp the estimate to ``[-clamp, clamp]``; ``None`` disables. A few tokens
+            whose probability collapsed under one model otherwise dominate a whole batch.
+        log_ratio_clamp: The log ratio is clamped to ``[-c, c]`` before ``exp`` so k3 cannot
+            overflow.
+
+    Returns:
+        (B, T) estimates; the caller applies ``response_mask``.
+    """
+    log_ratio = (logprobs - ref_logprobs).clamp(-log_ratio_clamp, log_ratio_clamp)
+    if kind == "k1":
+        kl = log_ratio
+    elif kind == "k2":
+        kl = 0.5 * log_ratio.square()
+    elif kind in ("k3", "k3+"):
+        kl = torch.exp(-log_ratio) - 1 + log_ratio
+    else:
+        raise ValueError(f"unknown KL estimator {kind!r}; expected k1, k2, k3 or k3+")
+    if clamp is not None:
+        kl = kl.clamp(-clamp, clamp)
+    if kind == "k3+":
+        k2 = 0.5 * log_ratio.square()
+        kl = k2 + (kl - k2).detach()
+    return kl
+
+
+class FixedKLController:
+    """Constant KL coefficient, with the same interface as :class:`AdaptiveKLController`.
+
+    Args:
+        kl_coef: The coefficient ``beta`` of the KL penalty.
+    """
+
+    def __init__(self, kl_coef: float) -> None:
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """No-op; present so trainers need not special-case the fixed controller."""
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController:
+    """Proportional controller steering the observed KL towards a target.
+
+    Each update multiplies the coefficient by ``1 + e * n_steps / horizon`` where
+    ``e = clip(current_kl / target - 1, -0.2, 0.2)`` (Ziegler et al. 2019). The clip keeps a
+    single outlier batch from moving the coefficient by more than 20% per horizon.
+
+    Args:
+        init_kl_coef: Starting coefficient.
+        target: Desired KL per sequence (in the same units as ``current_kl``).
+        horizon: Number of samples over which a full proportional correction is applied.
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: float) -> None:
+        if target <= 0 or horizon <= 0:
+            raise ValueError(f"target and horizon must be positive, got {target}, {horizon}")
+        self.value = float(init_kl_coef)
+        self.target = float(target)
+        self.horizon = float(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Adjust ``value`` after observing ``current_kl`` over ``n_steps`` samples."""
+        error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value, "target": self.target, "horizon": self.horizon}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
+        self.target = float(state.get("target", self.target))
+        self.horizon = float(state.get("horizon", self.horizon))

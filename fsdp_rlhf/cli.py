@@ -1,0 +1,108 @@
+"""`fsdp-rlhf`: the command line. Run every subcommand under torchrun, on every rank::
+
+    torchrun --nproc_per_node 8 -m fsdp_rlhf.cli train-rm --pretrain ... --dataset ...
+    torchrun --nproc_per_node 8 -m fsdp_rlhf.cli ppo --pretrain ... --reward_pretrain ...
+
+Flags are the OpenRLHF / AIAK-RLHF names (underscores or dashes), after an optional
+``--config x.yaml``: defaults < YAML < flags. ``--local_rank`` from torch.distributed.launch is
+ignored. Bad input prints one line and exits 2 (a traceback only with ``--debug``).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import typer
+
+from fsdp_rlhf.errors import UserError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Pure-PyTorch RLHF on FSDP2: reward-model training and colocated PPO (no Ray).",
+)
+
+# Flags are parsed by fsdp_rlhf.config_base against the config tree, not by click, so that
+# every OpenRLHF spelling works and YAML/flag precedence lives in one place.
+_RAW = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+
+
+def _print_flags(config_cls: type, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from fsdp_rlhf.config_base import flags_help
+
+    table = Table(title=title, show_lines=False, header_style="bold")
+    for col in ("flag", "type", "default", "help"):
+        table.add_column(col, overflow="fold")
+    for row in flags_help(config_cls):
+        table.add_row(*row)
+    Console().print(table)
+    Console().print("Also: --config FILE.yaml, --debug. Dashes and underscores are equivalent.")
+
+
+def _run(argv: list[str], config_cls: type, title: str, main: Callable) -> None:
+    if "--help" in argv or "-h" in argv:
+        _print_flags(config_cls, title)
+        raise typer.Exit(0)
+    debug = "--debug" in argv
+    try:
+        from fsdp_rlhf.config_base import build_config
+
+        cfg, debug = build_config(config_cls, argv)
+        code = main(cfg, debug=debug)
+    except UserError as e:
+        if debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        raise typer.Exit(2) from None
+    raise typer.Exit(code or 0)
+
+
+@app.command("train-rm", context_settings=_RAW)
+def train_rm(ctx: typer.Context) -> None:
+    """Train a pairwise (Bradley-Terry) reward model. --help lists every flag."""
+    from fsdp_rlhf.config import RMConfig
+
+    def main(cfg, debug):
+        from fsdp_rlhf.trainers.rm import main as rm_main
+
+        return rm_main(cfg, debug=debug)
+
+    _run(list(ctx.args), RMConfig, "fsdp-rlhf train-rm flags", main)
+
+
+@app.command("ppo", context_settings=_RAW)
+def ppo(ctx: typer.Context) -> None:
+    """PPO / GRPO / RLOO / REINFORCE++ with in-process vLLM rollouts. --help lists every flag."""
+    from fsdp_rlhf.config import PPOConfig
+
+    def main(cfg, debug):
+        from fsdp_rlhf.trainers.ppo import main as ppo_main
+
+        return ppo_main(cfg, debug=debug)
+
+    _run(list(ctx.args), PPOConfig, "fsdp-rlhf ppo flags", main)
+
+
+@app.command("doctor", context_settings=_RAW)
+def doctor(ctx: typer.Context) -> None:
+    """Preflight checks under the same launcher: versions, devices, all-reduce, vLLM, memory."""
+    from fsdp_rlhf.config import PPOConfig
+
+    def main(cfg, debug):
+        from fsdp_rlhf.doctor import main as doctor_main
+
+        return doctor_main(cfg, debug=debug)
+
+    _run(list(ctx.args), PPOConfig, "fsdp-rlhf doctor flags (same as ppo)", main)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

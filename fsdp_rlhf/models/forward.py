@@ -1,0 +1,87 @@
+"""Forward passes with the shapes trainers need: token values, sequence scores, token log-probs.
+
+Position ids are always passed explicitly (``cumsum(attention_mask) - 1``) so left-padded
+prompts get the same positions as unpadded ones: HF decoders derive positions from the cache
+position, not from the mask.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fsdp_rlhf.algorithms import entropy_from_logits, logprobs_from_logits
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, L) -> (B, L) positions counting only attended tokens."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, L) -> (B,) index of the last attended token of each row (any padding side)."""
+    L = attention_mask.shape[-1]
+    idx = torch.arange(L, device=attention_mask.device).expand_as(attention_mask)
+    return torch.where(attention_mask.bool(), idx, -1).max(-1).values
+
+
+def token_values(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
+    """Scalar head applied at every position of a ``*ForSequenceClassification`` model.
+
+    Args:
+        input_ids, attention_mask: (B, L).
+    Returns:
+        (B, L) float32 values.
+    """
+    backbone = model.get_submodule(model.base_model_prefix)
+    hidden = backbone(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    ).last_hidden_state
+    return model.score(hidden).squeeze(-1).float()
+
+
+def sequence_scores(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
+    """Reward of each sequence, read at its last attended token. (B, L) -> (B,)."""
+    values = token_values(model, input_ids, attention_mask)
+    idx = last_token_index(attention_mask)
+    return values.gather(1, idx.unsqueeze(1)).squeeze(1)
+
+
+def response_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_len: int,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of the last ``response_len`` tokens of each row under a causal LM.
+
+    Args:
+        input_ids, attention_mask: (B, P + T), prompt left-padded, response right-padded.
+        response_len: T.
+    Returns:
+        logprobs (B, T) float32, and entropy (B, T) when ``with_entropy``.
+    """
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    ).logits
+    # logits at position i predict token i + 1: keep the T positions before each response token.
+    logits = logits[:, -response_len - 1 : -1, :].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    labels = input_ids[:, -response_len:]
+    logprobs = logprobs_from_logits(logits, labels)
+    entropy = entropy_from_logits(logits) if with_entropy else None
+    return logprobs, entropy

@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny local models (no downloads), seeded RNG, CUDA skip marker."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> str:
+    """A 2-layer Qwen2 (hidden 128, head_dim 64) with a trained BPE tokenizer, saved locally."""
+    from fsdp_rlhf.models.tiny import build_model
+
+    return str(build_model(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    from fsdp_rlhf.models.tiny import build_model
+
+    return str(build_model(tmp_path_factory.mktemp("tiny_llama"), "llama", seed=1))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_tied(tmp_path_factory) -> str:
+    from fsdp_rlhf.models.tiny import build_model
+
+    path = tmp_path_factory.mktemp("tiny_qwen2_tied")
+    return str(build_model(path, "qwen2", tie_word_embeddings=True, seed=2))
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
