@@ -327,8 +327,12 @@ class PPOConfig:
     rollout: RolloutConfig = section(RolloutConfig)
     batch: PPOBatchConfig = section(PPOBatchConfig)
     algo: PPOAlgoConfig = section(PPOAlgoConfig)
-    actor_optim: OptimConfig = section(OptimConfig)
-    critic_optim: OptimConfig = section(OptimConfig)
+    actor_optim: OptimConfig = doc(
+        help="Actor optimizer.", factory=lambda: OptimConfig(lr=1e-6)
+    )
+    critic_optim: OptimConfig = doc(
+        help="Critic optimizer.", factory=lambda: OptimConfig(lr=9e-6)
+    )
     ckpt: CheckpointConfig = section(CheckpointConfig)
     logging: LoggingConfig = section(LoggingConfig)
     seed: int = doc(42, "Seed for data order, init and sampling.")

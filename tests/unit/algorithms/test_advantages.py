@@ -1,0 +1,155 @@
+import statistics
+
+import pytest
+import torch
+
+from fsdp_rlhf.algorithms import (
+    dr_grpo,
+    gae,
+    grpo,
+    masked_mean,
+    masked_var,
+    reinforce_plus_plus,
+    rloo,
+)
+from tests.unit.algorithms.helpers import SEEDS, make_gen, ragged_mask, randn, valid_positions
+
+B, T = 6, 12
+
+
+def _ref_gae(rewards, values, mask, gamma, lam):
+    adv = torch.zeros(B, T, dtype=torch.float64)
+    for row in range(B):
+        positions = valid_positions(mask, row)
+        running, next_value = 0.0, 0.0
+        for t in reversed(positions):
+            delta = rewards[row, t].item() + gamma * next_value - values[row, t].item()
+            running = delta + gamma * lam * running
+            adv[row, t] = running
+            next_value = values[row, t].item()
+    return adv
+
+
+def _ref_returns(rewards, mask, gamma):
+    out = torch.zeros(B, T, dtype=torch.float64)
+    for row in range(B):
+        running = 0.0
+        for t in reversed(valid_positions(mask, row)):
+            running = rewards[row, t].item() + gamma * running
+            out[row, t] = running
+    return out
+
+
+def _inputs(seed):
+    gen = make_gen(seed)
+    return ragged_mask(B, T, gen), randn(B, T, gen=gen), randn(B, T, gen=gen)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(("gamma", "lam"), [(1.0, 0.95), (0.9, 0.8), (0.99, 0.0)])
+def test_gae_matches_reference(seed, gamma, lam):
+    mask, rewards, values = _inputs(seed)
+    advantages, returns = gae(rewards, values, mask, gamma, lam)
+    expected = _ref_gae(rewards, values, mask, gamma, lam)
+    torch.testing.assert_close(advantages, expected)
+    torch.testing.assert_close(returns, (expected + values) * mask)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_gae_ignores_masked_values_and_rewards(seed):
+    mask, rewards, values = _inputs(seed)
+    advantages, returns = gae(rewards, values, mask, 0.97, 0.9)
+    noise = randn(B, T, gen=make_gen(seed + 1000)) * 100
+    dirty_values = torch.where(mask, values, noise)
+    dirty_rewards = torch.where(mask, rewards, -noise)
+    dirty_adv, dirty_ret = gae(dirty_rewards, dirty_values, mask, 0.97, 0.9)
+    torch.testing.assert_close(dirty_adv, advantages)
+    torch.testing.assert_close(dirty_ret, returns)
+    assert (advantages[~mask] == 0).all() and (returns[~mask] == 0).all()
+    # Valid values do matter, so the comparison above is not vacuous.
+    changed_adv, _ = gae(rewards, values + mask * noise, mask, 0.97, 0.9)
+    assert not torch.allclose(changed_adv, advantages)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_gae_lambda_one_is_monte_carlo(seed):
+    mask, rewards, values = _inputs(seed)
+    advantages, returns = gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    reward_to_go = _ref_returns(rewards, mask, 1.0)
+    torch.testing.assert_close(advantages, (reward_to_go - values) * mask)
+    torch.testing.assert_close(returns, reward_to_go)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_reinforce_plus_plus(seed):
+    mask, rewards, _ = _inputs(seed)
+    advantages, returns = reinforce_plus_plus(rewards, mask, gamma=0.9)
+    expected_returns = _ref_returns(rewards, mask, 0.9)
+    torch.testing.assert_close(returns, expected_returns)
+    xs = [expected_returns[b, t].item() for b in range(B) for t in valid_positions(mask, b)]
+    mean, std = statistics.fmean(xs), statistics.stdev(xs)
+    torch.testing.assert_close(advantages, (expected_returns - mean) / std * mask)
+    assert masked_mean(advantages, mask).item() == pytest.approx(0.0, abs=1e-10)
+    assert masked_var(advantages, mask).item() == pytest.approx(1.0, rel=1e-6)
+
+
+def test_reinforce_plus_plus_uses_given_whiten_fn():
+    mask, rewards, _ = _inputs(0)
+    calls = []
+
+    def scale_by_two(values, m):
+        calls.append(values.shape)
+        return values * 2
+
+    advantages, returns = reinforce_plus_plus(rewards, mask, 1.0, whiten_fn=scale_by_two)
+    assert calls == [(B, T)]
+    torch.testing.assert_close(advantages, returns * 2)
+
+
+def _group_reference(scores, n, kind, eps=1e-6):
+    out = []
+    for i, s in enumerate(scores.tolist()):
+        group = scores.tolist()[(i // n) * n : (i // n + 1) * n]
+        others = [g for j, g in enumerate(group) if j != i % n]
+        if kind == "rloo":
+            out.append(s - sum(others) / len(others))
+        elif kind == "grpo":
+            out.append((s - statistics.fmean(group)) / (statistics.stdev(group) + eps))
+        else:
+            out.append(s - statistics.fmean(group))
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("kind", ["rloo", "grpo", "dr_grpo"])
+def test_group_estimators_match_reference(seed, n, kind):
+    gen = make_gen(seed)
+    mask = ragged_mask(B, T, gen)
+    scores = randn(B, gen=gen)
+    if kind == "rloo":
+        out = rloo(scores, mask, n)
+    elif kind == "grpo":
+        out = grpo(scores, mask, n, eps=1e-6)
+    else:
+        out = dr_grpo(scores, mask, n)
+    expected = _group_reference(scores, n, kind)
+    torch.testing.assert_close(out, expected.unsqueeze(1) * mask)
+
+
+def test_grpo_uniform_group_gets_zero():
+    scores = torch.tensor([1.0, 1.0, 0.0, 1.0])
+    mask = torch.ones(4, 3)
+    out = grpo(scores, mask, 2)
+    assert (out[:2] == 0).all() and (out[2:] != 0).all()
+
+
+@pytest.mark.parametrize("fn", [rloo, grpo, dr_grpo])
+def test_group_estimators_reject_bad_group_sizes(fn):
+    scores, mask = torch.randn(6), torch.ones(6, 4)
+    for n in (0, 1):
+        with pytest.raises(ValueError):
+            fn(scores, mask, n)
+    with pytest.raises(ValueError):
+        fn(scores, mask, 4)
+    assert fn(scores, mask, 3).shape == (6, 4)

@@ -1,0 +1,78 @@
+import statistics
+
+import pytest
+import torch
+
+from fsdp_rlhf.algorithms import RunningMeanStd, clip_scores, shape_rewards
+from tests.unit.algorithms.helpers import SEEDS, make_gen, ragged_mask, randn, valid_positions
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_shape_rewards_matches_reference(seed):
+    gen = make_gen(seed)
+    batch, length = 7, 10
+    mask = ragged_mask(batch, length, gen)
+    scores = randn(batch, gen=gen)
+    kl = randn(batch, length, gen=gen)
+    kl_coef = 0.05 * (seed + 1)
+    out = shape_rewards(scores, kl, kl_coef, mask)
+    for row in range(batch):
+        positions = valid_positions(mask, row)
+        expected = [0.0] * length
+        for t in positions:
+            expected[t] = -kl_coef * kl[row, t].item()
+        if positions:
+            expected[positions[-1]] += scores[row].item()
+        assert out[row].tolist() == pytest.approx(expected, abs=1e-12)
+
+
+def test_shape_rewards_empty_row_gets_nothing_and_tensor_coef():
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0], [0, 1, 1]])
+    scores = torch.tensor([1.0, 5.0, -2.0])
+    kl = torch.zeros(3, 3)
+    out = shape_rewards(scores, kl, torch.tensor(0.1), mask)
+    expected = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, -2.0]])
+    torch.testing.assert_close(out, expected)
+
+
+def test_clip_scores():
+    scores = torch.tensor([-7.0, -1.0, 0.5, 9.0])
+    torch.testing.assert_close(clip_scores(scores, 2.0), torch.tensor([-2.0, -1.0, 0.5, 2.0]))
+    assert clip_scores(scores, None) is scores
+    with pytest.raises(ValueError):
+        clip_scores(scores, 0.0)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_running_mean_std_matches_full_history(seed):
+    gen = make_gen(seed)
+    rms = RunningMeanStd()
+    history: list[float] = []
+    for step in range(5):
+        batch = randn(int(torch.randint(1, 9, (1,), generator=gen)), gen=gen) * (step + 1) + 50
+        mask = torch.rand(batch.shape, generator=gen) < 0.8
+        rms.update(batch, mask)
+        history += [x for x, m in zip(batch.tolist(), mask.tolist(), strict=True) if m]
+    assert rms.count == len(history)
+    assert rms.mean == pytest.approx(statistics.fmean(history), rel=1e-12)
+    assert rms.var == pytest.approx(statistics.pvariance(history), rel=1e-9)
+    x = randn(4, gen=gen)
+    expected = (x - statistics.fmean(history)) / (statistics.pvariance(history) + 1e-8) ** 0.5
+    torch.testing.assert_close(rms.normalize(x), expected)
+    torch.testing.assert_close(rms.normalize(x, shift_mean=False), x / (rms.var + 1e-8) ** 0.5)
+
+
+def test_running_mean_std_state_round_trip():
+    rms = RunningMeanStd()
+    rms.update(torch.tensor([1.0, 2.0, 4.0]))
+    restored = RunningMeanStd()
+    restored.load_state_dict(rms.state_dict())
+    assert (
+        restored.state_dict()
+        == rms.state_dict()
+        == {
+            "mean": pytest.approx(7 / 3),
+            "var": pytest.approx(statistics.pvariance([1.0, 2.0, 4.0])),
+            "count": 3.0,
+        }
+    )

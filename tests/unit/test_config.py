@@ -1,0 +1,194 @@
+"""Config tree: precedence, strictness, seed flags, derived sizes."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fsdp_rlhf.config import PPOConfig, RMConfig, plan_ppo_batches, plan_rm_batches
+from fsdp_rlhf.config_base import ConfigError, build_config, dump_yaml, from_dict, iter_leaves
+
+SEEDS = Path(__file__).resolve().parents[3] / "shared" / "seeds" / "000_47f264b46064c01e.txt"
+
+# Flags of the AIAK seed scripts (sections 1.3/1.4 and 2.3/2.4), verbatim.
+RM_SEED_FLAGS = """--pretrain --save_path --save_steps --logging_steps --eval_steps --train_batch_size
+--micro_train_batch_size --bf16 --max_epochs --max_len --zero_stage --learning_rate --dataset
+--dataset_probs --prompt_key --chosen_key --rejected_key --apply_chat_template --flash_attn
+--gradient_checkpointing --tensorboard --eval_dataset --seed --lr_warmup_ratio --lr_scheduler
+--max_norm --margin_key --loss --center_rewards_coefficient --value_head_prefix --ckpt_path
+--load_checkpoint --input_template --max_samples""".split()
+PPO_SEED_FLAGS = """--pretrain --reward_pretrain --micro_train_batch_size --micro_rollout_batch_size
+--rollout_batch_size --colocate_all --bf16 --max_samples --max_epochs --generate_max_len
+--prompt_max_len --zero_stage --actor_learning_rate --critic_learning_rate --init_kl_coef
+--normalize_reward --save_path --prompt_data --prompt_data_probs --input_key --input_template
+--apply_chat_template --vllm_num_engines --vllm_tensor_parallel_size
+--vllm_gpu_memory_utilization --ref_reward_offload --adam_offload --flash_attn
+--gradient_checkpointing --save_steps --logging_steps --tensorboard --num_nodes
+--num_gpus_per_node --critic_pretrain --n_samples_per_prompt --advantage_estimator --gamma
+--lambd --eps_clip --value_clip --dual_clip --kl_estimator --use_kl_loss --kl_target
+--entropy_loss_coef --max_norm --freezing_actor_steps --ppo_epochs --temperature --top_p --seed
+--ckpt_path --load_checkpoint --label_key --remote_rm_url""".split()
+
+
+def _value_for(cls, flag: str) -> list[str]:
+    from fsdp_rlhf.config_base import _flag_names
+
+    leaf = _flag_names(cls)[flag[2:]][0]
+    samples = {bool: [], int: ["2"], float: ["0.5"], str: ["x"]}
+    tp = leaf.type
+    if tp in samples:
+        return samples[tp]
+    text = str(tp)
+    if "Literal" in text:
+        return [re.findall(r"'([^']+)'", text)[-1]]
+    if "tuple" in text:
+        return ["0.9", "0.95"]
+    if "int" in text:
+        return ["2"]
+    return ["0.5"] if "float" in text else ["x"]
+
+
+@pytest.mark.parametrize("cls,flags", [(RMConfig, RM_SEED_FLAGS), (PPOConfig, PPO_SEED_FLAGS)])
+def test_every_seed_flag_is_accepted_with_underscores_and_dashes(cls, flags):
+    for flag in flags:
+        argv = [flag, *_value_for(cls, flag)]
+        if flag == "--dual_clip":
+            argv = [flag, "3.0"]
+        if flag == "--lambd":
+            argv = [flag, "0.9"]
+        if flag in ("--gamma",):
+            argv = [flag, "0.99"]
+        if flag == "--eps_clip":
+            argv = [flag, "0.1"]
+        build_config(cls, argv)
+        build_config(cls, [flag.replace("_", "-"), *argv[1:]])
+
+
+def test_seed_defaults_match_the_tables():
+    rm, _ = build_config(RMConfig, [])
+    assert (rm.batch.train_batch_size, rm.batch.micro_train_batch_size) == (128, 8)
+    assert (rm.data.max_len, rm.fsdp.zero_stage, rm.optim.lr) == (512, 2, 1e-5)
+    assert (rm.ckpt.save_steps, rm.logging.eval_steps, rm.ckpt.save_path) == (-1, -1, "./ckpt")
+    ppo, _ = build_config(PPOConfig, [])
+    assert ppo.batch.rollout_batch_size == 512 and ppo.rollout.micro_rollout_batch_size == 8
+    assert (ppo.actor_optim.lr, ppo.critic_optim.lr, ppo.algo.init_kl_coef) == (1e-6, 9e-6, 0.02)
+    assert ppo.rollout.vllm_gpu_memory_utilization == 0.9 and ppo.placement.colocate_all
+    assert (ppo.rollout.generate_max_len, ppo.data.prompt_max_len) == (1024, 1024)
+
+
+def test_precedence_defaults_yaml_flags(tmp_path):
+    cfg_file = tmp_path / "x.yaml"
+    cfg_file.write_text("batch:\n  train_batch_size: 64\n  micro_train_batch_size: 4\nseed: 7\n")
+    cfg, _ = build_config(RMConfig, ["--config", str(cfg_file), "--train_batch_size", "32"])
+    assert cfg.batch.train_batch_size == 32  # flag beats YAML
+    assert cfg.batch.micro_train_batch_size == 4  # YAML beats default
+    assert cfg.batch.max_epochs == 1  # default
+    assert cfg.seed == 7
+
+
+def test_unknown_key_and_wrong_type_name_the_dotted_path(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("batch:\n  train_batch_sise: 64\n")
+    with pytest.raises(ConfigError, match=r"batch\.train_batch_sise.*train_batch_size"):
+        build_config(RMConfig, ["--config", str(bad)])
+    bad.write_text("optim:\n  lr: fast\n")
+    with pytest.raises(ConfigError, match=r"optim\.lr: expected a float"):
+        build_config(RMConfig, ["--config", str(bad)])
+    with pytest.raises(ConfigError, match="unknown flag --train_batch"):
+        build_config(RMConfig, ["--train_batch", "3"])
+    with pytest.raises(ConfigError, match="expected an int"):
+        build_config(RMConfig, ["--train_batch_size", "many"])
+    with pytest.raises(ConfigError, match="one of"):
+        build_config(RMConfig, ["--loss", "hinge"])
+
+
+def test_local_rank_from_torch_distributed_launch_is_ignored():
+    a, _ = build_config(RMConfig, ["--local-rank=3", "--bf16"])
+    b, _ = build_config(RMConfig, ["--local_rank", "1", "--bf16"])
+    assert a == b and a.backend.bf16
+
+
+def test_booleans_switch_and_negate_and_aliases_fan_out():
+    cfg, debug = build_config(PPOConfig, ["--bf16", "--no_colocate_all", "--max_norm", "0.5"])
+    assert cfg.backend.bf16 and not cfg.placement.colocate_all and not debug
+    assert cfg.actor_optim.max_norm == cfg.critic_optim.max_norm == 0.5
+    cfg, debug = build_config(PPOConfig, ["--bf16=false", "--debug", "--lambd", "0.9"])
+    assert not cfg.backend.bf16 and debug and cfg.algo.lam == 0.9
+
+
+def test_configs_are_frozen_and_round_trip_through_yaml():
+    import yaml
+
+    cfg, _ = build_config(PPOConfig, ["--pretrain", "m", "--adam_betas", "0.8", "0.9"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.seed = 3  # type: ignore[misc]
+    again = from_dict(PPOConfig, yaml.safe_load(dump_yaml(cfg)))
+    assert again == cfg
+
+
+def test_every_leaf_has_help_text():
+    for cls in (RMConfig, PPOConfig):
+        missing = [leaf.path for leaf in iter_leaves(cls) if not leaf.help.strip()]
+        assert not missing, missing
+
+
+def test_validation_errors():
+    with pytest.raises(ConfigError, match="lambd"):
+        build_config(PPOConfig, ["--lambd", "1.5"])
+    with pytest.raises(ConfigError, match="zero_stage"):
+        build_config(RMConfig, ["--zero_stage", "4"])
+    with pytest.raises(ConfigError, match="dual_clip"):
+        build_config(PPOConfig, ["--dual_clip", "0.5"])
+
+
+def test_plan_rm_batches():
+    cfg, _ = build_config(RMConfig, ["--train_batch_size", "128", "--micro_train_batch_size", "4"])
+    plan = plan_rm_batches(cfg.batch, world_size=8)
+    assert (plan.grad_accum_steps, plan.batch_size_per_rank) == (4, 16)
+    with pytest.raises(ConfigError, match="divisible"):
+        plan_rm_batches(cfg.batch, world_size=3)
+
+
+def test_plan_ppo_batches():
+    argv = "--rollout_batch_size 16 --n_samples_per_prompt 4 --train_batch_size 32 "
+    argv += "--micro_train_batch_size 2 --micro_rollout_batch_size 8 --vllm_tensor_parallel_size 2"
+    cfg, _ = build_config(PPOConfig, argv.split())
+    plan = plan_ppo_batches(cfg, world_size=4)
+    assert (plan.num_engines, plan.prompts_per_rank, plan.samples_per_rank) == (2, 4, 16)
+    assert (plan.grad_accum_steps, plan.optimizer_steps_per_epoch) == (4, 2)
+    with pytest.raises(ConfigError, match="vllm_num_engines"):
+        plan_ppo_batches(
+            build_config(PPOConfig, [*argv.split(), "--vllm_num_engines", "4"])[0], world_size=4
+        )
+    with pytest.raises(ConfigError, match="rollout_batch_size"):
+        plan_ppo_batches(cfg, world_size=6)
+    grpo, _ = build_config(PPOConfig, ["--advantage_estimator", "grpo"])
+    with pytest.raises(ConfigError, match="n_samples_per_prompt"):
+        plan_ppo_batches(grpo, world_size=1)
+
+
+def test_cli_help_lists_commands_and_flags():
+    exe = [sys.executable, "-m", "fsdp_rlhf.cli"]
+    out = subprocess.run([*exe, "--help"], capture_output=True, text=True, check=True).stdout
+    assert "train-rm" in out and "ppo" in out and "doctor" in out
+    env = {"COLUMNS": "200", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run(
+        [*exe, "ppo", "--help"], capture_output=True, text=True, check=True, env=env
+    ).stdout
+    for flag in ("--rollout_batch_size", "--vllm_tensor_parallel_size", "--lambd"):
+        assert flag in out
+
+
+def test_cli_bad_flag_is_one_line_and_exit_2():
+    proc = subprocess.run(
+        [sys.executable, "-m", "fsdp_rlhf.cli", "train-rm", "--no_such_flag", "1"],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("error: unknown flag --no_such_flag")
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
