@@ -92,6 +92,7 @@ def _fsdp_checks(rank: int, world: int, model_path: str, ckpt_dir: str, zero_sta
     offload_ok = all(torch.equal(before[n], t) for n, t in iter_full_params(model))
     # params and their grads both move (grads are still there after the step)
     local_bytes = sum(2 * p.to_local().numel() * 4 for p in model.parameters())
+    local_bytes += sum(b.numel() * b.element_size() for b in model.buffers())
     loss_after = _loss(model, ids, mask).item()  # FSDP still works after its storage moved
 
     # 5. full state dict export on rank 0 only
