@@ -335,6 +335,7 @@ class PPOConfig:
     )
     ckpt: CheckpointConfig = section(CheckpointConfig)
     logging: LoggingConfig = section(LoggingConfig)
+    sample_log_steps: int = doc(10, "Every N steps log a few prompt/response/reward samples.")
     seed: int = doc(42, "Seed for data order, init and sampling.")
 
 

@@ -45,11 +45,33 @@ def save_hf_model(
             cfg_file.write_text(json.dumps(cfg, indent=2, sort_keys=True))
         old = final.with_name(f"{final.name}.old-{os.getpid()}")
         if final.exists():
+            _carry_over(final, tmp)
             final.rename(old)
         tmp.rename(final)
         shutil.rmtree(old, ignore_errors=True)
     barrier()
     return final
+
+
+_MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".index.json", ".model", ".tiktoken")
+_MODEL_FILES = {
+    "config.json", "generation_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja", "chat_template.json",
+}
+
+
+def _is_model_file(name: str) -> bool:
+    return (
+        name in _MODEL_FILES or name.startswith("tokenizer") or name.endswith(_MODEL_FILE_SUFFIXES)
+    )
+
+
+def _carry_over(old: Path, new: Path) -> None:
+    """Move what else lives in the old folder (logs, checkpoints, TensorBoard) into the new one,
+    so replacing the model never deletes a run's history; stale weight files stay behind."""
+    for entry in old.iterdir():
+        if not _is_model_file(entry.name) and not (new / entry.name).exists():
+            entry.rename(new / entry.name)
 
 
 def update_hf_config(save_path: str | Path, values: dict[str, Any]) -> None:

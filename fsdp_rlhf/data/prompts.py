@@ -1,0 +1,93 @@
+"""Prompt data for rollouts: render once, tokenize once, deal global batches to ranks.
+
+Each step takes ``rollout_batch_size`` prompts (global) in a seeded per-epoch order; rank r gets
+the r-th contiguous slice. The position (epoch, batch index) is all a resume needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fsdp_rlhf.config import PromptDataConfig
+from fsdp_rlhf.errors import UserError
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: its token ids (left-truncated to ``prompt_max_len``), text and label."""
+
+    ids: list[int]
+    text: str
+    label: Any
+
+
+def render_prompt(value: Any, tokenizer, cfg: PromptDataConfig) -> str:
+    """A prompt as text: chat template for message lists (or when asked), else the template."""
+    if cfg.apply_chat_template:
+        messages = value if isinstance(value, list) else [{"role": "user", "content": value}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if isinstance(value, list):
+        raise UserError(
+            f"--input_key {cfg.input_key} holds chat messages; pass --apply_chat_template"
+        )
+    text = str(value)
+    return cfg.input_template.format(text) if cfg.input_template else text
+
+
+def tokenize_prompts(rows, tokenizer, cfg: PromptDataConfig) -> list[Prompt]:
+    """Render and tokenize every row; keeps the last ``prompt_max_len`` tokens of long prompts."""
+    out = []
+    for row in rows:
+        text = render_prompt(row[cfg.input_key], tokenizer, cfg)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            continue
+        label = row[cfg.label_key] if cfg.label_key else None
+        out.append(Prompt(ids=ids[-cfg.prompt_max_len :], text=text, label=label))
+    return out
+
+
+class PromptSampler:
+    """Deterministic, resumable dealing of global prompt batches to ranks."""
+
+    def __init__(
+        self, num_prompts: int, global_batch: int, rank: int, world_size: int, seed: int
+    ) -> None:
+        if num_prompts < global_batch:
+            raise UserError(
+                f"prompt data has {num_prompts} prompts, fewer than rollout_batch_size "
+                f"({global_batch})"
+            )
+        self.num_prompts = num_prompts
+        self.global_batch = global_batch
+        self.per_rank = global_batch // world_size
+        self.rank = rank
+        self.seed = seed
+        self.epoch = 0
+        self.index = 0
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.num_prompts // self.global_batch
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.num_prompts, generator=g)
+
+    def next_indices(self) -> list[int]:
+        """This rank's prompt indices for the next step (wraps into the next epoch)."""
+        if self.index >= self.batches_per_epoch:
+            self.epoch, self.index = self.epoch + 1, 0
+        order = self._order(self.epoch)
+        start = self.index * self.global_batch + self.rank * self.per_rank
+        self.index += 1
+        return order[start : start + self.per_rank].tolist()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])

@@ -1,0 +1,300 @@
+"""In-process vLLM rollout engine: one tensor-parallel slice per torchrun rank (SPMD, no Ray).
+
+This is the only module that imports vLLM. Every assumption about vLLM internals is checked in
+:func:`check_vllm_internals` (run when an engine is built) and used in
+:func:`_reload_weights_inplace`, so an upgrade that breaks them fails at start-up with one clear
+message.
+
+Order matters: torch.distributed must be initialised before the engine is built. vLLM's
+``external_launcher`` backend then reuses the trainer's world group and splits it into TP groups
+of contiguous ranks; built first with tp=1 on 2 ranks, vLLM would create a world-size-1 group
+with rank 1 and gloo aborts (``rank < size. 1 vs 1``).
+"""
+
+from __future__ import annotations
+
+import os
+
+# external_launcher needs the engine core in this process (deterministic, identical scheduling on
+# every rank of a TP group); vLLM reads the variable lazily but it must never be "1" here.
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+import inspect  # noqa: E402
+import logging  # noqa: E402
+from collections.abc import Iterable, Sequence  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import vllm  # noqa: E402
+from transformers import AutoConfig  # noqa: E402
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+
+from fsdp_rlhf.config import RolloutConfig  # noqa: E402
+from fsdp_rlhf.rollout.engine import CountingWeights, RolloutOutput, SamplingConfig  # noqa: E402
+from fsdp_rlhf.rollout.groups import RolloutGroups, gather_prompts, own_prompt_range  # noqa: E402
+from fsdp_rlhf.rollout.rng import GenerationRng  # noqa: E402
+from fsdp_rlhf.rollout.sleep import SleepTracker  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+TESTED_VLLM_VERSIONS = ("0.32.0",)
+GiB = 1 << 30
+# CPU KV-cache sizing when not configured: room for this many full-length sequences at once.
+CPU_KV_CONCURRENT_SEQS = 32
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def check_vllm_internals() -> str:
+    """Raise if a vLLM API this adapter relies on is missing or changed; returns the version.
+
+    Checked: ``Worker.reload_weights`` forwarding to ``GPUModelRunner.reload_weights(
+    weights_iterator=...)`` (v1 and v2 runners; the CPU runners subclass them), the in-process
+    external-launcher executor, and the ``LLM`` methods used here.
+    """
+    from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as RunnerV2
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu_worker import Worker
+
+    expected = {
+        "Worker.reload_weights": (Worker, "reload_weights", ()),
+        "GPUModelRunner.reload_weights": (GPUModelRunner, "reload_weights", ("weights_iterator",)),
+        "v2 GPUModelRunner.reload_weights": (RunnerV2, "reload_weights", ("weights_iterator",)),
+        "LLM.collective_rpc": (LLM, "collective_rpc", ("method", "kwargs")),
+        "LLM.reset_prefix_cache": (LLM, "reset_prefix_cache", ()),
+        "LLM.sleep": (LLM, "sleep", ("level",)),
+        "LLM.wake_up": (LLM, "wake_up", ("tags",)),
+        "ExecutorWithExternalLauncher._init_executor": (
+            ExecutorWithExternalLauncher, "_init_executor", ()),
+    }
+    problems = []
+    for what, (cls, name, params) in expected.items():
+        fn = inspect.getattr_static(cls, name, None)
+        if fn is None:
+            problems.append(f"{what} is gone")
+            continue
+        missing = set(params) - set(inspect.signature(fn).parameters)
+        if missing:
+            problems.append(f"{what} lost parameters {sorted(missing)}")
+    if problems:
+        raise RuntimeError(
+            f"vLLM {vllm.__version__} breaks the fsdp_rlhf vLLM adapter (tested with "
+            f"{', '.join(TESTED_VLLM_VERSIONS)}): " + "; ".join(problems)
+        )
+    if vllm.__version__ not in TESTED_VLLM_VERSIONS:
+        log.warning("vLLM %s has not been tested with fsdp_rlhf (tested: %s)",
+                    vllm.__version__, ", ".join(TESTED_VLLM_VERSIONS))
+    return vllm.__version__
+
+
+def _reload_weights_inplace(llm: LLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Replace the engine's weights in place from HF-named full tensors.
+
+    ``model.load_weights`` cannot be used after start-up on CPU (the CPU backend repacks weights
+    and drops their ``weight_loader``); the worker's ``reload_weights`` reruns the model's loader
+    layer by layer with post-load processing, on CPU and CUDA alike, and shards each tensor for
+    this TP rank. The iterator is passed by reference: this works only because the
+    external-launcher executor runs the worker in this process.
+    """
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+
+
+def _check_tp_layout(groups: RolloutGroups) -> None:
+    """vLLM's TP group of this rank must be the block our prompt exchange assumes."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    ranks = list(get_tp_group().ranks)
+    if ranks != groups.engine_ranks:
+        raise RuntimeError(
+            f"vLLM formed TP group {ranks} on rank {groups.rank}, expected {groups.engine_ranks}"
+        )
+
+
+def cpu_kv_cache_bytes(
+    model_path: str, max_model_len: int, tp_size: int, dtype: torch.dtype, gib: float
+) -> int:
+    """KV-cache size on CPU: ``gib`` when set, else enough for CPU_KV_CONCURRENT_SEQS sequences
+    of ``max_model_len`` tokens (at least 1 GiB).
+
+    The auto size needs ``head_dim`` in the model config (Qwen2/3, Llama, Mistral have it).
+    """
+    if gib > 0:
+        return int(gib * GiB)
+    cfg = AutoConfig.from_pretrained(model_path).get_text_config()
+    kv_heads = -(-cfg.num_key_value_heads // tp_size)  # heads are split over TP ranks
+    per_token = 2 * cfg.num_hidden_layers * kv_heads * cfg.head_dim * dtype.itemsize
+    return max(GiB, per_token * max_model_len * CPU_KV_CONCURRENT_SEQS)
+
+
+def engine_kwargs(
+    model_path: str,
+    cfg: RolloutConfig,
+    *,
+    tp_size: int,
+    prompt_max_len: int,
+    dtype: torch.dtype,
+    seed: int,
+    trust_remote_code: bool,
+) -> dict:
+    """Arguments of ``vllm.LLM`` for one colocated engine."""
+    max_model_len = prompt_max_len + cfg.generate_max_len
+    kwargs = dict(
+        model=model_path,
+        tensor_parallel_size=tp_size,
+        distributed_executor_backend="external_launcher",
+        dtype=_DTYPE_NAMES[dtype],
+        seed=seed,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+        enforce_eager=cfg.enforce_eager,
+        enable_prefix_caching=True,
+        # logprobs after temperature/top-k/top-p: what the sampler actually drew from.
+        logprobs_mode="processed_logprobs",
+        trust_remote_code=trust_remote_code,
+    )
+    if torch.cuda.is_available():
+        kwargs.update(enable_sleep_mode=cfg.vllm_enable_sleep, disable_custom_all_reduce=True)
+    else:
+        kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
+            model_path, max_model_len, tp_size, dtype, cfg.vllm_kvcache_space_gib)
+    return kwargs
+
+
+def request_seed(seed: int, engine_index: int, prompt_index: int) -> int:
+    """Per-request seed; vLLM gives sample j of a request ``seed + j``."""
+    return int(np.random.SeedSequence([seed, engine_index, prompt_index]).generate_state(1)[0])
+
+
+def sampling_params(sampling: SamplingConfig, seed: int | None) -> SamplingParams:
+    return SamplingParams(
+        n=sampling.n,
+        max_tokens=sampling.max_new_tokens,
+        temperature=0.0 if sampling.is_greedy else sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=max(sampling.top_k, 0),
+        seed=seed,
+        stop_token_ids=list(sampling.stop_token_ids),
+        logprobs=0 if sampling.return_logprobs else None,  # 0: only the sampled token's
+        flat_logprobs=True,
+        detokenize=False,
+    )
+
+
+def _sampled_logprobs(completion) -> list[float]:
+    """Log-probs of the sampled tokens from a ``logprobs=0`` completion (one entry per token)."""
+    flat = completion.logprobs
+    if list(flat.token_ids) != list(completion.token_ids):
+        raise RuntimeError("vLLM logprobs do not line up with the sampled tokens")
+    return list(flat.logprobs)
+
+
+def to_rollout_output(request_outputs, sampling: SamplingConfig, pad_id: int) -> RolloutOutput:
+    """vLLM ``RequestOutput``s (one per prompt) -> prompt-major RolloutOutput."""
+    prompts, responses, reasons, logprobs = [], [], [], []
+    for req in request_outputs:
+        if len(req.outputs) != sampling.n:
+            raise RuntimeError(f"vLLM returned {len(req.outputs)} samples, asked {sampling.n}")
+        for comp in sorted(req.outputs, key=lambda c: c.index):
+            prompts.append(list(req.prompt_token_ids))
+            responses.append(list(comp.token_ids))
+            reasons.append(comp.finish_reason)
+            if sampling.return_logprobs:
+                logprobs.append(_sampled_logprobs(comp))
+    return RolloutOutput.from_lists(prompts, responses, reasons,
+                                    logprobs if sampling.return_logprobs else None,
+                                    pad_id=pad_id, n=sampling.n)
+
+
+class VLLMEngine:
+    """A colocated vLLM engine over this rank's TP block. Every method is collective over the
+    block (generate, update_weights) or the whole world (construction).
+
+    Args:
+        model_path: HF model folder; vLLM loads the initial weights and tokenizer from it.
+        cfg: rollout section of the PPO config.
+        groups: from :func:`build_rollout_groups` with ``cfg.vllm_tensor_parallel_size``.
+        prompt_max_len: longest prompt; max_model_len = prompt_max_len + generate_max_len.
+        dtype: engine dtype; weights are synced in this dtype.
+        seed: base seed; engine k uses ``seed + k`` (identical inside a TP block).
+        pad_token_id: pad id of the output tensors.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        cfg: RolloutConfig,
+        *,
+        groups: RolloutGroups,
+        prompt_max_len: int,
+        dtype: torch.dtype,
+        seed: int,
+        pad_token_id: int,
+        trust_remote_code: bool = False,
+    ) -> None:
+        self.version = check_vllm_internals()
+        if not dist.is_initialized():
+            raise RuntimeError("initialise torch.distributed (init_distributed) before vLLM")
+        if groups.tp_size != cfg.vllm_tensor_parallel_size:
+            raise ValueError(f"groups have tp {groups.tp_size}, config "
+                             f"{cfg.vllm_tensor_parallel_size}")
+        if cfg.vllm_num_engines is not None and cfg.vllm_num_engines != groups.num_engines:
+            raise ValueError(f"vllm_num_engines={cfg.vllm_num_engines} but {groups.world_size} "
+                             f"ranks / tp {groups.tp_size} = {groups.num_engines} engines")
+        self.groups = groups
+        self.dtype = dtype
+        self.pad_token_id = pad_token_id
+        self._sleep = SleepTracker(cfg.vllm_enable_sleep and torch.cuda.is_available(),
+                                   cfg.vllm_sleep_level)
+        engine_seed = seed + groups.engine_index
+        self._rng = GenerationRng(engine_seed)
+        kwargs = engine_kwargs(model_path, cfg, tp_size=groups.tp_size,
+                               prompt_max_len=prompt_max_len, dtype=dtype, seed=engine_seed,
+                               trust_remote_code=trust_remote_code)
+        with self._rng.active():  # vLLM reseeds the global RNGs while it starts
+            self.llm = LLM(**kwargs)
+        _check_tp_layout(groups)
+
+    def generate(
+        self, prompt_token_ids: list[list[int]], sampling: SamplingConfig
+    ) -> RolloutOutput:
+        """Responses for this rank's prompts. Collective over the TP block: the block generates
+        for all its ranks' prompts and each rank keeps its own rows."""
+        self._sleep.check_ready()
+        prompts, counts = gather_prompts(self.groups, prompt_token_ids)
+        start, stop = own_prompt_range(counts, self.groups.rank_in_engine)
+        if sampling.seed is None or sampling.is_greedy:
+            params = sampling_params(sampling, None)
+        else:
+            params = [sampling_params(sampling, request_seed(sampling.seed,
+                                                             self.groups.engine_index, i))
+                      for i in range(len(prompts))]
+        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        outputs = []
+        if requests:
+            with self._rng.active():
+                outputs = self.llm.generate(requests, params, use_tqdm=False)
+        return to_rollout_output(outputs[start:stop], sampling, self.pad_token_id)
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load a full set of HF-named weights (``self.dtype``); returns the bytes received."""
+        self._sleep.on_weight_update()
+        counted = CountingWeights(weights)
+        _reload_weights_inplace(self.llm, counted)
+        # cached prefixes hold KV computed with the old weights
+        self.llm.reset_prefix_cache()
+        return counted.nbytes
+
+    def sleep(self) -> None:
+        if self._sleep.sleep():
+            self.llm.sleep(level=self._sleep.level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        todo = self._sleep.wake(tags)
+        if not todo:
+            return
+        if "kv_cache" in todo:
+            # return the gathered weights' blocks before vLLM maps the KV cache again
+            torch.cuda.empty_cache()
+        self.llm.wake_up(tags=todo)

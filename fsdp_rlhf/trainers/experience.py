@@ -1,0 +1,92 @@
+"""The per-rank batch of one PPO step, and the no-grad forwards that fill it.
+
+Shapes: N sequences on this rank, P prompt tokens (left-padded), T response tokens
+(right-padded). ``input_ids = [prompt | response]`` is (N, P + T).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+from torch import nn
+
+from fsdp_rlhf.models.forward import response_logprobs, sequence_scores, token_values
+
+
+@dataclass
+class Experience:
+    input_ids: torch.Tensor  # (N, P+T)
+    attention_mask: torch.Tensor  # (N, P+T)
+    response_mask: torch.Tensor  # (N, T) float, 1 on generated tokens
+    engine_logprobs: torch.Tensor  # (N, T) log-probs reported by the rollout engine
+    old_logprobs: torch.Tensor | None = None  # (N, T) actor before this step's updates
+    ref_logprobs: torch.Tensor | None = None  # (N, T) reference model
+    values: torch.Tensor | None = None  # (N, T) critic before this step's updates
+    scores: torch.Tensor | None = None  # (N,) raw reward
+    rewards: torch.Tensor | None = None  # (N, T) shaped, KL included
+    advantages: torch.Tensor | None = None  # (N, T)
+    returns: torch.Tensor | None = None  # (N, T)
+
+    @property
+    def num_sequences(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def response_len(self) -> int:
+        return self.response_mask.shape[1]
+
+    def rows(self, index: torch.Tensor) -> Experience:
+        """The sub-batch at ``index`` (every tensor field sliced along dim 0)."""
+        picked = {
+            f.name: getattr(self, f.name)[index]
+            for f in fields(self)
+            if getattr(self, f.name) is not None
+        }
+        return replace(self, **picked)
+
+
+def _chunks(n: int, size: int) -> list[slice]:
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+@torch.no_grad()
+def batched_logprobs(
+    model: nn.Module, exp: Experience, micro: int, temperature: float
+) -> torch.Tensor:
+    """(N, T) log-probs of the response tokens, computed ``micro`` sequences at a time."""
+    out = []
+    for sl in _chunks(exp.num_sequences, micro):
+        lp, _ = response_logprobs(
+            model, exp.input_ids[sl], exp.attention_mask[sl], exp.response_len,
+            temperature=temperature,
+        )
+        out.append(lp)
+    return torch.cat(out) * exp.response_mask
+
+
+@torch.no_grad()
+def batched_values(model: nn.Module, exp: Experience, micro: int) -> torch.Tensor:
+    """(N, T) critic values at the positions that predict each response token."""
+    out = []
+    T = exp.response_len
+    for sl in _chunks(exp.num_sequences, micro):
+        v = token_values(model, exp.input_ids[sl], exp.attention_mask[sl])
+        out.append(v[:, -T - 1 : -1])
+    return torch.cat(out) * exp.response_mask
+
+
+@torch.no_grad()
+def batched_scores(model: nn.Module, exp: Experience, micro: int) -> torch.Tensor:
+    """(N,) reward-model scores of prompt + response, read at the last real token."""
+    out = [
+        sequence_scores(model, exp.input_ids[sl], exp.attention_mask[sl])
+        for sl in _chunks(exp.num_sequences, micro)
+    ]
+    return torch.cat(out)
+
+
+def minibatches(n: int, size: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """A shuffled split of ``range(n)`` into index tensors of ``size`` rows."""
+    perm = torch.randperm(n, generator=generator)
+    return [perm[i : i + size] for i in range(0, n, size)]

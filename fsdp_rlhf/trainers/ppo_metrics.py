@@ -1,0 +1,85 @@
+"""PPO step metrics with verl / MindSpeed RL names, reduced across ranks in three collectives."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from fsdp_rlhf.distributed.env import all_reduce_scalars
+
+
+class StatCollector:
+    """Global mean / max / min of per-sequence or per-token quantities.
+
+    ``add("critic/values", values, mask)`` yields ``critic/values/{mean,max,min}`` over the valid
+    entries of every rank: sums and counts are all-reduced (not means of means).
+    """
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.maxs: dict[str, float] = {}
+        self.mins: dict[str, float] = {}
+
+    def add(self, name: str, values: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        values = values.detach().float()
+        picked = values[mask.bool()] if mask is not None else values.reshape(-1)
+        self.sums[f"{name}/sum"] = float(picked.sum()) if picked.numel() else 0.0
+        self.sums[f"{name}/count"] = float(picked.numel())
+        self.maxs[name] = float(picked.max()) if picked.numel() else float("-inf")
+        self.mins[name] = float(picked.min()) if picked.numel() else float("inf")
+
+    def reduce(self) -> dict[str, float]:
+        sums = all_reduce_scalars(self.sums, "sum")
+        maxs = all_reduce_scalars(self.maxs, "max")
+        mins = all_reduce_scalars(self.mins, "min")
+        out = {}
+        for name in self.maxs:
+            count = sums[f"{name}/count"]
+            out[f"{name}/mean"] = sums[f"{name}/sum"] / count if count else 0.0
+            out[f"{name}/max"] = maxs[name]
+            out[f"{name}/min"] = mins[name]
+        return out
+
+
+class RunningAverages:
+    """Averages of loss statistics over micro-batches, then over ranks."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, list[float]] = defaultdict(list)
+
+    def add(self, stats: dict[str, float | torch.Tensor]) -> None:
+        for k, v in stats.items():
+            self.values[k].append(float(v))
+
+    def reduce(self) -> dict[str, float]:
+        local = {k: sum(v) / len(v) for k, v in self.values.items() if v}
+        return all_reduce_scalars(local, "mean")
+
+
+def throughput(
+    tokens_per_sample: float, num_samples_global: int, world_size: int, seconds: float
+) -> float:
+    """Tokens per second per device: the seed's e2e/update/vllm_tps formula,
+    (response_length_mean + prompt_length_mean) x global_batch x n / world_size / time."""
+    if seconds <= 0:
+        return 0.0
+    return tokens_per_sample * num_samples_global / world_size / seconds
+
+
+def explained_variance(
+    values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """Local sums for 1 - Var[returns - values] / Var[returns], reduced by the caller."""
+    m = mask.bool()
+    r, d = returns[m].double(), (returns - values)[m].double()
+    return {"n": float(m.sum()), "r": float(r.sum()), "r2": float((r * r).sum()),
+            "d": float(d.sum()), "d2": float((d * d).sum())}
+
+
+def reduce_explained_variance(local: dict[str, float]) -> float:
+    s = all_reduce_scalars(local, "sum")
+    n = max(s["n"], 1.0)
+    var_r = s["r2"] / n - (s["r"] / n) ** 2
+    var_d = s["d2"] / n - (s["d"] / n) ** 2
+    return 1.0 - var_d / var_r if var_r > 1e-12 else 0.0

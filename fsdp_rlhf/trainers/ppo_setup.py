@@ -1,0 +1,184 @@
+"""PPO setup: cheap checks before any heavy work, then building each component from its section.
+
+``preflight`` runs before the process group and before any model is loaded, so bad input fails
+in a second with one line naming the problem.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_rlhf.config import PPOBatchPlan, PPOConfig, plan_ppo_batches
+from fsdp_rlhf.data.prompts import Prompt, tokenize_prompts
+from fsdp_rlhf.distributed.env import DistEnv
+from fsdp_rlhf.distributed.fsdp import build_mesh, describe_zero_stage, shard_model
+from fsdp_rlhf.errors import UserError
+from fsdp_rlhf.models.load import (
+    check_model_path,
+    load_causal_lm,
+    load_scalar_model,
+    load_tokenizer,
+    reward_normalization,
+)
+from fsdp_rlhf.optim import build_optimizer, build_scheduler
+from fsdp_rlhf.trainers.rule_reward import RewardFn, build_rule_reward
+
+log = logging.getLogger("fsdp_rlhf")
+
+
+def uses_critic(cfg: PPOConfig) -> bool:
+    return cfg.algo.advantage_estimator == "gae"
+
+
+def critic_path(cfg: PPOConfig) -> str | None:
+    return cfg.models.critic_pretrain or cfg.models.reward_pretrain
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _check_world(cfg: PPOConfig, world_size: int) -> None:
+    p = cfg.placement
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if p.num_gpus_per_node is not None and p.num_gpus_per_node != local:
+        raise UserError(
+            f"--num_gpus_per_node {p.num_gpus_per_node} but torchrun started {local} ranks per "
+            f"node (--nproc_per_node)"
+        )
+    if p.num_nodes is not None and p.num_nodes * local != world_size:
+        raise UserError(
+            f"--num_nodes {p.num_nodes} x {local} ranks per node != torchrun world size "
+            f"{world_size} (--nnodes)"
+        )
+    if not p.colocate_all:
+        raise UserError("--colocate_all is the only placement: every rank holds every model")
+
+
+def preflight(cfg: PPOConfig) -> tuple[PPOBatchPlan, Any]:
+    """Validate flags, paths, data and sizes. Returns the batch plan and the raw prompt rows."""
+    from fsdp_rlhf.data.sources import check_keys, load_sources
+
+    world_size = world_size_from_env()
+    _check_world(cfg, world_size)
+    plan = plan_ppo_batches(cfg, world_size)
+    m = cfg.models
+    check_model_path(m.pretrain, "--pretrain")
+    if not m.reward_pretrain and not m.remote_rm_url:
+        raise UserError("no reward source: pass --reward_pretrain and/or --remote_rm_url")
+    if m.reward_pretrain:
+        check_model_path(m.reward_pretrain, "--reward_pretrain")
+    if m.critic_pretrain:
+        check_model_path(m.critic_pretrain, "--critic_pretrain")
+    if uses_critic(cfg) and not critic_path(cfg):
+        raise UserError("--advantage_estimator gae needs a critic: pass --critic_pretrain")
+    if m.remote_rm_url and m.remote_rm_url.endswith(".py") and not os.path.isfile(m.remote_rm_url):
+        raise UserError(f"--remote_rm_url {m.remote_rm_url}: no such file")
+    if not cfg.data.prompt_data:
+        raise UserError("--prompt_data is required")
+    rows = load_sources(
+        cfg.data.prompt_data, cfg.data.prompt_data_probs, max_samples=cfg.data.max_samples,
+        seed=cfg.seed, flag_name="--prompt_data",
+    )
+    keys = [cfg.data.input_key] + ([cfg.data.label_key] if cfg.data.label_key else [])
+    flags = ["--input_key"] + (["--label_key"] if cfg.data.label_key else [])
+    check_keys(rows, keys, flags)
+    if len(rows) < cfg.batch.rollout_batch_size:
+        raise UserError(
+            f"--prompt_data has {len(rows)} prompts, fewer than --rollout_batch_size "
+            f"{cfg.batch.rollout_batch_size}"
+        )
+    return plan, rows
+
+
+@dataclass
+class Models:
+    """Everything with weights. ``critic``/``reward`` are None when not used."""
+
+    tokenizer: Any
+    actor: nn.Module
+    ref: nn.Module
+    critic: nn.Module | None
+    reward: nn.Module | None
+    reward_norm: tuple[float, float] | None
+    rule_reward: RewardFn | None
+
+
+def _shard(model: nn.Module, cfg: PPOConfig, env: DistEnv, trainable: bool) -> nn.Module:
+    mesh = build_mesh(env.device, env.world_size)
+    model.to(env.device)
+    shard_model(
+        model, mesh, cfg.fsdp, bf16=cfg.backend.bf16,
+        # Token-mean losses are normalised by the global token count, so ranks must sum grads.
+        grad_reduce="sum",
+        cpu_offload=trainable and cfg.fsdp.adam_offload,
+    )
+    if not trainable:
+        model.requires_grad_(False)
+        model.eval()
+    return model
+
+
+def build_models(cfg: PPOConfig, env: DistEnv) -> Models:
+    m, backend = cfg.models, cfg.backend
+    log.info(describe_zero_stage(cfg.fsdp.zero_stage))
+    tokenizer = load_tokenizer(m.pretrain, backend.trust_remote_code)
+    actor = _shard(load_causal_lm(m.pretrain, backend, env.device), cfg, env, trainable=True)
+    # Frozen models never run backward: recomputation would only cost time.
+    no_ckpt = dataclasses.replace(backend, gradient_checkpointing=False)
+    ref = _shard(load_causal_lm(m.pretrain, no_ckpt, env.device), cfg, env, trainable=False)
+    critic = reward = None
+    norm = None
+    if uses_critic(cfg):
+        critic_model = load_scalar_model(
+            critic_path(cfg), backend, env.device, value_head_prefix=m.value_head_prefix
+        )
+        critic = _shard(critic_model, cfg, env, trainable=True)
+    if m.reward_pretrain:
+        reward_model = load_scalar_model(
+            m.reward_pretrain, no_ckpt, env.device, value_head_prefix=m.value_head_prefix,
+            init_head_if_missing=False,
+        )
+        reward = _shard(reward_model, cfg, env, trainable=False)
+        norm = reward_normalization(m.reward_pretrain) if m.normalize_reward else None
+        if m.normalize_reward and norm is None:
+            log.warning(
+                "!!! --normalize_reward: %s/config.json has no reward_mean/reward_std; "
+                "scores are used UNNORMALISED. Train the RM with fsdp-rlhf train-rm to get them.",
+                m.reward_pretrain,
+            )
+    rule = build_rule_reward(m.remote_rm_url) if m.remote_rm_url else None
+    return Models(tokenizer, actor, ref, critic, reward, norm, rule)
+
+
+def build_optimizers(cfg: PPOConfig, models: Models, total_updates: int) -> tuple[dict, dict]:
+    """AdamW + schedule for the actor and (with GAE) the critic, keyed like the models."""
+    optimizers = {"actor": build_optimizer(models.actor, cfg.actor_optim)}
+    schedulers = {"actor": build_scheduler(optimizers["actor"], cfg.actor_optim, total_updates)}
+    if models.critic is not None:
+        optimizers["critic"] = build_optimizer(models.critic, cfg.critic_optim)
+        schedulers["critic"] = build_scheduler(
+            optimizers["critic"], cfg.critic_optim, total_updates
+        )
+    return optimizers, schedulers
+
+
+def build_prompts(cfg: PPOConfig, rows, tokenizer) -> list[Prompt]:
+    prompts = tokenize_prompts(rows, tokenizer, cfg.data)
+    if len(prompts) < cfg.batch.rollout_batch_size:
+        raise UserError(
+            f"only {len(prompts)} non-empty prompts, fewer than --rollout_batch_size "
+            f"{cfg.batch.rollout_batch_size}"
+        )
+    return prompts
+
+
+def engine_dtype(cfg: PPOConfig) -> torch.dtype:
+    return torch.bfloat16 if cfg.backend.bf16 else torch.float32
