@@ -30,19 +30,30 @@ def token_values(
 ) -> torch.Tensor:
     """Scalar head applied at every position of a ``*ForSequenceClassification`` model.
 
+    Under FSDP2 the root module's parameters (embeddings, final norm, head) are gathered only
+    around the root's own ``forward`` and, in backward, only once the gradient reaches the
+    root's outputs. So the model is called as a whole; a hook on the head captures the values
+    at every position (HF returns one position), and the returned values are tied to the
+    root's output so that its backward hook fires before the head's backward runs.
+
     Args:
         input_ids, attention_mask: (B, L).
     Returns:
         (B, L) float32 values.
     """
-    backbone = model.get_submodule(model.base_model_prefix)
-    hidden = backbone(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-    ).last_hidden_state
-    return model.score(hidden).squeeze(-1).float()
+    captured: list[torch.Tensor] = []
+    handle = model.score.register_forward_hook(lambda _m, _args, out: captured.append(out))
+    try:
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+        )
+    finally:
+        handle.remove()
+    # out.logits (B, 1) are entries of the captured values, so the zero term changes nothing.
+    return (captured[0] + 0.0 * out.logits.unsqueeze(1)).squeeze(-1).float()
 
 
 def sequence_scores(

@@ -128,7 +128,8 @@ def load_scalar_model(
             elif init_head_if_missing:
                 model.score.weight.normal_(0.0, 1.0 / (model.config.hidden_size + 1))
             else:
-                raise UserError(f"{path}: no value head ('score' or '{value_head_prefix}') found")
+                names = sorted({"score", value_head_prefix})
+                raise UserError(f"{path}: no value head ({' or '.join(names)}) found")
     model.config.use_cache = False
     if model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id

@@ -28,11 +28,12 @@ from fsdp_rlhf.distributed.offload import (
 from fsdp_rlhf.distributed.signals import PreemptionHandler
 from fsdp_rlhf.metrics import MetricLogger, PhaseTimer, setup_logging
 from fsdp_rlhf.models.save import save_hf_model
-from fsdp_rlhf.rollout import build_engine, sync_weights
+from fsdp_rlhf.rollout import sync_weights
 from fsdp_rlhf.trainers import ppo_step
 from fsdp_rlhf.trainers.experience import Experience, batched_logprobs, batched_scores
 from fsdp_rlhf.trainers.ppo_metrics import StatCollector
 from fsdp_rlhf.trainers.ppo_setup import (
+    build_engine,
     build_models,
     build_optimizers,
     build_prompts,
@@ -81,11 +82,7 @@ class PPOTrainer:
             AdaptiveKLController(a.init_kl_coef, a.kl_target, a.kl_horizon)
             if a.kl_target is not None else FixedKLController(a.init_kl_coef)
         )
-        self.engine = build_engine(
-            cfg.rollout, cfg.models.pretrain, env, dtype=engine_dtype(cfg),
-            max_model_len=cfg.data.prompt_max_len + cfg.rollout.generate_max_len,
-            max_num_seqs=plan.samples_per_rank * plan.tp_size, seed=cfg.seed,
-        )
+        self.engine = build_engine(cfg, env, self.models.tokenizer)
         self.timer = PhaseTimer(env.device)
         self.logger = MetricLogger(env.rank, cfg.ckpt.save_path, cfg.logging.tensorboard)
         self.preemption = PreemptionHandler()

@@ -28,6 +28,7 @@ from fsdp_rlhf.models.load import (
     reward_normalization,
 )
 from fsdp_rlhf.optim import build_optimizer, build_scheduler
+from fsdp_rlhf.rollout import HFEngine, RolloutEngine, build_rollout_groups
 from fsdp_rlhf.trainers.rule_reward import RewardFn, build_rule_reward
 
 log = logging.getLogger("fsdp_rlhf")
@@ -182,3 +183,41 @@ def build_prompts(cfg: PPOConfig, rows, tokenizer) -> list[Prompt]:
 
 def engine_dtype(cfg: PPOConfig) -> torch.dtype:
     return torch.bfloat16 if cfg.backend.bf16 else torch.float32
+
+
+def eos_token_ids(tokenizer, model_path: str) -> list[int]:
+    """EOS ids the engines stop on: the tokenizer's plus the generation config's."""
+    from transformers import GenerationConfig
+
+    ids = {tokenizer.eos_token_id}
+    try:
+        gen = GenerationConfig.from_pretrained(model_path)
+        extra = gen.eos_token_id
+        ids.update(extra if isinstance(extra, list) else [extra])
+    except OSError:  # no generation_config.json: the tokenizer's EOS is all there is
+        pass
+    return sorted(i for i in ids if i is not None)
+
+
+def build_engine(cfg: PPOConfig, env: DistEnv, tokenizer) -> RolloutEngine:
+    """The rollout engine of this rank (collective: all ranks build theirs together).
+
+    NOTE: the process group must already exist; vLLM reuses it (see distributed.env).
+    """
+    groups = build_rollout_groups(cfg.rollout.vllm_tensor_parallel_size)
+    if cfg.rollout.rollout_engine == "vllm":
+        from fsdp_rlhf.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(
+            cfg.models.pretrain, cfg.rollout, groups=groups,
+            prompt_max_len=cfg.data.prompt_max_len, dtype=engine_dtype(cfg), seed=cfg.seed,
+            pad_token_id=tokenizer.pad_token_id,
+            trust_remote_code=cfg.backend.trust_remote_code,
+        )
+    model = load_causal_lm(cfg.models.pretrain, cfg.backend, env.device).to(env.device)
+    model.config.use_cache = True
+    return HFEngine(
+        model, pad_token_id=tokenizer.pad_token_id,
+        eos_token_ids=eos_token_ids(tokenizer, cfg.models.pretrain),
+        seed=cfg.seed + groups.engine_index,
+    )

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fsdp_rlhf.algorithms import (
+    aggregate_loss,
     dr_grpo,
     entropy_bonus,
     gae,
@@ -22,7 +23,6 @@ from fsdp_rlhf.algorithms import (
     reinforce_plus_plus,
     rloo,
     shape_rewards,
-    aggregate_loss,
     truncated_is_weights,
     value_loss,
 )
@@ -50,12 +50,10 @@ if TYPE_CHECKING:
 
 
 def sampling_config(cfg: PPOConfig, step: int) -> SamplingConfig:
-    r = cfg.rollout
-    return SamplingConfig(
-        max_new_tokens=r.generate_max_len, temperature=r.temperature, top_p=r.top_p,
-        top_k=r.top_k, n=cfg.batch.n_samples_per_prompt,
-        # A fresh seed per step; the engine keeps it identical inside a TP group.
-        seed=cfg.seed * 100_003 + step,
+    # A fresh seed per step (so a resumed run samples what the uninterrupted one did); the
+    # engine derives per-request seeds from it, identical inside a TP group.
+    return SamplingConfig.from_rollout_config(
+        cfg.rollout, n=cfg.batch.n_samples_per_prompt, seed=cfg.seed * 100_003 + step
     )
 
 

@@ -17,7 +17,7 @@ import logging
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +82,8 @@ def http_reward(
                 return _as_tensor(_post(url, payload, timeout_s), n, url)
             except (urllib.error.URLError, TimeoutError, ConnectionError, ValueError) as e:
                 if attempt == retries:
-                    raise RuntimeError(f"reward server {url} failed {retries + 1} times: {e}") from e
+                    msg = f"reward server {url} failed {retries + 1} times: {e}"
+                    raise RuntimeError(msg) from e
                 log.warning("reward server %s: %s; retry %d in %.0fs", url, e, attempt + 1, delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 30.0)
@@ -106,6 +107,3 @@ def build_rule_reward(url: str) -> RewardFn:
         return load_python_reward(url)
     raise UserError(f"--remote_rm_url {url}: expected a .py file or an http(s):// URL")
 
-
-def score_texts(fn: RewardFn, queries: Sequence[str], prompts: Sequence[str], labels) -> torch.Tensor:
-    return fn(list(queries), list(prompts), list(labels))
