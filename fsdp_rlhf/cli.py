@@ -10,6 +10,7 @@ ignored. Bad input prints one line and exits 2 (a traceback only with ``--debug`
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 
@@ -56,7 +57,8 @@ def _run(argv: list[str], config_cls: type, title: str, main: Callable) -> None:
     except UserError as e:
         if debug:
             raise
-        print(f"error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # one line per job, not one per rank
+            print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(2) from None
     raise typer.Exit(code or 0)
 
@@ -100,7 +102,15 @@ def doctor(ctx: typer.Context) -> None:
     _run(list(ctx.args), PPOConfig, "fsdp-rlhf doctor flags (same as ppo)", main)
 
 
+def strip_launcher_args(argv: list[str]) -> list[str]:
+    """Drop ``--local-rank=N``: ``python -m torch.distributed.launch`` (without --use-env) puts
+    it right after ``-m fsdp_rlhf.cli``, before the subcommand, where typer would reject it.
+    The rank comes from the LOCAL_RANK environment variable instead."""
+    return [a for a in argv if not a.startswith(("--local-rank=", "--local_rank="))]
+
+
 def main() -> None:
+    sys.argv[1:] = strip_launcher_args(sys.argv[1:])
     app()
 
 
