@@ -109,7 +109,17 @@ def strip_launcher_args(argv: list[str]) -> list[str]:
     return [a for a in argv if not a.startswith(("--local-rank=", "--local_rank="))]
 
 
+def quiet_libraries() -> None:
+    """Library progress bars and load reports drown the trainer's own log; users can still
+    turn them back on by setting these variables themselves."""
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
 def main() -> None:
+    quiet_libraries()
     sys.argv[1:] = strip_launcher_args(sys.argv[1:])
     app()
 

@@ -148,6 +148,9 @@ def test_seed_flag_set_with_trained_reward_model(tiny_qwen2, trained_rm, ppo_dat
 def test_bad_input_one_line_before_heavy_work(tiny_qwen2, ppo_data, tmp_path, change, message):
     flags = grpo_flags(tiny_qwen2, ppo_data, tmp_path / "bad", 2)
     for flag, value in change.items():
+        if flag not in flags:
+            flags += [flag, value]
+            continue
         i = flags.index(flag)
         flags[i + 1 : i + 2] = [] if value is None else [value]
         if value is None:
