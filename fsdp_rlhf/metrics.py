@@ -87,7 +87,10 @@ def _fmt(v: float) -> str:
 class MetricLogger:
     """Writes metrics on rank 0 only; other ranks get a logger that does nothing."""
 
-    def __init__(self, rank: int, save_path: str | None, tensorboard: str | None) -> None:
+    def __init__(
+        self, rank: int, save_path: str | None, tensorboard: str | None, *, append: bool = True
+    ) -> None:
+        """``append=False`` starts a fresh ``metrics.jsonl`` (a new run); resumed runs append."""
         self.enabled = rank == 0
         self._jsonl = None
         self._tb = None
@@ -95,13 +98,21 @@ class MetricLogger:
             return
         if save_path:
             Path(save_path).mkdir(parents=True, exist_ok=True)
-            self._jsonl = open(Path(save_path) / "metrics.jsonl", "a")  # noqa: SIM115
+            mode = "a" if append else "w"
+            self._jsonl = open(Path(save_path) / "metrics.jsonl", mode)  # noqa: SIM115
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(tensorboard)
 
-    def log(self, step: int, metrics: dict[str, float], console_keys: list[str] | None = None):
+    def log(
+        self,
+        step: int,
+        metrics: dict[str, float],
+        console_keys: list[str] | None = None,
+        note: str = "",
+    ):
+        """``note`` (e.g. progress and ETA) is appended to the console line only."""
         if not self.enabled:
             return
         clean = {k: float(v) for k, v in metrics.items() if v is not None}
@@ -113,7 +124,8 @@ class MetricLogger:
             for k, v in clean.items():
                 self._tb.add_scalar(k, v, step)
         keys = console_keys or sorted(clean)
-        log.info("step %d | %s", step, " ".join(f"{k}={_fmt(clean[k])}" for k in keys if k in clean))
+        line = " ".join(f"{k}={_fmt(clean[k])}" for k in keys if k in clean)
+        log.info("step %d | %s%s", step, line, f" | {note}" if note else "")
 
     def text(self, tag: str, body: str, step: int) -> None:
         if self.enabled and self._tb:
@@ -135,15 +147,19 @@ class Progress:
             from rich.progress import (
                 BarColumn,
                 MofNCompleteColumn,
-                Progress as RichProgress,
                 TextColumn,
                 TimeElapsedColumn,
                 TimeRemainingColumn,
             )
+            from rich.progress import Progress as RichProgress
 
             self._bar = RichProgress(
-                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
             )
             self._task = self._bar.add_task(description, total=total, completed=start)
             self._bar.start()

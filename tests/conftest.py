@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -10,6 +11,10 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# Arrow caches of the many small files tests load go to /tmp, not the user's ~/.cache.
+os.environ.setdefault(
+    "HF_DATASETS_CACHE", os.path.join(tempfile.gettempdir(), "fsdp_rlhf_tests_hf_datasets")
+)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -126,8 +126,10 @@ def _load_local(path: Path, src: str, split: str, flag_name: str) -> datasets.Da
         (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
     ):
         return _pick_split(datasets.load_from_disk(str(path)), split, src, flag_name)
+    if path.is_file() and path.suffix not in DATA_SUFFIXES:
+        raise UserError(f"{flag_name} {src}: unsupported file type (use {'/'.join(DATA_SUFFIXES)})")
     files = _data_files(path) if path.is_dir() else [path]
-    if not files or path.is_file() and path.suffix not in DATA_SUFFIXES:
+    if not files:
         raise UserError(
             f"{flag_name} {src}: no {'/'.join(DATA_SUFFIXES)} data found (a folder written by "
             "datasets.save_to_disk also works)"

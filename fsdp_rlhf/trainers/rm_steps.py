@@ -1,0 +1,112 @@
+"""One `train-rm` optimizer step and one evaluation pass."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from fsdp_rlhf.algorithms import pairwise_loss
+from fsdp_rlhf.config import RMLossConfig
+from fsdp_rlhf.data.preference import PairBatch, eval_batches
+from fsdp_rlhf.data.schedule import DataPosition
+from fsdp_rlhf.distributed.env import all_reduce_scalars
+from fsdp_rlhf.distributed.fsdp import clip_grad_norm_
+from fsdp_rlhf.models.forward import sequence_scores
+from fsdp_rlhf.trainers.rm_setup import RMRun
+
+
+def score_pairs(
+    model: nn.Module, batch: PairBatch, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward over the (2B, L) batch. Returns (B,) chosen and (B,) rejected scores (fp32)."""
+    scores = sequence_scores(model, batch.input_ids.to(device), batch.attention_mask.to(device))
+    return scores[: batch.num_pairs], scores[batch.num_pairs :]
+
+
+def objective(
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    margin: torch.Tensor | None,
+    cfg: RMLossConfig,
+) -> torch.Tensor:
+    """Mean Bradley-Terry loss over B pairs, plus the optional centering penalty.
+
+    The penalty ``coef * mean((c + r)^2)`` (TRL's ``center_rewards_coefficient``) pins the
+    reward scale's offset near 0, which the pairwise loss alone leaves free.
+    """
+    loss = pairwise_loss(chosen, rejected, margin, kind=cfg.loss)
+    if cfg.center_rewards_coefficient:
+        loss = loss + cfg.center_rewards_coefficient * (chosen + rejected).pow(2).mean()
+    return loss
+
+
+def train_step(run: RMRun, pos: DataPosition) -> dict[str, float]:
+    """Forward/backward over this rank's micro-batches, clip, optimizer and scheduler step.
+
+    Gradients are synchronised (reduce-scattered) only after the last micro-batch; each
+    micro-batch loss is divided by their count so the update uses the mean over the step.
+
+    Returns:
+        This rank's means of ``loss acc chosen_reward reject_reward margin``, plus the
+        global ``grad_norm`` and the ``lr`` this step used.
+    """
+    batches = run.loader.step_batches(pos)
+    sums = dict.fromkeys(("loss", "acc", "chosen_reward", "reject_reward", "margin"), 0.0)
+    for i, batch in enumerate(batches):
+        run.model.set_requires_gradient_sync(i == len(batches) - 1)
+        chosen, rejected = score_pairs(run.model, batch, run.env.device)
+        margin = batch.margin.to(run.env.device) if batch.margin is not None else None
+        loss = objective(chosen, rejected, margin, run.cfg.loss)
+        (loss / len(batches)).backward()
+        chosen, rejected = chosen.detach(), rejected.detach()
+        sums["loss"] += loss.item()
+        sums["acc"] += (chosen > rejected).float().mean().item()
+        sums["chosen_reward"] += chosen.mean().item()
+        sums["reject_reward"] += rejected.mean().item()
+        sums["margin"] += (chosen - rejected).mean().item()
+    grad_norm = clip_grad_norm_(run.model.parameters(), run.cfg.optim.max_norm)
+    lr = run.scheduler.get_last_lr()[0]
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    stats = {k: v / len(batches) for k, v in sums.items()}
+    return {**stats, "grad_norm": grad_norm, "lr": lr}
+
+
+@torch.no_grad()
+def evaluate(run: RMRun) -> dict[str, float]:
+    """Loss, accuracy and reward mean/std (over chosen and rejected) on the eval set.
+
+    Every rank runs the same number of forwards (shards are padded); sums are reduced once.
+    The std is the unbiased one over all 2 x N eval rewards.
+    """
+    run.model.eval()
+    sums = dict.fromkeys(("loss", "correct", "pairs", "reward_sum", "reward_sq"), 0.0)
+    env, pad_id = run.env, run.tokenizer.pad_token_id
+    micro = run.plan.micro_batch_size_per_rank
+    for batch in eval_batches(run.data.eval, env.world_size, env.rank, micro, pad_id):
+        chosen, rejected = score_pairs(run.model, batch, env.device)
+        n = batch.num_valid
+        if n == 0:
+            continue  # padding only: the forward above kept the collectives in step
+        chosen, rejected = chosen[:n], rejected[:n]
+        margin = batch.margin[:n].to(env.device) if batch.margin is not None else None
+        sums["loss"] += objective(chosen, rejected, margin, run.cfg.loss).item() * n
+        sums["correct"] += (chosen > rejected).sum().item()
+        sums["pairs"] += n
+        rewards = torch.cat([chosen, rejected]).double()
+        sums["reward_sum"] += rewards.sum().item()
+        sums["reward_sq"] += rewards.pow(2).sum().item()
+    run.model.train()
+    tot = all_reduce_scalars(sums, op="sum")
+    n_rewards = 2 * tot["pairs"]
+    mean = tot["reward_sum"] / n_rewards
+    var = (tot["reward_sq"] - n_rewards * mean**2) / (n_rewards - 1)
+    return {
+        "eval/loss": tot["loss"] / tot["pairs"],
+        "eval/acc": tot["correct"] / tot["pairs"],
+        "eval/reward_mean": mean,
+        "eval/reward_std": math.sqrt(max(var, 0.0)),
+    }
