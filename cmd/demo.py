@@ -27,16 +27,31 @@ from fsdp_rlhf.models.tiny import build_model  # noqa: E402
 
 def torchrun(args: list[str], log_file: Path, nproc: int) -> float:
     """Run the CLI under torchrun; stream its log to a file; return seconds taken."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", os.environ.get("MASTER_PORT", "29531"), "-m", "fsdp_rlhf.cli", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        os.environ.get("MASTER_PORT", "29531"),
+        "-m",
+        "fsdp_rlhf.cli",
+        *args,
+    ]
     print("$ " + " ".join(cmd[2:]), flush=True)
     start = time.perf_counter()
     with open(log_file, "w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                              env={**os.environ, "PYTHONPATH": str(REPO)})
+        proc = subprocess.run(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
     if proc.returncode != 0:
         tail = log_file.read_text().splitlines()[-30:]
-        sys.exit("demo step failed (log: %s):\n%s" % (log_file, "\n".join(tail)))
+        sys.exit(f"demo step failed (log: {log_file}):\n" + "\n".join(tail))
     return time.perf_counter() - start
 
 
@@ -69,8 +84,16 @@ def summary(rm_rows, ppo_rows, times) -> list[tuple[str, str]]:
     before = sum(r["critic/score/mean"] for r in ppo_rows[:k]) / k
     after = sum(r["critic/score/mean"] for r in ppo_rows[-k:]) / k
     evals = [r for r in rm_rows if "eval/acc" in r]
-    phases = ["rollout", "resharding_to_infer", "reward_model", "old_log_p", "reference_model",
-              "adv", "update", "all"]
+    phases = [
+        "rollout",
+        "resharding_to_infer",
+        "reward_model",
+        "old_log_p",
+        "reference_model",
+        "adv",
+        "update",
+        "all",
+    ]
     out = [
         ("reward model eval accuracy", f"{evals[-1]['eval/acc']:.3f}" if evals else "-"),
         ("PPO steps", str(len(ppo_rows))),
@@ -96,22 +119,53 @@ def main() -> None:
     for d in ("models", "data", "logs"):
         (out / d).mkdir(parents=True, exist_ok=True)
     print("building a small Qwen2 model + tokenizer (random weights, no download)", flush=True)
-    sft = build_model(out / "models" / "sft", "qwen2", hidden_size=128, num_layers=2,
-                      num_heads=2, seed=1)
+    sft = build_model(
+        out / "models" / "sft", "qwen2", hidden_size=128, num_layers=2, num_heads=2, seed=1
+    )
     write_jsonl(preference_rows(1024, seed=1), out / "data" / "pairs.jsonl")
     write_jsonl(prompt_rows(1024, seed=1), out / "data" / "prompts.jsonl")
-    times = {"rm": torchrun([
-        "train-rm", "--config", str(REPO / "configs" / "demo_rm.yaml"), "--pretrain", str(sft),
-        "--dataset", str(out / "data" / "pairs.jsonl"), "--save_path", str(out / "rm"),
-    ], out / "logs" / "train_rm.log", args.nproc)}
+    times = {
+        "rm": torchrun(
+            [
+                "train-rm",
+                "--config",
+                str(REPO / "configs" / "demo_rm.yaml"),
+                "--pretrain",
+                str(sft),
+                "--dataset",
+                str(out / "data" / "pairs.jsonl"),
+                "--save_path",
+                str(out / "rm"),
+            ],
+            out / "logs" / "train_rm.log",
+            args.nproc,
+        )
+    }
     extra = ["--max_steps", str(args.ppo_steps)] if args.ppo_steps else []
-    times["ppo"] = torchrun([
-        "ppo", "--config", str(REPO / "configs" / "demo_ppo.yaml"), "--pretrain", str(sft),
-        "--reward_pretrain", str(out / "rm"), "--prompt_data", str(out / "data" / "prompts.jsonl"),
-        "--save_path", str(out / "ppo"), "--tensorboard", str(out / "ppo" / "tensorboard"), *extra,
-    ], out / "logs" / "ppo.log", args.nproc)
-    rm_rows, ppo_rows = read_metrics(out / "rm" / "metrics.jsonl"), read_metrics(
-        out / "ppo" / "metrics.jsonl")
+    times["ppo"] = torchrun(
+        [
+            "ppo",
+            "--config",
+            str(REPO / "configs" / "demo_ppo.yaml"),
+            "--pretrain",
+            str(sft),
+            "--reward_pretrain",
+            str(out / "rm"),
+            "--prompt_data",
+            str(out / "data" / "prompts.jsonl"),
+            "--save_path",
+            str(out / "ppo"),
+            "--tensorboard",
+            str(out / "ppo" / "tensorboard"),
+            *extra,
+        ],
+        out / "logs" / "ppo.log",
+        args.nproc,
+    )
+    rm_rows, ppo_rows = (
+        read_metrics(out / "rm" / "metrics.jsonl"),
+        read_metrics(out / "ppo" / "metrics.jsonl"),
+    )
     png = out / "ppo" / "tensorboard" / "score_kl.png"
     plot(ppo_rows, png)
     from rich.console import Console

@@ -112,7 +112,9 @@ class PreferenceDataConfig:
     rejected_key: str = doc("rejected", "Key of the dispreferred response.")
     margin_key: str | None = doc(None, "Key of a per-pair margin for the loss.")
     apply_chat_template: bool = doc(False, "Render message lists with the tokenizer's template.")
-    input_template: str | None = doc(None, "Template for the prompt, e.g. 'Human: {}\\nAssistant: '.")
+    input_template: str | None = doc(
+        None, "Template for the prompt, e.g. 'Human: {}\\nAssistant: '."
+    )
     max_len: int = doc(512, "Truncate each tokenized text to this many tokens.")
     max_samples: int = doc(100_000_000, "Use at most this many pairs.")
 
@@ -207,7 +209,9 @@ class PPOModelsConfig:
 class PlacementConfig:
     """Where models live. Everything is colocated on every rank; flags kept for seed scripts."""
 
-    colocate_all: bool = doc(True, "All models and the vLLM engine share every GPU (the only mode).")
+    colocate_all: bool = doc(
+        True, "All models and the vLLM engine share every GPU (the only mode)."
+    )
     num_nodes: int | None = doc(None, "Expected nodes; checked against the torchrun world.")
     num_gpus_per_node: int | None = doc(None, "Expected ranks per node; checked likewise.")
     ref_reward_offload: bool = doc(False, "Keep reference and reward models in host memory.")
@@ -217,7 +221,9 @@ class PlacementConfig:
 class PromptDataConfig:
     """Prompt data for rollouts."""
 
-    prompt_data: str = doc("", "Comma-separated sources: JSON/JSONL/parquet file, folder, hub name.")
+    prompt_data: str = doc(
+        "", "Comma-separated sources: JSON/JSONL/parquet file, folder, hub name."
+    )
     prompt_data_probs: str = doc("1.0", "Comma-separated mixing probabilities, one per source.")
     input_key: str = doc("input", "Key of the prompt (string or chat-message list).")
     label_key: str | None = doc(None, "Key of a label passed to the rule reward.")
@@ -225,7 +231,9 @@ class PromptDataConfig:
         "Human: {}\nAssistant: ", "Template for raw prompts when no chat template is applied."
     )
     apply_chat_template: bool = doc(False, "Render prompts with the tokenizer's chat template.")
-    prompt_max_len: int = doc(1024, "Prompts longer than this (tokens) are truncated from the left.")
+    prompt_max_len: int = doc(
+        1024, "Prompts longer than this (tokens) are truncated from the left."
+    )
     max_samples: int = doc(100_000, "Use at most this many prompts.")
 
 
@@ -327,12 +335,8 @@ class PPOConfig:
     rollout: RolloutConfig = section(RolloutConfig)
     batch: PPOBatchConfig = section(PPOBatchConfig)
     algo: PPOAlgoConfig = section(PPOAlgoConfig)
-    actor_optim: OptimConfig = doc(
-        help="Actor optimizer.", factory=lambda: OptimConfig(lr=1e-6)
-    )
-    critic_optim: OptimConfig = doc(
-        help="Critic optimizer.", factory=lambda: OptimConfig(lr=9e-6)
-    )
+    actor_optim: OptimConfig = doc(help="Actor optimizer.", factory=lambda: OptimConfig(lr=1e-6))
+    critic_optim: OptimConfig = doc(help="Critic optimizer.", factory=lambda: OptimConfig(lr=9e-6))
     ckpt: CheckpointConfig = section(CheckpointConfig)
     logging: LoggingConfig = section(LoggingConfig)
     sample_log_steps: int = doc(10, "Every N steps log a few prompt/response/reward samples.")
@@ -360,7 +364,9 @@ def plan_ppo_batches(cfg: PPOConfig, world_size: int) -> PPOBatchPlan:
     b, r = cfg.batch, cfg.rollout
     tp = r.vllm_tensor_parallel_size
     if tp < 1 or world_size % tp:
-        raise ConfigError(f"vllm_tensor_parallel_size ({tp}) must divide the world size ({world_size})")
+        raise ConfigError(
+            f"vllm_tensor_parallel_size ({tp}) must divide the world size ({world_size})"
+        )
     if r.vllm_num_engines is not None and r.vllm_num_engines * tp != world_size:
         raise ConfigError(
             f"vllm_num_engines ({r.vllm_num_engines}) x vllm_tensor_parallel_size ({tp}) must "

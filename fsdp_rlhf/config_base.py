@@ -35,7 +35,9 @@ def doc(default: Any = MISSING, help: str = "", *, flag: str | None = None, fact
 
 def section(cls: type):
     """A nested sub-config field, defaulting to the sub-config's own defaults."""
-    return dataclasses.field(default_factory=cls, metadata={"help": cls.__doc__ or "", "flag": None})
+    return dataclasses.field(
+        default_factory=cls, metadata={"help": cls.__doc__ or "", "flag": None}
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +65,10 @@ def iter_leaves(cls: type, prefix: str = "") -> list[Leaf]:
         if is_dataclass(tp):
             out.extend(iter_leaves(tp, path + "."))
             continue
-        default = f.default if f.default is not MISSING else (
-            f.default_factory() if f.default_factory is not MISSING else MISSING
+        default = (
+            f.default
+            if f.default is not MISSING
+            else (f.default_factory() if f.default_factory is not MISSING else MISSING)
         )
         out.append(Leaf(path, tp, default, f.metadata.get("help", ""), f.metadata.get("flag")))
     return out
@@ -92,7 +96,7 @@ def _type_name(tp: Any) -> str:
 
 
 def coerce(value: Any, tp: Any, path: str) -> Any:
-    """Check ``value`` against annotation ``tp``; convert lossless cases (int -> float, str flags)."""
+    """Check ``value`` against annotation ``tp``; convert lossless cases (int -> float, strings)."""
     origin = get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = get_args(tp)
@@ -230,6 +234,7 @@ def dump_yaml(cfg: Any) -> str:
 
 
 # ---------------------------------------------------------------- CLI flags
+
 
 def _flag_names(cls: type) -> dict[str, list[Leaf]]:
     """Accepted flags -> the leaves they set: dotted paths, explicit ``flag=`` names, bare leaf

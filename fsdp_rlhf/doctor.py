@@ -52,8 +52,14 @@ def device_report(env: DistEnv) -> dict[str, object]:
         name = platform.processor() or platform.machine()
         total_gib = page * os.sysconf("SC_PHYS_PAGES") / 2**30
         free_gib = page * os.sysconf("SC_AVPHYS_PAGES") / 2**30
-    return {"rank": env.rank, "host": socket.gethostname(), "device": str(env.device),
-            "name": name, "total_gib": round(total_gib, 1), "free_gib": round(free_gib, 1)}
+    return {
+        "rank": env.rank,
+        "host": socket.gethostname(),
+        "device": str(env.device),
+        "name": name,
+        "total_gib": round(total_gib, 1),
+        "free_gib": round(free_gib, 1),
+    }
 
 
 def all_reduce_check(env: DistEnv, mib: int = 64, iters: int = 5) -> dict[str, float]:
@@ -111,7 +117,11 @@ def _numel(st, key: str) -> int:
 
 
 def estimate_memory(
-    cfg: PPOConfig, actor_params: int, critic_params: int, world: int, device_gib: float,
+    cfg: PPOConfig,
+    actor_params: int,
+    critic_params: int,
+    world: int,
+    device_gib: float,
     kv_cache_gib: float,
 ) -> MemoryEstimate:
     """FSDP2 shards fp32 master params, grads and Adam moments (2 x fp32) over ``world``;
@@ -153,12 +163,29 @@ def _check_models(cfg: PPOConfig, env: DistEnv) -> list[Check]:
 
     checks = []
     if cfg.models.pretrain:
-        checks.append(_try("--pretrain loads", lambda: _params_str(
-            load_causal_lm(cfg.models.pretrain, cfg.backend, torch.device("cpu")))))
+        checks.append(
+            _try(
+                "--pretrain loads",
+                lambda: _params_str(
+                    load_causal_lm(cfg.models.pretrain, cfg.backend, torch.device("cpu"))
+                ),
+            )
+        )
     if cfg.models.reward_pretrain:
-        checks.append(_try("--reward_pretrain loads", lambda: _params_str(load_scalar_model(
-            cfg.models.reward_pretrain, cfg.backend, torch.device("cpu"),
-            value_head_prefix=cfg.models.value_head_prefix, init_head_if_missing=False))))
+        checks.append(
+            _try(
+                "--reward_pretrain loads",
+                lambda: _params_str(
+                    load_scalar_model(
+                        cfg.models.reward_pretrain,
+                        cfg.backend,
+                        torch.device("cpu"),
+                        value_head_prefix=cfg.models.value_head_prefix,
+                        init_head_if_missing=False,
+                    )
+                ),
+            )
+        )
     return checks
 
 
@@ -180,8 +207,10 @@ def _check_engine(cfg: PPOConfig, env: DistEnv) -> Check:
         built = time.perf_counter() - start
         ids = tok("hello", add_special_tokens=False)["input_ids"] or [tok.eos_token_id]
         out = engine.generate([ids], SamplingConfig(max_new_tokens=4, greedy=True))
-        return (f"{cfg.rollout.rollout_engine} TP={cfg.rollout.vllm_tensor_parallel_size} "
-                f"started in {built:.1f}s, generated {int(out.response_lengths.sum())} tokens")
+        return (
+            f"{cfg.rollout.rollout_engine} TP={cfg.rollout.vllm_tensor_parallel_size} "
+            f"started in {built:.1f}s, generated {int(out.response_lengths.sum())} tokens"
+        )
 
     return _try("rollout engine starts", run)
 
@@ -193,12 +222,23 @@ def _memory_check(cfg: PPOConfig, env: DistEnv, device_gib: float) -> Check:
         critic = count_params(critic_src) if critic_src else 0
         if cfg.algo.advantage_estimator != "gae":
             critic = 0
-        kv = cfg.rollout.vllm_gpu_memory_utilization * device_gib if env.device.type == "cuda" \
+        kv = (
+            cfg.rollout.vllm_gpu_memory_utilization * device_gib
+            if env.device.type == "cuda"
             else cfg.rollout.vllm_kvcache_space_gib or 1.0
-        est = estimate_memory(cfg, actor, critic, env.world_size, device_gib, kv_cache_gib=kv
-                              if env.device.type != "cuda" else 0.0)
-        detail = (f"train phase {est.train_gib:.2f} GiB, rollout phase {est.rollout_gib:.2f} GiB "
-                  f"(+ vLLM cache), device {est.device_gib:.1f} GiB")
+        )
+        est = estimate_memory(
+            cfg,
+            actor,
+            critic,
+            env.world_size,
+            device_gib,
+            kv_cache_gib=kv if env.device.type != "cuda" else 0.0,
+        )
+        detail = (
+            f"train phase {est.train_gib:.2f} GiB, rollout phase {est.rollout_gib:.2f} GiB "
+            f"(+ vLLM cache), device {est.device_gib:.1f} GiB"
+        )
         if not est.fits:
             raise RuntimeError("does not fit: " + detail)
         return detail
@@ -240,8 +280,9 @@ def _print_report(vers: dict, reports: list, gathered: list) -> None:
     console.print("versions: " + json.dumps(vers))
     table = Table("rank", "host", "device", "name", "total GiB", "free GiB", title="devices")
     for r in reports:
-        table.add_row(*(str(r[k]) for k in ("rank", "host", "device", "name", "total_gib",
-                                            "free_gib")))
+        table.add_row(
+            *(str(r[k]) for k in ("rank", "host", "device", "name", "total_gib", "free_gib"))
+        )
     console.print(table)
     failed = []
     for rank, rank_checks in enumerate(gathered):

@@ -111,8 +111,12 @@ class MetricLogger:
         metrics: dict[str, float],
         console_keys: list[str] | None = None,
         note: str = "",
+        console: bool = True,
     ):
-        """``note`` (e.g. progress and ETA) is appended to the console line only."""
+        """Write one row to metrics.jsonl and TensorBoard; print it when ``console``.
+
+        ``note`` (e.g. progress and ETA) is appended to the console line only.
+        """
         if not self.enabled:
             return
         clean = {k: float(v) for k, v in metrics.items() if v is not None}
@@ -123,6 +127,8 @@ class MetricLogger:
         if self._tb:
             for k, v in clean.items():
                 self._tb.add_scalar(k, v, step)
+        if not console:
+            return
         keys = console_keys or sorted(clean)
         line = " ".join(f"{k}={_fmt(clean[k])}" for k in keys if k in clean)
         log.info("step %d | %s%s", step, line, f" | {note}" if note else "")
@@ -171,6 +177,20 @@ class Progress:
     def close(self) -> None:
         if self._bar:
             self._bar.stop()
+
+
+def truncate_metrics(path: Path, after_step: int) -> None:
+    """Drop rows with ``step > after_step`` from a metrics.jsonl (write temp, then rename)."""
+    if not path.is_file():
+        return
+    keep = [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and json.loads(line)["step"] <= after_step
+    ]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    tmp.replace(path)
 
 
 def json_safe(values: dict[str, Any]) -> dict[str, Any]:

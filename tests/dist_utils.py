@@ -39,7 +39,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int = 2, *args: Any, timeout: float = 600) -> list[Any]:
+def run_distributed(
+    fn: Callable, world_size: int = 2, *args: Any, timeout: float = 600
+) -> list[Any]:
     """Spawn ``world_size`` processes running ``fn(rank, world_size, *args)`` under gloo.
 
     ``fn`` must be a module-level function (picklable). Returns the per-rank return values

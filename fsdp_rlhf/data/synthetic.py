@@ -24,8 +24,10 @@ def _sentence(rng: random.Random, pool: list[str], n_min: int, n_max: int) -> st
 
 def _reply(rng: random.Random, flavour: list[str]) -> str:
     # Mostly neutral words with a few flavoured ones: the RM must find the signal.
-    words = [rng.choice(flavour) if rng.random() < 0.5 else rng.choice(NEUTRAL)
-             for _ in range(rng.randint(3, 8))]
+    words = [
+        rng.choice(flavour) if rng.random() < 0.5 else rng.choice(NEUTRAL)
+        for _ in range(rng.randint(3, 8))
+    ]
     return " ".join(words)
 
 
@@ -36,8 +38,15 @@ def preference_rows(n: int, seed: int = 0) -> list[dict[str, str]]:
     for _ in range(n):
         prompt = f"Human: {_sentence(rng, NEUTRAL, 3, 8)}\nAssistant: "
         chosen, rejected = _reply(rng, POSITIVE), _reply(rng, NEGATIVE)
-        rows.append({"prompt": prompt, "chosen": prompt + chosen, "rejected": prompt + rejected,
-                     "chosen_reply": chosen, "rejected_reply": rejected})
+        rows.append(
+            {
+                "prompt": prompt,
+                "chosen": prompt + chosen,
+                "rejected": prompt + rejected,
+                "chosen_reply": chosen,
+                "rejected_reply": rejected,
+            }
+        )
     return rows
 
 
@@ -65,7 +74,7 @@ def write_jsonl(rows: list[dict], path: str | Path) -> Path:
     return path
 
 
-POSITIVE_REWARD_PY = '''"""Rule reward: fraction of response words that are positive (fsdp_rlhf.data.synthetic)."""
+POSITIVE_REWARD_PY = '''"""Rule reward: the fraction of response words that are positive."""
 POSITIVE = set({positive!r})
 
 
@@ -77,7 +86,7 @@ def reward_func(queries, prompts, labels):
     return out
 '''
 
-SHORT_REWARD_PY = '''"""Rule reward: shorter responses score higher (1 - characters / 100, floored at 0)."""
+SHORT_REWARD_PY = '''"""Rule reward: shorter responses score higher (1 - characters / 100, >= 0)."""
 
 
 def reward_func(queries, prompts, labels):

@@ -1,4 +1,4 @@
-"""Resumable checkpoints: sharded models and optimizers via DCP, plus per-rank RNG and trainer state.
+"""Resumable checkpoints: sharded models and optimizers (DCP), per-rank RNG, trainer state.
 
 Layout of ``<ckpt_path>/step_<N>/``::
 
@@ -151,6 +151,10 @@ def resolve_resume(ckpt_path: str | Path, load: bool) -> Path | None:
     """The checkpoint to resume from, agreed on by all ranks (rank 0 decides)."""
     if not load:
         return None
-    found = latest_checkpoint(ckpt_path) if (not dist.is_initialized() or dist.get_rank() == 0) else None
+    found = (
+        latest_checkpoint(ckpt_path)
+        if (not dist.is_initialized() or dist.get_rank() == 0)
+        else None
+    )
     found = broadcast_object(found)
     return Path(found) if found else None

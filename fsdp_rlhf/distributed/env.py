@@ -91,9 +91,7 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_reduce_scalars(
-    values: dict[str, float], op: str = "mean", group=None
-) -> dict[str, float]:
+def all_reduce_scalars(values: dict[str, float], op: str = "mean", group=None) -> dict[str, float]:
     """Reduce a dict of Python floats across ranks in one collective (sum, mean, max or min)."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1 or not values:
         return dict(values)
@@ -101,8 +99,12 @@ def all_reduce_scalars(
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
     if dist.get_backend(group) == "nccl":
         t = t.cuda()
-    reduce_op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM,
-                 "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+    reduce_op = {
+        "sum": dist.ReduceOp.SUM,
+        "mean": dist.ReduceOp.SUM,
+        "max": dist.ReduceOp.MAX,
+        "min": dist.ReduceOp.MIN,
+    }[op]
     dist.all_reduce(t, op=reduce_op, group=group)
     if op == "mean":
         t /= dist.get_world_size(group)

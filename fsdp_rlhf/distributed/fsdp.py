@@ -67,7 +67,9 @@ def shard_model(
     mp = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if bf16 else torch.float32, reduce_dtype=torch.float32
     )
-    kwargs = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward(fsdp.zero_stage))
+    kwargs = dict(
+        mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward(fsdp.zero_stage)
+    )
     if cpu_offload and mesh.device_type == "cuda":
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
     layers = decoder_layers(model)

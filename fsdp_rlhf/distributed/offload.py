@@ -65,8 +65,12 @@ def move_optimizer_(
             new = _move(local, device, pin, copy)
             if isinstance(value, DTensor):
                 state[key] = DTensor.from_local(
-                    new, value.device_mesh, value.placements, run_check=False,
-                    shape=value.shape, stride=value.stride(),
+                    new,
+                    value.device_mesh,
+                    value.placements,
+                    run_check=False,
+                    shape=value.shape,
+                    stride=value.stride(),
                 )
             else:
                 state[key] = new

@@ -55,8 +55,15 @@ def save_hf_model(
 
 _MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".index.json", ".model", ".tiktoken")
 _MODEL_FILES = {
-    "config.json", "generation_config.json", "special_tokens_map.json", "added_tokens.json",
-    "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja", "chat_template.json",
+    "config.json",
+    "generation_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
 }
 
 

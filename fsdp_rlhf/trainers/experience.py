@@ -58,7 +58,10 @@ def batched_logprobs(
     out = []
     for sl in _chunks(exp.num_sequences, micro):
         lp, _ = response_logprobs(
-            model, exp.input_ids[sl], exp.attention_mask[sl], exp.response_len,
+            model,
+            exp.input_ids[sl],
+            exp.attention_mask[sl],
+            exp.response_len,
             temperature=temperature,
         )
         out.append(lp)

@@ -25,8 +25,8 @@ from fsdp_rlhf.distributed.offload import (
     onload_model,
     onload_optimizer,
 )
-from fsdp_rlhf.distributed.signals import PreemptionHandler
-from fsdp_rlhf.metrics import MetricLogger, PhaseTimer, setup_logging
+from fsdp_rlhf.distributed.signals import GracefulStop
+from fsdp_rlhf.metrics import MetricLogger, PhaseTimer, setup_logging, truncate_metrics
 from fsdp_rlhf.models.save import save_hf_model
 from fsdp_rlhf.rollout import sync_weights
 from fsdp_rlhf.trainers import ppo_step
@@ -44,8 +44,14 @@ from fsdp_rlhf.trainers.ppo_setup import (
 log = logging.getLogger("fsdp_rlhf")
 
 CONSOLE_KEYS = [
-    "critic/score/mean", "actor/kl_coef", "actor/ppo_kl", "actor/pg_loss", "critic/vf_loss",
-    "response_length/mean", "e2e_tps", "timing/all",
+    "critic/score/mean",
+    "actor/kl_coef",
+    "actor/ppo_kl",
+    "actor/pg_loss",
+    "critic/vf_loss",
+    "response_length/mean",
+    "e2e_tps",
+    "timing/all",
 ]
 
 
@@ -80,15 +86,24 @@ class PPOTrainer:
         a = cfg.algo
         self.kl_ctl = (
             AdaptiveKLController(a.init_kl_coef, a.kl_target, a.kl_horizon)
-            if a.kl_target is not None else FixedKLController(a.init_kl_coef)
+            if a.kl_target is not None
+            else FixedKLController(a.init_kl_coef)
         )
         self.engine = build_engine(cfg, env, self.models.tokenizer)
         self.timer = PhaseTimer(env.device)
-        self.logger = MetricLogger(env.rank, cfg.ckpt.save_path, cfg.logging.tensorboard)
-        self.preemption = PreemptionHandler()
+        resume_from = ckpt.resolve_resume(cfg.ckpt.ckpt_path, cfg.ckpt.load_checkpoint)
+        if resume_from is not None and env.is_rank0:
+            # rows a crashed run wrote after its last checkpoint are about to be redone
+            truncate_metrics(
+                Path(cfg.ckpt.save_path) / "metrics.jsonl",
+                after_step=int(resume_from.name.split("_")[-1]),
+            )
+        self.logger = MetricLogger(
+            env.rank, cfg.ckpt.save_path, cfg.logging.tensorboard, append=resume_from is not None
+        )
         self.step = 0
         self.actor_version, self.engine_version = 0, -1
-        self._resume()
+        self._resume(resume_from)
         if env.is_rank0:
             Path(cfg.ckpt.save_path).mkdir(parents=True, exist_ok=True)
             (Path(cfg.ckpt.save_path) / "config.yaml").write_text(dump_yaml(cfg))
@@ -96,24 +111,31 @@ class PPOTrainer:
     # ------------------------------------------------------------------ loop
 
     def train(self) -> None:
-        log.info("PPO: %d steps, %d prompts/step x %d samples, world %d (%d engines x TP %d)",
-                 self.total_steps, self.cfg.batch.rollout_batch_size,
-                 self.cfg.batch.n_samples_per_prompt, self.env.world_size,
-                 self.plan.num_engines, self.plan.tp_size)
-        while self.step < self.total_steps:
-            self.step += 1
-            prompts = [self.prompts[i] for i in self.sampler.next_indices()]
-            metrics = self.train_step(prompts)
-            last = self.step == self.total_steps
-            if self.step % self.cfg.logging.logging_steps == 0 or last:
-                self.logger.log(self.step, metrics, CONSOLE_KEYS)
-            if self.preemption.requested():
-                self.save_checkpoint()
-                log.info("preemption signal: checkpoint at step %d written, exiting", self.step)
-                return
-            save_every = self.cfg.ckpt.save_steps
-            if save_every > 0 and (self.step % save_every == 0 or last):
-                self.save_checkpoint()
+        log.info(
+            "PPO: %d steps, %d prompts/step x %d samples, world %d (%d engines x TP %d)",
+            self.total_steps,
+            self.cfg.batch.rollout_batch_size,
+            self.cfg.batch.n_samples_per_prompt,
+            self.env.world_size,
+            self.plan.num_engines,
+            self.plan.tp_size,
+        )
+        with GracefulStop() as stop:
+            while self.step < self.total_steps:
+                self.step += 1
+                prompts = [self.prompts[i] for i in self.sampler.next_indices()]
+                metrics = self.train_step(prompts)
+                last = self.step == self.total_steps
+                # Every step goes to metrics.jsonl/TensorBoard; the console every logging_steps.
+                console = self.step % self.cfg.logging.logging_steps == 0 or last
+                self.logger.log(self.step, metrics, CONSOLE_KEYS, console=console)
+                if stop.agreed():  # collective: all ranks stop at the same step
+                    self.save_checkpoint()
+                    log.info("stop signal: checkpoint at step %d written, exiting", self.step)
+                    return
+                save_every = self.cfg.ckpt.save_steps
+                if save_every > 0 and (self.step % save_every == 0 or last):
+                    self.save_checkpoint()
         self.save_final()
 
     def train_step(self, prompts: list[Prompt]) -> dict[str, float]:
@@ -134,8 +156,9 @@ class PPOTrainer:
             update_metrics = self.update(exp)
         ppo_step.collect_batch_stats(stats, exp)
         metrics = {**rollout_metrics, **adv_metrics, **update_metrics, **stats.reduce()}
-        metrics.update(ppo_step.throughput_metrics(metrics, self.timer.times, self.cfg,
-                                                   self.env.world_size))
+        metrics.update(
+            ppo_step.throughput_metrics(metrics, self.timer.times, self.cfg, self.env.world_size)
+        )
         metrics.update(self.timer.pop())
         self.maybe_log_samples(exp, prompts, metrics)
         return metrics
@@ -178,7 +201,10 @@ class PPOTrainer:
         if self.models.rule_reward is not None:
             with self.timer("rule_reward"):
                 scores = scores + ppo_step.rule_scores(
-                    self.models.rule_reward, exp, prompts, self.models.tokenizer,
+                    self.models.rule_reward,
+                    exp,
+                    prompts,
+                    self.models.tokenizer,
                     self.cfg.batch.n_samples_per_prompt,
                 ).to(scores.device)
         exp.scores = clip_scores(scores, self.cfg.algo.reward_clip_range)
@@ -230,20 +256,26 @@ class PPOTrainer:
     def save_checkpoint(self) -> None:
         models, optimizers, schedulers = self._stateful()
         path = ckpt.save_checkpoint(
-            self.cfg.ckpt.ckpt_path, self.step, models=models, optimizers=optimizers,
-            schedulers=schedulers, keep=self.cfg.ckpt.max_ckpt_num,
-            trainer_state={"sampler": self.sampler.state_dict(),
-                           "kl_ctl": self.kl_ctl.state_dict()},
+            self.cfg.ckpt.ckpt_path,
+            self.step,
+            models=models,
+            optimizers=optimizers,
+            schedulers=schedulers,
+            keep=self.cfg.ckpt.max_ckpt_num,
+            trainer_state={
+                "sampler": self.sampler.state_dict(),
+                "kl_ctl": self.kl_ctl.state_dict(),
+            },
         )
         log.info("checkpoint: %s", path)
 
-    def _resume(self) -> None:
-        path = ckpt.resolve_resume(self.cfg.ckpt.ckpt_path, self.cfg.ckpt.load_checkpoint)
+    def _resume(self, path: Path | None) -> None:
         if path is None:
             return
         models, optimizers, schedulers = self._stateful()
-        state = ckpt.load_checkpoint(path, models=models, optimizers=optimizers,
-                                     schedulers=schedulers)
+        state = ckpt.load_checkpoint(
+            path, models=models, optimizers=optimizers, schedulers=schedulers
+        )
         self.step = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctl.load_state_dict(state["kl_ctl"])
@@ -253,11 +285,10 @@ class PPOTrainer:
     def save_final(self) -> None:
         save_hf_model(self.models.actor, self.models.tokenizer, self.cfg.ckpt.save_path)
         if self.models.critic is not None:
-            save_hf_model(self.models.critic, self.models.tokenizer,
-                          Path(self.cfg.ckpt.save_path) / "critic")
+            save_hf_model(
+                self.models.critic, self.models.tokenizer, Path(self.cfg.ckpt.save_path) / "critic"
+            )
         log.info("saved actor to %s", self.cfg.ckpt.save_path)
 
     def close(self) -> None:
         self.logger.close()
-        self.preemption.restore()
-

@@ -73,8 +73,13 @@ def explained_variance(
     """Local sums for 1 - Var[returns - values] / Var[returns], reduced by the caller."""
     m = mask.bool()
     r, d = returns[m].double(), (returns - values)[m].double()
-    return {"n": float(m.sum()), "r": float(r.sum()), "r2": float((r * r).sum()),
-            "d": float(d.sum()), "d2": float((d * d).sum())}
+    return {
+        "n": float(m.sum()),
+        "r": float(r.sum()),
+        "r2": float((r * r).sum()),
+        "d": float(d.sum()),
+        "d2": float((d * d).sum()),
+    }
 
 
 def reduce_explained_variance(local: dict[str, float]) -> float:

@@ -85,8 +85,11 @@ def preflight(cfg: PPOConfig) -> tuple[PPOBatchPlan, Any]:
     if not cfg.data.prompt_data:
         raise UserError("--prompt_data is required")
     rows = load_sources(
-        cfg.data.prompt_data, cfg.data.prompt_data_probs, max_samples=cfg.data.max_samples,
-        seed=cfg.seed, flag_name="--prompt_data",
+        cfg.data.prompt_data,
+        cfg.data.prompt_data_probs,
+        max_samples=cfg.data.max_samples,
+        seed=cfg.seed,
+        flag_name="--prompt_data",
     )
     keys = [cfg.data.input_key] + ([cfg.data.label_key] if cfg.data.label_key else [])
     flags = ["--input_key"] + (["--label_key"] if cfg.data.label_key else [])
@@ -116,12 +119,17 @@ def _shard(model: nn.Module, cfg: PPOConfig, env: DistEnv, trainable: bool) -> n
     mesh = build_mesh(env.device, env.world_size)
     model.to(env.device)
     shard_model(
-        model, mesh, cfg.fsdp, bf16=cfg.backend.bf16,
+        model,
+        mesh,
+        cfg.fsdp,
+        bf16=cfg.backend.bf16,
         # Token-mean losses are normalised by the global token count, so ranks must sum grads.
         grad_reduce="sum",
         cpu_offload=trainable and cfg.fsdp.adam_offload,
     )
-    if not trainable:
+    if trainable:
+        model.train()  # from_pretrained returns eval mode: no dropout, no grad checkpointing
+    else:
         model.requires_grad_(False)
         model.eval()
     return model
@@ -144,7 +152,10 @@ def build_models(cfg: PPOConfig, env: DistEnv) -> Models:
         critic = _shard(critic_model, cfg, env, trainable=True)
     if m.reward_pretrain:
         reward_model = load_scalar_model(
-            m.reward_pretrain, no_ckpt, env.device, value_head_prefix=m.value_head_prefix,
+            m.reward_pretrain,
+            no_ckpt,
+            env.device,
+            value_head_prefix=m.value_head_prefix,
             init_head_if_missing=False,
         )
         reward = _shard(reward_model, cfg, env, trainable=False)
@@ -209,15 +220,20 @@ def build_engine(cfg: PPOConfig, env: DistEnv, tokenizer) -> RolloutEngine:
         from fsdp_rlhf.rollout.vllm_engine import VLLMEngine
 
         return VLLMEngine(
-            cfg.models.pretrain, cfg.rollout, groups=groups,
-            prompt_max_len=cfg.data.prompt_max_len, dtype=engine_dtype(cfg), seed=cfg.seed,
+            cfg.models.pretrain,
+            cfg.rollout,
+            groups=groups,
+            prompt_max_len=cfg.data.prompt_max_len,
+            dtype=engine_dtype(cfg),
+            seed=cfg.seed,
             pad_token_id=tokenizer.pad_token_id,
             trust_remote_code=cfg.backend.trust_remote_code,
         )
     model = load_causal_lm(cfg.models.pretrain, cfg.backend, env.device).to(env.device)
     model.config.use_cache = True
     return HFEngine(
-        model, pad_token_id=tokenizer.pad_token_id,
+        model,
+        pad_token_id=tokenizer.pad_token_id,
         eos_token_ids=eos_token_ids(tokenizer, cfg.models.pretrain),
         seed=cfg.seed + groups.engine_index,
     )

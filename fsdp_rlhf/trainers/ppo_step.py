@@ -72,9 +72,7 @@ def clip_ratio(finish_reasons: list[str]) -> float:
     return sum(r == "length" for r in finish_reasons) / max(len(finish_reasons), 1)
 
 
-def rule_scores(
-    fn: RewardFn, exp: Experience, prompts, tokenizer, n_samples: int
-) -> torch.Tensor:
+def rule_scores(fn: RewardFn, exp: Experience, prompts, tokenizer, n_samples: int) -> torch.Tensor:
     """Decode responses and call the rule reward; prompt i owns rows i*n .. i*n+n-1."""
     T = exp.response_len
     responses = tokenizer.batch_decode(
@@ -124,8 +122,9 @@ def compute_advantages(
         exp.advantages = (group + kl_to_go) * mask
         exp.returns = discounted_returns(exp.rewards, mask, algo.gamma)
     mean_kl = float(global_masked_mean(kl, mask))
-    n_global = exp.num_sequences * (torch.distributed.get_world_size()
-                                    if torch.distributed.is_initialized() else 1)
+    n_global = exp.num_sequences * (
+        torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    )
     kl_ctl.update(mean_kl, n_global)
     return {"actor/kl": mean_kl}
 
@@ -154,8 +153,9 @@ def _update_loop(trainer: PPOTrainer, name: str, exp: Experience, loss_fn) -> di
             for i, sl in enumerate(micros):
                 # Reduce-scatter grads only on the last micro-batch; earlier ones accumulate.
                 model.set_requires_gradient_sync(i == len(micros) - 1)
-                loss, step_stats = loss_fn(mb.rows(torch.arange(sl.start, sl.stop)),
-                                           num_tokens, num_seqs)
+                loss, step_stats = loss_fn(
+                    mb.rows(torch.arange(sl.start, sl.stop)), num_tokens, num_seqs
+                )
                 loss.backward()
                 stats.add(step_stats)
             norms.append(clip_grad_norm_(list(model.parameters()), optim_cfg.max_norm))
@@ -173,8 +173,12 @@ def update_actor(trainer: PPOTrainer, exp: Experience) -> dict[str, float]:
 
     def loss_fn(mb: Experience, num_tokens, num_seqs):
         logprobs, entropy = response_logprobs(
-            trainer.models.actor, mb.input_ids, mb.attention_mask, mb.response_len,
-            temperature=cfg.rollout.temperature, with_entropy=True,
+            trainer.models.actor,
+            mb.input_ids,
+            mb.attention_mask,
+            mb.response_len,
+            temperature=cfg.rollout.temperature,
+            with_entropy=True,
         )
         is_weights = None
         if algo.use_tis:
@@ -183,15 +187,25 @@ def update_actor(trainer: PPOTrainer, exp: Experience) -> dict[str, float]:
             )
         agg = dict(loss_agg=algo.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
         loss, st = policy_loss(
-            logprobs, mb.old_logprobs, mb.advantages, mb.response_mask,
-            clip_eps_low=algo.eps_clip, clip_eps_high=algo.eps_clip_high,
-            dual_clip=algo.dual_clip, is_weights=is_weights, **agg,
+            logprobs,
+            mb.old_logprobs,
+            mb.advantages,
+            mb.response_mask,
+            clip_eps_low=algo.eps_clip,
+            clip_eps_high=algo.eps_clip_high,
+            dual_clip=algo.dual_clip,
+            is_weights=is_weights,
+            **agg,
         )
-        stats = {"actor/pg_loss": loss.detach(), "actor/pg_clipfrac": st["pg_clipfrac"],
-                 "actor/ppo_kl": st["ppo_kl"]}
+        stats = {
+            "actor/pg_loss": loss.detach(),
+            "actor/pg_clipfrac": st["pg_clipfrac"],
+            "actor/ppo_kl": st["ppo_kl"],
+        }
         kl = kl_estimate(logprobs, mb.ref_logprobs, kind=algo.kl_estimator)
-        kl_loss = aggregate_loss(kl, mb.response_mask, mode=algo.loss_agg_mode,
-                                 num_tokens=num_tokens, num_seqs=num_seqs)
+        kl_loss = aggregate_loss(
+            kl, mb.response_mask, mode=algo.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs
+        )
         if algo.use_kl_loss:
             loss = loss + kl_coef * kl_loss
         if algo.entropy_loss_coef > 0:
@@ -216,9 +230,14 @@ def update_critic(trainer: PPOTrainer, exp: Experience) -> dict[str, float]:
         values = token_values(trainer.models.critic, mb.input_ids, mb.attention_mask)
         values = values[:, -T - 1 : -1]
         loss, st = value_loss(
-            values, mb.values, mb.returns, mb.response_mask,
+            values,
+            mb.values,
+            mb.returns,
+            mb.response_mask,
             value_clip=algo.value_clip if algo.value_clip > 0 else None,
-            loss_agg=algo.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+            loss_agg=algo.loss_agg_mode,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
         )
         return loss, {"critic/vf_loss": loss.detach(), "critic/vf_clipfrac": st["vf_clipfrac"]}
 
@@ -276,15 +295,22 @@ def log_samples(trainer: PPOTrainer, exp: Experience, prompts, k: int = 3) -> No
     rows = []
     for i in range(min(k, exp.num_sequences)):
         ids = exp.input_ids[i, -T:][exp.response_mask[i].bool()].tolist()
-        rows.append({"step": trainer.step, "prompt": prompts[i // n].text,
-                     "response": tok.decode(ids, skip_special_tokens=False),
-                     "score": float(exp.scores[i])})
+        rows.append(
+            {
+                "step": trainer.step,
+                "prompt": prompts[i // n].text,
+                "response": tok.decode(ids, skip_special_tokens=False),
+                "score": float(exp.scores[i]),
+            }
+        )
     path = Path(trainer.cfg.ckpt.save_path) / "samples.jsonl"
     with open(path, "a") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
-    body = "\n\n".join(f"**prompt**: {r['prompt']}\n\n**response**: {r['response']}\n\n"
-                       f"**score**: {r['score']:.4f}" for r in rows)
+    body = "\n\n".join(
+        f"**prompt**: {r['prompt']}\n\n**response**: {r['response']}\n\n**score**: {r['score']:.4f}"
+        for r in rows
+    )
     trainer.logger.text("samples", body, trainer.step)
 
 

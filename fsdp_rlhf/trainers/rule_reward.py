@@ -106,4 +106,3 @@ def build_rule_reward(url: str) -> RewardFn:
     if url.endswith(".py"):
         return load_python_reward(url)
     raise UserError(f"--remote_rm_url {url}: expected a .py file or an http(s):// URL")
-

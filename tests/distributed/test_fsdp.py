@@ -1,4 +1,4 @@
-"""FSDP2 core on 2 gloo ranks: parity with one process, clipping, DCP round trip, offload, export."""
+"""FSDP2 core on 2 gloo ranks: parity with one process, clipping, DCP, offload, export."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import copy
 
 import torch
 
-from fsdp_rlhf.config import BackendConfig, FSDPConfig, OptimConfig
+from fsdp_rlhf.config import BackendConfig, FSDPConfig
 from tests.dist_utils import run_distributed
 
 
@@ -43,11 +43,18 @@ def _fsdp_checks(rank: int, world: int, model_path: str, ckpt_dir: str, zero_sta
     torch.manual_seed(0)
     ref = load_causal_lm(model_path, BackendConfig(), env.device)
     model = copy.deepcopy(ref)
-    shard_model(model, build_mesh(env.device, world), FSDPConfig(zero_stage=zero_stage),
-                bf16=False, grad_reduce="sum")
+    shard_model(
+        model,
+        build_mesh(env.device, world),
+        FSDPConfig(zero_stage=zero_stage),
+        bf16=False,
+        grad_reduce="sum",
+    )
     ids, mask = _batch(0, ref.config.vocab_size)
     half = ids.shape[0] // world
-    _loss(model, ids[rank * half:(rank + 1) * half], mask[rank * half:(rank + 1) * half]).backward()
+    _loss(
+        model, ids[rank * half : (rank + 1) * half], mask[rank * half : (rank + 1) * half]
+    ).backward()
     _loss(ref, ids, mask).backward()
 
     # 1. grads of the sharded model equal the single-process grads (sum reduction, global loss)
@@ -66,8 +73,14 @@ def _fsdp_checks(rank: int, world: int, model_path: str, ckpt_dir: str, zero_sta
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     opt.step()
     sched.step()
-    save_checkpoint(ckpt_dir, 1, models={"actor": model}, optimizers={"actor": opt},
-                    schedulers={"actor": sched}, trainer_state={"pos": 5})
+    save_checkpoint(
+        ckpt_dir,
+        1,
+        models={"actor": model},
+        optimizers={"actor": opt},
+        schedulers={"actor": sched},
+        trainer_state={"pos": 5},
+    )
     saved = {n: t.clone() for n, t in iter_full_params(model)}
     saved_exp_avg = {k: v["exp_avg"].full_tensor().clone() for k, v in opt.state.items()}
     rng_after_save = torch.rand(3)
@@ -76,11 +89,16 @@ def _fsdp_checks(rank: int, world: int, model_path: str, ckpt_dir: str, zero_sta
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
-    state = load_checkpoint(f"{ckpt_dir}/step_1", models={"actor": model},
-                            optimizers={"actor": opt}, schedulers={"actor": sched})
+    state = load_checkpoint(
+        f"{ckpt_dir}/step_1",
+        models={"actor": model},
+        optimizers={"actor": opt},
+        schedulers={"actor": sched},
+    )
     restored = all(torch.equal(saved[n], t) for n, t in iter_full_params(model))
-    opt_restored = all(torch.equal(saved_exp_avg[k], v["exp_avg"].full_tensor())
-                       for k, v in opt.state.items())
+    opt_restored = all(
+        torch.equal(saved_exp_avg[k], v["exp_avg"].full_tensor()) for k, v in opt.state.items()
+    )
     rng_restored = torch.equal(torch.rand(3), rng_after_save)
 
     # 4. offload logic: forced copies move every tensor and bring back identical values
@@ -99,19 +117,31 @@ def _fsdp_checks(rank: int, world: int, model_path: str, ckpt_dir: str, zero_sta
     full = gather_full_state_dict(model)
     export_ok = (len(full) == 0) if rank else all(torch.equal(full[n], before[n]) for n in before)
     return dict(
-        max_grad_diff=max_diff, ref_norm=ref_norm, norm=norm, clipped=clipped.item(),
-        restored=restored, opt_restored=opt_restored, rng_restored=rng_restored,
-        step=state["step"], pos=state["pos"], lr=sched.get_last_lr()[0],
-        moved=moved, moved_opt=moved_opt, local_bytes=local_bytes,
+        max_grad_diff=max_diff,
+        ref_norm=ref_norm,
+        norm=norm,
+        clipped=clipped.item(),
+        restored=restored,
+        opt_restored=opt_restored,
+        rng_restored=rng_restored,
+        step=state["step"],
+        pos=state["pos"],
+        lr=sched.get_last_lr()[0],
+        moved=moved,
+        moved_opt=moved_opt,
+        local_bytes=local_bytes,
         ptrs_changed=all(a != b for a, b in zip(ptrs, new_ptrs, strict=True)),
-        offload_ok=offload_ok, loss_after=loss_after, export_ok=export_ok,
+        offload_ok=offload_ok,
+        loss_after=loss_after,
+        export_ok=export_ok,
     )
 
 
 def test_fsdp2_parity_clip_dcp_offload_export(tiny_qwen2, tmp_path):
     for zero_stage in (3, 2):
-        out = run_distributed(_fsdp_checks, 2, tiny_qwen2, str(tmp_path / f"ck{zero_stage}"),
-                              zero_stage)
+        out = run_distributed(
+            _fsdp_checks, 2, tiny_qwen2, str(tmp_path / f"ck{zero_stage}"), zero_stage
+        )
         for r in out:
             assert r["max_grad_diff"] < 1e-5, r
             assert abs(r["norm"] - r["ref_norm"]) < 1e-4 * r["ref_norm"], r

@@ -21,21 +21,44 @@ def _env(extra: dict[str, str] | None, replace_env: bool = False) -> dict[str, s
     return env
 
 
-def run_cli(args: list[str], env: dict[str, str] | None = None, replace_env: bool = False,
-            timeout: float = 300) -> subprocess.CompletedProcess:
+def run_cli(
+    args: list[str],
+    env: dict[str, str] | None = None,
+    replace_env: bool = False,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess:
     """``python -m fsdp_rlhf.cli ARGS`` as one process."""
-    return subprocess.run([sys.executable, "-m", "fsdp_rlhf.cli", *args], capture_output=True,
-                          text=True, env=_env(env, replace_env), timeout=timeout, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "fsdp_rlhf.cli", *args],
+        capture_output=True,
+        text=True,
+        env=_env(env, replace_env),
+        timeout=timeout,
+        cwd=REPO,
+    )
 
 
-def torchrun(args: list[str], nproc: int = 2, env: dict[str, str] | None = None,
-             timeout: float = 600) -> subprocess.CompletedProcess:
+def torchrun(
+    args: list[str], nproc: int = 2, env: dict[str, str] | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node N -m fsdp_rlhf.cli ARGS`` on a free local port."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-           "-m", "fsdp_rlhf.cli", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=_env(env), timeout=timeout,
-                          cwd=REPO)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "fsdp_rlhf.cli",
+        *args,
+    ]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, env=_env(env), timeout=timeout, cwd=REPO
+    )
 
 
 def read_metrics(save_path: str | Path) -> list[dict]:

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 # A rule reward that prefers short answers (learnable in a few steps by a random tiny model),
 # and that can preempt its own process with SIGTERM on a given call, like a scheduler would.
-SHORT_REWARD_WITH_PREEMPTION = '''
+SHORT_REWARD_WITH_PREEMPTION = """
 import os, signal
 KILL_AT = int(os.environ.get("TEST_SIGTERM_AT_CALL", "0"))
 calls = 0
@@ -27,7 +27,7 @@ def reward_func(queries, prompts, labels):
     if calls == KILL_AT:
         os.kill(os.getpid(), signal.SIGTERM)
     return [max(0.0, 1.0 - len(q[len(p):]) / 100.0) for q, p in zip(queries, prompts)]
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -40,15 +40,47 @@ def ppo_data(tmp_path_factory):
 
 def grpo_flags(model: str, data: Path, save: Path, steps: int) -> list[str]:
     return [
-        "--pretrain", model, "--remote_rm_url", str(data / "reward.py"),
-        "--prompt_data", str(data / "prompts.jsonl"), "--input_key", "input",
-        "--rollout_batch_size", "16", "--n_samples_per_prompt", "4",
-        "--advantage_estimator", "grpo", "--train_batch_size", "32",
-        "--micro_train_batch_size", "8", "--micro_rollout_batch_size", "16",
-        "--generate_max_len", "16", "--prompt_max_len", "32", "--max_steps", str(steps),
-        "--actor_learning_rate", "2e-3", "--lr_warmup_ratio", "0", "--use_kl_loss",
-        "--init_kl_coef", "0.001", "--save_path", str(save), "--ckpt_path", str(save / "ckpt"),
-        "--save_steps", "-1", "--seed", "7",
+        "--pretrain",
+        model,
+        "--remote_rm_url",
+        str(data / "reward.py"),
+        "--prompt_data",
+        str(data / "prompts.jsonl"),
+        "--input_key",
+        "input",
+        "--rollout_batch_size",
+        "16",
+        "--n_samples_per_prompt",
+        "4",
+        "--advantage_estimator",
+        "grpo",
+        "--train_batch_size",
+        "32",
+        "--micro_train_batch_size",
+        "8",
+        "--micro_rollout_batch_size",
+        "16",
+        "--generate_max_len",
+        "16",
+        "--prompt_max_len",
+        "32",
+        "--max_steps",
+        str(steps),
+        "--actor_learning_rate",
+        "2e-3",
+        "--lr_warmup_ratio",
+        "0",
+        "--use_kl_loss",
+        "--init_kl_coef",
+        "0.001",
+        "--save_path",
+        str(save),
+        "--ckpt_path",
+        str(save / "ckpt"),
+        "--save_steps",
+        "-1",
+        "--seed",
+        "7",
     ]
 
 
@@ -70,8 +102,7 @@ def test_rule_reward_rises_and_sigterm_resume_reproduces(tiny_qwen2, ppo_data, t
     assert [r["step"] for r in read_metrics(save)] == list(range(1, kill_at + 1))
     assert (save / "ckpt" / f"step_{kill_at}" / "COMPLETE").is_file()
     assert not (save / "model.safetensors").exists()  # preempted: no final model
-    resumed = torchrun(["ppo", *grpo_flags(tiny_qwen2, ppo_data, save, steps),
-                        "--load_checkpoint"])
+    resumed = torchrun(["ppo", *grpo_flags(tiny_qwen2, ppo_data, save, steps), "--load_checkpoint"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     after = {r["step"]: r for r in read_metrics(save) if r["step"] > kill_at}
     assert sorted(after) == list(range(kill_at + 1, steps + 1))
@@ -86,20 +117,65 @@ def test_seed_flag_set_with_trained_reward_model(tiny_qwen2, trained_rm, ppo_dat
     save = tmp_path / "ppo"
     # The AIAK section 2.3 flag set, verbatim apart from paths and sizes.
     flags = [
-        "--num_nodes", "1", "--num_gpus_per_node", "2", "--vllm_num_engines", "2",
-        "--vllm_tensor_parallel_size", "1", "--vllm_gpu_memory_utilization", "0.9",
-        "--colocate_all", "--ref_reward_offload", "--pretrain", tiny_qwen2,
-        "--reward_pretrain", trained_rm, "--save_path", str(save),
-        "--micro_train_batch_size", "4", "--micro_rollout_batch_size", "8",
-        "--rollout_batch_size", "16", "--max_samples", "1000000", "--max_epochs", "1",
-        "--prompt_max_len", "32", "--generate_max_len", "16", "--zero_stage", "3", "--bf16",
-        "--actor_learning_rate", "5e-7", "--critic_learning_rate", "9e-6",
-        "--init_kl_coef", "0.01", "--prompt_data", str(ppo_data / "prompts.jsonl"),
-        "--input_key", "context_messages", "--apply_chat_template", "--normalize_reward",
-        "--adam_offload", "--flash_attn", "--tensorboard", str(save / "tb"),
+        "--num_nodes",
+        "1",
+        "--num_gpus_per_node",
+        "2",
+        "--vllm_num_engines",
+        "2",
+        "--vllm_tensor_parallel_size",
+        "1",
+        "--vllm_gpu_memory_utilization",
+        "0.9",
+        "--colocate_all",
+        "--ref_reward_offload",
+        "--pretrain",
+        tiny_qwen2,
+        "--reward_pretrain",
+        trained_rm,
+        "--save_path",
+        str(save),
+        "--micro_train_batch_size",
+        "4",
+        "--micro_rollout_batch_size",
+        "8",
+        "--rollout_batch_size",
+        "16",
+        "--max_samples",
+        "1000000",
+        "--max_epochs",
+        "1",
+        "--prompt_max_len",
+        "32",
+        "--generate_max_len",
+        "16",
+        "--zero_stage",
+        "3",
+        "--bf16",
+        "--actor_learning_rate",
+        "5e-7",
+        "--critic_learning_rate",
+        "9e-6",
+        "--init_kl_coef",
+        "0.01",
+        "--prompt_data",
+        str(ppo_data / "prompts.jsonl"),
+        "--input_key",
+        "context_messages",
+        "--apply_chat_template",
+        "--normalize_reward",
+        "--adam_offload",
+        "--flash_attn",
+        "--tensorboard",
+        str(save / "tb"),
         "--gradient_checkpointing",
         # sizes for 2 CPU ranks
-        "--train_batch_size", "16", "--max_steps", "2", "--sample_log_steps", "1",
+        "--train_batch_size",
+        "16",
+        "--max_steps",
+        "2",
+        "--sample_log_steps",
+        "1",
     ]
     proc = torchrun(["ppo", *flags])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -107,19 +183,42 @@ def test_seed_flag_set_with_trained_reward_model(tiny_qwen2, trained_rm, ppo_dat
     rows = read_metrics(save)
     assert [r["step"] for r in rows] == [1, 2]
     expected = [
-        "timing/all", "timing/rollout", "timing/old_log_p", "timing/reference_model",
-        "timing/reward_model", "timing/critic_model", "timing/adv", "timing/update",
-        "timing/update_critic", "timing/resharding_to_train", "timing/resharding_to_infer",
-        "timing/ref_onload", "timing/ref_offload", "actor/entropy", "actor/kl_loss",
-        "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/lr", "actor/kl_coef",
-        "grad_norm", "critic/vf_loss", "critic/vf_clipfrac", "critic/lr",
-        "critic/vf_explained_var", "response_length/clip_ratio", "e2e_tps", "update_tps",
-        "vllm_tps", "rollout/logprob_diff/mean",
+        "timing/all",
+        "timing/rollout",
+        "timing/old_log_p",
+        "timing/reference_model",
+        "timing/reward_model",
+        "timing/critic_model",
+        "timing/adv",
+        "timing/update",
+        "timing/update_critic",
+        "timing/resharding_to_train",
+        "timing/resharding_to_infer",
+        "timing/ref_onload",
+        "timing/ref_offload",
+        "actor/entropy",
+        "actor/kl_loss",
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "actor/lr",
+        "actor/kl_coef",
+        "grad_norm",
+        "critic/vf_loss",
+        "critic/vf_clipfrac",
+        "critic/lr",
+        "critic/vf_explained_var",
+        "response_length/clip_ratio",
+        "e2e_tps",
+        "update_tps",
+        "vllm_tps",
+        "rollout/logprob_diff/mean",
     ]
     for group in ("score", "rewards", "advantages", "returns", "values"):
         expected += [f"critic/{group}/{s}" for s in ("mean", "max", "min")]
-    expected += [f"{g}/{s}" for g in ("response_length", "prompt_length")
-                 for s in ("mean", "min", "max")]
+    expected += [
+        f"{g}/{s}" for g in ("response_length", "prompt_length") for s in ("mean", "min", "max")
+    ]
     missing = [k for k in expected if k not in rows[-1]]
     assert not missing, missing
     assert rows[-1]["rollout/logprob_diff/mean"] < 0.05  # bf16 engine vs bf16 trainer
@@ -128,11 +227,15 @@ def test_seed_flag_set_with_trained_reward_model(tiny_qwen2, trained_rm, ppo_dat
     assert samples and {"prompt", "response", "score"} <= set(samples[0])
     check = (
         "import sys; from transformers import AutoModelForCausalLM, "
-        "AutoModelForSequenceClassification as S; AutoModelForCausalLM.from_pretrained(sys.argv[1]);"
+        "AutoModelForSequenceClassification as S; "
+        "AutoModelForCausalLM.from_pretrained(sys.argv[1]);"
         " S.from_pretrained(sys.argv[2])"
     )
-    subprocess.run([sys.executable, "-c", check, str(save), str(save / "critic")], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, "-c", check, str(save), str(save / "critic")],
+        check=True,
+        capture_output=True,
+    )
 
 
 @pytest.mark.parametrize(
@@ -161,4 +264,3 @@ def test_bad_input_one_line_before_heavy_work(tiny_qwen2, ppo_data, tmp_path, ch
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], lines
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "bad").exists()
-

@@ -16,8 +16,9 @@ from fsdp_rlhf.config_base import ConfigError, build_config, dump_yaml, from_dic
 SEEDS = Path(__file__).resolve().parents[3] / "shared" / "seeds" / "000_47f264b46064c01e.txt"
 
 # Flags of the AIAK seed scripts (sections 1.3/1.4 and 2.3/2.4), verbatim.
-RM_SEED_FLAGS = """--pretrain --save_path --save_steps --logging_steps --eval_steps --train_batch_size
---micro_train_batch_size --bf16 --max_epochs --max_len --zero_stage --learning_rate --dataset
+RM_SEED_FLAGS = """--pretrain --save_path --save_steps --logging_steps --eval_steps
+--train_batch_size --micro_train_batch_size --bf16 --max_epochs --max_len --zero_stage
+--learning_rate --dataset
 --dataset_probs --prompt_key --chosen_key --rejected_key --apply_chat_template --flash_attn
 --gradient_checkpointing --tensorboard --eval_dataset --seed --lr_warmup_ratio --lr_scheduler
 --max_norm --margin_key --loss --center_rewards_coefficient --value_head_prefix --ckpt_path
@@ -187,7 +188,8 @@ def test_cli_help_lists_commands_and_flags():
 def test_cli_bad_flag_is_one_line_and_exit_2():
     proc = subprocess.run(
         [sys.executable, "-m", "fsdp_rlhf.cli", "train-rm", "--no_such_flag", "1"],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("error: unknown flag --no_such_flag")
