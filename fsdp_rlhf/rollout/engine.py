@@ -230,3 +230,7 @@ class RolloutEngine(Protocol):
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Re-allocate ``tags`` (``"weights"``, ``"kv_cache"``; None: both)."""
         ...
+
+    def close(self) -> None:
+        """Release the engine at the end of the run (vLLM: also ends torch.distributed)."""
+        ...

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from fsdp_rlhf.rollout.engine import SamplingConfig
+
 
 def tp_blocks(world_size: int, tp_size: int) -> list[list[int]]:
     """Ranks of each engine: contiguous blocks of ``tp_size`` (vLLM's layout)."""
@@ -77,15 +79,24 @@ def build_rollout_groups(tp_size: int) -> RolloutGroups:
 
 
 def gather_prompts(
-    groups: RolloutGroups, prompts: list[list[int]]
+    groups: RolloutGroups, prompts: list[list[int]], sampling: SamplingConfig
 ) -> tuple[list[list[int]], list[int]]:
-    """All prompts of this rank's engine, in rank order, and how many each rank sent."""
+    """All prompts of this rank's engine, in rank order, and how many each rank sent.
+
+    The ranks of one engine must also sample alike: different settings (a stop token, n)
+    would give them different schedules and the TP all-reduces would mix unrelated batches
+    into garbage, so a mismatch raises here instead.
+    """
     if groups.group is None:
         return prompts, [len(prompts)]
-    parts: list[list[list[int]] | None] = [None] * groups.tp_size
-    dist.all_gather_object(parts, prompts, group=groups.group)
-    flat = [p for part in parts for p in part]
-    return flat, [len(part) for part in parts]
+    parts: list[tuple[list[list[int]], SamplingConfig] | None] = [None] * groups.tp_size
+    dist.all_gather_object(parts, (prompts, sampling), group=groups.group)
+    settings = {part[1] for part in parts}
+    if len(settings) > 1:
+        raise ValueError(f"ranks {groups.engine_ranks} of one vLLM engine called generate with "
+                         f"different sampling settings: {settings}")
+    flat = [p for part in parts for p in part[0]]
+    return flat, [len(part[0]) for part in parts]
 
 
 def own_prompt_range(counts: list[int], rank_in_engine: int) -> tuple[int, int]:

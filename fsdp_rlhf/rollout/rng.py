@@ -25,19 +25,19 @@ class GlobalRngState:
     python: Any
     numpy: Any
     torch_cpu: torch.Tensor
-    torch_cuda: list[torch.Tensor]
+    torch_cuda: torch.Tensor | None  # this rank's current device only: the one it samples on
 
     @classmethod
     def capture(cls) -> GlobalRngState:
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
         return cls(random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda)
 
     def restore(self) -> None:
         random.setstate(self.python)
         np.random.set_state(self.numpy)
         torch.set_rng_state(self.torch_cpu)
-        if self.torch_cuda:
-            torch.cuda.set_rng_state_all(self.torch_cuda)
+        if self.torch_cuda is not None:
+            torch.cuda.set_rng_state(self.torch_cuda)
 
 
 def _seed_all(seed: int) -> None:

@@ -51,8 +51,9 @@ def check_vllm_internals() -> str:
 
     Checked: ``Worker.reload_weights`` forwarding to ``GPUModelRunner.reload_weights(
     weights_iterator=...)`` (v1 and v2 runners; the CPU runners subclass them), the in-process
-    external-launcher executor, and the ``LLM`` methods used here.
+    external-launcher executor and engine client (``close``), and the ``LLM`` methods used here.
     """
+    from vllm.v1.engine.core_client import InprocClient
     from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner as RunnerV2
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -68,6 +69,7 @@ def check_vllm_internals() -> str:
         "LLM.wake_up": (LLM, "wake_up", ("tags",)),
         "ExecutorWithExternalLauncher._init_executor": (
             ExecutorWithExternalLauncher, "_init_executor", ()),
+        "InprocClient.shutdown": (InprocClient, "shutdown", ()),
     }
     problems = []
     for what, (cls, name, params) in expected.items():
@@ -207,6 +209,17 @@ def to_rollout_output(request_outputs, sampling: SamplingConfig, pad_id: int) ->
                                     pad_id=pad_id, n=sampling.n)
 
 
+def _check_layout(cfg: RolloutConfig, groups: RolloutGroups) -> None:
+    if not dist.is_initialized():
+        raise RuntimeError("initialise torch.distributed (init_distributed) before vLLM")
+    if groups.tp_size != cfg.vllm_tensor_parallel_size:
+        raise ValueError(f"groups have tp {groups.tp_size}, config "
+                         f"{cfg.vllm_tensor_parallel_size}")
+    if cfg.vllm_num_engines is not None and cfg.vllm_num_engines != groups.num_engines:
+        raise ValueError(f"vllm_num_engines={cfg.vllm_num_engines} but {groups.world_size} "
+                         f"ranks / tp {groups.tp_size} = {groups.num_engines} engines")
+
+
 class VLLMEngine:
     """A colocated vLLM engine over this rank's TP block. Every method is collective over the
     block (generate, update_weights) or the whole world (construction).
@@ -234,14 +247,7 @@ class VLLMEngine:
         trust_remote_code: bool = False,
     ) -> None:
         self.version = check_vllm_internals()
-        if not dist.is_initialized():
-            raise RuntimeError("initialise torch.distributed (init_distributed) before vLLM")
-        if groups.tp_size != cfg.vllm_tensor_parallel_size:
-            raise ValueError(f"groups have tp {groups.tp_size}, config "
-                             f"{cfg.vllm_tensor_parallel_size}")
-        if cfg.vllm_num_engines is not None and cfg.vllm_num_engines != groups.num_engines:
-            raise ValueError(f"vllm_num_engines={cfg.vllm_num_engines} but {groups.world_size} "
-                             f"ranks / tp {groups.tp_size} = {groups.num_engines} engines")
+        _check_layout(cfg, groups)
         self.groups = groups
         self.dtype = dtype
         self.pad_token_id = pad_token_id
@@ -262,7 +268,7 @@ class VLLMEngine:
         """Responses for this rank's prompts. Collective over the TP block: the block generates
         for all its ranks' prompts and each rank keeps its own rows."""
         self._sleep.check_ready()
-        prompts, counts = gather_prompts(self.groups, prompt_token_ids)
+        prompts, counts = gather_prompts(self.groups, prompt_token_ids, sampling)
         start, stop = own_prompt_range(counts, self.groups.rank_in_engine)
         if sampling.seed is None or sampling.is_greedy:
             params = sampling_params(sampling, None)
@@ -298,3 +304,12 @@ class VLLMEngine:
             # return the gathered weights' blocks before vLLM maps the KV cache again
             torch.cuda.empty_cache()
         self.llm.wake_up(tags=todo)
+
+    def close(self) -> None:
+        """Shut the engine down (idempotent; otherwise it happens at interpreter exit).
+
+        NOTE: vLLM's shutdown also destroys torch.distributed's default process group
+        (``cleanup_dist_env_and_memory``), so call this last, in place of ``teardown()``. At exit
+        after the group is gone, vLLM's finalizer fails with "Invalid process group specified".
+        """
+        self.llm.llm_engine.engine_core.shutdown()

@@ -1,0 +1,89 @@
+"""Stream the FSDP2 actor's weights into a rollout engine, one full tensor at a time.
+
+Every rank gathers every parameter (``full_tensor()`` is a collective) and feeds it to its own
+engine slice, which keeps only its TP shard. No full state dict is ever materialised: peak extra
+memory is one parameter (the embedding or LM head). Must be called on every rank.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fsdp_rlhf.distributed.fsdp import iter_full_params
+from fsdp_rlhf.rollout.engine import RolloutEngine
+
+# Wrapper modules that insert a path segment into parameter names: torch.compile and
+# activation-checkpoint wrappers. FSDP2 (fully_shard) itself keeps HF names unchanged.
+_WRAPPER_SEGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.")
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    """One weight sync: bytes sent into the engine and wall time (gathers included)."""
+
+    bytes: int
+    seconds: float
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bytes / self.seconds if self.seconds > 0 else float("inf")
+
+
+def hf_param_name(name: str) -> str:
+    """The checkpoint (HF) name of an actor parameter: wrapper segments removed."""
+    for seg in _WRAPPER_SEGMENTS:
+        name = name.replace(seg, "")
+    return name
+
+
+def _module_name(actor: nn.Module, module: nn.Module) -> str:
+    return next(hf_param_name(n) for n, m in actor.named_modules() if m is module)
+
+
+def tied_head_alias(actor: nn.Module) -> dict[str, str]:
+    """``{input-embedding weight name: LM-head weight name}`` when they are tied, else ``{}``.
+
+    ``named_parameters()`` lists a tied weight once (as the embedding). vLLM 0.32's in-place
+    reload must still receive it under the head's name too: on CPU the LM head keeps a repacked
+    copy of the weight that is refreshed only when the head itself is loaded (measured: without
+    it greedy outputs keep following the old head).
+    """
+    if not actor.config.tie_word_embeddings:
+        return {}
+    embed = _module_name(actor, actor.get_input_embeddings())
+    head = _module_name(actor, actor.get_output_embeddings())
+    return {f"{embed}.weight": f"{head}.weight"}
+
+
+def stream_actor_weights(
+    actor: nn.Module, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full tensor in dtype)`` for every actor parameter, one at a time; a
+    tied embedding is yielded a second time under the LM head's name (same tensor, no copy).
+
+    Collective: every rank must consume the whole iterator, in step.
+    """
+    alias = tied_head_alias(actor)
+    for name, tensor in iter_full_params(actor, dtype):
+        hf_name = hf_param_name(name)
+        yield hf_name, tensor
+        if hf_name in alias:
+            yield alias[hf_name], tensor
+
+
+def sync_weights(actor: nn.Module, engine: RolloutEngine, dtype: torch.dtype) -> SyncStats:
+    """Wake the engine's weights, stream the actor into it, then wake its KV cache.
+
+    The KV cache comes back only after the sync so it never coexists with the gathered tensors
+    (the colocated OOM pattern). Returns bytes and seconds of the whole step.
+    """
+    t0 = time.perf_counter()
+    engine.wake_up(["weights"])
+    nbytes = engine.update_weights(stream_actor_weights(actor, dtype))
+    engine.wake_up(["kv_cache"])
+    return SyncStats(bytes=nbytes, seconds=time.perf_counter() - t0)
