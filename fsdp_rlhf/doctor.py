@@ -122,22 +122,23 @@ def estimate_memory(
     critic_params: int,
     world: int,
     device_gib: float,
-    kv_cache_gib: float,
+    vllm_gib: float,
 ) -> MemoryEstimate:
-    """FSDP2 shards fp32 master params, grads and Adam moments (2 x fp32) over ``world``;
-    frozen ref/reward shards; vLLM holds full bf16/fp32 weights / TP plus its KV cache.
-    Colocated phases do not overlap: vLLM sleeps during training."""
+    """Per-device memory of the two colocated phases, which do not overlap (vLLM sleeps while
+    training; idle models and optimizer states leave the device while vLLM generates).
+
+    Training: FSDP2 shards fp32 master params, grads and Adam moments (2 x fp32; none with
+    ``--adam_offload``) of actor and critic over ``world``, plus the frozen reference and reward
+    shards (none with ``--ref_reward_offload``). Rollout: vLLM's weights and KV cache
+    (``vllm_gib``) plus the actor's resident parameter shard. Activations are not counted.
+    """
     gib = 2**-30
-    engine_bytes = 2 if cfg.backend.bf16 else 4
-    train = 0.0
-    for n, trainable in ((actor_params, True), (critic_params, True)):
-        states = 0 if cfg.fsdp.adam_offload else 8
-        train += n * (4 + (4 + states if trainable else 0)) / world * gib
+    states = 0 if cfg.fsdp.adam_offload else 8
+    train = (actor_params + critic_params) * (4 + 4 + states) / world * gib
     frozen = actor_params + (critic_params if cfg.models.reward_pretrain else 0)
     if not cfg.placement.ref_reward_offload:
         train += frozen * 4 / world * gib
-    rollout = actor_params * engine_bytes / cfg.rollout.vllm_tensor_parallel_size * gib
-    rollout += kv_cache_gib + actor_params * 4 / world * gib  # the actor shard stays resident
+    rollout = vllm_gib + actor_params * 4 / world * gib
     return MemoryEstimate(train, rollout, device_gib)
 
 
@@ -195,7 +196,9 @@ def _params_str(model) -> str:
     return f"{n / 1e6:.1f}M params"
 
 
-def _check_engine(cfg: PPOConfig, env: DistEnv) -> Check:
+def _check_engine(cfg: PPOConfig, env: DistEnv, engines: list) -> Check:
+    """Build the engine and generate a few tokens; the engine is kept in ``engines`` so the
+    caller closes it after the last collective."""
     from fsdp_rlhf.models.load import load_tokenizer
     from fsdp_rlhf.rollout import SamplingConfig
     from fsdp_rlhf.trainers.ppo_setup import build_engine
@@ -204,6 +207,7 @@ def _check_engine(cfg: PPOConfig, env: DistEnv) -> Check:
         tok = load_tokenizer(cfg.models.pretrain, cfg.backend.trust_remote_code)
         start = time.perf_counter()
         engine = build_engine(cfg, env, tok)
+        engines.append(engine)
         built = time.perf_counter() - start
         ids = tok("hello", add_special_tokens=False)["input_ids"] or [tok.eos_token_id]
         out = engine.generate([ids], SamplingConfig(max_new_tokens=4, greedy=True))
@@ -222,22 +226,17 @@ def _memory_check(cfg: PPOConfig, env: DistEnv, device_gib: float) -> Check:
         critic = count_params(critic_src) if critic_src else 0
         if cfg.algo.advantage_estimator != "gae":
             critic = 0
-        kv = (
-            cfg.rollout.vllm_gpu_memory_utilization * device_gib
-            if env.device.type == "cuda"
-            else cfg.rollout.vllm_kvcache_space_gib or 1.0
-        )
-        est = estimate_memory(
-            cfg,
-            actor,
-            critic,
-            env.world_size,
-            device_gib,
-            kv_cache_gib=kv if env.device.type != "cuda" else 0.0,
-        )
+        if env.device.type == "cuda":  # vLLM takes this fraction for weights + KV cache
+            vllm_gib = cfg.rollout.vllm_gpu_memory_utilization * device_gib
+        else:
+            weight_bytes = 2 if cfg.backend.bf16 else 4
+            tp = cfg.rollout.vllm_tensor_parallel_size
+            kv_gib = cfg.rollout.vllm_kvcache_space_gib or 1.0  # the adapter's CPU floor
+            vllm_gib = actor * weight_bytes / tp / 2**30 + kv_gib
+        est = estimate_memory(cfg, actor, critic, env.world_size, device_gib, vllm_gib)
         detail = (
-            f"train phase {est.train_gib:.2f} GiB, rollout phase {est.rollout_gib:.2f} GiB "
-            f"(+ vLLM cache), device {est.device_gib:.1f} GiB"
+            f"train phase {est.train_gib:.2f} GiB, rollout phase {est.rollout_gib:.2f} GiB, "
+            f"device {est.device_gib:.1f} GiB"
         )
         if not est.fits:
             raise RuntimeError("does not fit: " + detail)
@@ -252,15 +251,18 @@ def main(cfg: PPOConfig, debug: bool = False) -> int:
     reports = [None] * env.world_size
     dist.all_gather_object(reports, device_report(env))
     checks = [_try("all-reduce", lambda: _all_reduce_str(env))]
+    engines = []
     if cfg.models.pretrain:
         checks += _check_models(cfg, env)
-        checks.append(_check_engine(cfg, env))
+        checks.append(_check_engine(cfg, env, engines))
         checks.append(_memory_check(cfg, env, min(r["total_gib"] for r in reports)))
     gathered = [None] * env.world_size
     dist.all_gather_object(gathered, [c.__dict__ for c in checks])
     if env.is_rank0:
         _print_report(versions(), reports, gathered)
     ok = all(c["ok"] for rank_checks in gathered for c in rank_checks)
+    for engine in engines:
+        engine.close()  # vLLM's shutdown also destroys the process group
     teardown()
     return 0 if ok else 1
 

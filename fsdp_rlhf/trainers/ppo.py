@@ -63,7 +63,7 @@ def main(cfg: PPOConfig, debug: bool = False) -> int:
     try:
         trainer.train()
     finally:
-        trainer.close()
+        trainer.close()  # shuts the engine down; vLLM destroys the process group with it
         teardown()
     return 0
 
@@ -170,7 +170,7 @@ class PPOTrainer:
         offload_optimizer(self.optimizers["actor"], self.env.device)
         with self.timer("resharding_to_infer"):
             self.engine.wake_up(["weights"])
-            if self.engine_version != self.actor_version:
+            if self.engine_version != self.actor_version or self.weights_discarded_by_sleep:
                 sync = sync_weights(self.models.actor, self.engine, engine_dtype(self.cfg))
                 self.engine_version = self.actor_version
                 metrics["rollout/weight_sync_gbps"] = sync.bytes_per_s / 1e9
@@ -290,5 +290,12 @@ class PPOTrainer:
             )
         log.info("saved actor to %s", self.cfg.ckpt.save_path)
 
+    @property
+    def weights_discarded_by_sleep(self) -> bool:
+        """Sleep level 2 drops the engine's weights: every rollout needs a full sync."""
+        r = self.cfg.rollout
+        return self.env.device.type == "cuda" and r.vllm_enable_sleep and r.vllm_sleep_level == 2
+
     def close(self) -> None:
         self.logger.close()
+        self.engine.close()
