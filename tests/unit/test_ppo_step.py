@@ -1,0 +1,136 @@
+"""PPO step pieces on one process: advantages per estimator, rule rewards (file and HTTP)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+import torch
+
+from fsdp_rlhf.algorithms import FixedKLController
+from fsdp_rlhf.config import PPOAlgoConfig
+from fsdp_rlhf.errors import UserError
+from fsdp_rlhf.trainers.experience import Experience
+from fsdp_rlhf.trainers.ppo_step import clip_ratio, compute_advantages
+from fsdp_rlhf.trainers.rule_reward import build_rule_reward, http_reward
+
+
+def _experience(n_prompts: int = 3, n: int = 4, T: int = 6, seed: int = 0) -> Experience:
+    g = torch.Generator().manual_seed(seed)
+    N = n_prompts * n
+    lengths = torch.randint(1, T + 1, (N,), generator=g)
+    mask = (torch.arange(T) < lengths[:, None]).float()
+    return Experience(
+        input_ids=torch.zeros(N, 4 + T, dtype=torch.long),
+        attention_mask=torch.ones(N, 4 + T, dtype=torch.long),
+        response_mask=mask,
+        engine_logprobs=torch.zeros(N, T),
+        old_logprobs=-torch.rand(N, T, generator=g) * mask,
+        ref_logprobs=-torch.rand(N, T, generator=g) * mask,
+        values=torch.randn(N, T, generator=g) * mask,
+        scores=torch.randn(N, generator=g),
+    )
+
+
+@pytest.mark.parametrize("estimator", ["gae", "reinforce++", "rloo", "grpo", "dr_grpo"])
+@pytest.mark.parametrize("kl_in_loss", [False, True])
+def test_every_estimator_fills_masked_advantages_and_returns(estimator, kl_in_loss):
+    exp = _experience()
+    algo = PPOAlgoConfig(advantage_estimator=estimator, use_kl_loss=kl_in_loss)
+    ctl = FixedKLController(0.1)
+    out = compute_advantages(exp, algo, ctl, n_samples_per_prompt=4)
+    for t in (exp.rewards, exp.advantages, exp.returns):
+        assert t.shape == exp.response_mask.shape and torch.isfinite(t).all()
+        assert (t[exp.response_mask == 0] == 0).all()
+    assert out["actor/kl"] == pytest.approx(
+        float(
+            ((exp.old_logprobs - exp.ref_logprobs) * exp.response_mask).sum()
+            / exp.response_mask.sum()
+        ),
+        rel=1e-5,
+    )
+    # The score lands on the last response token; KL only when it belongs in the reward.
+    last = exp.response_mask.sum(1).long() - 1
+    penalty = -0.1 * (exp.old_logprobs - exp.ref_logprobs) * (0.0 if kl_in_loss else 1.0)
+    expected_last = exp.scores + penalty[torch.arange(len(last)), last]
+    assert torch.allclose(exp.rewards[torch.arange(len(last)), last], expected_last, atol=1e-6)
+
+
+def test_group_estimators_see_whole_groups_in_order():
+    exp = _experience(n_prompts=2, n=3, T=2)
+    exp.response_mask[:] = 1
+    exp.scores = torch.tensor([1.0, 2.0, 3.0, 10.0, 10.0, 40.0])
+    compute_advantages(
+        exp,
+        PPOAlgoConfig(advantage_estimator="dr_grpo", use_kl_loss=True),
+        FixedKLController(0.0),
+        n_samples_per_prompt=3,
+    )
+    # Dr. GRPO: score minus its own group's mean, on every token
+    assert torch.allclose(exp.advantages[:, 0], torch.tensor([-1.0, 0.0, 1.0, -10, -10, 20]))
+
+
+def test_clip_ratio():
+    assert clip_ratio(["stop", "length", "length", "stop"]) == 0.5
+
+
+def test_python_rule_reward_file(tmp_path):
+    f = tmp_path / "r.py"
+    f.write_text(
+        "def reward_func(queries, prompts, labels):\n"
+        "    return [len(q) - len(p) + (l or 0) for q, p, l in zip(queries, prompts, labels)]\n"
+    )
+    fn = build_rule_reward(str(f))
+    assert fn(["ab", "abcd"], ["a", "a"], [None, 10]).tolist() == [1.0, 13.0]
+    bad = tmp_path / "bad.py"
+    bad.write_text("x = 1\n")
+    with pytest.raises(UserError, match="reward_func"):
+        build_rule_reward(str(bad))
+    with pytest.raises(UserError, match="no such file"):
+        build_rule_reward(str(tmp_path / "missing.py"))
+
+
+class _Handler(BaseHTTPRequestHandler):
+    calls: list[int] = []
+
+    def do_POST(self):  # noqa: N802 - http.server API
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        _Handler.calls.append(len(body["query"]))
+        if len(_Handler.calls) == 1:  # the first request fails: the client must retry
+            self.send_response(503)
+            self.end_headers()
+            return
+        rewards = [float(len(q)) for q in body["query"]]
+        data = json.dumps({"rewards": rewards}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_http_rule_reward_batches_and_retries(monkeypatch):
+    monkeypatch.setattr("fsdp_rlhf.trainers.rule_reward.time.sleep", lambda s: None)
+    server = HTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        _Handler.calls = []
+        fn = http_reward(f"http://127.0.0.1:{server.server_port}/", batch_size=2, timeout_s=5)
+        out = fn(["a", "bb", "ccc", "dddd", "eeeee"], ["", "", "", "", ""], [None] * 5)
+        assert out.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
+        assert _Handler.calls == [2, 2, 2, 1]  # failed batch, then 3 batches of <= 2
+    finally:
+        server.shutdown()
+
+
+def test_http_rule_reward_gives_up_after_retries(monkeypatch):
+    monkeypatch.setattr("fsdp_rlhf.trainers.rule_reward.time.sleep", lambda s: None)
+    fn = http_reward("http://127.0.0.1:9/", retries=2, timeout_s=0.5)  # discard port: refused
+    with pytest.raises(RuntimeError, match="failed 3 times"):
+        fn(["q"], ["p"], [None])
