@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import queue as queue_mod
 import socket
 import time
@@ -31,7 +32,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
     )
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        queue.put((rank, "ok", fn(rank, world_size, *args)))
+        # Plain pickle copies tensors by value; torch's queue pickler would share them through
+        # file descriptors that vanish when this process exits before the parent reads.
+        queue.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # noqa: BLE001 - shipped to the parent, which re-raises
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -70,7 +73,7 @@ def run_distributed(
                 errors.append(f"timed out after {timeout}s")
             continue
         if status == "ok":
-            results[rank] = payload
+            results[rank] = pickle.loads(payload)
         else:
             errors.append(f"rank {rank} failed:\n{payload}")
     for p in procs:
