@@ -4,7 +4,8 @@ Schedulers (SLURM, Kubernetes, torchrun's agent) send SIGTERM before killing a j
 sooner than others. The handler only sets a flag; at each step boundary every rank calls
 :meth:`GracefulStop.agreed`, one all-reduce that makes all ranks stop at the same step, so the
 checkpoint they write together is consistent and no rank is left waiting in a collective.
-A second signal of the same kind restores the default action (so a stuck job can still die).
+Repeated signals are absorbed (Slurm and torchrun both deliver SIGTERM); a stuck job is ended
+by the SIGKILL that both send after their grace period.
 """
 
 from __future__ import annotations
@@ -51,11 +52,11 @@ class GracefulStop:
         self._previous = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.received is not None:
-            self.restore()
-            signal.raise_signal(signum)
-            return
-        self.received = signal.Signals(signum)
+        # Repeats are expected, not an escalation: at a Slurm time limit every process of the
+        # step gets SIGTERM and torchrun forwards its own copy to the workers. Dying on the
+        # second one would lose the checkpoint; a stuck job still ends by SIGKILL.
+        if self.received is None:
+            self.received = signal.Signals(signum)
 
     @property
     def requested(self) -> bool:

@@ -89,6 +89,9 @@ class PPOTrainer:
             if a.kl_target is not None
             else FixedKLController(a.init_kl_coef)
         )
+        if a.use_kl_loss and a.kl_estimator == "k1":
+            log.warning("--use_kl_loss with --kl_estimator k1: k1's gradient is zero in "
+                        "expectation, so the KL term barely constrains the actor; use k2 or k3")
         self.engine = build_engine(cfg, env, self.models.tokenizer)
         self.timer = PhaseTimer(env.device)
         resume_from = ckpt.resolve_resume(cfg.ckpt.ckpt_path, cfg.ckpt.load_checkpoint)
