@@ -1,6 +1,6 @@
 """`make demo`: the whole pipeline on 2 CPU ranks in a few minutes, nothing downloaded.
 
-1. build a small Qwen2 model and BPE tokenizer locally (random weights),
+1. build a small Qwen2 model and BPE tokenizer locally, warm it up on the synthetic texts,
 2. train a reward model on synthetic preference pairs (`fsdp-rlhf train-rm`),
 3. run PPO against it with vLLM rollouts (`fsdp-rlhf ppo`),
 4. print a summary table and write a PNG of score and KL per step next to the TensorBoard logs.
@@ -53,6 +53,31 @@ def torchrun(args: list[str], log_file: Path, nproc: int) -> float:
         tail = log_file.read_text().splitlines()[-30:]
         sys.exit(f"demo step failed (log: {log_file}):\n" + "\n".join(tail))
     return time.perf_counter() - start
+
+
+def sft_warmup(model_dir: Path, rows: list[dict], steps: int, seed: int = 0) -> float:
+    """A short causal-LM fit on prompt + reply texts, so the policy starts out writing words
+    (a random model emits byte soup, and PPO would only learn to game the reward model)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    texts = [r["prompt"] + r[k] + tok.eos_token for r in rows
+             for k in ("chosen_reply", "rejected_reply")]
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for step in range(steps):
+        batch = [texts[(step * 32 + i) % len(texts)] for i in range(32)]
+        enc = tok(batch, return_tensors="pt", padding=True)
+        labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+        loss = model(**enc, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(model_dir)
+    return float(loss)
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -114,6 +139,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO / "demo_out"))
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--ppo_steps", type=int, default=None, help="override max_steps")
+    ap.add_argument("--sft_steps", type=int, default=150, help="LM warm-up steps (0: none)")
     args = ap.parse_args()
     out = Path(args.out)
     for d in ("models", "data", "logs"):
@@ -122,7 +148,10 @@ def main() -> None:
     sft = build_model(
         out / "models" / "sft", "qwen2", hidden_size=128, num_layers=2, num_heads=2, seed=1
     )
-    write_jsonl(preference_rows(1024, seed=1), out / "data" / "pairs.jsonl")
+    pairs = preference_rows(1024, seed=1)
+    write_jsonl(pairs, out / "data" / "pairs.jsonl")
+    loss = sft_warmup(sft, pairs, steps=args.sft_steps)
+    print(f"SFT warm-up: {args.sft_steps} steps on the pairs' texts, final LM loss {loss:.2f}")
     write_jsonl(prompt_rows(1024, seed=1), out / "data" / "prompts.jsonl")
     times = {
         "rm": torchrun(
