@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from fsdp_rlhf.config import BackendConfig, FSDPConfig
@@ -137,21 +138,20 @@ def _fsdp_checks(rank: int, world: int, model_path: str, ckpt_dir: str, zero_sta
     )
 
 
-def test_fsdp2_parity_clip_dcp_offload_export(tiny_qwen2, tmp_path):
-    for zero_stage in (3, 2):
-        out = run_distributed(
-            _fsdp_checks, 2, tiny_qwen2, str(tmp_path / f"ck{zero_stage}"), zero_stage
-        )
-        for r in out:
-            assert r["max_grad_diff"] < 1e-5, r
-            assert abs(r["norm"] - r["ref_norm"]) < 1e-4 * r["ref_norm"], r
-            assert abs(r["clipped"] - 0.5) < 1e-3, r
-            assert r["restored"] and r["opt_restored"] and r["rng_restored"], r
-            assert (r["step"], r["pos"]) == (1, 5)
-            assert abs(r["lr"] - 1e-2 / 2) < 1e-12
-            assert r["moved"] == r["local_bytes"] and r["moved_opt"] > 0 and r["ptrs_changed"], r
-            assert r["offload_ok"] and r["export_ok"], r
-        assert out[0]["loss_after"] == out[1]["loss_after"]
+@pytest.mark.parametrize("arch,zero_stage", [("tiny_qwen2", 3), ("tiny_llama", 2)])
+def test_fsdp2_parity_clip_dcp_offload_export(arch, zero_stage, request, tmp_path):
+    model_path = request.getfixturevalue(arch)
+    out = run_distributed(_fsdp_checks, 2, model_path, str(tmp_path / "ck"), zero_stage)
+    for r in out:
+        assert r["max_grad_diff"] < 1e-5, r
+        assert abs(r["norm"] - r["ref_norm"]) < 1e-4 * r["ref_norm"], r
+        assert abs(r["clipped"] - 0.5) < 1e-3, r
+        assert r["restored"] and r["opt_restored"] and r["rng_restored"], r
+        assert (r["step"], r["pos"]) == (1, 5)
+        assert abs(r["lr"] - 1e-2 / 2) < 1e-12
+        assert r["moved"] == r["local_bytes"] and r["moved_opt"] > 0 and r["ptrs_changed"], r
+        assert r["offload_ok"] and r["export_ok"], r
+    assert out[0]["loss_after"] == out[1]["loss_after"]
 
 
 def test_optimizer_offload_round_trip_single_process():
