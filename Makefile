@@ -36,6 +36,9 @@ demo: install
 	$(BIN)/python cmd/demo.py
 
 bench: install
+	@# TRL is only the peer the bench compares against, not a dependency of the trainer;
+	@# 1.16.0 resolves against our pins (it adds accelerate).
+	$(BIN)/pip install -q trl==1.16.0
 	$(BIN)/python cmd/bench.py
 
 lint: install

@@ -130,6 +130,9 @@ class RMBatchConfig:
     train_batch_size: int = doc(128, "Pairs per optimizer step, global.")
     micro_train_batch_size: int = doc(8, "Pairs per forward/backward on one rank.")
     max_epochs: int = doc(1, "Passes over the training data.")
+    packing_samples: bool = doc(
+        False, "Pack each micro-batch into one row without padding (attention per sequence)."
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

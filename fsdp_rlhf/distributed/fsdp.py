@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_rlhf.config import FSDPConfig
 
@@ -83,6 +83,19 @@ def shard_model(
     return model
 
 
+def accumulate(model: FSDPModule, last: bool, zero_stage: int) -> None:
+    """Call before each micro-batch's forward/backward of one optimizer step.
+
+    Gradients are reduce-scattered only after the last micro-batch. Below ZeRO-3 the gathered
+    parameters also stay until then: FSDP2 otherwise frees them after every backward and
+    gathers them again for the next micro-batch's forward, one all-gather of the whole model
+    per micro-batch (2 CPU ranks over gloo, 4 micro-batches: 10% of the PPO update's time).
+    """
+    model.set_requires_gradient_sync(last)
+    if zero_stage < 3:
+        model.set_reshard_after_backward(last)
+
+
 def set_sum_reduction(model: nn.Module) -> None:
     """Make FSDP sum gradients across ranks instead of averaging them.
 
@@ -123,17 +136,83 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float) -> float:
     return total
 
 
-def iter_full_params(
-    model: nn.Module, dtype: torch.dtype | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, full tensor)`` one at a time (each rank gets the full tensor).
+# Most bytes one gather moves (full tensors, summed over the bucket); a larger parameter goes
+# alone. One collective per parameter costs a latency each (hundreds of them for a 7B model),
+# and casting shards to the target dtype before gathering halves the bytes when fp32 shards
+# feed a bf16 engine: together 2x faster than per-parameter gathers (34M model, 2 gloo ranks).
+GATHER_BUCKET_BYTES = 256 << 20
 
-    Only one gathered tensor is alive at a time, so peak memory is one parameter, not the model.
-    Every rank must consume the whole iterator: each step is a collective.
+
+def _dim0_shard_numel(p: torch.Tensor) -> int | None:
+    """Elements per rank, padded to equal chunks, of an FSDP2-style shard; else None.
+
+    A DTensor placed ``Shard(0)`` on a 1-D mesh holds rows ``[r * c, (r + 1) * c)`` on rank r
+    with ``c = ceil(rows / world)`` (the last ranks shorter or empty): the DTensor contract, so
+    every rank reaches the same answer without communicating.
     """
+    if not isinstance(p, DTensor) or p.device_mesh.ndim != 1 or p.ndim == 0:
+        return None
+    if tuple(p.placements) != (Shard(0),) or p.shape[0] == 0:
+        return None
+    chunk = -(-p.shape[0] // p.device_mesh.size())
+    return chunk * (p.numel() // p.shape[0])
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _gather_bucket(
+    bucket: list[tuple[str, DTensor, int]], dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """One all-gather of every shard in ``bucket``, cast to ``dtype`` first; yields full tensors."""
+    mesh = bucket[0][1].device_mesh
+    total = sum(n for _, _, n in bucket)
+    send = torch.zeros(total, dtype=dtype, device=_mesh_device(mesh))
+    offset = 0
+    for _, p, n in bucket:
+        local = p.to_local().detach().reshape(-1)
+        send[offset : offset + local.numel()].copy_(local)
+        offset += n
+    recv = torch.empty(mesh.size() * total, dtype=dtype, device=send.device)
+    dist.all_gather_into_tensor(recv, send, group=mesh.get_group())
+    recv = recv.view(mesh.size(), total)
+    offset = 0
+    for name, p, n in bucket:
+        # Rank r's slice holds rows r*c .. r*c + c - 1: stacking the slices restores row order.
+        yield name, recv[:, offset : offset + n].reshape(-1, *p.shape[1:])[: p.shape[0]]
+        offset += n
+
+
+def iter_full_params(
+    model: nn.Module, dtype: torch.dtype | None = None, bucket_bytes: int = GATHER_BUCKET_BYTES
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, full tensor in dtype)`` for every parameter (each rank gets them all).
+
+    FSDP2 shards are gathered in buckets of up to ``bucket_bytes`` with one all-gather each, so
+    peak extra memory is about two buckets (or one parameter, when larger), not the model.
+    Every rank must consume the whole iterator: each bucket is a collective.
+    """
+    bucket: list[tuple[str, DTensor, int]] = []
+    size, key = 0, None
     for name, p in model.named_parameters():
-        full = p.full_tensor() if isinstance(p, DTensor) else p
-        yield name, (full.detach().to(dtype) if dtype is not None else full.detach())
+        n = _dim0_shard_numel(p)
+        out = dtype or p.dtype
+        nbytes = 0 if n is None else n * p.device_mesh.size() * out.itemsize
+        fits = n is not None and key == (p.device_mesh, out) and size + nbytes <= bucket_bytes
+        if bucket and not fits:
+            yield from _gather_bucket(bucket, key[1])
+            bucket, size = [], 0
+        if n is None:  # not an FSDP2 shard: gathered alone, the generic way
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            yield name, full.detach().to(out)
+            continue
+        bucket.append((name, p, n))
+        size, key = size + nbytes, (p.device_mesh, out)
+    if bucket:
+        yield from _gather_bucket(bucket, key[1])
 
 
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

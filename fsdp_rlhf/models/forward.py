@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from fsdp_rlhf.algorithms import entropy_from_logits, logprobs_from_logits
+from fsdp_rlhf.models.packing import pack_rows
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -41,19 +42,34 @@ def token_values(
     Returns:
         (B, L) float32 values.
     """
+    return _head_values(
+        model,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    )
+
+
+def _head_values(model: nn.Module, **inputs) -> torch.Tensor:
+    """The scalar head's output at every position of ``model(**inputs)``: (B, L) float32."""
     captured: list[torch.Tensor] = []
     handle = model.score.register_forward_hook(lambda _m, _args, out: captured.append(out))
     try:
-        out = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask),
-            use_cache=False,
-        )
+        out = model(**inputs)
     finally:
         handle.remove()
     # out.logits (B, 1) are entries of the captured values, so the zero term changes nothing.
     return (captured[0] + 0.0 * out.logits.unsqueeze(1)).squeeze(-1).float()
+
+
+def packed_sequence_scores(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
+    """:func:`sequence_scores` without padding: the rows go through the model as one packed
+    row (the model must use ``models.packing.use_varlen_attention``). (B, L) -> (B,)."""
+    packed = pack_rows(input_ids, attention_mask)
+    return _head_values(model, **packed.model_inputs())[0, packed.last_index]
 
 
 def sequence_scores(

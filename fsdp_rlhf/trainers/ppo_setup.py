@@ -229,7 +229,10 @@ def build_engine(cfg: PPOConfig, env: DistEnv, tokenizer) -> RolloutEngine:
             pad_token_id=tokenizer.pad_token_id,
             trust_remote_code=cfg.backend.trust_remote_code,
         )
-    model = load_causal_lm(cfg.models.pretrain, cfg.backend, env.device).to(env.device)
+    # In the engine dtype, like vLLM: an fp32 copy under --bf16 sampled from other logits than
+    # the trainer computes, and generated about 3x slower on a bf16-capable CPU (bench).
+    model = load_causal_lm(cfg.models.pretrain, cfg.backend, env.device)
+    model = model.to(device=env.device, dtype=engine_dtype(cfg))
     model.config.use_cache = True
     return HFEngine(
         model,

@@ -28,7 +28,7 @@ from fsdp_rlhf.algorithms import (
 )
 from fsdp_rlhf.algorithms.advantages import discounted_returns
 from fsdp_rlhf.config import PPOAlgoConfig, PPOConfig
-from fsdp_rlhf.distributed.fsdp import clip_grad_norm_
+from fsdp_rlhf.distributed.fsdp import accumulate, clip_grad_norm_
 from fsdp_rlhf.distributed.offload import offload_model, onload_model
 from fsdp_rlhf.models.forward import response_logprobs, token_values
 from fsdp_rlhf.rollout.engine import RolloutOutput, SamplingConfig
@@ -151,8 +151,7 @@ def _update_loop(trainer: PPOTrainer, name: str, exp: Experience, loss_fn) -> di
             num_seqs = cfg.batch.train_batch_size
             micros = _chunks(mb.num_sequences, plan.micro_train_batch_size)
             for i, sl in enumerate(micros):
-                # Reduce-scatter grads only on the last micro-batch; earlier ones accumulate.
-                model.set_requires_gradient_sync(i == len(micros) - 1)
+                accumulate(model, i == len(micros) - 1, cfg.fsdp.zero_stage)
                 loss, step_stats = loss_fn(
                     mb.rows(torch.arange(sl.start, sl.stop)), num_tokens, num_seqs
                 )

@@ -22,6 +22,7 @@ from fsdp_rlhf.distributed.fsdp import build_mesh, describe_zero_stage, shard_mo
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.metrics import MetricLogger
 from fsdp_rlhf.models.load import load_scalar_model
+from fsdp_rlhf.models.packing import use_varlen_attention
 from fsdp_rlhf.optim import build_optimizer, build_scheduler
 from fsdp_rlhf.trainers.rm_data import RMData
 
@@ -79,6 +80,8 @@ def build_model(cfg: RMConfig, env: DistEnv, pad_token_id: int) -> FSDPModule:
     )
     # HF (and vLLM) score the last token that is not pad_token_id: use the tokenizer's pad.
     model.config.pad_token_id = pad_token_id
+    if cfg.batch.packing_samples:
+        use_varlen_attention(model)
     shard_model(
         model,
         build_mesh(env.device, env.world_size),

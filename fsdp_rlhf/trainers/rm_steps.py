@@ -12,16 +12,18 @@ from fsdp_rlhf.config import RMLossConfig
 from fsdp_rlhf.data.preference import PairBatch, eval_batches
 from fsdp_rlhf.data.schedule import DataPosition
 from fsdp_rlhf.distributed.env import all_reduce_scalars
-from fsdp_rlhf.distributed.fsdp import clip_grad_norm_
-from fsdp_rlhf.models.forward import sequence_scores
+from fsdp_rlhf.distributed.fsdp import accumulate, clip_grad_norm_
+from fsdp_rlhf.models.forward import packed_sequence_scores, sequence_scores
 from fsdp_rlhf.trainers.rm_setup import RMRun
 
 
 def score_pairs(
-    model: nn.Module, batch: PairBatch, device: torch.device
+    model: nn.Module, batch: PairBatch, device: torch.device, packed: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward over the (2B, L) batch. Returns (B,) chosen and (B,) rejected scores (fp32)."""
-    scores = sequence_scores(model, batch.input_ids.to(device), batch.attention_mask.to(device))
+    """One forward over the 2B sequences, as a padded (2B, L) batch or (``packed``) one row
+    without padding. Returns (B,) chosen and (B,) rejected scores (fp32)."""
+    score = packed_sequence_scores if packed else sequence_scores
+    scores = score(model, batch.input_ids.to(device), batch.attention_mask.to(device))
     return scores[: batch.num_pairs], scores[batch.num_pairs :]
 
 
@@ -53,10 +55,11 @@ def train_step(run: RMRun, pos: DataPosition) -> dict[str, float]:
         global ``grad_norm`` and the ``lr`` this step used.
     """
     batches = run.loader.step_batches(pos)
+    packed = run.cfg.batch.packing_samples
     sums = dict.fromkeys(("loss", "acc", "chosen_reward", "reject_reward", "margin"), 0.0)
     for i, batch in enumerate(batches):
-        run.model.set_requires_gradient_sync(i == len(batches) - 1)
-        chosen, rejected = score_pairs(run.model, batch, run.env.device)
+        accumulate(run.model, i == len(batches) - 1, run.cfg.fsdp.zero_stage)
+        chosen, rejected = score_pairs(run.model, batch, run.env.device, packed)
         margin = batch.margin.to(run.env.device) if batch.margin is not None else None
         loss = objective(chosen, rejected, margin, run.cfg.loss)
         (loss / len(batches)).backward()
@@ -85,9 +88,10 @@ def evaluate(run: RMRun) -> dict[str, float]:
     run.model.eval()
     sums = dict.fromkeys(("loss", "correct", "pairs", "reward_sum", "reward_sq"), 0.0)
     env, pad_id = run.env, run.tokenizer.pad_token_id
+    packed = run.cfg.batch.packing_samples
     micro = run.plan.micro_batch_size_per_rank
     for batch in eval_batches(run.data.eval, env.world_size, env.rank, micro, pad_id):
-        chosen, rejected = score_pairs(run.model, batch, env.device)
+        chosen, rejected = score_pairs(run.model, batch, env.device, packed)
         n = batch.num_valid
         if n == 0:
             continue  # padding only: the forward above kept the collectives in step

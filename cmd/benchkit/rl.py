@@ -1,0 +1,162 @@
+"""RL step: `fsdp-rlhf ppo` (GRPO, vLLM or HF rollouts; PPO with critic) against TRL's
+`GRPOTrainer`, plus the phase breakdown, weight-sync rate and scaling runs of ours.
+
+Tokens per second per rank is the seed's e2e_tps formula, (prompt + response tokens) of the
+step's samples / ranks / seconds, with seconds taken between step log lines for both sides
+(ours also logs e2e_tps from its own step timer, reported beside it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchkit.launch import REPO, Job, bench_env, cli, run_job, torchrun
+from benchkit.rates import median, steady_window
+from benchkit.workload import Sizes, Workload
+
+LR = 1e-6
+BETA = 0.001  # KL coefficient; > 0 so that TRL also runs its reference model, as ours always does
+SEED = 42
+PROMPT_MAX_LEN = 128
+# Phases that compute; the rest of a step (weight sync, offload/onload, untimed glue) is overhead.
+COMPUTE_PHASES = (
+    "rollout",
+    "old_log_p",
+    "reference_model",
+    "reward_model",
+    "critic_model",
+    "rule_reward",
+    "adv",
+    "update",
+    "update_critic",
+)
+
+
+def ours_cmd(
+    w: Workload,
+    s: Sizes,
+    out: Path,
+    *,
+    nproc: int,
+    engine: str = "vllm",
+    resp_len: int | None = None,
+    rm: Path | None = None,
+) -> list[str]:
+    """GRPO with the rule reward, or (``rm`` given) PPO with GAE: RM scores, critic from it."""
+    flags = dict(
+        pretrain=w.model, prompt_data=w.prompts, input_key="input", apply_chat_template=True,
+        prompt_max_len=PROMPT_MAX_LEN, generate_max_len=resp_len or s.rl_resp_len,
+        rollout_batch_size=s.rl_prompts, n_samples_per_prompt=s.rl_n,
+        train_batch_size=s.rl_prompts * s.rl_n, micro_train_batch_size=s.rl_micro,
+        micro_rollout_batch_size=s.rl_micro, max_steps=s.rl_steps, actor_learning_rate=LR,
+        lr_warmup_ratio=0, bf16=True, rollout_engine=engine, save_path=out,
+        ckpt_path=out / "ckpt", save_steps=-1, sample_log_steps=0, logging_steps=1, seed=SEED,
+    )  # fmt: skip
+    if rm is None:
+        flags.update(advantage_estimator="grpo", remote_rm_url=w.reward_py, use_kl_loss=True,
+                     init_kl_coef=BETA)  # fmt: skip
+    else:
+        flags.update(advantage_estimator="gae", reward_pretrain=rm, critic_pretrain=rm,
+                     critic_learning_rate=LR)  # fmt: skip
+    return torchrun(nproc, cli("ppo", **flags))
+
+
+def trl_cmd(w: Workload, s: Sizes, out: Path, nproc: int) -> list[str]:
+    per_rank = s.rl_prompts * s.rl_n // nproc
+    cfg = dict(
+        model=str(w.model),
+        prompts=str(w.prompts),
+        out=str(out),
+        micro=s.rl_micro,
+        grad_accum=per_rank // s.rl_micro,
+        n=s.rl_n,
+        resp_len=s.rl_resp_len,
+        steps=s.rl_steps,
+        beta=BETA,
+        lr=LR,
+        bf16=True,
+        seed=SEED,
+    )
+    return torchrun(nproc, [str(REPO / "cmd" / "benchkit" / "trl_grpo_worker.py"), json.dumps(cfg)])
+
+
+def _phases(rows: list[dict]) -> dict[str, float]:
+    keys = sorted({k for r in rows for k in r if k.startswith("timing/")})
+    return {k.removeprefix("timing/"): median([r[k] for r in rows if k in r]) for k in keys}
+
+
+def _overhead(row: dict, step_s: float) -> float:
+    compute = sum(row.get(f"timing/{p}", 0.0) for p in COMPUTE_PHASES)
+    return (step_s - compute) / step_s
+
+
+def summarize_ours(job: Job, s: Sizes, nproc: int) -> dict:
+    rows, seconds = steady_window(job, s.rl_warmup)
+    tokens = [
+        (r["response_length/mean"] + r["prompt_length/mean"]) * s.rl_prompts * s.rl_n for r in rows
+    ]
+    wall_step = seconds / len(rows)
+    memory = {
+        k.removeprefix("memory/"): max(r[k] for r in job.rows if k in r)
+        for k in job.rows[-1]
+        if k.startswith("memory/")
+    }
+    return {
+        "e2e_tps": sum(tokens) / nproc / seconds,
+        "e2e_tps_logged": median([r["e2e_tps"] for r in rows]),
+        "step_s": median([r["timing/all"] for r in rows]),
+        "wall_step_s": wall_step,
+        "phases_s": _phases(rows),
+        "overhead_frac": median([_overhead(r, r["timing/all"]) for r in rows]),
+        "wall_overhead_frac": median([_overhead(r, wall_step) for r in rows]),
+        "weight_sync_gbps": median(
+            [r["rollout/weight_sync_gbps"] for r in rows if "rollout/weight_sync_gbps" in r]
+        ),
+        "response_len": median([r["response_length/mean"] for r in rows]),
+        "prompt_len": median([r["prompt_length/mean"] for r in rows]),
+        "peak_rss_gib_by_phase": memory,
+        "peak_rss_gib": job.peak_rss_gib,
+        "wall_s": job.wall_s,
+    }
+
+
+def summarize_trl(job: Job, s: Sizes, nproc: int) -> dict:
+    rows, seconds = steady_window(job, s.rl_warmup)
+    before = job.rows[s.rl_warmup - 1]["num_tokens"]
+    return {
+        "e2e_tps": (rows[-1]["num_tokens"] - before) / nproc / seconds,
+        "wall_step_s": seconds / len(rows),
+        "response_len": median([r["completions/mean_length"] for r in rows]),
+        "peak_rss_gib": job.peak_rss_gib,
+        "wall_s": job.wall_s,
+    }
+
+
+def run_ours(
+    name: str,
+    w: Workload,
+    s: Sizes,
+    work: Path,
+    nproc: int,
+    env: dict[str, str] | None = None,
+    **kw,
+) -> dict:
+    out = work / name
+    job = run_job(
+        name,
+        ours_cmd(w, s, out, nproc=nproc, **kw),
+        work / f"{name}.log",
+        out / "metrics.jsonl",
+        {**bench_env(work), **(env or {})},
+    )
+    return summarize_ours(job, s, nproc)
+
+
+def run_trl(name: str, w: Workload, s: Sizes, work: Path, nproc: int) -> dict:
+    out = work / name
+    out.mkdir(parents=True, exist_ok=True)
+    job = run_job(
+        name, trl_cmd(w, s, out, nproc), work / f"{name}.log", out / "steps.jsonl", bench_env(work)
+    )
+    return summarize_trl(job, s, nproc)

@@ -1,0 +1,85 @@
+"""``bench/results/summary.md``: machine, workload, table, targets, phases, memory, notes."""
+
+from __future__ import annotations
+
+from benchkit.notes import notes
+from benchkit.render import DIFFERS, HEADER, SAME, md_table, phases_md, table_rows, targets_md
+
+
+def _machine_md(m: dict) -> str:
+    v = ", ".join(f"{k} {val}" for k, val in m["versions"].items())
+    gpus = ", ".join(m["gpus"]) or "none"
+    load = " / ".join(f"{x:.1f}" for x in m["load_avg_start"])
+    end = " / ".join(f"{x:.1f}" for x in m.get("load_avg_end", ()))
+    return (
+        f"- CPU: {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM; GPUs: {gpus}\n"
+        f"- {m['os']}\n- {v}\n- load average (1/5/15 min) at start: {load}; at end: {end} "
+        "(other jobs share these cores: runs are interleaved and medians reported)"
+    )
+
+
+def _workload_md(raw: dict) -> str:
+    s = raw["sizes"]
+    return (
+        f"- Model: Qwen2 architecture, {raw['params_m']:.1f}M parameters (hidden {s['hidden']}, "
+        f"{s['layers']} layers, {s['heads']} heads of 64, FFN {s['intermediate']}, "
+        f"vocab {s['vocab']}), random init, bf16 compute, {s['nproc']} ranks\n"
+        f"- RM: {s['rm_pairs_per_step']} pairs/step, micro-batch {s['rm_micro']}/rank, "
+        f"{s['rm_steps']} steps ({s['rm_warmup']} warm-up steps not timed), "
+        f"{raw['rm_tokens_per_pair']:.0f} tokens per pair on average\n"
+        f"- RL: {s['rl_prompts']} prompts x {s['rl_n']} samples/step, up to "
+        f"{s['rl_resp_len']} new tokens, micro-batch {s['rl_micro']}/rank, {s['rl_steps']} "
+        f"steps ({s['rl_warmup']} warm-up), {s['reps']} interleaved repetitions per comparison"
+    )
+
+
+def _memory_md(raw: dict) -> str:
+    rows = []
+    for i, run in enumerate(raw["rm_runs"]):
+        for side in ("ours", "trl"):
+            if side in run:
+                rows.append((f"RM {side} rep {i}", f"{run[side]['peak_rss_gib']:.2f}"))
+    for i, run in enumerate(raw["rl_runs"]):
+        for side in ("ours", "trl"):
+            if side in run:
+                rows.append((f"GRPO {side} rep {i}", f"{run[side]['peak_rss_gib']:.2f}"))
+    if "rm_padded" in raw:
+        rows.append(("RM ours without packing", f"{raw['rm_padded']['peak_rss_gib']:.2f}"))
+    for name, run in raw.get("extra", {}).items():
+        rows.append((f"ours {name}", f"{run['peak_rss_gib']:.2f}"))
+    per_phase = raw["rl_runs"][0]["ours"]["peak_rss_gib_by_phase"]
+    phase_rows = [(k.removesuffix("_gib"), f"{v:.2f}") for k, v in sorted(per_phase.items())]
+    return (
+        md_table(("run", "peak RSS per process (GiB)"), rows)
+        + "\n\nOur PPO processes also hold the vLLM engine (its weights and KV cache, at least "
+        "1 GiB on CPU) beside the FSDP2 actor and reference model; TRL's GRPO has no engine."
+        + "\n\nOurs, GRPO rep 0, peak RSS of rank 0 at the end of each phase (on CPU this "
+        "is the process high-water mark so far, so it only grows):\n\n"
+        + md_table(("phase", "GiB"), phase_rows)
+    )
+
+
+def summary_md(raw: dict) -> str:
+    parts = [
+        f"# Benchmark: fsdp-rlhf vs TRL ({raw['started']})",
+        f"`{raw['command']}` took {raw['elapsed_s'] / 60:.1f} min.",
+        "## Machine",
+        _machine_md(raw["machine"]),
+        "## Workload",
+        _workload_md(raw),
+        "## Results",
+        md_table(HEADER, table_rows(raw)),
+        "Throughput is steady state: time between step log lines after the warm-up steps, "
+        "stamped by the bench for both sides. Values are medians over repetitions.",
+        "## Targets (issue #8)",
+        targets_md(raw),
+        "## Phase breakdown of our steps",
+        phases_md(raw),
+        "## Peak memory",
+        _memory_md(raw),
+        "## Fairness",
+        f"- {SAME}\n- {DIFFERS}",
+        "## Where the time goes",
+        "\n".join(f"- {n}" for n in notes(raw)),
+    ]
+    return "\n\n".join(parts) + "\n"

@@ -1,0 +1,56 @@
+"""`cmd/bench.py --smoke`: every measurement path runs and writes sane numbers (not speed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from tests.e2e.helpers import REPO, _env
+
+pytestmark = pytest.mark.slow
+
+HAS_TRL = importlib.util.find_spec("trl") is not None
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("bench")
+    proc = subprocess.run(
+        [sys.executable, "cmd/bench.py", "--smoke", "--out", str(out), "--work", str(out / "w")],
+        capture_output=True, text=True, cwd=REPO, env=_env(None), timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    raw = json.loads((out / "latest.json").read_text())
+    return {"raw": raw, "summary": (out / "summary.md").read_text(), "stdout": proc.stdout}
+
+
+def _positive(x) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x) and x > 0
+
+
+def test_our_side_is_measured_and_written(smoke):
+    raw, h = smoke["raw"], smoke["raw"]["headline"]
+    for key in ("rm_ours_pairs_s", "rm_ours_tokens_s", "rl_ours_tps", "sync_gbps"):
+        assert _positive(h[key]), (key, h[key])
+    assert 0 <= h["overhead_frac"] < 1
+    assert _positive(raw["memcpy"]["gbps_1_thread"])
+    ours = raw["rl_runs"][0]["ours"]
+    assert _positive(ours["phases_s"]["rollout"]) and _positive(ours["phases_s"]["update"])
+    assert ours["phases_s"]["all"] >= ours["phases_s"]["update"]
+    assert _positive(ours["peak_rss_gib"]) and ours["peak_rss_gib_by_phase"]
+    assert raw["machine"]["cores"] >= 1 and raw["machine"]["versions"]["torch"]
+    for section in ("## Machine", "## Results", "## Targets", "## Phase breakdown", "## Fairness"):
+        assert section in smoke["summary"]
+    assert "RM training pairs/s" in smoke["stdout"]  # the console table
+
+
+@pytest.mark.skipif(not HAS_TRL, reason="trl is not installed (`make bench` installs it)")
+def test_trl_side_is_measured(smoke):
+    h = smoke["raw"]["headline"]
+    for key in ("rm_trl_pairs_s", "rl_trl_tps", "rm_ratio", "rl_ratio"):
+        assert _positive(h[key]), (key, h[key])

@@ -1,0 +1,66 @@
+"""Padding-free forwards (`--packing_samples`): packing layout, and scores and gradients equal to
+the padded forward, with both attention kernels and with grouped-query attention."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from fsdp_rlhf.config import BackendConfig
+from fsdp_rlhf.models import packing
+from fsdp_rlhf.models.forward import packed_sequence_scores, sequence_scores
+from fsdp_rlhf.models.load import load_scalar_model
+from fsdp_rlhf.models.packing import pack_rows, use_varlen_attention
+
+
+def test_pack_rows_layout_for_left_and_right_padding():
+    ids = torch.tensor([[5, 6, 7, 0], [0, 0, 8, 9], [1, 2, 3, 4]])
+    mask = (ids != 0).long()
+    packed = pack_rows(ids, mask)
+    assert packed.input_ids.tolist() == [[5, 6, 7, 8, 9, 1, 2, 3, 4]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
+    assert packed.cu_seqlens.tolist() == [0, 3, 5, 9]
+    assert packed.last_index.tolist() == [2, 4, 8]
+    assert packed.max_len == 4
+    with pytest.raises(ValueError, match="no tokens"):
+        pack_rows(ids, torch.zeros_like(mask))
+
+
+def _batch(vocab: int, pad: int):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (5, 16), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 10:] = 0  # right padding
+    mask[3, :6] = 0  # left padding
+    mask[4, 2:] = 0  # a 2-token sequence
+    return ids.masked_fill(mask == 0, pad), mask
+
+
+@pytest.fixture(scope="module")
+def tiny_gqa(tmp_path_factory) -> str:
+    from fsdp_rlhf.models.tiny import build_model
+
+    path = tmp_path_factory.mktemp("tiny_gqa")
+    return str(build_model(path, "qwen2", num_heads=2, num_kv_heads=1, seed=3))
+
+
+@pytest.mark.parametrize("math_max_len", [512, 0])  # math kernel; flash kernel
+@pytest.mark.parametrize("model_fixture", ["tiny_qwen2", "tiny_gqa"])
+def test_packed_scores_and_grads_match_padded(model_fixture, math_max_len, request, monkeypatch):
+    monkeypatch.setattr(packing, "CPU_MATH_SDPA_MAX_LEN", math_max_len)
+    path = request.getfixturevalue(model_fixture)
+    torch.manual_seed(0)
+    cpu = torch.device("cpu")
+    padded = load_scalar_model(path, BackendConfig(), cpu, value_head_prefix="score")
+    padded.config.pad_token_id = 0
+    packed = copy.deepcopy(padded)
+    use_varlen_attention(packed)
+    ids, mask = _batch(padded.config.vocab_size, pad=0)
+    a, b = sequence_scores(padded, ids, mask), packed_sequence_scores(packed, ids, mask)
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    (a * torch.arange(1.0, 6.0)).sum().backward()
+    (b * torch.arange(1.0, 6.0)).sum().backward()
+    for (name, p), q in zip(padded.named_parameters(), packed.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
