@@ -30,7 +30,12 @@ from fsdp_rlhf.metrics import MetricLogger, PhaseTimer, setup_logging, truncate_
 from fsdp_rlhf.models.save import save_hf_model
 from fsdp_rlhf.rollout import sync_weights
 from fsdp_rlhf.trainers import ppo_step
-from fsdp_rlhf.trainers.experience import Experience, batched_logprobs, batched_scores
+from fsdp_rlhf.trainers.experience import (
+    Experience,
+    batched_logprobs,
+    batched_scores,
+    batched_values,
+)
 from fsdp_rlhf.trainers.ppo_metrics import StatCollector
 from fsdp_rlhf.trainers.ppo_setup import (
     build_engine,
@@ -90,8 +95,10 @@ class PPOTrainer:
             else FixedKLController(a.init_kl_coef)
         )
         if a.use_kl_loss and a.kl_estimator == "k1":
-            log.warning("--use_kl_loss with --kl_estimator k1: k1's gradient is zero in "
-                        "expectation, so the KL term barely constrains the actor; use k2 or k3")
+            log.warning(
+                "--use_kl_loss with --kl_estimator k1: k1's gradient is zero in "
+                "expectation, so the KL term barely constrains the actor; use k2 or k3"
+            )
         self.engine = build_engine(cfg, env, self.models.tokenizer)
         self.timer = PhaseTimer(env.device)
         resume_from = ckpt.resolve_resume(cfg.ckpt.ckpt_path, cfg.ckpt.load_checkpoint)
@@ -221,7 +228,7 @@ class PPOTrainer:
         if self.models.critic is not None:
             with self.timer("critic_model"):
                 onload_model(self.models.critic, self.env.device)
-                exp.values = ppo_step.critic_values(self.models.critic, exp, micro)
+                exp.values = batched_values(self.models.critic, exp, micro)
 
     def update(self, exp: Experience) -> dict[str, float]:
         metrics: dict[str, float] = {}

@@ -83,15 +83,6 @@ def rule_scores(fn: RewardFn, exp: Experience, prompts, tokenizer, n_samples: in
     return fn([p + r for p, r in zip(texts, responses, strict=True)], texts, labels)
 
 
-@torch.no_grad()
-def critic_values(critic, exp: Experience, micro: int) -> torch.Tensor:
-    out = []
-    T = exp.response_len
-    for sl in _chunks(exp.num_sequences, micro):
-        out.append(token_values(critic, exp.input_ids[sl], exp.attention_mask[sl])[:, -T - 1 : -1])
-    return torch.cat(out) * exp.response_mask
-
-
 # ---------------------------------------------------------------- advantages
 
 
