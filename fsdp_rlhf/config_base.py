@@ -8,6 +8,7 @@ reachable by their dotted path (``--optim.betas``). Errors name the dotted path 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import types
@@ -137,19 +138,15 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         if isinstance(value, str):
-            try:
+            with contextlib.suppress(ValueError):
                 return int(value)
-            except ValueError:
-                pass
         raise ConfigError(f"{path}: expected an int, got {value!r}")
     if tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
         if isinstance(value, str):
-            try:
+            with contextlib.suppress(ValueError):
                 return float(value)
-            except ValueError:
-                pass
         raise ConfigError(f"{path}: expected a float, got {value!r}")
     if tp is str:
         if isinstance(value, str):

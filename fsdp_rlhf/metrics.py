@@ -15,7 +15,6 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -191,7 +190,3 @@ def truncate_metrics(path: Path, after_step: int) -> None:
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(line + "\n" for line in keep))
     tmp.replace(path)
-
-
-def json_safe(values: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in values.items() if isinstance(v, int | float | str | bool)}

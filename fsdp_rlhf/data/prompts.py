@@ -9,9 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from fsdp_rlhf.config import PromptDataConfig
+from fsdp_rlhf.data.schedule import StepSchedule
 from fsdp_rlhf.errors import UserError
 
 
@@ -51,7 +50,9 @@ def tokenize_prompts(rows, tokenizer, cfg: PromptDataConfig) -> list[Prompt]:
 
 
 class PromptSampler:
-    """Deterministic, resumable dealing of global prompt batches to ranks."""
+    """This rank's prompts step after step, over as many epochs as asked for: a
+    :class:`~fsdp_rlhf.data.schedule.StepSchedule` plus the position, which is all a resume
+    needs."""
 
     def __init__(
         self, num_prompts: int, global_batch: int, rank: int, world_size: int, seed: int
@@ -61,30 +62,20 @@ class PromptSampler:
                 f"prompt data has {num_prompts} prompts, fewer than rollout_batch_size "
                 f"({global_batch})"
             )
-        self.num_prompts = num_prompts
-        self.global_batch = global_batch
-        self.per_rank = global_batch // world_size
-        self.rank = rank
-        self.seed = seed
+        self.schedule = StepSchedule(num_prompts, global_batch, world_size, rank, seed)
         self.epoch = 0
         self.index = 0
 
     @property
     def batches_per_epoch(self) -> int:
-        return self.num_prompts // self.global_batch
-
-    def _order(self, epoch: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(self.num_prompts, generator=g)
+        return self.schedule.steps_per_epoch
 
     def next_indices(self) -> list[int]:
         """This rank's prompt indices for the next step (wraps into the next epoch)."""
         if self.index >= self.batches_per_epoch:
             self.epoch, self.index = self.epoch + 1, 0
-        order = self._order(self.epoch)
-        start = self.index * self.global_batch + self.rank * self.per_rank
         self.index += 1
-        return order[start : start + self.per_rank].tolist()
+        return self.schedule.rank_indices(self.epoch, self.index - 1)
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "index": self.index}

@@ -137,8 +137,15 @@ class RolloutOutput:
                 if len(lp) != len(r):
                     raise ValueError(f"row {i}: {len(lp)} logprobs for {len(r)} tokens")
                 engine_logprobs[i, : len(lp)] = torch.as_tensor(list(lp), dtype=torch.float32)
-        return cls(prompt_ids, prompt_mask, response_ids, response_mask, list(finish_reasons),
-                   engine_logprobs, n)
+        return cls(
+            prompt_ids,
+            prompt_mask,
+            response_ids,
+            response_mask,
+            list(finish_reasons),
+            engine_logprobs,
+            n,
+        )
 
     @property
     def num_rows(self) -> int:

@@ -93,8 +93,10 @@ def gather_prompts(
     dist.all_gather_object(parts, (prompts, sampling), group=groups.group)
     settings = {part[1] for part in parts}
     if len(settings) > 1:
-        raise ValueError(f"ranks {groups.engine_ranks} of one vLLM engine called generate with "
-                         f"different sampling settings: {settings}")
+        raise ValueError(
+            f"ranks {groups.engine_ranks} of one vLLM engine called generate with "
+            f"different sampling settings: {settings}"
+        )
     flat = [p for part in parts for p in part[0]]
     return flat, [len(part[0]) for part in parts]
 

@@ -97,23 +97,24 @@ class HFEngine:
         rows = [p for p in prompt_token_ids for _ in range(sampling.n)]  # prompt-major
         if not rows:
             lps = [] if sampling.return_logprobs else None
-            return RolloutOutput.from_lists([], [], [], lps, pad_id=self.pad_token_id,
-                                            n=sampling.n)
+            return RolloutOutput.from_lists([], [], [], lps, pad_id=self.pad_token_id, n=sampling.n)
         device = next(self.model.parameters()).device
         ids, mask = pad_token_rows(rows, self.pad_token_id, left=True)
         stop_ids = self.eos_token_ids + tuple(sampling.stop_token_ids)
         cfg = generation_config(sampling, stop_ids, self.pad_token_id)
         with self._rng.active():
-            out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                      generation_config=cfg)
-        tokens = out.sequences[:, ids.shape[1]:]
+            out = self.model.generate(
+                input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=cfg
+            )
+        tokens = out.sequences[:, ids.shape[1] :]
         responses, reasons = trim_at_stop(tokens, stop_ids)
         logprobs = None
         if sampling.return_logprobs:
             lp = sampled_logprobs(out.scores, tokens).cpu()
             logprobs = [lp[i, : len(r)].tolist() for i, r in enumerate(responses)]
-        return RolloutOutput.from_lists(rows, responses, reasons, logprobs,
-                                        pad_id=self.pad_token_id, n=sampling.n)
+        return RolloutOutput.from_lists(
+            rows, responses, reasons, logprobs, pad_id=self.pad_token_id, n=sampling.n
+        )
 
     @torch.no_grad()
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -129,8 +130,10 @@ class HFEngine:
             seen.add(name)
         missing = {n for n, _ in self.model.named_parameters()} - seen
         if missing:
-            raise ValueError(f"update_weights: no weights for {sorted(missing)[:5]} "
-                             f"({len(missing)} parameters); a sync must be complete")
+            raise ValueError(
+                f"update_weights: no weights for {sorted(missing)[:5]} "
+                f"({len(missing)} parameters); a sync must be complete"
+            )
         return counted.nbytes
 
     def sleep(self) -> None:

@@ -48,8 +48,9 @@ class SleepTracker:
     def on_weight_update(self) -> None:
         """Record a full weight sync (called before it starts): the weights must be awake."""
         if "weights" in self.asleep:
-            raise RuntimeError("update_weights while the engine's weights sleep: "
-                               "call wake_up(['weights']) first")
+            raise RuntimeError(
+                "update_weights while the engine's weights sleep: call wake_up(['weights']) first"
+            )
         self.weights_stale = False
 
     def check_ready(self) -> None:

@@ -68,7 +68,10 @@ def check_vllm_internals() -> str:
         "LLM.sleep": (LLM, "sleep", ("level",)),
         "LLM.wake_up": (LLM, "wake_up", ("tags",)),
         "ExecutorWithExternalLauncher._init_executor": (
-            ExecutorWithExternalLauncher, "_init_executor", ()),
+            ExecutorWithExternalLauncher,
+            "_init_executor",
+            (),
+        ),
         "InprocClient.shutdown": (InprocClient, "shutdown", ()),
     }
     problems = []
@@ -86,8 +89,11 @@ def check_vllm_internals() -> str:
             f"{', '.join(TESTED_VLLM_VERSIONS)}): " + "; ".join(problems)
         )
     if vllm.__version__ not in TESTED_VLLM_VERSIONS:
-        log.warning("vLLM %s has not been tested with fsdp_rlhf (tested: %s)",
-                    vllm.__version__, ", ".join(TESTED_VLLM_VERSIONS))
+        log.warning(
+            "vLLM %s has not been tested with fsdp_rlhf (tested: %s)",
+            vllm.__version__,
+            ", ".join(TESTED_VLLM_VERSIONS),
+        )
     return vllm.__version__
 
 
@@ -160,7 +166,8 @@ def engine_kwargs(
         kwargs.update(enable_sleep_mode=cfg.vllm_enable_sleep, disable_custom_all_reduce=True)
     else:
         kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
-            model_path, max_model_len, tp_size, dtype, cfg.vllm_kvcache_space_gib)
+            model_path, max_model_len, tp_size, dtype, cfg.vllm_kvcache_space_gib
+        )
     return kwargs
 
 
@@ -204,20 +211,26 @@ def to_rollout_output(request_outputs, sampling: SamplingConfig, pad_id: int) ->
             reasons.append(comp.finish_reason)
             if sampling.return_logprobs:
                 logprobs.append(_sampled_logprobs(comp))
-    return RolloutOutput.from_lists(prompts, responses, reasons,
-                                    logprobs if sampling.return_logprobs else None,
-                                    pad_id=pad_id, n=sampling.n)
+    return RolloutOutput.from_lists(
+        prompts,
+        responses,
+        reasons,
+        logprobs if sampling.return_logprobs else None,
+        pad_id=pad_id,
+        n=sampling.n,
+    )
 
 
 def _check_layout(cfg: RolloutConfig, groups: RolloutGroups) -> None:
     if not dist.is_initialized():
         raise RuntimeError("initialise torch.distributed (init_distributed) before vLLM")
     if groups.tp_size != cfg.vllm_tensor_parallel_size:
-        raise ValueError(f"groups have tp {groups.tp_size}, config "
-                         f"{cfg.vllm_tensor_parallel_size}")
+        raise ValueError(f"groups have tp {groups.tp_size}, config {cfg.vllm_tensor_parallel_size}")
     if cfg.vllm_num_engines is not None and cfg.vllm_num_engines != groups.num_engines:
-        raise ValueError(f"vllm_num_engines={cfg.vllm_num_engines} but {groups.world_size} "
-                         f"ranks / tp {groups.tp_size} = {groups.num_engines} engines")
+        raise ValueError(
+            f"vllm_num_engines={cfg.vllm_num_engines} but {groups.world_size} "
+            f"ranks / tp {groups.tp_size} = {groups.num_engines} engines"
+        )
 
 
 class VLLMEngine:
@@ -251,13 +264,20 @@ class VLLMEngine:
         self.groups = groups
         self.dtype = dtype
         self.pad_token_id = pad_token_id
-        self._sleep = SleepTracker(cfg.vllm_enable_sleep and torch.cuda.is_available(),
-                                   cfg.vllm_sleep_level)
+        self._sleep = SleepTracker(
+            cfg.vllm_enable_sleep and torch.cuda.is_available(), cfg.vllm_sleep_level
+        )
         engine_seed = seed + groups.engine_index
         self._rng = GenerationRng(engine_seed)
-        kwargs = engine_kwargs(model_path, cfg, tp_size=groups.tp_size,
-                               prompt_max_len=prompt_max_len, dtype=dtype, seed=engine_seed,
-                               trust_remote_code=trust_remote_code)
+        kwargs = engine_kwargs(
+            model_path,
+            cfg,
+            tp_size=groups.tp_size,
+            prompt_max_len=prompt_max_len,
+            dtype=dtype,
+            seed=engine_seed,
+            trust_remote_code=trust_remote_code,
+        )
         with self._rng.active():  # vLLM reseeds the global RNGs while it starts
             self.llm = LLM(**kwargs)
         _check_tp_layout(groups)
@@ -273,9 +293,10 @@ class VLLMEngine:
         if sampling.seed is None or sampling.is_greedy:
             params = sampling_params(sampling, None)
         else:
-            params = [sampling_params(sampling, request_seed(sampling.seed,
-                                                             self.groups.engine_index, i))
-                      for i in range(len(prompts))]
+            params = [
+                sampling_params(sampling, request_seed(sampling.seed, self.groups.engine_index, i))
+                for i in range(len(prompts))
+            ]
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         outputs = []
         if requests:

@@ -6,6 +6,7 @@ in a second with one line naming the problem.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -201,12 +202,10 @@ def eos_token_ids(tokenizer, model_path: str) -> list[int]:
     from transformers import GenerationConfig
 
     ids = {tokenizer.eos_token_id}
-    try:
-        gen = GenerationConfig.from_pretrained(model_path)
-        extra = gen.eos_token_id
+    # Without generation_config.json (OSError) the tokenizer's EOS is all there is.
+    with contextlib.suppress(OSError):
+        extra = GenerationConfig.from_pretrained(model_path).eos_token_id
         ids.update(extra if isinstance(extra, list) else [extra])
-    except OSError:  # no generation_config.json: the tokenizer's EOS is all there is
-        pass
     return sorted(i for i in ids if i is not None)
 
 
