@@ -276,6 +276,11 @@ class PPOBatchConfig:
     max_epochs: int = doc(1, "Passes over the prompt data.")
     num_episodes: int = doc(1, "Repeat the whole schedule this many times.")
     max_steps: int = doc(-1, "Stop after this many steps (-1: run the data out).")
+    packing_samples: bool = doc(
+        False,
+        "Pack each micro-batch into one row without padding for every training-side forward "
+        "(attention per sequence).",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,8 +26,17 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     return torch.where(attention_mask.bool(), idx, -1).max(-1).values
 
 
+def padded_positions(attention_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """(B, L) index into the packed row (``pack_rows``) of every padded position.
+
+    Attended positions map to their own token; padding maps to the nearest token of the same
+    sequence, so every index is valid and gathers stay inside the row's sequence.
+    """
+    return cu_seqlens[:-1].unsqueeze(1) + position_ids_from_mask(attention_mask)
+
+
 def token_values(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool = False
 ) -> torch.Tensor:
     """Scalar head applied at every position of a ``*ForSequenceClassification`` model.
 
@@ -39,9 +48,15 @@ def token_values(
 
     Args:
         input_ids, attention_mask: (B, L).
+        packed: run the rows as one packed row (the model must use
+            ``models.packing.use_varlen_attention``); padding then costs nothing.
     Returns:
-        (B, L) float32 values.
+        (B, L) float32 values (at padded positions: a neighbouring token's value).
     """
+    if packed:
+        row = pack_rows(input_ids, attention_mask)
+        values = _head_values(model, **row.model_inputs())[0]
+        return values[padded_positions(attention_mask, row.cu_seqlens)]
     return _head_values(
         model,
         input_ids=input_ids,
@@ -73,9 +88,11 @@ def packed_sequence_scores(
 
 
 def sequence_scores(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool = False
 ) -> torch.Tensor:
     """Reward of each sequence, read at its last attended token. (B, L) -> (B,)."""
+    if packed:
+        return packed_sequence_scores(model, input_ids, attention_mask)
     values = token_values(model, input_ids, attention_mask)
     idx = last_token_index(attention_mask)
     return values.gather(1, idx.unsqueeze(1)).squeeze(1)
@@ -89,23 +106,32 @@ def response_logprobs(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the last ``response_len`` tokens of each row under a causal LM.
 
     Args:
         input_ids, attention_mask: (B, P + T), prompt left-padded, response right-padded.
         response_len: T.
+        packed: run the rows as one packed row (see :func:`token_values`).
     Returns:
-        logprobs (B, T) float32, and entropy (B, T) when ``with_entropy``.
+        logprobs (B, T) float32, and entropy (B, T) when ``with_entropy``; at response
+        padding the values are meaningless (callers mask them with ``response_mask``).
     """
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-    ).logits
     # logits at position i predict token i + 1: keep the T positions before each response token.
-    logits = logits[:, -response_len - 1 : -1, :].float()
+    if packed:
+        row = pack_rows(input_ids, attention_mask)
+        logits = model(**row.model_inputs()).logits[0]  # (T_packed, V)
+        index = padded_positions(attention_mask, row.cu_seqlens)[:, -response_len - 1 : -1]
+        logits = logits[index].float()
+    else:
+        logits = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+        ).logits
+        logits = logits[:, -response_len - 1 : -1, :].float()
     if temperature != 1.0:
         logits = logits / temperature
     labels = input_ids[:, -response_len:]

@@ -52,7 +52,7 @@ def _chunks(n: int, size: int) -> list[slice]:
 
 @torch.no_grad()
 def batched_logprobs(
-    model: nn.Module, exp: Experience, micro: int, temperature: float
+    model: nn.Module, exp: Experience, micro: int, temperature: float, packed: bool = False
 ) -> torch.Tensor:
     """(N, T) log-probs of the response tokens, computed ``micro`` sequences at a time."""
     out = []
@@ -63,27 +63,32 @@ def batched_logprobs(
             exp.attention_mask[sl],
             exp.response_len,
             temperature=temperature,
+            packed=packed,
         )
         out.append(lp)
     return torch.cat(out) * exp.response_mask
 
 
 @torch.no_grad()
-def batched_values(model: nn.Module, exp: Experience, micro: int) -> torch.Tensor:
+def batched_values(
+    model: nn.Module, exp: Experience, micro: int, packed: bool = False
+) -> torch.Tensor:
     """(N, T) critic values at the positions that predict each response token."""
     out = []
     T = exp.response_len
     for sl in _chunks(exp.num_sequences, micro):
-        v = token_values(model, exp.input_ids[sl], exp.attention_mask[sl])
+        v = token_values(model, exp.input_ids[sl], exp.attention_mask[sl], packed)
         out.append(v[:, -T - 1 : -1])
     return torch.cat(out) * exp.response_mask
 
 
 @torch.no_grad()
-def batched_scores(model: nn.Module, exp: Experience, micro: int) -> torch.Tensor:
+def batched_scores(
+    model: nn.Module, exp: Experience, micro: int, packed: bool = False
+) -> torch.Tensor:
     """(N,) reward-model scores of prompt + response, read at the last real token."""
     out = [
-        sequence_scores(model, exp.input_ids[sl], exp.attention_mask[sl])
+        sequence_scores(model, exp.input_ids[sl], exp.attention_mask[sl], packed)
         for sl in _chunks(exp.num_sequences, micro)
     ]
     return torch.cat(out)

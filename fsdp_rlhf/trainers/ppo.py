@@ -155,15 +155,21 @@ class PPOTrainer:
             exp, rollout_metrics = self.rollout(prompts)
             # 2. score: reward model and/or rule reward
             self.score(exp, prompts)
-            # 3. log-probs of the sampling policy and the reference, critic values
-            self.forward_old_ref_values(exp)
+            # 3. log-probs of the sampling policy (unless the update yields them) and the
+            #    reference, critic values
+            fold = ppo_step.old_logprobs_from_update(self.cfg, self.plan, self.actor_updates)
+            self.forward_old_ref_values(exp, old_logprobs=not fold)
             # 4. KL-shaped rewards, advantages and returns
             with self.timer("adv"):
                 adv_metrics = ppo_step.compute_advantages(
                     exp, self.cfg.algo, self.kl_ctl, self.cfg.batch.n_samples_per_prompt
                 )
+                if not fold:
+                    adv_metrics.update(ppo_step.observe_kl(exp, self.cfg.algo, self.kl_ctl))
             # 5. critic then actor updates
-            update_metrics = self.update(exp)
+            update_metrics = self.update(exp, fold_old_logprobs=fold)
+            if fold:
+                adv_metrics.update(ppo_step.observe_kl(exp, self.cfg.algo, self.kl_ctl))
         ppo_step.collect_batch_stats(stats, exp)
         metrics = {**rollout_metrics, **adv_metrics, **update_metrics, **stats.reduce()}
         metrics.update(
@@ -203,7 +209,7 @@ class PPOTrainer:
         scores = torch.zeros(exp.num_sequences, device=exp.input_ids.device)
         if self.models.reward is not None:
             with self.timer("reward_model"), self.onloaded(self.models.reward, "reward"):
-                rm = batched_scores(self.models.reward, exp, micro)
+                rm = batched_scores(self.models.reward, exp, micro, self.packed)
             if self.models.reward_norm is not None:
                 mean, std = self.models.reward_norm
                 rm = (rm - mean) / std
@@ -219,18 +225,21 @@ class PPOTrainer:
                 ).to(scores.device)
         exp.scores = clip_scores(scores, self.cfg.algo.reward_clip_range)
 
-    def forward_old_ref_values(self, exp: Experience) -> None:
+    def forward_old_ref_values(self, exp: Experience, old_logprobs: bool) -> None:
         micro, temp = self.plan.micro_rollout_batch_size, self.cfg.rollout.temperature
-        with self.timer("old_log_p"):
-            exp.old_logprobs = batched_logprobs(self.models.actor, exp, micro, temp)
+        if old_logprobs:
+            with self.timer("old_log_p"):
+                exp.old_logprobs = batched_logprobs(
+                    self.models.actor, exp, micro, temp, self.packed
+                )
         with self.timer("reference_model"), self.onloaded(self.models.ref, "ref"):
-            exp.ref_logprobs = batched_logprobs(self.models.ref, exp, micro, temp)
+            exp.ref_logprobs = batched_logprobs(self.models.ref, exp, micro, temp, self.packed)
         if self.models.critic is not None:
             with self.timer("critic_model"):
                 onload_model(self.models.critic, self.env.device)
-                exp.values = batched_values(self.models.critic, exp, micro)
+                exp.values = batched_values(self.models.critic, exp, micro, self.packed)
 
-    def update(self, exp: Experience) -> dict[str, float]:
+    def update(self, exp: Experience, fold_old_logprobs: bool) -> dict[str, float]:
         metrics: dict[str, float] = {}
         if self.models.critic is not None:
             with self.timer("update_critic"):
@@ -238,9 +247,9 @@ class PPOTrainer:
                 metrics.update(ppo_step.update_critic(self, exp))
                 offload_optimizer(self.optimizers["critic"], self.env.device)
                 offload_model(self.models.critic, self.env.device)
-        if self.step > self.cfg.algo.freezing_actor_steps:
+        if self.actor_updates:
             with self.timer("update"):
-                metrics.update(ppo_step.update_actor(self, exp))
+                metrics.update(ppo_step.update_actor(self, exp, fold_old_logprobs))
             self.actor_version += 1
         metrics["actor/lr"] = self.schedulers["actor"].get_last_lr()[0]
         metrics["actor/kl_coef"] = self.kl_ctl.value
@@ -299,6 +308,15 @@ class PPOTrainer:
                 self.models.critic, self.models.tokenizer, Path(self.cfg.ckpt.save_path) / "critic"
             )
         log.info("saved actor to %s", self.cfg.ckpt.save_path)
+
+    @property
+    def actor_updates(self) -> bool:
+        """Whether this step trains the actor (``--freezing_actor_steps`` holds it back)."""
+        return self.step > self.cfg.algo.freezing_actor_steps
+
+    @property
+    def packed(self) -> bool:
+        return self.cfg.batch.packing_samples
 
     @property
     def weights_discarded_by_sleep(self) -> bool:

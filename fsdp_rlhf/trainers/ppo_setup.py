@@ -28,6 +28,7 @@ from fsdp_rlhf.models.load import (
     load_tokenizer,
     reward_normalization,
 )
+from fsdp_rlhf.models.packing import use_varlen_attention
 from fsdp_rlhf.optim import build_optimizer, build_scheduler
 from fsdp_rlhf.rollout import HFEngine, RolloutEngine, build_rollout_groups
 from fsdp_rlhf.trainers.rule_reward import RewardFn, build_rule_reward
@@ -118,6 +119,8 @@ class Models:
 
 def _shard(model: nn.Module, cfg: PPOConfig, env: DistEnv, trainable: bool) -> nn.Module:
     mesh = build_mesh(env.device, env.world_size)
+    if cfg.batch.packing_samples:
+        use_varlen_attention(model)
     model.to(env.device)
     shard_model(
         model,

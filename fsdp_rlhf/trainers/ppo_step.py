@@ -27,7 +27,7 @@ from fsdp_rlhf.algorithms import (
     value_loss,
 )
 from fsdp_rlhf.algorithms.advantages import discounted_returns
-from fsdp_rlhf.config import PPOAlgoConfig, PPOConfig
+from fsdp_rlhf.config import PPOAlgoConfig, PPOBatchPlan, PPOConfig
 from fsdp_rlhf.distributed.fsdp import accumulate, clip_grad_norm_
 from fsdp_rlhf.distributed.offload import offload_model, onload_model
 from fsdp_rlhf.models.forward import response_logprobs, token_values
@@ -86,15 +86,42 @@ def rule_scores(fn: RewardFn, exp: Experience, prompts, tokenizer, n_samples: in
 # ---------------------------------------------------------------- advantages
 
 
+def old_logprobs_from_update(cfg: PPOConfig, plan: PPOBatchPlan, actor_updates: bool) -> bool:
+    """Whether the actor update can supply ``old_logprobs`` instead of a separate forward.
+
+    With one epoch and one optimizer step per rollout batch, every micro-batch of the update
+    runs on the weights the batch was scored with, so its detached log-probs are exactly the
+    old ones (the ratio is 1, as verl and TRL also exploit). That holds only if nothing needs
+    them before the update: not a KL penalty in the reward, nor an adaptive KL controller
+    (it sets the coefficient the update uses).
+    """
+    a = cfg.algo
+    kl_in_reward = not a.use_kl_loss and a.init_kl_coef != 0
+    return (
+        actor_updates
+        and a.ppo_epochs == 1
+        and plan.optimizer_steps_per_epoch == 1
+        and a.kl_target is None
+        and not kl_in_reward
+    )
+
+
 @torch.no_grad()
 def compute_advantages(
     exp: Experience, algo: PPOAlgoConfig, kl_ctl, n_samples_per_prompt: int
 ) -> dict[str, float]:
-    """Fill ``exp.rewards/advantages/returns``; update the KL controller. Collective."""
+    """Fill ``exp.rewards/advantages/returns``. Collective.
+
+    ``exp.old_logprobs`` may still be missing when the KL term is not part of the reward.
+    """
     mask = exp.response_mask
-    kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, kind=algo.kl_estimator) * mask
-    kl_in_reward = not algo.use_kl_loss
-    coef = kl_ctl.value if kl_in_reward else 0.0
+    coef = 0.0 if algo.use_kl_loss else kl_ctl.value
+    if exp.old_logprobs is None:
+        if coef != 0:
+            raise ValueError("a KL penalty in the reward needs old_logprobs before advantages")
+        kl = torch.zeros_like(mask)
+    else:
+        kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, kind=algo.kl_estimator) * mask
     exp.rewards = shape_rewards(exp.scores, kl, coef, mask)
     est = algo.advantage_estimator
     if est == "gae":
@@ -112,6 +139,14 @@ def compute_advantages(
         kl_to_go = discounted_returns(-coef * kl, mask, algo.gamma)
         exp.advantages = (group + kl_to_go) * mask
         exp.returns = discounted_returns(exp.rewards, mask, algo.gamma)
+    return {}
+
+
+@torch.no_grad()
+def observe_kl(exp: Experience, algo: PPOAlgoConfig, kl_ctl) -> dict[str, float]:
+    """Mean KL(old || ref) over the global batch; feeds the KL controller. Collective."""
+    mask = exp.response_mask
+    kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, kind=algo.kl_estimator) * mask
     mean_kl = float(global_masked_mean(kl, mask))
     n_global = exp.num_sequences * (
         torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
@@ -137,15 +172,13 @@ def _update_loop(trainer: PPOTrainer, name: str, exp: Experience, loss_fn) -> di
     stats, norms = RunningAverages(), []
     for _ in range(cfg.algo.ppo_epochs):
         for idx in minibatches(exp.num_sequences, plan.train_batch_size_per_rank, gen):
-            mb = exp.rows(idx)
-            num_tokens = global_token_count(mb.response_mask)
+            num_tokens = global_token_count(exp.response_mask[idx])
             num_seqs = cfg.batch.train_batch_size
-            micros = _chunks(mb.num_sequences, plan.micro_train_batch_size)
+            micros = _chunks(len(idx), plan.micro_train_batch_size)
             for i, sl in enumerate(micros):
                 accumulate(model, i == len(micros) - 1, cfg.fsdp.zero_stage)
-                loss, step_stats = loss_fn(
-                    mb.rows(torch.arange(sl.start, sl.stop)), num_tokens, num_seqs
-                )
+                rows = idx[sl]  # in exp, for loss functions that write results back
+                loss, step_stats = loss_fn(exp.rows(rows), rows, num_tokens, num_seqs)
                 loss.backward()
                 stats.add(step_stats)
             norms.append(clip_grad_norm_(list(model.parameters()), optim_cfg.max_norm))
@@ -157,11 +190,17 @@ def _update_loop(trainer: PPOTrainer, name: str, exp: Experience, loss_fn) -> di
     return out
 
 
-def update_actor(trainer: PPOTrainer, exp: Experience) -> dict[str, float]:
+def update_actor(
+    trainer: PPOTrainer, exp: Experience, fold_old_logprobs: bool = False
+) -> dict[str, float]:
+    """Actor updates. With ``fold_old_logprobs`` (see :func:`old_logprobs_from_update`) the
+    update's own forward provides ``exp.old_logprobs``, filled in as it goes."""
     cfg, algo = trainer.cfg, trainer.cfg.algo
     kl_coef = trainer.kl_ctl.value
+    if fold_old_logprobs:
+        exp.old_logprobs = torch.zeros_like(exp.response_mask)
 
-    def loss_fn(mb: Experience, num_tokens, num_seqs):
+    def loss_fn(mb: Experience, rows: torch.Tensor, num_tokens, num_seqs):
         logprobs, entropy = response_logprobs(
             trainer.models.actor,
             mb.input_ids,
@@ -169,16 +208,21 @@ def update_actor(trainer: PPOTrainer, exp: Experience) -> dict[str, float]:
             mb.response_len,
             temperature=cfg.rollout.temperature,
             with_entropy=True,
+            packed=cfg.batch.packing_samples,
         )
+        old_logprobs = mb.old_logprobs
+        if fold_old_logprobs:
+            old_logprobs = logprobs.detach() * mb.response_mask
+            exp.old_logprobs[rows] = old_logprobs
         is_weights = None
         if algo.use_tis:
             is_weights, _ = truncated_is_weights(
-                mb.old_logprobs, mb.engine_logprobs, mb.response_mask, algo.tis_cap
+                old_logprobs, mb.engine_logprobs, mb.response_mask, algo.tis_cap
             )
         agg = dict(loss_agg=algo.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
         loss, st = policy_loss(
             logprobs,
-            mb.old_logprobs,
+            old_logprobs,
             mb.advantages,
             mb.response_mask,
             clip_eps_low=algo.eps_clip,
@@ -213,11 +257,11 @@ def update_actor(trainer: PPOTrainer, exp: Experience) -> dict[str, float]:
 
 
 def update_critic(trainer: PPOTrainer, exp: Experience) -> dict[str, float]:
-    algo = trainer.cfg.algo
+    algo, packed = trainer.cfg.algo, trainer.cfg.batch.packing_samples
     T = exp.response_len
 
-    def loss_fn(mb: Experience, num_tokens, num_seqs):
-        values = token_values(trainer.models.critic, mb.input_ids, mb.attention_mask)
+    def loss_fn(mb: Experience, rows: torch.Tensor, num_tokens, num_seqs):
+        values = token_values(trainer.models.critic, mb.input_ids, mb.attention_mask, packed)
         values = values[:, -T - 1 : -1]
         loss, st = value_loss(
             values,

@@ -41,13 +41,15 @@ def _sampled_checks(actor, engine, prompts, n: int) -> dict:
     lp, _ = response_logprobs(actor, ids, mask, out.response_ids.shape[1])
     gap = ((lp.detach() - out.engine_logprobs).abs() * out.response_mask).max().item()
     rows = _responses(out)
-    prompt_rows = [r[m.bool()].tolist() for r, m in zip(out.prompt_ids, out.prompt_mask,
-                                                          strict=True)]
+    prompt_rows = [
+        r[m.bool()].tolist() for r, m in zip(out.prompt_ids, out.prompt_mask, strict=True)
+    ]
     return {
         "sample_rows": out.num_rows,
         "prompt_major": prompt_rows == [p for p in prompts for _ in range(n)],
-        "distinct_per_prompt": [len({tuple(r) for r in rows[i * n:(i + 1) * n]})
-                                for i in range(len(prompts))],
+        "distinct_per_prompt": [
+            len({tuple(r) for r in rows[i * n : (i + 1) * n]}) for i in range(len(prompts))
+        ],
         "seeded_repeat_equal": rows == _responses(again),
         "trainer_logprob_gap": gap,
         "loss": -(lp * out.response_mask).sum() / out.response_mask.sum(),
@@ -63,8 +65,10 @@ def _stop_checks(engine, hf, prompts, greedy_rows) -> dict:
     stop_tok = broadcast_object(greedy_rows[0][3])
     sampling = SamplingConfig(max_new_tokens=MAX_NEW, greedy=True, stop_token_ids=(stop_tok,))
     v, h = engine.generate(prompts, sampling), hf.generate(prompts, sampling)
-    expected = [(r[: r.index(stop_tok) + 1], "stop") if stop_tok in r else (r, "length")
-                for r in greedy_rows]
+    expected = [
+        (r[: r.index(stop_tok) + 1], "stop") if stop_tok in r else (r, "length")
+        for r in greedy_rows
+    ]
     mask = v.response_mask
     return {
         "stop_as_expected": list(zip(_responses(v), v.finish_reasons, strict=True)) == expected,
@@ -93,24 +97,41 @@ def _rollout_checks(rank: int, world: int, model_path: str, tp: int) -> dict:
     env = current_env()
     tok = load_tokenizer(model_path)
     base = load_causal_lm(model_path, BackendConfig(), env.device)
-    hf = HFEngine(copy.deepcopy(base), pad_token_id=tok.pad_token_id,
-                  eos_token_ids=[tok.eos_token_id], seed=rank)
+    hf = HFEngine(
+        copy.deepcopy(base),
+        pad_token_id=tok.pad_token_id,
+        eos_token_ids=[tok.eos_token_id],
+        seed=rank,
+    )
     actor = shard_model(base, build_mesh(env.device, world), FSDPConfig(), bf16=False)
     # built before any forward: with zero_stage < 3 a forward leaves unsharded params in place
     opt = torch.optim.AdamW(actor.parameters(), lr=1e-2)
     torch.manual_seed(1234)
     expected_rng = torch.rand(4)
     torch.manual_seed(1234)
-    cfg = RolloutConfig(vllm_tensor_parallel_size=tp, generate_max_len=MAX_NEW,
-                        enforce_eager=True, vllm_kvcache_space_gib=0.25)
-    engine = VLLMEngine(model_path, cfg, groups=build_rollout_groups(tp), prompt_max_len=32,
-                        dtype=torch.float32, seed=7, pad_token_id=tok.pad_token_id)
+    cfg = RolloutConfig(
+        vllm_tensor_parallel_size=tp,
+        generate_max_len=MAX_NEW,
+        enforce_eager=True,
+        vllm_kvcache_space_gib=0.25,
+    )
+    engine = VLLMEngine(
+        model_path,
+        cfg,
+        groups=build_rollout_groups(tp),
+        prompt_max_len=32,
+        dtype=torch.float32,
+        seed=7,
+        pad_token_id=tok.pad_token_id,
+    )
     prompts = [tok(t).input_ids for t in TEXTS[rank]]
     greedy = SamplingConfig(max_new_tokens=MAX_NEW, greedy=True)
 
     v0, h0 = engine.generate(prompts, greedy), hf.generate(prompts, greedy)
-    res = {"greedy_vs_hf": _responses(v0) == _responses(h0),
-           "greedy_logprob_gap": _logprob_gap(v0, h0)}
+    res = {
+        "greedy_vs_hf": _responses(v0) == _responses(h0),
+        "greedy_logprob_gap": _logprob_gap(v0, h0),
+    }
     res.update(_stop_checks(engine, hf, prompts, _responses(v0)))
     res.update(_sampled_checks(actor, engine, prompts, n=3))
 
@@ -177,10 +198,22 @@ def _sleep_wake_cuda(rank: int, world: int, model_path: str) -> dict:
     env = current_env()
     tok = load_tokenizer(model_path)
     model = load_causal_lm(model_path, BackendConfig(), env.device)
-    cfg = RolloutConfig(generate_max_len=MAX_NEW, vllm_enable_sleep=True, vllm_sleep_level=2,
-                        vllm_gpu_memory_utilization=0.3, enforce_eager=True)
-    engine = VLLMEngine(model_path, cfg, groups=build_rollout_groups(1), prompt_max_len=32,
-                        dtype=torch.float32, seed=0, pad_token_id=tok.pad_token_id)
+    cfg = RolloutConfig(
+        generate_max_len=MAX_NEW,
+        vllm_enable_sleep=True,
+        vllm_sleep_level=2,
+        vllm_gpu_memory_utilization=0.3,
+        enforce_eager=True,
+    )
+    engine = VLLMEngine(
+        model_path,
+        cfg,
+        groups=build_rollout_groups(1),
+        prompt_max_len=32,
+        dtype=torch.float32,
+        seed=0,
+        pad_token_id=tok.pad_token_id,
+    )
     prompts = [tok(t).input_ids for t in TEXTS[0]]
     greedy = SamplingConfig(max_new_tokens=MAX_NEW, greedy=True)
     before = _responses(engine.generate(prompts, greedy))

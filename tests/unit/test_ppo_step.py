@@ -13,7 +13,12 @@ from fsdp_rlhf.algorithms import FixedKLController
 from fsdp_rlhf.config import PPOAlgoConfig
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.trainers.experience import Experience
-from fsdp_rlhf.trainers.ppo_step import clip_ratio, compute_advantages
+from fsdp_rlhf.trainers.ppo_step import (
+    clip_ratio,
+    compute_advantages,
+    observe_kl,
+    old_logprobs_from_update,
+)
 from fsdp_rlhf.trainers.rule_reward import build_rule_reward, http_reward
 
 
@@ -40,7 +45,8 @@ def test_every_estimator_fills_masked_advantages_and_returns(estimator, kl_in_lo
     exp = _experience()
     algo = PPOAlgoConfig(advantage_estimator=estimator, use_kl_loss=kl_in_loss)
     ctl = FixedKLController(0.1)
-    out = compute_advantages(exp, algo, ctl, n_samples_per_prompt=4)
+    compute_advantages(exp, algo, ctl, n_samples_per_prompt=4)
+    out = observe_kl(exp, algo, ctl)
     for t in (exp.rewards, exp.advantages, exp.returns):
         assert t.shape == exp.response_mask.shape and torch.isfinite(t).all()
         assert (t[exp.response_mask == 0] == 0).all()
@@ -70,6 +76,49 @@ def test_group_estimators_see_whole_groups_in_order():
     )
     # Dr. GRPO: score minus its own group's mean, on every token
     assert torch.allclose(exp.advantages[:, 0], torch.tensor([-1.0, 0.0, 1.0, -10, -10, 20]))
+
+
+def test_advantages_without_old_logprobs_only_when_kl_is_not_in_the_reward():
+    exp = _experience_without_old()  # the actor update will supply them (on-policy fold)
+    kl_in_loss = PPOAlgoConfig(advantage_estimator="grpo", use_kl_loss=True)
+    compute_advantages(exp, kl_in_loss, FixedKLController(0.1), 4)
+    assert torch.isfinite(exp.advantages).all() and exp.advantages.abs().sum() > 0
+    kl_in_reward = PPOAlgoConfig(advantage_estimator="grpo")
+    with pytest.raises(ValueError, match="needs old_logprobs"):
+        compute_advantages(_experience_without_old(), kl_in_reward, FixedKLController(0.1), 4)
+
+
+def _experience_without_old() -> Experience:
+    exp = _experience()
+    exp.old_logprobs = None
+    return exp
+
+
+@pytest.mark.parametrize(
+    "change, folds",
+    [
+        ({}, True),
+        ({"ppo_epochs": 2}, False),
+        ({"steps": 2}, False),  # two optimizer steps per rollout batch
+        ({"use_kl_loss": False}, False),  # KL penalty in the reward needs them first
+        ({"use_kl_loss": False, "init_kl_coef": 0.0}, True),
+        ({"kl_target": 0.1}, False),  # adaptive coefficient is set before the update
+        ({"actor_frozen": True}, False),
+    ],
+)
+def test_old_logprobs_come_from_the_update_only_when_exact(change, folds):
+    from types import SimpleNamespace
+
+    algo = PPOAlgoConfig(
+        advantage_estimator="grpo",
+        use_kl_loss=change.get("use_kl_loss", True),
+        init_kl_coef=change.get("init_kl_coef", 0.01),
+        kl_target=change.get("kl_target"),
+        ppo_epochs=change.get("ppo_epochs", 1),
+    )
+    cfg = SimpleNamespace(algo=algo)
+    plan = SimpleNamespace(optimizer_steps_per_epoch=change.get("steps", 1))
+    assert old_logprobs_from_update(cfg, plan, not change.get("actor_frozen", False)) is folds
 
 
 def test_clip_ratio():

@@ -20,8 +20,9 @@ def _out(logprobs=True) -> RolloutOutput:
     prompts = [[5, 6, 7], [5, 6, 7], [8], [8]]
     responses = [[10, 11, EOS], [12], [13, 14], [15, 16, 17, 18]]
     lps = [[-0.1, -0.2, -0.3], [-0.4], [-0.5, -0.6], [-1.0, -1.1, -1.2, -1.3]] if logprobs else None
-    return RolloutOutput.from_lists(prompts, responses, ["stop", "length", "length", "length"],
-                                    lps, pad_id=PAD, n=2)
+    return RolloutOutput.from_lists(
+        prompts, responses, ["stop", "length", "length", "length"], lps, pad_id=PAD, n=2
+    )
 
 
 def test_rollout_output_padding_and_sequences():
@@ -57,14 +58,24 @@ def test_sampling_config():
     assert SamplingConfig(max_new_tokens=4, temperature=0.0).is_greedy
     assert SamplingConfig(max_new_tokens=4, greedy=True, temperature=0.7).is_greedy
     assert not SamplingConfig(max_new_tokens=4).is_greedy
-    for bad in (dict(max_new_tokens=0), dict(max_new_tokens=1, n=0),
-                dict(max_new_tokens=1, top_p=0.0), dict(max_new_tokens=1, temperature=-1.0)):
+    for bad in (
+        dict(max_new_tokens=0),
+        dict(max_new_tokens=1, n=0),
+        dict(max_new_tokens=1, top_p=0.0),
+        dict(max_new_tokens=1, temperature=-1.0),
+    ):
         with pytest.raises(ValueError):
             SamplingConfig(**bad)
     cfg = RolloutConfig(generate_max_len=33, temperature=0.9, top_p=0.8, top_k=20)
     s = SamplingConfig.from_rollout_config(cfg, n=4, seed=3)
     assert (s.max_new_tokens, s.temperature, s.top_p, s.top_k, s.n, s.seed) == (
-        33, 0.9, 0.8, 20, 4, 3)
+        33,
+        0.9,
+        0.8,
+        20,
+        4,
+        3,
+    )
 
 
 def test_tp_blocks_and_prompt_ranges():
@@ -121,7 +132,7 @@ def _greedy_reference(model, prompt: list[int], steps: int) -> list[int]:
         for _ in range(steps):
             logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
             ids.append(int(logits.argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def _responses(out) -> list[list[int]]:
@@ -142,8 +153,9 @@ def test_hf_engine_greedy_stop_and_logprobs(tiny_qwen2):
     assert greedy.finish_reasons == ["length"] * 3
 
     stop = _responses(greedy)[0][2]
-    cut = engine.generate(PROMPTS, SamplingConfig(max_new_tokens=8, greedy=True,
-                                                  stop_token_ids=(stop,)))
+    cut = engine.generate(
+        PROMPTS, SamplingConfig(max_new_tokens=8, greedy=True, stop_token_ids=(stop,))
+    )
     first = _responses(greedy)[0].index(stop)
     assert _responses(cut)[0] == _responses(greedy)[0][: first + 1]
     assert cut.finish_reasons[0] == "stop"
@@ -203,8 +215,10 @@ def test_stream_actor_weights_names(tiny_qwen2, tiny_qwen2_tied):
     weights = dict(streamed)
     assert weights["lm_head.weight"] is weights["model.embed_tokens.weight"]  # alias, no copy
 
-    assert hf_param_name("_orig_mod.model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight"
-                         ) == "model.layers.0.mlp.up_proj.weight"
+    assert (
+        hf_param_name("_orig_mod.model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight")
+        == "model.layers.0.mlp.up_proj.weight"
+    )
     engine = HFEngine(copy.deepcopy(tied), pad_token_id=PAD, eos_token_ids=[EOS], seed=0)
     stats = sync_weights(tied, engine, torch.float32)
     embed = tied.get_input_embeddings().weight.numel()
@@ -224,8 +238,15 @@ def test_vllm_adapter_assumptions(tiny_qwen2):
         "TESTED_VLLM_VERSIONS"
     )
     cfg = RolloutConfig(generate_max_len=16, vllm_tensor_parallel_size=2)
-    kw = ve.engine_kwargs(tiny_qwen2, cfg, tp_size=2, prompt_max_len=48, dtype=torch.bfloat16,
-                          seed=3, trust_remote_code=False)
+    kw = ve.engine_kwargs(
+        tiny_qwen2,
+        cfg,
+        tp_size=2,
+        prompt_max_len=48,
+        dtype=torch.bfloat16,
+        seed=3,
+        trust_remote_code=False,
+    )
     assert kw["distributed_executor_backend"] == "external_launcher"
     assert kw["max_model_len"] == 64 and kw["dtype"] == "bfloat16" and kw["seed"] == 3
     assert kw["logprobs_mode"] == "processed_logprobs"
@@ -234,8 +255,8 @@ def test_vllm_adapter_assumptions(tiny_qwen2):
         assert ve.cpu_kv_cache_bytes(tiny_qwen2, 64, 1, torch.float32, 0.5) == ve.GiB // 2
     greedy = ve.sampling_params(SamplingConfig(max_new_tokens=5, greedy=True, top_k=-1), None)
     assert (greedy.temperature, greedy.top_k, greedy.logprobs, greedy.max_tokens) == (0.0, 0, 0, 5)
-    sampled = ve.sampling_params(SamplingConfig(max_new_tokens=5, n=4, stop_token_ids=(7,),
-                                                return_logprobs=False), 11)
-    assert (sampled.n, sampled.seed, sampled.stop_token_ids, sampled.logprobs) == (
-        4, 11, [7], None)
+    sampled = ve.sampling_params(
+        SamplingConfig(max_new_tokens=5, n=4, stop_token_ids=(7,), return_logprobs=False), 11
+    )
+    assert (sampled.n, sampled.seed, sampled.stop_token_ids, sampled.logprobs) == (4, 11, [7], None)
     assert ve.request_seed(1, 0, 2) == ve.request_seed(1, 0, 2) != ve.request_seed(1, 1, 2)
