@@ -140,7 +140,10 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float) -> float:
 # alone. One collective per parameter costs a latency each (hundreds of them for a 7B model),
 # and casting shards to the target dtype before gathering halves the bytes when fp32 shards
 # feed a bf16 engine: together 2x faster than per-parameter gathers (34M model, 2 gloo ranks).
-GATHER_BUCKET_BYTES = 256 << 20
+# Over gloo, 4-32 MB buckets gather the 68 MB bf16 model in 0.07-0.08 s and 256 MB ones in
+# 0.11 s (the big copies in and out of the buffer stop overlapping with the transfer). The CUDA
+# size follows verl/OpenRLHF practice for NCCL (not measured here: no GPU).
+GATHER_BUCKET_BYTES = {"cpu": 16 << 20, "cuda": 256 << 20}
 
 
 def _dim0_shard_numel(p: torch.Tensor) -> int | None:
@@ -187,14 +190,18 @@ def _gather_bucket(
 
 
 def iter_full_params(
-    model: nn.Module, dtype: torch.dtype | None = None, bucket_bytes: int = GATHER_BUCKET_BYTES
+    model: nn.Module, dtype: torch.dtype | None = None, bucket_bytes: int | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, full tensor in dtype)`` for every parameter (each rank gets them all).
 
     FSDP2 shards are gathered in buckets of up to ``bucket_bytes`` with one all-gather each, so
     peak extra memory is about two buckets (or one parameter, when larger), not the model.
     Every rank must consume the whole iterator: each bucket is a collective.
+    ``bucket_bytes`` defaults to ``GATHER_BUCKET_BYTES`` of the parameters' device type.
     """
+    if bucket_bytes is None:
+        device_type = next(model.parameters()).device.type
+        bucket_bytes = GATHER_BUCKET_BYTES.get(device_type, GATHER_BUCKET_BYTES["cuda"])
     bucket: list[tuple[str, DTensor, int]] = []
     size, key = 0, None
     for name, p in model.named_parameters():
