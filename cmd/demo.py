@@ -64,8 +64,9 @@ def sft_warmup(model_dir: Path, rows: list[dict], steps: int, seed: int = 0) -> 
     torch.manual_seed(seed)
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    texts = [r["prompt"] + r[k] + tok.eos_token for r in rows
-             for k in ("chosen_reply", "rejected_reply")]
+    texts = [
+        r["prompt"] + r[k] + tok.eos_token for r in rows for k in ("chosen_reply", "rejected_reply")
+    ]
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
     for step in range(steps):

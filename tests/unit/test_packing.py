@@ -46,10 +46,12 @@ def tiny_gqa(tmp_path_factory) -> str:
     return str(build_model(path, "qwen2", num_heads=2, num_kv_heads=1, seed=3))
 
 
-@pytest.mark.parametrize("math_max_len", [512, 0])  # math kernel; flash kernel
+@pytest.mark.parametrize("explicit_max_len", [512, 0])  # explicit attention; SDPA kernels
 @pytest.mark.parametrize("model_fixture", ["tiny_qwen2", "tiny_gqa"])
-def test_packed_scores_and_grads_match_padded(model_fixture, math_max_len, request, monkeypatch):
-    monkeypatch.setattr(packing, "CPU_MATH_SDPA_MAX_LEN", math_max_len)
+def test_packed_scores_and_grads_match_padded(
+    model_fixture, explicit_max_len, request, monkeypatch
+):
+    monkeypatch.setattr(packing, "CPU_EXPLICIT_ATTENTION_MAX_LEN", explicit_max_len)
     path = request.getfixturevalue(model_fixture)
     torch.manual_seed(0)
     cpu = torch.device("cpu")
