@@ -106,6 +106,7 @@ def response_logprobs(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
     packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the last ``response_len`` tokens of each row under a causal LM.
@@ -113,6 +114,8 @@ def response_logprobs(
     Args:
         input_ids, attention_mask: (B, P + T), prompt left-padded, response right-padded.
         response_len: T.
+        entropy_grad: whether the entropy is differentiable; without it (entropy only as a
+            metric) no per-chunk softmax over the vocabulary is kept for backward.
         packed: run the rows as one packed row (see :func:`token_values`).
     Returns:
         logprobs (B, T) float32, and entropy (B, T) when ``with_entropy``; at response
@@ -136,5 +139,7 @@ def response_logprobs(
         logits = logits / temperature
     labels = input_ids[:, -response_len:]
     logprobs = logprobs_from_logits(logits, labels)
-    entropy = entropy_from_logits(logits) if with_entropy else None
+    entropy = None
+    if with_entropy:
+        entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
     return logprobs, entropy

@@ -208,6 +208,7 @@ def update_actor(
             mb.response_len,
             temperature=cfg.rollout.temperature,
             with_entropy=True,
+            entropy_grad=algo.entropy_loss_coef > 0,  # else a metric only
             packed=cfg.batch.packing_samples,
         )
         old_logprobs = mb.old_logprobs

@@ -120,3 +120,16 @@ def test_packed_token_values_match_padded_at_attended_positions(tiny_qwen2):
     on = mask.bool()
     torch.testing.assert_close(b[on], a[on], rtol=1e-5, atol=1e-5)
     assert a[on].std() > 0  # values differ across positions: a misaligned gather would show
+
+
+def test_entropy_keeps_no_graph_unless_its_gradient_is_wanted(tiny_qwen2):
+    from fsdp_rlhf.models.forward import response_logprobs
+    from fsdp_rlhf.models.load import load_causal_lm
+
+    model = load_causal_lm(tiny_qwen2, BackendConfig(), "cpu")
+    ids, mask, rmask = _ppo_batch(model.config.vocab_size, pad=0)
+    T = rmask.shape[1]
+    lp, metric = response_logprobs(model, ids, mask, T, with_entropy=True, entropy_grad=False)
+    _, trained = response_logprobs(model, ids, mask, T, with_entropy=True)
+    assert lp.requires_grad and not metric.requires_grad and trained.requires_grad
+    torch.testing.assert_close(metric, trained.detach())
