@@ -161,17 +161,16 @@ class PPOTrainer:
             self.forward_old_ref_values(exp, old_logprobs=not fold)
             # 4. KL-shaped rewards, advantages and returns
             with self.timer("adv"):
-                adv_metrics = ppo_step.compute_advantages(
+                ppo_step.compute_advantages(
                     exp, self.cfg.algo, self.kl_ctl, self.cfg.batch.n_samples_per_prompt
                 )
-                if not fold:
-                    adv_metrics.update(ppo_step.observe_kl(exp, self.cfg.algo, self.kl_ctl))
+                kl_metrics = {} if fold else ppo_step.observe_kl(exp, self.cfg.algo, self.kl_ctl)
             # 5. critic then actor updates
             update_metrics = self.update(exp, fold_old_logprobs=fold)
             if fold:
-                adv_metrics.update(ppo_step.observe_kl(exp, self.cfg.algo, self.kl_ctl))
+                kl_metrics = ppo_step.observe_kl(exp, self.cfg.algo, self.kl_ctl)
         ppo_step.collect_batch_stats(stats, exp)
-        metrics = {**rollout_metrics, **adv_metrics, **update_metrics, **stats.reduce()}
+        metrics = {**rollout_metrics, **kl_metrics, **update_metrics, **stats.reduce()}
         metrics.update(
             ppo_step.throughput_metrics(metrics, self.timer.times, self.cfg, self.env.world_size)
         )

@@ -109,7 +109,7 @@ def old_logprobs_from_update(cfg: PPOConfig, plan: PPOBatchPlan, actor_updates: 
 @torch.no_grad()
 def compute_advantages(
     exp: Experience, algo: PPOAlgoConfig, kl_ctl, n_samples_per_prompt: int
-) -> dict[str, float]:
+) -> None:
     """Fill ``exp.rewards/advantages/returns``. Collective.
 
     ``exp.old_logprobs`` may still be missing when the KL term is not part of the reward.
@@ -139,7 +139,6 @@ def compute_advantages(
         kl_to_go = discounted_returns(-coef * kl, mask, algo.gamma)
         exp.advantages = (group + kl_to_go) * mask
         exp.returns = discounted_returns(exp.rewards, mask, algo.gamma)
-    return {}
 
 
 @torch.no_grad()
