@@ -117,11 +117,14 @@ class _Tail:
         self.path, self.offset, self.rows, self.arrivals = path, 0, [], []
 
     def poll(self) -> None:
-        if not self.path.exists():
+        try:
+            with open(self.path) as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            # not written yet, or for a moment during the final export, which moves the run's
+            # logs into the new model folder before renaming it into place
             return
-        with open(self.path) as f:
-            f.seek(self.offset)
-            chunk = f.read()
         complete = chunk[: chunk.rfind("\n") + 1]
         self.offset += len(complete.encode())
         now = time.time()
