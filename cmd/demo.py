@@ -22,23 +22,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from fsdp_rlhf.data.synthetic import preference_rows, prompt_rows, write_jsonl  # noqa: E402
+from fsdp_rlhf.distributed.env import local_torchrun  # noqa: E402
 from fsdp_rlhf.models.tiny import build_model  # noqa: E402
 
 
 def torchrun(args: list[str], log_file: Path, nproc: int) -> float:
     """Run the CLI under torchrun; stream its log to a file; return seconds taken."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--master_port",
-        os.environ.get("MASTER_PORT", "29531"),
-        "-m",
-        "fsdp_rlhf.cli",
-        *args,
-    ]
+    port = int(os.environ.get("MASTER_PORT", "29531"))
+    cmd = local_torchrun(nproc, ["-m", "fsdp_rlhf.cli", *args], port=port)
     print("$ " + " ".join(cmd[2:]), flush=True)
     start = time.perf_counter()
     with open(log_file, "w") as log:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import pickle
 import queue as queue_mod
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -14,11 +13,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from fsdp_rlhf.distributed.env import free_port
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,28 +29,6 @@ class Job:
     rows: list[dict] = field(default_factory=list)
     arrivals: list[float] = field(default_factory=list)
     peak_rss_gib: float = 0.0  # max over the job's processes of VmHWM
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun(nproc: int, target: list[str]) -> list[str]:
-    """``python -m torch.distributed.run ... TARGET``; TARGET is ``-m mod args`` or a script."""
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
-        *target,
-    ]
 
 
 def cli(subcommand: str, **flags) -> list[str]:

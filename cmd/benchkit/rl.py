@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchkit.launch import REPO, Job, bench_env, cli, run_job, torchrun
+from benchkit.launch import REPO, Job, bench_env, cli, run_job
 from benchkit.rates import median, steady_window
 from benchkit.workload import Sizes, Workload
+from fsdp_rlhf.distributed.env import local_torchrun
 
 LR = 1e-6
 BETA = 0.001  # KL coefficient; > 0 so that TRL also runs its reference model, as ours always does
@@ -59,7 +60,7 @@ def ours_cmd(
     else:
         flags.update(advantage_estimator="gae", reward_pretrain=rm, critic_pretrain=rm,
                      critic_learning_rate=LR)  # fmt: skip
-    return torchrun(nproc, cli("ppo", **flags))
+    return local_torchrun(nproc, cli("ppo", **flags))
 
 
 def trl_cmd(w: Workload, s: Sizes, out: Path, nproc: int) -> list[str]:
@@ -78,7 +79,9 @@ def trl_cmd(w: Workload, s: Sizes, out: Path, nproc: int) -> list[str]:
         bf16=True,
         seed=SEED,
     )
-    return torchrun(nproc, [str(REPO / "cmd" / "benchkit" / "trl_grpo_worker.py"), json.dumps(cfg)])
+    return local_torchrun(
+        nproc, [str(REPO / "cmd" / "benchkit" / "trl_grpo_worker.py"), json.dumps(cfg)]
+    )
 
 
 def _phases(rows: list[dict]) -> dict[str, float]:

@@ -12,9 +12,10 @@ import json
 import statistics
 from pathlib import Path
 
-from benchkit.launch import REPO, Job, bench_env, cli, run_job, torchrun
+from benchkit.launch import REPO, Job, bench_env, cli, run_job
 from benchkit.rates import steady_window
 from benchkit.workload import Sizes, Workload
+from fsdp_rlhf.distributed.env import local_torchrun
 
 MAX_LEN = 512  # longer than any generated text: neither side truncates or filters
 LR = 1e-5
@@ -36,7 +37,7 @@ def ours_cmd(w: Workload, s: Sizes, out: Path, nproc: int, packing: bool = True)
         max_len=MAX_LEN, learning_rate=LR, bf16=True, logging_steps=1, seed=SEED,
         packing_samples=packing,
     )  # fmt: skip
-    return torchrun(nproc, cli("train-rm", **flags))
+    return local_torchrun(nproc, cli("train-rm", **flags))
 
 
 def trl_cmd(w: Workload, s: Sizes, out: Path, nproc: int) -> list[str]:
@@ -52,7 +53,9 @@ def trl_cmd(w: Workload, s: Sizes, out: Path, nproc: int) -> list[str]:
         max_length=MAX_LEN,
         seed=SEED,
     )
-    return torchrun(nproc, [str(REPO / "cmd" / "benchkit" / "trl_rm_worker.py"), json.dumps(cfg)])
+    return local_torchrun(
+        nproc, [str(REPO / "cmd" / "benchkit" / "trl_rm_worker.py"), json.dumps(cfg)]
+    )
 
 
 def tokens_per_pair(w: Workload) -> float:

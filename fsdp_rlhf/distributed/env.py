@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -31,10 +32,28 @@ class DistEnv:
         return self.rank == 0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this machine right now (for a single-node rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def local_torchrun(nproc: int, target: list[str], port: int | None = None) -> list[str]:
+    """Command line running TARGET (``-m module args`` or a script and its args) on ``nproc``
+    local ranks under torchrun, on ``port`` or a free one. For the demo, bench and tests."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(port if port is not None else free_port()),
+        *target,
+    ]
 
 
 def device_for(local_rank: int) -> torch.device:
@@ -53,7 +72,7 @@ def init_distributed(timeout_min: int = 60) -> DistEnv:
     if "WORLD_SIZE" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.dist_utils import free_port
+from fsdp_rlhf.distributed.env import local_torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,20 +42,7 @@ def torchrun(
     args: list[str], nproc: int = 2, env: dict[str, str] | None = None, timeout: float = 600
 ) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node N -m fsdp_rlhf.cli ARGS`` on a free local port."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
-        "-m",
-        "fsdp_rlhf.cli",
-        *args,
-    ]
+    cmd = local_torchrun(nproc, ["-m", "fsdp_rlhf.cli", *args])
     return subprocess.run(
         cmd, capture_output=True, text=True, env=_env(env), timeout=timeout, cwd=REPO
     )

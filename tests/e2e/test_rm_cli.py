@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from fsdp_rlhf.cli import app
-from tests.dist_utils import free_port
+from fsdp_rlhf.distributed.env import free_port
 from tests.rm_utils import synthetic_pairs, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
