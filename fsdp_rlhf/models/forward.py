@@ -78,21 +78,17 @@ def _head_values(model: nn.Module, **inputs) -> torch.Tensor:
     return (captured[0] + 0.0 * out.logits.unsqueeze(1)).squeeze(-1).float()
 
 
-def packed_sequence_scores(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
-) -> torch.Tensor:
-    """:func:`sequence_scores` without padding: the rows go through the model as one packed
-    row (the model must use ``models.packing.use_varlen_attention``). (B, L) -> (B,)."""
-    packed = pack_rows(input_ids, attention_mask)
-    return _head_values(model, **packed.model_inputs())[0, packed.last_index]
-
-
 def sequence_scores(
     model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool = False
 ) -> torch.Tensor:
-    """Reward of each sequence, read at its last attended token. (B, L) -> (B,)."""
+    """Reward of each sequence, read at its last attended token. (B, L) -> (B,).
+
+    ``packed``: the rows go through the model as one packed row without padding (the model
+    must use ``models.packing.use_varlen_attention``).
+    """
     if packed:
-        return packed_sequence_scores(model, input_ids, attention_mask)
+        row = pack_rows(input_ids, attention_mask)
+        return _head_values(model, **row.model_inputs())[0, row.last_index]
     values = token_values(model, input_ids, attention_mask)
     idx = last_token_index(attention_mask)
     return values.gather(1, idx.unsqueeze(1)).squeeze(1)

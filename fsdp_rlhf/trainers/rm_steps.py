@@ -13,7 +13,7 @@ from fsdp_rlhf.data.preference import PairBatch, eval_batches
 from fsdp_rlhf.data.schedule import DataPosition
 from fsdp_rlhf.distributed.env import all_reduce_scalars
 from fsdp_rlhf.distributed.fsdp import accumulate, clip_grad_norm_
-from fsdp_rlhf.models.forward import packed_sequence_scores, sequence_scores
+from fsdp_rlhf.models.forward import sequence_scores
 from fsdp_rlhf.trainers.rm_setup import RMRun
 
 
@@ -22,8 +22,9 @@ def score_pairs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward over the 2B sequences, as a padded (2B, L) batch or (``packed``) one row
     without padding. Returns (B,) chosen and (B,) rejected scores (fp32)."""
-    score = packed_sequence_scores if packed else sequence_scores
-    scores = score(model, batch.input_ids.to(device), batch.attention_mask.to(device))
+    scores = sequence_scores(
+        model, batch.input_ids.to(device), batch.attention_mask.to(device), packed
+    )
     return scores[: batch.num_pairs], scores[batch.num_pairs :]
 
 

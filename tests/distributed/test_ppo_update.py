@@ -10,6 +10,7 @@ import torch
 from fsdp_rlhf.config import BackendConfig
 from fsdp_rlhf.models.load import load_causal_lm
 from tests.dist_utils import run_distributed
+from tests.ppo_batches import ppo_layout_batch
 
 ARGV = (
     "--advantage_estimator grpo --use_kl_loss --init_kl_coef 0.05 --kl_estimator k3 "
@@ -24,14 +25,9 @@ def _experience(vocab: int, rank: int, P: int = 6, T: int = 5):
     from fsdp_rlhf.trainers.experience import Experience
 
     g = torch.Generator().manual_seed(100 + rank)
-    ids = torch.randint(3, vocab, (4, P + T), generator=g)
-    prompt_len = torch.tensor([6, 2, 4, 3])
-    response_len = torch.tensor([5, 1, 3, 4])
-    cols = torch.arange(P + T)
-    mask = ((cols >= P - prompt_len[:, None]) & (cols < P + response_len[:, None])).long()
-    rmask = (torch.arange(T) < response_len[:, None]).float()
+    ids, mask, rmask = ppo_layout_batch(g, vocab, [6, 2, 4, 3], [5, 1, 3, 4], P, T)
     return Experience(
-        input_ids=ids.masked_fill(mask == 0, 0),
+        input_ids=ids,
         attention_mask=mask,
         response_mask=rmask,
         engine_logprobs=-torch.rand(4, T, generator=g) * rmask,

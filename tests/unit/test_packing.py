@@ -10,9 +10,10 @@ import torch
 
 from fsdp_rlhf.config import BackendConfig
 from fsdp_rlhf.models import packing
-from fsdp_rlhf.models.forward import packed_sequence_scores, sequence_scores
+from fsdp_rlhf.models.forward import sequence_scores
 from fsdp_rlhf.models.load import load_scalar_model
 from fsdp_rlhf.models.packing import pack_rows, use_varlen_attention
+from tests.ppo_batches import ppo_layout_batch
 
 
 def test_pack_rows_layout_for_left_and_right_padding():
@@ -60,7 +61,7 @@ def test_packed_scores_and_grads_match_padded(
     packed = copy.deepcopy(padded)
     use_varlen_attention(packed)
     ids, mask = _batch(padded.config.vocab_size, pad=0)
-    a, b = sequence_scores(padded, ids, mask), packed_sequence_scores(packed, ids, mask)
+    a, b = sequence_scores(padded, ids, mask), sequence_scores(packed, ids, mask, packed=True)
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     (a * torch.arange(1.0, 6.0)).sum().backward()
     (b * torch.arange(1.0, 6.0)).sum().backward()
@@ -71,13 +72,7 @@ def test_packed_scores_and_grads_match_padded(
 def _ppo_batch(vocab: int, pad: int, P: int = 7, T: int = 6):
     """PPO layout: prompts left-padded to P, responses right-padded to T (EOS then pads)."""
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, vocab, (4, P + T), generator=g)
-    prompt_len = torch.tensor([7, 3, 5, 1])
-    response_len = torch.tensor([6, 2, 4, 1])
-    cols = torch.arange(P + T)
-    mask = ((cols >= P - prompt_len[:, None]) & (cols < P + response_len[:, None])).long()
-    response_mask = (torch.arange(T) < response_len[:, None]).float()
-    return ids.masked_fill(mask == 0, pad), mask, response_mask
+    return ppo_layout_batch(g, vocab, [7, 3, 5, 1], [6, 2, 4, 1], P, T, pad)
 
 
 @pytest.mark.parametrize("model_fixture", ["tiny_qwen2", "tiny_gqa"])
