@@ -25,6 +25,9 @@ class BackendConfig:
         False, "Use flash_attention_2 when flash-attn and CUDA are present, else sdpa (warns)."
     )
     gradient_checkpointing: bool = doc(False, "Recompute activations in backward to save memory.")
+    torch_compile: bool = doc(
+        False, "torch.compile each decoder layer's norms, MLP and attention block (fused kernels)."
+    )
     trust_remote_code: bool = doc(False, "Allow model code shipped inside checkpoint folders.")
 
 

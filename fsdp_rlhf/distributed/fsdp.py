@@ -15,6 +15,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_rlhf.config import FSDPConfig
+from fsdp_rlhf.models.compile import decoder_layers
 
 log = logging.getLogger(__name__)
 
@@ -37,15 +38,6 @@ def describe_zero_stage(zero_stage: int) -> str:
         f"zero_stage={zero_stage} -> FSDP2 fully_shard(reshard_after_forward=False): params stay "
         "gathered from forward until backward ends; grads and optimizer states are sharded"
     )
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of an HF model, found by the model's own ``_no_split_modules``."""
-    names: set[str] = set()
-    for m in model.modules():
-        if isinstance(m, nn.Module) and getattr(type(m), "_no_split_modules", None):
-            names.update(type(m)._no_split_modules)
-    return [m for m in model.modules() if type(m).__name__ in names]
 
 
 def shard_model(

@@ -49,7 +49,7 @@ def token_values(
     Args:
         input_ids, attention_mask: (B, L).
         packed: run the rows as one packed row (the model must use
-            ``models.packing.use_varlen_attention``); padding then costs nothing.
+            ``models.attention.use_varlen_attention``); padding then costs nothing.
     Returns:
         (B, L) float32 values (at padded positions: a neighbouring token's value).
     """
@@ -84,7 +84,7 @@ def sequence_scores(
     """Reward of each sequence, read at its last attended token. (B, L) -> (B,).
 
     ``packed``: the rows go through the model as one packed row without padding (the model
-    must use ``models.packing.use_varlen_attention``).
+    must use ``models.attention.use_varlen_attention``).
     """
     if packed:
         row = pack_rows(input_ids, attention_mask)

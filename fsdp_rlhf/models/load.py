@@ -18,6 +18,7 @@ from torch import nn
 
 from fsdp_rlhf.config import BackendConfig
 from fsdp_rlhf.errors import UserError
+from fsdp_rlhf.models.attention import PADDED_ATTENTION, register_attention
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +40,14 @@ def flash_attn_available(device: torch.device) -> bool:
 
 
 def attn_implementation(flash_attn: bool, device: torch.device) -> str:
-    """``flash_attention_2`` when asked for and possible, else ``sdpa`` (with one warning)."""
-    if not flash_attn:
-        return "sdpa"
-    if flash_attn_available(device):
+    """``flash_attention_2`` when asked for and possible, else SDPA (with one warning when
+    asked for flash): ``models.attention.padded_sdpa``, which is SDPA except for CPU training."""
+    if flash_attn and flash_attn_available(device):
         return "flash_attention_2"
-    log.warning("--flash_attn: flash-attn or CUDA not available here, using sdpa attention")
-    return "sdpa"
+    if flash_attn:
+        log.warning("--flash_attn: flash-attn or CUDA not available here, using sdpa attention")
+    register_attention()
+    return PADDED_ATTENTION
 
 
 def check_model_path(path: str, flag: str) -> None:

@@ -21,6 +21,8 @@ from fsdp_rlhf.data.prompts import Prompt, tokenize_prompts
 from fsdp_rlhf.distributed.env import DistEnv
 from fsdp_rlhf.distributed.fsdp import build_mesh, describe_zero_stage, shard_model
 from fsdp_rlhf.errors import UserError
+from fsdp_rlhf.models.attention import use_varlen_attention
+from fsdp_rlhf.models.compile import check_compile_toolchain, compile_blocks
 from fsdp_rlhf.models.load import (
     check_model_path,
     load_causal_lm,
@@ -28,7 +30,6 @@ from fsdp_rlhf.models.load import (
     load_tokenizer,
     reward_normalization,
 )
-from fsdp_rlhf.models.packing import use_varlen_attention
 from fsdp_rlhf.optim import build_optimizer, build_scheduler
 from fsdp_rlhf.rollout import HFEngine, RolloutEngine, build_rollout_groups
 from fsdp_rlhf.trainers.rule_reward import RewardFn, build_rule_reward
@@ -74,6 +75,8 @@ def preflight(cfg: PPOConfig) -> tuple[PPOBatchPlan, Any]:
     plan = plan_ppo_batches(cfg, world_size)
     m = cfg.models
     check_model_path(m.pretrain, "--pretrain")
+    if cfg.backend.torch_compile:
+        check_compile_toolchain()
     if not m.reward_pretrain and not m.remote_rm_url:
         raise UserError("no reward source: pass --reward_pretrain and/or --remote_rm_url")
     if m.reward_pretrain:
@@ -121,6 +124,8 @@ def _shard(model: nn.Module, cfg: PPOConfig, env: DistEnv, trainable: bool) -> n
     mesh = build_mesh(env.device, env.world_size)
     if cfg.batch.packing_samples:
         use_varlen_attention(model)
+    if cfg.backend.torch_compile:
+        compile_blocks(model)
     model.to(env.device)
     shard_model(
         model,

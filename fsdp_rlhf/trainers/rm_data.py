@@ -18,6 +18,7 @@ from fsdp_rlhf.config import RMBatchPlan, RMConfig
 from fsdp_rlhf.data.preference import hold_out, tokenize_pairs
 from fsdp_rlhf.data.sources import load_sources
 from fsdp_rlhf.errors import UserError
+from fsdp_rlhf.models.compile import check_compile_toolchain
 from fsdp_rlhf.models.load import check_model_path, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,8 @@ def _columns(cfg: RMConfig) -> dict[str, str]:
 def check_paths(cfg: RMConfig) -> None:
     """Cheap checks of paths given by flags."""
     check_model_path(cfg.model.pretrain, "--pretrain")
+    if cfg.backend.torch_compile:
+        check_compile_toolchain()
     if not cfg.ckpt.save_path:
         raise UserError("--save_path is required")
     if Path(cfg.ckpt.save_path).is_file():

@@ -21,8 +21,9 @@ from fsdp_rlhf.distributed.env import DistEnv
 from fsdp_rlhf.distributed.fsdp import build_mesh, describe_zero_stage, shard_model
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.metrics import MetricLogger
+from fsdp_rlhf.models.attention import use_varlen_attention
+from fsdp_rlhf.models.compile import compile_blocks
 from fsdp_rlhf.models.load import load_scalar_model
-from fsdp_rlhf.models.packing import use_varlen_attention
 from fsdp_rlhf.optim import build_optimizer, build_scheduler
 from fsdp_rlhf.trainers.rm_data import RMData
 
@@ -82,6 +83,8 @@ def build_model(cfg: RMConfig, env: DistEnv, pad_token_id: int) -> FSDPModule:
     model.config.pad_token_id = pad_token_id
     if cfg.batch.packing_samples:
         use_varlen_attention(model)
+    if cfg.backend.torch_compile:
+        compile_blocks(model)
     shard_model(
         model,
         build_mesh(env.device, env.world_size),

@@ -42,7 +42,7 @@ def _one_update(rank: int, world: int, model_path: str, fold: bool, packed: bool
     from fsdp_rlhf.config_base import build_config
     from fsdp_rlhf.distributed.env import current_env
     from fsdp_rlhf.distributed.fsdp import build_mesh, shard_model
-    from fsdp_rlhf.models.packing import use_varlen_attention
+    from fsdp_rlhf.models.attention import use_varlen_attention
     from fsdp_rlhf.trainers.experience import batched_logprobs
     from fsdp_rlhf.trainers.ppo_step import old_logprobs_from_update, update_actor
 

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from fsdp_rlhf.config import BackendConfig
-from fsdp_rlhf.models import packing
+from fsdp_rlhf.models import attention
+from fsdp_rlhf.models.attention import use_varlen_attention
 from fsdp_rlhf.models.forward import sequence_scores
 from fsdp_rlhf.models.load import load_scalar_model
-from fsdp_rlhf.models.packing import pack_rows, use_varlen_attention
+from fsdp_rlhf.models.packing import pack_rows
 from tests.ppo_batches import ppo_layout_batch
 
 
@@ -52,7 +53,7 @@ def tiny_gqa(tmp_path_factory) -> str:
 def test_packed_scores_and_grads_match_padded(
     model_fixture, explicit_max_len, request, monkeypatch
 ):
-    monkeypatch.setattr(packing, "CPU_EXPLICIT_ATTENTION_MAX_LEN", explicit_max_len)
+    monkeypatch.setattr(attention, "CPU_EXPLICIT_ATTENTION_MAX_LEN", explicit_max_len)
     path = request.getfixturevalue(model_fixture)
     torch.manual_seed(0)
     cpu = torch.device("cpu")
