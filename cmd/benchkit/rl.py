@@ -43,8 +43,10 @@ def ours_cmd(
     engine: str = "vllm",
     resp_len: int | None = None,
     rm: Path | None = None,
+    compile: bool = True,
 ) -> list[str]:
-    """GRPO with the rule reward, or (``rm`` given) PPO with GAE: RM scores, critic from it."""
+    """GRPO with the rule reward, or (``rm`` given) PPO with GAE: RM scores, critic from it.
+    With ``--torch_compile`` unless ``compile`` is False."""
     flags = dict(
         pretrain=w.model, prompt_data=w.prompts, input_key="input", apply_chat_template=True,
         prompt_max_len=PROMPT_MAX_LEN, generate_max_len=resp_len or s.rl_resp_len,
@@ -53,6 +55,7 @@ def ours_cmd(
         micro_rollout_batch_size=s.rl_micro, max_steps=s.rl_steps, actor_learning_rate=LR,
         lr_warmup_ratio=0, bf16=True, rollout_engine=engine, save_path=out,
         ckpt_path=out / "ckpt", save_steps=-1, sample_log_steps=0, logging_steps=1, seed=SEED,
+        torch_compile=compile,
     )  # fmt: skip
     if rm is None:
         flags.update(advantage_estimator="grpo", remote_rm_url=w.reward_py, use_kl_loss=True,

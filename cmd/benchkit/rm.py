@@ -1,9 +1,11 @@
 """Reward-model training: `fsdp-rlhf train-rm` against TRL's `RewardTrainer`, interleaved.
 
 Same model, pairs file, pairs per step, micro-batch per rank, ranks, bf16, learning rate and
-max length. Both concatenate chosen and rejected into one forward and pad to the longest
-sequence of the micro-batch. The pairs file holds exactly the steps' worth of pairs (plus our
-eval hold-out), so both runs read nearly the same tokens whatever their shuffling.
+max length. Ours runs packed and with ``--torch_compile``; TRL with its defaults (eager, padded
+to the longest sequence of the micro-batch), and once more with its own ``torch_compile=True``
+for reference. Both concatenate chosen and rejected into one forward. The pairs file holds
+exactly the steps' worth of pairs (plus our eval hold-out), so both runs read nearly the same
+tokens whatever their shuffling.
 """
 
 from __future__ import annotations
@@ -29,18 +31,22 @@ def _grad_accum(s: Sizes, nproc: int) -> int:
     return per_rank
 
 
-def ours_cmd(w: Workload, s: Sizes, out: Path, nproc: int, packing: bool = True) -> list[str]:
-    """``train-rm`` as we would run it: ``--packing_samples`` unless asked for padded batches."""
+def ours_cmd(
+    w: Workload, s: Sizes, out: Path, nproc: int, packing: bool = True, compile: bool = True
+) -> list[str]:
+    """``train-rm`` as we would run it: ``--packing_samples --torch_compile`` unless asked
+    for padded batches or eager blocks."""
     flags = dict(
         pretrain=w.model, dataset=w.pairs, save_path=out, ckpt_path=out / "ckpt",
         train_batch_size=s.rm_pairs_per_step, micro_train_batch_size=s.rm_micro,
         max_len=MAX_LEN, learning_rate=LR, bf16=True, logging_steps=1, seed=SEED,
-        packing_samples=packing,
+        packing_samples=packing, torch_compile=compile,
     )  # fmt: skip
     return local_torchrun(nproc, cli("train-rm", **flags))
 
 
-def trl_cmd(w: Workload, s: Sizes, out: Path, nproc: int) -> list[str]:
+def trl_cmd(w: Workload, s: Sizes, out: Path, nproc: int, compile: bool = False) -> list[str]:
+    """TRL with its defaults, or (``compile``) with ``torch_compile=True``."""
     cfg = dict(
         model=str(w.model),
         data=str(w.pairs),
@@ -52,6 +58,7 @@ def trl_cmd(w: Workload, s: Sizes, out: Path, nproc: int) -> list[str]:
         bf16=True,
         max_length=MAX_LEN,
         seed=SEED,
+        torch_compile=compile,
     )
     return local_torchrun(
         nproc, [str(REPO / "cmd" / "benchkit" / "trl_rm_worker.py"), json.dumps(cfg)]
@@ -81,11 +88,11 @@ def summarize(job: Job, s: Sizes, tokens_pair: float, key: str | None) -> dict:
     }
 
 
-def run_ours(name: str, w: Workload, s: Sizes, work: Path, packing: bool = True) -> dict:
+def run_ours(name: str, w: Workload, s: Sizes, work: Path, **kw) -> dict:
     save = work / name
     job = run_job(
         name,
-        ours_cmd(w, s, save, s.nproc, packing),
+        ours_cmd(w, s, save, s.nproc, **kw),
         work / f"{name}.log",
         save / "metrics.jsonl",
         bench_env(work),
@@ -93,12 +100,12 @@ def run_ours(name: str, w: Workload, s: Sizes, work: Path, packing: bool = True)
     return summarize(job, s, tokens_per_pair(w), key="loss")
 
 
-def run_trl(name: str, w: Workload, s: Sizes, work: Path) -> dict:
+def run_trl(name: str, w: Workload, s: Sizes, work: Path, compile: bool = False) -> dict:
     save = work / name
     save.mkdir(parents=True, exist_ok=True)
     job = run_job(
         name,
-        trl_cmd(w, s, save, s.nproc),
+        trl_cmd(w, s, save, s.nproc, compile),
         work / f"{name}.log",
         save / "steps.jsonl",
         bench_env(work),

@@ -43,8 +43,8 @@ def _memory_md(raw: dict) -> str:
         for side in ("ours", "trl"):
             if side in run:
                 rows.append((f"GRPO {side} rep {i}", f"{run[side]['peak_rss_gib']:.2f}"))
-    if "rm_padded" in raw:
-        rows.append(("RM ours without packing", f"{raw['rm_padded']['peak_rss_gib']:.2f}"))
+    for name, run in raw.get("rm_single", {}).items():
+        rows.append((f"RM {name}", f"{run['peak_rss_gib']:.2f}"))
     for name, run in raw.get("extra", {}).items():
         rows.append((f"ours {name}", f"{run['peak_rss_gib']:.2f}"))
     per_phase = raw["rl_runs"][0]["ours"]["peak_rss_gib_by_phase"]

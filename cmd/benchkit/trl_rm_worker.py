@@ -1,9 +1,10 @@
 """TRL ``RewardTrainer`` on the benchmark model and pairs; run under torchrun by cmd/benchkit/rm.py.
 
 Usage: ``torchrun --nproc_per_node N cmd/benchkit/trl_rm_worker.py '<json settings>'``. Settings are
-the ones ours gets (batch, micro-batch, steps, precision, max length, seed); everything else is
-TRL's default, except gradient checkpointing, which is off as in ours (TRL turns it on by
-default). Rank 0 appends one line per optimizer step to ``<out>/steps.jsonl``.
+the ones ours gets (batch, micro-batch, steps, precision, max length, seed) and whether to
+``torch_compile``; everything else is TRL's default, except gradient checkpointing, which is off
+as in ours (TRL turns it on by default). Rank 0 appends one line per optimizer step to
+``<out>/steps.jsonl``.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def main() -> None:
         bf16=cfg["bf16"],
         use_cpu=not torch.cuda.is_available(),
         gradient_checkpointing=False,
+        torch_compile=cfg["torch_compile"],
         max_length=cfg["max_length"],
         seed=cfg["seed"],
         save_strategy="no",
@@ -51,6 +53,10 @@ def main() -> None:
     trainer = RewardTrainer(model=cfg["model"], args=args, train_dataset=pairs)
     trainer.add_callback(step_logger(out / "steps.jsonl"))
     trainer.train()
+    # A clean teardown: left to interpreter exit, gloo's threads sometimes abort the process
+    # ("terminate called without an active exception") after training finished.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
