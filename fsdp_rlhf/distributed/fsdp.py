@@ -15,6 +15,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_rlhf.config import FSDPConfig
+from fsdp_rlhf.distributed.gloo_comm import use_p2p_reduce_scatter
 from fsdp_rlhf.models.compile import decoder_layers
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ def shard_model(
     fully_shard(model, **kwargs)
     if grad_reduce == "sum":
         set_sum_reduction(model)
+    if dist.get_backend(mesh.get_group()) == "gloo":
+        use_p2p_reduce_scatter(model)
     return model
 
 
