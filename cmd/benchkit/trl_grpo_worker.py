@@ -78,10 +78,6 @@ def main() -> None:
     )
     trainer.add_callback(log_rows(out / "steps.jsonl"))
     trainer.train()
-    # A clean teardown: left to interpreter exit, gloo's threads sometimes abort the process
-    # ("terminate called without an active exception") after training finished.
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

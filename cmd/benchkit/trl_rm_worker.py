@@ -53,10 +53,6 @@ def main() -> None:
     trainer = RewardTrainer(model=cfg["model"], args=args, train_dataset=pairs)
     trainer.add_callback(step_logger(out / "steps.jsonl"))
     trainer.train()
-    # A clean teardown: left to interpreter exit, gloo's threads sometimes abort the process
-    # ("terminate called without an active exception") after training finished.
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
