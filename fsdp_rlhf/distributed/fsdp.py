@@ -15,7 +15,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_rlhf.config import FSDPConfig
-from fsdp_rlhf.distributed.gloo_comm import use_p2p_reduce_scatter
+from fsdp_rlhf.distributed.gloo_comm import all_gather_into, use_p2p_reduce_scatter
 from fsdp_rlhf.models.compile import decoder_layers
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,11 @@ def _gather_bucket(
         send[offset : offset + local.numel()].copy_(local)
         offset += n
     recv = torch.empty(mesh.size() * total, dtype=dtype, device=send.device)
-    dist.all_gather_into_tensor(recv, send, group=mesh.get_group())
+    group = mesh.get_group()
+    if dist.get_backend(group) == "gloo":
+        all_gather_into(recv, send, group)
+    else:
+        dist.all_gather_into_tensor(recv, send, group=group)
     recv = recv.view(mesh.size(), total)
     offset = 0
     for name, p, n in bucket:

@@ -18,7 +18,7 @@ from fsdp_rlhf.config import PPOBatchPlan, PPOConfig
 from fsdp_rlhf.config_base import dump_yaml
 from fsdp_rlhf.data.prompts import Prompt, PromptSampler
 from fsdp_rlhf.distributed import checkpoint as ckpt
-from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars, init_distributed, teardown
+from fsdp_rlhf.distributed.env import DistEnv, init_distributed, teardown
 from fsdp_rlhf.distributed.offload import (
     offload_model,
     offload_optimizer,
@@ -152,7 +152,7 @@ class PPOTrainer:
         stats = StatCollector()
         with self.timer("all"):
             # 1. rollout: current actor weights into the engine, then sample responses
-            exp, rollout_metrics = self.rollout(prompts)
+            exp, rollout_metrics = self.rollout(prompts, stats)
             # 2. score: reward model and/or rule reward
             self.score(exp, prompts)
             # 3. log-probs of the sampling policy (unless the update yields them) and the
@@ -180,7 +180,9 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ phases
 
-    def rollout(self, prompts: list[Prompt]) -> tuple[Experience, dict[str, float]]:
+    def rollout(
+        self, prompts: list[Prompt], stats: StatCollector
+    ) -> tuple[Experience, dict[str, float]]:
         metrics: dict[str, float] = {}
         offload_optimizer(self.optimizers["actor"], self.env.device)
         with self.timer("resharding_to_infer"):
@@ -198,9 +200,9 @@ class PPOTrainer:
             self.engine.sleep()
             onload_optimizer(self.optimizers["actor"], self.env.device)
         exp = ppo_step.experience_from_rollout(out, self.env.device)
-        metrics["response_length/clip_ratio"] = all_reduce_scalars(
-            {"c": ppo_step.clip_ratio(out.finish_reasons)}
-        )["c"]
+        # reduced with the step's other statistics: a collective here would make each rank
+        # wait for the slowest one's generation before scoring
+        stats.add_mean("response_length/clip_ratio", ppo_step.truncated(out.finish_reasons))
         return exp, metrics
 
     def score(self, exp: Experience, prompts: list[Prompt]) -> None:

@@ -20,6 +20,7 @@ class StatCollector:
         self.sums: dict[str, float] = {}
         self.maxs: dict[str, float] = {}
         self.mins: dict[str, float] = {}
+        self.means: list[str] = []
 
     def add(self, name: str, values: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         values = values.detach().float()
@@ -29,11 +30,20 @@ class StatCollector:
         self.maxs[name] = float(picked.max()) if picked.numel() else float("-inf")
         self.mins[name] = float(picked.min()) if picked.numel() else float("inf")
 
+    def add_mean(self, name: str, values: torch.Tensor) -> None:
+        """Only ``name`` itself: the global mean of ``values``."""
+        self.sums[f"{name}/sum"] = float(values.detach().float().sum())
+        self.sums[f"{name}/count"] = float(values.numel())
+        self.means.append(name)
+
     def reduce(self) -> dict[str, float]:
         sums = all_reduce_scalars(self.sums, "sum")
         maxs = all_reduce_scalars(self.maxs, "max")
         mins = all_reduce_scalars(self.mins, "min")
         out = {}
+        for name in self.means:
+            count = sums[f"{name}/count"]
+            out[name] = sums[f"{name}/sum"] / count if count else 0.0
         for name in self.maxs:
             count = sums[f"{name}/count"]
             out[f"{name}/mean"] = sums[f"{name}/sum"] / count if count else 0.0

@@ -67,9 +67,10 @@ def experience_from_rollout(out: RolloutOutput, device: torch.device) -> Experie
     )
 
 
-def clip_ratio(finish_reasons: list[str]) -> float:
-    """Fraction of responses cut by ``generate_max_len`` rather than ending on EOS."""
-    return sum(r == "length" for r in finish_reasons) / max(len(finish_reasons), 1)
+def truncated(finish_reasons: list[str]) -> torch.Tensor:
+    """(N,) 1.0 for each response cut by ``generate_max_len`` rather than ending on EOS; its
+    global mean is ``response_length/clip_ratio``."""
+    return torch.tensor([float(r == "length") for r in finish_reasons])
 
 
 def rule_scores(fn: RewardFn, exp: Experience, prompts, tokenizer, n_samples: int) -> torch.Tensor:

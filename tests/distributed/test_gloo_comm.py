@@ -1,4 +1,5 @@
-"""The point-to-point reduce-scatter FSDP2 uses on gloo against gloo's own, on 3 ranks."""
+"""The point-to-point reduce-scatter and all-gather used on gloo against gloo's own, on 3
+ranks."""
 
 from __future__ import annotations
 
@@ -25,9 +26,16 @@ def _compare(rank: int, world: int) -> list[float]:
         diffs.append((out - expected).abs().max().item())
     with pytest.raises(ValueError, match="sums or averages"):
         comm(out, inp, group, dist.ReduceOp.MAX)
+    from fsdp_rlhf.distributed.gloo_comm import all_gather_into
+
+    shard = torch.arange(4.0) + 10 * rank
+    full, expected = torch.empty(4 * world), torch.empty(4 * world)
+    all_gather_into(full, shard, group)
+    dist.all_gather_into_tensor(expected, shard)
+    diffs.append((full - expected).abs().max().item())
     return diffs
 
 
-def test_p2p_reduce_scatter_matches_gloo():
+def test_p2p_collectives_match_gloo():
     for diffs in run_distributed(_compare, 3):
         assert max(diffs) < 1e-6, diffs

@@ -14,10 +14,10 @@ from fsdp_rlhf.config import PPOAlgoConfig
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.trainers.experience import Experience
 from fsdp_rlhf.trainers.ppo_step import (
-    clip_ratio,
     compute_advantages,
     observe_kl,
     old_logprobs_from_update,
+    truncated,
 )
 from fsdp_rlhf.trainers.rule_reward import build_rule_reward, http_reward
 
@@ -121,8 +121,8 @@ def test_old_logprobs_come_from_the_update_only_when_exact(change, folds):
     assert old_logprobs_from_update(cfg, plan, not change.get("actor_frozen", False)) is folds
 
 
-def test_clip_ratio():
-    assert clip_ratio(["stop", "length", "length", "stop"]) == 0.5
+def test_truncated_flags():
+    assert truncated(["stop", "length", "length", "stop"]).tolist() == [0.0, 1.0, 1.0, 0.0]
 
 
 def test_python_rule_reward_file(tmp_path):
@@ -183,3 +183,15 @@ def test_http_rule_reward_gives_up_after_retries(monkeypatch):
     fn = http_reward("http://127.0.0.1:9/", retries=2, timeout_s=0.5)  # discard port: refused
     with pytest.raises(RuntimeError, match="failed 3 times"):
         fn(["q"], ["p"], [None])
+
+
+def test_stat_collector_mean_only_entry():
+    from fsdp_rlhf.trainers.ppo_metrics import StatCollector
+
+    stats = StatCollector()
+    stats.add_mean("response_length/clip_ratio", truncated(["length", "stop", "stop", "stop"]))
+    stats.add("response_length", torch.tensor([3.0, 5.0]))
+    out = stats.reduce()
+    assert out["response_length/clip_ratio"] == 0.25
+    assert out["response_length/mean"] == 4.0
+    assert not any(k.startswith("response_length/clip_ratio/") for k in out)
