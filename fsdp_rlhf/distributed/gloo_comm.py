@@ -49,14 +49,7 @@ class P2PReduceScatter(ReduceScatter):
         if key not in self._recv:
             self._recv[key] = torch.empty_like(chunks)
         recv = self._recv[key]
-        ops = []
-        for peer in range(world):
-            if peer != rank:
-                global_peer = dist.get_global_rank(group, peer)
-                ops.append(dist.P2POp(dist.isend, chunks[peer], global_peer, group))
-                ops.append(dist.P2POp(dist.irecv, recv[peer], global_peer, group))
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        _exchange(group, chunks, recv)
         recv[rank].copy_(chunks[rank])
         torch.sum(recv, dim=0, out=output_tensor)
         if op == dist.ReduceOp.AVG:
@@ -75,15 +68,21 @@ def use_p2p_reduce_scatter(model: torch.nn.Module) -> None:
 
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> None:
     """``output`` (W * n,) = every rank's ``shard`` (n,) in rank order, sent peer to peer."""
-    world, rank = group.size(), group.rank()
+    world = group.size()
     slots = output.view(world, -1)
-    ops = []
-    for peer in range(world):
+    _exchange(group, shard.expand(world, -1), slots)
+    slots[group.rank()].copy_(shard)
+
+
+def _exchange(group: dist.ProcessGroup, send: torch.Tensor, recv: torch.Tensor) -> None:
+    """Send ``send[peer]`` to every other rank of ``group`` and receive its piece into
+    ``recv[peer]``, all at once; rows are indexed by group rank. ``recv[rank]`` is untouched."""
+    rank, ops = group.rank(), []
+    for peer in range(group.size()):
         if peer != rank:
             global_peer = dist.get_global_rank(group, peer)
-            ops.append(dist.P2POp(dist.isend, shard, global_peer, group))
-            ops.append(dist.P2POp(dist.irecv, slots[peer], global_peer, group))
-    works = dist.batch_isend_irecv(ops) if ops else []
-    slots[rank].copy_(shard)
-    for work in works:
-        work.wait()
+            ops.append(dist.P2POp(dist.isend, send[peer], global_peer, group))
+            ops.append(dist.P2POp(dist.irecv, recv[peer], global_peer, group))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()

@@ -40,13 +40,14 @@ class StatCollector:
         sums = all_reduce_scalars(self.sums, "sum")
         maxs = all_reduce_scalars(self.maxs, "max")
         mins = all_reduce_scalars(self.mins, "min")
-        out = {}
-        for name in self.means:
+
+        def mean(name: str) -> float:
             count = sums[f"{name}/count"]
-            out[name] = sums[f"{name}/sum"] / count if count else 0.0
+            return sums[f"{name}/sum"] / count if count else 0.0
+
+        out = {name: mean(name) for name in self.means}
         for name in self.maxs:
-            count = sums[f"{name}/count"]
-            out[f"{name}/mean"] = sums[f"{name}/sum"] / count if count else 0.0
+            out[f"{name}/mean"] = mean(name)
             out[f"{name}/max"] = maxs[name]
             out[f"{name}/min"] = mins[name]
         return out
