@@ -4,8 +4,9 @@ Builds a ~34M-parameter Qwen2 model and synthetic data locally, then runs, inter
 (A B A B) with medians: reward-model training (ours with --packing_samples --torch_compile vs
 TRL RewardTrainer) and a GRPO step (ours with vLLM and --torch_compile vs TRL GRPOTrainer);
 then single runs: RM ours without packing and without compile, RM TRL with torch_compile=True,
-and ours alone: GRPO without compile, HF rollouts, PPO with critic + RM, 1 rank, and 2x
-response length. Writes
+RM and GRPO pairs with both sides on glibc malloc, and ours alone: HF rollouts, PPO with
+critic + RM, 1 rank, and 2x response length. Every run of both sides gets tcmalloc in
+LD_PRELOAD when one is installed (vLLM's CPU setup; see fsdp_rlhf/allocator.py). Writes
 ``bench/results/bench-<time>.json`` (+ ``latest.json``) and ``bench/results/summary.md``, and
 prints the table.
 
@@ -31,6 +32,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "cmd"))  # benchkit/ lives beside this script
 
 from benchkit import machine, rl, rm  # noqa: E402
+from benchkit.launch import glibc_env, use_tcmalloc  # noqa: E402
 from benchkit.memcpy import memcpy_reference  # noqa: E402
 from benchkit.render import console_table  # noqa: E402
 from benchkit.report import headline, targets, write_json  # noqa: E402
@@ -84,14 +86,31 @@ def run_rm_single(
     return out
 
 
+def run_glibc(w: Workload, s: Sizes, work: Path, clock: Clock) -> dict[str, dict]:
+    """One RM pair and one GRPO pair with both sides on glibc malloc (no tcmalloc preload)."""
+    env = glibc_env()
+    rm_pair = {
+        "ours": rm.run_ours("rm_ours_glibc", w, s, work, env=env),
+        "trl": rm.run_trl("rm_trl_glibc", w, s, work, env=env),
+    }
+    rl_pair = {
+        "ours": rl.run_ours("grpo_ours_glibc", w, s, work, s.nproc, env=env),
+        "trl": rl.run_trl("grpo_trl_glibc", w, s, work, s.nproc, env=env),
+    }
+    clock.say(
+        f"glibc malloc: RM ours {rm_pair['ours']['pairs_per_s']:.2f} vs TRL "
+        f"{rm_pair['trl']['pairs_per_s']:.2f} pairs/s; GRPO ours {rl_pair['ours']['e2e_tps']:.1f}"
+        f" vs TRL {rl_pair['trl']['e2e_tps']:.1f} tokens/s/rank"
+    )
+    return {"rm": rm_pair, "rl": rl_pair}
+
+
 def run_extra(w: Workload, s: Sizes, work: Path, clock: Clock) -> dict[str, dict]:
-    """Ours only: without compile, HF rollouts, PPO with critic and RM (the RM trained in RM
-    rep 0), scaling.
+    """Ours only: HF rollouts, PPO with critic and RM (the RM trained in RM rep 0), scaling.
 
     The 1-rank run gets one thread, like each of the 2 ranks: 1 core vs 2 cores.
     """
     jobs = {
-        "no compile": dict(nproc=s.nproc, compile=False),
         "hf rollouts": dict(nproc=s.nproc, engine="hf"),
         "ppo critic+rm": dict(nproc=s.nproc, rm=work / "rm_ours_0"),
         "1 rank": dict(nproc=1, env={"OMP_NUM_THREADS": "1"}),
@@ -104,10 +123,11 @@ def run_extra(w: Workload, s: Sizes, work: Path, clock: Clock) -> dict[str, dict
     return out
 
 
-def measure(s: Sizes, work: Path, with_trl: bool, clock: Clock) -> dict:
+def measure(s: Sizes, work: Path, with_trl: bool, allocator: str, clock: Clock) -> dict:
     w = build_workload(work / "data", s)
-    clock.say(f"workload built: {w.params_m:.1f}M parameters in {work}")
+    clock.say(f"workload built: {w.params_m:.1f}M parameters in {work}; allocator: {allocator}")
     raw = {
+        "allocator": allocator,
         "sizes": s.to_dict(),
         "params_m": w.params_m,
         "with_trl": with_trl,
@@ -118,6 +138,8 @@ def measure(s: Sizes, work: Path, with_trl: bool, clock: Clock) -> dict:
     raw["rl_runs"] = run_rl(w, s, work, with_trl, clock)
     if s.extra_runs:
         raw["rm_single"] = run_rm_single(w, s, work, with_trl, clock)
+        if with_trl and raw["allocator"].startswith("tcmalloc"):
+            raw["glibc"] = run_glibc(w, s, work, clock)
         raw["extra"] = run_extra(w, s, work, clock)
     return raw
 
@@ -127,6 +149,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     p.add_argument("--work", type=Path, help="keep run folders here (default: a temp dir)")
+    p.add_argument(
+        "--malloc",
+        choices=("tcmalloc", "glibc"),
+        default="tcmalloc",
+        help="allocator of every run, both sides (tcmalloc when installed; default)",
+    )
     return p.parse_args(argv)
 
 
@@ -145,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine.describe(),
         "command": " ".join(["cmd/bench.py", *sys.argv[1:]]),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-        **measure(sizes, work, with_trl, clock),
+        **measure(sizes, work, with_trl, use_tcmalloc(args.malloc == "tcmalloc"), clock),
     }
     raw["machine"]["load_avg_end"] = os.getloadavg()
     raw["elapsed_s"] = time.time() - clock.start

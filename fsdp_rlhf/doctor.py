@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from fsdp_rlhf.allocator import preloaded_allocator
 from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.distributed.env import DistEnv, init_distributed, teardown
 from fsdp_rlhf.metrics import setup_logging
@@ -59,6 +60,8 @@ def device_report(env: DistEnv) -> dict[str, object]:
         "name": name,
         "total_gib": round(total_gib, 1),
         "free_gib": round(free_gib, 1),
+        # host malloc matters on CPU runs (see fsdp_rlhf.allocator)
+        "allocator": preloaded_allocator(os.environ.get("LD_PRELOAD", "")) or "glibc",
     }
 
 
@@ -280,11 +283,10 @@ def _print_report(vers: dict, reports: list, gathered: list) -> None:
 
     console = Console(width=140, soft_wrap=True)
     console.print("versions: " + json.dumps(vers))
-    table = Table("rank", "host", "device", "name", "total GiB", "free GiB", title="devices")
+    cols = ("rank", "host", "device", "name", "total_gib", "free_gib", "allocator")
+    table = Table(*(c.replace("_gib", " GiB") for c in cols), title="devices")
     for r in reports:
-        table.add_row(
-            *(str(r[k]) for k in ("rank", "host", "device", "name", "total_gib", "free_gib"))
-        )
+        table.add_row(*(str(r[k]) for k in cols))
     console.print(table)
     failed = []
     for rank, rank_checks in enumerate(gathered):

@@ -42,6 +42,30 @@ def cli(subcommand: str, **flags) -> list[str]:
     return args
 
 
+def use_tcmalloc(want: bool) -> str:
+    """Preload tcmalloc into every run of this bench (both sides alike) when ``want`` and one is
+    installed; returns what the runs use, for the report."""
+    from fsdp_rlhf.allocator import find_tcmalloc, preloaded_allocator
+
+    current = os.environ.get("LD_PRELOAD", "")
+    if preloaded_allocator(current):
+        return f"preloaded by the caller: {current}"
+    found = find_tcmalloc() if want else None
+    if found is None:
+        return "glibc malloc" + ("" if not want else " (no tcmalloc installed)")
+    os.environ["LD_PRELOAD"] = f"{found}:{current}" if current else str(found)
+    return f"tcmalloc ({found}) preloaded into both sides"
+
+
+def glibc_env() -> dict[str, str]:
+    """Environment override that takes tcmalloc/jemalloc out of ``LD_PRELOAD``."""
+    from fsdp_rlhf.allocator import preloaded_allocator
+
+    keep = [e for e in os.environ.get("LD_PRELOAD", "").split(":") if e and not
+            preloaded_allocator(e)]  # fmt: skip
+    return {"LD_PRELOAD": ":".join(keep)}
+
+
 def bench_env(work: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update(

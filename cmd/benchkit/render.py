@@ -57,12 +57,16 @@ def table_rows(raw: dict) -> list[Row]:
         trl_c = single["TRL with torch_compile"]["pairs_per_s"]
         label = "RM training pairs/s, vs TRL with torch_compile=True"
         rows.append(_row(label, h["rm_ours_pairs_s"], trl_c, "{:.2f}"))
+    glibc = raw.get("glibc")
+    if glibc:
+        pps = [glibc["rm"][k]["pairs_per_s"] for k in ("ours", "trl")]
+        rows.append(_row("RM training pairs/s, both sides on glibc malloc", *pps, "{:.2f}"))
     rows.append(
         _row("GRPO e2e tokens/s/rank (ours: vLLM)", h["rl_ours_tps"], trl_rl, target=">= 2x")
     )
-    if "no compile" in x:
-        tps = x["no compile"]["e2e_tps"]
-        rows.append(_row("GRPO e2e tokens/s/rank, ours without compile", tps, trl_rl))
+    if glibc:
+        tps = [glibc["rl"][k]["e2e_tps"] for k in ("ours", "trl")]
+        rows.append(_row("GRPO e2e tokens/s/rank, both sides on glibc malloc", *tps))
     if "hf rollouts" in x:
         tps = x["hf rollouts"]["e2e_tps"]
         rows.append(_row("GRPO e2e tokens/s/rank (ours: HF generate)", tps, trl_rl))

@@ -159,10 +159,11 @@ def run_ours(
     return summarize_ours(job, s, nproc)
 
 
-def run_trl(name: str, w: Workload, s: Sizes, work: Path, nproc: int) -> dict:
+def run_trl(
+    name: str, w: Workload, s: Sizes, work: Path, nproc: int, env: dict[str, str] | None = None
+) -> dict:
     out = work / name
     out.mkdir(parents=True, exist_ok=True)
-    job = run_job(
-        name, trl_cmd(w, s, out, nproc), work / f"{name}.log", out / "steps.jsonl", bench_env(work)
-    )
+    env = {**bench_env(work), **(env or {})}
+    job = run_job(name, trl_cmd(w, s, out, nproc), work / f"{name}.log", out / "steps.jsonl", env)
     return summarize_trl(job, s, nproc)

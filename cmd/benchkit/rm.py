@@ -88,19 +88,28 @@ def summarize(job: Job, s: Sizes, tokens_pair: float, key: str | None) -> dict:
     }
 
 
-def run_ours(name: str, w: Workload, s: Sizes, work: Path, **kw) -> dict:
+def run_ours(
+    name: str, w: Workload, s: Sizes, work: Path, env: dict[str, str] | None = None, **kw
+) -> dict:
     save = work / name
     job = run_job(
         name,
         ours_cmd(w, s, save, s.nproc, **kw),
         work / f"{name}.log",
         save / "metrics.jsonl",
-        bench_env(work),
+        {**bench_env(work), **(env or {})},
     )
     return summarize(job, s, tokens_per_pair(w), key="loss")
 
 
-def run_trl(name: str, w: Workload, s: Sizes, work: Path, compile: bool = False) -> dict:
+def run_trl(
+    name: str,
+    w: Workload,
+    s: Sizes,
+    work: Path,
+    compile: bool = False,
+    env: dict[str, str] | None = None,
+) -> dict:
     save = work / name
     save.mkdir(parents=True, exist_ok=True)
     job = run_job(
@@ -108,7 +117,7 @@ def run_trl(name: str, w: Workload, s: Sizes, work: Path, compile: bool = False)
         trl_cmd(w, s, save, s.nproc, compile),
         work / f"{name}.log",
         save / "steps.jsonl",
-        bench_env(work),
+        {**bench_env(work), **(env or {})},
     )
     return summarize(job, s, tokens_per_pair(w), key=None)
 

@@ -6,14 +6,15 @@ from benchkit.notes import notes
 from benchkit.render import DIFFERS, HEADER, SAME, md_table, phases_md, table_rows, targets_md
 
 
-def _machine_md(m: dict) -> str:
+def _machine_md(m: dict, allocator: str) -> str:
     v = ", ".join(f"{k} {val}" for k, val in m["versions"].items())
     gpus = ", ".join(m["gpus"]) or "none"
     load = " / ".join(f"{x:.1f}" for x in m["load_avg_start"])
     end = " / ".join(f"{x:.1f}" for x in m.get("load_avg_end", ()))
     return (
         f"- CPU: {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM; GPUs: {gpus}\n"
-        f"- {m['os']}\n- {v}\n- load average (1/5/15 min) at start: {load}; at end: {end} "
+        f"- {m['os']}\n- {v}\n- host allocator: {allocator}\n"
+        f"- load average (1/5/15 min) at start: {load}; at end: {end} "
         "(other jobs share these cores: runs are interleaved and medians reported)"
     )
 
@@ -64,7 +65,7 @@ def summary_md(raw: dict) -> str:
         f"# Benchmark: fsdp-rlhf vs TRL ({raw['started']})",
         f"`{raw['command']}` took {raw['elapsed_s'] / 60:.1f} min.",
         "## Machine",
-        _machine_md(raw["machine"]),
+        _machine_md(raw["machine"], raw.get("allocator", "glibc malloc")),
         "## Workload",
         _workload_md(raw),
         "## Results",

@@ -16,6 +16,8 @@ import json
 import sys
 from pathlib import Path
 
+from worker_exit import exit_after_training
+
 from fsdp_rlhf.data.synthetic import POSITIVE
 
 POSITIVE_SET = set(POSITIVE)
@@ -78,6 +80,7 @@ def main() -> None:
     )
     trainer.add_callback(log_rows(out / "steps.jsonl"))
     trainer.train()
+    exit_after_training()
 
 
 if __name__ == "__main__":

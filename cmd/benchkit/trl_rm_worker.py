@@ -13,6 +13,8 @@ import json
 import sys
 from pathlib import Path
 
+from worker_exit import exit_after_training
+
 
 def step_logger(path: Path):
     from transformers import TrainerCallback
@@ -53,6 +55,7 @@ def main() -> None:
     trainer = RewardTrainer(model=cfg["model"], args=args, train_dataset=pairs)
     trainer.add_callback(step_logger(out / "steps.jsonl"))
     trainer.train()
+    exit_after_training()
 
 
 if __name__ == "__main__":

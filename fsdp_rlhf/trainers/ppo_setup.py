@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_rlhf.allocator import allocator_hint
 from fsdp_rlhf.config import PPOBatchPlan, PPOConfig, plan_ppo_batches
 from fsdp_rlhf.data.prompts import Prompt, tokenize_prompts
 from fsdp_rlhf.distributed.env import DistEnv
@@ -147,6 +148,8 @@ def _shard(model: nn.Module, cfg: PPOConfig, env: DistEnv, trainable: bool) -> n
 def build_models(cfg: PPOConfig, env: DistEnv) -> Models:
     m, backend = cfg.models, cfg.backend
     log.info(describe_zero_stage(cfg.fsdp.zero_stage))
+    if env.is_rank0 and (hint := allocator_hint(env.device.type)):
+        log.warning(hint)
     tokenizer = load_tokenizer(m.pretrain, backend.trust_remote_code)
     actor = _shard(load_causal_lm(m.pretrain, backend, env.device), cfg, env, trainable=True)
     # Frozen models never run backward: recomputation would only cost time.

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from fsdp_rlhf.allocator import allocator_hint
 from fsdp_rlhf.config import RMBatchPlan, RMConfig
 from fsdp_rlhf.config_base import dump_yaml
 from fsdp_rlhf.data.preference import PreferenceLoader
@@ -70,6 +71,8 @@ def resume_state(cfg: RMConfig, data: RMData, global_step: int) -> dict[str, Any
 def build_model(cfg: RMConfig, env: DistEnv, pad_token_id: int) -> FSDPModule:
     """Load the SFT model with a scalar head and shard it over all ranks."""
     log.info(describe_zero_stage(cfg.fsdp.zero_stage))
+    if env.is_rank0 and (hint := allocator_hint(env.device.type)):
+        log.warning(hint)
     # Same seed on every rank: a freshly initialised head must be identical everywhere,
     # because each rank keeps its own shard of its own copy.
     torch.manual_seed(cfg.seed)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 
 import pytest
 
+from fsdp_rlhf.allocator import find_tcmalloc, preloaded_allocator
 from tests.e2e.helpers import REPO, _env
 
 pytestmark = pytest.mark.slow
@@ -44,6 +46,12 @@ def test_our_side_is_measured_and_written(smoke):
     assert ours["phases_s"]["all"] >= ours["phases_s"]["update"]
     assert _positive(ours["peak_rss_gib"]) and ours["peak_rss_gib_by_phase"]
     assert raw["machine"]["cores"] >= 1 and raw["machine"]["versions"]["torch"]
+    # tcmalloc goes into every run when installed (both sides), and the summary says which
+    want = "tcmalloc" if find_tcmalloc() else "glibc malloc"
+    if preloaded_allocator(os.environ.get("LD_PRELOAD", "")):
+        want = "preloaded by the caller"
+    assert raw["allocator"].startswith(want), raw["allocator"]
+    assert f"host allocator: {raw['allocator']}" in smoke["summary"]
     for section in ("## Machine", "## Results", "## Targets", "## Phase breakdown", "## Fairness"):
         assert section in smoke["summary"]
     assert "RM training pairs/s" in smoke["stdout"]  # the console table
