@@ -21,9 +21,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from fsdp_rlhf.allocator import find_tcmalloc, tcmalloc_preload  # noqa: E402
 from fsdp_rlhf.data.synthetic import preference_rows, prompt_rows, write_jsonl  # noqa: E402
 from fsdp_rlhf.distributed.env import local_torchrun  # noqa: E402
 from fsdp_rlhf.models.tiny import build_model  # noqa: E402
+
+
+def _ld_preload() -> str:
+    """tcmalloc first when installed: CPU runs are faster with it (fsdp_rlhf.allocator)."""
+    return tcmalloc_preload(os.environ.get("LD_PRELOAD", ""), find_tcmalloc())
 
 
 def torchrun(args: list[str], log_file: Path, nproc: int) -> float:
@@ -38,7 +44,7 @@ def torchrun(args: list[str], log_file: Path, nproc: int) -> float:
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
+            env={**os.environ, "PYTHONPATH": str(REPO), "LD_PRELOAD": _ld_preload()},
         )
     if proc.returncode != 0:
         tail = log_file.read_text().splitlines()[-30:]

@@ -53,6 +53,14 @@ def find_tcmalloc(dirs: Sequence[str] = SEARCH_DIRS) -> Path | None:
     return None
 
 
+def tcmalloc_preload(ld_preload: str, found: Path | None) -> str:
+    """``ld_preload`` with ``found`` (a tcmalloc) put first, unless a fast allocator is already
+    there or none was found."""
+    if found is None or preloaded_allocator(ld_preload):
+        return ld_preload
+    return f"{found}:{ld_preload}" if ld_preload else str(found)
+
+
 def allocator_hint(
     device_type: str, ld_preload: str | None = None, found: Path | None = None
 ) -> str | None:
@@ -71,7 +79,7 @@ def allocator_hint(
         else "install tcmalloc (Debian/Ubuntu: libtcmalloc-minimal4) and put it in LD_PRELOAD"
     )
     return (
-        "CPU run with glibc malloc: each step page-faults its buffers in again (10-12% of a GRPO "
+        "CPU run with glibc malloc: each step page-faults its buffers in again (9-12% of a GRPO "
         f"step on the bench); {how}"
     )
 

@@ -45,15 +45,15 @@ def cli(subcommand: str, **flags) -> list[str]:
 def use_tcmalloc(want: bool) -> str:
     """Preload tcmalloc into every run of this bench (both sides alike) when ``want`` and one is
     installed; returns what the runs use, for the report."""
-    from fsdp_rlhf.allocator import find_tcmalloc, preloaded_allocator
+    from fsdp_rlhf.allocator import find_tcmalloc, preloaded_allocator, tcmalloc_preload
 
     current = os.environ.get("LD_PRELOAD", "")
     if preloaded_allocator(current):
         return f"preloaded by the caller: {current}"
     found = find_tcmalloc() if want else None
     if found is None:
-        return "glibc malloc" + ("" if not want else " (no tcmalloc installed)")
-    os.environ["LD_PRELOAD"] = f"{found}:{current}" if current else str(found)
+        return "glibc malloc" + (" (no tcmalloc installed)" if want else "")
+    os.environ["LD_PRELOAD"] = tcmalloc_preload(current, found)
     return f"tcmalloc ({found}) preloaded into both sides"
 
 

@@ -73,11 +73,15 @@ FINDINGS = {
     ),
     "rl": (
         "GRPO, where the time goes: the actor update (forward + backward over every sample) is "
-        "the largest phase. Inside it, beyond the matmuls, each layer's gradient "
-        "reduce-scatter in the last micro-batch is a synchronisation point of the two ranks "
-        "(about 0.1 s per layer at the bench size, most of it copying freshly allocated "
-        "memory, which is slow to touch on this VM). `--packing_samples` does not pay here "
-        "(responses run to 62 of 64 tokens, about 15% padding)."
+        "the largest phase, about half of it matmuls (aten::mm at roughly 750 GFLOP/s with "
+        "AMX); the rest is the compiled elementwise chains, the attention and, in the last "
+        "micro-batch, each layer's gradient reduce-scatter, where the two ranks wait for each "
+        "other. With glibc malloc each update also page-faults its buffers in again (56-84k "
+        "minor faults against 1-4k with tcmalloc). The rollout is vLLM's CPU decode: oneDNN "
+        "matmuls that read every weight at each token step, and its attention kernel (about "
+        "0.6 ms per layer call for 32 sequences); a TP-2 engine over both ranks was no faster. "
+        "`--packing_samples` does not pay here (responses run to 62 of 64 tokens; 629-668 "
+        "against 701-717 tokens/s in paired runs)."
     ),
     "overhead": (
         "Overhead, where the time goes: almost all of it is the weight sync "

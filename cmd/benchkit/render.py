@@ -10,8 +10,9 @@ SAME = (
     "Same for both sides: model and tokenizer files, data files, chat template, pairs or "
     "prompts per step, group size, max response length, micro-batch per rank, number of "
     "processes (torchrun, gloo, OMP_NUM_THREADS=1 per rank), bf16 compute with fp32 master "
-    "weights, learning rate, KL coefficient, rule reward, no gradient checkpointing, warm-up "
-    "steps left out of the timed window."
+    "weights, learning rate, KL coefficient, rule reward, no gradient checkpointing, host "
+    "allocator (tcmalloc in LD_PRELOAD when installed, as in the machine section; one pair of "
+    "each comparison also on glibc malloc), warm-up steps left out of the timed window."
 )
 DIFFERS = (
     "TRL keeps its own defaults otherwise: DDP (ours: FSDP2), autocast bf16 (ours: bf16 "

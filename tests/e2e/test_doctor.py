@@ -35,6 +35,7 @@ def test_doctor_reports_every_check_on_two_ranks(tiny_qwen2, trained_rm):
         for rank in (0, 1):
             assert f"[rank {rank}] PASS {check}" in out, (check, out[-3000:])
     assert "bus bandwidth" in out and "torch" in out and "VERDICT: READY" in out
+    assert "allocator" in out  # the devices table says which malloc each rank runs on
     assert "Traceback" not in proc.stderr
 
 

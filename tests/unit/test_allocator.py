@@ -3,7 +3,12 @@ from pathlib import Path
 import pytest
 
 from fsdp_rlhf import allocator
-from fsdp_rlhf.allocator import allocator_hint, find_tcmalloc, preloaded_allocator
+from fsdp_rlhf.allocator import (
+    allocator_hint,
+    find_tcmalloc,
+    preloaded_allocator,
+    tcmalloc_preload,
+)
 
 
 @pytest.mark.parametrize(
@@ -58,3 +63,11 @@ def test_main_prints_the_path_or_fails(monkeypatch, capsys, tmp_path: Path):
     assert allocator.main() == 1
     out = capsys.readouterr()
     assert out.out == "" and "no tcmalloc found" in out.err
+
+
+def test_tcmalloc_preload_goes_first_once(tmp_path: Path):
+    lib = tmp_path / "libtcmalloc_minimal.so.4"
+    assert tcmalloc_preload("", lib) == str(lib)
+    assert tcmalloc_preload("/opt/libgomp.so.1", lib) == f"{lib}:/opt/libgomp.so.1"
+    assert tcmalloc_preload("/opt/libjemalloc.so.2", lib) == "/opt/libjemalloc.so.2"
+    assert tcmalloc_preload("/opt/libgomp.so.1", None) == "/opt/libgomp.so.1"
