@@ -4,7 +4,7 @@ Why it matters: PyTorch's CPU tensors come straight from malloc. glibc returns l
 to the kernel, so every training step page-faults its activation and gradient buffers in again.
 Measured on the 2-core bench machine (GRPO step of the 34M-parameter bench model): 56-84k minor
 page faults per actor update with glibc against 1-4k with tcmalloc, and the update went from
-2.7-3.0 s to 2.3-2.5 s. vLLM's CPU backend asks for tcmalloc in ``LD_PRELOAD`` for the same reason.
+2.7-3.1 s to 2.3-2.5 s. vLLM's CPU backend asks for tcmalloc in ``LD_PRELOAD`` for the same reason.
 ``LD_PRELOAD`` acts only when a process starts, so the trainer cannot switch allocator itself: it
 says so once at start-up and the launcher sets the variable::
 
@@ -33,14 +33,24 @@ SEARCH_DIRS = (
 TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
 
 
+def _entries(ld_preload: str) -> list[str]:
+    """The libraries of an ``LD_PRELOAD`` value (the loader takes colons or spaces)."""
+    return [e for e in ld_preload.replace(" ", ":").split(":") if e]
+
+
+def _fast_allocator(entry: str) -> str | None:
+    name = Path(entry).name
+    return next((lib for lib in FAST_ALLOCATORS if name.startswith(lib)), None)
+
+
 def preloaded_allocator(ld_preload: str) -> str | None:
     """The fast allocator named in an ``LD_PRELOAD`` value (``"libtcmalloc"``...), else None."""
-    for entry in ld_preload.replace(" ", ":").split(":"):
-        name = Path(entry).name
-        for lib in FAST_ALLOCATORS:
-            if name.startswith(lib):
-                return lib
-    return None
+    return next(filter(None, map(_fast_allocator, _entries(ld_preload))), None)
+
+
+def without_fast_allocators(ld_preload: str) -> str:
+    """``ld_preload`` with tcmalloc/jemalloc taken out (colon-separated)."""
+    return ":".join(e for e in _entries(ld_preload) if not _fast_allocator(e))
 
 
 def find_tcmalloc(dirs: Sequence[str] = SEARCH_DIRS) -> Path | None:

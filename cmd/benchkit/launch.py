@@ -59,11 +59,9 @@ def use_tcmalloc(want: bool) -> str:
 
 def glibc_env() -> dict[str, str]:
     """Environment override that takes tcmalloc/jemalloc out of ``LD_PRELOAD``."""
-    from fsdp_rlhf.allocator import preloaded_allocator
+    from fsdp_rlhf.allocator import without_fast_allocators
 
-    keep = [e for e in os.environ.get("LD_PRELOAD", "").split(":") if e and not
-            preloaded_allocator(e)]  # fmt: skip
-    return {"LD_PRELOAD": ":".join(keep)}
+    return {"LD_PRELOAD": without_fast_allocators(os.environ.get("LD_PRELOAD", ""))}
 
 
 def bench_env(work: Path) -> dict[str, str]:

@@ -81,14 +81,13 @@ def padded_sdpa(
     # gradients, even where the loss masks that position out).
     bias = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
     bias = bias.masked_fill(~allowed, torch.finfo(query.dtype).min).expand(B, H, L, S)
-    scores = torch.baddbmm(
-        bias.reshape(B * H, L, S),
+    out = _attend(
         query.reshape(B * H, L, D),
-        key.reshape(B * H, S, D).transpose(1, 2),
-        alpha=scale,
-    )
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    out = torch.bmm(probs, value.reshape(B * H, S, D)).view(B, H, L, D)
+        key.reshape(B * H, S, D),
+        value.reshape(B * H, S, D),
+        bias.reshape(B * H, L, S),
+        scale,
+    ).view(B, H, L, D)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -137,13 +136,19 @@ def varlen_sdpa(
 def _causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Causal attention of one sequence: q/k/v (H, n, D) -> (H, n, D).
-
-    Scores in the input dtype, softmax in float32 (as HF's eager attention does).
-    """
+    """Causal attention of one sequence: q/k/v (H, n, D) -> (H, n, D)."""
     n = q.shape[1]
     causal = torch.full((n, n), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
-    scores = torch.baddbmm(causal.expand(q.shape[0], n, n), q, k.transpose(1, 2), alpha=scale)
+    return _attend(q, k, v, causal.expand(q.shape[0], n, n), scale)
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``softmax(q k^T * scale + bias) v`` over a batch of heads: q (N, L, D), k/v (N, S, D),
+    bias (N, L, S) in q's dtype -> (N, L, D). Scores in the input dtype with the mask added
+    inside the matmul, softmax in float32 (as HF's eager attention does)."""
+    scores = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=scale)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.bmm(probs, v)
 

@@ -8,6 +8,7 @@ from fsdp_rlhf.allocator import (
     find_tcmalloc,
     preloaded_allocator,
     tcmalloc_preload,
+    without_fast_allocators,
 )
 
 
@@ -71,3 +72,10 @@ def test_tcmalloc_preload_goes_first_once(tmp_path: Path):
     assert tcmalloc_preload("/opt/libgomp.so.1", lib) == f"{lib}:/opt/libgomp.so.1"
     assert tcmalloc_preload("/opt/libjemalloc.so.2", lib) == "/opt/libjemalloc.so.2"
     assert tcmalloc_preload("/opt/libgomp.so.1", None) == "/opt/libgomp.so.1"
+
+
+def test_without_fast_allocators_keeps_the_other_libraries():
+    assert without_fast_allocators("") == ""
+    assert without_fast_allocators("/usr/lib/libtcmalloc_minimal.so.4") == ""
+    value = "/opt/a/libgomp.so.1:/x/libtcmalloc.so.4 /opt/b/libiomp5.so:/y/libjemalloc.so.2"
+    assert without_fast_allocators(value) == "/opt/a/libgomp.so.1:/opt/b/libiomp5.so"
