@@ -22,9 +22,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from fsdp_rlhf.allocator import find_tcmalloc, tcmalloc_preload  # noqa: E402
-from fsdp_rlhf.data.synthetic import preference_rows, prompt_rows, write_jsonl  # noqa: E402
-from fsdp_rlhf.distributed.env import local_torchrun  # noqa: E402
-from fsdp_rlhf.models.tiny import build_model  # noqa: E402
+from fsdp_rlhf.testing.launch import local_torchrun  # noqa: E402
+from fsdp_rlhf.testing.synthetic import preference_rows, prompt_rows, write_jsonl  # noqa: E402
+from fsdp_rlhf.testing.tiny import build_model  # noqa: E402
 
 
 def _ld_preload() -> str:

@@ -29,21 +29,21 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> str:
     """A 2-layer Qwen2 (hidden 128, head_dim 64) with a trained BPE tokenizer, saved locally."""
-    from fsdp_rlhf.models.tiny import build_model
+    from fsdp_rlhf.testing.tiny import build_model
 
     return str(build_model(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2"))
 
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> str:
-    from fsdp_rlhf.models.tiny import build_model
+    from fsdp_rlhf.testing.tiny import build_model
 
     return str(build_model(tmp_path_factory.mktemp("tiny_llama"), "llama", seed=1))
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2_tied(tmp_path_factory) -> str:
-    from fsdp_rlhf.models.tiny import build_model
+    from fsdp_rlhf.testing.tiny import build_model
 
     path = tmp_path_factory.mktemp("tiny_qwen2_tied")
     return str(build_model(path, "qwen2", tie_word_embeddings=True, seed=2))

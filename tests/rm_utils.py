@@ -6,7 +6,7 @@ import json
 import random
 from pathlib import Path
 
-from fsdp_rlhf.models.tiny import WORDS
+from fsdp_rlhf.testing.tiny import WORDS
 
 FILLER = [w for w in WORDS if w not in ("good", "bad")]
 

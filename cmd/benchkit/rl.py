@@ -14,7 +14,7 @@ from pathlib import Path
 from benchkit.launch import REPO, Job, bench_env, cli, run_job
 from benchkit.rates import median, steady_window
 from benchkit.workload import Sizes, Workload
-from fsdp_rlhf.distributed.env import local_torchrun
+from fsdp_rlhf.testing.launch import local_torchrun
 
 LR = 1e-6
 BETA = 0.001  # KL coefficient; > 0 so that TRL also runs its reference model, as ours always does

@@ -17,7 +17,7 @@ from pathlib import Path
 from benchkit.launch import REPO, Job, bench_env, cli, run_job
 from benchkit.rates import steady_window
 from benchkit.workload import Sizes, Workload
-from fsdp_rlhf.distributed.env import local_torchrun
+from fsdp_rlhf.testing.launch import local_torchrun
 
 MAX_LEN = 512  # longer than any generated text: neither side truncates or filters
 LR = 1e-5

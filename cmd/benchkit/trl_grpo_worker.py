@@ -18,13 +18,13 @@ from pathlib import Path
 
 from worker_exit import exit_after_training
 
-from fsdp_rlhf.data.synthetic import POSITIVE
+from fsdp_rlhf.testing.synthetic import POSITIVE
 
 POSITIVE_SET = set(POSITIVE)
 
 
 def positive_fraction(completions, **kwargs) -> list[float]:
-    """Same rule as the ``--remote_rm_url`` file ours gets (fsdp_rlhf.data.synthetic)."""
+    """Same rule as the ``--remote_rm_url`` file ours gets (fsdp_rlhf.testing.synthetic)."""
     out = []
     for completion in completions:
         words = completion[-1]["content"].split()

@@ -6,8 +6,8 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from fsdp_rlhf.data.synthetic import NEGATIVE, NEUTRAL, POSITIVE, write_jsonl, write_reward_file
-from fsdp_rlhf.models.tiny import build_model
+from fsdp_rlhf.testing.synthetic import NEGATIVE, NEUTRAL, POSITIVE, write_jsonl, write_reward_file
+from fsdp_rlhf.testing.tiny import build_model
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ SMOKE = Sizes(
 
 
 def _words(rng: random.Random, flavour: list[str], lo: int, hi: int) -> str:
-    # Mostly neutral words with some flavoured ones, as in fsdp_rlhf.data.synthetic.
+    # Mostly neutral words with some flavoured ones, as in fsdp_rlhf.testing.synthetic.
     n = rng.randint(lo, hi)
     return " ".join(
         rng.choice(flavour) if rng.random() < 0.3 else rng.choice(NEUTRAL) for _ in range(n)

@@ -4,12 +4,6 @@ in isolation and reused by any trainer.
 """
 
 from .advantages import dr_grpo, gae, grpo, reinforce_plus_plus, rloo
-from .distributed import (
-    global_masked_mean,
-    global_masked_var,
-    global_masked_whiten,
-    global_token_count,
-)
 from .kl import AdaptiveKLController, FixedKLController, kl_estimate
 from .logprobs import entropy_from_logits, logprobs_from_logits
 from .losses import (
@@ -33,10 +27,6 @@ __all__ = [
     "entropy_bonus",
     "entropy_from_logits",
     "gae",
-    "global_masked_mean",
-    "global_masked_var",
-    "global_masked_whiten",
-    "global_token_count",
     "grpo",
     "kl_estimate",
     "logprobs_from_logits",

@@ -5,7 +5,7 @@ Loss normalisation contract (``aggregate_loss``)
 An optimizer step consumes a global batch split over data-parallel ranks and, on each rank,
 over gradient-accumulation micro-batches. With ``mode="token-mean"`` and ``num_tokens`` set
 to the number of valid tokens in the whole global batch (see
-:func:`~fsdp_rlhf.algorithms.distributed.global_token_count`), each call returns
+:func:`~fsdp_rlhf.distributed.stats.global_token_count`), each call returns
 ``masked_sum(loss) / num_tokens``. Summing these over micro-batches (accumulate, do not
 average) and over ranks gives exactly the token mean over the global batch, however it was
 sharded. Data-parallel wrappers that *average* gradients over ranks (DDP, FSDP's default)

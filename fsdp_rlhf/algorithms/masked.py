@@ -4,7 +4,7 @@ Responses in a batch have different lengths, so every statistic must ignore the 
 ``response_mask`` is 1 (or True) on valid tokens and 0 on padding; it is cast to the value
 dtype, so boolean and integer masks both work.
 
-These are the single-process versions; :mod:`fsdp_rlhf.algorithms.distributed` has the
+These are the single-process versions; :mod:`fsdp_rlhf.distributed.stats` has the
 all-reduced ones for statistics that must be global across data-parallel ranks.
 """
 

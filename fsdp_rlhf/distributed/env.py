@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -37,23 +36,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def local_torchrun(nproc: int, target: list[str], port: int | None = None) -> list[str]:
-    """Command line running TARGET (``-m module args`` or a script and its args) on ``nproc``
-    local ranks under torchrun, on ``port`` or a free one. For the demo, bench and tests."""
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(port if port is not None else free_port()),
-        *target,
-    ]
 
 
 def device_for(local_rank: int) -> torch.device:

@@ -14,9 +14,6 @@ from fsdp_rlhf.algorithms import (
     dr_grpo,
     entropy_bonus,
     gae,
-    global_masked_mean,
-    global_masked_whiten,
-    global_token_count,
     grpo,
     kl_estimate,
     policy_loss,
@@ -30,6 +27,7 @@ from fsdp_rlhf.algorithms.advantages import discounted_returns
 from fsdp_rlhf.config import PPOAlgoConfig, PPOBatchPlan, PPOConfig
 from fsdp_rlhf.distributed.fsdp import accumulate, clip_grad_norm_
 from fsdp_rlhf.distributed.offload import offload_model, onload_model
+from fsdp_rlhf.distributed.stats import global_masked_mean, global_masked_whiten, global_token_count
 from fsdp_rlhf.models.forward import response_logprobs, token_values
 from fsdp_rlhf.rollout.engine import RolloutOutput, SamplingConfig
 from fsdp_rlhf.trainers.experience import Experience, _chunks, minibatches

@@ -2,8 +2,9 @@
 
 import torch
 
-from fsdp_rlhf.algorithms import aggregate_loss, global_masked_whiten, global_token_count
+from fsdp_rlhf.algorithms import aggregate_loss
 from fsdp_rlhf.algorithms.masked import masked_whiten
+from fsdp_rlhf.distributed.stats import global_masked_whiten, global_token_count
 from tests.dist_utils import run_distributed
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_rlhf.data.synthetic import preference_rows, write_jsonl
+from fsdp_rlhf.testing.synthetic import preference_rows, write_jsonl
 from tests.e2e.helpers import torchrun
 
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fsdp_rlhf.distributed.env import local_torchrun
+from fsdp_rlhf.testing.launch import local_torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 

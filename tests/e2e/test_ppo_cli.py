@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_rlhf.data.synthetic import prompt_rows, write_jsonl
+from fsdp_rlhf.testing.synthetic import prompt_rows, write_jsonl
 from tests.e2e.helpers import read_metrics, run_cli, torchrun
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ from tests.ppo_batches import ppo_layout_batch
 
 @pytest.fixture(scope="module")
 def tiny_gqa(tmp_path_factory) -> str:
-    from fsdp_rlhf.models.tiny import build_model
+    from fsdp_rlhf.testing.tiny import build_model
 
     path = tmp_path_factory.mktemp("tiny_gqa_attn")
     return str(build_model(path, "qwen2", num_heads=2, num_kv_heads=1, seed=3))

@@ -42,7 +42,7 @@ def _batch(vocab: int, pad: int):
 
 @pytest.fixture(scope="module")
 def tiny_gqa(tmp_path_factory) -> str:
-    from fsdp_rlhf.models.tiny import build_model
+    from fsdp_rlhf.testing.tiny import build_model
 
     path = tmp_path_factory.mktemp("tiny_gqa")
     return str(build_model(path, "qwen2", num_heads=2, num_kv_heads=1, seed=3))

@@ -25,7 +25,7 @@ ROWS = [{"chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(6)]
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    from fsdp_rlhf.models.tiny import build_tokenizer
+    from fsdp_rlhf.testing.tiny import build_tokenizer
 
     return build_tokenizer(tmp_path_factory.mktemp("tok"))
 

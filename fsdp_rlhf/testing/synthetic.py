@@ -11,7 +11,7 @@ import json
 import random
 from pathlib import Path
 
-from fsdp_rlhf.models.tiny import WORDS
+from fsdp_rlhf.testing.tiny import WORDS
 
 POSITIVE = "good happy kind helpful honest thanks yes please".split()
 NEGATIVE = "bad sad hates sorry no harmless why far".split()

@@ -6,14 +6,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_rlhf.algorithms import (
+from fsdp_rlhf.algorithms import masked_mean, masked_var, masked_whiten
+from fsdp_rlhf.distributed.stats import (
     global_masked_mean,
     global_masked_var,
     global_masked_whiten,
     global_token_count,
-    masked_mean,
-    masked_var,
-    masked_whiten,
 )
 from tests.unit.algorithms.helpers import SEEDS, make_gen, ragged_mask, randn
 
@@ -53,7 +51,7 @@ def test_import_pulls_in_no_model_or_inference_stack():
         "import fsdp_rlhf.algorithms, sys; "
         "assert 'transformers' not in sys.modules and 'vllm' not in sys.modules"
     )
-    repo_root = Path(__file__).resolve().parents[3]
+    repo_root = Path(__file__).resolve().parents[2]
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=repo_root
     )
