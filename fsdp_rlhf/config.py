@@ -361,12 +361,9 @@ class PPOBatchPlan:
     world_size: int
     tp_size: int
     num_engines: int
-    prompts_per_rank: int
-    samples_per_rank: int
     micro_rollout_batch_size: int
     train_batch_size_per_rank: int
     micro_train_batch_size: int
-    grad_accum_steps: int
     optimizer_steps_per_epoch: int
 
 
@@ -411,11 +408,8 @@ def plan_ppo_batches(cfg: PPOConfig, world_size: int) -> PPOBatchPlan:
         world_size=world_size,
         tp_size=tp,
         num_engines=world_size // tp,
-        prompts_per_rank=b.rollout_batch_size // world_size,
-        samples_per_rank=samples_per_rank,
         micro_rollout_batch_size=r.micro_rollout_batch_size,
         train_batch_size_per_rank=b.train_batch_size // world_size,
         micro_train_batch_size=b.micro_train_batch_size,
-        grad_accum_steps=b.train_batch_size // per_step,
         optimizer_steps_per_epoch=samples // b.train_batch_size,
     )

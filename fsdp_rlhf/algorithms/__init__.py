@@ -3,7 +3,15 @@ and losses. Nothing here imports model, inference or config code, so it can be u
 in isolation and reused by any trainer.
 """
 
-from .advantages import dr_grpo, gae, grpo, reinforce_plus_plus, rloo
+from .advantages import (
+    Advantages,
+    dr_grpo,
+    estimate_advantages,
+    gae,
+    grpo,
+    reinforce_plus_plus,
+    rloo,
+)
 from .kl import AdaptiveKLController, FixedKLController, kl_estimate
 from .logprobs import entropy_from_logits, logprobs_from_logits
 from .losses import (
@@ -18,6 +26,7 @@ from .masked import masked_mean, masked_sum, masked_var, masked_whiten
 from .rewards import RunningMeanStd, clip_scores, shape_rewards
 
 __all__ = [
+    "Advantages",
     "AdaptiveKLController",
     "FixedKLController",
     "RunningMeanStd",
@@ -26,6 +35,7 @@ __all__ = [
     "dr_grpo",
     "entropy_bonus",
     "entropy_from_logits",
+    "estimate_advantages",
     "gae",
     "grpo",
     "kl_estimate",

@@ -12,10 +12,12 @@ rows: row ``i`` belongs to group ``i // n_samples_per_prompt``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from .masked import masked_whiten
+from .rewards import shape_rewards
 
 WhitenFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -188,3 +190,61 @@ def dr_grpo(
     """
     grouped = _grouped(scores, n_samples_per_prompt)
     return _broadcast(grouped - grouped.mean(dim=1, keepdim=True), response_mask)
+
+
+class Advantages(NamedTuple):
+    """What every estimator produces; each (B, T), 0 at masked positions."""
+
+    rewards: torch.Tensor  # shaped per-token rewards: score on the last token, KL penalty
+    advantages: torch.Tensor
+    returns: torch.Tensor
+
+
+GROUP_ESTIMATORS = {"rloo": rloo, "grpo": grpo, "dr_grpo": dr_grpo}
+ESTIMATORS = ("gae", "reinforce++", *GROUP_ESTIMATORS)
+
+
+@torch.no_grad()
+def estimate_advantages(
+    estimator: str,
+    scores: torch.Tensor,
+    kl: torch.Tensor,
+    kl_coef: float,
+    response_mask: torch.Tensor,
+    *,
+    values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    n_samples_per_prompt: int = 1,
+    whiten_fn: WhitenFn | None = None,
+) -> Advantages:
+    """Shape rewards and run one estimator (``gae | reinforce++ | rloo | grpo | dr_grpo``).
+
+    Args:
+        scores: (B,) sequence scores.
+        kl: (B, T) per-token KL estimate; its penalty ``-kl_coef * kl`` is part of the reward
+            (pass zeros or ``kl_coef=0`` when the KL term lives in the loss instead).
+        values: (B, T) critic values; GAE only.
+        whiten_fn: ``fn(values, mask)``, the local masked whitening by default; pass a
+            global one so GAE and REINFORCE++ normalise over the whole data-parallel batch.
+
+    Group estimators need the ``n_samples_per_prompt`` samples of a prompt in contiguous rows;
+    the KL penalty keeps its per-token place there, its reward-to-go added to the group
+    advantage.
+    """
+    whiten = whiten_fn or masked_whiten
+    rewards = shape_rewards(scores, kl, kl_coef, response_mask)
+    if estimator == "gae":
+        if values is None:
+            raise ValueError("gae needs critic values")
+        adv, returns = gae(rewards, values, response_mask, gamma, lam)
+        return Advantages(rewards, whiten(adv, response_mask), returns)
+    if estimator == "reinforce++":
+        adv, returns = reinforce_plus_plus(rewards, response_mask, gamma, whiten_fn=whiten)
+        return Advantages(rewards, adv, returns)
+    if estimator not in GROUP_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; one of {ESTIMATORS}")
+    group = GROUP_ESTIMATORS[estimator](scores, response_mask, n_samples_per_prompt)
+    kl_to_go = discounted_returns(-kl_coef * kl * response_mask, response_mask, gamma)
+    advantages = (group + kl_to_go) * response_mask
+    return Advantages(rewards, advantages, discounted_returns(rewards, response_mask, gamma))

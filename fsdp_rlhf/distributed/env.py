@@ -82,6 +82,16 @@ def current_env() -> DistEnv:
     return DistEnv(rank, world, local_rank, local_world, device, dist.get_backend())
 
 
+def launched_world_size() -> int:
+    """The world size torchrun (or srun) announced, readable before the process group exists."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def world_size() -> int:
+    """Ranks in the default group (1 without one)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def teardown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -79,15 +79,3 @@ def _carry_over(old: Path, new: Path) -> None:
     for entry in old.iterdir():
         if not _is_model_file(entry.name) and not (new / entry.name).exists():
             entry.rename(new / entry.name)
-
-
-def update_hf_config(save_path: str | Path, values: dict[str, Any]) -> None:
-    """Rank 0 merges ``values`` into ``config.json`` (write to temp, then rename)."""
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return
-    cfg_file = Path(save_path) / "config.json"
-    cfg = json.loads(cfg_file.read_text())
-    cfg.update(values)
-    tmp = cfg_file.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(cfg, indent=2, sort_keys=True))
-    tmp.replace(cfg_file)

@@ -180,17 +180,6 @@ class RolloutOutput:
             engine_logprobs=lp,
         )
 
-    def to(self, device: torch.device) -> RolloutOutput:
-        lp = self.engine_logprobs.to(device) if self.engine_logprobs is not None else None
-        return replace(
-            self,
-            prompt_ids=self.prompt_ids.to(device),
-            prompt_mask=self.prompt_mask.to(device),
-            response_ids=self.response_ids.to(device),
-            response_mask=self.response_mask.to(device),
-            engine_logprobs=lp,
-        )
-
 
 class CountingWeights:
     """Wraps a ``(name, tensor)`` stream and counts the bytes that went through it."""

@@ -1,4 +1,4 @@
-"""The per-rank batch of one PPO step, and the no-grad forwards that fill it.
+"""The per-rank batch of one PPO step: built from the rollout, filled by no-grad forwards.
 
 Shapes: N sequences on this rank, P prompt tokens (left-padded), T response tokens
 (right-padded). ``input_ids = [prompt | response]`` is (N, P + T).
@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from fsdp_rlhf.models.forward import response_logprobs, sequence_scores, token_values
+from fsdp_rlhf.rollout.engine import RolloutOutput
 
 
 @dataclass
@@ -46,7 +47,7 @@ class Experience:
         return replace(self, **picked)
 
 
-def _chunks(n: int, size: int) -> list[slice]:
+def chunks(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
@@ -56,7 +57,7 @@ def batched_logprobs(
 ) -> torch.Tensor:
     """(N, T) log-probs of the response tokens, computed ``micro`` sequences at a time."""
     out = []
-    for sl in _chunks(exp.num_sequences, micro):
+    for sl in chunks(exp.num_sequences, micro):
         lp, _ = response_logprobs(
             model,
             exp.input_ids[sl],
@@ -76,7 +77,7 @@ def batched_values(
     """(N, T) critic values at the positions that predict each response token."""
     out = []
     T = exp.response_len
-    for sl in _chunks(exp.num_sequences, micro):
+    for sl in chunks(exp.num_sequences, micro):
         v = token_values(model, exp.input_ids[sl], exp.attention_mask[sl], packed)
         out.append(v[:, -T - 1 : -1])
     return torch.cat(out) * exp.response_mask
@@ -89,7 +90,7 @@ def batched_scores(
     """(N,) reward-model scores of prompt + response, read at the last real token."""
     out = [
         sequence_scores(model, exp.input_ids[sl], exp.attention_mask[sl], packed)
-        for sl in _chunks(exp.num_sequences, micro)
+        for sl in chunks(exp.num_sequences, micro)
     ]
     return torch.cat(out)
 
@@ -98,3 +99,19 @@ def minibatches(n: int, size: int, generator: torch.Generator) -> list[torch.Ten
     """A shuffled split of ``range(n)`` into index tensors of ``size`` rows."""
     perm = torch.randperm(n, generator=generator)
     return [perm[i : i + size] for i in range(0, n, size)]
+
+
+def experience_from_rollout(out: RolloutOutput, device: torch.device) -> Experience:
+    input_ids, attention_mask = out.sequences()
+    return Experience(
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        response_mask=out.response_mask.float().to(device),
+        engine_logprobs=out.engine_logprobs.float().to(device),
+    )
+
+
+def truncated(finish_reasons: list[str]) -> torch.Tensor:
+    """(N,) 1.0 for each response cut by ``generate_max_len`` rather than ending on EOS; its
+    global mean is ``response_length/clip_ratio``."""
+    return torch.tensor([float(r == "length") for r in finish_reasons])

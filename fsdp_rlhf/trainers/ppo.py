@@ -4,39 +4,47 @@
 
 One step = one rollout batch: sync weights into vLLM, generate, score, old/ref log-probs and
 values, advantages, critic update, actor update. Idle models leave the GPU between phases.
+The loop (stop vote, checkpoints) is :func:`fsdp_rlhf.trainers.common.fit`.
 """
 
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from fsdp_rlhf.algorithms import AdaptiveKLController, FixedKLController, clip_scores
 from fsdp_rlhf.config import PPOBatchPlan, PPOConfig
-from fsdp_rlhf.config_base import dump_yaml
 from fsdp_rlhf.data.prompts import Prompt, PromptSampler
-from fsdp_rlhf.distributed import checkpoint as ckpt
-from fsdp_rlhf.distributed.env import DistEnv, init_distributed, teardown
+from fsdp_rlhf.distributed.env import DistEnv
 from fsdp_rlhf.distributed.offload import (
     offload_model,
     offload_optimizer,
     onload_model,
     onload_optimizer,
 )
-from fsdp_rlhf.distributed.signals import GracefulStop
-from fsdp_rlhf.metrics import MetricLogger, PhaseTimer, setup_logging, truncate_metrics
+from fsdp_rlhf.metrics import PhaseTimer
 from fsdp_rlhf.models.save import save_hf_model
-from fsdp_rlhf.rollout import sync_weights
-from fsdp_rlhf.trainers import ppo_step
+from fsdp_rlhf.rollout import SamplingConfig, sync_weights
+from fsdp_rlhf.trainers import common
 from fsdp_rlhf.trainers.experience import (
     Experience,
     batched_logprobs,
     batched_scores,
     batched_values,
+    experience_from_rollout,
+    truncated,
 )
-from fsdp_rlhf.trainers.ppo_metrics import StatCollector
+from fsdp_rlhf.trainers.ppo_metrics import (
+    StatCollector,
+    collect_batch_stats,
+    log_samples,
+    throughput_metrics,
+)
+from fsdp_rlhf.trainers.ppo_rewards import compute_advantages, observe_kl, rule_scores
 from fsdp_rlhf.trainers.ppo_setup import (
     build_engine,
     build_models,
@@ -44,6 +52,14 @@ from fsdp_rlhf.trainers.ppo_setup import (
     build_prompts,
     engine_dtype,
     preflight,
+)
+from fsdp_rlhf.trainers.ppo_update import (
+    Optimization,
+    UpdatePlan,
+    reuse_update_logprobs,
+    update_actor,
+    update_critic,
+    update_generator,
 )
 
 log = logging.getLogger("fsdp_rlhf")
@@ -61,121 +77,102 @@ CONSOLE_KEYS = [
 
 
 def main(cfg: PPOConfig, debug: bool = False) -> int:
-    plan, rows = preflight(cfg)  # bad input fails here, before any model is loaded
-    env = init_distributed()
-    setup_logging(env.rank, debug)
-    trainer = PPOTrainer(cfg, env, plan, rows)
-    try:
-        trainer.train()
-    finally:
-        trainer.close()  # shuts the engine down; vLLM destroys the process group with it
-        teardown()
-    return 0
+    return common.launch(cfg, debug, preflight, PPOTrainer)
 
 
 class PPOTrainer:
-    def __init__(self, cfg: PPOConfig, env: DistEnv, plan: PPOBatchPlan, rows) -> None:
-        self.cfg, self.env, self.plan = cfg, env, plan
+    def __init__(self, cfg: PPOConfig, env: DistEnv, prepared: tuple[PPOBatchPlan, list]):
+        self.cfg, self.env = cfg, env
+        self.plan, rows = prepared
+        common.write_run_config(cfg, env)
         torch.manual_seed(cfg.seed)
         self.models = build_models(cfg, env)
         self.prompts = build_prompts(cfg, rows, self.models.tokenizer)
         self.sampler = PromptSampler(
             len(self.prompts), cfg.batch.rollout_batch_size, env.rank, env.world_size, cfg.seed
         )
-        per_pass = cfg.batch.max_epochs * self.sampler.batches_per_epoch
-        self.total_steps = cfg.batch.num_episodes * per_pass
-        if cfg.batch.max_steps > 0:
-            self.total_steps = min(self.total_steps, cfg.batch.max_steps)
-        updates = self.total_steps * cfg.algo.ppo_epochs * plan.optimizer_steps_per_epoch
+        self.total_steps = self._total_steps()
+        updates = self.total_steps * cfg.algo.ppo_epochs * self.plan.optimizer_steps_per_epoch
         self.optimizers, self.schedulers = build_optimizers(cfg, self.models, updates)
-        a = cfg.algo
-        self.kl_ctl = (
-            AdaptiveKLController(a.init_kl_coef, a.kl_target, a.kl_horizon)
-            if a.kl_target is not None
-            else FixedKLController(a.init_kl_coef)
-        )
-        if a.use_kl_loss and a.kl_estimator == "k1":
-            log.warning(
-                "--use_kl_loss with --kl_estimator k1: k1's gradient is zero in "
-                "expectation, so the KL term barely constrains the actor; use k2 or k3"
-            )
+        self.update_plan = UpdatePlan.from_config(cfg, self.plan)
+        self.kl_ctl = _kl_controller(cfg)
         self.engine = build_engine(cfg, env, self.models.tokenizer)
         self.timer = PhaseTimer(env.device)
-        resume_from = ckpt.resolve_resume(cfg.ckpt.ckpt_path, cfg.ckpt.load_checkpoint)
-        if resume_from is not None and env.is_rank0:
-            # rows a crashed run wrote after its last checkpoint are about to be redone
-            truncate_metrics(
-                Path(cfg.ckpt.save_path) / "metrics.jsonl",
-                after_step=int(resume_from.name.split("_")[-1]),
-            )
-        self.logger = MetricLogger(
-            env.rank, cfg.ckpt.save_path, cfg.logging.tensorboard, append=resume_from is not None
+        self.state = common.Stateful()
+        self.state.add(
+            "actor", self.models.actor, self.optimizers["actor"], self.schedulers["actor"]
         )
+        if self.models.critic is not None:
+            self.state.add(
+                "critic", self.models.critic, self.optimizers["critic"], self.schedulers["critic"]
+            )
         self.step = 0
+        # the engine holds the initial weights; after a resume it must be synced at once
         self.actor_version, self.engine_version = 0, -1
-        self._resume(resume_from)
-        if env.is_rank0:
-            Path(cfg.ckpt.save_path).mkdir(parents=True, exist_ok=True)
-            (Path(cfg.ckpt.save_path) / "config.yaml").write_text(dump_yaml(cfg))
-
-    # ------------------------------------------------------------------ loop
-
-    def train(self) -> None:
+        self._resume()
+        self.logger = common.open_metrics(cfg, env, self.step)
         log.info(
             "PPO: %d steps, %d prompts/step x %d samples, world %d (%d engines x TP %d)",
             self.total_steps,
-            self.cfg.batch.rollout_batch_size,
-            self.cfg.batch.n_samples_per_prompt,
-            self.env.world_size,
+            cfg.batch.rollout_batch_size,
+            cfg.batch.n_samples_per_prompt,
+            env.world_size,
             self.plan.num_engines,
             self.plan.tp_size,
         )
-        with GracefulStop() as stop:
-            while self.step < self.total_steps:
-                self.step += 1
-                prompts = [self.prompts[i] for i in self.sampler.next_indices()]
-                metrics = self.train_step(prompts)
-                last = self.step == self.total_steps
-                # Every step goes to metrics.jsonl/TensorBoard; the console every logging_steps.
-                console = self.step % self.cfg.logging.logging_steps == 0 or last
-                self.logger.log(self.step, metrics, CONSOLE_KEYS, console=console)
-                if stop.agreed():  # collective: all ranks stop at the same step
-                    self.save_checkpoint()
-                    log.info("stop signal: checkpoint at step %d written, exiting", self.step)
-                    return
-                save_every = self.cfg.ckpt.save_steps
-                if save_every > 0 and (self.step % save_every == 0 or last):
-                    self.save_checkpoint()
-        self.save_final()
 
-    def train_step(self, prompts: list[Prompt]) -> dict[str, float]:
+    def _total_steps(self) -> int:
+        b = self.cfg.batch
+        total = b.num_episodes * b.max_epochs * self.sampler.batches_per_epoch
+        return min(total, b.max_steps) if b.max_steps > 0 else total
+
+    # ------------------------------------------------------------------ one step
+
+    def train_step(self) -> None:
+        prompts = [self.prompts[i] for i in self.sampler.next_indices()]
+        metrics = self.run_phases(prompts)
+        last = self.step == self.total_steps
+        # Every step goes to metrics.jsonl/TensorBoard; the console every logging_steps.
+        console = self.step % self.cfg.logging.logging_steps == 0 or last
+        self.logger.log(self.step, metrics, CONSOLE_KEYS, console=console)
+
+    def run_phases(self, prompts: list[Prompt]) -> dict[str, float]:
         stats = StatCollector()
+        reuse = reuse_update_logprobs(
+            self.cfg.algo, self.plan.optimizer_steps_per_epoch, self.actor_updates
+        )
         with self.timer("all"):
             # 1. rollout: current actor weights into the engine, then sample responses
             exp, rollout_metrics = self.rollout(prompts, stats)
             # 2. score: reward model and/or rule reward
             self.score(exp, prompts)
-            # 3. log-probs of the sampling policy (unless the update yields them) and the
-            #    reference, critic values
-            fold = ppo_step.old_logprobs_from_update(self.cfg, self.plan, self.actor_updates)
-            self.forward_old_ref_values(exp, old_logprobs=not fold)
-            # 4. KL-shaped rewards, advantages and returns
+            # 3. reference log-probs, critic values, and the sampling policy's log-probs
+            #    unless the actor update will supply them
+            self.forward_old_ref_values(exp, old_logprobs=not reuse)
+            # 4. KL-shaped rewards, advantages and returns; the KL controller observes
+            #    KL(old || ref) as soon as the old log-probs exist
             with self.timer("adv"):
-                ppo_step.compute_advantages(
-                    exp, self.cfg.algo, self.kl_ctl, self.cfg.batch.n_samples_per_prompt
+                compute_advantages(
+                    exp, self.cfg.algo, self.kl_ctl.value, self.cfg.batch.n_samples_per_prompt
                 )
-                kl_metrics = {} if fold else ppo_step.observe_kl(exp, self.cfg.algo, self.kl_ctl)
+                kl_metrics = {} if reuse else observe_kl(exp, self.cfg.algo, self.kl_ctl)
             # 5. critic then actor updates
-            update_metrics = self.update(exp, fold_old_logprobs=fold)
-            if fold:
-                kl_metrics = ppo_step.observe_kl(exp, self.cfg.algo, self.kl_ctl)
-        ppo_step.collect_batch_stats(stats, exp)
+            update_metrics = self.update(exp, reuse)
+            if reuse:
+                kl_metrics = observe_kl(exp, self.cfg.algo, self.kl_ctl)
+        collect_batch_stats(stats, exp)
         metrics = {**rollout_metrics, **kl_metrics, **update_metrics, **stats.reduce()}
         metrics.update(
-            ppo_step.throughput_metrics(metrics, self.timer.times, self.cfg, self.env.world_size)
+            throughput_metrics(
+                metrics,
+                self.timer.times,
+                self.cfg,
+                self.env.world_size,
+                engine_name=self.engine_name,
+            )
         )
         metrics.update(self.timer.pop())
-        self.maybe_log_samples(exp, prompts, metrics)
+        self.maybe_log_samples(exp, prompts)
         return metrics
 
     # ------------------------------------------------------------------ phases
@@ -193,17 +190,23 @@ class PPOTrainer:
                 metrics["rollout/weight_sync_gbps"] = sync.bytes_per_s / 1e9
             self.engine.wake_up(["kv_cache"])
         with self.timer("rollout"):
-            out = self.engine.generate(
-                [p.ids for p in prompts], ppo_step.sampling_config(self.cfg, self.step)
-            )
+            out = self.engine.generate([p.ids for p in prompts], self.sampling_config())
         with self.timer("resharding_to_train"):
             self.engine.sleep()
             onload_optimizer(self.optimizers["actor"], self.env.device)
-        exp = ppo_step.experience_from_rollout(out, self.env.device)
+        exp = experience_from_rollout(out, self.env.device)
         # reduced with the step's other statistics: a collective here would make each rank
         # wait for the slowest one's generation before scoring
-        stats.add_mean("response_length/clip_ratio", ppo_step.truncated(out.finish_reasons))
+        stats.add_mean("response_length/clip_ratio", truncated(out.finish_reasons))
         return exp, metrics
+
+    def sampling_config(self) -> SamplingConfig:
+        # A fresh seed per step (so a resumed run samples what the uninterrupted one did); the
+        # engine derives per-request seeds from it, identical inside a TP group.
+        cfg = self.cfg
+        return SamplingConfig.from_rollout_config(
+            cfg.rollout, n=cfg.batch.n_samples_per_prompt, seed=cfg.seed * 100_003 + self.step
+        )
 
     def score(self, exp: Experience, prompts: list[Prompt]) -> None:
         micro = self.plan.micro_rollout_batch_size
@@ -217,13 +220,9 @@ class PPOTrainer:
             scores = scores + rm
         if self.models.rule_reward is not None:
             with self.timer("rule_reward"):
-                scores = scores + ppo_step.rule_scores(
-                    self.models.rule_reward,
-                    exp,
-                    prompts,
-                    self.models.tokenizer,
-                    self.cfg.batch.n_samples_per_prompt,
-                ).to(scores.device)
+                n = self.cfg.batch.n_samples_per_prompt
+                rule = rule_scores(self.models.rule_reward, exp, prompts, self.models.tokenizer, n)
+                scores = scores + rule.to(scores.device)
         exp.scores = clip_scores(scores, self.cfg.algo.reward_clip_range)
 
     def forward_old_ref_values(self, exp: Experience, old_logprobs: bool) -> None:
@@ -240,75 +239,100 @@ class PPOTrainer:
                 onload_model(self.models.critic, self.env.device)
                 exp.values = batched_values(self.models.critic, exp, micro, self.packed)
 
-    def update(self, exp: Experience, fold_old_logprobs: bool) -> dict[str, float]:
+    def update(self, exp: Experience, reuse_logprobs: bool) -> dict[str, float]:
         metrics: dict[str, float] = {}
+        cfg, device = self.cfg, self.env.device
         if self.models.critic is not None:
             with self.timer("update_critic"):
-                onload_optimizer(self.optimizers["critic"], self.env.device)
-                metrics.update(ppo_step.update_critic(self, exp))
-                offload_optimizer(self.optimizers["critic"], self.env.device)
-                offload_model(self.models.critic, self.env.device)
+                critic = self._optimization("critic")
+                onload_optimizer(critic.optimizer, device)
+                metrics.update(
+                    update_critic(critic, exp, cfg.algo, self.update_plan, self._generator())
+                )
+                offload_optimizer(critic.optimizer, device)
+                offload_model(critic.model, device)
         if self.actor_updates:
             with self.timer("update"):
-                metrics.update(ppo_step.update_actor(self, exp, fold_old_logprobs))
+                actor_metrics, old_logprobs = update_actor(
+                    self._optimization("actor"),
+                    exp,
+                    cfg.algo,
+                    self.update_plan,
+                    self._generator(),
+                    kl_coef=self.kl_ctl.value,
+                    temperature=cfg.rollout.temperature,
+                    reuse_logprobs=reuse_logprobs,
+                )
+            metrics.update(actor_metrics)
+            if reuse_logprobs:
+                exp.old_logprobs = old_logprobs
             self.actor_version += 1
         metrics["actor/lr"] = self.schedulers["actor"].get_last_lr()[0]
         metrics["actor/kl_coef"] = self.kl_ctl.value
         return metrics
 
-    def onloaded(self, model, name: str):
-        """Onload a frozen model for one phase; offload it after when ``--ref_reward_offload``."""
-        return ppo_step.OnloadedModel(self, model, name)
+    def _optimization(self, name: str) -> Optimization:
+        optim_cfg = self.cfg.actor_optim if name == "actor" else self.cfg.critic_optim
+        return Optimization(
+            self.state.models[name],
+            self.optimizers[name],
+            self.schedulers[name],
+            optim_cfg.max_norm,
+        )
+
+    def _generator(self) -> torch.Generator:
+        return update_generator(self.cfg.seed, self.step, self.env.rank)
+
+    @contextmanager
+    def onloaded(self, model: nn.Module, name: str):
+        """Onload a frozen model for one phase (timed as ``<name>_onload``) and, with
+        ``--ref_reward_offload``, offload it again after use (``<name>_offload``)."""
+        with self.timer(f"{name}_onload"):
+            onload_model(model, self.env.device)
+        yield model
+        if self.cfg.placement.ref_reward_offload:
+            with self.timer(f"{name}_offload"):
+                offload_model(model, self.env.device)
 
     # ------------------------------------------------------------------ i/o
 
-    def maybe_log_samples(self, exp: Experience, prompts, metrics) -> None:
+    def maybe_log_samples(self, exp: Experience, prompts: list[Prompt]) -> None:
         every = self.cfg.sample_log_steps
         if every > 0 and (self.step % every == 0 or self.step == 1) and self.env.is_rank0:
-            ppo_step.log_samples(self, exp, prompts)
-
-    def _stateful(self) -> tuple[dict, dict, dict]:
-        models = {"actor": self.models.actor}
-        if self.models.critic is not None:
-            models["critic"] = self.models.critic
-        return models, self.optimizers, self.schedulers
+            log_samples(
+                self.logger,
+                self.models.tokenizer,
+                exp,
+                prompts,
+                step=self.step,
+                n_samples=self.cfg.batch.n_samples_per_prompt,
+                save_path=self.cfg.ckpt.save_path,
+            )
 
     def save_checkpoint(self) -> None:
-        models, optimizers, schedulers = self._stateful()
-        path = ckpt.save_checkpoint(
-            self.cfg.ckpt.ckpt_path,
-            self.step,
-            models=models,
-            optimizers=optimizers,
-            schedulers=schedulers,
-            keep=self.cfg.ckpt.max_ckpt_num,
-            trainer_state={
-                "sampler": self.sampler.state_dict(),
-                "kl_ctl": self.kl_ctl.state_dict(),
-            },
-        )
-        log.info("checkpoint: %s", path)
+        trainer_state = {"sampler": self.sampler.state_dict(), "kl_ctl": self.kl_ctl.state_dict()}
+        common.save(self.cfg.ckpt, self.step, self.state, trainer_state)
 
-    def _resume(self, path: Path | None) -> None:
-        if path is None:
+    def _resume(self) -> None:
+        saved = common.resume(self.cfg.ckpt, self.state)
+        if saved is None:
             return
-        models, optimizers, schedulers = self._stateful()
-        state = ckpt.load_checkpoint(
-            path, models=models, optimizers=optimizers, schedulers=schedulers
-        )
-        self.step = int(state["step"])
-        self.sampler.load_state_dict(state["sampler"])
-        self.kl_ctl.load_state_dict(state["kl_ctl"])
-        self.engine_version = -1  # the engine still holds the initial weights: sync at once
-        log.info("resumed from %s at step %d", path, self.step)
+        self.step = int(saved["step"])
+        self.sampler.load_state_dict(saved["sampler"])
+        self.kl_ctl.load_state_dict(saved["kl_ctl"])
 
-    def save_final(self) -> None:
-        save_hf_model(self.models.actor, self.models.tokenizer, self.cfg.ckpt.save_path)
+    def finish(self) -> None:
+        save_path = self.cfg.ckpt.save_path
+        save_hf_model(self.models.actor, self.models.tokenizer, save_path)
         if self.models.critic is not None:
-            save_hf_model(
-                self.models.critic, self.models.tokenizer, Path(self.cfg.ckpt.save_path) / "critic"
-            )
-        log.info("saved actor to %s", self.cfg.ckpt.save_path)
+            save_hf_model(self.models.critic, self.models.tokenizer, Path(save_path) / "critic")
+        log.info("saved actor to %s", save_path)
+
+    def close(self) -> None:
+        self.logger.close()
+        self.engine.close()
+
+    # ------------------------------------------------------------------ properties
 
     @property
     def actor_updates(self) -> bool:
@@ -320,11 +344,23 @@ class PPOTrainer:
         return self.cfg.batch.packing_samples
 
     @property
+    def engine_name(self) -> str:
+        return self.cfg.rollout.rollout_engine
+
+    @property
     def weights_discarded_by_sleep(self) -> bool:
         """Sleep level 2 drops the engine's weights: every rollout needs a full sync."""
         r = self.cfg.rollout
         return self.env.device.type == "cuda" and r.vllm_enable_sleep and r.vllm_sleep_level == 2
 
-    def close(self) -> None:
-        self.logger.close()
-        self.engine.close()
+
+def _kl_controller(cfg: PPOConfig) -> AdaptiveKLController | FixedKLController:
+    a = cfg.algo
+    if a.use_kl_loss and a.kl_estimator == "k1":
+        log.warning(
+            "--use_kl_loss with --kl_estimator k1: k1's gradient is zero in expectation, so the "
+            "KL term barely constrains the actor; use k2 or k3"
+        )
+    if a.kl_target is not None:
+        return AdaptiveKLController(a.init_kl_coef, a.kl_target, a.kl_horizon)
+    return FixedKLController(a.init_kl_coef)

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
+from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.distributed.env import all_reduce_scalars
+from fsdp_rlhf.metrics import MetricLogger
+from fsdp_rlhf.trainers.experience import Experience
 
 
 class StatCollector:
@@ -99,3 +104,73 @@ def reduce_explained_variance(local: dict[str, float]) -> float:
     var_r = s["r2"] / n - (s["r"] / n) ** 2
     var_d = s["d2"] / n - (s["d"] / n) ** 2
     return 1.0 - var_d / var_r if var_r > 1e-12 else 0.0
+
+
+def collect_batch_stats(stats: StatCollector, exp: Experience) -> None:
+    mask = exp.response_mask
+    stats.add("critic/score", exp.scores)
+    stats.add("critic/rewards", (exp.rewards * mask).sum(-1))
+    stats.add("critic/advantages", exp.advantages, mask)
+    stats.add("critic/returns", exp.returns, mask)
+    if exp.values is not None:
+        stats.add("critic/values", exp.values, mask)
+    stats.add("response_length", mask.sum(-1))
+    prompt_mask = exp.attention_mask[:, : -exp.response_len]
+    stats.add("prompt_length", prompt_mask.sum(-1).float())
+    diff = (exp.engine_logprobs - exp.old_logprobs).abs()
+    stats.add("rollout/logprob_diff", diff, mask)
+
+
+def throughput_metrics(
+    metrics: dict[str, float],
+    times: dict[str, float],
+    cfg: PPOConfig,
+    world_size: int,
+    engine_name: str,
+) -> dict[str, float]:
+    """``e2e_tps``, ``update_tps`` and ``rollout_tps``; ``vllm_tps`` (the seed's name) only
+    when vLLM generated, so an HF-engine run does not report a vLLM speed."""
+    tokens = metrics["response_length/mean"] + metrics["prompt_length/mean"]
+    n = cfg.batch.rollout_batch_size * cfg.batch.n_samples_per_prompt
+    out = {
+        "e2e_tps": throughput(tokens, n, world_size, times.get("all", 0.0)),
+        "update_tps": throughput(tokens, n, world_size, times.get("update", 0.0)),
+        "rollout_tps": throughput(tokens, n, world_size, times.get("rollout", 0.0)),
+    }
+    if engine_name == "vllm":
+        out["vllm_tps"] = out["rollout_tps"]
+    return out
+
+
+def log_samples(
+    logger: MetricLogger,
+    tokenizer,
+    exp: Experience,
+    prompts,
+    *,
+    step: int,
+    n_samples: int,
+    save_path: str,
+    k: int = 3,
+) -> None:
+    """A few prompt/response/score triples to TensorBoard text and ``samples.jsonl``."""
+    T = exp.response_len
+    rows = []
+    for i in range(min(k, exp.num_sequences)):
+        ids = exp.input_ids[i, -T:][exp.response_mask[i].bool()].tolist()
+        rows.append(
+            {
+                "step": step,
+                "prompt": prompts[i // n_samples].text,
+                "response": tokenizer.decode(ids, skip_special_tokens=False),
+                "score": float(exp.scores[i]),
+            }
+        )
+    with open(Path(save_path) / "samples.jsonl", "a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    body = "\n\n".join(
+        f"**prompt**: {r['prompt']}\n\n**response**: {r['response']}\n\n**score**: {r['score']:.4f}"
+        for r in rows
+    )
+    logger.text("samples", body, step)

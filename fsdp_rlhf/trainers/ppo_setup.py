@@ -16,14 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_rlhf.allocator import allocator_hint
 from fsdp_rlhf.config import PPOBatchPlan, PPOConfig, plan_ppo_batches
 from fsdp_rlhf.data.prompts import Prompt, tokenize_prompts
 from fsdp_rlhf.distributed.env import DistEnv
-from fsdp_rlhf.distributed.fsdp import build_mesh, describe_zero_stage, shard_model
 from fsdp_rlhf.errors import UserError
-from fsdp_rlhf.models.attention import use_varlen_attention
-from fsdp_rlhf.models.compile import check_compile_toolchain, compile_blocks
+from fsdp_rlhf.models.compile import check_compile_toolchain
 from fsdp_rlhf.models.load import (
     check_model_path,
     load_causal_lm,
@@ -33,6 +30,7 @@ from fsdp_rlhf.models.load import (
 )
 from fsdp_rlhf.optim import build_optimizer, build_scheduler
 from fsdp_rlhf.rollout import HFEngine, RolloutEngine, build_rollout_groups
+from fsdp_rlhf.trainers.common import log_startup, prepare_model
 from fsdp_rlhf.trainers.rule_reward import RewardFn, build_rule_reward
 
 log = logging.getLogger("fsdp_rlhf")
@@ -44,10 +42,6 @@ def uses_critic(cfg: PPOConfig) -> bool:
 
 def critic_path(cfg: PPOConfig) -> str | None:
     return cfg.models.critic_pretrain or cfg.models.reward_pretrain
-
-
-def world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _check_world(cfg: PPOConfig, world_size: int) -> None:
@@ -63,15 +57,12 @@ def _check_world(cfg: PPOConfig, world_size: int) -> None:
             f"--num_nodes {p.num_nodes} x {local} ranks per node != torchrun world size "
             f"{world_size} (--nnodes)"
         )
-    if not p.colocate_all:
-        raise UserError("--colocate_all is the only placement: every rank holds every model")
 
 
-def preflight(cfg: PPOConfig) -> tuple[PPOBatchPlan, Any]:
+def preflight(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any]:
     """Validate flags, paths, data and sizes. Returns the batch plan and the raw prompt rows."""
     from fsdp_rlhf.data.sources import check_keys, load_sources
 
-    world_size = world_size_from_env()
     _check_world(cfg, world_size)
     plan = plan_ppo_batches(cfg, world_size)
     m = cfg.models
@@ -121,47 +112,34 @@ class Models:
     rule_reward: RewardFn | None
 
 
-def _shard(model: nn.Module, cfg: PPOConfig, env: DistEnv, trainable: bool) -> nn.Module:
-    mesh = build_mesh(env.device, env.world_size)
-    if cfg.batch.packing_samples:
-        use_varlen_attention(model)
-    if cfg.backend.torch_compile:
-        compile_blocks(model)
-    model.to(env.device)
-    shard_model(
+def _prepare(model: nn.Module, cfg: PPOConfig, env: DistEnv, trainable: bool) -> nn.Module:
+    # Token-mean losses are normalised by the global token count, so ranks must sum grads.
+    return prepare_model(
         model,
-        mesh,
+        env,
         cfg.fsdp,
-        bf16=cfg.backend.bf16,
-        # Token-mean losses are normalised by the global token count, so ranks must sum grads.
+        cfg.backend,
+        packed=cfg.batch.packing_samples,
+        trainable=trainable,
         grad_reduce="sum",
-        cpu_offload=trainable and cfg.fsdp.adam_offload,
     )
-    if trainable:
-        model.train()  # from_pretrained returns eval mode: no dropout, no grad checkpointing
-    else:
-        model.requires_grad_(False)
-        model.eval()
-    return model
 
 
 def build_models(cfg: PPOConfig, env: DistEnv) -> Models:
     m, backend = cfg.models, cfg.backend
-    log.info(describe_zero_stage(cfg.fsdp.zero_stage))
-    if env.is_rank0 and (hint := allocator_hint(env.device.type)):
-        log.warning(hint)
+    log_startup(env, cfg.fsdp.zero_stage)
     tokenizer = load_tokenizer(m.pretrain, backend.trust_remote_code)
-    actor = _shard(load_causal_lm(m.pretrain, backend, env.device), cfg, env, trainable=True)
+    actor = _prepare(load_causal_lm(m.pretrain, backend, env.device), cfg, env, trainable=True)
     # Frozen models never run backward: recomputation would only cost time.
     no_ckpt = dataclasses.replace(backend, gradient_checkpointing=False)
-    ref = _shard(load_causal_lm(m.pretrain, no_ckpt, env.device), cfg, env, trainable=False)
+    ref = _prepare(load_causal_lm(m.pretrain, no_ckpt, env.device), cfg, env, trainable=False)
     critic = reward = None
     norm = None
     if uses_critic(cfg):
         critic_model = load_scalar_model(
             critic_path(cfg), backend, env.device, value_head_prefix=m.value_head_prefix
         )
-        critic = _shard(critic_model, cfg, env, trainable=True)
+        critic = _prepare(critic_model, cfg, env, trainable=True)
     if m.reward_pretrain:
         reward_model = load_scalar_model(
             m.reward_pretrain,
@@ -170,7 +148,7 @@ def build_models(cfg: PPOConfig, env: DistEnv) -> Models:
             value_head_prefix=m.value_head_prefix,
             init_head_if_missing=False,
         )
-        reward = _shard(reward_model, cfg, env, trainable=False)
+        reward = _prepare(reward_model, cfg, env, trainable=False)
         norm = reward_normalization(m.reward_pretrain) if m.normalize_reward else None
         if m.normalize_reward and norm is None:
             log.warning(

@@ -1,10 +1,10 @@
 """`fsdp-rlhf train-rm`: pairwise (Bradley-Terry) reward-model training on FSDP2.
 
-Table of contents, in call order::
+Table of contents, in call order (the loop itself is :func:`fsdp_rlhf.trainers.common.fit`)::
 
-    main            validate and tokenize (no communication), init the process group
-    setup_run       model -> fully_shard -> AdamW + schedule -> resume from a checkpoint
-    fit             for each step: train_step, maybe_log, maybe_evaluate, maybe_save
+    prepare         validate and tokenize (no communication), before the process group
+    RMTrainer       model -> fully_shard -> AdamW + schedule -> resume from a checkpoint
+    train_step      one optimizer step, then log, evaluate every eval_steps
     finish          final evaluate, then the HF model with reward mean/std in config.json
 
 Chosen and rejected sequences go through one forward as a (2B, L) batch. Every collective
@@ -19,18 +19,20 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import datasets
-import torch.distributed as dist
 
-from fsdp_rlhf.config import RMConfig, plan_rm_batches
-from fsdp_rlhf.distributed.checkpoint import save_checkpoint
-from fsdp_rlhf.distributed.env import all_reduce_scalars, init_distributed, teardown
-from fsdp_rlhf.distributed.signals import GracefulStop
-from fsdp_rlhf.metrics import Progress, setup_logging
+from fsdp_rlhf.config import RMBatchPlan, RMConfig, plan_rm_batches
+from fsdp_rlhf.data.preference import PreferenceLoader, eval_batches
+from fsdp_rlhf.data.schedule import DataPosition, StepSchedule
+from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars
+from fsdp_rlhf.metrics import Progress
 from fsdp_rlhf.models.save import save_hf_model
-from fsdp_rlhf.trainers.rm_data import prepare_rm_data
-from fsdp_rlhf.trainers.rm_setup import RMRun, setup_run
+from fsdp_rlhf.optim import build_optimizer, build_scheduler
+from fsdp_rlhf.trainers import common
+from fsdp_rlhf.trainers.rm_data import RMData, prepare_rm_data
+from fsdp_rlhf.trainers.rm_setup import build_model, check_resumable, resume_state
 from fsdp_rlhf.trainers.rm_steps import evaluate, train_step
 
 log = logging.getLogger(__name__)
@@ -40,20 +42,14 @@ TRAIN_KEYS = ["loss", "acc", "chosen_reward", "reject_reward", "margin", "lr", "
 
 def main(cfg: RMConfig, debug: bool = False) -> int:
     """Train a reward model; returns the process exit code (0, also after a graceful stop)."""
-    rank = int(os.environ.get("RANK", "0"))
-    setup_logging(rank, debug)
-    if rank != 0 or not sys.stderr.isatty():
+    return common.launch(cfg, debug, prepare, RMTrainer)
+
+
+def prepare(cfg: RMConfig, world_size: int) -> tuple[RMBatchPlan, RMData]:
+    if os.environ.get("RANK", "0") != "0" or not sys.stderr.isatty():
         datasets.disable_progress_bars()  # tqdm bars would flood log files and other ranks
-    plan = plan_rm_batches(cfg.batch, int(os.environ.get("WORLD_SIZE", "1")))
-    data = prepare_rm_data(cfg, plan)
-    owns_group = not dist.is_initialized()
-    env = init_distributed()
-    try:
-        run = setup_run(cfg, env, plan, data)
-        return fit(run)
-    finally:
-        if owns_group:
-            teardown()
+    plan = plan_rm_batches(cfg.batch, world_size)
+    return plan, prepare_rm_data(cfg, plan)
 
 
 @dataclass
@@ -74,88 +70,97 @@ class _Window:
         return out
 
 
-def _eta(run: RMRun, started: float, first_step: int) -> str:
-    done = run.global_step - first_step
-    left = run.total_steps - run.global_step
-    seconds = int((time.monotonic() - started) / max(done, 1) * left)
-    h, rem = divmod(seconds, 3600)
-    return f"{run.global_step}/{run.total_steps} eta {h}:{rem // 60:02d}:{rem % 60:02d}"
+class RMTrainer:
+    """One reward model, its optimizer and schedule; ``step`` counts finished optimizer steps."""
 
+    def __init__(self, cfg: RMConfig, env: DistEnv, prepared: tuple[RMBatchPlan, RMData]):
+        self.cfg, self.env = cfg, env
+        self.plan, self.data = prepared
+        common.write_run_config(cfg, env)
+        self.model = build_model(cfg, env, self.data.tokenizer.pad_token_id)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.total_steps = self.data.steps_per_epoch * cfg.batch.max_epochs
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
+        self.state = common.Stateful()
+        self.state.add("rm", self.model, self.optimizer, self.scheduler)
+        check = partial(check_resumable, current=resume_state(cfg, self.data, 0))
+        saved = common.resume(cfg.ckpt, self.state, check)
+        self.step = int(saved["step"]) if saved else 0
+        schedule = StepSchedule(
+            len(self.data.train), cfg.batch.train_batch_size, env.world_size, env.rank, cfg.seed
+        )
+        pad_id = self.data.tokenizer.pad_token_id
+        self.loader = PreferenceLoader(
+            self.data.train, schedule, self.plan.micro_batch_size_per_rank, pad_id
+        )
+        self.metrics = common.open_metrics(cfg, env, self.step)
+        self.progress = Progress(env.rank, self.total_steps, "train-rm", start=self.step)
+        self.window = _Window()
+        self.started, self.first_step = time.monotonic(), self.step
 
-def fit(run: RMRun) -> int:
-    """The training loop; returns 0 when done or stopped by a signal (after a checkpoint)."""
-    cfg = run.cfg
-    window, started, first_step = _Window(), time.monotonic(), run.global_step
-    progress = Progress(run.env.rank, run.total_steps, "train-rm", start=run.global_step)
-    with GracefulStop() as stop:
-        for pos in run.loader.schedule.positions(run.start, cfg.batch.max_epochs):
-            window.add(train_step(run, pos))
-            run.global_step += 1
-            progress.advance()
-            maybe_log(run, window, _eta(run, started, first_step))
-            maybe_evaluate(run)
-            stopping = stop.agreed()
-            maybe_save(run, force=stopping)
-            if stopping:
-                progress.close()
-                run.metrics.close()
-                log.warning("stop signal: checkpoint written at step %d, exiting", run.global_step)
-                return 0
-    progress.close()
-    finish(run)
-    return 0
+    def train_step(self) -> None:
+        pos = DataPosition.from_global_step(self.step - 1, self.data.steps_per_epoch)
+        batches = self.loader.step_batches(pos)
+        stats = train_step(
+            self.model, self.optimizer, self.scheduler, batches, self.cfg, self.env.device
+        )
+        self.window.add(stats)
+        self.progress.advance()
+        if self.step % self.cfg.logging.logging_steps == 0:
+            # the window's means, averaged over ranks (a collective)
+            stats = all_reduce_scalars(self.window.pop(), op="mean")
+            self.metrics.log(self.step, stats, TRAIN_KEYS, self._eta())
+        every = self.cfg.logging.eval_steps
+        # the last step is left to finish(), which always evaluates
+        if every > 0 and self.step % every == 0 and self.step < self.total_steps:
+            self.metrics.log(self.step, self.evaluate())
 
+    def evaluate(self) -> dict[str, float]:
+        env = self.env
+        batches = eval_batches(
+            self.data.eval,
+            env.world_size,
+            env.rank,
+            self.plan.micro_batch_size_per_rank,
+            self.data.tokenizer.pad_token_id,
+        )
+        return evaluate(self.model, batches, self.cfg, env.device)
 
-def maybe_log(run: RMRun, window: _Window, eta: str) -> None:
-    """Every ``logging_steps``: the window's means, averaged over ranks (a collective)."""
-    if run.global_step % run.cfg.logging.logging_steps == 0:
-        stats = all_reduce_scalars(window.pop(), op="mean")
-        run.metrics.log(run.global_step, stats, TRAIN_KEYS, eta)
+    def _eta(self) -> str:
+        done, left = self.step - self.first_step, self.total_steps - self.step
+        seconds = int((time.monotonic() - self.started) / max(done, 1) * left)
+        h, rem = divmod(seconds, 3600)
+        return f"{self.step}/{self.total_steps} eta {h}:{rem // 60:02d}:{rem % 60:02d}"
 
+    def save_checkpoint(self) -> None:
+        common.save(
+            self.cfg.ckpt, self.step, self.state, resume_state(self.cfg, self.data, self.step)
+        )
 
-def maybe_evaluate(run: RMRun) -> None:
-    """Evaluate every ``eval_steps``; the last step is left to ``finish``, which always does."""
-    every = run.cfg.logging.eval_steps
-    if every > 0 and run.global_step % every == 0 and run.global_step < run.total_steps:
-        run.metrics.log(run.global_step, evaluate(run))
+    def finish(self) -> None:
+        """Final eval, then the HF model (atomically) with the eval reward mean/std.
 
+        ``normalize_reward`` is deliberately not written: whether to normalise is the PPO
+        run's choice (``--normalize_reward``), made with the mean/std stored here.
+        """
+        stats = self.evaluate()
+        self.metrics.log(self.step, stats)
+        extra = {
+            "reward_mean": stats["eval/reward_mean"],
+            "reward_std": stats["eval/reward_std"],
+            # OpenRLHF's loaders look the head up under this name; ours is always `score`.
+            "value_head_prefix": "score",
+        }
+        path = save_hf_model(
+            self.model, self.data.tokenizer, self.cfg.ckpt.save_path, extra_config=extra
+        )
+        log.info(
+            "reward model saved to %s (reward_mean=%.4g, reward_std=%.4g)",
+            path,
+            extra["reward_mean"],
+            extra["reward_std"],
+        )
 
-def maybe_save(run: RMRun, *, force: bool = False) -> None:
-    """A resumable checkpoint every ``save_steps`` (and on ``force``, for a graceful stop)."""
-    every = run.cfg.ckpt.save_steps
-    if not force and not (every > 0 and run.global_step % every == 0):
-        return
-    path = save_checkpoint(
-        run.cfg.ckpt.ckpt_path,
-        run.global_step,
-        models={"rm": run.model},
-        optimizers={"rm": run.optimizer},
-        schedulers={"rm": run.scheduler},
-        trainer_state=run.resume_state(),
-        keep=run.cfg.ckpt.max_ckpt_num,
-    )
-    log.info("checkpoint: %s", path)
-
-
-def finish(run: RMRun) -> None:
-    """Final eval, then the HF model (atomically) with the eval reward mean/std in config.json.
-
-    ``normalize_reward`` is deliberately not written: whether to normalise is the PPO run's
-    choice (``--normalize_reward``), made with the mean/std stored here.
-    """
-    stats = evaluate(run)
-    run.metrics.log(run.global_step, stats)
-    extra = {
-        "reward_mean": stats["eval/reward_mean"],
-        "reward_std": stats["eval/reward_std"],
-        # OpenRLHF's loaders look the head up under this name; ours is always `score`.
-        "value_head_prefix": "score",
-    }
-    path = save_hf_model(run.model, run.tokenizer, run.cfg.ckpt.save_path, extra_config=extra)
-    run.metrics.close()
-    log.info(
-        "reward model saved to %s (reward_mean=%.4g, reward_std=%.4g)",
-        path,
-        extra["reward_mean"],
-        extra["reward_std"],
-    )
+    def close(self) -> None:
+        self.progress.close()
+        self.metrics.close()

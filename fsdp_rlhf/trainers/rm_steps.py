@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from fsdp_rlhf.algorithms import pairwise_loss
-from fsdp_rlhf.config import RMLossConfig
-from fsdp_rlhf.data.preference import PairBatch, eval_batches
-from fsdp_rlhf.data.schedule import DataPosition
+from fsdp_rlhf.config import RMConfig, RMLossConfig
+from fsdp_rlhf.data.preference import PairBatch
 from fsdp_rlhf.distributed.env import all_reduce_scalars
 from fsdp_rlhf.distributed.fsdp import accumulate, clip_grad_norm_
 from fsdp_rlhf.models.forward import sequence_scores
-from fsdp_rlhf.trainers.rm_setup import RMRun
 
 
 def score_pairs(
@@ -45,7 +44,14 @@ def objective(
     return loss
 
 
-def train_step(run: RMRun, pos: DataPosition) -> dict[str, float]:
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    batches: list[PairBatch],
+    cfg: RMConfig,
+    device: torch.device,
+) -> dict[str, float]:
     """Forward/backward over this rank's micro-batches, clip, optimizer and scheduler step.
 
     Gradients are synchronised (reduce-scattered) only after the last micro-batch; each
@@ -55,14 +61,12 @@ def train_step(run: RMRun, pos: DataPosition) -> dict[str, float]:
         This rank's means of ``loss acc chosen_reward reject_reward margin``, plus the
         global ``grad_norm`` and the ``lr`` this step used.
     """
-    batches = run.loader.step_batches(pos)
-    packed = run.cfg.batch.packing_samples
     sums = dict.fromkeys(("loss", "acc", "chosen_reward", "reject_reward", "margin"), 0.0)
     for i, batch in enumerate(batches):
-        accumulate(run.model, i == len(batches) - 1, run.cfg.fsdp.zero_stage)
-        chosen, rejected = score_pairs(run.model, batch, run.env.device, packed)
-        margin = batch.margin.to(run.env.device) if batch.margin is not None else None
-        loss = objective(chosen, rejected, margin, run.cfg.loss)
+        accumulate(model, i == len(batches) - 1, cfg.fsdp.zero_stage)
+        chosen, rejected = score_pairs(model, batch, device, cfg.batch.packing_samples)
+        margin = batch.margin.to(device) if batch.margin is not None else None
+        loss = objective(chosen, rejected, margin, cfg.loss)
         (loss / len(batches)).backward()
         chosen, rejected = chosen.detach(), rejected.detach()
         sums["loss"] += loss.item()
@@ -70,41 +74,43 @@ def train_step(run: RMRun, pos: DataPosition) -> dict[str, float]:
         sums["chosen_reward"] += chosen.mean().item()
         sums["reject_reward"] += rejected.mean().item()
         sums["margin"] += (chosen - rejected).mean().item()
-    grad_norm = clip_grad_norm_(run.model.parameters(), run.cfg.optim.max_norm)
-    lr = run.scheduler.get_last_lr()[0]
-    run.optimizer.step()
-    run.scheduler.step()
-    run.optimizer.zero_grad(set_to_none=True)
+    grad_norm = clip_grad_norm_(model.parameters(), cfg.optim.max_norm)
+    lr = scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
     stats = {k: v / len(batches) for k, v in sums.items()}
     return {**stats, "grad_norm": grad_norm, "lr": lr}
 
 
 @torch.no_grad()
-def evaluate(run: RMRun) -> dict[str, float]:
+def evaluate(
+    model: nn.Module,
+    batches: Iterable[PairBatch],
+    cfg: RMConfig,
+    device: torch.device,
+) -> dict[str, float]:
     """Loss, accuracy and reward mean/std (over chosen and rejected) on the eval set.
 
     Every rank runs the same number of forwards (shards are padded); sums are reduced once.
     The std is the unbiased one over all 2 x N eval rewards.
     """
-    run.model.eval()
+    model.eval()
     sums = dict.fromkeys(("loss", "correct", "pairs", "reward_sum", "reward_sq"), 0.0)
-    env, pad_id = run.env, run.tokenizer.pad_token_id
-    packed = run.cfg.batch.packing_samples
-    micro = run.plan.micro_batch_size_per_rank
-    for batch in eval_batches(run.data.eval, env.world_size, env.rank, micro, pad_id):
-        chosen, rejected = score_pairs(run.model, batch, env.device, packed)
+    for batch in batches:
+        chosen, rejected = score_pairs(model, batch, device, cfg.batch.packing_samples)
         n = batch.num_valid
         if n == 0:
             continue  # padding only: the forward above kept the collectives in step
         chosen, rejected = chosen[:n], rejected[:n]
-        margin = batch.margin[:n].to(env.device) if batch.margin is not None else None
-        sums["loss"] += objective(chosen, rejected, margin, run.cfg.loss).item() * n
+        margin = batch.margin[:n].to(device) if batch.margin is not None else None
+        sums["loss"] += objective(chosen, rejected, margin, cfg.loss).item() * n
         sums["correct"] += (chosen > rejected).sum().item()
         sums["pairs"] += n
         rewards = torch.cat([chosen, rejected]).double()
         sums["reward_sum"] += rewards.sum().item()
         sums["reward_sq"] += rewards.pow(2).sum().item()
-    run.model.train()
+    model.train()
     tot = all_reduce_scalars(sums, op="sum")
     n_rewards = 2 * tot["pairs"]
     mean = tot["reward_sum"] / n_rewards

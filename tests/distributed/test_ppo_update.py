@@ -1,9 +1,8 @@
 """The actor update on 2 gloo ranks: taking ``old_logprobs`` from the update's own forward
-(on-policy fold) and packing the micro-batches both give the same step as the plain path."""
+(``reuse_update_logprobs``) and packing the micro-batches both give the same step as the plain
+path. The update runs on its explicit arguments: no trainer is built."""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import torch
 
@@ -36,15 +35,20 @@ def _experience(vocab: int, rank: int, P: int = 6, T: int = 5):
     )
 
 
-def _one_update(rank: int, world: int, model_path: str, fold: bool, packed: bool):
-    from fsdp_rlhf.algorithms import FixedKLController
+def _one_update(rank: int, world: int, model_path: str, reuse: bool, packed: bool):
     from fsdp_rlhf.config import PPOConfig, plan_ppo_batches
     from fsdp_rlhf.config_base import build_config
     from fsdp_rlhf.distributed.env import current_env
     from fsdp_rlhf.distributed.fsdp import build_mesh, shard_model
     from fsdp_rlhf.models.attention import use_varlen_attention
     from fsdp_rlhf.trainers.experience import batched_logprobs
-    from fsdp_rlhf.trainers.ppo_step import old_logprobs_from_update, update_actor
+    from fsdp_rlhf.trainers.ppo_update import (
+        Optimization,
+        UpdatePlan,
+        reuse_update_logprobs,
+        update_actor,
+        update_generator,
+    )
 
     argv = ARGV.split() + (["--packing_samples"] if packed else [])
     cfg, _ = build_config(PPOConfig, argv)
@@ -58,29 +62,30 @@ def _one_update(rank: int, world: int, model_path: str, fold: bool, packed: bool
     # SGD, not the configured AdamW: Adam's first step is about lr * sign(grad), which turns
     # rounding-level gradient differences into lr-sized ones; SGD keeps them proportional.
     opt = torch.optim.SGD(actor.parameters(), lr=1.0)
-    trainer = SimpleNamespace(
-        cfg=cfg,
-        plan=plan,
-        env=env,
-        step=1,
-        models=SimpleNamespace(actor=actor),
-        optimizers={"actor": opt},
-        schedulers={"actor": torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)},
-        kl_ctl=FixedKLController(cfg.algo.init_kl_coef),
-    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
     exp = _experience(actor.config.vocab_size, rank)
-    assert old_logprobs_from_update(cfg, plan, actor_updates=True)
-    if not fold:
+    assert reuse_update_logprobs(cfg.algo, plan.optimizer_steps_per_epoch, actor_updates=True)
+    if not reuse:
         exp.old_logprobs = batched_logprobs(actor, exp, 2, 1.0, packed=packed)
-    metrics = update_actor(trainer, exp, fold_old_logprobs=fold)
+    metrics, reused = update_actor(
+        Optimization(actor, opt, sched, cfg.actor_optim.max_norm),
+        exp,
+        cfg.algo,
+        UpdatePlan.from_config(cfg, plan),
+        update_generator(cfg.seed, 1, env.rank),
+        kl_coef=cfg.algo.init_kl_coef,
+        temperature=1.0,
+        reuse_logprobs=reuse,
+    )
+    assert (reused is not None) == reuse
     params = {n: p.detach().full_tensor().clone() for n, p in actor.named_parameters()}
-    return exp.old_logprobs, metrics, params
+    return reused if reuse else exp.old_logprobs, metrics, params
 
 
-def test_folded_and_packed_updates_match_the_plain_update(tiny_qwen2):
+def test_reused_and_packed_updates_match_the_plain_update(tiny_qwen2):
     runs = {
-        (fold, packed): run_distributed(_one_update, 2, tiny_qwen2, fold, packed)
-        for fold, packed in [(False, False), (True, False), (True, True)]
+        (reuse, packed): run_distributed(_one_update, 2, tiny_qwen2, reuse, packed)
+        for reuse, packed in [(False, False), (True, False), (True, True)]
     }
     plain = runs[(False, False)]
     for key in [(True, False), (True, True)]:
@@ -90,6 +95,7 @@ def test_folded_and_packed_updates_match_the_plain_update(tiny_qwen2):
             assert (ref_old != 0).any()
             torch.testing.assert_close(old, ref_old, rtol=1e-5, atol=1e-5)
             for name in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "grad_norm"):
+                assert metrics["actor/grad_norm"] == metrics["grad_norm"]
                 assert abs(metrics[name] - ref_metrics[name]) < 1e-4, (key, name)
             for name, p in params.items():
                 torch.testing.assert_close(p, ref_params[name], rtol=1e-4, atol=1e-5, msg=name)

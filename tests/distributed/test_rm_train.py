@@ -18,6 +18,7 @@ from tests.rm_utils import synthetic_pairs, write_jsonl
 
 STEPS = 12  # 192 train pairs / 16 per step, 1 epoch
 STOP_AT = 5
+CRASH_AT = 6  # checkpoint at 4, rows for 5 and 6 written
 
 
 def _argv(model: str, data: Path, out: Path, *extra: str) -> list[str]:
@@ -47,36 +48,54 @@ def _run_rm(argv: list[str]) -> int:
     return main(cfg)
 
 
-def _sigterm_at(step: int, rank: int):
-    """Wrap rm.train_step so that rank 0 alone gets SIGTERM during step ``step``."""
-    from fsdp_rlhf.trainers import rm
+class _Interrupt(Exception):
+    pass
 
-    original, calls = rm.train_step, []
 
-    def wrapped(run, pos):
-        calls.append(pos)
-        out = original(run, pos)
-        if rank == 0 and len(calls) == step:
-            signal.raise_signal(signal.SIGTERM)
-        return out
+def _interrupt_at(step: int, act):
+    """Wrap RMTrainer.train_step so that ``act()`` runs after step ``step``."""
+    from fsdp_rlhf.trainers.rm import RMTrainer
 
-    rm.train_step = wrapped
+    original = RMTrainer.train_step
+
+    def wrapped(self):
+        original(self)
+        if self.step == step:
+            act()
+
+    RMTrainer.train_step = wrapped
     return original
 
 
-def _three_runs(rank: int, world: int, model: str, data: str, root: str) -> dict:
-    from fsdp_rlhf.trainers import rm
+def _run_interrupted(argv: list[str], step: int, act) -> int | str:
+    from fsdp_rlhf.trainers.rm import RMTrainer
 
+    original = _interrupt_at(step, act)
+    try:
+        return _run_rm(argv)
+    except _Interrupt:
+        return "crashed"
+    finally:
+        RMTrainer.train_step = original
+
+
+def _crash():
+    raise _Interrupt
+
+
+def _three_runs(rank: int, world: int, model: str, data: str, root: str) -> dict:
     data_dir, root_dir = Path(data), Path(root)
     codes = {"full": _run_rm(_argv(model, data_dir, root_dir / "full"))}
-    original = _sigterm_at(STOP_AT, rank)
-    try:
-        codes["stopped"] = _run_rm(_argv(model, data_dir, root_dir / "resumed"))
-    finally:
-        rm.train_step = original
+    sigterm = (lambda: signal.raise_signal(signal.SIGTERM)) if rank == 0 else (lambda: None)
+    argv = _argv(model, data_dir, root_dir / "resumed")
+    codes["stopped"] = _run_interrupted(argv, STOP_AT, sigterm)
     stopped_model_written = (root_dir / "resumed" / "model" / "model.safetensors").exists()
-    resume = _argv(model, data_dir, root_dir / "resumed", "--load_checkpoint")
-    codes["resumed"] = _run_rm(resume)
+    codes["resumed"] = _run_rm([*argv, "--load_checkpoint"])
+    # A crash (no stop vote) after rows past the last checkpoint were written: the resumed
+    # run redoes those steps and must not leave them twice in metrics.jsonl.
+    argv = _argv(model, data_dir, root_dir / "crashed", "--save_steps", "4")
+    codes["crashed"] = _run_interrupted(argv, CRASH_AT, _crash)
+    codes["after_crash"] = _run_rm([*argv, "--load_checkpoint"])
     return {"codes": codes, "stopped_model_written": stopped_model_written}
 
 
@@ -109,7 +128,8 @@ def test_rm_learns_saves_and_resumes(tiny_qwen2, tmp_path):
     write_jsonl(data / "train.jsonl", synthetic_pairs(192, seed=0))
     write_jsonl(data / "eval.jsonl", synthetic_pairs(64, seed=1))
     out = run_distributed(_three_runs, 2, tiny_qwen2, str(data), str(tmp_path))
-    assert out[0]["codes"] == out[1]["codes"] == {"full": 0, "stopped": 0, "resumed": 0}
+    codes = {"full": 0, "stopped": 0, "resumed": 0, "crashed": "crashed", "after_crash": 0}
+    assert out[0]["codes"] == out[1]["codes"] == codes
     assert not out[0]["stopped_model_written"]
 
     full = _rows(tmp_path / "full" / "model" / "metrics.jsonl")
@@ -122,6 +142,9 @@ def test_rm_learns_saves_and_resumes(tiny_qwen2, tmp_path):
     for step in (STOP_AT + 1, STEPS):
         for key in ("loss", "grad_norm", "lr"):
             assert abs(train_full[step][key] - train_resumed[step][key]) < 1e-6, (step, key)
+
+    crashed = _rows(tmp_path / "crashed" / "model" / "metrics.jsonl")
+    assert [r["step"] for r in crashed if "loss" in r] == list(range(1, STEPS + 1))
 
     final_eval = [r for r in full if "eval/acc" in r][-1]
     assert final_eval["step"] == STEPS

@@ -210,6 +210,8 @@ def test_seed_flag_set_with_trained_reward_model(tiny_qwen2, trained_rm, ppo_dat
         "actor/lr",
         "actor/kl_coef",
         "grad_norm",
+        "actor/grad_norm",
+        "critic/grad_norm",
         "critic/vf_loss",
         "critic/vf_clipfrac",
         "critic/lr",
@@ -218,6 +220,7 @@ def test_seed_flag_set_with_trained_reward_model(tiny_qwen2, trained_rm, ppo_dat
         "e2e_tps",
         "update_tps",
         "vllm_tps",
+        "rollout_tps",
         "rollout/logprob_diff/mean",
     ]
     for group in ("score", "rewards", "advantages", "returns", "values"):

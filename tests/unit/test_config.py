@@ -160,8 +160,8 @@ def test_plan_ppo_batches():
     argv += "--micro_train_batch_size 2 --micro_rollout_batch_size 8 --vllm_tensor_parallel_size 2"
     cfg, _ = build_config(PPOConfig, argv.split())
     plan = plan_ppo_batches(cfg, world_size=4)
-    assert (plan.num_engines, plan.prompts_per_rank, plan.samples_per_rank) == (2, 4, 16)
-    assert (plan.grad_accum_steps, plan.optimizer_steps_per_epoch) == (4, 2)
+    assert (plan.num_engines, plan.tp_size, plan.train_batch_size_per_rank) == (2, 2, 8)
+    assert (plan.micro_rollout_batch_size, plan.optimizer_steps_per_epoch) == (8, 2)
     with pytest.raises(ConfigError, match="vllm_num_engines"):
         plan_ppo_batches(
             build_config(PPOConfig, [*argv.split(), "--vllm_num_engines", "4"])[0], world_size=4

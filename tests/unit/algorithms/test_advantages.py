@@ -5,13 +5,17 @@ import torch
 
 from fsdp_rlhf.algorithms import (
     dr_grpo,
+    estimate_advantages,
     gae,
     grpo,
     masked_mean,
     masked_var,
+    masked_whiten,
     reinforce_plus_plus,
     rloo,
+    shape_rewards,
 )
+from fsdp_rlhf.algorithms.advantages import discounted_returns
 from tests.unit.algorithms.helpers import SEEDS, make_gen, ragged_mask, randn, valid_positions
 
 B, T = 6, 12
@@ -153,3 +157,38 @@ def test_group_estimators_reject_bad_group_sizes(fn):
     with pytest.raises(ValueError):
         fn(scores, mask, 4)
     assert fn(scores, mask, 3).shape == (6, 4)
+
+
+@pytest.mark.parametrize("estimator", ["gae", "reinforce++", "rloo", "grpo", "dr_grpo"])
+def test_estimate_advantages_one_entry_one_shape(estimator):
+    g = make_gen(0)
+    mask = ragged_mask(B, T, g).double()
+    scores = randn(B, gen=g)
+    kl = randn(B, T, gen=g).abs() * mask
+    values = randn(B, T, gen=g) * mask
+    out = estimate_advantages(
+        estimator, scores, kl, 0.1, mask, values=values, gamma=0.9, lam=0.95,
+        n_samples_per_prompt=3,
+    )  # fmt: skip
+    rewards = shape_rewards(scores, kl, 0.1, mask)
+    torch.testing.assert_close(out.rewards, rewards)
+    for t in out:
+        assert t.shape == (B, T) and (t[mask == 0] == 0).all()
+    if estimator == "gae":
+        adv, ret = gae(rewards, values, mask, 0.9, 0.95)
+        torch.testing.assert_close(out.returns, ret)
+        torch.testing.assert_close(out.advantages, masked_whiten(adv, mask) * mask)
+    elif estimator in ("rloo", "grpo", "dr_grpo"):
+        group = {"rloo": rloo, "grpo": grpo, "dr_grpo": dr_grpo}[estimator](scores, mask, 3)
+        # the per-token KL penalty's reward-to-go rides on top of the group advantage
+        kl_to_go = discounted_returns(-0.1 * kl, mask, 0.9)
+        torch.testing.assert_close(out.advantages, (group + kl_to_go) * mask)
+
+
+def test_estimate_advantages_rejects_unknown_and_missing_values():
+    mask = torch.ones(2, 3, dtype=torch.float64)
+    zeros = torch.zeros(2, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match="unknown advantage estimator"):
+        estimate_advantages("ppo2", torch.zeros(2, dtype=torch.float64), zeros, 0.0, mask)
+    with pytest.raises(ValueError, match="critic values"):
+        estimate_advantages("gae", torch.zeros(2, dtype=torch.float64), zeros, 0.0, mask)

@@ -1,4 +1,5 @@
-"""PPO step pieces on one process: advantages per estimator, rule rewards (file and HTTP)."""
+"""PPO step pieces on one process: advantages per estimator, the reuse-log-probs decision, rule
+rewards (file and HTTP)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,9 @@ import torch
 from fsdp_rlhf.algorithms import FixedKLController
 from fsdp_rlhf.config import PPOAlgoConfig
 from fsdp_rlhf.errors import UserError
-from fsdp_rlhf.trainers.experience import Experience
-from fsdp_rlhf.trainers.ppo_step import (
-    compute_advantages,
-    observe_kl,
-    old_logprobs_from_update,
-    truncated,
-)
+from fsdp_rlhf.trainers.experience import Experience, truncated
+from fsdp_rlhf.trainers.ppo_rewards import compute_advantages, observe_kl
+from fsdp_rlhf.trainers.ppo_update import reuse_update_logprobs
 from fsdp_rlhf.trainers.rule_reward import build_rule_reward, http_reward
 
 
@@ -45,7 +42,7 @@ def test_every_estimator_fills_masked_advantages_and_returns(estimator, kl_in_lo
     exp = _experience()
     algo = PPOAlgoConfig(advantage_estimator=estimator, use_kl_loss=kl_in_loss)
     ctl = FixedKLController(0.1)
-    compute_advantages(exp, algo, ctl, n_samples_per_prompt=4)
+    compute_advantages(exp, algo, ctl.value, n_samples_per_prompt=4)
     out = observe_kl(exp, algo, ctl)
     for t in (exp.rewards, exp.advantages, exp.returns):
         assert t.shape == exp.response_mask.shape and torch.isfinite(t).all()
@@ -71,21 +68,18 @@ def test_group_estimators_see_whole_groups_in_order():
     compute_advantages(
         exp,
         PPOAlgoConfig(advantage_estimator="dr_grpo", use_kl_loss=True),
-        FixedKLController(0.0),
+        0.0,
         n_samples_per_prompt=3,
     )
     # Dr. GRPO: score minus its own group's mean, on every token
     assert torch.allclose(exp.advantages[:, 0], torch.tensor([-1.0, 0.0, 1.0, -10, -10, 20]))
 
 
-def test_advantages_without_old_logprobs_only_when_kl_is_not_in_the_reward():
-    exp = _experience_without_old()  # the actor update will supply them (on-policy fold)
+def test_advantages_without_old_logprobs_when_kl_is_not_in_the_reward():
+    exp = _experience_without_old()  # the actor update will supply them
     kl_in_loss = PPOAlgoConfig(advantage_estimator="grpo", use_kl_loss=True)
-    compute_advantages(exp, kl_in_loss, FixedKLController(0.1), 4)
+    compute_advantages(exp, kl_in_loss, 0.1, 4)
     assert torch.isfinite(exp.advantages).all() and exp.advantages.abs().sum() > 0
-    kl_in_reward = PPOAlgoConfig(advantage_estimator="grpo")
-    with pytest.raises(ValueError, match="needs old_logprobs"):
-        compute_advantages(_experience_without_old(), kl_in_reward, FixedKLController(0.1), 4)
 
 
 def _experience_without_old() -> Experience:
@@ -95,7 +89,7 @@ def _experience_without_old() -> Experience:
 
 
 @pytest.mark.parametrize(
-    "change, folds",
+    "change, reuses",
     [
         ({}, True),
         ({"ppo_epochs": 2}, False),
@@ -106,9 +100,7 @@ def _experience_without_old() -> Experience:
         ({"actor_frozen": True}, False),
     ],
 )
-def test_old_logprobs_come_from_the_update_only_when_exact(change, folds):
-    from types import SimpleNamespace
-
+def test_old_logprobs_come_from_the_update_only_when_exact(change, reuses):
     algo = PPOAlgoConfig(
         advantage_estimator="grpo",
         use_kl_loss=change.get("use_kl_loss", True),
@@ -116,9 +108,8 @@ def test_old_logprobs_come_from_the_update_only_when_exact(change, folds):
         kl_target=change.get("kl_target"),
         ppo_epochs=change.get("ppo_epochs", 1),
     )
-    cfg = SimpleNamespace(algo=algo)
-    plan = SimpleNamespace(optimizer_steps_per_epoch=change.get("steps", 1))
-    assert old_logprobs_from_update(cfg, plan, not change.get("actor_frozen", False)) is folds
+    steps = change.get("steps", 1)
+    assert reuse_update_logprobs(algo, steps, not change.get("actor_frozen", False)) is reuses
 
 
 def test_truncated_flags():
@@ -195,3 +186,19 @@ def test_stat_collector_mean_only_entry():
     assert out["response_length/clip_ratio"] == 0.25
     assert out["response_length/mean"] == 4.0
     assert not any(k.startswith("response_length/clip_ratio/") for k in out)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "hf"])
+def test_rollout_tps_always_and_vllm_tps_only_when_vllm_generated(engine):
+    from fsdp_rlhf.config import PPOConfig
+    from fsdp_rlhf.config_base import build_config
+    from fsdp_rlhf.trainers.ppo_metrics import throughput_metrics
+
+    argv = "--pretrain x --rollout_batch_size 4 --n_samples_per_prompt 2".split()
+    cfg, _ = build_config(PPOConfig, argv)
+    metrics = {"response_length/mean": 6.0, "prompt_length/mean": 4.0}
+    times = {"all": 4.0, "update": 1.0, "rollout": 2.0}
+    out = throughput_metrics(metrics, times, cfg, world_size=2, engine_name=engine)
+    # (6 + 4) tokens x 8 samples / 2 ranks / seconds
+    assert out["e2e_tps"] == 10.0 and out["update_tps"] == 40.0 and out["rollout_tps"] == 20.0
+    assert ("vllm_tps" in out) is (engine == "vllm")

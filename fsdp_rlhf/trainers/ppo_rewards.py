@@ -1,0 +1,64 @@
+"""From scores to advantages on one PPO step: rule rewards, the KL term, the estimators and
+the KL controller's observation. Collectives are marked; every rank calls them in step."""
+
+from __future__ import annotations
+
+import torch
+
+from fsdp_rlhf.algorithms import estimate_advantages, kl_estimate
+from fsdp_rlhf.config import PPOAlgoConfig
+from fsdp_rlhf.distributed.env import world_size
+from fsdp_rlhf.distributed.stats import global_masked_mean, global_masked_whiten
+from fsdp_rlhf.trainers.experience import Experience
+from fsdp_rlhf.trainers.rule_reward import RewardFn
+
+
+def rule_scores(fn: RewardFn, exp: Experience, prompts, tokenizer, n_samples: int) -> torch.Tensor:
+    """Decode responses and call the rule reward; prompt i owns rows i*n .. i*n+n-1."""
+    T = exp.response_len
+    responses = tokenizer.batch_decode(
+        (exp.input_ids[:, -T:] * exp.response_mask.long()).tolist(), skip_special_tokens=True
+    )
+    texts = [prompts[i // n_samples].text for i in range(exp.num_sequences)]
+    labels = [prompts[i // n_samples].label for i in range(exp.num_sequences)]
+    return fn([p + r for p, r in zip(texts, responses, strict=True)], texts, labels)
+
+
+def _kl(exp: Experience, algo: PPOAlgoConfig) -> torch.Tensor:
+    return kl_estimate(exp.old_logprobs, exp.ref_logprobs, kind=algo.kl_estimator) * (
+        exp.response_mask
+    )
+
+
+@torch.no_grad()
+def compute_advantages(
+    exp: Experience, algo: PPOAlgoConfig, kl_coef: float, n_samples_per_prompt: int
+) -> None:
+    """Fill ``exp.rewards/advantages/returns``. Collective (global whitening).
+
+    The KL penalty joins the reward unless ``--use_kl_loss`` puts it in the actor loss; only
+    then may ``exp.old_logprobs`` still be missing (taken from the update's forward later).
+    """
+    coef = 0.0 if algo.use_kl_loss else kl_coef
+    kl = _kl(exp, algo) if coef != 0 else torch.zeros_like(exp.response_mask)
+    out = estimate_advantages(
+        algo.advantage_estimator,
+        exp.scores,
+        kl,
+        coef,
+        exp.response_mask,
+        values=exp.values,
+        gamma=algo.gamma,
+        lam=algo.lam,
+        n_samples_per_prompt=n_samples_per_prompt,
+        whiten_fn=global_masked_whiten,
+    )
+    exp.rewards, exp.advantages, exp.returns = out
+
+
+@torch.no_grad()
+def observe_kl(exp: Experience, algo: PPOAlgoConfig, kl_ctl) -> dict[str, float]:
+    """Mean KL(old || ref) over the global batch; feeds the KL controller. Collective."""
+    mean_kl = float(global_masked_mean(_kl(exp, algo), exp.response_mask))
+    kl_ctl.update(mean_kl, exp.num_sequences * world_size())
+    return {"actor/kl": mean_kl}
