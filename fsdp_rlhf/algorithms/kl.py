@@ -34,7 +34,8 @@ be all-reduced (sum both) and divided, exactly, under data parallelism:
   what OpenRLHF (``masked_mean(kl, mask, dim=-1)`` per sample, averaged) and verl
   (``apply_kl_penalty``) feed their adaptive controllers, so a ``--kl_target`` taken from
   their scripts means the same thing here. **The trainer should use this one for the
-  controller.**
+  controller.** (Rows without a valid token are left out of the count; verl counts them
+  as 0, which only matters for empty responses.)
 * ``"token-mean"``: the mean over all valid tokens of the batch. Long responses weigh more.
   Fine as a logged metric (``actor/kl``), but it is not the quantity OpenRLHF/verl targets.
 

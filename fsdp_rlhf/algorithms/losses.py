@@ -10,7 +10,9 @@ to the number of valid tokens in the whole global batch (see
 average) and over ranks gives exactly the token mean over the global batch, however it was
 sharded. Data-parallel wrappers that *average* gradients over ranks (DDP, FSDP's default)
 divide by the world size, so the trainer must multiply the loss by the world size (or
-reduce with a sum) to keep the contract. The ``seq-mean-*`` modes follow the same contract
+reduce with a sum) to keep the contract. The ``seq-mean-*`` modes (``seq-mean-token-mean``,
+``seq-mean-token-sum`` and Dr. GRPO's ``seq-mean-token-sum-norm``, whose per-sequence sums
+are also divided by the constant ``norm_len = generate_max_len``) follow the same contract
 with ``num_seqs`` (global number of sequences). Without ``num_tokens``/``num_seqs`` the local
 micro-batch count is used, which is only correct for a single unsplit batch.
 """
