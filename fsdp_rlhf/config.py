@@ -8,6 +8,7 @@ config.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -286,17 +287,62 @@ class PPOBatchConfig:
     )
 
 
+ADVANTAGE_ESTIMATORS_NEEDING_GROUPS = (
+    "rloo",
+    "grpo",
+    "dr_grpo",
+    "reinforce_plus_plus_baseline",
+    "reinforce_baseline",
+)
+GSPO_PAPER_CLIP = (3e-4, 4e-4)
+
+
+def _pair(value: tuple[float, ...], name: str, *, ordered: bool = False) -> tuple[float, float]:
+    if len(value) != 2:
+        raise ConfigError(f"{name} needs 2 values (LOW HIGH), got {list(value)}")
+    low, high = value
+    if ordered and not low < high:
+        raise ConfigError(f"{name} needs LOW < HIGH, got {list(value)}")
+    return low, high
+
+
 @dataclass(frozen=True, kw_only=True)
 class PPOAlgoConfig:
     """PPO objective, advantages and KL."""
 
-    advantage_estimator: Literal["gae", "reinforce++", "rloo", "grpo", "dr_grpo"] = doc(
-        "gae", "gae needs a critic; the others are critic-free."
+    advantage_estimator: Literal[
+        "gae",
+        "reinforce++",
+        "rloo",
+        "grpo",
+        "dr_grpo",
+        "reinforce_plus_plus_baseline",
+        "reinforce_baseline",
+    ] = doc(
+        "gae",
+        "gae needs a critic; the others are critic-free. reinforce_plus_plus_baseline (verl's "
+        "name; reinforce_baseline is OpenRLHF's for the same): group-mean baseline, then "
+        "REINFORCE++ batch whitening.",
     )
     gamma: float = doc(1.0, "Discount factor.")
     lam: float = doc(0.95, "GAE lambda.", flag="lambd")
     eps_clip: float = doc(0.2, "Policy ratio clip (lower side).")
     eps_clip_high: float | None = doc(None, "Upper-side clip (default: eps_clip).")
+    eps_clip_low_high: tuple[float, ...] = doc(
+        (),
+        "OpenRLHF's two-value form LOW HIGH (DAPO clip-higher, e.g. 0.2 0.28): sets eps_clip "
+        "and eps_clip_high, overriding both.",
+    )
+    policy_loss_type: Literal["ppo", "gspo"] = doc(
+        "ppo",
+        "ppo: token-level ratio; gspo: sequence-level ratio (geometric mean of token ratios, "
+        "GSPO), aggregated per sequence (seq-mean-token-mean).",
+    )
+    gspo_eps_clip_low_high: tuple[float, ...] = doc(
+        (),
+        "GSPO's clip range LOW HIGH on the sequence ratio (default: --eps_clip_low_high when "
+        "given, else the paper's 3e-4 4e-4).",
+    )
     value_clip: float = doc(0.2, "Value clip around old values (<= 0 disables).")
     dual_clip: float | None = doc(None, "Dual-clip constant c > 1 for negative advantages.")
     kl_estimator: Literal["k1", "k2", "k3", "k3+"] = doc("k1", "KL estimator (Schulman).")
@@ -308,11 +354,63 @@ class PPOAlgoConfig:
     reward_clip_range: float = doc(10.0, "Clip scores to [-x, x].")
     ppo_epochs: int = doc(1, "Passes over each rollout batch.")
     freezing_actor_steps: int = doc(-1, "Train only the critic for the first N steps.")
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean"] = doc(
-        "token-mean", "How per-token losses are averaged (global over ranks)."
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+    ] = doc(
+        "token-mean",
+        "How per-token losses are averaged (global over ranks): token-mean; "
+        "seq-mean-token-mean; seq-mean-token-sum; seq-mean-token-sum-norm (Dr. GRPO: token "
+        "sums / generate_max_len, mean over sequences).",
     )
-    use_tis: bool = doc(False, "Truncated importance sampling for vLLM/trainer log-prob mismatch.")
-    tis_cap: float = doc(2.0, "Cap of the truncated importance weights.")
+    is_correction: Literal["none", "tis", "icepop", "seq_mask_tis", "seq-mask-tis"] = doc(
+        "none",
+        "Rollout/trainer log-prob mismatch correction with ratio pi_old/pi_rollout: tis "
+        "(weights clamped to [LOW, HIGH]), icepop (tokens outside [LOW, HIGH] get weight 0), "
+        "seq_mask_tis (rows whose geometric-mean ratio is outside [LOW, HIGH] get weight 0, "
+        "others tis).",
+    )
+    is_truncated_threshold: tuple[float, ...] = doc(
+        (0.5, 5.0),
+        "LOW HIGH thresholds of --is_correction (OpenRLHF's --vllm_is_truncated_threshold).",
+    )
+    enable_vllm_is_correction: bool = doc(
+        False, "OpenRLHF's switch: --is_correction tis unless another mode is chosen."
+    )
+    use_rollout_logprobs_as_old: bool = doc(
+        False,
+        "Bypass mode: the rollout engine's log-probs serve as the old log-probs (no trainer "
+        "recomputation; the PPO ratio then corrects the mismatch itself).",
+    )
+    use_tis: bool = doc(
+        False,
+        "Legacy truncated IS: same as --is_correction tis --is_truncated_threshold 0 <tis_cap>.",
+    )
+    tis_cap: float = doc(2.0, "Cap of the truncated importance weights (with --use_tis).")
+    dynamic_filtering: bool = doc(
+        False,
+        "DAPO dynamic sampling: drop prompt groups whose scores are all equal (or, with "
+        "--dynamic_filtering_reward_range, whose mean is outside it) and sample more.",
+    )
+    dynamic_filtering_reward_range: tuple[float, ...] = doc(
+        (),
+        "LOW HIGH: keep groups with LOW < mean score < HIGH (OpenRLHF's rule); empty: keep "
+        "groups whose scores are not all equal (DAPO/verl's rule).",
+    )
+    max_num_gen_batches: int = doc(
+        0,
+        "Dynamic filtering: give up after this many generation rounds in one step (verl's "
+        "name; 0: unlimited, as OpenRLHF).",
+    )
+    overlong_buffer_len: int | None = doc(
+        None,
+        "DAPO overlong shaping: penalise responses longer than generate_max_len - this, "
+        "linearly up to -overlong_penalty_factor at generate_max_len (none: off).",
+    )
+    overlong_penalty_factor: float = doc(1.0, "Largest overlong penalty (DAPO).")
+
+    def _set(self, **values) -> None:
+        for name, value in values.items():
+            object.__setattr__(self, name, value)  # normalising a frozen dataclass at init
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.lam <= 1.0:
@@ -321,6 +419,89 @@ class PPOAlgoConfig:
             raise ConfigError(f"gamma must be in (0, 1], got {self.gamma}")
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ConfigError(f"dual_clip must be > 1, got {self.dual_clip}")
+        self._check_clips()
+        self._check_is_correction()
+        if self.dynamic_filtering_reward_range:
+            _pair(
+                self.dynamic_filtering_reward_range, "dynamic_filtering_reward_range", ordered=True
+            )
+        if self.max_num_gen_batches < 0:
+            raise ConfigError(f"max_num_gen_batches must be >= 0, got {self.max_num_gen_batches}")
+        if self.overlong_buffer_len is not None and self.overlong_buffer_len <= 0:
+            raise ConfigError(f"overlong_buffer_len must be > 0, got {self.overlong_buffer_len}")
+        if self.overlong_penalty_factor < 0:
+            raise ConfigError(
+                f"overlong_penalty_factor must be >= 0, got {self.overlong_penalty_factor}"
+            )
+
+    def _check_clips(self) -> None:
+        if self.eps_clip_low_high:
+            low, high = _pair(self.eps_clip_low_high, "eps_clip_low_high")
+            self._set(eps_clip=low, eps_clip_high=high)
+        if self.eps_clip < 0 or (self.eps_clip_high is not None and self.eps_clip_high < 0):
+            raise ConfigError(
+                f"eps_clip values must be >= 0, got {self.eps_clip}, {self.eps_clip_high}"
+            )
+        gspo = self.gspo_eps_clip_low_high or self.eps_clip_low_high or GSPO_PAPER_CLIP
+        low, high = _pair(tuple(gspo), "gspo_eps_clip_low_high")
+        if low < 0 or high < 0:
+            raise ConfigError(f"gspo_eps_clip_low_high must be >= 0, got {[low, high]}")
+        self._set(gspo_eps_clip_low_high=(low, high))
+
+    def _check_is_correction(self) -> None:
+        mode = self.is_correction.replace("-", "_")
+        if self.enable_vllm_is_correction and mode == "none":
+            mode = "tis"
+        threshold = tuple(self.is_truncated_threshold)
+        if self.use_tis:
+            if mode not in ("none", "tis"):
+                raise ConfigError(f"use_tis is --is_correction tis; it conflicts with {mode}")
+            if self.tis_cap <= 0:
+                raise ConfigError(f"tis_cap must be > 0, got {self.tis_cap}")
+            mode, threshold = "tis", (0.0, self.tis_cap)
+        low, high = _pair(threshold, "is_truncated_threshold", ordered=True)
+        if low < 0:
+            raise ConfigError(f"is_truncated_threshold LOW must be >= 0, got {low}")
+        if self.use_rollout_logprobs_as_old and mode != "none":
+            raise ConfigError(
+                f"--use_rollout_logprobs_as_old makes the PPO ratio correct the mismatch; "
+                f"--is_correction {mode} would need the trainer's own old log-probs"
+            )
+        self._set(is_correction=mode, is_truncated_threshold=(low, high))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PPOEvalConfig:
+    """Evaluation on held-out prompts every --eval_steps (pass@1 / pass@k)."""
+
+    eval_dataset: str | None = doc(
+        None, "Held-out prompt sources, same format as prompt_data (none: no evaluation)."
+    )
+    eval_n_samples_per_prompt: int = doc(4, "Responses sampled per eval prompt (n of pass@k).")
+    eval_temperature: float = doc(0.6, "Sampling temperature for evaluation.")
+    save_best_metric: str | None = doc(
+        None,
+        "Keep a copy of the model with the best value of this eval metric: pass@1 or pass@K "
+        "with K <= eval_n_samples_per_prompt (none: off).",
+    )
+
+    def __post_init__(self) -> None:
+        if self.eval_n_samples_per_prompt < 1:
+            raise ConfigError(
+                f"eval_n_samples_per_prompt must be >= 1, got {self.eval_n_samples_per_prompt}"
+            )
+        if self.eval_temperature < 0:
+            raise ConfigError(f"eval_temperature must be >= 0, got {self.eval_temperature}")
+        if self.save_best_metric is None:
+            return
+        match = re.fullmatch(r"(?:eval/)?pass@(\d+)", self.save_best_metric)
+        if match is None or not 1 <= int(match[1]) <= self.eval_n_samples_per_prompt:
+            raise ConfigError(
+                f"save_best_metric must be pass@K with 1 <= K <= eval_n_samples_per_prompt "
+                f"({self.eval_n_samples_per_prompt}), got {self.save_best_metric!r}"
+            )
+        if self.eval_dataset is None:
+            raise ConfigError("save_best_metric needs --eval_dataset")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -336,6 +517,8 @@ class PPOConfig:
         "adam_betas": ("actor_optim.adam_betas", "critic_optim.adam_betas"),
         "l2": ("actor_optim.l2", "critic_optim.l2"),
         "min_lr_ratio": ("actor_optim.min_lr_ratio", "critic_optim.min_lr_ratio"),
+        "vllm_is_truncated_threshold": "algo.is_truncated_threshold",
+        "vllm_is_correction_type": "algo.is_correction",
     }
 
     models: PPOModelsConfig = section(PPOModelsConfig)
@@ -346,12 +529,21 @@ class PPOConfig:
     rollout: RolloutConfig = section(RolloutConfig)
     batch: PPOBatchConfig = section(PPOBatchConfig)
     algo: PPOAlgoConfig = section(PPOAlgoConfig)
+    eval: PPOEvalConfig = section(PPOEvalConfig)
     actor_optim: OptimConfig = doc(help="Actor optimizer.", factory=lambda: OptimConfig(lr=1e-6))
     critic_optim: OptimConfig = doc(help="Critic optimizer.", factory=lambda: OptimConfig(lr=9e-6))
     ckpt: CheckpointConfig = section(CheckpointConfig)
     logging: LoggingConfig = section(LoggingConfig)
     sample_log_steps: int = doc(10, "Every N steps log a few prompt/response/reward samples.")
     seed: int = doc(42, "Seed for data order, init and sampling.")
+
+    def __post_init__(self) -> None:
+        buffer = self.algo.overlong_buffer_len
+        if buffer is not None and buffer > self.rollout.generate_max_len:
+            raise ConfigError(
+                f"overlong_buffer_len ({buffer}) must be <= generate_max_len "
+                f"({self.rollout.generate_max_len})"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -400,10 +592,15 @@ def plan_ppo_batches(cfg: PPOConfig, world_size: int) -> PPOBatchPlan:
             f"micro_train_batch_size ({per_step}) and divide rollout_batch_size x "
             f"n_samples_per_prompt ({samples})"
         )
-    if cfg.algo.advantage_estimator in ("rloo", "grpo", "dr_grpo") and b.n_samples_per_prompt < 2:
+    if (
+        cfg.algo.advantage_estimator in ADVANTAGE_ESTIMATORS_NEEDING_GROUPS
+        and b.n_samples_per_prompt < 2
+    ):
         raise ConfigError(
             f"advantage_estimator {cfg.algo.advantage_estimator} needs n_samples_per_prompt >= 2"
         )
+    if cfg.algo.dynamic_filtering and b.n_samples_per_prompt < 2:
+        raise ConfigError("dynamic_filtering needs n_samples_per_prompt >= 2 (it filters groups)")
     return PPOBatchPlan(
         world_size=world_size,
         tp_size=tp,

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from .masked import masked_whiten
-from .rewards import shape_rewards
+from .rewards import last_valid_index, shape_rewards
 
 WhitenFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -192,6 +192,52 @@ def dr_grpo(
     return _broadcast(grouped - grouped.mean(dim=1, keepdim=True), response_mask)
 
 
+@torch.no_grad()
+def reinforce_plus_plus_baseline(
+    scores: torch.Tensor,
+    response_mask: torch.Tensor,
+    n_samples_per_prompt: int,
+    token_rewards: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    whiten_fn: WhitenFn | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++-baseline (Hu et al., 2025, arXiv:2501.03262): group mean baseline, then
+    REINFORCE++'s batch whitening.
+
+    As OpenRLHF's ``reinforce_baseline`` (verl: ``reinforce_plus_plus_baseline``): each score
+    minus the mean score of its prompt's group is placed on the last valid token, the
+    per-token ``token_rewards`` (e.g. the KL penalty ``-kl_coef * kl``) are added, the
+    discounted reward-to-go is taken and whitened over all valid tokens of the batch. Without
+    ``token_rewards`` and with ``gamma = 1`` every token of a row carries the centred score
+    before whitening, which is verl's definition.
+
+    Args:
+        scores: (B,) sequence scores (clipped/shaped as desired).
+        response_mask: (B, T) valid response tokens.
+        n_samples_per_prompt: Samples per prompt ``n`` (> 1, divides B; rows of a group
+            are contiguous).
+        token_rewards: Optional (B, T) per-token rewards excluding the score.
+        gamma: Discount factor (OpenRLHF forces 1 for this estimator).
+        whiten_fn: ``fn(values, mask) -> whitened``; defaults to the local
+            :func:`~fsdp_rlhf.algorithms.masked.masked_whiten`; pass the global one under
+            data parallelism.
+
+    Returns:
+        ``(advantages, returns)``, both (B, T) and 0 at masked positions; ``returns`` are the
+        un-whitened reward-to-go of the centred rewards.
+    """
+    grouped = _grouped(scores, n_samples_per_prompt)
+    centred = (grouped - grouped.mean(dim=1, keepdim=True)).reshape(-1)
+    valid = response_mask.bool()
+    rewards = torch.zeros(response_mask.shape, dtype=centred.dtype, device=centred.device)
+    if token_rewards is not None:
+        rewards = torch.where(valid, token_rewards.to(centred.dtype), rewards)
+    last, has_valid = last_valid_index(response_mask)
+    bonus = torch.where(has_valid, centred, torch.zeros_like(centred))
+    rewards = rewards.scatter_add(1, last.unsqueeze(1), bonus.unsqueeze(1))
+    return reinforce_plus_plus(rewards, response_mask, gamma, whiten_fn)
+
+
 class Advantages(NamedTuple):
     """What every estimator produces; each (B, T), 0 at masked positions."""
 
@@ -201,7 +247,9 @@ class Advantages(NamedTuple):
 
 
 GROUP_ESTIMATORS = {"rloo": rloo, "grpo": grpo, "dr_grpo": dr_grpo}
-ESTIMATORS = ("gae", "reinforce++", *GROUP_ESTIMATORS)
+# verl's name and OpenRLHF's for the same estimator
+BASELINE_ESTIMATORS = ("reinforce_plus_plus_baseline", "reinforce_baseline")
+ESTIMATORS = ("gae", "reinforce++", *BASELINE_ESTIMATORS, *GROUP_ESTIMATORS)
 
 
 @torch.no_grad()
@@ -218,7 +266,7 @@ def estimate_advantages(
     n_samples_per_prompt: int = 1,
     whiten_fn: WhitenFn | None = None,
 ) -> Advantages:
-    """Shape rewards and run one estimator (``gae | reinforce++ | rloo | grpo | dr_grpo``).
+    """Shape rewards and run one estimator (``ESTIMATORS``).
 
     Args:
         scores: (B,) sequence scores.
@@ -241,6 +289,12 @@ def estimate_advantages(
         return Advantages(rewards, whiten(adv, response_mask), returns)
     if estimator == "reinforce++":
         adv, returns = reinforce_plus_plus(rewards, response_mask, gamma, whiten_fn=whiten)
+        return Advantages(rewards, adv, returns)
+    if estimator in BASELINE_ESTIMATORS:
+        penalty = -kl_coef * kl * response_mask
+        adv, returns = reinforce_plus_plus_baseline(
+            scores, response_mask, n_samples_per_prompt, penalty, gamma, whiten_fn=whiten
+        )
         return Advantages(rewards, adv, returns)
     if estimator not in GROUP_ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {estimator!r}; one of {ESTIMATORS}")

@@ -13,6 +13,32 @@ http://joschu.net/blog/kl-approx.html). With tokens sampled from the policy and
   of KL(policy || ref); the k2 gradient is the right one, so k3+ logs the k3 value but
   optimises with the k2 gradient.
 
+Clamping and gradients
+----------------------
+``clamp`` bounds the *value* of the estimate (what is logged, added to the reward, or shown as
+the KL loss) but not its gradient: the clamp is straight-through, so every token keeps the
+gradient of the unclamped estimator. A plain ``clamp(-10, 10)`` would give k2 a zero gradient
+once ``|log_ratio| > sqrt(20) ~ 4.47`` and k1 once ``|log_ratio| > 10``: exactly the tokens
+that drifted furthest from the reference would stop being pulled back. ``k3+`` therefore has
+the gradient ``log_ratio`` (that of k2) everywhere, with the (clamped) k3 value.
+``log_ratio_clamp`` (default 20) is the only hard clamp: it guards ``exp`` against overflow and
+its gradient is zero beyond it. Note that plain k3's own gradient, ``1 - exp(-log_ratio)``,
+grows like ``exp(|log_ratio|)`` for negative log-ratios; prefer ``k3+`` (or k2) as a loss.
+
+Which mean feeds the KL controller
+----------------------------------
+:func:`kl_mean_parts` gives the numerator and denominator of the two batch means, so they can
+be all-reduced (sum both) and divided, exactly, under data parallelism:
+
+* ``"seq-mean-token-mean"``: the mean over sequences of each sequence's token mean. This is
+  what OpenRLHF (``masked_mean(kl, mask, dim=-1)`` per sample, averaged) and verl
+  (``apply_kl_penalty``) feed their adaptive controllers, so a ``--kl_target`` taken from
+  their scripts means the same thing here. **The trainer should use this one for the
+  controller.** (Rows without a valid token are left out of the count; verl counts them
+  as 0, which only matters for empty responses.)
+* ``"token-mean"``: the mean over all valid tokens of the batch. Long responses weigh more.
+  Fine as a logged metric (``actor/kl``), but it is not the quantity OpenRLHF/verl targets.
+
 The controllers implement the KL penalty schedule of Ziegler et al., "Fine-Tuning Language
 Models from Human Preferences" (2019), section 2.2.
 """
@@ -39,10 +65,12 @@ def kl_estimate(
         logprobs: (B, T) log-probs of the sampled tokens under the policy.
         ref_logprobs: (B, T) log-probs of the same tokens under the reference model.
         kind: One of ``"k1"``, ``"k2"``, ``"k3"``, ``"k3+"`` (see the module docstring).
-        clamp: Clamp the estimate to ``[-clamp, clamp]``; ``None`` disables. A few tokens
-            whose probability collapsed under one model otherwise dominate a whole batch.
+        clamp: Clamp the *value* of the estimate to ``[-clamp, clamp]``; ``None`` disables. A
+            few tokens whose probability collapsed under one model otherwise dominate a whole
+            batch. The clamp is straight-through: the gradient is that of the unclamped
+            estimator (``k3+``: of k2), so far-off tokens are still pulled back.
         log_ratio_clamp: The log ratio is clamped to ``[-c, c]`` before ``exp`` so k3 cannot
-            overflow.
+            overflow (a hard clamp: no gradient beyond it).
 
     Returns:
         (B, T) estimates; the caller applies ``response_mask``.
@@ -56,12 +84,53 @@ def kl_estimate(
         kl = torch.exp(-log_ratio) - 1 + log_ratio
     else:
         raise ValueError(f"unknown KL estimator {kind!r}; expected k1, k2, k3 or k3+")
-    if clamp is not None:
-        kl = kl.clamp(-clamp, clamp)
     if kind == "k3+":
         k2 = 0.5 * log_ratio.square()
         kl = k2 + (kl - k2).detach()
+    if clamp is not None:
+        kl = kl + (kl.detach().clamp(-clamp, clamp) - kl.detach())
     return kl
+
+
+def kl_mean_parts(
+    kl: torch.Tensor,
+    response_mask: torch.Tensor,
+    mode: Literal["seq-mean-token-mean", "token-mean"] = "seq-mean-token-mean",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Numerator and denominator of a batch-mean KL, to be summed over ranks and divided.
+
+    Args:
+        kl: (B, T) per-token KL estimates (e.g. from :func:`kl_estimate`).
+        response_mask: (B, T) valid response tokens.
+        mode: ``"seq-mean-token-mean"``: (sum over sequences of each sequence's token mean,
+            number of sequences with at least one valid token); the OpenRLHF/verl quantity
+            for the KL controller. ``"token-mean"``: (sum over valid tokens, number of valid
+            tokens).
+
+    Returns:
+        ``(numerator, denominator)``: 0-d tensors in ``kl``'s dtype, detached. The mean is
+        ``numerator / max(denominator, 1)`` locally, or after all-reducing both (SUM) across
+        data-parallel ranks for the global value.
+    """
+    valid = response_mask.bool()
+    kl = torch.where(valid, kl.detach(), torch.zeros_like(kl))
+    counts = valid.to(kl.dtype).sum(dim=-1)
+    if mode == "token-mean":
+        return kl.sum(), counts.sum()
+    if mode == "seq-mean-token-mean":
+        per_seq = kl.sum(dim=-1) / counts.clamp(min=1)
+        return per_seq.sum(), (counts > 0).to(kl.dtype).sum()
+    raise ValueError(f"unknown KL mean {mode!r}; expected seq-mean-token-mean or token-mean")
+
+
+def kl_mean(
+    kl: torch.Tensor,
+    response_mask: torch.Tensor,
+    mode: Literal["seq-mean-token-mean", "token-mean"] = "seq-mean-token-mean",
+) -> torch.Tensor:
+    """Local batch-mean KL (see :func:`kl_mean_parts`); 0 for a batch without valid tokens."""
+    num, den = kl_mean_parts(kl, response_mask, mode)
+    return num / den.clamp(min=1)
 
 
 class FixedKLController:

@@ -70,6 +70,40 @@ def shape_rewards(
     return rewards.scatter_add(1, last.unsqueeze(1), bonus.unsqueeze(1))
 
 
+def overlong_penalty(
+    response_lengths: torch.Tensor,
+    max_len: int,
+    buffer_len: int | float,
+    penalty_factor: float = 1.0,
+) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al., 2025, arXiv:2503.14476, eq. 13).
+
+    Responses up to ``max_len - buffer_len`` tokens are not penalised; inside the last
+    ``buffer_len`` tokens before ``max_len`` the penalty grows linearly to ``-penalty_factor``
+    and stays there for longer (truncated) responses:
+    ``-penalty_factor * clip((L - (max_len - buffer_len)) / buffer_len, 0, 1)``. Add it to the
+    scores before advantages (OpenRLHF's ``--overlong_buffer_len``/``--overlong_penalty_factor``).
+
+    Args:
+        response_lengths: (B,) valid response tokens per row (e.g. ``response_mask.sum(-1)``).
+        max_len: The generation budget (``generate_max_len``).
+        buffer_len: Length of the penalty ramp (``0 < buffer_len <= max_len``).
+        penalty_factor: Penalty at (and beyond) ``max_len`` (>= 0).
+
+    Returns:
+        (B,) penalties (<= 0) in the default float dtype, or ``response_lengths``'s if float.
+    """
+    if not 0 < buffer_len <= max_len:
+        raise ValueError(f"need 0 < buffer_len <= max_len, got {buffer_len} and {max_len}")
+    if penalty_factor < 0:
+        raise ValueError(f"penalty_factor must be >= 0, got {penalty_factor}")
+    lengths = response_lengths
+    if not lengths.is_floating_point():
+        lengths = lengths.to(torch.get_default_dtype())
+    exceed = (lengths - (max_len - buffer_len)) / buffer_len
+    return -penalty_factor * exceed.clamp(0.0, 1.0)
+
+
 class RunningMeanStd:
     """Running mean and (population) variance of a stream of values.
 

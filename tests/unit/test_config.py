@@ -194,3 +194,150 @@ def test_cli_bad_flag_is_one_line_and_exit_2():
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("error: unknown flag --no_such_flag")
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------- algorithm flags (issue #16)
+
+
+def _algo(*argv: str):
+    return build_config(PPOConfig, list(argv))[0].algo
+
+
+def test_eps_clip_low_high_sets_both_sides_and_gspo_clip():
+    algo = _algo()
+    assert (algo.eps_clip, algo.eps_clip_high, algo.eps_clip_low_high) == (0.2, None, ())
+    assert algo.policy_loss_type == "ppo" and algo.gspo_eps_clip_low_high == (3e-4, 4e-4)
+    algo = _algo("--eps_clip_low_high", "0.2", "0.28")
+    assert (algo.eps_clip, algo.eps_clip_high) == (0.2, 0.28)
+    algo = _algo("--eps-clip-low-high", "0.1", "0.3", "--eps_clip", "0.5")
+    assert (algo.eps_clip, algo.eps_clip_high) == (0.1, 0.3)  # the pair wins
+    # OpenRLHF GSPO scripts pass their small clip through --eps_clip_low_high.
+    algo = _algo("--policy_loss_type", "gspo", "--eps_clip_low_high", "3e-4", "5e-4")
+    assert algo.policy_loss_type == "gspo" and algo.gspo_eps_clip_low_high == (3e-4, 5e-4)
+    algo = _algo("--gspo_eps_clip_low_high", "1e-3", "2e-3", "--eps_clip_low_high", "0.2", "0.3")
+    assert algo.gspo_eps_clip_low_high == (1e-3, 2e-3)
+    for bad in (["--eps_clip_low_high", "0.2"], ["--gspo_eps_clip_low_high", "1", "2", "3"]):
+        with pytest.raises(ConfigError, match="2 values"):
+            _algo(*bad)
+    with pytest.raises(ConfigError, match="one of"):
+        _algo("--policy_loss_type", "grpo")
+
+
+def test_advantage_estimators_and_loss_agg_modes():
+    for est in ("reinforce_plus_plus_baseline", "reinforce_baseline"):
+        cfg, _ = build_config(PPOConfig, ["--advantage_estimator", est])
+        with pytest.raises(ConfigError, match="n_samples_per_prompt"):
+            plan_ppo_batches(cfg, world_size=1)
+    for mode in (
+        "token-mean",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-sum-norm",
+    ):
+        assert _algo("--loss_agg_mode", mode).loss_agg_mode == mode
+    with pytest.raises(ConfigError, match="one of"):
+        _algo("--loss_agg_mode", "sum")
+
+
+def test_is_correction_flags_and_the_use_tis_alias():
+    algo = _algo()
+    assert (algo.is_correction, algo.is_truncated_threshold) == ("none", (0.5, 5.0))
+    assert not algo.use_rollout_logprobs_as_old
+    algo = _algo("--is_correction", "icepop", "--is_truncated_threshold", "0.8", "1.25")
+    assert (algo.is_correction, algo.is_truncated_threshold) == ("icepop", (0.8, 1.25))
+    assert _algo("--is_correction", "seq-mask-tis").is_correction == "seq_mask_tis"
+    # OpenRLHF spellings
+    algo = _algo(
+        "--enable_vllm_is_correction",
+        "--vllm_is_correction_type",
+        "seq-mask-tis",
+        "--vllm_is_truncated_threshold",
+        "0.5",
+        "2",
+    )
+    assert (algo.is_correction, algo.is_truncated_threshold) == ("seq_mask_tis", (0.5, 2.0))
+    assert _algo("--enable_vllm_is_correction").is_correction == "tis"
+    # use_tis == is_correction tis with weights min(ratio, tis_cap)
+    algo = _algo("--use_tis", "--tis_cap", "3")
+    assert (algo.is_correction, algo.is_truncated_threshold) == ("tis", (0.0, 3.0))
+    assert algo.use_tis and algo.tis_cap == 3.0
+    with pytest.raises(ConfigError, match="use_tis"):
+        _algo("--use_tis", "--is_correction", "icepop")
+    with pytest.raises(ConfigError, match="tis_cap"):
+        _algo("--use_tis", "--tis_cap", "0")
+    for bad in (["1.0", "1.0"], ["2", "1"], ["-1", "2"], ["1"]):
+        with pytest.raises(ConfigError, match="is_truncated_threshold"):
+            _algo("--is_correction", "tis", "--is_truncated_threshold", *bad)
+    assert _algo("--use_rollout_logprobs_as_old").use_rollout_logprobs_as_old
+    with pytest.raises(ConfigError, match="use_rollout_logprobs_as_old"):
+        _algo("--use_rollout_logprobs_as_old", "--is_correction", "tis")
+
+
+def test_dynamic_filtering_and_overlong_flags():
+    algo = _algo()
+    assert not algo.dynamic_filtering and algo.dynamic_filtering_reward_range == ()
+    assert algo.max_num_gen_batches == 0 and algo.overlong_buffer_len is None
+    assert algo.overlong_penalty_factor == 1.0
+    argv = ["--dynamic_filtering", "--dynamic_filtering_reward_range", "0", "1"]
+    argv += ["--max_num_gen_batches", "5", "--overlong_buffer_len", "256"]
+    argv += ["--overlong_penalty_factor", "0.5", "--generate_max_len", "1024"]
+    algo = _algo(*argv)
+    assert algo.dynamic_filtering and algo.dynamic_filtering_reward_range == (0.0, 1.0)
+    assert (algo.max_num_gen_batches, algo.overlong_buffer_len) == (5, 256)
+    assert algo.overlong_penalty_factor == 0.5
+    cfg, _ = build_config(PPOConfig, ["--dynamic_filtering"])
+    with pytest.raises(ConfigError, match="dynamic_filtering"):
+        plan_ppo_batches(cfg, world_size=1)
+    with pytest.raises(ConfigError, match="dynamic_filtering_reward_range"):
+        _algo("--dynamic_filtering_reward_range", "1", "0")
+    with pytest.raises(ConfigError, match="max_num_gen_batches"):
+        _algo("--max_num_gen_batches", "-1")
+    with pytest.raises(ConfigError, match="overlong_buffer_len"):
+        _algo("--overlong_buffer_len", "0")
+    with pytest.raises(ConfigError, match="generate_max_len"):
+        _algo("--overlong_buffer_len", "2048", "--generate_max_len", "1024")
+    with pytest.raises(ConfigError, match="overlong_penalty_factor"):
+        _algo("--overlong_penalty_factor", "-1")
+
+
+def test_eval_flags():
+    cfg, _ = build_config(PPOConfig, [])
+    assert cfg.eval.eval_dataset is None and cfg.eval.eval_n_samples_per_prompt == 4
+    assert cfg.eval.save_best_metric is None and cfg.logging.eval_steps == -1
+    argv = ["--eval_dataset", "e.jsonl", "--eval_steps", "10", "--eval_n_samples_per_prompt", "8"]
+    cfg, _ = build_config(PPOConfig, [*argv, "--save_best_metric", "pass@8"])
+    assert (cfg.eval.eval_dataset, cfg.logging.eval_steps) == ("e.jsonl", 10)
+    assert (cfg.eval.eval_n_samples_per_prompt, cfg.eval.save_best_metric) == (8, "pass@8")
+    assert build_config(PPOConfig, [*argv, "--save_best_metric", "eval/pass@1"])[0]
+    for bad in ("pass@9", "pass@0", "reward", "pass@k"):
+        with pytest.raises(ConfigError, match="save_best_metric"):
+            build_config(PPOConfig, [*argv, "--save_best_metric", bad])
+    with pytest.raises(ConfigError, match="eval_dataset"):
+        build_config(PPOConfig, ["--save_best_metric", "pass@1"])
+    with pytest.raises(ConfigError, match="eval_n_samples_per_prompt"):
+        build_config(PPOConfig, ["--eval_n_samples_per_prompt", "0"])
+
+
+def test_new_algo_flags_round_trip_through_yaml_and_show_in_help():
+    import yaml
+
+    argv = ["--use_tis", "--eps_clip_low_high", "0.2", "0.28", "--policy_loss_type", "gspo"]
+    argv += ["--eval_dataset", "e", "--save_best_metric", "pass@2"]
+    cfg, _ = build_config(PPOConfig, argv)
+    assert from_dict(PPOConfig, yaml.safe_load(dump_yaml(cfg))) == cfg
+    from fsdp_rlhf.config_base import flags_help
+
+    names = {row[0] for row in flags_help(PPOConfig)}
+    for flag in (
+        "--is_correction",
+        "--is_truncated_threshold",
+        "--vllm_is_truncated_threshold",
+        "--use_rollout_logprobs_as_old",
+        "--eps_clip_low_high",
+        "--policy_loss_type",
+        "--dynamic_filtering",
+        "--overlong_buffer_len",
+        "--eval_n_samples_per_prompt",
+        "--save_best_metric",
+    ):
+        assert flag in names, flag

@@ -12,6 +12,7 @@ from fsdp_rlhf.algorithms import (
     masked_var,
     masked_whiten,
     reinforce_plus_plus,
+    reinforce_plus_plus_baseline,
     rloo,
     shape_rewards,
 )
@@ -192,3 +193,58 @@ def test_estimate_advantages_rejects_unknown_and_missing_values():
         estimate_advantages("ppo2", torch.zeros(2, dtype=torch.float64), zeros, 0.0, mask)
     with pytest.raises(ValueError, match="critic values"):
         estimate_advantages("gae", torch.zeros(2, dtype=torch.float64), zeros, 0.0, mask)
+
+
+def _ref_rpp_baseline(scores, token_rewards, mask, n, gamma):
+    rows = scores.shape[0]
+    scores = scores.tolist()
+    centred = []
+    for g in range(rows // n):
+        group = scores[g * n : (g + 1) * n]
+        centred += [s - sum(group) / n for s in group]
+    returns = [[0.0] * T for _ in range(rows)]
+    for b in range(rows):
+        pos = valid_positions(mask, b)
+        running = 0.0
+        for i, t in enumerate(reversed(pos)):
+            r = token_rewards[b][t].item() if token_rewards is not None else 0.0
+            r += centred[b] if i == 0 else 0.0
+            running = r + gamma * running
+            returns[b][t] = running
+    flat = [returns[b][t] for b in range(rows) for t in valid_positions(mask, b)]
+    mean, var = statistics.fmean(flat), statistics.variance(flat)
+    adv = [
+        [(returns[b][t] - mean) / (var + 1e-8) ** 0.5 if mask[b, t] else 0.0 for t in range(T)]
+        for b in range(rows)
+    ]
+    return torch.tensor(adv, dtype=torch.float64), torch.tensor(returns, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+@pytest.mark.parametrize("with_kl", [False, True])
+def test_reinforce_plus_plus_baseline_matches_reference(seed, gamma, with_kl):
+    gen = make_gen(seed)
+    mask = ragged_mask(8, T, gen)  # two groups of 4, holes and an empty row
+    scores = randn(8, gen=gen)
+    token_rewards = randn(8, T, gen=gen) * 0.1 if with_kl else None
+    adv, ret = reinforce_plus_plus_baseline(scores, mask, 4, token_rewards, gamma)
+    ref_adv, ref_ret = _ref_rpp_baseline(scores, token_rewards, mask, 4, gamma)
+    torch.testing.assert_close(ret, ref_ret, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(adv, ref_adv, rtol=1e-10, atol=1e-12)
+
+
+def test_reinforce_plus_plus_baseline_ignores_group_offsets_and_checks_groups():
+    mask = torch.ones(8, 3, dtype=torch.bool)
+    scores = torch.arange(8, dtype=torch.float64)
+    shifted = scores + torch.tensor([10.0] * 4 + [-7.0] * 4)  # a per-prompt offset
+    a, _ = reinforce_plus_plus_baseline(scores, mask, 4)
+    b, _ = reinforce_plus_plus_baseline(shifted, mask, 4)
+    torch.testing.assert_close(a, b)
+    seen = []
+    reinforce_plus_plus_baseline(scores, mask, 4, whiten_fn=lambda v, m: seen.append(1) or v)
+    assert seen == [1]
+    with pytest.raises(ValueError):
+        reinforce_plus_plus_baseline(scores, mask, 3)
+    with pytest.raises(ValueError):
+        reinforce_plus_plus_baseline(scores, mask, 1)

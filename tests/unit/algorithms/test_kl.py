@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from fsdp_rlhf.algorithms import AdaptiveKLController, FixedKLController, kl_estimate
-from tests.unit.algorithms.helpers import SEEDS, make_gen, randn
+from fsdp_rlhf.algorithms.kl import kl_mean, kl_mean_parts
+from tests.unit.algorithms.helpers import SEEDS, make_gen, ragged_mask, randn, valid_positions
 
 
 def _ref_kl(lp: float, ref_lp: float, kind: str) -> float:
@@ -104,3 +105,65 @@ def test_controller_state_dicts_round_trip():
     other = FixedKLController(0.5)
     other.load_state_dict(fixed.state_dict())
     assert other.value == 0.02
+
+
+@pytest.mark.parametrize("log_ratio", [6.0, 12.0, -6.0, -12.0])
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3", "k3+"])
+def test_clamp_bounds_the_value_but_keeps_the_gradient(kind, log_ratio):
+    # Past |log_ratio| ~ 4.47 (k2) or 10 (k1) a plain clamp would zero the gradient.
+    lp = torch.tensor([[log_ratio - 1.0]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[-1.0]], dtype=torch.float64)
+    out = kl_estimate(lp, ref, kind, clamp=10.0)
+    out.sum().backward()
+    raw = _ref_kl(log_ratio - 1.0, -1.0, "k3" if kind == "k3+" else kind)
+    assert out.item() == pytest.approx(max(min(raw, 10.0), -10.0), rel=1e-12)
+    expected_grad = {
+        "k1": 1.0,
+        "k2": log_ratio,
+        "k3": 1.0 - math.exp(-log_ratio),
+        "k3+": log_ratio,  # the k2 gradient, consistent with k2
+    }[kind]
+    assert lp.grad.item() == pytest.approx(expected_grad, rel=1e-12)
+    assert lp.grad.item() != 0
+
+
+@pytest.mark.parametrize("seed", SEEDS[:4])
+def test_clamped_and_unclamped_gradients_agree(seed):
+    logprobs, ref_logprobs = _logprob_pair(seed)
+    logprobs = logprobs * 8  # many log-ratios beyond the clamp
+    for kind in ("k1", "k2", "k3+"):
+        grads = []
+        for clamp in (10.0, None):
+            lp = logprobs.clone().requires_grad_(True)
+            kl_estimate(lp, ref_logprobs, kind, clamp=clamp).sum().backward()
+            grads.append(lp.grad)
+        torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_log_ratio_guard_is_the_only_hard_clamp():
+    lp = torch.tensor([[30.0]], dtype=torch.float64, requires_grad=True)
+    kl_estimate(lp, torch.zeros(1, 1, dtype=torch.float64), "k2").sum().backward()
+    assert lp.grad.item() == 0.0
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_kl_means_match_reference(seed):
+    gen = make_gen(seed)
+    mask = ragged_mask(6, 9, gen)
+    kl = randn(6, 9, gen=gen)
+    rows = [[kl[b, t].item() for t in valid_positions(mask, b)] for b in range(6)]
+    flat = [x for r in rows for x in r]
+    seq_means = [sum(r) / len(r) for r in rows if r]
+    num, den = kl_mean_parts(kl, mask, "seq-mean-token-mean")
+    assert den.item() == len(seq_means)  # the empty row does not count
+    assert (num / den).item() == pytest.approx(sum(seq_means) / len(seq_means), rel=1e-12)
+    assert kl_mean(kl, mask).item() == pytest.approx(sum(seq_means) / len(seq_means), rel=1e-12)
+    num, den = kl_mean_parts(kl, mask, "token-mean")
+    assert (num.item(), den.item()) == (pytest.approx(sum(flat), rel=1e-12), len(flat))
+    assert kl_mean(kl, mask, "token-mean").item() == pytest.approx(sum(flat) / len(flat))
+    # Summing the parts of shards (what an all-reduce does) gives the global mean exactly.
+    parts = [kl_mean_parts(kl[i : i + 2], mask[i : i + 2]) for i in (0, 2, 4)]
+    total = sum(p[0] for p in parts) / sum(p[1] for p in parts)
+    assert total.item() == pytest.approx(sum(seq_means) / len(seq_means), rel=1e-12)
+    with pytest.raises(ValueError):
+        kl_mean_parts(kl, mask, "sum")

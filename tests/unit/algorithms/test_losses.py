@@ -6,6 +6,7 @@ import torch
 from fsdp_rlhf.algorithms import (
     aggregate_loss,
     entropy_bonus,
+    gspo_loss,
     pairwise_loss,
     policy_loss,
     truncated_is_weights,
@@ -129,12 +130,20 @@ def test_aggregate_modes_match_reference(seed):
         ("seq-mean-token-mean", None, None): sum(seq_means) / B,
         ("seq-mean-token-mean", None, 20): sum(seq_means) / 20,
         ("seq-mean-token-sum", None, None): sum(sum(r) for r in rows) / B,
+        ("seq-mean-token-sum", None, 20): sum(sum(r) for r in rows) / 20,
+        ("seq-mean-token-sum-norm", None, None): sum(sum(r) / 64 for r in rows) / B,
+        ("seq-mean-token-sum-norm", None, 20): sum(sum(r) / 64 for r in rows) / 20,
     }
     for (mode, num_tokens, num_seqs), expected in cases.items():
-        got = aggregate_loss(loss, mask, mode, num_tokens=num_tokens, num_seqs=num_seqs)
+        got = aggregate_loss(
+            loss, mask, mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=64
+        )
         assert got.item() == pytest.approx(expected, rel=1e-10), mode
     with pytest.raises(ValueError):
         aggregate_loss(loss, mask, "sum")
+    for bad in (None, 0):
+        with pytest.raises(ValueError, match="norm_len"):
+            aggregate_loss(loss, mask, "seq-mean-token-sum-norm", norm_len=bad)
 
 
 @pytest.mark.parametrize("seed", SEEDS[:4])
@@ -206,3 +215,109 @@ def test_truncated_is_weights(seed):
     weighted.backward()
     n = mask.sum()
     torch.testing.assert_close(logprobs.grad, -adv * weights / n)
+
+
+@pytest.mark.parametrize("seed", SEEDS[:6])
+@pytest.mark.parametrize(
+    "mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+)
+def test_every_mode_is_exact_over_ranks_and_micro_batches(seed, mode):
+    """2 ranks x 2 micro-batches of 3 rows with global normalisers: the summed pieces equal
+    the loss of the whole batch, value and gradient, for every mode."""
+    gen = make_gen(seed)
+    mask = ragged_mask(12, T, gen)
+    mask[9:] = True  # uneven token counts per piece
+    per_token = randn(12, T, gen=gen).requires_grad_(True)
+    whole = aggregate_loss(per_token, mask, mode, norm_len=16)
+    (grad_whole,) = torch.autograd.grad(whole, per_token)
+    kw = dict(num_tokens=int(mask.sum()), num_seqs=12, norm_len=16)
+    pieces = [
+        aggregate_loss(per_token[i : i + 3], mask[i : i + 3], mode, **kw) for i in range(0, 12, 3)
+    ]
+    total = sum(pieces)
+    (grad_pieces,) = torch.autograd.grad(total, per_token)
+    torch.testing.assert_close(total, whole, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(grad_pieces, grad_whole, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("seed", SEEDS[:4])
+def test_loss_functions_forward_norm_len(seed):
+    logprobs, old, adv, mask = _ppo_inputs(seed)
+    agg = dict(loss_agg="seq-mean-token-sum-norm", norm_len=32)
+    loss, _ = policy_loss(logprobs, old, adv, mask, **agg)
+    sums = loss.new_zeros(())
+    for b in range(B):
+        for t in valid_positions(mask, b):
+            lp, o, a = logprobs[b, t].item(), old[b, t].item(), adv[b, t].item()
+            sums += _ref_ppo_token(lp, o, a, 0.2, 0.2, None)
+    assert loss.item() == pytest.approx(sums.item() / 32 / B, rel=1e-10)
+    ent = entropy_bonus(adv.abs(), mask, 0.1, **agg)
+    assert ent.item() == pytest.approx(
+        -0.1
+        * sum(adv[b, t].abs().item() for b in range(B) for t in valid_positions(mask, b))
+        / 32
+        / B,
+        rel=1e-10,
+    )
+    vloss, _ = value_loss(logprobs, old, adv, mask, **agg)
+    assert torch.isfinite(vloss)
+
+
+def _ref_gspo(logprobs, old, adv, mask, low, high):
+    """Sequence loop of GSPO's objective, -1/B sum_i 1/|y_i| sum_t min(s_i A_it, clip(s_i) A_it)."""
+    total = 0.0
+    for b in range(B):
+        pos = valid_positions(mask, b)
+        if not pos:
+            continue
+        s = math.exp(sum(logprobs[b, t].item() - old[b, t].item() for t in pos) / len(pos))
+        cs = min(max(s, 1 - low), 1 + high)
+        total += sum(max(-adv[b, t].item() * s, -adv[b, t].item() * cs) for t in pos) / len(pos)
+    return total / B
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(("low", "high"), [(3e-4, 4e-4), (0.05, 0.1)])
+def test_gspo_matches_sequence_reference_and_gradient(seed, low, high):
+    gen = make_gen(seed)
+    mask = ragged_mask(B, T, gen)
+    old = -randn(B, T, gen=gen).abs()
+    logprobs = (old + randn(B, T, gen=gen) * 0.05).requires_grad_(True)
+    seq_adv = randn(B, gen=gen)
+    adv = seq_adv[:, None].expand(B, T).contiguous()
+    loss, stats = gspo_loss(logprobs, old, adv, mask, low, high)
+    assert loss.item() == pytest.approx(_ref_gspo(logprobs, old, adv, mask, low, high), rel=1e-10)
+    loss.backward()
+    # The gradient of the sequence objective -A_i * s_i / B when s_i is not clipped (or clipped
+    # on the side that does not bind), 0 otherwise: d s_i / d logprobs_t = s_i / |y_i|.
+    n_clipped_rows = 0
+    for b in range(B):
+        pos = valid_positions(mask, b)
+        if not pos:
+            assert (logprobs.grad[b] == 0).all()
+            continue
+        s = math.exp(sum(logprobs[b, t].item() - old[b, t].item() for t in pos) / len(pos))
+        a = seq_adv[b].item()
+        clipped = (a > 0 and s > 1 + high) or (a < 0 and s < 1 - low)
+        n_clipped_rows += clipped
+        for t in range(T):
+            expected = 0.0 if (clipped or t not in pos) else -a * s / len(pos) / B
+            assert logprobs.grad[b, t].item() == pytest.approx(expected, rel=1e-9, abs=1e-15)
+    nonempty = sum(1 for b in range(B) if valid_positions(mask, b))
+    assert stats["seq_clipfrac"].item() == pytest.approx(n_clipped_rows / nonempty)
+
+
+def test_gspo_equals_ppo_on_single_token_rows_and_weights_apply():
+    old = torch.zeros(4, 1, dtype=torch.float64)
+    lp = torch.tensor([[0.3], [-0.3], [0.05], [-0.05]], dtype=torch.float64)
+    adv = torch.tensor([[1.0], [-1.0], [-1.0], [1.0]], dtype=torch.float64)
+    mask = torch.ones(4, 1, dtype=torch.bool)
+    g, _ = gspo_loss(lp, old, adv, mask, 0.2, 0.2)
+    p, _ = policy_loss(lp, old, adv, mask, 0.2, 0.2, loss_agg="seq-mean-token-mean")
+    torch.testing.assert_close(g, p)
+    _, stats = gspo_loss(lp, old, adv, mask, 0.2, 0.2)
+    assert stats["seq_clipfrac"].item() == 0.5  # rows 0 and 1 leave [0.8, 1.2] on the binding side
+    w = torch.tensor([[0.0], [1.0], [2.0], [1.0]], dtype=torch.float64)
+    gw, _ = gspo_loss(lp, old, adv, mask, 0.2, 0.2, is_weights=w)
+    pw, _ = policy_loss(lp, old, adv, mask, 0.2, 0.2, loss_agg="seq-mean-token-mean", is_weights=w)
+    torch.testing.assert_close(gw, pw)

@@ -3,7 +3,7 @@ import statistics
 import pytest
 import torch
 
-from fsdp_rlhf.algorithms import RunningMeanStd, clip_scores, shape_rewards
+from fsdp_rlhf.algorithms import RunningMeanStd, clip_scores, overlong_penalty, shape_rewards
 from tests.unit.algorithms.helpers import SEEDS, make_gen, ragged_mask, randn, valid_positions
 
 
@@ -76,3 +76,39 @@ def test_running_mean_std_state_round_trip():
             "count": 3.0,
         }
     )
+
+
+def _ref_overlong(length, max_len, buffer, factor):
+    expected = max_len - buffer
+    if length <= expected:
+        return 0.0
+    return -min(length - expected, buffer) / buffer * factor
+
+
+@pytest.mark.parametrize(
+    ("max_len", "buffer", "factor"), [(20, 8, 1.0), (16, 16, 0.5), (10, 3, 2.0)]
+)
+def test_overlong_penalty_matches_reference(max_len, buffer, factor):
+    lengths = torch.arange(0, max_len + 4, dtype=torch.float64)
+    got = overlong_penalty(lengths, max_len, buffer, factor)
+    as_int = overlong_penalty(lengths.long(), max_len, buffer, factor)  # default float dtype
+    torch.testing.assert_close(as_int, got.to(as_int.dtype))
+    for length, value in zip(lengths.tolist(), got.tolist(), strict=True):
+        assert value == pytest.approx(_ref_overlong(length, max_len, buffer, factor), abs=1e-12)
+    assert got[max_len].item() == pytest.approx(-factor)  # full penalty at the budget
+    assert got[max_len - buffer].item() == 0.0  # none up to the expected length
+
+
+def test_overlong_penalty_from_a_ragged_mask_and_validation():
+    gen = make_gen(3)
+    mask = ragged_mask(6, 12, gen)
+    lengths = mask.sum(-1)
+    got = overlong_penalty(lengths.double(), 12, 4)
+    assert got.dtype == torch.float64
+    for b in range(6):
+        assert got[b].item() == pytest.approx(_ref_overlong(int(lengths[b]), 12, 4, 1.0))
+    for bad in ((12, 0), (12, 13)):
+        with pytest.raises(ValueError):
+            overlong_penalty(lengths, *bad)
+    with pytest.raises(ValueError):
+        overlong_penalty(lengths, 12, 4, -1.0)

@@ -1,0 +1,139 @@
+import math
+
+import pytest
+import torch
+
+from fsdp_rlhf.algorithms import (
+    policy_loss,
+    rollout_correction,
+    rollout_mismatch_metrics,
+    truncated_is_weights,
+)
+from tests.unit.algorithms.helpers import SEEDS, make_gen, ragged_mask, randn, valid_positions
+
+B, T = 8, 10
+
+
+def _inputs(seed, spread=0.6):
+    gen = make_gen(seed)
+    mask = ragged_mask(B, T, gen)
+    rollout = -randn(B, T, gen=gen).abs() * 2
+    old = rollout + randn(B, T, gen=gen) * spread
+    return old, rollout, mask
+
+
+def _ref_weights(old, rollout, mask, mode, low, high):
+    """Per-token loops: the definitions, written out."""
+    weights = [[0.0] * T for _ in range(B)]
+    n_clipped = n_masked = n_valid = 0
+    rows_rejected = rows = 0
+    for b in range(B):
+        pos = valid_positions(mask, b)
+        lrs = [(old[b, t] - rollout[b, t]).item() for t in pos]
+        seq_ok = True
+        if pos:
+            rows += 1
+            geo = math.exp(sum(lrs) / len(lrs))
+            seq_ok = low <= geo <= high
+            rows_rejected += mode == "seq_mask_tis" and not seq_ok
+        for t, lr in zip(pos, lrs, strict=True):
+            n_valid += 1
+            r = math.exp(lr)
+            inside = low <= r <= high
+            if mode == "tis":
+                w = min(max(r, low), high)
+                n_clipped += not inside
+            elif mode == "icepop":
+                w = r if inside else 0.0
+                n_masked += not inside
+            else:  # seq_mask_tis
+                w = min(max(r, low), high) if seq_ok else 0.0
+                n_clipped += seq_ok and not inside
+                n_masked += not seq_ok
+            weights[b][t] = w
+    return weights, n_clipped / n_valid, n_masked / n_valid, rows_rejected / max(rows, 1)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("mode", ["tis", "icepop", "seq_mask_tis"])
+@pytest.mark.parametrize(("low", "high"), [(0.5, 5.0), (0.0, 2.0), (0.8, 1.25)])
+def test_correction_weights_match_reference(seed, mode, low, high):
+    old, rollout, mask = _inputs(seed)
+    old = old.requires_grad_(True)
+    weights, stats = rollout_correction(old, rollout, mask, mode, low, high)
+    assert not weights.requires_grad
+    ref, clipfrac, maskedfrac, seqfrac = _ref_weights(old, rollout, mask, mode, low, high)
+    torch.testing.assert_close(weights, torch.tensor(ref, dtype=torch.float64), rtol=1e-12, atol=0)
+    assert stats["is_clipfrac"].item() == pytest.approx(clipfrac, abs=1e-12)
+    assert stats["is_masked_frac"].item() == pytest.approx(maskedfrac, abs=1e-12)
+    valid = [weights[b, t].item() for b in range(B) for t in valid_positions(mask, b)]
+    assert stats["is_weight_mean"].item() == pytest.approx(sum(valid) / len(valid), rel=1e-12)
+    if mode == "seq_mask_tis":
+        assert stats["is_seq_masked_frac"].item() == pytest.approx(seqfrac, abs=1e-12)
+    assert (weights[~mask] == 0).all()
+
+
+def test_seq_mask_tis_rejects_whole_rows_on_the_geometric_mean():
+    # Row 0: one very off token among agreeing ones; geometric mean exp(log 4 / 4) ~ 1.41 is
+    # inside [0.5, 2], so the row is kept and the token is truncated to 2.
+    # Row 1: every token off by 3x: geometric mean 3, rejected whole.
+    rollout = torch.zeros(2, 4, dtype=torch.float64)
+    old = torch.tensor([[math.log(4.0), 0, 0, 0], [math.log(3.0)] * 4], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.bool)
+    w, stats = rollout_correction(old, rollout, mask, "seq_mask_tis", 0.5, 2.0)
+    torch.testing.assert_close(w, torch.tensor([[2.0, 1, 1, 1], [0, 0, 0, 0]], dtype=torch.float64))
+    assert stats["is_seq_masked_frac"].item() == 0.5
+    assert stats["is_masked_frac"].item() == pytest.approx(3 / 7)
+    # icepop drops only the off tokens
+    w, _ = rollout_correction(old, rollout, mask, "icepop", 0.5, 2.0)
+    torch.testing.assert_close(w, torch.tensor([[0.0, 1, 1, 1], [0, 0, 0, 0]], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_mismatch_metrics_match_reference(seed):
+    old, rollout, mask = _inputs(seed)
+    stats = rollout_mismatch_metrics(old, rollout, mask)
+    diffs = [(old[b, t] - rollout[b, t]).item() for b in range(B) for t in valid_positions(mask, b)]
+    n = len(diffs)
+    assert stats["mismatch_k1"].item() == pytest.approx(-sum(diffs) / n, rel=1e-10, abs=1e-12)
+    assert stats["mismatch_abs_diff"].item() == pytest.approx(sum(map(abs, diffs)) / n)
+    assert stats["mismatch_abs_diff_max"].item() == pytest.approx(max(map(abs, diffs)))
+    k3 = [math.exp(d) - 1 - d for d in diffs]  # KL(rollout || trainer), sampled from rollout
+    assert stats["mismatch_kl"].item() == pytest.approx(sum(k3) / n, rel=1e-10)
+    _, with_weights = rollout_correction(old, rollout, mask, "tis")
+    none, only_metrics = rollout_correction(old, rollout, mask, "none")
+    assert none is None and set(only_metrics) == set(stats)
+    assert set(stats) < set(with_weights)
+
+
+@pytest.mark.parametrize("seed", SEEDS[:6])
+def test_use_tis_alias_is_tis_with_no_lower_bound(seed):
+    old, rollout, mask = _inputs(seed)
+    w_old, st_old = truncated_is_weights(old, rollout, mask, cap=1.5)
+    w_new, st_new = rollout_correction(old, rollout, mask, "tis", low=0.0, high=1.5)
+    torch.testing.assert_close(w_old, w_new, rtol=0, atol=0)
+    assert st_old["tis_clipfrac"] == st_new["is_clipfrac"]
+    assert st_old["mismatch_kl"] == st_new["mismatch_kl"]
+
+
+@pytest.mark.parametrize("seed", SEEDS[:4])
+def test_weights_scale_the_policy_gradient(seed):
+    old, rollout, mask = _inputs(seed)
+    w, _ = rollout_correction(old, rollout, mask, "icepop", 0.7, 1.4)
+    assert (w[mask] == 0).any() and (w[mask] != 0).any()
+    logprobs = old.clone().requires_grad_(True)
+    adv = randn(B, T, gen=make_gen(seed + 3))
+    loss, _ = policy_loss(logprobs, old, adv, mask, is_weights=w)
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad, -adv * w / mask.sum())  # ratio 1: no clipping
+
+
+def test_bad_thresholds_and_modes():
+    old, rollout, mask = _inputs(0)
+    for low, high in ((1.0, 1.0), (-0.1, 2.0), (2.0, 1.0)):
+        with pytest.raises(ValueError):
+            rollout_correction(old, rollout, mask, "tis", low, high)
+    with pytest.raises(ValueError):
+        rollout_correction(old, rollout, mask, "seq-mask", 0.5, 2.0)
+    with pytest.raises(ValueError):
+        truncated_is_weights(old, rollout, mask, cap=0.0)
