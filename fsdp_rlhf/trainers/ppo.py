@@ -27,6 +27,7 @@ from fsdp_rlhf.distributed.offload import (
     onload_optimizer,
 )
 from fsdp_rlhf.metrics import PhaseTimer
+from fsdp_rlhf.models.load import load_tokenizer
 from fsdp_rlhf.models.save import save_hf_model
 from fsdp_rlhf.rollout import SamplingConfig, sync_weights
 from fsdp_rlhf.trainers import common
@@ -85,9 +86,16 @@ class PPOTrainer:
         self.cfg, self.env = cfg, env
         self.plan, rows = prepared
         common.write_run_config(cfg, env)
+        tokenizer = load_tokenizer(cfg.models.pretrain, cfg.backend.trust_remote_code)
+        # The engine first, then to sleep: vLLM sizes its memory from what is free when it
+        # starts, so with four resident models it would refuse to start (TRL's colocate order).
+        self.engine = build_engine(cfg, env, tokenizer)
+        self.engine.sleep()
+        log.info("rollout engine started and asleep; loading the models")
+        # after the engine, which seeds torch per engine: fresh heads must match on all ranks
         torch.manual_seed(cfg.seed)
-        self.models = build_models(cfg, env)
-        self.prompts = build_prompts(cfg, rows, self.models.tokenizer)
+        self.models = build_models(cfg, env, tokenizer)
+        self.prompts = build_prompts(cfg, rows, tokenizer)
         self.sampler = PromptSampler(
             len(self.prompts), cfg.batch.rollout_batch_size, env.rank, env.world_size, cfg.seed
         )
@@ -96,7 +104,6 @@ class PPOTrainer:
         self.optimizers, self.schedulers = build_optimizers(cfg, self.models, updates)
         self.update_plan = UpdatePlan.from_config(cfg, self.plan)
         self.kl_ctl = _kl_controller(cfg)
-        self.engine = build_engine(cfg, env, self.models.tokenizer)
         self.timer = PhaseTimer(env.device)
         self.state = common.Stateful()
         self.state.add(
@@ -109,7 +116,7 @@ class PPOTrainer:
         self.step = 0
         # the engine holds the initial weights; after a resume it must be synced at once
         self.actor_version, self.engine_version = 0, -1
-        self._resume()
+        self._resume()  # optimizer state is created here, while the engine sleeps
         self.logger = common.open_metrics(cfg, env, self.step)
         log.info(
             "PPO: %d steps, %d prompts/step x %d samples, world %d (%d engines x TP %d)",

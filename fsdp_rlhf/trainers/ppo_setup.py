@@ -25,7 +25,6 @@ from fsdp_rlhf.models.load import (
     check_model_path,
     load_causal_lm,
     load_scalar_model,
-    load_tokenizer,
     reward_normalization,
 )
 from fsdp_rlhf.optim import build_optimizer, build_scheduler
@@ -125,10 +124,9 @@ def _prepare(model: nn.Module, cfg: PPOConfig, env: DistEnv, trainable: bool) ->
     )
 
 
-def build_models(cfg: PPOConfig, env: DistEnv) -> Models:
+def build_models(cfg: PPOConfig, env: DistEnv, tokenizer) -> Models:
     m, backend = cfg.models, cfg.backend
     log_startup(env, cfg.fsdp.zero_stage)
-    tokenizer = load_tokenizer(m.pretrain, backend.trust_remote_code)
     actor = _prepare(load_causal_lm(m.pretrain, backend, env.device), cfg, env, trainable=True)
     # Frozen models never run backward: recomputation would only cost time.
     no_ckpt = dataclasses.replace(backend, gradient_checkpointing=False)

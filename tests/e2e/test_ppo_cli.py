@@ -186,6 +186,9 @@ def test_seed_flag_set_with_trained_reward_model(tiny_qwen2, trained_rm, ppo_dat
     proc = torchrun(["ppo", *flags])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "has no reward_mean" not in proc.stderr + proc.stdout  # the trained RM has them
+    # vLLM sizes its memory when it starts: it must start before the four models load
+    log = proc.stderr + proc.stdout
+    assert log.index("rollout engine started and asleep") < log.index("zero_stage=")
     rows = read_metrics(save)
     assert [r["step"] for r in rows] == [1, 2]
     expected = [
