@@ -23,13 +23,20 @@ class BackendConfig:
 
     bf16: bool = doc(False, "bf16 parameters with fp32 gradient reduction (MixedPrecisionPolicy).")
     flash_attn: bool = doc(
-        False, "Use flash_attention_2 when flash-attn and CUDA are present, else sdpa (warns)."
+        False,
+        "Use flash_attention_2 (needs --bf16) when flash-attn and CUDA are present, else sdpa "
+        "(warns); packed forwards then use its varlen kernel.",
     )
     gradient_checkpointing: bool = doc(False, "Recompute activations in backward to save memory.")
     torch_compile: bool = doc(
         False, "torch.compile each decoder layer's norms, MLP and attention block (fused kernels)."
     )
     trust_remote_code: bool = doc(False, "Allow model code shipped inside checkpoint folders.")
+
+    def __post_init__(self) -> None:
+        # flash-attn kernels take only fp16/bf16 inputs; fp32 would fail in the first forward
+        if self.flash_attn and not self.bf16:
+            raise ConfigError("--flash_attn needs --bf16 (flash-attn has no fp32 kernels)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -253,7 +260,11 @@ class RolloutConfig:
     vllm_tensor_parallel_size: int = doc(1, "TP size of each engine (contiguous ranks).")
     vllm_gpu_memory_utilization: float = doc(0.9, "GPU memory fraction vLLM may use.")
     vllm_enable_sleep: bool = doc(True, "Release vLLM memory between rollouts (GPU only).")
-    vllm_sleep_level: int = doc(1, "1: offload weights to CPU; 2: discard them (full sync).")
+    # 2 by default: the actor's weights are streamed into the engine before every rollout, so
+    # level 1's copy to host memory and back would be thrown away.
+    vllm_sleep_level: int = doc(
+        2, "2: discard weights while asleep (re-synced every step); 1: offload them to CPU."
+    )
     vllm_kvcache_space_gib: float = doc(0.0, "CPU only: KV cache size (0: sized from the config).")
     enforce_eager: bool = doc(False, "Disable CUDA graphs in vLLM.")
     generate_max_len: int = doc(1024, "Max new tokens per response.")

@@ -28,7 +28,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> str:
-    """A 2-layer Qwen2 (hidden 128, head_dim 64) with a trained BPE tokenizer, saved locally."""
+    """A 2-layer Qwen2 (hidden 128, 2 heads of 64) with a trained BPE tokenizer, saved locally;
+    like Qwen2/2.5 checkpoints its config.json has no head_dim."""
     from fsdp_rlhf.testing.tiny import build_model
 
     return str(build_model(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2"))
@@ -36,6 +37,7 @@ def tiny_qwen2(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> str:
+    """A 2-layer Llama shaped like SmolLM: 9 query / 3 KV heads of 64, tied embeddings."""
     from fsdp_rlhf.testing.tiny import build_model
 
     return str(build_model(tmp_path_factory.mktemp("tiny_llama"), "llama", seed=1))

@@ -8,9 +8,11 @@
   added inside the matmul (``baddbmm``) and the softmax in float32, as HF's eager attention
   does, took the whole 8-layer model's forward + backward from 436-439 to 407-409 ms against
   float32 scores with ``masked_fill``. Without a backward SDPA stays (5.3 vs 6.7 ms).
-- ``fsdp_rlhf_varlen_sdpa`` (``--packing_samples``): causal attention per sequence of a packed
-  row (models.packing.pack_rows), so its cost is the sum of squared lengths rather than the
-  row's length squared.
+- ``fsdp_rlhf_varlen_sdpa`` (``--packing_samples`` on CPU or without flash-attn): causal
+  attention per sequence of a packed row (models.packing.pack_rows), so its cost is the sum of
+  squared lengths rather than the row's length squared. With ``--flash_attn`` on CUDA, packed
+  forwards keep HF's flash_attention_2, whose varlen kernel does the same in one call per layer
+  (no Python loop, no host sync for the lengths).
 
 Both fall back to SDPA's kernels for sequences longer than ``CPU_EXPLICIT_ATTENTION_MAX_LEN``,
 whose memory does not grow with length squared.
@@ -31,6 +33,15 @@ VARLEN_ATTENTION = "fsdp_rlhf_varlen_sdpa"
 # sizes) and 20 ms for its flash kernel. Without a backward the flash kernel is fastest.
 CPU_EXPLICIT_ATTENTION_MAX_LEN = 512
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def head_dim(config) -> int:
+    """Per-head size of an HF text config, derived as transformers' models do: Qwen2/2.5 (and
+    other) config.json files have no ``head_dim`` key, or have it set to null."""
+    value = getattr(config, "head_dim", None)
+    if value is not None:
+        return int(value)
+    return config.hidden_size // config.num_attention_heads
 
 
 def _explicit_wanted(query: torch.Tensor, dropout: float, max_len: int) -> bool:
@@ -153,10 +164,39 @@ def _attend(
     return torch.bmm(probs, v)
 
 
-def use_varlen_attention(model: nn.Module) -> None:
-    """Switch an HF model to :func:`varlen_sdpa`; from then on every forward must be packed."""
-    register_attention()
-    model.set_attn_implementation(VARLEN_ATTENTION)
+FLASH_ATTENTION = "flash_attention_2"
+
+
+def varlen_attention_impl(device_type: str, flash_attn: bool, flash_attn_importable: bool) -> str:
+    """The attention of packed forwards: HF's flash_attention_2 on CUDA when ``--flash_attn``
+    and flash-attn is installed (one varlen kernel call per layer over the whole row, fed by the
+    ``cu_seq_lens_*`` kwargs of ``PackedRow.model_inputs``), else :func:`varlen_sdpa`."""
+    if device_type == "cuda" and flash_attn and flash_attn_importable:
+        return FLASH_ATTENTION
+    return VARLEN_ATTENTION
+
+
+def flash_attn_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def use_varlen_attention(model: nn.Module, device_type: str | None = None) -> None:
+    """Make an HF model's attention packing-aware; from then on every forward must be packed.
+
+    A model loaded with flash_attention_2 (``models.load.attn_implementation``: --flash_attn,
+    CUDA, flash-attn installed) keeps it: its varlen path already attends per sequence.
+    ``device_type`` is where the model will run (default: cuda when available).
+    """
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    wants_flash = model.config._attn_implementation == FLASH_ATTENTION
+    impl = varlen_attention_impl(device_type, wants_flash, flash_attn_importable())
+    if impl == VARLEN_ATTENTION:
+        register_attention()
+    if model.config._attn_implementation != impl:
+        model.set_attn_implementation(impl)
 
 
 def register_attention() -> None:

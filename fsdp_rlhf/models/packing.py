@@ -3,8 +3,8 @@
 A padded (N, L) batch computes every layer on N x L tokens; with the usual spread of lengths a
 third or more are padding (the reward-model benchmark: 33%). Packing the attended tokens into
 one (1, T) row removes that work. Attention must then stay inside each sequence
-(models.attention.varlen_sdpa). HF models pass ``cu_seq_lens_q`` through to the attention
-function unchanged.
+(models.attention.varlen_sdpa, or flash_attention_2's varlen kernel on CUDA). HF models pass
+``cu_seq_lens_q/k`` and ``max_length_q/k`` through to the attention function unchanged.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ class PackedRow:
         return self.cu_seqlens[1:] - 1
 
     def model_inputs(self) -> dict:
-        cu = self.cu_seqlens
+        # flash-attn's varlen kernel takes int32 offsets only (HF passes these through as is)
+        cu = self.cu_seqlens.to(torch.int32)
         return dict(
             input_ids=self.input_ids,
             position_ids=self.position_ids,

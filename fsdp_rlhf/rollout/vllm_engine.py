@@ -32,6 +32,7 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
 from fsdp_rlhf.config import RolloutConfig  # noqa: E402
+from fsdp_rlhf.models.attention import head_dim  # noqa: E402
 from fsdp_rlhf.rollout.engine import CountingWeights, RolloutOutput, SamplingConfig  # noqa: E402
 from fsdp_rlhf.rollout.groups import RolloutGroups, gather_prompts, own_prompt_range  # noqa: E402
 from fsdp_rlhf.rollout.rng import GenerationRng  # noqa: E402
@@ -124,15 +125,12 @@ def cpu_kv_cache_bytes(
     model_path: str, max_model_len: int, tp_size: int, dtype: torch.dtype, gib: float
 ) -> int:
     """KV-cache size on CPU: ``gib`` when set, else enough for CPU_KV_CONCURRENT_SEQS sequences
-    of ``max_model_len`` tokens (at least 1 GiB).
-
-    The auto size needs ``head_dim`` in the model config (Qwen2/3, Llama, Mistral have it).
-    """
+    of ``max_model_len`` tokens (at least 1 GiB)."""
     if gib > 0:
         return int(gib * GiB)
     cfg = AutoConfig.from_pretrained(model_path).get_text_config()
     kv_heads = -(-cfg.num_key_value_heads // tp_size)  # heads are split over TP ranks
-    per_token = 2 * cfg.num_hidden_layers * kv_heads * cfg.head_dim * dtype.itemsize
+    per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim(cfg) * dtype.itemsize
     return max(GiB, per_token * max_model_len * CPU_KV_CONCURRENT_SEQS)
 
 

@@ -119,6 +119,34 @@ def test_rule_reward_rises_and_sigterm_resume_reproduces(tiny_qwen2, ppo_data, t
     assert (save / "model.safetensors").is_file()
 
 
+def test_gae_on_tied_odd_gqa_llama(tiny_llama, ppo_data, tmp_path):
+    """Actor, reference and critic shaped like a published small Llama (9 query / 3 KV heads,
+    tied embeddings: no lm_head.weight among the parameters): weight sync into vLLM, packed
+    forwards, a critic built from a causal checkpoint, and the HF export."""
+    save = tmp_path / "llama"
+    flags = grpo_flags(tiny_llama, ppo_data, save, 3)
+    flags[flags.index("--advantage_estimator") + 1] = "gae"
+    flags += ["--critic_pretrain", tiny_llama, "--critic_learning_rate", "1e-3"]
+    proc = torchrun(["ppo", *flags])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(save)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    # at lr 2e-3 a head left stale by the sync would move the engine far off the trainer
+    assert all(r["rollout/logprob_diff/mean"] < 0.05 for r in rows), rows
+    assert all("critic/vf_loss" in r for r in rows)
+    check = (
+        "import sys; from transformers import AutoModelForCausalLM as C, "
+        "AutoModelForSequenceClassification as S; m = C.from_pretrained(sys.argv[1]); "
+        "assert m.config.tie_word_embeddings and m.config.num_key_value_heads == 3; "
+        "assert m.lm_head.weight is m.model.embed_tokens.weight; S.from_pretrained(sys.argv[2])"
+    )
+    subprocess.run(
+        [sys.executable, "-c", check, str(save), str(save / "critic")],
+        check=True,
+        capture_output=True,
+    )
+
+
 def test_seed_flag_set_with_trained_reward_model(tiny_qwen2, trained_rm, ppo_data, tmp_path):
     save = tmp_path / "ppo"
     # The AIAK section 2.3 flag set, verbatim apart from paths and sizes.

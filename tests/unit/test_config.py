@@ -66,6 +66,8 @@ def test_every_seed_flag_is_accepted_with_underscores_and_dashes(cls, flags):
             argv = [flag, "0.99"]
         if flag == "--eps_clip":
             argv = [flag, "0.1"]
+        if flag == "--flash_attn":  # flash-attn has no fp32 kernels; the seed scripts pass both
+            argv = [flag, "--bf16"]
         build_config(cls, argv)
         build_config(cls, [flag.replace("_", "-"), *argv[1:]])
 
@@ -341,3 +343,33 @@ def test_new_algo_flags_round_trip_through_yaml_and_show_in_help():
         "--save_best_metric",
     ):
         assert flag in names, flag
+
+
+def test_flash_attn_without_bf16_is_one_line_and_exit_2(tmp_path):
+    for cls in (RMConfig, PPOConfig):
+        with pytest.raises(ConfigError, match="--flash_attn needs --bf16"):
+            build_config(cls, ["--flash_attn"])
+        cfg, _ = build_config(cls, ["--flash_attn", "--bf16"])
+        assert cfg.backend.flash_attn and cfg.backend.bf16
+    config = tmp_path / "c.yaml"  # the section's own check, whichever way the values come in
+    config.write_text("backend:\n  flash_attn: true\n")
+    with pytest.raises(ConfigError, match="needs --bf16"):
+        build_config(PPOConfig, ["--config", str(config)])
+    proc = subprocess.run(
+        [sys.executable, "-m", "fsdp_rlhf.cli", "ppo", "--flash_attn", "--pretrain", "/nope"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "error: --flash_attn needs --bf16 (flash-attn has no fp32 kernels)"
+    ]
+
+
+def test_vllm_sleep_level_defaults_to_discarding_weights():
+    ppo, _ = build_config(PPOConfig, [])
+    assert ppo.rollout.vllm_sleep_level == 2
+    ppo, _ = build_config(PPOConfig, ["--vllm_sleep_level", "1"])
+    assert ppo.rollout.vllm_sleep_level == 1
+    with pytest.raises(ConfigError, match="vllm_sleep_level"):
+        build_config(PPOConfig, ["--vllm_sleep_level", "3"])

