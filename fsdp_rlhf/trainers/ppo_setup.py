@@ -127,7 +127,8 @@ def _shard(model: nn.Module, cfg: PPOConfig, env: DistEnv, trainable: bool) -> n
         use_varlen_attention(model)
     if cfg.backend.torch_compile:
         compile_blocks(model)
-    model.to(env.device)
+    # No model.to(env.device): fully_shard moves and shards one layer at a time, so the full
+    # model never sits on the GPU (a 70B only has to fit the host).
     shard_model(
         model,
         mesh,
@@ -136,6 +137,7 @@ def _shard(model: nn.Module, cfg: PPOConfig, env: DistEnv, trainable: bool) -> n
         # Token-mean losses are normalised by the global token count, so ranks must sum grads.
         grad_reduce="sum",
         cpu_offload=trainable and cfg.fsdp.adam_offload,
+        frozen=not trainable,
     )
     if trainable:
         model.train()  # from_pretrained returns eval mode: no dropout, no grad checkpointing
@@ -154,7 +156,10 @@ def build_models(cfg: PPOConfig, env: DistEnv) -> Models:
     actor = _shard(load_causal_lm(m.pretrain, backend, env.device), cfg, env, trainable=True)
     # Frozen models never run backward: recomputation would only cost time.
     no_ckpt = dataclasses.replace(backend, gradient_checkpointing=False)
-    ref = _shard(load_causal_lm(m.pretrain, no_ckpt, env.device), cfg, env, trainable=False)
+    # Frozen weights need no fp32 master copy: bf16 shards under --bf16 halve their memory.
+    frozen_dtype = torch.bfloat16 if backend.bf16 else torch.float32
+    ref_model = load_causal_lm(m.pretrain, no_ckpt, env.device, dtype=frozen_dtype)
+    ref = _shard(ref_model, cfg, env, trainable=False)
     critic = reward = None
     norm = None
     if uses_critic(cfg):
@@ -169,6 +174,7 @@ def build_models(cfg: PPOConfig, env: DistEnv) -> Models:
             env.device,
             value_head_prefix=m.value_head_prefix,
             init_head_if_missing=False,
+            dtype=frozen_dtype,
         )
         reward = _shard(reward_model, cfg, env, trainable=False)
         norm = reward_normalization(m.reward_pretrain) if m.normalize_reward else None
