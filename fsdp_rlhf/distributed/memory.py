@@ -85,6 +85,12 @@ class JobFlags:
     gradient_checkpointing: bool = False
     critic: bool = True
     reward: bool = True
+    vllm_pool_bytes: int = 0  # vLLM on CPU sizes its pool in GiB, not as a fraction: 0 = GPU
+
+    @property
+    def pool(self) -> int:
+        """vLLM's weights + KV cache pool."""
+        return self.vllm_pool_bytes or int(self.gpu_memory_utilization * self.device_bytes)
 
 
 @dataclass
@@ -149,9 +155,7 @@ def update_phase(f: JobFlags, name: str, m: ModelShape, logits: bool, frozen: li
     parts["cuda context + nccl"] = CONTEXT_BYTES
     if not f.ref_reward_offload:
         parts["ref/reward shards"] = sum(_frozen_bytes(f) * x.params for x in frozen) // f.world
-    parts["vllm"] = (
-        VLLM_ASLEEP_BYTES if f.vllm_sleep else int(f.gpu_memory_utilization * f.device_bytes)
-    )
+    parts["vllm"] = VLLM_ASLEEP_BYTES if f.vllm_sleep else f.pool
     if not f.vllm_sleep:
         fix = "--vllm_enable_sleep (vLLM keeps its pool while training)"
     elif f.adam_offload:
@@ -177,7 +181,7 @@ def plan_phases(
     f: JobFlags, actor: ModelShape, critic: ModelShape | None, frozen: list[ModelShape]
 ) -> list[Phase]:
     """Every phase of a PPO step on one device, in step order."""
-    pool = int(f.gpu_memory_utilization * f.device_bytes)
+    pool = f.pool
     resident = resident_during_rollout(f, actor, frozen)
     util_fix = "--vllm_gpu_memory_utilization (lower) or --adam_offload / --ref_reward_offload"
     wake = Phase("vllm start-up/wake", {"vllm pool": pool, **resident}, f.device_bytes, util_fix)
