@@ -214,3 +214,126 @@ def adam_offload_update(model: str, env):
     if devices != {"cpu"} or state != {"cpu"}:
         raise AssertionError(f"params on {devices}, Adam state on {state}")
     return f"loss {loss.item():.3f}, grad norm {norm:.3f}, params and Adam on CPU", None
+
+
+def packed_vs_padded(model: str, env):
+    """flash-attn varlen on one packed row vs the padded batch: same loss, both timed."""
+    from fsdp_rlhf.config import BackendConfig
+    from fsdp_rlhf.models.forward import response_logprobs
+    from fsdp_rlhf.models.load import attn_implementation, load_causal_lm
+
+    dev = env.device
+    if attn_implementation(True, dev) != "flash_attention_2":
+        raise RuntimeError("flash-attn is not installed: the packed path cannot be checked")
+    m = load_causal_lm(model, BackendConfig(flash_attn=True), dev, dtype=torch.bfloat16).to(dev)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, 500, (16, 256), generator=g).to(dev)
+    mask = torch.ones_like(ids)
+    for i in range(16):  # left-padded prompts of varying length, like rollouts
+        mask[i, : 8 * i] = 0
+    out = {}
+    for packed in (False, True):
+        response_logprobs(m, ids, mask, 64, packed=packed)  # warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            lp, _ = response_logprobs(m, ids, mask, 64, packed=packed)
+        torch.cuda.synchronize()
+        out[packed] = (lp.float().mean().item(), time.perf_counter() - t0)
+    diff = abs(out[True][0] - out[False][0])
+    if diff > 1e-2 * max(1.0, abs(out[False][0])):
+        raise AssertionError(f"mean log-prob padded {out[False][0]:.4f} packed {out[True][0]:.4f}")
+    return (
+        f"mean log-prob {out[False][0]:.4f} vs {out[True][0]:.4f}; padded "
+        f"{out[False][1] * 1e3:.1f} ms, packed {out[True][1] * 1e3:.1f} ms"
+    ), None
+
+
+def _torchrun(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    from fsdp_rlhf.testing.launch import local_torchrun
+
+    cmd = local_torchrun(1, ["-m", "fsdp_rlhf.cli", *args])
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def _ppo_flags(model: str, root: Path) -> list[str]:
+    from fsdp_rlhf.testing.synthetic import prompt_rows, write_jsonl, write_reward_file
+
+    root.mkdir(parents=True, exist_ok=True)
+    write_jsonl(prompt_rows(64), root / "prompts.jsonl")
+    write_reward_file(root / "reward.py")
+    flags = ["--pretrain", model, "--critic_pretrain", model, "--remote_rm_url"]
+    flags += [str(root / "reward.py"), "--prompt_data", str(root / "prompts.jsonl")]
+    flags += ["--input_key", "input", "--rollout_batch_size", "8", "--n_samples_per_prompt", "2"]
+    flags += ["--train_batch_size", "16", "--micro_train_batch_size", "4"]
+    flags += ["--micro_rollout_batch_size", "8", "--prompt_max_len", "64"]
+    flags += ["--generate_max_len", "32", "--vllm_gpu_memory_utilization", "0.3"]
+    return flags + ["--save_path", str(root / "out")]
+
+
+def ppo_two_steps(model: str, root: Path):
+    import json
+
+    flags = [*_ppo_flags(model, root), "--bf16", "--zero_stage", "3", "--max_steps", "2"]
+    proc = _torchrun(["ppo", *flags])
+    if proc.returncode != 0:
+        raise RuntimeError(f"ppo exited {proc.returncode}: {proc.stderr[-500:]}")
+    rows = [json.loads(x) for x in (root / "out" / "metrics.jsonl").read_text().splitlines()]
+    peaks = {k: v for k, v in rows[-1].items() if k.startswith("memory/")}
+    text = ", ".join(f"{k[7:]} {v:.2f}" for k, v in sorted(peaks.items()))
+    return f"{len(rows)} steps logged; peak GiB per phase: {text or 'none logged'}", None
+
+
+def doctor_check(model: str, root: Path):
+    proc = _torchrun(["doctor", *_ppo_flags(model, root / "doctor")])
+    verdict = [x for x in proc.stdout.splitlines() if x.startswith("VERDICT")]
+    if proc.returncode != 0:
+        raise RuntimeError(verdict[-1] if verdict else proc.stderr[-500:])
+    return verdict[-1], None
+
+
+def in_process_checks(model: str) -> None:
+    """Everything that shares one process group and one engine (vLLM's shutdown destroys the
+    group, so the engine closes last)."""
+    from fsdp_rlhf.distributed.env import init_distributed
+
+    env = init_distributed()
+    s = check("engine starts beside resident models", engine_beside_models, model, env)
+    if s is not None:
+        check("greedy vLLM == HF greedy (bf16)", greedy_matches_hf, model, s)
+        check("log-prob gap after step + sync < 0.02", logprob_gap_after_sync, s)
+        check("3 sleep/wake cycles, levels 1 and 2", sleep_wake_cycles, s)
+        s["actor"] = s["ref"] = None
+    check("no-grad passes leave params sharded", no_grad_memory, model, env)
+    check("one update with --adam_offload", adam_offload_update, model, env)
+    check("packed flash-attn varlen vs padded", packed_vs_padded, model, env)
+    if s is not None:
+        s["engine"].close()
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("SKIP: no CUDA device", flush=True)
+        return 0
+    from fsdp_rlhf.testing.tiny import build_model
+
+    check("versions", versions_check)
+    root = Path(tempfile.mkdtemp(prefix="gpu_smoke_"))
+    # small "bench" shape: big enough for flash-attn tiles and a measurable sync, built locally
+    model = str(build_model(root / "model", "qwen2", hidden_size=512, num_layers=4, num_heads=8))
+    # the in-process checks run in a child so its engine and group are gone before torchrun
+    child = subprocess.run(
+        [sys.executable, __file__, "--in-process", model], timeout=420, check=False
+    )
+    RESULTS.append(child.returncode == 0)
+    check("two PPO steps, --bf16 --zero_stage 3 (torchrun, 1 rank)", ppo_two_steps, model, root)
+    check("doctor", doctor_check, model, root)
+    print(f"gpu-smoke: {sum(RESULTS)}/{len(RESULTS)} passed", flush=True)
+    return 0 if all(RESULTS) else 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--in-process":
+        in_process_checks(sys.argv[2])
+        sys.exit(0 if all(RESULTS) else 1)
+    sys.exit(main())

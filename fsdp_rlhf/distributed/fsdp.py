@@ -181,7 +181,8 @@ def clip_grad_norm_(
     Returns the norm before clipping; ``max_norm <= 0`` only measures.
     """
     grads = [_local(p.grad) for p in params if p.grad is not None]
-    distributed = dist.is_initialized() and dist.get_world_size(group) > 1
+    # Also on one rank: a 1-rank all-reduce costs nothing and keeps the device path exercised.
+    distributed = dist.is_initialized()
     device = collective_device(dist.get_backend(group)) if distributed else torch.device("cpu")
     sq = torch.zeros((), dtype=torch.float32, device=device)
     for g in grads:
