@@ -249,7 +249,7 @@ def packed_vs_padded(model: str, env):
     ), None
 
 
-def _torchrun(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+def _torchrun(args: list[str], timeout: int = 150) -> subprocess.CompletedProcess:
     from fsdp_rlhf.testing.launch import local_torchrun
 
     cmd = local_torchrun(1, ["-m", "fsdp_rlhf.cli", *args])
@@ -321,9 +321,10 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="gpu_smoke_"))
     # small "bench" shape: big enough for flash-attn tiles and a measurable sync, built locally
     model = str(build_model(root / "model", "qwen2", hidden_size=512, num_layers=4, num_heads=8))
-    # the in-process checks run in a child so its engine and group are gone before torchrun
+    # the in-process checks run in a child so its engine and group are gone before torchrun;
+    # timeouts: child 300 s + PPO 150 s + doctor 150 s keep the whole run under 10 minutes
     child = subprocess.run(
-        [sys.executable, __file__, "--in-process", model], timeout=420, check=False
+        [sys.executable, __file__, "--in-process", model], timeout=300, check=False
     )
     RESULTS.append(child.returncode == 0)
     check("two PPO steps, --bf16 --zero_stage 3 (torchrun, 1 rank)", ppo_two_steps, model, root)
