@@ -12,7 +12,7 @@ from fsdp_rlhf.config_base import build_config
 from fsdp_rlhf.distributed.memory import ModelShape, plan_phases, verdict
 from fsdp_rlhf.doctor import job_flags
 from tests.e2e.helpers import torchrun
-from tests.test_memory_model import LLAMA_7B
+from tests.unit.test_memory_model import LLAMA_7B
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
