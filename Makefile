@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: install test test-fast demo bench lint fmt clean
+.PHONY: install test test-fast demo bench lint fmt clean gpu-smoke
 
 install: $(STAMP)
 
@@ -34,6 +34,10 @@ test-fast: install
 
 demo: install
 	$(BIN)/python cmd/demo.py
+
+# CUDA paths the CPU suite cannot reach, on one GPU (<= 10 min, no downloads); SKIPs without CUDA.
+gpu-smoke: install
+	$(BIN)/python cmd/gpu_smoke.py
 
 bench: install
 	@# TRL is only the peer the bench compares against, not a dependency of the trainer;

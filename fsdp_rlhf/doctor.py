@@ -9,6 +9,7 @@ whether the PPO config's memory fits per device. Ends with one verdict line; exi
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import logging
@@ -25,7 +26,9 @@ import torch.distributed as dist
 from fsdp_rlhf.allocator import preloaded_allocator
 from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.distributed.env import DistEnv, init_distributed, teardown
+from fsdp_rlhf.distributed.memory import JobFlags, ModelShape, Phase, plan_phases, verdict
 from fsdp_rlhf.metrics import setup_logging
+from fsdp_rlhf.rollout.memory_budget import vllm_memory_utilization
 
 log = logging.getLogger("fsdp_rlhf")
 
@@ -83,23 +86,6 @@ def all_reduce_check(env: DistEnv, mib: int = 64, iters: int = 5) -> dict[str, f
     return {"ok": ok, "seconds": seconds, "busbw_gbps": bus / 1e9}
 
 
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Per-device GiB in the two phases of a colocated PPO step."""
-
-    train_gib: float
-    rollout_gib: float
-    device_gib: float
-
-    @property
-    def peak_gib(self) -> float:
-        return max(self.train_gib, self.rollout_gib)
-
-    @property
-    def fits(self) -> bool:
-        return self.peak_gib <= 0.95 * self.device_gib
-
-
 def count_params(path: str) -> int:
     """Parameters of a local safetensors checkpoint, read from headers only."""
     from safetensors import safe_open
@@ -119,30 +105,45 @@ def _numel(st, key: str) -> int:
     return n
 
 
-def estimate_memory(
-    cfg: PPOConfig,
-    actor_params: int,
-    critic_params: int,
-    world: int,
-    device_gib: float,
-    vllm_gib: float,
-) -> MemoryEstimate:
-    """Per-device memory of the two colocated phases, which do not overlap (vLLM sleeps while
-    training; idle models and optimizer states leave the device while vLLM generates).
+def job_flags(cfg: PPOConfig, world: int, device_bytes: int) -> JobFlags:
+    """The memory-relevant flags of a PPO config, for ``distributed.memory``."""
+    return JobFlags(
+        world=world,
+        device_bytes=device_bytes,
+        zero_stage=cfg.fsdp.zero_stage,
+        bf16=cfg.backend.bf16,
+        adam_offload=cfg.fsdp.adam_offload,
+        ref_reward_offload=cfg.placement.ref_reward_offload,
+        gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
+        vllm_sleep=cfg.rollout.vllm_enable_sleep,
+        micro_train_batch_size=cfg.batch.micro_train_batch_size,
+        micro_rollout_batch_size=cfg.rollout.micro_rollout_batch_size,
+        seq_len=cfg.data.prompt_max_len + cfg.rollout.generate_max_len,
+        gradient_checkpointing=cfg.backend.gradient_checkpointing,
+        critic=cfg.algo.advantage_estimator == "gae",
+        reward=bool(cfg.models.reward_pretrain),
+    )
 
-    Training: FSDP2 shards fp32 master params, grads and Adam moments (2 x fp32; none with
-    ``--adam_offload``) of actor and critic over ``world``, plus the frozen reference and reward
-    shards (none with ``--ref_reward_offload``). Rollout: vLLM's weights and KV cache
-    (``vllm_gib``) plus the actor's resident parameter shard. Activations are not counted.
-    """
-    gib = 2**-30
-    states = 0 if cfg.fsdp.adam_offload else 8
-    train = (actor_params + critic_params) * (4 + 4 + states) / world * gib
-    frozen = actor_params + (critic_params if cfg.models.reward_pretrain else 0)
-    if not cfg.placement.ref_reward_offload:
-        train += frozen * 4 / world * gib
-    rollout = vllm_gib + actor_params * 4 / world * gib
-    return MemoryEstimate(train, rollout, device_gib)
+
+def model_shape(path: str) -> ModelShape:
+    """Shape from config.json, parameter count from the safetensors headers when present."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    return ModelShape.from_hf_config(config, count_params(path) or None)
+
+
+def plan_job(cfg: PPOConfig, world: int, device_bytes: int, cuda: bool) -> list[Phase]:
+    """Every phase of a step on one device of this job (reads the model folders' headers)."""
+    actor = model_shape(cfg.models.pretrain)
+    critic_src = cfg.models.critic_pretrain or cfg.models.reward_pretrain
+    flags = job_flags(cfg, world, device_bytes)
+    if not cuda:  # vLLM-CPU: the weights of its TP slice + --vllm_kvcache_space_gib (floor 1)
+        weights = actor.params * (2 if cfg.backend.bf16 else 4)
+        kv = cfg.rollout.vllm_kvcache_space_gib or 1.0
+        pool = weights // cfg.rollout.vllm_tensor_parallel_size + int(kv * 2**30)
+        flags = dataclasses.replace(flags, vllm_pool_bytes=pool)
+    critic = model_shape(critic_src) if flags.critic and critic_src else None
+    frozen = [actor] + ([model_shape(cfg.models.reward_pretrain)] if flags.reward else [])
+    return plan_phases(flags, actor, critic, frozen)
 
 
 # ---------------------------------------------------------------- the checks
@@ -162,41 +163,41 @@ def _try(name: str, fn) -> Check:
         return Check(name, False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
 
 
-def _check_models(cfg: PPOConfig, env: DistEnv) -> list[Check]:
+def _check_models(cfg: PPOConfig, env: DistEnv, held: list) -> list[Check]:
+    """Load and shard actor and reward model as the trainer does; the sharded models are kept
+    in ``held`` so the engine check that follows starts vLLM beside them, like the job."""
     from fsdp_rlhf.models.load import load_causal_lm, load_scalar_model
+    from fsdp_rlhf.trainers.ppo_setup import _shard
+
+    frozen_dtype = torch.bfloat16 if cfg.backend.bf16 else torch.float32
+
+    def shard(model, trainable: bool) -> str:
+        n = sum(p.numel() for p in model.parameters())
+        held.append(_shard(model, cfg, env, trainable=trainable))
+        return f"{n / 1e6:.1f}M params, sharded: {_local_mib(held[-1]):.0f} MiB on this rank"
 
     checks = []
     if cfg.models.pretrain:
-        checks.append(
-            _try(
-                "--pretrain loads",
-                lambda: _params_str(
-                    load_causal_lm(cfg.models.pretrain, cfg.backend, torch.device("cpu"))
-                ),
-            )
-        )
+        load = lambda: load_causal_lm(cfg.models.pretrain, cfg.backend, env.device)  # noqa: E731
+        checks.append(_try("--pretrain loads", lambda: shard(load(), trainable=True)))
     if cfg.models.reward_pretrain:
-        checks.append(
-            _try(
-                "--reward_pretrain loads",
-                lambda: _params_str(
-                    load_scalar_model(
-                        cfg.models.reward_pretrain,
-                        cfg.backend,
-                        torch.device("cpu"),
-                        value_head_prefix=cfg.models.value_head_prefix,
-                        init_head_if_missing=False,
-                    )
-                ),
-            )
+        load_rm = lambda: load_scalar_model(  # noqa: E731
+            cfg.models.reward_pretrain,
+            cfg.backend,
+            env.device,
+            value_head_prefix=cfg.models.value_head_prefix,
+            init_head_if_missing=False,
+            dtype=frozen_dtype,
         )
+        checks.append(_try("--reward_pretrain loads", lambda: shard(load_rm(), trainable=False)))
     return checks
 
 
-def _params_str(model) -> str:
-    n = sum(p.numel() for p in model.parameters())
-    del model
-    return f"{n / 1e6:.1f}M params"
+def _local_mib(model) -> float:
+    from torch.distributed.tensor import DTensor
+
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    return sum(t.numel() * t.element_size() for t in local) / 2**20
 
 
 def _check_engine(cfg: PPOConfig, env: DistEnv, engines: list) -> Check:
@@ -208,6 +209,13 @@ def _check_engine(cfg: PPOConfig, env: DistEnv, engines: list) -> Check:
 
     def run() -> str:
         tok = load_tokenizer(cfg.models.pretrain, cfg.backend.trust_remote_code)
+        budget = ""
+        if env.device.type == "cuda" and cfg.rollout.rollout_engine == "vllm":
+            free, total = torch.cuda.mem_get_info(env.device)
+            _, budget = vllm_memory_utilization(
+                free, total, cfg.rollout.vllm_gpu_memory_utilization
+            )
+            budget = "; " + budget
         start = time.perf_counter()
         engine = build_engine(cfg, env, tok)
         engines.append(engine)
@@ -216,34 +224,23 @@ def _check_engine(cfg: PPOConfig, env: DistEnv, engines: list) -> Check:
         out = engine.generate([ids], SamplingConfig(max_new_tokens=4, greedy=True))
         return (
             f"{cfg.rollout.rollout_engine} TP={cfg.rollout.vllm_tensor_parallel_size} "
-            f"started in {built:.1f}s, generated {int(out.response_lengths.sum())} tokens"
+            f"started in {built:.1f}s beside the sharded models, generated "
+            f"{int(out.response_lengths.sum())} tokens{budget}"
         )
 
     return _try("rollout engine starts", run)
 
 
 def _memory_check(cfg: PPOConfig, env: DistEnv, device_gib: float) -> Check:
+    """Every phase of a step against the smallest device (CUDA: its memory; CPU: host RAM)."""
+
     def run() -> str:
-        actor = count_params(cfg.models.pretrain)
-        critic_src = cfg.models.critic_pretrain or cfg.models.reward_pretrain
-        critic = count_params(critic_src) if critic_src else 0
-        if cfg.algo.advantage_estimator != "gae":
-            critic = 0
-        if env.device.type == "cuda":  # vLLM takes this fraction for weights + KV cache
-            vllm_gib = cfg.rollout.vllm_gpu_memory_utilization * device_gib
-        else:
-            weight_bytes = 2 if cfg.backend.bf16 else 4
-            tp = cfg.rollout.vllm_tensor_parallel_size
-            kv_gib = cfg.rollout.vllm_kvcache_space_gib or 1.0  # the adapter's CPU floor
-            vllm_gib = actor * weight_bytes / tp / 2**30 + kv_gib
-        est = estimate_memory(cfg, actor, critic, env.world_size, device_gib, vllm_gib)
-        detail = (
-            f"train phase {est.train_gib:.2f} GiB, rollout phase {est.rollout_gib:.2f} GiB, "
-            f"device {est.device_gib:.1f} GiB"
-        )
-        if not est.fits:
-            raise RuntimeError("does not fit: " + detail)
-        return detail
+        device_bytes = int(device_gib * 2**30)
+        phases = plan_job(cfg, env.world_size, device_bytes, env.device.type == "cuda")
+        fits, line = verdict(phases)
+        if not fits:
+            raise RuntimeError("does not fit: " + line)
+        return line
 
     return _try("memory estimate fits", run)
 
@@ -254,10 +251,11 @@ def main(cfg: PPOConfig, debug: bool = False) -> int:
     reports = [None] * env.world_size
     dist.all_gather_object(reports, device_report(env))
     checks = [_try("all-reduce", lambda: _all_reduce_str(env))]
-    engines = []
+    engines, held = [], []
     if cfg.models.pretrain:
-        checks += _check_models(cfg, env)
-        checks.append(_check_engine(cfg, env, engines))
+        checks += _check_models(cfg, env, held)
+        checks.append(_check_engine(cfg, env, engines))  # after the models are sharded
+        held.clear()
         checks.append(_memory_check(cfg, env, min(r["total_gib"] for r in reports)))
     gathered = [None] * env.world_size
     dist.all_gather_object(gathered, [c.__dict__ for c in checks])
@@ -288,12 +286,16 @@ def _print_report(vers: dict, reports: list, gathered: list) -> None:
     for r in reports:
         table.add_row(*(str(r[k]) for k in cols))
     console.print(table)
-    failed = []
+    failed, fixes = [], []
     for rank, rank_checks in enumerate(gathered):
         for c in rank_checks:
             mark = "PASS" if c["ok"] else "FAIL"
             console.print(f"[rank {rank}] {mark} {c['name']}: {c['detail']}", markup=False)
             if not c["ok"]:
                 failed.append(f"rank {rank} {c['name']}")
-    verdict = "VERDICT: READY" if not failed else "VERDICT: NOT READY (" + "; ".join(failed) + ")"
-    console.print(verdict, markup=False)
+                if "-> change" in c["detail"] and c["detail"] not in fixes:
+                    fixes.append(c["detail"])  # the verdict names the flag to change
+    line = "VERDICT: READY" if not failed else "VERDICT: NOT READY (" + "; ".join(failed) + ")"
+    if fixes:
+        line += " " + " | ".join(f.removeprefix("does not fit: ") for f in fixes)
+    console.print(line, markup=False)

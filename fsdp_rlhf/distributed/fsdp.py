@@ -26,10 +26,11 @@ def build_mesh(device: torch.device, world_size: int) -> DeviceMesh:
     return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard",))
 
 
-def reshard_after_forward(zero_stage: int) -> bool:
+def reshard_after_forward(zero_stage: int, frozen: bool = False) -> bool:
     """ZeRO-3 frees gathered params after forward (re-gathers in backward); lower stages keep
-    them until backward ends, trading memory for one all-gather per layer."""
-    return zero_stage >= 3
+    them until backward ends, trading memory for one all-gather per layer. A frozen model never
+    runs backward, so keeping its gathered params would only pin a full copy: always reshard."""
+    return frozen or zero_stage >= 3
 
 
 def describe_zero_stage(zero_stage: int) -> str:
@@ -49,28 +50,44 @@ def shard_model(
     bf16: bool,
     grad_reduce: Literal["mean", "sum"] = "mean",
     cpu_offload: bool = False,
+    frozen: bool = False,
 ) -> nn.Module:
     """Apply ``fully_shard`` to each decoder layer, then to the root.
+
+    The model may arrive on CPU: ``fully_shard`` moves one layer's params to the mesh device,
+    shards them and drops the full copy before the next layer, so the whole unsharded model never
+    sits on the GPU (only the host must hold it once, at load).
 
     Args:
         grad_reduce: ``"mean"`` lets FSDP average gradients over ranks; ``"sum"`` leaves them
             summed, for losses normalised by a global token count computed by the caller.
-        cpu_offload: keep sharded params, grads and optimizer states on CPU (GPU only).
+        cpu_offload: keep sharded params, grads and optimizer states on CPU (GPU only); such a
+            model is marked so that the phase offload/onload in ``offload`` leaves it alone.
+        frozen: never trained (ref, reward): params are resharded after every forward.
     """
     mp = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if bf16 else torch.float32, reduce_dtype=torch.float32
     )
     kwargs = dict(
-        mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward(fsdp.zero_stage)
+        mesh=mesh,
+        mp_policy=mp,
+        reshard_after_forward=reshard_after_forward(fsdp.zero_stage, frozen),
     )
-    if cpu_offload and mesh.device_type == "cuda":
+    if uses_cpu_offload_policy(cpu_offload, mesh.device_type):
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
+        model._fsdp_rlhf_cpu_offload = True
     layers = decoder_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__}: no decoder layers found to shard")
     for layer in layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
+    if kwargs.get("offload_policy") is not None:
+        for p in model.parameters():  # the optimizer only sees params: mark them too
+            p._fsdp_rlhf_cpu_offload = True
+    for m in [*layers, model]:
+        # Registered after fully_shard, so it runs after FSDP's own post-forward hook.
+        m.register_forward_hook(_reshard_if_no_grad)
     if grad_reduce == "sum":
         set_sum_reduction(model)
     if dist.get_backend(mesh.get_group()) == "gloo":
@@ -78,17 +95,53 @@ def shard_model(
     return model
 
 
+def uses_cpu_offload_policy(adam_offload: bool, device_type: str) -> bool:
+    """``--adam_offload`` hands params, grads and Adam state to FSDP2's CPUOffloadPolicy.
+
+    One mechanism per model: FSDP then owns where that model's state lives (CPU, copied to the
+    GPU one layer at a time for compute) and the trainer's phase offload/onload of the model and
+    its optimizer is a no-op for it. The reverse (phase offload only) would still hold the full
+    Adam state on the GPU during every update, which is what ``--adam_offload`` exists to avoid.
+    On a CPU job everything is host memory already, so no policy is applied.
+    """
+    return adam_offload and device_type == "cuda"
+
+
+def is_cpu_offloaded(module: nn.Module) -> bool:
+    """True when FSDP2's CPUOffloadPolicy manages ``module`` (see ``uses_cpu_offload_policy``)."""
+    return bool(getattr(module, "_fsdp_rlhf_cpu_offload", False))
+
+
+def _reshard_if_no_grad(module: nn.Module, args, output):
+    """Free the gathered params after a forward under ``no_grad`` (scoring, values, old
+    log-probs): no backward will need them, and below ZeRO-3 (and always for the FSDP root)
+    FSDP2 would otherwise keep a full copy resident until the next backward."""
+    if not torch.is_grad_enabled() and isinstance(module, FSDPModule):
+        module.reshard()
+    return output
+
+
+def gradient_sync_every_micro_batch(zero_stage: int) -> bool:
+    """ZeRO-3 reduce-scatters after every micro-batch so gradients accumulate in sharded form
+    (1/world of the fp32 grads resident); below ZeRO-3 the unsharded grads accumulate locally
+    and are reduced once, after the last micro-batch (fewer collectives, more memory)."""
+    return zero_stage >= 3
+
+
 def accumulate(model: FSDPModule, last: bool, zero_stage: int) -> None:
     """Call before each micro-batch's forward/backward of one optimizer step.
 
-    Gradients are reduce-scattered only after the last micro-batch. Below ZeRO-3 the gathered
-    parameters also stay until then: FSDP2 otherwise frees them after every backward and
-    gathers them again for the next micro-batch's forward, one all-gather of the whole model
+    Below ZeRO-3, gradients are reduce-scattered only after the last micro-batch and the
+    gathered parameters also stay until then: FSDP2 otherwise frees them after every backward
+    and gathers them again for the next micro-batch's forward, one all-gather of the whole model
     per micro-batch (2 CPU ranks over gloo, 4 micro-batches: 10% of the PPO update's time).
+    At ZeRO-3 every micro-batch syncs (see ``gradient_sync_every_micro_batch``).
     """
+    if gradient_sync_every_micro_batch(zero_stage):
+        model.set_requires_gradient_sync(True)
+        return
     model.set_requires_gradient_sync(last)
-    if zero_stage < 3:
-        model.set_reshard_after_backward(last)
+    model.set_reshard_after_backward(last)
 
 
 def set_sum_reduction(model: nn.Module) -> None:
@@ -107,22 +160,35 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def collective_device(backend: str) -> torch.device:
+    """Where a tensor must live to be all-reduced on a process group of ``backend``: NCCL only
+    takes CUDA tensors (of this rank's current device), gloo only CPU ones."""
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 @torch.no_grad()
-def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float) -> float:
+def clip_grad_norm_(
+    params: Iterable[nn.Parameter], max_norm: float, group: dist.ProcessGroup | None = None
+) -> float:
     """Total L2 norm of all (sharded) gradients across ranks; scales them to ``max_norm``.
 
     Works on DTensor shards by summing local squares and all-reducing once, so no full gradient
-    is ever gathered. Returns the norm before clipping; ``max_norm <= 0`` only measures.
+    is ever gathered. Grads may live on CPU (``--adam_offload``: FSDP's CPUOffloadPolicy) while
+    the group is NCCL: each shard's square-sum is taken where the shard lives, only the scalar
+    travels to the group's device, and grads are scaled in place where they live.
+    Returns the norm before clipping; ``max_norm <= 0`` only measures.
     """
     grads = [_local(p.grad) for p in params if p.grad is not None]
-    if grads:
-        sq = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
-    else:
-        sq = torch.zeros(())
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        device = grads[0].device if grads else torch.device("cpu")
-        sq = sq.to(device)
-        dist.all_reduce(sq)
+    # Also on one rank: a 1-rank all-reduce costs nothing and keeps the device path exercised.
+    distributed = dist.is_initialized()
+    device = collective_device(dist.get_backend(group)) if distributed else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        sq += g.detach().float().pow(2).sum().to(device)
+    if distributed:
+        dist.all_reduce(sq, group=group)
     total = math.sqrt(float(sq))
     if max_norm > 0 and total > max_norm and math.isfinite(total):
         coef = max_norm / (total + 1e-6)

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_rlhf.distributed.fsdp import is_cpu_offloaded
+
 
 def _move(t: torch.Tensor, device: torch.device, pin: bool, copy: bool) -> torch.Tensor:
     # Pinned host memory makes the later host-to-device copy asynchronous.
@@ -78,9 +80,25 @@ def move_optimizer_(
     return moved
 
 
+def phase_moves(device: torch.device, fsdp_cpu_offload: bool) -> bool:
+    """Whether the trainer's phase offload/onload should move a model (or its optimizer).
+
+    No on a CPU job (already host memory), and no for a model under FSDP2's CPUOffloadPolicy
+    (``--adam_offload``): FSDP owns where its params, grads and Adam state live, and moving the
+    optimizer state to CUDA while the params stay on CPU would break ``optimizer.step``.
+    """
+    return device.type != "cpu" and not fsdp_cpu_offload
+
+
+def _optimizer_cpu_offloaded(optimizer: torch.optim.Optimizer) -> bool:
+    """The optimizer of a CPUOffloadPolicy model (its params carry the mark from shard_model;
+    where they are right now says nothing: phase offload puts any model on CPU)."""
+    return any(is_cpu_offloaded(p) for g in optimizer.param_groups for p in g["params"])
+
+
 def offload_model(module: nn.Module, device: torch.device) -> int:
-    """Send an idle model to pinned host memory. No-op when the job runs on CPU."""
-    if device.type == "cpu":
+    """Send an idle model to pinned host memory. No-op on CPU jobs and CPU-offloaded models."""
+    if not phase_moves(device, is_cpu_offloaded(module)):
         return 0
     n = move_module_(module, torch.device("cpu"), pin=True)
     torch.cuda.synchronize(device)
@@ -88,14 +106,14 @@ def offload_model(module: nn.Module, device: torch.device) -> int:
 
 
 def onload_model(module: nn.Module, device: torch.device) -> int:
-    """Bring a model back to its compute device. No-op when the job runs on CPU."""
-    if device.type == "cpu":
+    """Bring a model back to its compute device. Same no-op cases as ``offload_model``."""
+    if not phase_moves(device, is_cpu_offloaded(module)):
         return 0
     return move_module_(module, device)
 
 
 def offload_optimizer(optimizer: torch.optim.Optimizer, device: torch.device) -> int:
-    if device.type == "cpu":
+    if not phase_moves(device, _optimizer_cpu_offloaded(optimizer)):
         return 0
     n = move_optimizer_(optimizer, torch.device("cpu"), pin=True)
     torch.cuda.synchronize(device)
@@ -103,6 +121,7 @@ def offload_optimizer(optimizer: torch.optim.Optimizer, device: torch.device) ->
 
 
 def onload_optimizer(optimizer: torch.optim.Optimizer, device: torch.device) -> int:
-    if device.type == "cpu":
+    """Bring Adam state back next to its params: never to CUDA when the params stay on CPU."""
+    if not phase_moves(device, _optimizer_cpu_offloaded(optimizer)):
         return 0
     return move_optimizer_(optimizer, device)

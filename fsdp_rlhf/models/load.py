@@ -3,7 +3,9 @@
 Scalar-head models are HF ``*ForSequenceClassification`` models with ``num_labels=1`` and the
 head named ``score``: the format ``AutoModelForSequenceClassification`` and vLLM load. Reward
 models written by OpenRLHF (head ``value_head``, or any ``--value_head_prefix``) are read too.
-Weights are loaded in fp32 (the master copy); bf16 compute comes from FSDP's mixed precision.
+Trainable weights are loaded in fp32 (the master copy; bf16 compute comes from FSDP's mixed
+precision); frozen ones (ref, reward) may be loaded in bf16 via ``dtype``: they have no master
+copy to keep. Loading happens on the host; FSDP moves each layer's shard to the device.
 """
 
 from __future__ import annotations
@@ -71,13 +73,16 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     return tok
 
 
-def load_causal_lm(path: str, backend: BackendConfig, device: torch.device) -> nn.Module:
+def load_causal_lm(
+    path: str, backend: BackendConfig, device: torch.device, dtype: torch.dtype = torch.float32
+) -> nn.Module:
+    """Load on the host in ``dtype``; ``device`` only picks the attention implementation."""
     from transformers import AutoModelForCausalLM
 
     quiet_transformers()
     model = AutoModelForCausalLM.from_pretrained(
         path,
-        dtype=torch.float32,
+        dtype=dtype,
         attn_implementation=attn_implementation(backend.flash_attn, device),
         trust_remote_code=backend.trust_remote_code,
     )
@@ -105,6 +110,7 @@ def load_scalar_model(
     *,
     value_head_prefix: str = "score",
     init_head_if_missing: bool = True,
+    dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
     """A ``*ForSequenceClassification`` model with one output, head named ``score``.
 
@@ -117,7 +123,7 @@ def load_scalar_model(
     model, info = AutoModelForSequenceClassification.from_pretrained(
         path,
         num_labels=1,
-        dtype=torch.float32,
+        dtype=dtype,
         attn_implementation=attn_implementation(backend.flash_attn, device),
         trust_remote_code=backend.trust_remote_code,
         output_loading_info=True,

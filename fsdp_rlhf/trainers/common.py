@@ -122,10 +122,11 @@ def prepare_model(
         grad_reduce: ``"sum"`` when losses are normalised by a global count (PPO).
     """
     if packed:
-        use_varlen_attention(model)
+        use_varlen_attention(model, env.device.type)
     if backend.torch_compile:
         compile_blocks(model)
-    model.to(env.device)
+    # No model.to(env.device): fully_shard moves and shards one layer at a time, so the full
+    # model never sits on the GPU (a 70B only has to fit the host).
     shard_model(
         model,
         build_mesh(env.device, env.world_size),
@@ -133,6 +134,7 @@ def prepare_model(
         bf16=backend.bf16,
         grad_reduce=grad_reduce,
         cpu_offload=trainable and fsdp.adam_offload,
+        frozen=not trainable,
     )
     if trainable:
         model.train()  # from_pretrained returns eval mode: no dropout, no grad checkpointing

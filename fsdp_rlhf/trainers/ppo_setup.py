@@ -130,7 +130,10 @@ def build_models(cfg: PPOConfig, env: DistEnv, tokenizer) -> Models:
     actor = _prepare(load_causal_lm(m.pretrain, backend, env.device), cfg, env, trainable=True)
     # Frozen models never run backward: recomputation would only cost time.
     no_ckpt = dataclasses.replace(backend, gradient_checkpointing=False)
-    ref = _prepare(load_causal_lm(m.pretrain, no_ckpt, env.device), cfg, env, trainable=False)
+    # Frozen weights need no fp32 master copy: bf16 shards under --bf16 halve their memory.
+    frozen_dtype = torch.bfloat16 if backend.bf16 else torch.float32
+    ref_model = load_causal_lm(m.pretrain, no_ckpt, env.device, dtype=frozen_dtype)
+    ref = _prepare(ref_model, cfg, env, trainable=False)
     critic = reward = None
     norm = None
     if uses_critic(cfg):
@@ -145,6 +148,7 @@ def build_models(cfg: PPOConfig, env: DistEnv, tokenizer) -> Models:
             env.device,
             value_head_prefix=m.value_head_prefix,
             init_head_if_missing=False,
+            dtype=frozen_dtype,
         )
         reward = _prepare(reward_model, cfg, env, trainable=False)
         norm = reward_normalization(m.reward_pretrain) if m.normalize_reward else None

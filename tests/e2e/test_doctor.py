@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import shlex
+from pathlib import Path
+
 import pytest
 
 from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.config_base import build_config
-from fsdp_rlhf.doctor import estimate_memory
+from fsdp_rlhf.distributed.memory import ModelShape, plan_phases, verdict
+from fsdp_rlhf.doctor import job_flags
 from tests.e2e.helpers import torchrun
+from tests.unit.test_memory_model import LLAMA_7B
 
 
 @pytest.mark.slow
@@ -59,19 +64,41 @@ def test_doctor_fails_loudly_on_a_model_without_value_head(tiny_qwen2):
     assert "FAIL --reward_pretrain loads" in proc.stdout and "VERDICT: NOT READY" in proc.stdout
 
 
-def test_memory_estimate_counts_sharded_states_and_offload():
-    cfg, _ = build_config(PPOConfig, ["--reward_pretrain", "rm"])
-    n, world = 7_000_000_000, 8
-    est = estimate_memory(cfg, n, n, world, device_gib=80.0, vllm_gib=74.0)
-    # actor + critic: fp32 param + grad + 2 Adam moments = 16 B each, sharded over 8 ranks;
-    # frozen reference + reward: 4 B each, sharded
-    expected = (2 * n * 16 + 2 * n * 4) / world / 2**30
-    assert est.train_gib == pytest.approx(expected)
-    assert est.rollout_gib == pytest.approx(74.0 + n * 4 / world / 2**30)
-    assert not est.fits  # 74 GiB of vLLM plus a 3.3 GiB shard is over 95% of 80 GiB
-    offloaded, _ = build_config(
-        PPOConfig, ["--reward_pretrain", "rm", "--adam_offload", "--ref_reward_offload"]
-    )
-    lighter = estimate_memory(offloaded, n, n, world, device_gib=80.0, vllm_gib=50.0)
-    assert lighter.train_gib == pytest.approx(2 * n * 8 / world / 2**30)
-    assert lighter.fits
+def _launcher_flags() -> list[str]:
+    """The TRAINING_ARGS of cmd/ppo.sh, shell variables replaced by placeholders (8 ranks on
+    one node; one vLLM engine per rank)."""
+    text = (Path(__file__).parents[2] / "cmd" / "ppo.sh").read_text()
+    body = text.split("TRAINING_ARGS=(", 1)[1].split("\n)", 1)[0]
+    args = shlex.split(body, comments=True)
+    values = {"$NNODES": "1", "$GPUS_PER_NODE": "8", "$VLLM_NUM_ENGINES": "8"}
+    values["$VLLM_TENSOR_PARALLEL_SIZE"] = "1"
+    return [values.get(a, "x" if a.startswith("$") else a) for a in args]
+
+
+def _plan(flags: list[str], world: int = 8, gib: int = 80):
+    cfg, _ = build_config(PPOConfig, flags)
+    m = ModelShape.from_hf_config(LLAMA_7B)
+    f = job_flags(cfg, world, gib * 2**30)
+    return f, verdict(plan_phases(f, m, m if f.critic else None, [m, m]))
+
+
+def test_launcher_flags_on_8x80gb_memory_table():
+    flags = _launcher_flags()
+    assert "--adam_offload" in flags and "--zero_stage" in flags  # parsed the real launcher
+    f, (fits, line) = _plan(flags)
+    assert (f.zero_stage, f.bf16, f.adam_offload, f.ref_reward_offload) == (3, True, True, True)
+    assert (f.micro_train_batch_size, f.seq_len, f.gradient_checkpointing) == (8, 2048, True)
+    assert f.gpu_memory_utilization == 0.9
+    # Under the memory model these flags fit (ZeRO-3 + CPU Adam + offloaded frozen models).
+    assert fits, line
+    # Without the offloads the trainer's shards + vLLM's 90 % overflow the rollout...
+    no_offload = [a for a in flags if a not in ("--adam_offload", "--ref_reward_offload")]
+    _, (fits, line) = _plan(no_offload)
+    assert not fits and "change --vllm_gpu_memory_utilization" in line, line
+    # ... and a lower vLLM fraction is the fix the verdict names
+    i = no_offload.index("--vllm_gpu_memory_utilization")
+    _, (fits, line) = _plan(no_offload[: i + 1] + ["0.85"] + no_offload[i + 2 :])
+    assert fits, line
+    # without recomputation 8 x 2048-token micro-batches do not fit the actor update
+    _, (fits, line) = _plan([a for a in flags if a != "--gradient_checkpointing"])
+    assert not fits and "actor update" in line and "--micro_train_batch_size" in line, line

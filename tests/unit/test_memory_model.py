@@ -1,0 +1,99 @@
+"""The per-device memory model (distributed.memory) and vLLM's start-up budget, with fake
+numbers: no GPU needed."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from fsdp_rlhf.distributed.memory import GIB, JobFlags, ModelShape, plan_phases, verdict
+from fsdp_rlhf.errors import UserError
+from fsdp_rlhf.rollout.memory_budget import vllm_memory_utilization
+
+LLAMA_7B = dict(
+    hidden_size=4096,
+    num_hidden_layers=32,
+    intermediate_size=11008,
+    vocab_size=32000,
+    num_attention_heads=32,
+)
+# cmd/ppo.sh and slurm/ppo.sbatch: 8 GPUs of 80 GB per node, vLLM TP 1
+LAUNCHER = JobFlags(
+    world=8,
+    device_bytes=80 * GIB,
+    zero_stage=3,
+    bf16=True,
+    adam_offload=True,
+    ref_reward_offload=True,
+    gpu_memory_utilization=0.9,
+    micro_train_batch_size=8,
+    micro_rollout_batch_size=16,
+    seq_len=1024 + 1024,
+    gradient_checkpointing=True,
+)
+
+
+def _plan(**changes):
+    m = ModelShape.from_hf_config(LLAMA_7B)
+    return verdict(plan_phases(dataclasses.replace(LAUNCHER, **changes), m, m, [m, m]))
+
+
+def test_shape_from_config_counts_llama_7b():
+    m = ModelShape.from_hf_config(LLAMA_7B)
+    assert m.params == 6_738_149_376  # Llama-2-7B's published count (q,k,v,o,gate,up,down,emb)
+    assert m.layers * m.layer_params + m.root_params == m.params
+
+
+@pytest.mark.parametrize(
+    "changes,fits,flag",
+    [
+        # the launchers' flags: every phase fits under this model (see README memory notes)
+        ({}, True, None),
+        # no offload at all: the trainer's shards + vLLM's 90% overflow the rollout
+        (
+            dict(adam_offload=False, ref_reward_offload=False),
+            False,
+            "--vllm_gpu_memory_utilization",
+        ),
+        (
+            dict(adam_offload=False, ref_reward_offload=False, gpu_memory_utilization=0.85),
+            True,
+            None,
+        ),
+        # activations of 32 layers x 8 x 2048 tokens without recomputation
+        (dict(gradient_checkpointing=False), False, "--micro_train_batch_size"),
+        (dict(gradient_checkpointing=False, micro_train_batch_size=4), True, None),
+        # ZeRO-2 without offload: full bf16 params + unsharded fp32 grads (38 GiB) still fit
+        (dict(zero_stage=2, adam_offload=False), True, None),
+        # ... but not with twice the micro-batch
+        (
+            dict(zero_stage=2, adam_offload=False, micro_train_batch_size=16),
+            False,
+            "--adam_offload",
+        ),
+        # vLLM kept awake while training
+        (dict(vllm_sleep=False), False, "--vllm_enable_sleep"),
+        (dict(micro_rollout_batch_size=128), False, "--micro_rollout_batch_size"),
+    ],
+)
+def test_7b_ppo_on_8x80gb_table(changes, fits, flag):
+    ok, line = _plan(**changes)
+    assert ok == fits, line
+    if flag:
+        assert flag in line and "DOES NOT FIT" in line, line
+
+
+def test_vllm_utilization_fits_or_names_the_flag():
+    total = 80 * GIB
+    util, line = vllm_memory_utilization(78 * GIB, total, 0.9)
+    assert util == 0.9 and "fits" in line
+    with pytest.raises(UserError) as e:
+        vllm_memory_utilization(70 * GIB, total, 0.9)  # 10 GiB of shards resident
+    msg = str(e.value)
+    assert "--vllm_gpu_memory_utilization 0.9" in msg and "70.0 GiB free of 80.0" in msg
+    assert "at most 0.86" in msg  # (70 - 1) / 80
+    util, _ = vllm_memory_utilization(70 * GIB, total, 0.86)
+    assert util == 0.86
+    with pytest.raises(UserError):
+        vllm_memory_utilization(70 * GIB, total, 1.5)
