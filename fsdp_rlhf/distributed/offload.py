@@ -24,17 +24,25 @@ def _move(t: torch.Tensor, device: torch.device, pin: bool, copy: bool) -> torch
 
 
 def _move_any(
-    t: torch.Tensor, device: torch.device, pin: bool, copy: bool, counter: list[int]
+    t: torch.Tensor,
+    device: torch.device,
+    pin: bool,
+    copy: bool,
+    moved: dict[int, tuple[torch.Tensor, torch.Tensor]],
 ) -> torch.Tensor:
+    # Tied weights (embed_tokens / lm_head) are one Parameter reached from two modules: move and
+    # count it once, and hand the second module the tensor the first one got.
+    if id(t) in moved:
+        return moved[id(t)][1]
     local = t.to_local() if isinstance(t, DTensor) else t
     if local.device == device and not copy:
         return t
     new = _move(local, device, pin, copy)
-    counter[0] += new.numel() * new.element_size()
     if isinstance(t, DTensor):
-        return DTensor.from_local(
+        new = DTensor.from_local(
             new, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
         )
+    moved[id(t)] = (t, new)  # holding t keeps its id from being reused during this walk
     return new
 
 
@@ -47,9 +55,14 @@ def move_module_(
     its sharded-parameter bookkeeping at the new storage. Parameter objects stay the same, so
     optimizers keep their references. Returns the number of bytes moved.
     """
-    counter = [0]
-    module._apply(lambda t: _move_any(t, device, pin, copy, counter))
-    return counter[0]
+    moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    module._apply(lambda t: _move_any(t, device, pin, copy, moved))
+    return sum(_local_bytes(new) for _, new in moved.values())
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
 
 
 def move_optimizer_(
