@@ -23,7 +23,6 @@ import logging
 import os
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import Any
 
 import torch
 
+from fsdp_rlhf.config_base import redact_url
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.trainers.guards import check_finite_scores
 
@@ -49,24 +49,6 @@ def _as_tensor(out: Any, n: int, source: str) -> torch.Tensor:
         raise ValueError(f"{source}: expected {n} rewards, got {t.numel()}")
     # NaN/Inf would spread through advantage whitening to every sample of the batch.
     return check_finite_scores(t, None, source)
-
-
-def redact_url(url: str) -> str:
-    """``url`` safe to log: an http(s) URL loses its password/user and query values.
-
-    Anything else (a ``.py`` path) is returned unchanged.
-    """
-    if not url.startswith(("http://", "https://")):
-        return url
-    parts = urllib.parse.urlsplit(url)
-    netloc = parts.netloc
-    if "@" in netloc:
-        netloc = "***@" + netloc.rsplit("@", 1)[1]
-    query = parts.query
-    if query:
-        pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
-        query = "&".join(f"{k}=***" for k, _ in pairs) if pairs else "***"
-    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, ""))
 
 
 def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list:
