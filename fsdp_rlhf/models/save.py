@@ -158,7 +158,11 @@ def check_save_path(save_path: str, *, other_paths: dict[str, str | None]) -> No
         parent = parent.parent
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"--save_path {save_path}: {parent} is not writable")
-    if p.is_dir() and any(p.iterdir()) and not any((p / m).exists() for m in _OUR_MARKERS):
+    # Leftovers of an interrupted export mean rank 0 may be restoring the folder right now
+    # (other ranks run this check concurrently): it is ours then.
+    recovering = _siblings(p, "tmp") or _siblings(p, "old")
+    ours = recovering or any((p / m).exists() for m in _OUR_MARKERS)
+    if p.is_dir() and any(p.iterdir()) and not ours:
         sample = sorted(e.name for e in p.iterdir())[:3]
         raise UserError(
             f"--save_path {save_path}: an existing folder not written by fsdp-rlhf (holds "

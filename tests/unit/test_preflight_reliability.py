@@ -174,3 +174,10 @@ def test_prompt_sampler_rewind_redoes_the_abandoned_step():
         sampler.rewind()
     with pytest.raises(RuntimeError):
         PromptSampler(8, 4, rank=0, world_size=1, seed=3).rewind()
+
+
+def test_save_path_being_recovered_is_accepted(tmp_path):
+    save = tmp_path / "run"
+    (save / "checkpoints").mkdir(parents=True)  # carried back first, config.yaml not yet
+    (tmp_path / "run.tmp-5").mkdir()
+    check_save_path(str(save), other_paths={})
