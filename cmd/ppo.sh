@@ -24,6 +24,11 @@ SFT_MODEL_PATH=${SFT_MODEL_PATH:-/mnt/cluster/test/models/Llama-2-7b-sft-model-o
 REWARD_MODEL_PATH=${REWARD_MODEL_PATH:-/mnt/cluster/test/models/Llama-2-7b-rm-anthropic_hh-lmsys-oasst-webgpt/}
 # Prompt data.
 DATASET_PATH=${DATASET_PATH:-/mnt/cluster/test/dataset/OpenLLMAI/prompt-collection-v0.1}
+# Resumable checkpoint every SAVE_STEPS steps, so a crash or a missed stop signal loses at most
+# that many steps (-1: only when stopped by a signal).
+SAVE_STEPS=${SAVE_STEPS:-20}
+# Resumable checkpoints; rerun with --load_checkpoint appended to continue from the newest.
+CKPT_PATH=${CKPT_PATH:-${SAVE_PATH%/}/checkpoints}
 # TensorBoard logs.
 TENSORBOARD_PATH=${TENSORBOARD_PATH:-${AIHC_TENSORBOARD_LOG_PATH:-/mnt/cluster/tensorboard-log}}
 
@@ -51,8 +56,13 @@ DISTRIBUTED_ARGS=(
 )
 
 export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-eth0}
+# vLLM's CPU-side groups and the prompt exchange use gloo across nodes: same interface as NCCL.
+export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$NCCL_SOCKET_IFNAME}
 export NCCL_IB_HCA=${NCCL_IB_HCA:-mlx5}
 export NCCL_IB_GID_INDEX=${NCCL_IB_GID_INDEX:-3}
+# Seconds torchrun lets the ranks finish after it is sent SIGTERM (its default, 30, is shorter
+# than one checkpoint of a 7B model): enough to finish the step and write the final checkpoint.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}
 
 TRAINING_ARGS=(
     --num_nodes "$NNODES"
@@ -85,6 +95,8 @@ TRAINING_ARGS=(
     --flash_attn
     --tensorboard "$TENSORBOARD_PATH"
     --gradient_checkpointing
+    --save_steps "$SAVE_STEPS"
+    --ckpt_path "$CKPT_PATH"
 )
 
 CMD=(torchrun "${DISTRIBUTED_ARGS[@]}" -m fsdp_rlhf.cli ppo "${TRAINING_ARGS[@]}" "$@")

@@ -18,6 +18,11 @@ SAVE_PATH=${SAVE_PATH:-/mnt/cluster/models/Llama-2-7b-rm-model-ocra-500k/}
 SFT_MODEL_PATH=${SFT_MODEL_PATH:-/mnt/cluster/test/models/Llama-2-7b-sft-model-ocra-500k/}
 # Pairwise preference data.
 DATASET_PATH=${DATASET_PATH:-/mnt/cluster/test/dataset/openai/webgpt_comparisons}
+# Resumable checkpoint every SAVE_STEPS steps, so a crash or a missed stop signal loses at most
+# that many steps (-1: only when stopped by a signal).
+SAVE_STEPS=${SAVE_STEPS:-20}
+# Resumable checkpoints; rerun with --load_checkpoint appended to continue from the newest.
+CKPT_PATH=${CKPT_PATH:-${SAVE_PATH%/}/checkpoints}
 # TensorBoard logs.
 TENSORBOARD_PATH=${TENSORBOARD_PATH:-${AIHC_TENSORBOARD_LOG_PATH:-/mnt/cluster/tensorboard-log}}
 
@@ -37,12 +42,17 @@ DISTRIBUTED_ARGS=(
 )
 
 export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-eth0}
+# vLLM's CPU-side groups and the prompt exchange use gloo across nodes: same interface as NCCL.
+export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$NCCL_SOCKET_IFNAME}
 export NCCL_IB_HCA=${NCCL_IB_HCA:-mlx5}
 export NCCL_IB_GID_INDEX=${NCCL_IB_GID_INDEX:-3}
+# Seconds torchrun lets the ranks finish after it is sent SIGTERM (its default, 30, is shorter
+# than one checkpoint of a 7B model): enough to finish the step and write the final checkpoint.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}
 
 TRAINING_ARGS=(
     --save_path "$SAVE_PATH"
-    --save_steps -1
+    --save_steps "$SAVE_STEPS"
     --logging_steps 1
     --eval_steps -1
     --train_batch_size 128
@@ -58,6 +68,7 @@ TRAINING_ARGS=(
     --flash_attn
     --tensorboard "$TENSORBOARD_PATH"
     --gradient_checkpointing
+    --ckpt_path "$CKPT_PATH"
 )
 
 CMD=(torchrun "${DISTRIBUTED_ARGS[@]}" -m fsdp_rlhf.cli train-rm "${TRAINING_ARGS[@]}" "$@")

@@ -100,6 +100,26 @@ class LoggingConfig:
             raise ConfigError(f"logging_steps must be >= 1, got {self.logging_steps}")
 
 
+@dataclass(frozen=True, kw_only=True)
+class GuardConfig:
+    """Failure handling: non-finite optimizer steps and how long a rank waits for the others."""
+
+    max_bad_steps: int = doc(
+        5,
+        "Skip an optimizer step whose gradient norm is NaN/Inf; abort when more than this many "
+        "come in a row (0: abort at the first).",
+    )
+    dist_timeout_min: int = doc(
+        60, "Minutes a collective may wait for the other ranks before the job fails."
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_bad_steps < 0:
+            raise ConfigError(f"max_bad_steps must be >= 0, got {self.max_bad_steps}")
+        if self.dist_timeout_min < 1:
+            raise ConfigError(f"dist_timeout_min must be >= 1, got {self.dist_timeout_min}")
+
+
 # ---------------------------------------------------------------- train-rm
 
 
@@ -173,6 +193,7 @@ class RMConfig:
     loss: RMLossConfig = section(RMLossConfig)
     ckpt: CheckpointConfig = section(CheckpointConfig)
     logging: LoggingConfig = section(LoggingConfig)
+    guard: GuardConfig = section(GuardConfig)
     seed: int = doc(42, "Seed for data order, init and dropout.")
 
 
@@ -215,6 +236,9 @@ class PPOModelsConfig:
     value_head_prefix: str = doc("score", "Value-head name to look for in reward/critic folders.")
     remote_rm_url: str | None = doc(
         None, "Rule reward: a .py file with reward_func(queries, prompts, labels), or an HTTP URL."
+    )
+    remote_rm_auth_env: str | None = doc(
+        None, "Name of an environment variable whose value is sent as 'Authorization: Bearer'."
     )
     normalize_reward: bool = doc(False, "Normalise scores by the mean/std in the RM's config.")
 
@@ -545,6 +569,7 @@ class PPOConfig:
     critic_optim: OptimConfig = doc(help="Critic optimizer.", factory=lambda: OptimConfig(lr=9e-6))
     ckpt: CheckpointConfig = section(CheckpointConfig)
     logging: LoggingConfig = section(LoggingConfig)
+    guard: GuardConfig = section(GuardConfig)
     sample_log_steps: int = doc(10, "Every N steps log a few prompt/response/reward samples.")
     seed: int = doc(42, "Seed for data order, init and sampling.")
 

@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import types
 import typing
+import urllib.parse
 from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -226,8 +227,36 @@ def load_yaml(path: str) -> dict[str, Any]:
     return data
 
 
+def redact_url(url: str) -> str:
+    """``url`` safe to log: an http(s) URL loses its password/user and query values.
+
+    Anything else (a ``.py`` path) is returned unchanged.
+    """
+    if not url.startswith(("http://", "https://")):
+        return url
+    parts = urllib.parse.urlsplit(url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    query = parts.query
+    if query:
+        pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
+        query = "&".join(f"{k}=***" for k, _ in pairs) if pairs else "***"
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, ""))
+
+
+def _redacted(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _redacted(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_redacted(v) for v in data]
+    return redact_url(data) if isinstance(data, str) else data
+
+
 def dump_yaml(cfg: Any) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    """The config as YAML, with credentials and query strings of http(s) URLs masked: the file
+    lands next to the model and is copied around, so it must not carry a reward server's key."""
+    return yaml.safe_dump(_redacted(to_dict(cfg)), sort_keys=False)
 
 
 # ---------------------------------------------------------------- CLI flags

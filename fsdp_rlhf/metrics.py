@@ -178,15 +178,32 @@ class Progress:
             self._bar.stop()
 
 
+def _row_step(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def truncate_metrics(path: Path, after_step: int) -> None:
-    """Drop rows with ``step > after_step`` from a metrics.jsonl (write temp, then rename)."""
+    """Drop rows with ``step > after_step`` from a metrics.jsonl (write temp, then rename).
+
+    A run killed mid-write leaves a torn last line; such unparseable rows are dropped (with a
+    warning) instead of making every resume fail.
+    """
     if not path.is_file():
         return
-    keep = [
-        line
-        for line in path.read_text().splitlines()
-        if line.strip() and json.loads(line)["step"] <= after_step
-    ]
+    keep, torn = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        step = _row_step(line)
+        if step is None:
+            torn += 1
+        elif step <= after_step:
+            keep.append(line)
+    if torn:
+        log.warning("%s: dropped %d unreadable row(s) (a write cut short)", path, torn)
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(line + "\n" for line in keep))
     tmp.replace(path)

@@ -45,6 +45,7 @@ Models from Human Preferences" (2019), section 2.2.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -174,7 +175,13 @@ class AdaptiveKLController:
         self.horizon = float(horizon)
 
     def update(self, current_kl: float, n_steps: int) -> None:
-        """Adjust ``value`` after observing ``current_kl`` over ``n_steps`` samples."""
+        """Adjust ``value`` after observing ``current_kl`` over ``n_steps`` samples.
+
+        A NaN/Inf observation is ignored: NaN would survive the clip below and poison the
+        coefficient (and every later reward) for the rest of the run.
+        """
+        if not math.isfinite(float(current_kl)):
+            return
         error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + error * n_steps / self.horizon
 

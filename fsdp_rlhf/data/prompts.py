@@ -6,12 +6,24 @@ the r-th contiguous slice. The position (epoch, batch index) is all a resume nee
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from fsdp_rlhf.config import PromptDataConfig
 from fsdp_rlhf.data.schedule import StepSchedule
 from fsdp_rlhf.errors import UserError
+
+log = logging.getLogger("fsdp_rlhf")
+
+
+def check_chat_template(tokenizer, model_path: str) -> None:
+    """One clear line, before any heavy work, when ``--apply_chat_template`` cannot work."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(
+            f"--apply_chat_template: the tokenizer of {model_path} has no chat template; "
+            "drop the flag (prompts then use --input_template) or use a chat model's tokenizer"
+        )
 
 
 @dataclass(frozen=True)
@@ -37,15 +49,36 @@ def render_prompt(value: Any, tokenizer, cfg: PromptDataConfig) -> str:
 
 
 def tokenize_prompts(rows, tokenizer, cfg: PromptDataConfig) -> list[Prompt]:
-    """Render and tokenize every row; keeps the last ``prompt_max_len`` tokens of long prompts."""
+    """Render and tokenize every row; keeps the last ``prompt_max_len`` tokens of long prompts.
+
+    Empty prompts are dropped. Both cases are counted and logged: silently cut prompts (a
+    lost instruction at the start) are a common cause of puzzling rewards.
+    """
     out = []
+    truncated = dropped = 0
     for row in rows:
         text = render_prompt(row[cfg.input_key], tokenizer, cfg)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if not ids:
+            dropped += 1
             continue
+        truncated += len(ids) > cfg.prompt_max_len
         label = row[cfg.label_key] if cfg.label_key else None
         out.append(Prompt(ids=ids[-cfg.prompt_max_len :], text=text, label=label))
+    log.info(
+        "prompts: %d kept, %d truncated from the left to --prompt_max_len %d, %d empty dropped",
+        len(out),
+        truncated,
+        cfg.prompt_max_len,
+        dropped,
+    )
+    if truncated:
+        log.warning(
+            "%d of %d prompts are longer than --prompt_max_len %d and lose their beginning",
+            truncated,
+            len(out),
+            cfg.prompt_max_len,
+        )
     return out
 
 
@@ -76,6 +109,16 @@ class PromptSampler:
             self.epoch, self.index = self.epoch + 1, 0
         self.index += 1
         return self.schedule.rank_indices(self.epoch, self.index - 1)
+
+    def rewind(self) -> None:
+        """Undo the last :meth:`next_indices`: a step abandoned before its update (stop signal)
+        is redone after the resume, so the checkpoint must point back at its prompts."""
+        if self.index == 0:
+            raise RuntimeError("rewind() without a preceding next_indices()")
+        self.index -= 1
+        if self.index == 0 and self.epoch > 0:
+            # next_indices() wraps lazily: the position (e, n) and (e + 1, 0) are the same step
+            self.epoch, self.index = self.epoch - 1, self.batches_per_epoch
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "index": self.index}

@@ -9,10 +9,14 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,9 @@ def device_for(local_rank: int) -> torch.device:
 
 def init_distributed(timeout_min: int = 60) -> DistEnv:
     """Initialise (or reuse) the default process group: nccl on CUDA, gloo on CPU.
+
+    ``timeout_min`` (``--dist_timeout_min``) bounds how long a collective waits for a rank that
+    never arrives (a crashed or hung peer) before the job fails instead of hanging.
 
     NOTE: this must run before any vLLM engine is built. vLLM with ``external_launcher`` reuses an
     existing group; built first with tp=1 on 2 ranks it creates a world-size-1 group with rank 1
@@ -129,3 +136,32 @@ def broadcast_object(obj, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+class PeerFailure(RuntimeError):
+    """Raised on the ranks whose own part worked when another rank's part failed."""
+
+
+def run_and_agree(fn: Callable[[], T], what: str, *, only_rank0: bool = False) -> T | None:
+    """Collective: run ``fn`` (on rank 0 only, or on every rank), then agree on the outcome.
+
+    One all-reduce tells every rank whether it failed anywhere. The rank that failed re-raises
+    its own exception; the others raise :class:`PeerFailure` at once instead of waiting at
+    the next barrier until the process-group timeout (60 minutes by default) ends the job.
+    Returns ``fn``'s result (None on ranks that did not run it).
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    error: BaseException | None = None
+    result = None
+    if not only_rank0 or rank == 0:
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the others know
+            error = e
+    failed = all_reduce_scalars({"failed": float(error is not None)}, op="max")["failed"] > 0
+    if error is not None:
+        raise error
+    if failed:
+        where = "rank 0" if only_rank0 else "another rank"
+        raise PeerFailure(f"{what} failed on {where}; its log has the error")
+    return result

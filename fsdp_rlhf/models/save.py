@@ -1,17 +1,28 @@
-"""Export FSDP2 models as HF folders, atomically (temp folder, then rename)."""
+"""Export FSDP2 models as HF folders, atomically (temp folder, then rename).
+
+Rank 0 writes ``<save_path>.tmp-<pid>``, moves the old folder aside as ``<save_path>.old-<pid>``
+and renames the new one into place. A crash between those steps leaves the sibling folders
+behind (possibly holding the run's checkpoints and logs, which are carried into the new
+folder); :func:`recover_interrupted_export` puts everything back at the next start.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 from torch import nn
 
-from fsdp_rlhf.distributed.env import barrier
+from fsdp_rlhf.distributed.env import run_and_agree
 from fsdp_rlhf.distributed.fsdp import gather_full_state_dict
+from fsdp_rlhf.errors import UserError
+
+log = logging.getLogger("fsdp_rlhf")
 
 
 def save_hf_model(
@@ -27,11 +38,9 @@ def save_hf_model(
     an existing ``save_path`` is replaced only after everything is written.
     """
     state = gather_full_state_dict(model)
-    rank = dist.get_rank() if dist.is_initialized() else 0
     final = Path(save_path)
-    if rank == 0:
-        import os
 
+    def write() -> None:
         tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -49,8 +58,47 @@ def save_hf_model(
             final.rename(old)
         tmp.rename(final)
         shutil.rmtree(old, ignore_errors=True)
-    barrier()
+
+    # Every rank learns whether rank 0's write worked: on failure they stop with a clear
+    # message instead of waiting at a barrier until the process-group timeout.
+    run_and_agree(write, f"saving the model to {final}", only_rank0=True)
     return final
+
+
+def _siblings(final: Path, kind: str) -> list[Path]:
+    pattern = re.compile(rf"^{re.escape(final.name)}\.{kind}-(\d+)$")
+    if not final.parent.is_dir():
+        return []
+    return sorted(p for p in final.parent.iterdir() if pattern.match(p.name) and p.is_dir())
+
+
+def recover_interrupted_export(save_path: str | Path) -> list[Path]:
+    """Undo what a crash inside :func:`save_hf_model` left behind; returns the folders handled.
+
+    Call on one process (rank 0) before anything reads ``save_path`` or a checkpoint under it.
+    An ``.old-<pid>`` folder whose replacement never arrived becomes ``save_path`` again; run
+    files (checkpoints, logs) already carried into a ``.tmp-<pid>`` or ``.old-<pid>`` folder go
+    back into ``save_path``; then the leftovers are deleted.
+    """
+    final = Path(save_path)
+    if not final.name:
+        return []
+    handled = []
+    for old in _siblings(final, "old"):
+        if not final.exists():
+            old.rename(final)
+        else:
+            _carry_over(old, final)
+            shutil.rmtree(old, ignore_errors=True)
+        handled.append(old)
+    for tmp in _siblings(final, "tmp"):
+        final.mkdir(parents=True, exist_ok=True)
+        _carry_over(tmp, final)
+        shutil.rmtree(tmp, ignore_errors=True)
+        handled.append(tmp)
+    for p in handled:
+        log.warning("removed %s, left by an interrupted model export", p)
+    return handled
 
 
 _MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".index.json", ".model", ".tiktoken")
@@ -71,6 +119,54 @@ def _is_model_file(name: str) -> bool:
     return (
         name in _MODEL_FILES or name.startswith("tokenizer") or name.endswith(_MODEL_FILE_SUFFIXES)
     )
+
+
+_OUR_MARKERS = ("config.yaml", "metrics.jsonl")
+
+
+def check_save_path(save_path: str, *, other_paths: dict[str, str | None]) -> None:
+    """Fail before training if the final export into ``save_path`` could not work.
+
+    The export renames a sibling temp folder onto ``save_path``, so ``save_path`` must have a
+    name and a writable parent, and must not be the working directory, a mount point or an
+    input model (which the export would replace). An existing non-empty folder is accepted only
+    if an earlier fsdp-rlhf run owns it (its ``config.yaml`` or ``metrics.jsonl``).
+    ``other_paths``: flag -> path of models the run reads (``--pretrain`` ...).
+    """
+    if not save_path:
+        raise UserError("--save_path is required")
+    p = Path(save_path)
+    resolved = p.resolve()
+    why = None
+    if not p.name or Path.cwd().resolve().is_relative_to(resolved):
+        why = "is the current directory or one of its parents"
+    elif os.path.ismount(resolved):
+        why = "is a mount point"
+    elif p.is_file():
+        why = "is a file"
+    if why:
+        raise UserError(
+            f"--save_path {save_path}: {why}; the model is written beside it and renamed into "
+            f"place, so name a folder inside it, e.g. {p / 'model'}"
+        )
+    for flag, other in other_paths.items():
+        if other and Path(other).resolve() == resolved:
+            raise UserError(f"--save_path {save_path}: is {flag}; the export would replace it")
+    parent = resolved.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"--save_path {save_path}: {parent} is not writable")
+    # Leftovers of an interrupted export mean rank 0 may be restoring the folder right now
+    # (other ranks run this check concurrently): it is ours then.
+    recovering = _siblings(p, "tmp") or _siblings(p, "old")
+    ours = recovering or any((p / m).exists() for m in _OUR_MARKERS)
+    if p.is_dir() and any(p.iterdir()) and not ours:
+        sample = sorted(e.name for e in p.iterdir())[:3]
+        raise UserError(
+            f"--save_path {save_path}: an existing folder not written by fsdp-rlhf (holds "
+            f"{', '.join(sample)}); its model files would be replaced. Pick a new folder"
+        )
 
 
 def _carry_over(old: Path, new: Path) -> None:

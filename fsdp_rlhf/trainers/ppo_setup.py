@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from fsdp_rlhf.config import PPOBatchPlan, PPOConfig, plan_ppo_batches
-from fsdp_rlhf.data.prompts import Prompt, tokenize_prompts
+from fsdp_rlhf.data.prompts import Prompt, check_chat_template, tokenize_prompts
 from fsdp_rlhf.distributed.env import DistEnv
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.models.compile import check_compile_toolchain
@@ -25,12 +25,14 @@ from fsdp_rlhf.models.load import (
     check_model_path,
     load_causal_lm,
     load_scalar_model,
+    load_tokenizer,
     reward_normalization,
 )
+from fsdp_rlhf.models.save import check_save_path, recover_interrupted_export
 from fsdp_rlhf.optim import build_optimizer, build_scheduler
 from fsdp_rlhf.rollout import HFEngine, RolloutEngine, build_rollout_groups
 from fsdp_rlhf.trainers.common import log_startup, prepare_model
-from fsdp_rlhf.trainers.rule_reward import RewardFn, build_rule_reward
+from fsdp_rlhf.trainers.rule_reward import RewardFn, auth_headers, build_rule_reward
 
 log = logging.getLogger("fsdp_rlhf")
 
@@ -58,6 +60,40 @@ def _check_world(cfg: PPOConfig, world_size: int) -> None:
         )
 
 
+def _check_rewards(cfg: PPOConfig) -> None:
+    """Reward sources: paths, normalisation statistics, the rule reward and its token."""
+    m = cfg.models
+    if not m.reward_pretrain and not m.remote_rm_url:
+        raise UserError("no reward source: pass --reward_pretrain and/or --remote_rm_url")
+    if m.reward_pretrain:
+        check_model_path(m.reward_pretrain, "--reward_pretrain")
+        if m.normalize_reward and reward_normalization(m.reward_pretrain) is None:
+            raise UserError(
+                f"--normalize_reward: {m.reward_pretrain}/config.json has no reward_mean/"
+                "reward_std (fsdp-rlhf train-rm writes them); drop the flag or add them"
+            )
+    url = m.remote_rm_url
+    if url and url.endswith(".py") and not os.path.isfile(url):
+        raise UserError(f"--remote_rm_url {url}: no such file")
+    if m.remote_rm_auth_env:
+        if not (url or "").startswith(("http://", "https://")):
+            raise UserError("--remote_rm_auth_env applies only to an http(s) --remote_rm_url")
+        auth_headers(m.remote_rm_auth_env)  # raises when the variable is unset
+
+
+def _check_outputs(cfg: PPOConfig) -> None:
+    """The final export must be able to land in --save_path (it is renamed into place)."""
+    m = cfg.models
+    inputs = {"--pretrain": m.pretrain, "--reward_pretrain": m.reward_pretrain}
+    check_save_path(
+        cfg.ckpt.save_path, other_paths={**inputs, "--critic_pretrain": m.critic_pretrain}
+    )
+    # Before anything reads checkpoints under save_path: put back what a crash mid-export
+    # moved aside. Rank 0 only, and it finishes before joining the process group.
+    if os.environ.get("RANK", "0") == "0":
+        recover_interrupted_export(cfg.ckpt.save_path)
+
+
 def preflight(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any]:
     """Validate flags, paths, data and sizes. Returns the batch plan and the raw prompt rows."""
     from fsdp_rlhf.data.sources import check_keys, load_sources
@@ -68,16 +104,14 @@ def preflight(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any]:
     check_model_path(m.pretrain, "--pretrain")
     if cfg.backend.torch_compile:
         check_compile_toolchain()
-    if not m.reward_pretrain and not m.remote_rm_url:
-        raise UserError("no reward source: pass --reward_pretrain and/or --remote_rm_url")
-    if m.reward_pretrain:
-        check_model_path(m.reward_pretrain, "--reward_pretrain")
+    _check_rewards(cfg)
     if m.critic_pretrain:
         check_model_path(m.critic_pretrain, "--critic_pretrain")
     if uses_critic(cfg) and not critic_path(cfg):
         raise UserError("--advantage_estimator gae needs a critic: pass --critic_pretrain")
-    if m.remote_rm_url and m.remote_rm_url.endswith(".py") and not os.path.isfile(m.remote_rm_url):
-        raise UserError(f"--remote_rm_url {m.remote_rm_url}: no such file")
+    _check_outputs(cfg)
+    if cfg.data.apply_chat_template:
+        check_chat_template(load_tokenizer(m.pretrain, cfg.backend.trust_remote_code), m.pretrain)
     if not cfg.data.prompt_data:
         raise UserError("--prompt_data is required")
     rows = load_sources(

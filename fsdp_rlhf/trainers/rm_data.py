@@ -8,6 +8,7 @@ before any collective could leave a rank waiting, and before any model is loaded
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,10 +17,12 @@ import datasets
 
 from fsdp_rlhf.config import RMBatchPlan, RMConfig
 from fsdp_rlhf.data.preference import hold_out, tokenize_pairs
+from fsdp_rlhf.data.prompts import check_chat_template
 from fsdp_rlhf.data.sources import load_sources
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.models.compile import check_compile_toolchain
 from fsdp_rlhf.models.load import check_model_path, load_tokenizer
+from fsdp_rlhf.models.save import check_save_path, recover_interrupted_export
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,10 @@ def check_paths(cfg: RMConfig) -> None:
         raise UserError("--save_path is required")
     if Path(cfg.ckpt.save_path).is_file():
         raise UserError(f"--save_path {cfg.ckpt.save_path}: is a file, expected a folder")
+    # The final export renames into save_path: fail now, not after training, if it cannot.
+    check_save_path(cfg.ckpt.save_path, other_paths={"--pretrain": cfg.model.pretrain})
+    if os.environ.get("RANK", "0") == "0":  # before any rank looks for checkpoints
+        recover_interrupted_export(cfg.ckpt.save_path)
     d = cfg.data
     if d.input_template is not None and "{}" not in d.input_template:
         raise UserError(f"--input_template {d.input_template!r}: must contain {{}} for the prompt")
@@ -76,6 +83,8 @@ def prepare_rm_data(cfg: RMConfig, plan: RMBatchPlan) -> RMData:
             d.eval_dataset, None, flag_name="--eval_dataset", split="test", **common
         )
     tokenizer = load_tokenizer(cfg.model.pretrain, cfg.backend.trust_remote_code)
+    if d.apply_chat_template:
+        check_chat_template(tokenizer, cfg.model.pretrain)
     train, _ = tokenize_pairs(train_raw, tokenizer, d, what="train")
     if eval_raw is None:
         train, eval_pairs = hold_out(train, cfg.seed)

@@ -50,10 +50,16 @@ PPO_PATHS = {
 }
 
 
-def rm_seed_flags(p: dict[str, str] = RM_PATHS) -> list[str]:
-    """The training flags of the seed's RM launch script (sections 1.3/1.5), in order."""
+# Periodic checkpoints (issue #19): the launchers save every SAVE_STEPS steps (default 20) where
+# the seed's RM script had --save_steps -1, so a crash loses at most that many steps.
+SAVE_STEPS = "20"
+
+
+def rm_seed_flags(p: dict[str, str] = RM_PATHS, save_steps: str = SAVE_STEPS) -> list[str]:
+    """The training flags of the seed's RM launch script (sections 1.3/1.5), in order, with
+    periodic checkpoints in place of its ``--save_steps -1``."""
     return shlex.split(
-        f"--save_path {p['SAVE_PATH']} --save_steps -1 --logging_steps 1 --eval_steps -1"
+        f"--save_path {p['SAVE_PATH']} --save_steps {save_steps} --logging_steps 1 --eval_steps -1"
         f" --train_batch_size 128 --micro_train_batch_size 1 --pretrain {p['SFT_MODEL_PATH']}"
         " --bf16 --max_epochs 1 --max_len 2048 --zero_stage 3 --learning_rate 9e-6"
         f" --dataset {p['DATASET_PATH']} --dataset_probs 1 --flash_attn"
@@ -79,8 +85,15 @@ def ppo_seed_flags(
     )
 
 
+def ckpt_flags(save_path: str) -> list[str]:
+    return ["--ckpt_path", save_path.rstrip("/") + "/checkpoints"]
+
+
 def resume_flags(save_path: str) -> list[str]:
-    return ["--ckpt_path", save_path.rstrip("/") + "/checkpoints", "--load_checkpoint"]
+    return [*ckpt_flags(save_path), "--load_checkpoint"]
+
+
+PPO_PERIODIC = ["--save_steps", SAVE_STEPS]  # after the seed flags, which have no --save_steps
 
 
 # ---------------------------------------------------------------- helpers
@@ -90,6 +103,7 @@ LAUNCHER_VARS = (
     "MASTER_ADDR MASTER_PORT WORLD_SIZE RANK GPUS_PER_NODE VLLM_TENSOR_PARALLEL_SIZE SAVE_PATH"
     " CKPT_PATH SFT_MODEL_PATH REWARD_MODEL_PATH DATASET_PATH TENSORBOARD_PATH"
     " AIHC_TENSORBOARD_LOG_PATH NCCL_SOCKET_IFNAME NCCL_IB_HCA NCCL_IB_GID_INDEX DRY_RUN"
+    " GLOO_SOCKET_IFNAME TORCH_ELASTIC_SHUTDOWN_TIMEOUT SAVE_STEPS"
 ).split()
 
 
@@ -199,7 +213,8 @@ from pathlib import Path
 
 out = Path(os.environ["FAKE_OUT"])
 if os.environ.get("FAKE_TORCHRUN") == "dump":
-    env = {{k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}
+    prefixes = ("NCCL_", "GLOO_", "TORCH_ELASTIC_")
+    env = {{k: v for k, v in os.environ.items() if k.startswith(prefixes)}}
     (out / "torchrun.json").write_text(json.dumps({{"argv": sys.argv[1:], "env": env}}))
     sys.exit(0)
 rank = subprocess.Popen([sys.executable, {worker!r}])
@@ -668,7 +683,7 @@ def test_configmap_launch_script(cmd: str, tmp_path: Path):
     gpus = limits["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
     assert opt(launcher, "--nproc_per_node") == str(gpus)
     if cmd == "ppo":
-        expected = ppo_seed_flags(nnodes=2, gpus=8, tp=1, engines=16)
+        expected = ppo_seed_flags(nnodes=2, gpus=8, tp=1, engines=16) + PPO_PERIODIC
         expected += resume_flags(PPO_PATHS["SAVE_PATH"])
     else:
         expected = rm_seed_flags() + resume_flags(RM_PATHS["SAVE_PATH"])
@@ -703,11 +718,15 @@ def sbatch_directives(path: Path) -> list[str]:
     return lines
 
 
+SIGNAL_LEAD_S = {"train-rm": 300, "ppo": 600}
+
+
 @pytest.mark.parametrize("cmd", SBATCH)
 def test_sbatch_directives(cmd: str):
     directives = sbatch_directives(SBATCH[cmd])
     # B: sends the signal to the batch shell, whose trap forwards it to srun and then requeues.
-    assert "--signal=B:USR1@120" in directives
+    # The lead time covers finishing a step and writing a checkpoint (a PPO step is longer).
+    assert f"--signal=B:USR1@{SIGNAL_LEAD_S[cmd]}" in directives
     assert "--requeue" in directives
     assert "--ntasks-per-node=1" in directives
     assert "--output=logs/%x-%j.out" in directives and "--error=logs/%x-%j.err" in directives
@@ -735,7 +754,7 @@ def test_sbatch_renders_torchrun_for_two_nodes(cmd: str, fakes):
     save = (PPO_PATHS if cmd == "ppo" else RM_PATHS)["SAVE_PATH"]
     assert flags[-2:] == ["--seed", "7"]  # extra sbatch arguments come last
     if cmd == "ppo":
-        expected = ppo_seed_flags(nnodes=2, gpus=8, tp=1, engines=16)
+        expected = ppo_seed_flags(nnodes=2, gpus=8, tp=1, engines=16) + PPO_PERIODIC
     else:
         expected = rm_seed_flags()
     assert flags[:-2] == expected + resume_flags(save)
@@ -801,7 +820,7 @@ def test_cmd_train_rm_flags_match_seed():
         "torchrun --nproc_per_node 8 --nnodes 1 --node_rank 0"
         " --master_addr 127.0.0.1 --master_port 29500"
     )
-    assert flags == rm_seed_flags()
+    assert flags == rm_seed_flags() + ckpt_flags(RM_PATHS["SAVE_PATH"])
 
 
 def test_cmd_ppo_flags_match_seed():
@@ -821,7 +840,8 @@ def test_cmd_ppo_flags_match_seed():
         "torchrun --nproc_per_node 8 --nnodes 1 --node_rank 0"
         " --master_addr 127.0.0.1 --master_port 29500"
     )
-    assert flags == ppo_seed_flags(nnodes=1, gpus=8, tp=1, engines=8)
+    expected = ppo_seed_flags(nnodes=1, gpus=8, tp=1, engines=8) + PPO_PERIODIC
+    assert flags == expected + ckpt_flags(PPO_PATHS["SAVE_PATH"])
 
 
 def test_cmd_ppo_multinode_env():
@@ -844,10 +864,8 @@ def test_cmd_ppo_multinode_env():
         " --master_addr 10.0.0.1 --master_port 23456"
     )
     paths = {**PPO_PATHS, "SAVE_PATH": "/x/out", "TENSORBOARD_PATH": "/x/tb"}
-    assert flags == ppo_seed_flags(nnodes=2, gpus=4, tp=2, engines=4, p=paths) + [
-        "--max_samples",
-        "10",
-    ]
+    expected = ppo_seed_flags(nnodes=2, gpus=4, tp=2, engines=4, p=paths) + PPO_PERIODIC
+    assert flags == expected + ckpt_flags("/x/out") + ["--max_samples", "10"]
 
 
 def test_cmd_ppo_rejects_indivisible_tp():
@@ -866,8 +884,10 @@ def test_cmd_runs_torchrun_with_nccl_env(cmd: str, fakes):
     dump = json.loads((out / "torchrun.json").read_text())
     assert dump["env"] == {
         "NCCL_SOCKET_IFNAME": "eth0",
+        "GLOO_SOCKET_IFNAME": "eth0",  # gloo crosses nodes too (vLLM CPU groups, prompts)
         "NCCL_IB_HCA": "mlx5_0,mlx5_1",
         "NCCL_IB_GID_INDEX": "3",
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "300",
     }
     _, sub, flags = split_at_cli(["torchrun", *dump["argv"]])
     assert sub == cmd and flags[-2:] == ["--seed", "1"]
@@ -898,3 +918,59 @@ def test_rendered_flags_parse_with_the_cli(tmp_path: Path, fakes):
     for sub, flags in rendered:
         cfg, _ = build_config(PPOConfig if sub == "ppo" else RMConfig, flags)
         assert cfg.ckpt.load_checkpoint == ("--load_checkpoint" in flags)
+
+
+# ---------------------------------------------------------------- failure handling (issue #19)
+
+
+def _all_rendered(tmp_path: Path, fakes, **env: str) -> dict[str, list[str]]:
+    bin_dir, out = fakes
+    argvs = {f"cmd/{c}": dry_run(CMD_SCRIPTS[c], **env) for c in CMD_SCRIPTS}
+    for c in MANIFESTS:
+        argvs[f"k8s/{c}"] = dry_run(launch_script(MANIFESTS[c], tmp_path), **env)
+    for c in SBATCH:
+        res = run_script(SBATCH[c], slurm_env(bin_dir, out, DRY_RUN="1", **env))
+        assert res.returncode == 0, res.stderr
+        argvs[f"slurm/{c}"] = shlex.split(res.stdout)
+    return {name: split_at_cli(a)[2] for name, a in argvs.items()}
+
+
+def test_every_launcher_saves_periodically(tmp_path: Path, fakes):
+    for name, flags in _all_rendered(tmp_path, fakes).items():
+        assert opt(flags, "--save_steps") == "20", name
+        assert opt(flags, "--ckpt_path").endswith("/checkpoints"), name
+    for name, flags in _all_rendered(tmp_path, fakes, SAVE_STEPS="5").items():
+        assert opt(flags, "--save_steps") == "5", name
+
+
+def test_no_launcher_pins_vllm_sleep_level_1(tmp_path: Path, fakes):
+    """Level 1 keeps a CPU copy of the weights per engine; the launchers leave the default."""
+    for name, flags in _all_rendered(tmp_path, fakes).items():
+        assert "--vllm_sleep_level" not in flags, name
+
+
+def _script_default(text: str, var: str) -> int:
+    import re
+
+    m = re.search(rf"{var}=\${{{var}:-(\d+)}}", text)
+    assert m, f"{var} has no default"
+    return int(m.group(1))
+
+
+@pytest.mark.parametrize("cmd", MANIFESTS)
+def test_k8s_grace_period_covers_torchrun_shutdown(cmd: str):
+    docs = load_manifest(MANIFESTS[cmd])
+    (cm,) = configmaps(docs).values()
+    shutdown = _script_default(cm["data"]["launch.sh"], "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    assert "GLOO_SOCKET_IFNAME" in cm["data"]["launch.sh"]
+    for replica in pytorchjob(docs)["spec"]["pytorchReplicaSpecs"].values():
+        grace = replica["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert grace > shutdown >= 300, (grace, shutdown)
+
+
+@pytest.mark.parametrize("cmd", SBATCH)
+def test_sbatch_signal_lead_covers_torchrun_shutdown(cmd: str):
+    text = SBATCH[cmd].read_text()
+    shutdown = _script_default(text, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    assert shutdown == SIGNAL_LEAD_S[cmd]
+    assert "GLOO_SOCKET_IFNAME" in text

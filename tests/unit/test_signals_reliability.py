@@ -1,0 +1,42 @@
+"""Stop-window helpers: when the stop signal came, how long saves take against the window."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+
+from fsdp_rlhf.distributed.signals import GracefulStop, SaveTimer, stop_window_s
+
+
+def test_seconds_since_signal():
+    with GracefulStop() as stop:
+        assert stop.seconds_since_signal() is None
+        signal.raise_signal(signal.SIGUSR1)
+        first = stop.seconds_since_signal()
+        time.sleep(0.02)
+        signal.raise_signal(signal.SIGTERM)  # a repeat does not restart the clock
+        assert first is not None and stop.seconds_since_signal() >= first + 0.015
+
+
+def test_stop_window_from_environment(monkeypatch):
+    monkeypatch.delenv("FSDP_RLHF_STOP_WINDOW_S", raising=False)
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    assert stop_window_s() is None
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "300")
+    assert stop_window_s() == 300.0
+    monkeypatch.setenv("FSDP_RLHF_STOP_WINDOW_S", "120")
+    assert stop_window_s() == 120.0
+
+
+def test_save_timer_warns_when_a_save_would_not_fit(caplog):
+    timer = SaveTimer(window_s=0.02)
+    with caplog.at_level(logging.WARNING, logger="fsdp_rlhf"), timer():
+        time.sleep(0.03)
+    assert "checkpoint took" in caplog.text and "SIGKILL" in caplog.text
+    assert timer.metrics()["timing/save_checkpoint"] >= 0.03
+    caplog.clear()
+    quiet = SaveTimer(window_s=100)
+    with caplog.at_level(logging.WARNING, logger="fsdp_rlhf"), quiet():
+        pass
+    assert caplog.text == "" and quiet.max_s < 1
