@@ -14,7 +14,7 @@ from fsdp_rlhf.algorithms import FixedKLController
 from fsdp_rlhf.config import PPOAlgoConfig
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.trainers.experience import Experience, truncated
-from fsdp_rlhf.trainers.ppo_rewards import compute_advantages, observe_kl
+from fsdp_rlhf.trainers.ppo_rewards import add_overlong_penalty, compute_advantages, observe_kl
 from fsdp_rlhf.trainers.ppo_update import reuse_update_logprobs
 from fsdp_rlhf.trainers.rule_reward import build_rule_reward, http_reward
 
@@ -47,13 +47,12 @@ def test_every_estimator_fills_masked_advantages_and_returns(estimator, kl_in_lo
     for t in (exp.rewards, exp.advantages, exp.returns):
         assert t.shape == exp.response_mask.shape and torch.isfinite(t).all()
         assert (t[exp.response_mask == 0] == 0).all()
-    assert out["actor/kl"] == pytest.approx(
-        float(
-            ((exp.old_logprobs - exp.ref_logprobs) * exp.response_mask).sum()
-            / exp.response_mask.sum()
-        ),
-        rel=1e-5,
-    )
+    # the mean of per-sequence token means (not the token mean: rows differ in length)
+    per_token = (exp.old_logprobs - exp.ref_logprobs) * exp.response_mask
+    per_seq = per_token.sum(1) / exp.response_mask.sum(1)
+    assert out["actor/kl"] == pytest.approx(float(per_seq.mean()), rel=1e-5)
+    token_mean = float(per_token.sum() / exp.response_mask.sum())
+    assert out["actor/kl"] != pytest.approx(token_mean, rel=1e-3)
     # The score lands on the last response token; KL only when it belongs in the reward.
     last = exp.response_mask.sum(1).long() - 1
     penalty = -0.1 * (exp.old_logprobs - exp.ref_logprobs) * (0.0 if kl_in_loss else 1.0)
@@ -98,6 +97,7 @@ def _experience_without_old() -> Experience:
         ({"use_kl_loss": False, "init_kl_coef": 0.0}, True),
         ({"kl_target": 0.1}, False),  # adaptive coefficient is set before the update
         ({"actor_frozen": True}, False),
+        ({"bypass": True}, False),  # the engine's log-probs are the old ones
     ],
 )
 def test_old_logprobs_come_from_the_update_only_when_exact(change, reuses):
@@ -107,9 +107,22 @@ def test_old_logprobs_come_from_the_update_only_when_exact(change, reuses):
         init_kl_coef=change.get("init_kl_coef", 0.01),
         kl_target=change.get("kl_target"),
         ppo_epochs=change.get("ppo_epochs", 1),
+        use_rollout_logprobs_as_old=change.get("bypass", False),
     )
     steps = change.get("steps", 1)
     assert reuse_update_logprobs(algo, steps, not change.get("actor_frozen", False)) is reuses
+
+
+def test_overlong_penalty_joins_the_scores_only_when_asked():
+    exp = _experience(n_prompts=1, n=4, T=8)
+    exp.response_mask = (torch.arange(8) < torch.tensor([[2], [5], [6], [8]])).float()
+    exp.scores = torch.zeros(4)
+    add_overlong_penalty(exp, PPOAlgoConfig(), max_len=8)
+    assert exp.scores.tolist() == [0.0, 0.0, 0.0, 0.0]
+    algo = PPOAlgoConfig(overlong_buffer_len=4, overlong_penalty_factor=2.0)
+    add_overlong_penalty(exp, algo, max_len=8)
+    # free up to 8 - 4 = 4 tokens, then -2 * (L - 4) / 4
+    assert exp.scores.tolist() == pytest.approx([0.0, -0.5, -1.0, -2.0])
 
 
 def test_truncated_flags():
