@@ -98,7 +98,13 @@ def grpo_flags(model: str, data: Path, save: Path, steps: int) -> list[str]:
 
 def test_rule_reward_rises_and_sigterm_resume_reproduces(tiny_qwen2, ppo_data, tmp_path):
     steps, kill_at = 14, 6
-    full = torchrun(["ppo", *grpo_flags(tiny_qwen2, ppo_data, tmp_path / "full", steps)])
+
+    def flags(save: Path) -> list[str]:
+        # icepop masks tokens whose trainer/engine ratio leaves [0.5, 5]; after every weight
+        # sync the fp32 engine must agree with the trainer, so it should mask nothing
+        return [*grpo_flags(tiny_qwen2, ppo_data, save, steps), "--is_correction", "icepop"]
+
+    full = torchrun(["ppo", *flags(tmp_path / "full")])
     assert full.returncode == 0, full.stderr[-3000:]
     rows = read_metrics(tmp_path / "full")
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
@@ -109,16 +115,21 @@ def test_rule_reward_rises_and_sigterm_resume_reproduces(tiny_qwen2, ppo_data, t
     assert "timing/old_log_p" not in rows[-1]
     assert rows[-1]["actor/ppo_kl"] == 0.0 and rows[-1]["rollout/logprob_diff/mean"] < 0.05
     assert all(r["actor/kl"] > 0 for r in rows[1:])
+    # no drift between the trainer and the engine at any step, though the weights move
+    for r in rows:
+        assert r["rollout/logprob_diff/max"] < 1e-3, r["step"]
+        assert r["rollout_corr/mismatch_abs_diff_max"] < 1e-3, r["step"]
+        assert abs(r["rollout/mismatch_kl"]) < 1e-6 and r["rollout_corr/is_masked_frac"] == 0
 
     # Preempted at step 6 (each rank's reward function sends itself SIGTERM), then resumed.
     save = tmp_path / "preempted"
     env = {"TEST_SIGTERM_AT_CALL": str(kill_at)}
-    cut = torchrun(["ppo", *grpo_flags(tiny_qwen2, ppo_data, save, steps)], env=env)
+    cut = torchrun(["ppo", *flags(save)], env=env)
     assert cut.returncode == 0, cut.stderr[-3000:]
     assert [r["step"] for r in read_metrics(save)] == list(range(1, kill_at + 1))
     assert (save / "ckpt" / f"step_{kill_at}" / "COMPLETE").is_file()
     assert not (save / "model.safetensors").exists()  # preempted: no final model
-    resumed = torchrun(["ppo", *grpo_flags(tiny_qwen2, ppo_data, save, steps), "--load_checkpoint"])
+    resumed = torchrun(["ppo", *flags(save), "--load_checkpoint"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     after = {r["step"]: r for r in read_metrics(save) if r["step"] > kill_at}
     assert sorted(after) == list(range(kill_at + 1, steps + 1))
