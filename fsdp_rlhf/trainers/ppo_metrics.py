@@ -37,17 +37,18 @@ class StatCollector:
         self.mins[name] = float(picked.min()) if picked.numel() else float("inf")
 
     def add_mean(self, name: str, values: torch.Tensor) -> None:
-        """Only ``name`` itself: the global mean of ``values``."""
-        self.sums[f"{name}/sum"] = float(values.detach().float().sum())
-        self.sums[f"{name}/count"] = float(values.numel())
-        self.means.append(name)
+        """Only ``name`` itself: the global mean of ``values``. Repeated calls accumulate (the
+        rounds of dynamic sampling each report their responses)."""
+        total, count = float(values.detach().float().sum()), float(values.numel())
+        self.add_weighted_mean(name, total / count if count else 0.0, count)
 
     def add_weighted_mean(self, name: str, local_mean: float, weight: float) -> None:
         """Only ``name``: the global mean of per-rank means weighted by ``weight`` (their
         token counts, say), i.e. the mean over every rank's entries."""
-        self.sums[f"{name}/sum"] = local_mean * weight
-        self.sums[f"{name}/count"] = weight
-        self.means.append(name)
+        self.sums[f"{name}/sum"] = self.sums.get(f"{name}/sum", 0.0) + local_mean * weight
+        self.sums[f"{name}/count"] = self.sums.get(f"{name}/count", 0.0) + weight
+        if name not in self.means:
+            self.means.append(name)
 
     def reduce(self) -> dict[str, float]:
         sums = all_reduce_scalars(self.sums, "sum")

@@ -197,6 +197,8 @@ def test_stat_collector_mean_only_entry():
     stats.add("response_length", torch.tensor([3.0, 5.0]))
     out = stats.reduce()
     assert out["response_length/clip_ratio"] == 0.25
+    stats.add_mean("response_length/clip_ratio", truncated(["length"] * 4))  # a second round
+    assert stats.reduce()["response_length/clip_ratio"] == 5 / 8
     assert out["response_length/mean"] == 4.0
     assert not any(k.startswith("response_length/clip_ratio/") for k in out)
 
