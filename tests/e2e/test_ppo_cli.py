@@ -337,6 +337,7 @@ def test_seed_flag_set_with_trained_reward_model(tiny_qwen2, trained_rm, ppo_dat
         ({"--rollout_batch_size": "15"}, "rollout_batch_size"),
         ({"--pretrain": "/nonexistent/model"}, "--pretrain /nonexistent/model"),
         ({"--num_nodes": "3"}, "--num_nodes"),
+        ({"--eval_dataset": "/nonexistent/eval.jsonl"}, "--eval_dataset"),
     ],
 )
 def test_bad_input_one_line_before_heavy_work(tiny_qwen2, ppo_data, tmp_path, change, message):

@@ -217,3 +217,14 @@ def test_rollout_tps_always_and_vllm_tps_only_when_vllm_generated(engine):
     # (6 + 4) tokens x 8 samples / 2 ranks / seconds
     assert out["e2e_tps"] == 10.0 and out["update_tps"] == 40.0 and out["rollout_tps"] == 20.0
     assert ("vllm_tps" in out) is (engine == "vllm")
+
+
+def test_running_averages_take_the_max_of_max_entries():
+    from fsdp_rlhf.trainers.ppo_metrics import RunningAverages
+
+    avg = RunningAverages()
+    avg.add({"rollout_corr/mismatch_abs_diff": 0.1, "rollout_corr/mismatch_abs_diff_max": 0.5})
+    avg.add({"rollout_corr/mismatch_abs_diff": 0.3, "rollout_corr/mismatch_abs_diff_max": 2.0})
+    out = avg.reduce()
+    assert out["rollout_corr/mismatch_abs_diff"] == pytest.approx(0.2)
+    assert out["rollout_corr/mismatch_abs_diff_max"] == 2.0
