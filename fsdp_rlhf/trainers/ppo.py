@@ -344,7 +344,8 @@ class PPOTrainer:
         evaluator: Evaluator = self.evaluator
         metrics = evaluator.run(self.generate, self.score)
         # the phases eval ran (reward_model, resharding...) must not add to the next step's
-        # timings; its total is timing/eval
+        # timings; its total is timing/eval. (Eval also synced the new weights into the
+        # engine, so the next step's rollout skips the sync and reports no weight_sync_gbps.)
         self.timer.pop()
         if evaluator.improved(metrics):
             evaluator.save_best(
