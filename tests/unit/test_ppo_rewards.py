@@ -228,3 +228,35 @@ def test_running_averages_take_the_max_of_max_entries():
     out = avg.reduce()
     assert out["rollout_corr/mismatch_abs_diff"] == pytest.approx(0.2)
     assert out["rollout_corr/mismatch_abs_diff_max"] == 2.0
+
+
+def test_actor_loss_pieces_follow_the_correction_and_loss_flags():
+    from fsdp_rlhf.trainers.ppo_update import _correction, _policy_term
+
+    exp = _experience(n_prompts=1, n=4, T=6)
+    exp.advantages = torch.ones_like(exp.response_mask)
+    exp.engine_logprobs = exp.old_logprobs - 1.0 * exp.response_mask  # ratio e on valid tokens
+    current = exp.old_logprobs.clone().requires_grad_(True)
+
+    weights, st = _correction(PPOAlgoConfig(), current, exp.old_logprobs, exp)
+    assert weights is None and st["rollout_corr/mismatch_abs_diff_max"] == pytest.approx(1.0)
+    tis = PPOAlgoConfig(is_correction="tis", is_truncated_threshold=(0.0, 2.0))
+    weights, st = _correction(tis, current, exp.old_logprobs, exp)
+    assert torch.allclose(weights, 2.0 * exp.response_mask)  # e clamped to 2
+    icepop = PPOAlgoConfig(is_correction="icepop", is_truncated_threshold=(0.5, 2.0))
+    weights, st = _correction(icepop, current, exp.old_logprobs, exp)
+    assert weights.sum() == 0 and st["rollout_corr/is_masked_frac"] == 1.0
+    # bypass: old == engine, so the mismatch is measured on the update's own log-probs
+    bypass = PPOAlgoConfig(use_rollout_logprobs_as_old=True)
+    _, st = _correction(bypass, current, exp.engine_logprobs, exp)
+    assert st["rollout_corr/mismatch_abs_diff_max"] == pytest.approx(1.0)
+
+    agg = dict(loss_agg="seq-mean-token-sum-norm", num_tokens=None, num_seqs=4, norm_len=6)
+    gspo = PPOAlgoConfig(policy_loss_type="gspo")
+    loss, st = _policy_term(gspo, current, exp.old_logprobs, exp, None, agg)
+    assert "actor/seq_clipfrac" in st and st["actor/seq_ratio"] == pytest.approx(1.0)
+    # ratio 1, advantage 1: loss -sum_t(1) / norm_len per row, mean over rows
+    expected = -(exp.response_mask.sum(1) / 6).mean()
+    assert float(loss.detach()) == pytest.approx(float(expected), rel=1e-5)
+    loss, st = _policy_term(PPOAlgoConfig(), current, exp.old_logprobs, exp, None, agg)
+    assert "actor/seq_clipfrac" not in st and float(loss.detach()) == pytest.approx(float(expected))
