@@ -433,8 +433,8 @@ class PPOAlgoConfig:
     )
     max_num_gen_batches: int = doc(
         0,
-        "Dynamic filtering: give up after this many generation rounds in one step (verl's "
-        "name; 0: unlimited, as OpenRLHF).",
+        "Dynamic filtering: give up after this many generation rounds in one step and fill "
+        "the batch with dropped groups (verl's name; 0: until full, capped at 32 rounds).",
     )
     overlong_buffer_len: int | None = doc(
         None,

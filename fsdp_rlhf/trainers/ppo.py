@@ -29,7 +29,7 @@ from fsdp_rlhf.distributed.offload import (
 from fsdp_rlhf.metrics import PhaseTimer
 from fsdp_rlhf.models.load import load_tokenizer
 from fsdp_rlhf.models.save import save_hf_model
-from fsdp_rlhf.rollout import SamplingConfig, sync_weights
+from fsdp_rlhf.rollout import RolloutOutput, SamplingConfig, sync_weights
 from fsdp_rlhf.trainers import common
 from fsdp_rlhf.trainers.experience import (
     Experience,
@@ -39,13 +39,20 @@ from fsdp_rlhf.trainers.experience import (
     experience_from_rollout,
     truncated,
 )
+from fsdp_rlhf.trainers.ppo_eval import Evaluator, build_evaluator
 from fsdp_rlhf.trainers.ppo_metrics import (
     StatCollector,
     collect_batch_stats,
     log_samples,
     throughput_metrics,
 )
-from fsdp_rlhf.trainers.ppo_rewards import compute_advantages, observe_kl, rule_scores
+from fsdp_rlhf.trainers.ppo_rewards import (
+    add_overlong_penalty,
+    compute_advantages,
+    observe_kl,
+    rule_scores,
+)
+from fsdp_rlhf.trainers.ppo_sampling import dynamic_sample
 from fsdp_rlhf.trainers.ppo_setup import (
     build_engine,
     build_models,
@@ -104,6 +111,7 @@ class PPOTrainer:
         self.optimizers, self.schedulers = build_optimizers(cfg, self.models, updates)
         self.update_plan = UpdatePlan.from_config(cfg, self.plan)
         self.kl_ctl = _kl_controller(cfg)
+        self.evaluator = build_evaluator(cfg, env, tokenizer)
         self.timer = PhaseTimer(env.device)
         self.state = common.Stateful()
         self.state.add(
@@ -136,12 +144,16 @@ class PPOTrainer:
     # ------------------------------------------------------------------ one step
 
     def train_step(self) -> None:
-        prompts = [self.prompts[i] for i in self.sampler.next_indices()]
-        metrics = self.run_phases(prompts)
+        metrics = self.run_phases(self.draw_prompts())
         last = self.step == self.total_steps
+        if self.evaluator is not None and self.evaluator.due(self.step, self.total_steps):
+            metrics.update(self.evaluate())
         # Every step goes to metrics.jsonl/TensorBoard; the console every logging_steps.
         console = self.step % self.cfg.logging.logging_steps == 0 or last
         self.logger.log(self.step, metrics, CONSOLE_KEYS, console=console)
+
+    def draw_prompts(self) -> list[Prompt]:
+        return [self.prompts[i] for i in self.sampler.next_indices()]
 
     def run_phases(self, prompts: list[Prompt]) -> dict[str, float]:
         stats = StatCollector()
@@ -149,10 +161,10 @@ class PPOTrainer:
             self.cfg.algo, self.plan.optimizer_steps_per_epoch, self.actor_updates
         )
         with self.timer("all"):
-            # 1. rollout: current actor weights into the engine, then sample responses
-            exp, rollout_metrics = self.rollout(prompts, stats)
-            # 2. score: reward model and/or rule reward
-            self.score(exp, prompts)
+            # 1-2. rollout (current actor weights into the engine, sample responses) and score
+            #    (reward model and/or rule reward); with --dynamic_filtering, repeated on fresh
+            #    prompts until the batch holds only groups with a learning signal
+            exp, prompts, rollout_metrics = self.sample(prompts, stats)
             # 3. reference log-probs, critic values, and the sampling policy's log-probs
             #    unless the actor update will supply them
             self.forward_old_ref_values(exp, old_logprobs=not reuse)
@@ -167,7 +179,7 @@ class PPOTrainer:
             update_metrics = self.update(exp, reuse)
             if reuse:
                 kl_metrics = observe_kl(exp, self.cfg.algo, self.kl_ctl)
-        collect_batch_stats(stats, exp)
+        collect_batch_stats(stats, exp, trainer_old_logprobs=not self.bypass)
         metrics = {**rollout_metrics, **kl_metrics, **update_metrics, **stats.reduce()}
         metrics.update(
             throughput_metrics(
@@ -184,38 +196,69 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ phases
 
-    def rollout(
+    def sample(
         self, prompts: list[Prompt], stats: StatCollector
+    ) -> tuple[Experience, list[Prompt], dict[str, float]]:
+        """Rollout and score this step's prompts (and, with --dynamic_filtering, more)."""
+
+        def generate_and_score(batch: list[Prompt], round_: int):
+            exp, metrics = self.rollout(batch, stats, round_)
+            self.score(exp, batch)
+            add_overlong_penalty(exp, self.cfg.algo, self.cfg.rollout.generate_max_len)
+            return exp, metrics
+
+        if not self.cfg.algo.dynamic_filtering:
+            exp, metrics = generate_and_score(prompts, 0)
+            return exp, prompts, metrics
+        n, pad_id = self.cfg.batch.n_samples_per_prompt, self.models.tokenizer.pad_token_id
+        return dynamic_sample(
+            prompts, self.draw_prompts, generate_and_score, self.cfg.algo, n, pad_id
+        )
+
+    def rollout(
+        self, prompts: list[Prompt], stats: StatCollector, round_: int = 0
     ) -> tuple[Experience, dict[str, float]]:
         metrics: dict[str, float] = {}
-        offload_optimizer(self.optimizers["actor"], self.env.device)
-        with self.timer("resharding_to_infer"):
-            self.engine.wake_up(["weights"])
-            if self.engine_version != self.actor_version or self.weights_discarded_by_sleep:
-                sync = sync_weights(self.models.actor, self.engine, engine_dtype(self.cfg))
-                self.engine_version = self.actor_version
-                metrics["rollout/weight_sync_gbps"] = sync.bytes_per_s / 1e9
-            self.engine.wake_up(["kv_cache"])
-        with self.timer("rollout"):
-            out = self.engine.generate([p.ids for p in prompts], self.sampling_config())
-        with self.timer("resharding_to_train"):
-            self.engine.sleep()
-            onload_optimizer(self.optimizers["actor"], self.env.device)
+        out = self.generate([p.ids for p in prompts], self.sampling_config(round_), metrics)
         exp = experience_from_rollout(out, self.env.device)
         # reduced with the step's other statistics: a collective here would make each rank
         # wait for the slowest one's generation before scoring
         stats.add_mean("response_length/clip_ratio", truncated(out.finish_reasons))
         return exp, metrics
 
-    def sampling_config(self) -> SamplingConfig:
-        # A fresh seed per step (so a resumed run samples what the uninterrupted one did); the
-        # engine derives per-request seeds from it, identical inside a TP group.
+    def generate(
+        self, prompt_ids: list[list[int]], sampling: SamplingConfig, metrics=None, phase="rollout"
+    ) -> RolloutOutput:
+        """Current actor weights into the engine (if stale), generate, engine back to sleep.
+        ``phase`` names the generation timer (``rollout``, or ``eval`` for evaluation)."""
+        offload_optimizer(self.optimizers["actor"], self.env.device)
+        with self.timer("resharding_to_infer"):
+            self.engine.wake_up(["weights"])
+            if self.engine_version != self.actor_version or self.weights_discarded_by_sleep:
+                sync = sync_weights(self.models.actor, self.engine, engine_dtype(self.cfg))
+                self.engine_version = self.actor_version
+                if metrics is not None:
+                    metrics["rollout/weight_sync_gbps"] = sync.bytes_per_s / 1e9
+            self.engine.wake_up(["kv_cache"])
+        with self.timer(phase):
+            out = self.engine.generate(prompt_ids, sampling)
+        with self.timer("resharding_to_train"):
+            self.engine.sleep()
+            onload_optimizer(self.optimizers["actor"], self.env.device)
+        return out
+
+    def sampling_config(self, round_: int = 0) -> SamplingConfig:
+        # A fresh seed per step and dynamic-sampling round (so a resumed run samples what the
+        # uninterrupted one did); the engine derives per-request seeds from it, identical
+        # inside a TP group.
         cfg = self.cfg
+        seed = cfg.seed * 100_003 + self.step + round_ * 1_000_003
         return SamplingConfig.from_rollout_config(
-            cfg.rollout, n=cfg.batch.n_samples_per_prompt, seed=cfg.seed * 100_003 + self.step
+            cfg.rollout, n=cfg.batch.n_samples_per_prompt, seed=seed
         )
 
-    def score(self, exp: Experience, prompts: list[Prompt]) -> None:
+    def score(self, exp: Experience, prompts: list[Prompt], n: int | None = None) -> None:
+        """``exp.scores``; prompt i owns rows i*n .. i*n+n-1 (n: the training group size)."""
         micro = self.plan.micro_rollout_batch_size
         scores = torch.zeros(exp.num_sequences, device=exp.input_ids.device)
         if self.models.reward is not None:
@@ -227,14 +270,16 @@ class PPOTrainer:
             scores = scores + rm
         if self.models.rule_reward is not None:
             with self.timer("rule_reward"):
-                n = self.cfg.batch.n_samples_per_prompt
+                n = n or self.cfg.batch.n_samples_per_prompt
                 rule = rule_scores(self.models.rule_reward, exp, prompts, self.models.tokenizer, n)
                 scores = scores + rule.to(scores.device)
         exp.scores = clip_scores(scores, self.cfg.algo.reward_clip_range)
 
     def forward_old_ref_values(self, exp: Experience, old_logprobs: bool) -> None:
         micro, temp = self.plan.micro_rollout_batch_size, self.cfg.rollout.temperature
-        if old_logprobs:
+        if self.bypass:  # --use_rollout_logprobs_as_old: no trainer recomputation
+            exp.old_logprobs = exp.engine_logprobs * exp.response_mask
+        elif old_logprobs:
             with self.timer("old_log_p"):
                 exp.old_logprobs = batched_logprobs(
                     self.models.actor, exp, micro, temp, self.packed
@@ -301,6 +346,22 @@ class PPOTrainer:
             with self.timer(f"{name}_offload"):
                 offload_model(model, self.env.device)
 
+    def evaluate(self) -> dict[str, float]:
+        """``eval/*`` on the held-out prompts; keeps the best actor (--save_best_metric)."""
+        evaluator: Evaluator = self.evaluator
+        metrics = evaluator.run(self.generate, self.score)
+        # the phases eval ran (reward_model, resharding...) must not add to the next step's
+        # timings; its total is timing/eval. (Eval also synced the new weights into the
+        # engine, so the next step's rollout skips the sync and reports no weight_sync_gbps.)
+        self.timer.pop()
+        if evaluator.improved(metrics):
+            evaluator.save_best(
+                self.step,
+                metrics,
+                lambda path: save_hf_model(self.models.actor, self.models.tokenizer, path),
+            )
+        return metrics
+
     # ------------------------------------------------------------------ i/o
 
     def maybe_log_samples(self, exp: Experience, prompts: list[Prompt]) -> None:
@@ -345,6 +406,10 @@ class PPOTrainer:
     def actor_updates(self) -> bool:
         """Whether this step trains the actor (``--freezing_actor_steps`` holds it back)."""
         return self.step > self.cfg.algo.freezing_actor_steps
+
+    @property
+    def bypass(self) -> bool:
+        return self.cfg.algo.use_rollout_logprobs_as_old
 
     @property
     def packed(self) -> bool:

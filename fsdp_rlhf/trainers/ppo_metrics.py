@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from fsdp_rlhf.algorithms import rollout_mismatch_metrics
 from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.distributed.env import all_reduce_scalars
 from fsdp_rlhf.metrics import MetricLogger
@@ -36,10 +37,18 @@ class StatCollector:
         self.mins[name] = float(picked.min()) if picked.numel() else float("inf")
 
     def add_mean(self, name: str, values: torch.Tensor) -> None:
-        """Only ``name`` itself: the global mean of ``values``."""
-        self.sums[f"{name}/sum"] = float(values.detach().float().sum())
-        self.sums[f"{name}/count"] = float(values.numel())
-        self.means.append(name)
+        """Only ``name`` itself: the global mean of ``values``. Repeated calls accumulate (the
+        rounds of dynamic sampling each report their responses)."""
+        total, count = float(values.detach().float().sum()), float(values.numel())
+        self.add_weighted_mean(name, total / count if count else 0.0, count)
+
+    def add_weighted_mean(self, name: str, local_mean: float, weight: float) -> None:
+        """Only ``name``: the global mean of per-rank means weighted by ``weight`` (their
+        token counts, say), i.e. the mean over every rank's entries."""
+        self.sums[f"{name}/sum"] = self.sums.get(f"{name}/sum", 0.0) + local_mean * weight
+        self.sums[f"{name}/count"] = self.sums.get(f"{name}/count", 0.0) + weight
+        if name not in self.means:
+            self.means.append(name)
 
     def reduce(self) -> dict[str, float]:
         sums = all_reduce_scalars(self.sums, "sum")
@@ -59,7 +68,8 @@ class StatCollector:
 
 
 class RunningAverages:
-    """Averages of loss statistics over micro-batches, then over ranks."""
+    """Averages of loss statistics over micro-batches, then over ranks; names ending in
+    ``_max`` are maxima instead (a mean of maxima would hide the outlier they exist to show)."""
 
     def __init__(self) -> None:
         self.values: dict[str, list[float]] = defaultdict(list)
@@ -69,8 +79,10 @@ class RunningAverages:
             self.values[k].append(float(v))
 
     def reduce(self) -> dict[str, float]:
-        local = {k: sum(v) / len(v) for k, v in self.values.items() if v}
-        return all_reduce_scalars(local, "mean")
+        means = {k: sum(v) / len(v) for k, v in self.values.items() if v and not k.endswith("_max")}
+        maxs = {k: max(v) for k, v in self.values.items() if v and k.endswith("_max")}
+        # every rank has the same keys (they follow the config), so both collectives match
+        return {**all_reduce_scalars(means, "mean"), **all_reduce_scalars(maxs, "max")}
 
 
 def throughput(
@@ -106,7 +118,9 @@ def reduce_explained_variance(local: dict[str, float]) -> float:
     return 1.0 - var_d / var_r if var_r > 1e-12 else 0.0
 
 
-def collect_batch_stats(stats: StatCollector, exp: Experience) -> None:
+def collect_batch_stats(
+    stats: StatCollector, exp: Experience, trainer_old_logprobs: bool = True
+) -> None:
     mask = exp.response_mask
     stats.add("critic/score", exp.scores)
     stats.add("critic/rewards", (exp.rewards * mask).sum(-1))
@@ -117,8 +131,13 @@ def collect_batch_stats(stats: StatCollector, exp: Experience) -> None:
     stats.add("response_length", mask.sum(-1))
     prompt_mask = exp.attention_mask[:, : -exp.response_len]
     stats.add("prompt_length", prompt_mask.sum(-1).float())
-    diff = (exp.engine_logprobs - exp.old_logprobs).abs()
-    stats.add("rollout/logprob_diff", diff, mask)
+    if trainer_old_logprobs:  # in bypass mode old_logprobs are the engine's: nothing to compare
+        diff = (exp.engine_logprobs - exp.old_logprobs).abs()
+        stats.add("rollout/logprob_diff", diff, mask)
+        mismatch = rollout_mismatch_metrics(exp.old_logprobs, exp.engine_logprobs, mask)
+        tokens = float(mask.sum())
+        for name in ("mismatch_kl", "mismatch_k1", "mismatch_abs_diff"):
+            stats.add_weighted_mean(f"rollout/{name}", float(mismatch[name]), tokens)
 
 
 def throughput_metrics(

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from fsdp_rlhf.algorithms import estimate_advantages, kl_estimate
+from fsdp_rlhf.algorithms import estimate_advantages, kl_estimate, kl_mean_parts, overlong_penalty
 from fsdp_rlhf.config import PPOAlgoConfig
-from fsdp_rlhf.distributed.env import world_size
-from fsdp_rlhf.distributed.stats import global_masked_mean, global_masked_whiten
+from fsdp_rlhf.distributed.env import all_reduce_scalars, world_size
+from fsdp_rlhf.distributed.stats import global_masked_whiten
 from fsdp_rlhf.trainers.experience import Experience
 from fsdp_rlhf.trainers.rule_reward import RewardFn
 
@@ -58,7 +58,29 @@ def compute_advantages(
 
 @torch.no_grad()
 def observe_kl(exp: Experience, algo: PPOAlgoConfig, kl_ctl) -> dict[str, float]:
-    """Mean KL(old || ref) over the global batch; feeds the KL controller. Collective."""
-    mean_kl = float(global_masked_mean(_kl(exp, algo), exp.response_mask))
+    """KL(old || ref) of the global batch, fed to the KL controller. Collective.
+
+    The mean of per-sequence token means (as OpenRLHF and verl feed their controllers): every
+    response counts once whatever its length; sequences without valid tokens are left out.
+    """
+    num, den = kl_mean_parts(_kl(exp, algo), exp.response_mask, mode="seq-mean-token-mean")
+    total = all_reduce_scalars({"num": float(num), "den": float(den)}, "sum")
+    mean_kl = total["num"] / max(total["den"], 1.0)
     kl_ctl.update(mean_kl, exp.num_sequences * world_size())
     return {"actor/kl": mean_kl}
+
+
+@torch.no_grad()
+def add_overlong_penalty(exp: Experience, algo: PPOAlgoConfig, max_len: int) -> None:
+    """DAPO's soft overlong punishment added to ``exp.scores`` (``--overlong_buffer_len``).
+
+    Added after ``--reward_clip_range`` clipping so the penalty keeps its documented size, and
+    before dynamic filtering: groups are kept by the scores their advantages will see.
+    """
+    if algo.overlong_buffer_len is None:
+        return
+    lengths = exp.response_mask.sum(-1)
+    penalty = overlong_penalty(
+        lengths, max_len, algo.overlong_buffer_len, algo.overlong_penalty_factor
+    )
+    exp.scores = exp.scores + penalty.to(exp.scores)

@@ -129,6 +129,10 @@ def preflight(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any]:
             f"--prompt_data has {len(rows)} prompts, fewer than --rollout_batch_size "
             f"{cfg.batch.rollout_batch_size}"
         )
+    if cfg.eval.eval_dataset is not None:
+        from fsdp_rlhf.trainers.ppo_eval import load_eval_rows
+
+        load_eval_rows(cfg)  # bad eval data fails here, not after the models are loaded
     return plan, rows
 
 

@@ -19,9 +19,10 @@ from torch import nn
 from fsdp_rlhf.algorithms import (
     aggregate_loss,
     entropy_bonus,
+    gspo_loss,
     kl_estimate,
     policy_loss,
-    truncated_is_weights,
+    rollout_correction,
     value_loss,
 )
 from fsdp_rlhf.config import PPOAlgoConfig, PPOBatchPlan, PPOConfig
@@ -50,6 +51,7 @@ class UpdatePlan:
     world_size: int
     zero_stage: int
     packed: bool
+    norm_len: int  # the constant of --loss_agg_mode seq-mean-token-sum-norm (generate_max_len)
 
     @classmethod
     def from_config(cls, cfg: PPOConfig, plan: PPOBatchPlan) -> UpdatePlan:
@@ -61,6 +63,7 @@ class UpdatePlan:
             world_size=plan.world_size,
             zero_stage=cfg.fsdp.zero_stage,
             packed=cfg.batch.packing_samples,
+            norm_len=cfg.rollout.generate_max_len,
         )
 
     @property
@@ -88,10 +91,12 @@ def reuse_update_logprobs(
     runs on the weights the batch was sampled with, so its detached log-probs are exactly the
     old ones (the ratio is 1, as verl and TRL also exploit). That holds only if nothing needs
     them before the update: not a KL penalty in the reward, nor an adaptive KL controller (it
-    sets the coefficient the update uses).
+    sets the coefficient the update uses). Never in bypass mode
+    (``--use_rollout_logprobs_as_old``): the engine's log-probs are the old ones there.
     """
     return (
         actor_updates
+        and not algo.use_rollout_logprobs_as_old
         and algo.ppo_epochs == 1
         and optimizer_steps_per_epoch == 1
         and algo.kl_target is None
@@ -148,32 +153,46 @@ def _local_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
-def _actor_loss_fn(
-    model: nn.Module,
+def _correction(
+    algo: PPOAlgoConfig, logprobs: torch.Tensor, old_logprobs: torch.Tensor, mb: Experience
+) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """Rollout/trainer mismatch weights (``--is_correction``) and their ``rollout_corr/*`` stats.
+
+    In bypass mode the old log-probs *are* the engine's, so the mismatch is measured against
+    the update's own (detached) log-probs instead: on the first minibatch of the first epoch
+    those are the trainer's old ones.
+    """
+    trainer = logprobs.detach() if algo.use_rollout_logprobs_as_old else old_logprobs
+    low, high = algo.is_truncated_threshold
+    weights, st = rollout_correction(
+        trainer, mb.engine_logprobs, mb.response_mask, algo.is_correction, low, high
+    )
+    return weights, {f"rollout_corr/{k}": v for k, v in st.items()}
+
+
+def _policy_term(
     algo: PPOAlgoConfig,
-    kl_coef: float,
-    temperature: float,
-    packed: bool,
-    reuse_logprobs: bool,
-) -> LossFn:
-    def loss_fn(mb: Experience, num_tokens: int, num_seqs: int):
-        logprobs, entropy = response_logprobs(
-            model,
-            mb.input_ids,
-            mb.attention_mask,
-            mb.response_len,
-            temperature=temperature,
-            with_entropy=True,
-            entropy_grad=algo.entropy_loss_coef > 0,  # else a metric only
-            packed=packed,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    mb: Experience,
+    is_weights: torch.Tensor | None,
+    agg: dict,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's token-ratio loss, or GSPO's sequence-ratio loss (``--policy_loss_type gspo``)."""
+    if algo.policy_loss_type == "gspo":
+        low, high = algo.gspo_eps_clip_low_high
+        loss, st = gspo_loss(
+            logprobs,
+            old_logprobs,
+            mb.advantages,
+            mb.response_mask,
+            clip_eps_low=low,
+            clip_eps_high=high,
+            is_weights=is_weights,
+            **agg,
         )
-        old_logprobs = logprobs.detach() * mb.response_mask if reuse_logprobs else mb.old_logprobs
-        is_weights = None
-        if algo.use_tis:
-            is_weights, _ = truncated_is_weights(
-                old_logprobs, mb.engine_logprobs, mb.response_mask, algo.tis_cap
-            )
-        agg = dict(loss_agg=algo.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+        extra = {"actor/seq_clipfrac": st["seq_clipfrac"], "actor/seq_ratio": st["seq_ratio_mean"]}
+    else:
         loss, st = policy_loss(
             logprobs,
             old_logprobs,
@@ -185,16 +204,47 @@ def _actor_loss_fn(
             is_weights=is_weights,
             **agg,
         )
-        kl = kl_estimate(logprobs, mb.ref_logprobs, kind=algo.kl_estimator)
-        kl_loss = aggregate_loss(
-            kl, mb.response_mask, mode=algo.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs
+        extra = {}
+    stats = {"actor/pg_clipfrac": st["pg_clipfrac"], "actor/ppo_kl": st["ppo_kl"], **extra}
+    return loss, stats
+
+
+def _actor_loss_fn(
+    model: nn.Module,
+    algo: PPOAlgoConfig,
+    kl_coef: float,
+    temperature: float,
+    plan: UpdatePlan,
+    reuse_logprobs: bool,
+) -> LossFn:
+    def loss_fn(mb: Experience, num_tokens: int, num_seqs: int):
+        logprobs, entropy = response_logprobs(
+            model,
+            mb.input_ids,
+            mb.attention_mask,
+            mb.response_len,
+            temperature=temperature,
+            with_entropy=True,
+            entropy_grad=algo.entropy_loss_coef > 0,  # else a metric only
+            packed=plan.packed,
         )
+        old_logprobs = logprobs.detach() * mb.response_mask if reuse_logprobs else mb.old_logprobs
+        is_weights, corr_stats = _correction(algo, logprobs, old_logprobs, mb)
+        agg = dict(
+            loss_agg=algo.loss_agg_mode,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            norm_len=plan.norm_len,
+        )
+        loss, pg_stats = _policy_term(algo, logprobs, old_logprobs, mb, is_weights, agg)
+        kl = kl_estimate(logprobs, mb.ref_logprobs, kind=algo.kl_estimator)
+        kl_loss = aggregate_loss(kl, mb.response_mask, mode=algo.loss_agg_mode, **_counts(agg))
         stats = {
             "actor/pg_loss": loss.detach(),
-            "actor/pg_clipfrac": st["pg_clipfrac"],
-            "actor/ppo_kl": st["ppo_kl"],
+            **pg_stats,
             "actor/kl_loss": kl_loss.detach(),
             "actor/entropy": _local_mean(entropy.detach(), mb.response_mask),
+            **corr_stats,
             "logprobs": old_logprobs,
         }
         if algo.use_kl_loss:
@@ -204,6 +254,11 @@ def _actor_loss_fn(
         return loss, stats
 
     return loss_fn
+
+
+def _counts(agg: dict) -> dict:
+    """The normaliser arguments of ``aggregate_loss`` (it names the mode ``mode``)."""
+    return {k: agg[k] for k in ("num_tokens", "num_seqs", "norm_len")}
 
 
 def update_actor(
@@ -228,7 +283,7 @@ def update_actor(
         ``(metrics, old_logprobs)``: the (N, T) log-probs the update used as old ones when
         ``reuse_logprobs``, else None.
     """
-    loss_fn = _actor_loss_fn(actor.model, algo, kl_coef, temperature, plan.packed, reuse_logprobs)
+    loss_fn = _actor_loss_fn(actor.model, algo, kl_coef, temperature, plan, reuse_logprobs)
     collected = torch.zeros_like(exp.response_mask) if reuse_logprobs else None
 
     def keep(rows: torch.Tensor, logprobs: torch.Tensor) -> None:
@@ -263,6 +318,7 @@ def update_critic(
             loss_agg=algo.loss_agg_mode,
             num_tokens=num_tokens,
             num_seqs=num_seqs,
+            norm_len=plan.norm_len,
         )
         return loss, {"critic/vf_loss": loss.detach(), "critic/vf_clipfrac": st["vf_clipfrac"]}
 

@@ -30,11 +30,21 @@ def reward_func(queries, prompts, labels):
 """
 
 
+# A 0/1 verifier-like reward (even word count): groups of 4 are often all-equal, so dynamic
+# filtering has groups to drop, and "correct" (score > 0) is meaningful for pass@k.
+PARITY_REWARD = """
+def reward_func(queries, prompts, labels):
+    return [float(len(q[len(p):].split()) % 2 == 0) for q, p in zip(queries, prompts)]
+"""
+
+
 @pytest.fixture(scope="module")
 def ppo_data(tmp_path_factory):
     root = tmp_path_factory.mktemp("ppo_data")
     write_jsonl(prompt_rows(256, chat=True), root / "prompts.jsonl")
+    write_jsonl(prompt_rows(6, seed=99, chat=True), root / "eval.jsonl")
     (root / "reward.py").write_text(SHORT_REWARD_WITH_PREEMPTION)
+    (root / "parity_reward.py").write_text(PARITY_REWARD)
     return root
 
 
@@ -88,7 +98,13 @@ def grpo_flags(model: str, data: Path, save: Path, steps: int) -> list[str]:
 
 def test_rule_reward_rises_and_sigterm_resume_reproduces(tiny_qwen2, ppo_data, tmp_path):
     steps, kill_at = 14, 6
-    full = torchrun(["ppo", *grpo_flags(tiny_qwen2, ppo_data, tmp_path / "full", steps)])
+
+    def flags(save: Path) -> list[str]:
+        # icepop masks tokens whose trainer/engine ratio leaves [0.5, 5]; after every weight
+        # sync the fp32 engine must agree with the trainer, so it should mask nothing
+        return [*grpo_flags(tiny_qwen2, ppo_data, save, steps), "--is_correction", "icepop"]
+
+    full = torchrun(["ppo", *flags(tmp_path / "full")])
     assert full.returncode == 0, full.stderr[-3000:]
     rows = read_metrics(tmp_path / "full")
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
@@ -99,16 +115,21 @@ def test_rule_reward_rises_and_sigterm_resume_reproduces(tiny_qwen2, ppo_data, t
     assert "timing/old_log_p" not in rows[-1]
     assert rows[-1]["actor/ppo_kl"] == 0.0 and rows[-1]["rollout/logprob_diff/mean"] < 0.05
     assert all(r["actor/kl"] > 0 for r in rows[1:])
+    # no drift between the trainer and the engine at any step, though the weights move
+    for r in rows:
+        assert r["rollout/logprob_diff/max"] < 1e-3, r["step"]
+        assert r["rollout_corr/mismatch_abs_diff_max"] < 1e-3, r["step"]
+        assert abs(r["rollout/mismatch_kl"]) < 1e-6 and r["rollout_corr/is_masked_frac"] == 0
 
     # Preempted at step 6 (each rank's reward function sends itself SIGTERM), then resumed.
     save = tmp_path / "preempted"
     env = {"TEST_SIGTERM_AT_CALL": str(kill_at)}
-    cut = torchrun(["ppo", *grpo_flags(tiny_qwen2, ppo_data, save, steps)], env=env)
+    cut = torchrun(["ppo", *flags(save)], env=env)
     assert cut.returncode == 0, cut.stderr[-3000:]
     assert [r["step"] for r in read_metrics(save)] == list(range(1, kill_at + 1))
     assert (save / "ckpt" / f"step_{kill_at}" / "COMPLETE").is_file()
     assert not (save / "model.safetensors").exists()  # preempted: no final model
-    resumed = torchrun(["ppo", *grpo_flags(tiny_qwen2, ppo_data, save, steps), "--load_checkpoint"])
+    resumed = torchrun(["ppo", *flags(save), "--load_checkpoint"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     after = {r["step"]: r for r in read_metrics(save) if r["step"] > kill_at}
     assert sorted(after) == list(range(kill_at + 1, steps + 1))
@@ -145,6 +166,67 @@ def test_gae_on_tied_odd_gqa_llama(tiny_llama, ppo_data, tmp_path):
         check=True,
         capture_output=True,
     )
+
+
+def _set_flags(flags: list[str], **values: str) -> list[str]:
+    out = list(flags)
+    for name, value in values.items():
+        out[out.index(f"--{name}") + 1] = value
+    return out
+
+
+def test_dynamic_sampling_gspo_bypass_overlong_and_eval_in_one_run(tiny_qwen2, ppo_data, tmp_path):
+    save = tmp_path / "dapo"
+    flags = _set_flags(
+        grpo_flags(tiny_qwen2, ppo_data, save, steps=2),
+        remote_rm_url=str(ppo_data / "parity_reward.py"),
+        rollout_batch_size="8",
+        train_batch_size="32",
+        micro_rollout_batch_size="8",
+    )
+    flags += [
+        "--dynamic_filtering",
+        "--max_num_gen_batches",
+        "4",
+        "--overlong_buffer_len",
+        "4",
+        "--policy_loss_type",
+        "gspo",
+        "--loss_agg_mode",
+        "seq-mean-token-sum-norm",
+        "--use_rollout_logprobs_as_old",
+        "--eval_dataset",
+        str(ppo_data / "eval.jsonl"),
+        "--eval_steps",
+        "1",
+        "--eval_n_samples_per_prompt",
+        "2",
+        "--eval_temperature",
+        "1.0",
+        "--save_best_metric",
+        "pass@2",
+    ]
+    proc = torchrun(["ppo", *flags])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(save)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        # every round generated a full global batch of 8 prompts; some groups were kept
+        assert 1 <= r["dynamic_filter/gen_rounds"] <= 4
+        assert r["dynamic_filter/prompts_drawn"] == 8 * r["dynamic_filter/gen_rounds"]
+        assert 0 < r["dynamic_filter/kept_frac"] <= 1
+        for k in ("eval/pass@1", "eval/pass@2", "eval/greedy_pass@1"):
+            assert 0 <= r[k] <= 1, (k, r[k])
+        assert r["eval/pass@2"] >= r["eval/pass@1"]
+        assert "actor/seq_clipfrac" in r and r["actor/pg_loss"] is not None
+        # bypass: no trainer old-log-prob forward; the update still reports the mismatch
+        assert "timing/old_log_p" not in r and "rollout/logprob_diff/mean" not in r
+        assert r["rollout_corr/mismatch_abs_diff_max"] < 0.05
+        assert r["critic/score/min"] >= -1.0  # 0/1 reward plus an overlong penalty >= -1
+    best = json.loads((save / "best" / "best_metric.json").read_text())
+    assert best["metric"] == "eval/pass@2" and best["step"] in (1, 2)
+    assert best["value"] == max(r["eval/pass@2"] for r in rows)
+    assert (save / "best" / "model.safetensors").is_file()
 
 
 def test_seed_flag_set_with_trained_reward_model(tiny_qwen2, trained_rm, ppo_data, tmp_path):
@@ -286,6 +368,7 @@ def test_seed_flag_set_with_trained_reward_model(tiny_qwen2, trained_rm, ppo_dat
         ({"--rollout_batch_size": "15"}, "rollout_batch_size"),
         ({"--pretrain": "/nonexistent/model"}, "--pretrain /nonexistent/model"),
         ({"--num_nodes": "3"}, "--num_nodes"),
+        ({"--eval_dataset": "/nonexistent/eval.jsonl"}, "--eval_dataset"),
     ],
 )
 def test_bad_input_one_line_before_heavy_work(tiny_qwen2, ppo_data, tmp_path, change, message):

@@ -318,6 +318,10 @@ def test_eval_flags():
         build_config(PPOConfig, ["--save_best_metric", "pass@1"])
     with pytest.raises(ConfigError, match="eval_n_samples_per_prompt"):
         build_config(PPOConfig, ["--eval_n_samples_per_prompt", "0"])
+    assert cfg.eval.eval_temperature == 0.6
+    assert build_config(PPOConfig, ["--eval_temperature", "0"])[0].eval.eval_temperature == 0.0
+    with pytest.raises(ConfigError, match="eval_temperature"):
+        build_config(PPOConfig, ["--eval_temperature", "-1"])
 
 
 def test_new_algo_flags_round_trip_through_yaml_and_show_in_help():
@@ -340,6 +344,7 @@ def test_new_algo_flags_round_trip_through_yaml_and_show_in_help():
         "--dynamic_filtering",
         "--overlong_buffer_len",
         "--eval_n_samples_per_prompt",
+        "--eval_temperature",
         "--save_best_metric",
     ):
         assert flag in names, flag

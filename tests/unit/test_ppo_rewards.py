@@ -14,7 +14,7 @@ from fsdp_rlhf.algorithms import FixedKLController
 from fsdp_rlhf.config import PPOAlgoConfig
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.trainers.experience import Experience, truncated
-from fsdp_rlhf.trainers.ppo_rewards import compute_advantages, observe_kl
+from fsdp_rlhf.trainers.ppo_rewards import add_overlong_penalty, compute_advantages, observe_kl
 from fsdp_rlhf.trainers.ppo_update import reuse_update_logprobs
 from fsdp_rlhf.trainers.rule_reward import build_rule_reward, http_reward
 
@@ -47,13 +47,12 @@ def test_every_estimator_fills_masked_advantages_and_returns(estimator, kl_in_lo
     for t in (exp.rewards, exp.advantages, exp.returns):
         assert t.shape == exp.response_mask.shape and torch.isfinite(t).all()
         assert (t[exp.response_mask == 0] == 0).all()
-    assert out["actor/kl"] == pytest.approx(
-        float(
-            ((exp.old_logprobs - exp.ref_logprobs) * exp.response_mask).sum()
-            / exp.response_mask.sum()
-        ),
-        rel=1e-5,
-    )
+    # the mean of per-sequence token means (not the token mean: rows differ in length)
+    per_token = (exp.old_logprobs - exp.ref_logprobs) * exp.response_mask
+    per_seq = per_token.sum(1) / exp.response_mask.sum(1)
+    assert out["actor/kl"] == pytest.approx(float(per_seq.mean()), rel=1e-5)
+    token_mean = float(per_token.sum() / exp.response_mask.sum())
+    assert out["actor/kl"] != pytest.approx(token_mean, rel=1e-3)
     # The score lands on the last response token; KL only when it belongs in the reward.
     last = exp.response_mask.sum(1).long() - 1
     penalty = -0.1 * (exp.old_logprobs - exp.ref_logprobs) * (0.0 if kl_in_loss else 1.0)
@@ -98,6 +97,7 @@ def _experience_without_old() -> Experience:
         ({"use_kl_loss": False, "init_kl_coef": 0.0}, True),
         ({"kl_target": 0.1}, False),  # adaptive coefficient is set before the update
         ({"actor_frozen": True}, False),
+        ({"bypass": True}, False),  # the engine's log-probs are the old ones
     ],
 )
 def test_old_logprobs_come_from_the_update_only_when_exact(change, reuses):
@@ -107,9 +107,22 @@ def test_old_logprobs_come_from_the_update_only_when_exact(change, reuses):
         init_kl_coef=change.get("init_kl_coef", 0.01),
         kl_target=change.get("kl_target"),
         ppo_epochs=change.get("ppo_epochs", 1),
+        use_rollout_logprobs_as_old=change.get("bypass", False),
     )
     steps = change.get("steps", 1)
     assert reuse_update_logprobs(algo, steps, not change.get("actor_frozen", False)) is reuses
+
+
+def test_overlong_penalty_joins_the_scores_only_when_asked():
+    exp = _experience(n_prompts=1, n=4, T=8)
+    exp.response_mask = (torch.arange(8) < torch.tensor([[2], [5], [6], [8]])).float()
+    exp.scores = torch.zeros(4)
+    add_overlong_penalty(exp, PPOAlgoConfig(), max_len=8)
+    assert exp.scores.tolist() == [0.0, 0.0, 0.0, 0.0]
+    algo = PPOAlgoConfig(overlong_buffer_len=4, overlong_penalty_factor=2.0)
+    add_overlong_penalty(exp, algo, max_len=8)
+    # free up to 8 - 4 = 4 tokens, then -2 * (L - 4) / 4
+    assert exp.scores.tolist() == pytest.approx([0.0, -0.5, -1.0, -2.0])
 
 
 def test_truncated_flags():
@@ -184,6 +197,8 @@ def test_stat_collector_mean_only_entry():
     stats.add("response_length", torch.tensor([3.0, 5.0]))
     out = stats.reduce()
     assert out["response_length/clip_ratio"] == 0.25
+    stats.add_mean("response_length/clip_ratio", truncated(["length"] * 4))  # a second round
+    assert stats.reduce()["response_length/clip_ratio"] == 5 / 8
     assert out["response_length/mean"] == 4.0
     assert not any(k.startswith("response_length/clip_ratio/") for k in out)
 
@@ -202,3 +217,46 @@ def test_rollout_tps_always_and_vllm_tps_only_when_vllm_generated(engine):
     # (6 + 4) tokens x 8 samples / 2 ranks / seconds
     assert out["e2e_tps"] == 10.0 and out["update_tps"] == 40.0 and out["rollout_tps"] == 20.0
     assert ("vllm_tps" in out) is (engine == "vllm")
+
+
+def test_running_averages_take_the_max_of_max_entries():
+    from fsdp_rlhf.trainers.ppo_metrics import RunningAverages
+
+    avg = RunningAverages()
+    avg.add({"rollout_corr/mismatch_abs_diff": 0.1, "rollout_corr/mismatch_abs_diff_max": 0.5})
+    avg.add({"rollout_corr/mismatch_abs_diff": 0.3, "rollout_corr/mismatch_abs_diff_max": 2.0})
+    out = avg.reduce()
+    assert out["rollout_corr/mismatch_abs_diff"] == pytest.approx(0.2)
+    assert out["rollout_corr/mismatch_abs_diff_max"] == 2.0
+
+
+def test_actor_loss_pieces_follow_the_correction_and_loss_flags():
+    from fsdp_rlhf.trainers.ppo_update import _correction, _policy_term
+
+    exp = _experience(n_prompts=1, n=4, T=6)
+    exp.advantages = torch.ones_like(exp.response_mask)
+    exp.engine_logprobs = exp.old_logprobs - 1.0 * exp.response_mask  # ratio e on valid tokens
+    current = exp.old_logprobs.clone().requires_grad_(True)
+
+    weights, st = _correction(PPOAlgoConfig(), current, exp.old_logprobs, exp)
+    assert weights is None and st["rollout_corr/mismatch_abs_diff_max"] == pytest.approx(1.0)
+    tis = PPOAlgoConfig(is_correction="tis", is_truncated_threshold=(0.0, 2.0))
+    weights, st = _correction(tis, current, exp.old_logprobs, exp)
+    assert torch.allclose(weights, 2.0 * exp.response_mask)  # e clamped to 2
+    icepop = PPOAlgoConfig(is_correction="icepop", is_truncated_threshold=(0.5, 2.0))
+    weights, st = _correction(icepop, current, exp.old_logprobs, exp)
+    assert weights.sum() == 0 and st["rollout_corr/is_masked_frac"] == 1.0
+    # bypass: old == engine, so the mismatch is measured on the update's own log-probs
+    bypass = PPOAlgoConfig(use_rollout_logprobs_as_old=True)
+    _, st = _correction(bypass, current, exp.engine_logprobs, exp)
+    assert st["rollout_corr/mismatch_abs_diff_max"] == pytest.approx(1.0)
+
+    agg = dict(loss_agg="seq-mean-token-sum-norm", num_tokens=None, num_seqs=4, norm_len=6)
+    gspo = PPOAlgoConfig(policy_loss_type="gspo")
+    loss, st = _policy_term(gspo, current, exp.old_logprobs, exp, None, agg)
+    assert "actor/seq_clipfrac" in st and st["actor/seq_ratio"] == pytest.approx(1.0)
+    # ratio 1, advantage 1: loss -sum_t(1) / norm_len per row, mean over rows
+    expected = -(exp.response_mask.sum(1) / 6).mean()
+    assert float(loss.detach()) == pytest.approx(float(expected), rel=1e-5)
+    loss, st = _policy_term(PPOAlgoConfig(), current, exp.old_logprobs, exp, None, agg)
+    assert "actor/seq_clipfrac" not in st and float(loss.detach()) == pytest.approx(float(expected))
