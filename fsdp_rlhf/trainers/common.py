@@ -29,7 +29,7 @@ from fsdp_rlhf.config_base import dump_yaml
 from fsdp_rlhf.distributed import checkpoint as ckpt
 from fsdp_rlhf.distributed.env import DistEnv, init_distributed, launched_world_size, teardown
 from fsdp_rlhf.distributed.fsdp import build_mesh, describe_zero_stage, shard_model
-from fsdp_rlhf.distributed.signals import GracefulStop
+from fsdp_rlhf.distributed.signals import GracefulStop, SaveTimer
 from fsdp_rlhf.metrics import MetricLogger, setup_logging, truncate_metrics
 from fsdp_rlhf.models.attention import use_varlen_attention
 from fsdp_rlhf.models.compile import compile_blocks
@@ -65,7 +65,7 @@ def launch(
     world_size = launched_world_size()
     prepared = prepare(cfg, world_size)
     owns_group = not dist.is_initialized()  # a test may have made the group already
-    env = init_distributed()
+    env = init_distributed(cfg.guard.dist_timeout_min)
     if env.world_size != world_size:
         raise RuntimeError(f"world size {env.world_size} != WORLD_SIZE {world_size}")
     trainer = None
@@ -162,17 +162,20 @@ class Stateful:
 
 
 def save(ckpt_cfg: CheckpointConfig, step: int, state: Stateful, trainer_state: dict) -> Path:
-    """A resumable checkpoint at ``step`` (collective)."""
-    path = ckpt.save_checkpoint(
-        ckpt_cfg.ckpt_path,
-        step,
-        models=state.models,
-        optimizers=state.optimizers,
-        schedulers=state.schedulers,
-        trainer_state=trainer_state,
-        keep=ckpt_cfg.max_ckpt_num,
-    )
-    log.info("checkpoint: %s", path)
+    """A resumable checkpoint at ``step`` (collective); warns when it took over half the
+    window a stop signal leaves (see ``SaveTimer``)."""
+    timer = SaveTimer()
+    with timer(f"checkpoint at step {step}"):
+        path = ckpt.save_checkpoint(
+            ckpt_cfg.ckpt_path,
+            step,
+            models=state.models,
+            optimizers=state.optimizers,
+            schedulers=state.schedulers,
+            trainer_state=trainer_state,
+            keep=ckpt_cfg.max_ckpt_num,
+        )
+    log.info("checkpoint: %s (%.1f s)", path, timer.last_s)
     return path
 
 

@@ -13,9 +13,12 @@ number on every rank and :meth:`BadStepGuard.check` needs no communication.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
+from torch import nn
 
+from fsdp_rlhf.distributed.fsdp import clip_grad_norm_
 from fsdp_rlhf.errors import UserError
 
 
@@ -66,6 +69,33 @@ class BadStepGuard:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.in_a_row = int(state.get("in_a_row", 0))
         self.skipped = int(state.get("skipped", 0))
+
+
+def guarded_step(
+    params: Iterable[nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    max_norm: float,
+    guard: BadStepGuard,
+    step: int,
+) -> float:
+    """Clip, then take the optimizer step unless the global gradient norm is NaN/Inf.
+
+    The schedule advances either way, so the learning rate stays tied to the step count.
+    Returns the norm before clipping.
+    """
+    grad_norm = clip_grad_norm_(list(params), max_norm)
+    if guard.check(grad_norm, step):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    return grad_norm
+
+
+def finite_mean(values: list[float]) -> float:
+    """Mean of the finite values (the steps actually taken); NaN when there are none."""
+    kept = [v for v in values if math.isfinite(v)]
+    return sum(kept) / len(kept) if kept else float("nan")
 
 
 def check_finite_scores(scores: torch.Tensor, step: int | None, source: str) -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from torch import nn
 from fsdp_rlhf.algorithms import AdaptiveKLController, FixedKLController, clip_scores
 from fsdp_rlhf.config import PPOBatchPlan, PPOConfig
 from fsdp_rlhf.data.prompts import Prompt, PromptSampler
+from fsdp_rlhf.distributed import checkpoint as ckpt
 from fsdp_rlhf.distributed.env import DistEnv
 from fsdp_rlhf.distributed.offload import (
     offload_model,
@@ -39,6 +41,7 @@ from fsdp_rlhf.trainers.experience import (
     experience_from_rollout,
     truncated,
 )
+from fsdp_rlhf.trainers.guards import BadStepGuard, check_finite_scores
 from fsdp_rlhf.trainers.ppo_eval import Evaluator, build_evaluator
 from fsdp_rlhf.trainers.ppo_metrics import (
     StatCollector,
@@ -121,10 +124,14 @@ class PPOTrainer:
             self.state.add(
                 "critic", self.models.critic, self.optimizers["critic"], self.schedulers["critic"]
             )
+        self.guards = {
+            name: BadStepGuard(cfg.guard.max_bad_steps, name) for name in self.optimizers
+        }
         self.step = 0
         # the engine holds the initial weights; after a resume it must be synced at once
         self.actor_version, self.engine_version = 0, -1
         self._resume()  # optimizer state is created here, while the engine sleeps
+        self.offload_idle()
         self.logger = common.open_metrics(cfg, env, self.step)
         log.info(
             "PPO: %d steps, %d prompts/step x %d samples, world %d (%d engines x TP %d)",
@@ -264,6 +271,7 @@ class PPOTrainer:
         if self.models.reward is not None:
             with self.timer("reward_model"), self.onloaded(self.models.reward, "reward"):
                 rm = batched_scores(self.models.reward, exp, micro, self.packed)
+            check_finite_scores(rm, self.step, f"reward model {self.cfg.models.reward_pretrain}")
             if self.models.reward_norm is not None:
                 mean, std = self.models.reward_norm
                 rm = (rm - mean) / std
@@ -330,6 +338,8 @@ class PPOTrainer:
             self.optimizers[name],
             self.schedulers[name],
             optim_cfg.max_norm,
+            self.guards[name],
+            self.step,
         )
 
     def _generator(self) -> torch.Generator:
@@ -378,16 +388,49 @@ class PPOTrainer:
             )
 
     def save_checkpoint(self) -> None:
-        trainer_state = {"sampler": self.sampler.state_dict(), "kl_ctl": self.kl_ctl.state_dict()}
+        trainer_state = {
+            **self._data_settings(),
+            "sampler": self.sampler.state_dict(),
+            "kl_ctl": self.kl_ctl.state_dict(),
+            "guards": {name: g.state_dict() for name, g in self.guards.items()},
+        }
         common.save(self.cfg.ckpt, self.step, self.state, trainer_state)
 
+    def _data_settings(self) -> dict[str, int]:
+        """What the saved prompt order depends on: a resume with other values cannot continue
+        it (the sampler state would index another permutation)."""
+        b = self.cfg.batch
+        return {
+            "num_prompts": len(self.prompts),
+            "rollout_batch_size": b.rollout_batch_size,
+            "seed": self.cfg.seed,
+        }
+
     def _resume(self) -> None:
-        saved = common.resume(self.cfg.ckpt, self.state)
+        check = partial(
+            ckpt.check_resumable, current=self._data_settings(), keys=list(self._data_settings())
+        )
+        saved = common.resume(self.cfg.ckpt, self.state, check)
         if saved is None:
             return
         self.step = int(saved["step"])
         self.sampler.load_state_dict(saved["sampler"])
         self.kl_ctl.load_state_dict(saved["kl_ctl"])
+        for name, state in saved.get("guards", {}).items():
+            self.guards[name].load_state_dict(state)
+
+    def offload_idle(self) -> None:
+        """Before the first rollout, the models it does not use go to host memory (no-op on
+        CPU jobs and for --adam_offload models): the critic and its optimizer state (restored
+        by a resume), and with --ref_reward_offload the frozen models."""
+        device = self.env.device
+        if self.models.critic is not None:
+            offload_optimizer(self.optimizers["critic"], device)
+            offload_model(self.models.critic, device)
+        if self.cfg.placement.ref_reward_offload:
+            for model in (self.models.ref, self.models.reward):
+                if model is not None:
+                    offload_model(model, device)
 
     def finish(self) -> None:
         save_path = self.cfg.ckpt.save_path

@@ -10,15 +10,13 @@ from fsdp_rlhf.config import PPOAlgoConfig
 from fsdp_rlhf.distributed.env import all_reduce_scalars, world_size
 from fsdp_rlhf.distributed.stats import global_masked_whiten
 from fsdp_rlhf.trainers.experience import Experience
-from fsdp_rlhf.trainers.rule_reward import RewardFn
+from fsdp_rlhf.trainers.rule_reward import RewardFn, decode_responses
 
 
 def rule_scores(fn: RewardFn, exp: Experience, prompts, tokenizer, n_samples: int) -> torch.Tensor:
     """Decode responses and call the rule reward; prompt i owns rows i*n .. i*n+n-1."""
     T = exp.response_len
-    responses = tokenizer.batch_decode(
-        (exp.input_ids[:, -T:] * exp.response_mask.long()).tolist(), skip_special_tokens=True
-    )
+    responses = decode_responses(tokenizer, exp.input_ids[:, -T:], exp.response_mask)
     texts = [prompts[i // n_samples].text for i in range(exp.num_sequences)]
     labels = [prompts[i // n_samples].label for i in range(exp.num_sequences)]
     return fn([p + r for p, r in zip(texts, responses, strict=True)], texts, labels)

@@ -31,6 +31,7 @@ from fsdp_rlhf.models.load import (
 from fsdp_rlhf.models.save import check_save_path, recover_interrupted_export
 from fsdp_rlhf.optim import build_optimizer, build_scheduler
 from fsdp_rlhf.rollout import HFEngine, RolloutEngine, build_rollout_groups
+from fsdp_rlhf.rollout.memory_budget import vllm_memory_utilization
 from fsdp_rlhf.trainers.common import log_startup, prepare_model
 from fsdp_rlhf.trainers.rule_reward import RewardFn, auth_headers, build_rule_reward
 
@@ -189,14 +190,9 @@ def build_models(cfg: PPOConfig, env: DistEnv, tokenizer) -> Models:
             dtype=frozen_dtype,
         )
         reward = _prepare(reward_model, cfg, env, trainable=False)
+        # preflight already refused --normalize_reward without the statistics
         norm = reward_normalization(m.reward_pretrain) if m.normalize_reward else None
-        if m.normalize_reward and norm is None:
-            log.warning(
-                "!!! --normalize_reward: %s/config.json has no reward_mean/reward_std; "
-                "scores are used UNNORMALISED. Train the RM with fsdp-rlhf train-rm to get them.",
-                m.reward_pretrain,
-            )
-    rule = build_rule_reward(m.remote_rm_url) if m.remote_rm_url else None
+    rule = build_rule_reward(m.remote_rm_url, m.remote_rm_auth_env) if m.remote_rm_url else None
     return Models(tokenizer, actor, ref, critic, reward, norm, rule)
 
 
@@ -246,6 +242,13 @@ def build_engine(cfg: PPOConfig, env: DistEnv, tokenizer) -> RolloutEngine:
     groups = build_rollout_groups(cfg.rollout.vllm_tensor_parallel_size)
     if cfg.rollout.rollout_engine == "vllm":
         from fsdp_rlhf.rollout.vllm_engine import VLLMEngine
+
+        if env.device.type == "cuda":
+            # vLLM sizes its pool as a fraction of the whole device and refuses to start when
+            # that much is not free (another process, a CUDA context): say so in one line.
+            free, total = torch.cuda.mem_get_info(env.device)
+            _, line = vllm_memory_utilization(free, total, cfg.rollout.vllm_gpu_memory_utilization)
+            log.info(line)
 
         return VLLMEngine(
             cfg.models.pretrain,

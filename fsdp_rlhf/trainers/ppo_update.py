@@ -26,10 +26,11 @@ from fsdp_rlhf.algorithms import (
     value_loss,
 )
 from fsdp_rlhf.config import PPOAlgoConfig, PPOBatchPlan, PPOConfig
-from fsdp_rlhf.distributed.fsdp import accumulate, clip_grad_norm_
+from fsdp_rlhf.distributed.fsdp import accumulate
 from fsdp_rlhf.distributed.stats import global_token_count
 from fsdp_rlhf.models.forward import response_logprobs, token_values
 from fsdp_rlhf.trainers.experience import Experience, chunks, minibatches
+from fsdp_rlhf.trainers.guards import BadStepGuard, finite_mean, guarded_step
 from fsdp_rlhf.trainers.ppo_metrics import (
     RunningAverages,
     explained_variance,
@@ -74,12 +75,15 @@ class UpdatePlan:
 
 @dataclass(frozen=True)
 class Optimization:
-    """A trainable model with its optimizer, schedule and clipping norm."""
+    """A trainable model with its optimizer, schedule, clipping norm and the guard that skips
+    non-finite steps (``step`` is the PPO step, for its message)."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     max_norm: float
+    guard: BadStepGuard
+    step: int
 
 
 def reuse_update_logprobs(
@@ -116,7 +120,8 @@ def _update_loop(
     loss_fn: LossFn,
     on_micro: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
 ) -> tuple[dict[str, float], float]:
-    """Run the epochs; returns the rank-averaged loss statistics and the mean grad norm.
+    """Run the epochs; returns the rank-averaged loss statistics and the mean grad norm of
+    the optimizer steps taken (a non-finite norm skips its step, see ``guarded_step``).
 
     ``on_micro(rows, loss_stats)`` sees each micro-batch's row indices in ``exp`` after its
     backward (the actor collects its log-probs through it).
@@ -135,11 +140,17 @@ def _update_loop(
                 if on_micro is not None:
                     on_micro(rows, logprobs)
                 stats.add(step_stats)
-            norms.append(clip_grad_norm_(list(opt.model.parameters()), opt.max_norm))
-            opt.optimizer.step()
-            opt.optimizer.zero_grad(set_to_none=True)
-            opt.scheduler.step()
-    return stats.reduce(), sum(norms) / max(len(norms), 1)
+            norms.append(
+                guarded_step(
+                    opt.model.parameters(),
+                    opt.optimizer,
+                    opt.scheduler,
+                    opt.max_norm,
+                    opt.guard,
+                    opt.step,
+                )
+            )
+    return stats.reduce(), finite_mean(norms)
 
 
 def _as_global_sum(out: dict[str, float], keys: tuple[str, ...], plan: UpdatePlan) -> None:
@@ -293,6 +304,7 @@ def update_actor(
     out, grad_norm = _update_loop(actor, exp, plan, generator, loss_fn, on_micro=keep)
     _as_global_sum(out, ("actor/pg_loss", "actor/kl_loss"), plan)
     out["actor/grad_norm"] = grad_norm
+    out.update(actor.guard.metrics("actor/"))
     out["grad_norm"] = grad_norm  # the seed's name for the actor's norm, kept as an alias
     return out, collected
 
@@ -325,6 +337,7 @@ def update_critic(
     out, grad_norm = _update_loop(critic, exp, plan, generator, loss_fn)
     _as_global_sum(out, ("critic/vf_loss",), plan)
     out["critic/grad_norm"] = grad_norm
+    out.update(critic.guard.metrics("critic/"))
     out["critic/lr"] = critic.scheduler.get_last_lr()[0]
     out["critic/vf_explained_var"] = reduce_explained_variance(
         explained_variance(exp.values, exp.returns, exp.response_mask)

@@ -26,13 +26,15 @@ import datasets
 from fsdp_rlhf.config import RMBatchPlan, RMConfig, plan_rm_batches
 from fsdp_rlhf.data.preference import PreferenceLoader, eval_batches
 from fsdp_rlhf.data.schedule import DataPosition, StepSchedule
+from fsdp_rlhf.distributed import checkpoint as ckpt
 from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars
 from fsdp_rlhf.metrics import Progress
 from fsdp_rlhf.models.save import save_hf_model
 from fsdp_rlhf.optim import build_optimizer, build_scheduler
 from fsdp_rlhf.trainers import common
+from fsdp_rlhf.trainers.guards import BadStepGuard
 from fsdp_rlhf.trainers.rm_data import RMData, prepare_rm_data
-from fsdp_rlhf.trainers.rm_setup import build_model, check_resumable, resume_state
+from fsdp_rlhf.trainers.rm_setup import RESUME_KEYS, build_model, resume_state
 from fsdp_rlhf.trainers.rm_steps import evaluate, train_step
 
 log = logging.getLogger(__name__)
@@ -83,9 +85,13 @@ class RMTrainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
         self.state = common.Stateful()
         self.state.add("rm", self.model, self.optimizer, self.scheduler)
-        check = partial(check_resumable, current=resume_state(cfg, self.data, 0))
+        self.guard = BadStepGuard(cfg.guard.max_bad_steps, "reward model")
+        current = resume_state(cfg, self.data, 0)
+        check = partial(ckpt.check_resumable, current=current, keys=list(RESUME_KEYS))
         saved = common.resume(cfg.ckpt, self.state, check)
         self.step = int(saved["step"]) if saved else 0
+        if saved:
+            self.guard.load_state_dict(saved.get("guard", {}))
         schedule = StepSchedule(
             len(self.data.train), cfg.batch.train_batch_size, env.world_size, env.rank, cfg.seed
         )
@@ -102,13 +108,20 @@ class RMTrainer:
         pos = DataPosition.from_global_step(self.step - 1, self.data.steps_per_epoch)
         batches = self.loader.step_batches(pos)
         stats = train_step(
-            self.model, self.optimizer, self.scheduler, batches, self.cfg, self.env.device
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            batches,
+            self.cfg,
+            self.env.device,
+            self.guard,
+            self.step,
         )
         self.window.add(stats)
         self.progress.advance()
         if self.step % self.cfg.logging.logging_steps == 0:
             # the window's means, averaged over ranks (a collective)
-            stats = all_reduce_scalars(self.window.pop(), op="mean")
+            stats = {**all_reduce_scalars(self.window.pop(), op="mean"), **self.guard.metrics()}
             self.metrics.log(self.step, stats, TRAIN_KEYS, self._eta())
         every = self.cfg.logging.eval_steps
         # the last step is left to finish(), which always evaluates
@@ -133,9 +146,11 @@ class RMTrainer:
         return f"{self.step}/{self.total_steps} eta {h}:{rem // 60:02d}:{rem % 60:02d}"
 
     def save_checkpoint(self) -> None:
-        common.save(
-            self.cfg.ckpt, self.step, self.state, resume_state(self.cfg, self.data, self.step)
-        )
+        trainer_state = {
+            **resume_state(self.cfg, self.data, self.step),
+            "guard": self.guard.state_dict(),
+        }
+        common.save(self.cfg.ckpt, self.step, self.state, trainer_state)
 
     def finish(self) -> None:
         """Final eval, then the HF model (atomically) with the eval reward mean/std.

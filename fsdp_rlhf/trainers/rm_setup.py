@@ -3,8 +3,6 @@ state a checkpoint carries so that a resumed run can continue the same data orde
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,7 +10,6 @@ from torch import nn
 
 from fsdp_rlhf.config import RMConfig
 from fsdp_rlhf.distributed.env import DistEnv
-from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.models.load import load_scalar_model
 from fsdp_rlhf.trainers.common import log_startup, prepare_model
 from fsdp_rlhf.trainers.rm_data import RMData
@@ -49,14 +46,3 @@ def resume_state(cfg: RMConfig, data: RMData, global_step: int) -> dict[str, Any
         "train_batch_size": cfg.batch.train_batch_size,
         "seed": cfg.seed,
     }
-
-
-def check_resumable(path: Path, current: dict[str, Any]) -> None:
-    saved = json.loads((path / "trainer.json").read_text())
-    diff = [k for k in RESUME_KEYS if saved[k] != current[k]]
-    if diff:
-        got = ", ".join(f"{k} {saved[k]} -> {current[k]}" for k in diff)
-        raise UserError(
-            f"--load_checkpoint {path}: written with different data or batch settings ({got}); "
-            "the data order could not continue. Restore them or start with a new --ckpt_path"
-        )

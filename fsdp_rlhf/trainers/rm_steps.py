@@ -12,8 +12,9 @@ from fsdp_rlhf.algorithms import pairwise_loss
 from fsdp_rlhf.config import RMConfig, RMLossConfig
 from fsdp_rlhf.data.preference import PairBatch
 from fsdp_rlhf.distributed.env import all_reduce_scalars
-from fsdp_rlhf.distributed.fsdp import accumulate, clip_grad_norm_
+from fsdp_rlhf.distributed.fsdp import accumulate
 from fsdp_rlhf.models.forward import sequence_scores
+from fsdp_rlhf.trainers.guards import BadStepGuard, guarded_step
 
 
 def score_pairs(
@@ -51,8 +52,11 @@ def train_step(
     batches: list[PairBatch],
     cfg: RMConfig,
     device: torch.device,
+    guard: BadStepGuard,
+    step: int,
 ) -> dict[str, float]:
-    """Forward/backward over this rank's micro-batches, clip, optimizer and scheduler step.
+    """Forward/backward over this rank's micro-batches, clip, optimizer and scheduler step
+    (skipped by ``guard`` when the gradient norm is NaN/Inf; ``step`` names it).
 
     Gradients are synchronised (reduce-scattered) only after the last micro-batch; each
     micro-batch loss is divided by their count so the update uses the mean over the step.
@@ -74,11 +78,10 @@ def train_step(
         sums["chosen_reward"] += chosen.mean().item()
         sums["reject_reward"] += rejected.mean().item()
         sums["margin"] += (chosen - rejected).mean().item()
-    grad_norm = clip_grad_norm_(model.parameters(), cfg.optim.max_norm)
     lr = scheduler.get_last_lr()[0]
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    grad_norm = guarded_step(
+        model.parameters(), optimizer, scheduler, cfg.optim.max_norm, guard, step
+    )
     stats = {k: v / len(batches) for k, v in sums.items()}
     return {**stats, "grad_norm": grad_norm, "lr": lr}
 

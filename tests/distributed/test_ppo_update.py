@@ -42,6 +42,7 @@ def _one_update(rank: int, world: int, model_path: str, reuse: bool, packed: boo
     from fsdp_rlhf.distributed.fsdp import build_mesh, shard_model
     from fsdp_rlhf.models.attention import use_varlen_attention
     from fsdp_rlhf.trainers.experience import batched_logprobs
+    from fsdp_rlhf.trainers.guards import BadStepGuard
     from fsdp_rlhf.trainers.ppo_update import (
         Optimization,
         UpdatePlan,
@@ -68,7 +69,7 @@ def _one_update(rank: int, world: int, model_path: str, reuse: bool, packed: boo
     if not reuse:
         exp.old_logprobs = batched_logprobs(actor, exp, 2, 1.0, packed=packed)
     metrics, reused = update_actor(
-        Optimization(actor, opt, sched, cfg.actor_optim.max_norm),
+        Optimization(actor, opt, sched, cfg.actor_optim.max_norm, BadStepGuard(0, "actor"), 1),
         exp,
         cfg.algo,
         UpdatePlan.from_config(cfg, plan),

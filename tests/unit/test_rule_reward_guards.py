@@ -13,7 +13,13 @@ import torch
 
 from fsdp_rlhf.algorithms.kl import AdaptiveKLController
 from fsdp_rlhf.errors import UserError
-from fsdp_rlhf.trainers.guards import BadStepGuard, NonFiniteError, check_finite_scores
+from fsdp_rlhf.trainers.guards import (
+    BadStepGuard,
+    NonFiniteError,
+    check_finite_scores,
+    finite_mean,
+    guarded_step,
+)
 from fsdp_rlhf.trainers.rule_reward import (
     build_rule_reward,
     decode_responses,
@@ -159,3 +165,43 @@ def test_auth_env_must_be_set(monkeypatch):
 def test_redact_url(url, shown):
     assert redact_url(url) == shown
     assert json.dumps(shown)  # plain text
+
+
+def _linear_with_grads(value: float):
+    layer = torch.nn.Linear(3, 2)
+    layer.weight.grad = torch.full_like(layer.weight, value)
+    layer.bias.grad = torch.ones_like(layer.bias)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (step + 1))
+    return layer, opt, sched
+
+
+def test_guarded_step_skips_the_update_but_advances_the_schedule():
+    layer, opt, sched = _linear_with_grads(float("nan"))
+    before = layer.weight.detach().clone()
+    guard = BadStepGuard(1, "actor")
+    norm = guarded_step(layer.parameters(), opt, sched, 1.0, guard, step=7)
+    assert math.isnan(norm) and guard.skipped == 1
+    assert torch.equal(layer.weight, before)  # no NaN written into the weights
+    assert layer.weight.grad is None  # and no NaN left to leak into the next step
+    assert sched.last_epoch == 1 and opt.param_groups[0]["lr"] == 0.05
+    layer.weight.grad = torch.full_like(layer.weight, float("inf"))
+    with pytest.raises(NonFiniteError, match="actor: gradient norm is inf at step 8"):
+        guarded_step(layer.parameters(), opt, sched, 1.0, guard, step=8)
+
+
+def test_guarded_step_takes_a_finite_step_clipped():
+    layer, opt, sched = _linear_with_grads(2.0)
+    before = layer.weight.detach().clone()
+    guard = BadStepGuard(0, "critic")
+    norm = guarded_step(layer.parameters(), opt, sched, 1.0, guard, step=1)
+    assert norm == pytest.approx(math.sqrt(6 * 4.0 + 2 * 1.0))
+    # clipped to norm 1, then one SGD step at lr 0.1
+    expected = before - 0.1 * 2.0 / norm
+    assert torch.allclose(layer.weight, expected, atol=1e-6)
+    assert guard.skipped == 0 and guard.metrics("critic/") == {"critic/skipped_steps": 0.0}
+
+
+def test_finite_mean_ignores_skipped_steps():
+    assert finite_mean([1.0, float("nan"), 3.0]) == 2.0
+    assert math.isnan(finite_mean([float("inf")]))
