@@ -110,16 +110,6 @@ class PromptSampler:
         self.index += 1
         return self.schedule.rank_indices(self.epoch, self.index - 1)
 
-    def rewind(self) -> None:
-        """Undo the last :meth:`next_indices`: a step abandoned before its update (stop signal)
-        is redone after the resume, so the checkpoint must point back at its prompts."""
-        if self.index == 0:
-            raise RuntimeError("rewind() without a preceding next_indices()")
-        self.index -= 1
-        if self.index == 0 and self.epoch > 0:
-            # next_indices() wraps lazily: the position (e, n) and (e + 1, 0) are the same step
-            self.epoch, self.index = self.epoch - 1, self.batches_per_epoch
-
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "index": self.index}
 

@@ -6,7 +6,7 @@
     fit             step until done, vote on a stop signal, checkpoint every save_steps
     save            a resumable checkpoint of the run's models, optimizers and schedules
 
-A trainer is any object with ``step``, ``total_steps``, ``train_step()``,
+A trainer is any object with ``step``, ``total_steps``, ``train_step(stop_agreed)``,
 ``save_checkpoint()``, ``finish()`` and ``close()``.
 """
 
@@ -41,7 +41,9 @@ class Trainer(Protocol):
     step: int  # finished steps
     total_steps: int
 
-    def train_step(self) -> None: ...
+    def train_step(self, stop_agreed: Callable[[], bool]) -> bool:
+        """One step; False when it was abandoned on an agreed stop before changing state."""
+        ...
 
     def save_checkpoint(self) -> None: ...
 
@@ -84,16 +86,32 @@ def save_due(step: int, total_steps: int, save_steps: int) -> bool:
 
 
 def fit(trainer: Trainer, save_steps: int) -> int:
-    """Step until ``total_steps``; on SIGTERM/SIGUSR1 all ranks agree, checkpoint and exit 0."""
+    """Step until ``total_steps``; on SIGTERM/SIGUSR1 all ranks agree, checkpoint and exit 0.
+
+    ``train_step(stop_agreed)`` may itself vote (PPO does, before its update) and return False
+    when it abandoned the step without changing any state: the checkpoint is then the last
+    finished step's, written only if it is not on disk already.
+    """
+    saved_at = trainer.step
     with GracefulStop() as stop:
         while trainer.step < trainer.total_steps:
             trainer.step += 1
-            trainer.train_step()
-            stopping = stop.agreed()  # collective: all ranks stop at the same step
-            if stopping or save_due(trainer.step, trainer.total_steps, save_steps):
+            finished = trainer.train_step(stop.agreed)
+            if not finished:
+                trainer.step -= 1
+            stopping = not finished or stop.agreed()  # collective: all ranks, same step
+            due = finished and save_due(trainer.step, trainer.total_steps, save_steps)
+            if due or (stopping and trainer.step != saved_at):
                 trainer.save_checkpoint()
+                saved_at = trainer.step
             if stopping:
-                log.warning("stop signal: checkpoint at step %d written, exiting", trainer.step)
+                log.warning(
+                    "stop signal: %s; checkpoint at step %d on disk, exiting (%.0f s after the "
+                    "signal)",
+                    "finished the step" if finished else "abandoned the step before its update",
+                    trainer.step,
+                    stop.seconds_since_signal() or 0.0,
+                )
                 return 0
     trainer.finish()
     return 0

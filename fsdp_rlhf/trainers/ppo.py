@@ -10,6 +10,7 @@ The loop (stop vote, checkpoints) is :func:`fsdp_rlhf.trainers.common.fit`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -150,19 +151,30 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ one step
 
-    def train_step(self) -> None:
-        metrics = self.run_phases(self.draw_prompts())
+    def train_step(self, stop_agreed: Callable[[], bool]) -> bool:
+        sampler_state = self.sampler.state_dict()
+        metrics = self.run_phases(self.draw_prompts(), stop_agreed)
+        if metrics is None:
+            # a resumed run must redo this step: the prompts drawn (more than one batch with
+            # --dynamic_filtering) go back to the sampler
+            self.sampler.load_state_dict(sampler_state)
+            return False
         last = self.step == self.total_steps
         if self.evaluator is not None and self.evaluator.due(self.step, self.total_steps):
             metrics.update(self.evaluate())
         # Every step goes to metrics.jsonl/TensorBoard; the console every logging_steps.
         console = self.step % self.cfg.logging.logging_steps == 0 or last
         self.logger.log(self.step, metrics, CONSOLE_KEYS, console=console)
+        return True
 
     def draw_prompts(self) -> list[Prompt]:
         return [self.prompts[i] for i in self.sampler.next_indices()]
 
-    def run_phases(self, prompts: list[Prompt]) -> dict[str, float]:
+    def run_phases(
+        self, prompts: list[Prompt], stop_agreed: Callable[[], bool]
+    ) -> dict[str, float] | None:
+        """The step's phases; None when a stop was agreed after the rollout (nothing has
+        changed but the engine's weights, which equal the actor's)."""
         stats = StatCollector()
         reuse = reuse_update_logprobs(
             self.cfg.algo, self.plan.optimizer_steps_per_epoch, self.actor_updates
@@ -172,6 +184,10 @@ class PPOTrainer:
             #    (reward model and/or rule reward); with --dynamic_filtering, repeated on fresh
             #    prompts until the batch holds only groups with a learning signal
             exp, prompts, rollout_metrics = self.sample(prompts, stats)
+            # a PPO step is long: vote again before the update, so a stop signal that came
+            # during the rollout still leaves the whole window for the checkpoint
+            if stop_agreed():
+                return None
             # 3. reference log-probs, critic values, and the sampling policy's log-probs
             #    unless the actor update will supply them
             self.forward_old_ref_values(exp, old_logprobs=not reuse)

@@ -150,7 +150,8 @@ class Models:
     rule_reward: RewardFn | None
 
 
-def _prepare(model: nn.Module, cfg: PPOConfig, env: DistEnv, trainable: bool) -> nn.Module:
+def prepare_ppo_model(model: nn.Module, cfg: PPOConfig, env: DistEnv, trainable: bool) -> nn.Module:
+    """``common.prepare_model`` with PPO's settings (also used by ``doctor``)."""
     # Token-mean losses are normalised by the global token count, so ranks must sum grads.
     return prepare_model(
         model,
@@ -166,20 +167,21 @@ def _prepare(model: nn.Module, cfg: PPOConfig, env: DistEnv, trainable: bool) ->
 def build_models(cfg: PPOConfig, env: DistEnv, tokenizer) -> Models:
     m, backend = cfg.models, cfg.backend
     log_startup(env, cfg.fsdp.zero_stage)
-    actor = _prepare(load_causal_lm(m.pretrain, backend, env.device), cfg, env, trainable=True)
+    actor_model = load_causal_lm(m.pretrain, backend, env.device)
+    actor = prepare_ppo_model(actor_model, cfg, env, trainable=True)
     # Frozen models never run backward: recomputation would only cost time.
     no_ckpt = dataclasses.replace(backend, gradient_checkpointing=False)
     # Frozen weights need no fp32 master copy: bf16 shards under --bf16 halve their memory.
     frozen_dtype = torch.bfloat16 if backend.bf16 else torch.float32
     ref_model = load_causal_lm(m.pretrain, no_ckpt, env.device, dtype=frozen_dtype)
-    ref = _prepare(ref_model, cfg, env, trainable=False)
+    ref = prepare_ppo_model(ref_model, cfg, env, trainable=False)
     critic = reward = None
     norm = None
     if uses_critic(cfg):
         critic_model = load_scalar_model(
             critic_path(cfg), backend, env.device, value_head_prefix=m.value_head_prefix
         )
-        critic = _prepare(critic_model, cfg, env, trainable=True)
+        critic = prepare_ppo_model(critic_model, cfg, env, trainable=True)
     if m.reward_pretrain:
         reward_model = load_scalar_model(
             m.reward_pretrain,
@@ -189,7 +191,7 @@ def build_models(cfg: PPOConfig, env: DistEnv, tokenizer) -> Models:
             init_head_if_missing=False,
             dtype=frozen_dtype,
         )
-        reward = _prepare(reward_model, cfg, env, trainable=False)
+        reward = prepare_ppo_model(reward_model, cfg, env, trainable=False)
         # preflight already refused --normalize_reward without the statistics
         norm = reward_normalization(m.reward_pretrain) if m.normalize_reward else None
     rule = build_rule_reward(m.remote_rm_url, m.remote_rm_auth_env) if m.remote_rm_url else None

@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -104,7 +105,8 @@ class RMTrainer:
         self.window = _Window()
         self.started, self.first_step = time.monotonic(), self.step
 
-    def train_step(self) -> None:
+    def train_step(self, stop_agreed: Callable[[], bool]) -> bool:
+        """One optimizer step (short: the stop vote after it is enough)."""
         pos = DataPosition.from_global_step(self.step - 1, self.data.steps_per_epoch)
         batches = self.loader.step_batches(pos)
         stats = train_step(
@@ -127,6 +129,7 @@ class RMTrainer:
         # the last step is left to finish(), which always evaluates
         if every > 0 and self.step % every == 0 and self.step < self.total_steps:
             self.metrics.log(self.step, self.evaluate())
+        return True
 
     def evaluate(self) -> dict[str, float]:
         env = self.env

@@ -58,10 +58,11 @@ def _interrupt_at(step: int, act):
 
     original = RMTrainer.train_step
 
-    def wrapped(self):
-        original(self)
+    def wrapped(self, stop_agreed):
+        finished = original(self, stop_agreed)
         if self.step == step:
             act()
+        return finished
 
     RMTrainer.train_step = wrapped
     return original

@@ -72,6 +72,7 @@ def _launcher_flags() -> list[str]:
     args = shlex.split(body, comments=True)
     values = {"$NNODES": "1", "$GPUS_PER_NODE": "8", "$VLLM_NUM_ENGINES": "8"}
     values["$VLLM_TENSOR_PARALLEL_SIZE"] = "1"
+    values["$SAVE_STEPS"] = "20"  # the launchers' default
     return [values.get(a, "x" if a.startswith("$") else a) for a in args]
 
 

@@ -160,22 +160,6 @@ def test_tokenize_prompts_counts_truncated_and_dropped(models, caplog):
     assert "2 kept, 1 truncated" in caplog.text and "1 empty dropped" in caplog.text
 
 
-def test_prompt_sampler_rewind_redoes_the_abandoned_step():
-    from fsdp_rlhf.data.prompts import PromptSampler
-
-    sampler = PromptSampler(8, 4, rank=0, world_size=1, seed=3)  # 2 batches per epoch
-    seen = [sampler.next_indices() for _ in range(3)]  # the third wraps into epoch 1
-    for k in (2, 1):
-        sampler.rewind()
-        again = PromptSampler(8, 4, rank=0, world_size=1, seed=3)
-        again.load_state_dict(sampler.state_dict())
-        assert again.next_indices() == seen[k]
-        sampler.load_state_dict(again.state_dict())
-        sampler.rewind()
-    with pytest.raises(RuntimeError):
-        PromptSampler(8, 4, rank=0, world_size=1, seed=3).rewind()
-
-
 def test_save_path_being_recovered_is_accepted(tmp_path):
     save = tmp_path / "run"
     (save / "checkpoints").mkdir(parents=True)  # carried back first, config.yaml not yet
