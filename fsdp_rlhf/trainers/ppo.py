@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fsdp_rlhf.algorithms import AdaptiveKLController, FixedKLController, clip_scores
+from fsdp_rlhf.algorithms import clip_scores
 from fsdp_rlhf.config import PPOBatchPlan, PPOConfig
 from fsdp_rlhf.data.prompts import Prompt, PromptSampler
 from fsdp_rlhf.distributed import checkpoint as ckpt
@@ -32,7 +32,6 @@ from fsdp_rlhf.distributed.offload import (
 from fsdp_rlhf.metrics import PhaseTimer
 from fsdp_rlhf.models.load import load_tokenizer
 from fsdp_rlhf.models.save import save_hf_model
-from fsdp_rlhf.rollout import RolloutOutput, SamplingConfig, sync_weights
 from fsdp_rlhf.trainers import common
 from fsdp_rlhf.trainers.experience import (
     Experience,
@@ -52,17 +51,21 @@ from fsdp_rlhf.trainers.ppo_metrics import (
 )
 from fsdp_rlhf.trainers.ppo_rewards import (
     add_overlong_penalty,
+    build_kl_controller,
     compute_advantages,
     observe_kl,
     rule_scores,
 )
+from fsdp_rlhf.trainers.ppo_rollout import RolloutSession, sampling_config, sleep_drops_weights
 from fsdp_rlhf.trainers.ppo_sampling import dynamic_sample
 from fsdp_rlhf.trainers.ppo_setup import (
     build_engine,
     build_models,
     build_optimizers,
     build_prompts,
+    data_settings,
     engine_dtype,
+    offload_idle,
     preflight,
 )
 from fsdp_rlhf.trainers.ppo_update import (
@@ -100,8 +103,8 @@ class PPOTrainer:
         tokenizer = load_tokenizer(cfg.models.pretrain, cfg.backend.trust_remote_code)
         # The engine first, then to sleep: vLLM sizes its memory from what is free when it
         # starts, so with four resident models it would refuse to start (TRL's colocate order).
-        self.engine = build_engine(cfg, env, tokenizer)
-        self.engine.sleep()
+        engine = build_engine(cfg, env, tokenizer)
+        engine.sleep()
         log.info("rollout engine started and asleep; loading the models")
         # after the engine, which seeds torch per engine: fresh heads must match on all ranks
         torch.manual_seed(cfg.seed)
@@ -114,9 +117,18 @@ class PPOTrainer:
         updates = self.total_steps * cfg.algo.ppo_epochs * self.plan.optimizer_steps_per_epoch
         self.optimizers, self.schedulers = build_optimizers(cfg, self.models, updates)
         self.update_plan = UpdatePlan.from_config(cfg, self.plan)
-        self.kl_ctl = _kl_controller(cfg)
+        self.kl_ctl = build_kl_controller(cfg.algo)
         self.evaluator = build_evaluator(cfg, env, tokenizer)
         self.timer = PhaseTimer(env.device)
+        self.rollout_session = RolloutSession(
+            engine,
+            self.models.actor,
+            self.optimizers["actor"],
+            self.timer,
+            device=env.device,
+            dtype=engine_dtype(cfg),
+            sleep_drops_weights=sleep_drops_weights(cfg, env.device),
+        )
         self.state = common.Stateful()
         self.state.add(
             "actor", self.models.actor, self.optimizers["actor"], self.schedulers["actor"]
@@ -129,10 +141,8 @@ class PPOTrainer:
             name: BadStepGuard(cfg.guard.max_bad_steps, name) for name in self.optimizers
         }
         self.step = 0
-        # the engine holds the initial weights; after a resume it must be synced at once
-        self.actor_version, self.engine_version = 0, -1
         self._resume()  # optimizer state is created here, while the engine sleeps
-        self.offload_idle()
+        offload_idle(self.models, self.optimizers, cfg.placement.ref_reward_offload, env.device)
         self.logger = common.open_metrics(cfg, env, self.step)
         log.info(
             "PPO: %d steps, %d prompts/step x %d samples, world %d (%d engines x TP %d)",
@@ -242,43 +252,13 @@ class PPOTrainer:
         self, prompts: list[Prompt], stats: StatCollector, round_: int = 0
     ) -> tuple[Experience, dict[str, float]]:
         metrics: dict[str, float] = {}
-        out = self.generate([p.ids for p in prompts], self.sampling_config(round_), metrics)
+        sampling = sampling_config(self.cfg, self.step, round_)
+        out = self.rollout_session.generate([p.ids for p in prompts], sampling, metrics)
         exp = experience_from_rollout(out, self.env.device)
         # reduced with the step's other statistics: a collective here would make each rank
         # wait for the slowest one's generation before scoring
         stats.add_mean("response_length/clip_ratio", truncated(out.finish_reasons))
         return exp, metrics
-
-    def generate(
-        self, prompt_ids: list[list[int]], sampling: SamplingConfig, metrics=None, phase="rollout"
-    ) -> RolloutOutput:
-        """Current actor weights into the engine (if stale), generate, engine back to sleep.
-        ``phase`` names the generation timer (``rollout``, or ``eval`` for evaluation)."""
-        offload_optimizer(self.optimizers["actor"], self.env.device)
-        with self.timer("resharding_to_infer"):
-            self.engine.wake_up(["weights"])
-            if self.engine_version != self.actor_version or self.weights_discarded_by_sleep:
-                sync = sync_weights(self.models.actor, self.engine, engine_dtype(self.cfg))
-                self.engine_version = self.actor_version
-                if metrics is not None:
-                    metrics["rollout/weight_sync_gbps"] = sync.bytes_per_s / 1e9
-            self.engine.wake_up(["kv_cache"])
-        with self.timer(phase):
-            out = self.engine.generate(prompt_ids, sampling)
-        with self.timer("resharding_to_train"):
-            self.engine.sleep()
-            onload_optimizer(self.optimizers["actor"], self.env.device)
-        return out
-
-    def sampling_config(self, round_: int = 0) -> SamplingConfig:
-        # A fresh seed per step and dynamic-sampling round (so a resumed run samples what the
-        # uninterrupted one did); the engine derives per-request seeds from it, identical
-        # inside a TP group.
-        cfg = self.cfg
-        seed = cfg.seed * 100_003 + self.step + round_ * 1_000_003
-        return SamplingConfig.from_rollout_config(
-            cfg.rollout, n=cfg.batch.n_samples_per_prompt, seed=seed
-        )
 
     def score(self, exp: Experience, prompts: list[Prompt], n: int | None = None) -> None:
         """``exp.scores``; prompt i owns rows i*n .. i*n+n-1 (n: the training group size)."""
@@ -342,7 +322,7 @@ class PPOTrainer:
             metrics.update(actor_metrics)
             if reuse_logprobs:
                 exp.old_logprobs = old_logprobs
-            self.actor_version += 1
+            self.rollout_session.actor_updated()
         metrics["actor/lr"] = self.schedulers["actor"].get_last_lr()[0]
         metrics["actor/kl_coef"] = self.kl_ctl.value
         return metrics
@@ -375,7 +355,7 @@ class PPOTrainer:
     def evaluate(self) -> dict[str, float]:
         """``eval/*`` on the held-out prompts; keeps the best actor (--save_best_metric)."""
         evaluator: Evaluator = self.evaluator
-        metrics = evaluator.run(self.generate, self.score)
+        metrics = evaluator.run(self.rollout_session.generate, self.score)
         # the phases eval ran (reward_model, resharding...) must not add to the next step's
         # timings; its total is timing/eval. (Eval also synced the new weights into the
         # engine, so the next step's rollout skips the sync and reports no weight_sync_gbps.)
@@ -405,27 +385,16 @@ class PPOTrainer:
 
     def save_checkpoint(self) -> None:
         trainer_state = {
-            **self._data_settings(),
+            **data_settings(self.cfg, len(self.prompts)),
             "sampler": self.sampler.state_dict(),
             "kl_ctl": self.kl_ctl.state_dict(),
             "guards": {name: g.state_dict() for name, g in self.guards.items()},
         }
         common.save(self.cfg.ckpt, self.step, self.state, trainer_state)
 
-    def _data_settings(self) -> dict[str, int]:
-        """What the saved prompt order depends on: a resume with other values cannot continue
-        it (the sampler state would index another permutation)."""
-        b = self.cfg.batch
-        return {
-            "num_prompts": len(self.prompts),
-            "rollout_batch_size": b.rollout_batch_size,
-            "seed": self.cfg.seed,
-        }
-
     def _resume(self) -> None:
-        check = partial(
-            ckpt.check_resumable, current=self._data_settings(), keys=list(self._data_settings())
-        )
+        current = data_settings(self.cfg, len(self.prompts))
+        check = partial(ckpt.check_resumable, current=current, keys=list(current))
         saved = common.resume(self.cfg.ckpt, self.state, check)
         if saved is None:
             return
@@ -434,19 +403,6 @@ class PPOTrainer:
         self.kl_ctl.load_state_dict(saved["kl_ctl"])
         for name, state in saved.get("guards", {}).items():
             self.guards[name].load_state_dict(state)
-
-    def offload_idle(self) -> None:
-        """Before the first rollout, the models it does not use go to host memory (no-op on
-        CPU jobs and for --adam_offload models): the critic and its optimizer state (restored
-        by a resume), and with --ref_reward_offload the frozen models."""
-        device = self.env.device
-        if self.models.critic is not None:
-            offload_optimizer(self.optimizers["critic"], device)
-            offload_model(self.models.critic, device)
-        if self.cfg.placement.ref_reward_offload:
-            for model in (self.models.ref, self.models.reward):
-                if model is not None:
-                    offload_model(model, device)
 
     def finish(self) -> None:
         save_path = self.cfg.ckpt.save_path
@@ -457,7 +413,7 @@ class PPOTrainer:
 
     def close(self) -> None:
         self.logger.close()
-        self.engine.close()
+        self.rollout_session.close()
 
     # ------------------------------------------------------------------ properties
 
@@ -477,21 +433,3 @@ class PPOTrainer:
     @property
     def engine_name(self) -> str:
         return self.cfg.rollout.rollout_engine
-
-    @property
-    def weights_discarded_by_sleep(self) -> bool:
-        """Sleep level 2 drops the engine's weights: every rollout needs a full sync."""
-        r = self.cfg.rollout
-        return self.env.device.type == "cuda" and r.vllm_enable_sleep and r.vllm_sleep_level == 2
-
-
-def _kl_controller(cfg: PPOConfig) -> AdaptiveKLController | FixedKLController:
-    a = cfg.algo
-    if a.use_kl_loss and a.kl_estimator == "k1":
-        log.warning(
-            "--use_kl_loss with --kl_estimator k1: k1's gradient is zero in expectation, so the "
-            "KL term barely constrains the actor; use k2 or k3"
-        )
-    if a.kl_target is not None:
-        return AdaptiveKLController(a.init_kl_coef, a.kl_target, a.kl_horizon)
-    return FixedKLController(a.init_kl_coef)

@@ -1,16 +1,27 @@
 """From scores to advantages on one PPO step: rule rewards, the KL term, the estimators and
-the KL controller's observation. Collectives are marked; every rank calls them in step."""
+the KL controller and its observation. Collectives are marked; every rank calls them in step."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from fsdp_rlhf.algorithms import estimate_advantages, kl_estimate, kl_mean_parts, overlong_penalty
+from fsdp_rlhf.algorithms import (
+    AdaptiveKLController,
+    FixedKLController,
+    estimate_advantages,
+    kl_estimate,
+    kl_mean_parts,
+    overlong_penalty,
+)
 from fsdp_rlhf.config import PPOAlgoConfig
 from fsdp_rlhf.distributed.env import all_reduce_scalars, world_size
 from fsdp_rlhf.distributed.stats import global_masked_whiten
 from fsdp_rlhf.trainers.experience import Experience
 from fsdp_rlhf.trainers.rule_reward import RewardFn, decode_responses
+
+log = logging.getLogger("fsdp_rlhf")
 
 
 def rule_scores(fn: RewardFn, exp: Experience, prompts, tokenizer, n_samples: int) -> torch.Tensor:
@@ -82,3 +93,15 @@ def add_overlong_penalty(exp: Experience, algo: PPOAlgoConfig, max_len: int) -> 
         lengths, max_len, algo.overlong_buffer_len, algo.overlong_penalty_factor
     )
     exp.scores = exp.scores + penalty.to(exp.scores)
+
+
+def build_kl_controller(algo: PPOAlgoConfig) -> AdaptiveKLController | FixedKLController:
+    """Adaptive (``--kl_target``) or fixed KL coefficient."""
+    if algo.use_kl_loss and algo.kl_estimator == "k1":
+        log.warning(
+            "--use_kl_loss with --kl_estimator k1: k1's gradient is zero in expectation, so the "
+            "KL term barely constrains the actor; use k2 or k3"
+        )
+    if algo.kl_target is not None:
+        return AdaptiveKLController(algo.init_kl_coef, algo.kl_target, algo.kl_horizon)
+    return FixedKLController(algo.init_kl_coef)

@@ -19,6 +19,7 @@ from torch import nn
 from fsdp_rlhf.config import PPOBatchPlan, PPOConfig, plan_ppo_batches
 from fsdp_rlhf.data.prompts import Prompt, check_chat_template, tokenize_prompts
 from fsdp_rlhf.distributed.env import DistEnv
+from fsdp_rlhf.distributed.offload import offload_model, offload_optimizer
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.models.compile import check_compile_toolchain
 from fsdp_rlhf.models.load import (
@@ -273,3 +274,28 @@ def build_engine(cfg: PPOConfig, env: DistEnv, tokenizer) -> RolloutEngine:
         eos_token_ids=eos_token_ids(tokenizer, cfg.models.pretrain),
         seed=cfg.seed + groups.engine_index,
     )
+
+
+def offload_idle(
+    models: Models, optimizers: dict, ref_reward_offload: bool, device: torch.device
+) -> None:
+    """Before the first rollout, what it does not use goes to host memory (no-op on CPU jobs
+    and for --adam_offload models): the critic and its optimizer state (restored by a resume),
+    and with --ref_reward_offload the frozen models."""
+    if models.critic is not None:
+        offload_optimizer(optimizers["critic"], device)
+        offload_model(models.critic, device)
+    if ref_reward_offload:
+        for model in (models.ref, models.reward):
+            if model is not None:
+                offload_model(model, device)
+
+
+def data_settings(cfg: PPOConfig, num_prompts: int) -> dict[str, int]:
+    """What a checkpoint's prompt order depends on: a resume with other values cannot continue
+    it (the sampler state would index another permutation)."""
+    return {
+        "num_prompts": num_prompts,
+        "rollout_batch_size": cfg.batch.rollout_batch_size,
+        "seed": cfg.seed,
+    }

@@ -1,0 +1,95 @@
+"""The rollout engine beside the actor: one ``generate`` that wakes the engine, brings the
+actor's current weights into it when they changed, samples, and puts it back to sleep.
+
+The engine and the trainer share the device, so the engine sleeps whenever the trainer works
+and the actor's Adam state leaves the device while the engine is awake.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fsdp_rlhf.config import PPOConfig
+from fsdp_rlhf.distributed.offload import offload_optimizer, onload_optimizer
+from fsdp_rlhf.metrics import PhaseTimer
+from fsdp_rlhf.rollout import RolloutEngine, RolloutOutput, SamplingConfig, sync_weights
+
+
+class RolloutSession:
+    """Owns the engine and knows whether it holds the actor's current weights.
+
+    ``actor_updated()`` after each optimizer update marks the engine stale; the next
+    ``generate`` syncs before sampling. At sleep level 2 on CUDA the engine drops its weights
+    when it sleeps, so every wake-up syncs.
+    """
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        actor: nn.Module,
+        actor_optimizer: torch.optim.Optimizer,
+        timer: PhaseTimer,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        sleep_drops_weights: bool,
+    ) -> None:
+        self.engine, self.actor, self.actor_optimizer = engine, actor, actor_optimizer
+        self.timer, self.device, self.dtype = timer, device, dtype
+        self.sleep_drops_weights = sleep_drops_weights
+        # the engine loaded the checkpoint the run started from; after a resume (or a first
+        # sleep that dropped them) its weights are not the actor's: sync at the first rollout
+        self.actor_version, self.engine_version = 0, -1
+
+    def actor_updated(self) -> None:
+        self.actor_version += 1
+
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        sampling: SamplingConfig,
+        metrics: dict[str, float] | None = None,
+        phase: str = "rollout",
+    ) -> RolloutOutput:
+        """Sample ``sampling.n`` responses per prompt with the actor's current weights.
+
+        ``phase`` names the generation timer (``rollout``, or ``eval``); a weight sync adds
+        ``rollout/weight_sync_gbps`` to ``metrics``.
+        """
+        offload_optimizer(self.actor_optimizer, self.device)
+        with self.timer("resharding_to_infer"):
+            self.engine.wake_up(["weights"])
+            if self.engine_version != self.actor_version or self.sleep_drops_weights:
+                sync = sync_weights(self.actor, self.engine, self.dtype)
+                self.engine_version = self.actor_version
+                if metrics is not None:
+                    metrics["rollout/weight_sync_gbps"] = sync.bytes_per_s / 1e9
+            self.engine.wake_up(["kv_cache"])
+        with self.timer(phase):
+            out = self.engine.generate(prompt_ids, sampling)
+        with self.timer("resharding_to_train"):
+            self.engine.sleep()
+            onload_optimizer(self.actor_optimizer, self.device)
+        return out
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def sleep_drops_weights(cfg: PPOConfig, device: torch.device) -> bool:
+    """Sleep level 2 (CUDA) discards the engine's weights: every rollout needs a full sync."""
+    r = cfg.rollout
+    return device.type == "cuda" and r.vllm_enable_sleep and r.vllm_sleep_level == 2
+
+
+def sampling_config(cfg: PPOConfig, step: int, round_: int = 0) -> SamplingConfig:
+    """The sampling of one step's rollout (``round_``: the dynamic-sampling round).
+
+    A fresh seed per step and round, so a resumed run samples what the uninterrupted one did;
+    the engine derives per-request seeds from it, identical inside a TP group.
+    """
+    seed = cfg.seed * 100_003 + step + round_ * 1_000_003
+    return SamplingConfig.from_rollout_config(
+        cfg.rollout, n=cfg.batch.n_samples_per_prompt, seed=seed
+    )
