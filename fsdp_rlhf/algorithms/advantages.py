@@ -103,11 +103,15 @@ def reinforce_plus_plus(
     return advantages * response_mask.to(advantages.dtype), returns
 
 
-def _grouped(scores: torch.Tensor, n_samples_per_prompt: int) -> torch.Tensor:
+def group_scores(
+    scores: torch.Tensor, n_samples_per_prompt: int, purpose: str = "group baselines"
+) -> torch.Tensor:
+    """(B,) scores as (B / n, n) prompt groups; rows of a group are contiguous.
+
+    ``purpose`` names the caller in the error raised for groups of one or a ragged batch.
+    """
     if n_samples_per_prompt <= 1:
-        raise ValueError(
-            f"group baselines need n_samples_per_prompt > 1, got {n_samples_per_prompt}"
-        )
+        raise ValueError(f"{purpose}: n_samples_per_prompt must be > 1, got {n_samples_per_prompt}")
     if scores.dim() != 1 or scores.shape[0] % n_samples_per_prompt != 0:
         raise ValueError(
             f"scores must be (B,) with B divisible by n_samples_per_prompt="
@@ -138,7 +142,7 @@ def rloo(
     Returns:
         (B, T) advantages, the sequence advantage on every valid token.
     """
-    grouped = _grouped(scores, n_samples_per_prompt)
+    grouped = group_scores(scores, n_samples_per_prompt)
     baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (n_samples_per_prompt - 1)
     return _broadcast(grouped - baseline, response_mask)
 
@@ -164,7 +168,7 @@ def grpo(
     Returns:
         (B, T) advantages.
     """
-    grouped = _grouped(scores, n_samples_per_prompt)
+    grouped = group_scores(scores, n_samples_per_prompt)
     mean = grouped.mean(dim=1, keepdim=True)
     std = grouped.std(dim=1, keepdim=True)
     return _broadcast((grouped - mean) / (std + eps), response_mask)
@@ -188,7 +192,7 @@ def dr_grpo(
     Returns:
         (B, T) advantages.
     """
-    grouped = _grouped(scores, n_samples_per_prompt)
+    grouped = group_scores(scores, n_samples_per_prompt)
     return _broadcast(grouped - grouped.mean(dim=1, keepdim=True), response_mask)
 
 
@@ -226,7 +230,7 @@ def reinforce_plus_plus_baseline(
         ``(advantages, returns)``, both (B, T) and 0 at masked positions; ``returns`` are the
         un-whitened reward-to-go of the centred rewards.
     """
-    grouped = _grouped(scores, n_samples_per_prompt)
+    grouped = group_scores(scores, n_samples_per_prompt)
     centred = (grouped - grouped.mean(dim=1, keepdim=True)).reshape(-1)
     valid = response_mask.bool()
     rewards = torch.zeros(response_mask.shape, dtype=centred.dtype, device=centred.device)

@@ -13,18 +13,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _grouped(scores: torch.Tensor, n_samples_per_prompt: int) -> torch.Tensor:
-    if n_samples_per_prompt < 2:
-        raise ValueError(
-            f"dynamic filtering needs n_samples_per_prompt > 1, got {n_samples_per_prompt}"
-        )
-    if scores.dim() != 1 or scores.shape[0] % n_samples_per_prompt != 0:
-        raise ValueError(
-            f"scores must be (B,) with B divisible by n_samples_per_prompt="
-            f"{n_samples_per_prompt}, got shape {tuple(scores.shape)}"
-        )
-    return scores.reshape(-1, n_samples_per_prompt)
+from fsdp_rlhf.algorithms.advantages import group_scores
 
 
 @torch.no_grad()
@@ -48,7 +37,7 @@ def dynamic_filter_groups(
     Returns:
         (G,) bool keep mask, one entry per group.
     """
-    grouped = _grouped(scores, n_samples_per_prompt)
+    grouped = group_scores(scores, n_samples_per_prompt, purpose="dynamic filtering")
     if reward_range is None:
         spread = grouped.amax(dim=1) - grouped.amin(dim=1)
         return spread > atol

@@ -159,11 +159,20 @@ def test_gae_on_tied_odd_gqa_llama(tiny_llama, ppo_data, tmp_path):
     # at lr 2e-3 a head left stale by the sync would move the engine far off the trainer
     assert all(r["rollout/logprob_diff/mean"] < 0.05 for r in rows), rows
     assert all("critic/vf_loss" in r for r in rows)
+    _check_export(
+        save,
+        "assert m.config.tie_word_embeddings and m.config.num_key_value_heads == 3; "
+        "assert m.lm_head.weight is m.model.embed_tokens.weight",
+    )
+
+
+def _check_export(save: Path, extra: str = "pass") -> None:
+    """In a fresh interpreter (as a user would): the actor export loads with transformers as
+    a causal LM and ``critic/`` as a scalar-head model; ``extra`` asserts about ``m``."""
     check = (
         "import sys; from transformers import AutoModelForCausalLM as C, "
         "AutoModelForSequenceClassification as S; m = C.from_pretrained(sys.argv[1]); "
-        "assert m.config.tie_word_embeddings and m.config.num_key_value_heads == 3; "
-        "assert m.lm_head.weight is m.model.embed_tokens.weight; S.from_pretrained(sys.argv[2])"
+        f"{extra}; S.from_pretrained(sys.argv[2])"
     )
     subprocess.run(
         [sys.executable, "-c", check, str(save), str(save / "critic")],
@@ -351,17 +360,7 @@ def test_seed_flag_set_with_trained_reward_model(tiny_qwen2, trained_rm, ppo_dat
     assert list((save / "tb").glob("events.out.tfevents*"))
     samples = [json.loads(line) for line in (save / "samples.jsonl").read_text().splitlines()]
     assert samples and {"prompt", "response", "score"} <= set(samples[0])
-    check = (
-        "import sys; from transformers import AutoModelForCausalLM, "
-        "AutoModelForSequenceClassification as S; "
-        "AutoModelForCausalLM.from_pretrained(sys.argv[1]);"
-        " S.from_pretrained(sys.argv[2])"
-    )
-    subprocess.run(
-        [sys.executable, "-c", check, str(save), str(save / "critic")],
-        check=True,
-        capture_output=True,
-    )
+    _check_export(save)
 
 
 @pytest.mark.parametrize(
