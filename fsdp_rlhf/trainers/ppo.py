@@ -258,6 +258,9 @@ class PPOTrainer:
         # reduced with the step's other statistics: a collective here would make each rank
         # wait for the slowest one's generation before scoring
         stats.add_mean("response_length/clip_ratio", truncated(out.finish_reasons))
+        # every round's sequences, for rollout_tps (the batch stats see only the kept ones)
+        lengths = out.prompt_mask.sum(-1) + out.response_mask.sum(-1)
+        stats.add_mean("rollout/generated_length", lengths.float())
         return exp, metrics
 
     def score(self, exp: Experience, prompts: list[Prompt], n: int | None = None) -> None:

@@ -148,13 +148,19 @@ def throughput_metrics(
     engine_name: str,
 ) -> dict[str, float]:
     """``e2e_tps``, ``update_tps`` and ``rollout_tps``; ``vllm_tps`` (the seed's name) only
-    when vLLM generated, so an HF-engine run does not report a vLLM speed."""
+    when vLLM generated, so an HF-engine run does not report a vLLM speed.
+
+    e2e and update count the batch trained on; rollout counts every sequence generated, which
+    with --dynamic_filtering is ``dynamic_filter/gen_rounds`` full batches.
+    """
     tokens = metrics["response_length/mean"] + metrics["prompt_length/mean"]
     n = cfg.batch.rollout_batch_size * cfg.batch.n_samples_per_prompt
+    rounds = metrics.get("dynamic_filter/gen_rounds", 1.0)
+    generated = metrics["rollout/generated_length"]
     out = {
         "e2e_tps": throughput(tokens, n, world_size, times.get("all", 0.0)),
         "update_tps": throughput(tokens, n, world_size, times.get("update", 0.0)),
-        "rollout_tps": throughput(tokens, n, world_size, times.get("rollout", 0.0)),
+        "rollout_tps": throughput(generated, n * rounds, world_size, times.get("rollout", 0.0)),
     }
     if engine_name == "vllm":
         out["vllm_tps"] = out["rollout_tps"]

@@ -33,7 +33,15 @@ def reward_func(queries, prompts, labels):
 # A 0/1 verifier-like reward (even word count): groups of 4 are often all-equal, so dynamic
 # filtering has groups to drop, and "correct" (score > 0) is meaningful for pass@k.
 PARITY_REWARD = """
+import os, signal
+KILL_AT = int(os.environ.get("TEST_SIGTERM_AT_CALL", "0"))
+calls = 0
+
 def reward_func(queries, prompts, labels):
+    global calls
+    calls += 1
+    if calls == KILL_AT:
+        os.kill(os.getpid(), signal.SIGTERM)
     return [float(len(q[len(p):].split()) % 2 == 0) for q, p in zip(queries, prompts)]
 """
 
@@ -240,6 +248,44 @@ def test_dynamic_sampling_gspo_bypass_overlong_and_eval_in_one_run(tiny_qwen2, p
     assert best["metric"] == "eval/pass@2" and best["step"] in (1, 2)
     assert best["value"] == max(r["eval/pass@2"] for r in rows)
     assert (save / "best" / "model.safetensors").is_file()
+
+
+def test_stop_during_dynamic_sampling_resumes_the_same_batches(tiny_qwen2, ppo_data, tmp_path):
+    """A stop signal inside a dynamic-sampling step (possibly several prompt batches drawn)
+    abandons it; the resumed run draws the same batches again and matches the uninterrupted
+    run step for step."""
+
+    def flags(save: Path) -> list[str]:
+        return _set_flags(
+            grpo_flags(tiny_qwen2, ppo_data, save, steps=3),
+            remote_rm_url=str(ppo_data / "parity_reward.py"),
+            rollout_batch_size="8",
+            train_batch_size="32",
+            micro_rollout_batch_size="8",
+        ) + ["--dynamic_filtering", "--max_num_gen_batches", "4"]
+
+    full = torchrun(["ppo", *flags(tmp_path / "full")])
+    assert full.returncode == 0, full.stderr[-3000:]
+    rows = read_metrics(tmp_path / "full")
+    rounds = [int(r["dynamic_filter/gen_rounds"]) for r in rows]
+    # each rank calls the reward once per round: stop at the last round of the step with the
+    # most rounds after the first (the most prompt batches to put back)
+    step = max((2, 3), key=lambda s: rounds[s - 1])
+    kill_at = sum(rounds[:step])
+    save = tmp_path / "cut"
+    cut = torchrun(["ppo", *flags(save)], env={"TEST_SIGTERM_AT_CALL": str(kill_at)})
+    assert cut.returncode == 0, cut.stderr[-3000:]
+    assert "abandoned the step before its update" in cut.stderr
+    assert [r["step"] for r in read_metrics(save)] == list(range(1, step))
+    resumed = torchrun(["ppo", *flags(save), "--load_checkpoint"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = {r["step"]: r for r in read_metrics(save) if r["step"] >= step}
+    assert sorted(after) == list(range(step, 4))
+    keys = ("dynamic_filter/gen_rounds", "dynamic_filter/prompts_drawn", "critic/score/mean")
+    for s in after:
+        for key in (*keys, "actor/pg_loss", "response_length/mean"):
+            ref = rows[s - 1][key]
+            assert after[s][key] == pytest.approx(ref, rel=1e-3, abs=1e-4), (s, key, rounds)
 
 
 def test_seed_flag_set_with_trained_reward_model(tiny_qwen2, trained_rm, ppo_data, tmp_path):

@@ -211,12 +211,35 @@ def test_rollout_tps_always_and_vllm_tps_only_when_vllm_generated(engine):
 
     argv = "--pretrain x --rollout_batch_size 4 --n_samples_per_prompt 2".split()
     cfg, _ = build_config(PPOConfig, argv)
-    metrics = {"response_length/mean": 6.0, "prompt_length/mean": 4.0}
+    metrics = {
+        "response_length/mean": 6.0,
+        "prompt_length/mean": 4.0,
+        "rollout/generated_length": 10.0,
+    }
     times = {"all": 4.0, "update": 1.0, "rollout": 2.0}
     out = throughput_metrics(metrics, times, cfg, world_size=2, engine_name=engine)
     # (6 + 4) tokens x 8 samples / 2 ranks / seconds
     assert out["e2e_tps"] == 10.0 and out["update_tps"] == 40.0 and out["rollout_tps"] == 20.0
     assert ("vllm_tps" in out) is (engine == "vllm")
+
+
+def test_rollout_tps_counts_every_dynamic_sampling_round():
+    from fsdp_rlhf.config import PPOConfig
+    from fsdp_rlhf.config_base import build_config
+    from fsdp_rlhf.trainers.ppo_metrics import throughput_metrics
+
+    argv = "--pretrain x --rollout_batch_size 4 --n_samples_per_prompt 2".split()
+    cfg, _ = build_config(PPOConfig, argv)
+    # three rounds generated 3 x 8 sequences of 12 tokens on average in 3 s; the kept batch
+    # (8 sequences of 10 tokens) trained in 1 s
+    metrics = {
+        "response_length/mean": 6.0,
+        "prompt_length/mean": 4.0,
+        "rollout/generated_length": 12.0,
+        "dynamic_filter/gen_rounds": 3.0,
+    }
+    out = throughput_metrics(metrics, {"rollout": 3.0, "update": 1.0}, cfg, 2, "vllm")
+    assert out["rollout_tps"] == 12.0 * 24 / 2 / 3.0 and out["update_tps"] == 40.0
 
 
 def test_running_averages_take_the_max_of_max_entries():
