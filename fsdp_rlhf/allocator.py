@@ -1,16 +1,20 @@
-"""Host memory allocator of CPU runs: is tcmalloc (or jemalloc) preloaded, and where is one.
+"""Host memory allocator of CPU runs: tcmalloc preloaded by default, found where installed.
 
 Why it matters: PyTorch's CPU tensors come straight from malloc. glibc returns large freed blocks
 to the kernel, so every training step page-faults its activation and gradient buffers in again.
 Measured on the 2-core bench machine (GRPO step of the 34M-parameter bench model): 56-84k minor
 page faults per actor update with glibc against 1-4k with tcmalloc, and the update went from
 2.7-3.1 s to 2.3-2.5 s. vLLM's CPU backend asks for tcmalloc in ``LD_PRELOAD`` for the same reason.
-``LD_PRELOAD`` acts only when a process starts, so the trainer cannot switch allocator itself: it
-says so once at start-up and the launcher sets the variable::
+
+``LD_PRELOAD`` acts only when a process starts, so on a host without a GPU the CLI re-executes
+itself once with tcmalloc preloaded (:func:`reexec_env`; same PID, so torchrun and schedulers
+see nothing) and the start-up log says so. ``FSDP_RLHF_TCMALLOC=0`` keeps glibc malloc; without
+an installed tcmalloc the run goes on with glibc and the log says what to install. To preload
+by hand::
 
     LD_PRELOAD=$(python -m fsdp_rlhf.allocator) torchrun ... -m fsdp_rlhf.cli ppo ...
 
-On GPUs the device memory has its own caching allocator and this does not apply.
+On GPUs the device memory has its own caching allocator and nothing is re-executed.
 """
 
 from __future__ import annotations
@@ -31,6 +35,11 @@ SEARCH_DIRS = (
     str(Path(sys.prefix) / "lib"),
 )
 TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
+# "0": keep glibc malloc; "preloaded": set by the re-exec (it happens once).
+SWITCH = "FSDP_RLHF_TCMALLOC"
+# tcmalloc prints a line per allocation above 1 GiB by default: loading a large model on the
+# host would flood the log.
+QUIET = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 40)}
 
 
 def _entries(ld_preload: str) -> list[str]:
@@ -71,6 +80,47 @@ def tcmalloc_preload(ld_preload: str, found: Path | None) -> str:
     return f"{found}:{ld_preload}" if ld_preload else str(found)
 
 
+def reexec_env(environ: dict[str, str], found: Path | None, has_gpu: bool) -> dict[str, str] | None:
+    """The environment to re-execute this process with tcmalloc preloaded; None to go on.
+
+    None on GPU hosts, when a fast allocator is already preloaded, when none is installed, when
+    ``FSDP_RLHF_TCMALLOC=0``, and after the re-exec itself (never loops).
+    """
+    current = environ.get("LD_PRELOAD", "")
+    if has_gpu or found is None or environ.get(SWITCH) in ("0", "preloaded"):
+        return None
+    if preloaded_allocator(current):
+        return None
+    return {**QUIET, **environ, "LD_PRELOAD": tcmalloc_preload(current, found), SWITCH: "preloaded"}
+
+
+def gpu_visible() -> bool:
+    """An NVIDIA device node exists (cheap: no CUDA initialisation before the re-exec)."""
+    return any(Path("/dev").glob("nvidia[0-9]*"))
+
+
+def maybe_reexec() -> None:
+    """Replace this process by itself with tcmalloc preloaded, when :func:`reexec_env` says so.
+
+    Call it first thing in the console entry point only (never inside a test runner).
+    """
+    env = reexec_env(dict(os.environ), find_tcmalloc(), gpu_visible())
+    if env is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+def allocator_status(environ: dict[str, str] | None = None) -> str | None:
+    """One line for the start-up log when the CLI preloaded tcmalloc itself; None otherwise."""
+    environ = os.environ if environ is None else environ
+    if environ.get(SWITCH) != "preloaded":
+        return None
+    lib = preloaded_allocator(environ.get("LD_PRELOAD", ""))
+    return f"host allocator: {lib} preloaded by fsdp-rlhf ({SWITCH}=0 keeps glibc malloc)"
+
+
 def allocator_hint(
     device_type: str, ld_preload: str | None = None, found: Path | None = None
 ) -> str | None:
@@ -83,11 +133,12 @@ def allocator_hint(
     if preloaded_allocator(os.environ.get("LD_PRELOAD", "") if ld_preload is None else ld_preload):
         return None
     found = found or find_tcmalloc()
-    how = (
-        f"start with LD_PRELOAD={found}"
-        if found
-        else "install tcmalloc (Debian/Ubuntu: libtcmalloc-minimal4) and put it in LD_PRELOAD"
-    )
+    if os.environ.get(SWITCH) == "0":
+        how = f"{SWITCH}=0 is set; unset it to preload tcmalloc"
+    elif found:
+        how = f"start with LD_PRELOAD={found}"
+    else:
+        how = "install tcmalloc (Debian/Ubuntu: libtcmalloc-minimal4) and it is used by default"
     return (
         "CPU run with glibc malloc: each step page-faults its buffers in again (9-12% of a GRPO "
         f"step on the bench); {how}"

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import typer
 
+from fsdp_rlhf.allocator import maybe_reexec
 from fsdp_rlhf.errors import UserError
 
 app = typer.Typer(
@@ -118,9 +119,19 @@ def quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# Commands that train or load models: worth a process restart for tcmalloc (not --help).
+RUN_COMMANDS = ("train-rm", "ppo", "doctor")
+
+
+def wants_fast_allocator(argv: list[str]) -> bool:
+    return bool(argv) and argv[0] in RUN_COMMANDS and not {"--help", "-h"} & set(argv)
+
+
 def main() -> None:
     quiet_libraries()
     sys.argv[1:] = strip_launcher_args(sys.argv[1:])
+    if wants_fast_allocator(sys.argv[1:]):
+        maybe_reexec()  # CPU hosts: once, with tcmalloc preloaded (see fsdp_rlhf.allocator)
     app()
 
 

@@ -45,23 +45,26 @@ def cli(subcommand: str, **flags) -> list[str]:
 def use_tcmalloc(want: bool) -> str:
     """Preload tcmalloc into every run of this bench (both sides alike) when ``want`` and one is
     installed; returns what the runs use, for the report."""
-    from fsdp_rlhf.allocator import find_tcmalloc, preloaded_allocator, tcmalloc_preload
+    from fsdp_rlhf.allocator import SWITCH, find_tcmalloc, preloaded_allocator, tcmalloc_preload
 
     current = os.environ.get("LD_PRELOAD", "")
     if preloaded_allocator(current):
         return f"preloaded by the caller: {current}"
     found = find_tcmalloc() if want else None
     if found is None:
+        # our CLI would otherwise preload tcmalloc by itself, TRL's side not
+        os.environ[SWITCH] = "0"
         return "glibc malloc" + (" (no tcmalloc installed)" if want else "")
     os.environ["LD_PRELOAD"] = tcmalloc_preload(current, found)
     return f"tcmalloc ({found}) preloaded into both sides"
 
 
 def glibc_env() -> dict[str, str]:
-    """Environment override that takes tcmalloc/jemalloc out of ``LD_PRELOAD``."""
-    from fsdp_rlhf.allocator import without_fast_allocators
+    """Environment override that takes tcmalloc/jemalloc out of ``LD_PRELOAD`` and stops our
+    CLI from preloading tcmalloc by itself."""
+    from fsdp_rlhf.allocator import SWITCH, without_fast_allocators
 
-    return {"LD_PRELOAD": without_fast_allocators(os.environ.get("LD_PRELOAD", ""))}
+    return {"LD_PRELOAD": without_fast_allocators(os.environ.get("LD_PRELOAD", "")), SWITCH: "0"}
 
 
 def bench_env(work: Path) -> dict[str, str]:

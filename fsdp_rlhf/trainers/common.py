@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_rlhf.allocator import allocator_hint
+from fsdp_rlhf.allocator import allocator_hint, allocator_status
 from fsdp_rlhf.config import BackendConfig, CheckpointConfig, FSDPConfig
 from fsdp_rlhf.config_base import dump_yaml
 from fsdp_rlhf.distributed import checkpoint as ckpt
@@ -119,6 +119,8 @@ def fit(trainer: Trainer, save_steps: int) -> int:
 
 def log_startup(env: DistEnv, zero_stage: int) -> None:
     log.info(describe_zero_stage(zero_stage))
+    if env.is_rank0 and (status := allocator_status()):
+        log.info(status)
     if env.is_rank0 and (hint := allocator_hint(env.device.type)):
         log.warning(hint)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from fsdp_rlhf.allocator import find_tcmalloc, gpu_visible
 from fsdp_rlhf.cli import app
 from fsdp_rlhf.distributed.env import free_port
 from tests.rm_utils import synthetic_pairs, write_jsonl
@@ -79,6 +80,9 @@ def test_seed_launch_line_trains_and_saves(launcher, tiny_qwen2, tmp_path):
     for line in ("bf16: true", "flash_attn: true", "gradient_checkpointing: true", "zero_stage: 3"):
         assert line in run_cfg
     assert "zero_stage=3 -> FSDP2 fully_shard(reshard_after_forward=True)" in proc.stdout
+    if find_tcmalloc() and not gpu_visible() and "LD_PRELOAD" not in os.environ:
+        # the ranks restarted themselves with tcmalloc (same PIDs: the launcher saw nothing)
+        assert "host allocator: libtcmalloc preloaded by fsdp-rlhf" in proc.stdout
     assert "eta" in proc.stdout
 
 

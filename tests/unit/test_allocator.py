@@ -79,3 +79,59 @@ def test_without_fast_allocators_keeps_the_other_libraries():
     assert without_fast_allocators("/usr/lib/libtcmalloc_minimal.so.4") == ""
     value = "/opt/a/libgomp.so.1:/x/libtcmalloc.so.4 /opt/b/libiomp5.so:/y/libjemalloc.so.2"
     assert without_fast_allocators(value) == "/opt/a/libgomp.so.1:/opt/b/libiomp5.so"
+
+
+def test_reexec_env_only_once_only_on_cpu_hosts_with_tcmalloc(tmp_path: Path):
+    lib = tmp_path / "libtcmalloc_minimal.so.4"
+    env = allocator.reexec_env({"LD_PRELOAD": "/opt/libgomp.so.1"}, lib, has_gpu=False)
+    assert env["LD_PRELOAD"] == f"{lib}:/opt/libgomp.so.1"
+    assert env[allocator.SWITCH] == "preloaded" and "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD" in env
+    assert allocator.reexec_env(env, lib, has_gpu=False) is None  # the re-executed process
+    assert allocator.reexec_env({}, lib, has_gpu=True) is None
+    assert allocator.reexec_env({}, None, has_gpu=False) is None
+    assert allocator.reexec_env({allocator.SWITCH: "0"}, lib, has_gpu=False) is None
+    jemalloc = {"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}
+    assert allocator.reexec_env(jemalloc, lib, has_gpu=False) is None
+    # a user's own threshold wins
+    mine = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": "5"}
+    assert allocator.reexec_env(mine, lib, False)["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"] == "5"
+
+
+def test_status_line_only_after_our_own_preload():
+    env = {allocator.SWITCH: "preloaded", "LD_PRELOAD": "/usr/lib/libtcmalloc_minimal.so.4"}
+    assert "libtcmalloc preloaded by fsdp-rlhf" in allocator.allocator_status(env)
+    assert allocator.allocator_status({"LD_PRELOAD": env["LD_PRELOAD"]}) is None
+
+
+def test_only_run_commands_restart():
+    from fsdp_rlhf.cli import wants_fast_allocator
+
+    assert wants_fast_allocator(["ppo", "--pretrain", "x"])
+    assert wants_fast_allocator(["train-rm"]) and wants_fast_allocator(["doctor"])
+    assert not wants_fast_allocator(["ppo", "--help"]) and not wants_fast_allocator([])
+    assert not wants_fast_allocator(["--help"])
+
+
+REEXEC_PROBE = (
+    "from fsdp_rlhf.allocator import maybe_reexec; maybe_reexec(); import os; "
+    "maps = open('/proc/self/maps').read(); "
+    "print(os.environ.get('FSDP_RLHF_TCMALLOC'), 'libtcmalloc' in maps)"
+)
+
+
+@pytest.mark.skipif(
+    find_tcmalloc() is None or allocator.gpu_visible(), reason="needs tcmalloc on a CPU host"
+)
+@pytest.mark.parametrize(("switch", "want"), [(None, "preloaded True"), ("0", "0 False")])
+def test_a_real_process_restarts_itself_with_tcmalloc_mapped(switch, want):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", allocator.SWITCH)}
+    if switch is not None:
+        env[allocator.SWITCH] = switch
+    out = subprocess.run(
+        [sys.executable, "-c", REEXEC_PROBE], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == want, out.stderr
