@@ -60,6 +60,8 @@ def _check_world(cfg: PPOConfig, world_size: int) -> None:
             f"--num_nodes {p.num_nodes} x {local} ranks per node != torchrun world size "
             f"{world_size} (--nnodes)"
         )
+    if not p.colocate_all:  # accepted for the seed scripts, but there is no other placement
+        raise UserError("--no_colocate_all: every rank holds every model (the only placement)")
 
 
 def _check_rewards(cfg: PPOConfig) -> None:

@@ -165,3 +165,8 @@ def test_save_path_being_recovered_is_accepted(tmp_path):
     (save / "checkpoints").mkdir(parents=True)  # carried back first, config.yaml not yet
     (tmp_path / "run.tmp-5").mkdir()
     check_save_path(str(save), other_paths={})
+
+
+def test_no_colocate_all_is_refused_not_ignored(models, tmp_path):
+    with pytest.raises(UserError, match="--no_colocate_all: every rank holds every model"):
+        preflight(ppo_cfg(models, tmp_path / "out", "--no_colocate_all"), 1)
