@@ -44,16 +44,17 @@ def ours_cmd(
     resp_len: int | None = None,
     rm: Path | None = None,
     compile: bool = True,
+    bf16: bool = True,
 ) -> list[str]:
     """GRPO with the rule reward, or (``rm`` given) PPO with GAE: RM scores, critic from it.
-    With ``--torch_compile`` unless ``compile`` is False."""
+    With ``--torch_compile`` unless ``compile`` is False; fp32 (the CLI default) unless bf16."""
     flags = dict(
         pretrain=w.model, prompt_data=w.prompts, input_key="input", apply_chat_template=True,
         prompt_max_len=PROMPT_MAX_LEN, generate_max_len=resp_len or s.rl_resp_len,
         rollout_batch_size=s.rl_prompts, n_samples_per_prompt=s.rl_n,
         train_batch_size=s.rl_prompts * s.rl_n, micro_train_batch_size=s.rl_micro,
         micro_rollout_batch_size=s.rl_micro, max_steps=s.rl_steps, actor_learning_rate=LR,
-        lr_warmup_ratio=0, bf16=True, rollout_engine=engine, save_path=out,
+        lr_warmup_ratio=0, bf16=bf16, rollout_engine=engine, save_path=out,
         ckpt_path=out / "ckpt", save_steps=-1, sample_log_steps=0, logging_steps=1, seed=SEED,
         torch_compile=compile,
     )  # fmt: skip
@@ -66,7 +67,7 @@ def ours_cmd(
     return local_torchrun(nproc, cli("ppo", **flags))
 
 
-def trl_cmd(w: Workload, s: Sizes, out: Path, nproc: int) -> list[str]:
+def trl_cmd(w: Workload, s: Sizes, out: Path, nproc: int, bf16: bool = True) -> list[str]:
     per_rank = s.rl_prompts * s.rl_n // nproc
     cfg = dict(
         model=str(w.model),
@@ -79,7 +80,7 @@ def trl_cmd(w: Workload, s: Sizes, out: Path, nproc: int) -> list[str]:
         steps=s.rl_steps,
         beta=BETA,
         lr=LR,
-        bf16=True,
+        bf16=bf16,
         seed=SEED,
     )
     return local_torchrun(
@@ -160,10 +161,17 @@ def run_ours(
 
 
 def run_trl(
-    name: str, w: Workload, s: Sizes, work: Path, nproc: int, env: dict[str, str] | None = None
+    name: str,
+    w: Workload,
+    s: Sizes,
+    work: Path,
+    nproc: int,
+    env: dict[str, str] | None = None,
+    bf16: bool = True,
 ) -> dict:
     out = work / name
     out.mkdir(parents=True, exist_ok=True)
     env = {**bench_env(work), **(env or {})}
-    job = run_job(name, trl_cmd(w, s, out, nproc), work / f"{name}.log", out / "steps.jsonl", env)
+    cmd = trl_cmd(w, s, out, nproc, bf16=bf16)
+    job = run_job(name, cmd, work / f"{name}.log", out / "steps.jsonl", env)
     return summarize_trl(job, s, nproc)
