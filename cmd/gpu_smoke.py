@@ -73,13 +73,15 @@ def engine_beside_models(model: str, env):
     at every wake-up)."""
     from fsdp_rlhf.models.load import load_causal_lm, load_tokenizer
     from fsdp_rlhf.rollout.memory_budget import vllm_memory_utilization
-    from fsdp_rlhf.trainers.ppo_setup import _shard, build_engine
+    from fsdp_rlhf.trainers.ppo_setup import build_engine, prepare_ppo_model
 
     cfg = _cfg(model)
     tok = load_tokenizer(model)
-    actor = _shard(load_causal_lm(model, cfg.backend, env.device), cfg, env, trainable=True)
+    actor = prepare_ppo_model(
+        load_causal_lm(model, cfg.backend, env.device), cfg, env, trainable=True
+    )
     ref_model = load_causal_lm(model, cfg.backend, env.device, dtype=torch.bfloat16)
-    ref = _shard(ref_model, cfg, env, trainable=False)
+    ref = prepare_ppo_model(ref_model, cfg, env, trainable=False)
     free, total = torch.cuda.mem_get_info(env.device)
     _, line = vllm_memory_utilization(free, total, cfg.rollout.vllm_gpu_memory_utilization)
     engine = build_engine(cfg, env, tok)
@@ -176,13 +178,15 @@ def sleep_wake_cycles(s: dict):
 def no_grad_memory(model: str, env):
     """After a no-grad forward, allocated memory is back to the sharded size (ZeRO 2 and 3)."""
     from fsdp_rlhf.models.load import load_causal_lm
-    from fsdp_rlhf.trainers.ppo_setup import _shard
+    from fsdp_rlhf.trainers.ppo_setup import prepare_ppo_model
 
     lines = []
     for stage in ("2", "3"):
         cfg = _cfg(model, "--zero_stage", stage)
         for trainable in (True, False):
-            m = _shard(load_causal_lm(model, cfg.backend, env.device), cfg, env, trainable)
+            m = prepare_ppo_model(
+                load_causal_lm(model, cfg.backend, env.device), cfg, env, trainable
+            )
             full = sum(p.numel() for p in m.parameters()) * 2  # bf16 gathered copy
             before = torch.cuda.memory_allocated()
             with torch.no_grad():
@@ -199,10 +203,10 @@ def no_grad_memory(model: str, env):
 def adam_offload_update(model: str, env):
     from fsdp_rlhf.distributed.fsdp import clip_grad_norm_
     from fsdp_rlhf.models.load import load_causal_lm
-    from fsdp_rlhf.trainers.ppo_setup import _shard
+    from fsdp_rlhf.trainers.ppo_setup import prepare_ppo_model
 
     cfg = _cfg(model, "--adam_offload", "--zero_stage", "3")
-    m = _shard(load_causal_lm(model, cfg.backend, env.device), cfg, env, trainable=True)
+    m = prepare_ppo_model(load_causal_lm(model, cfg.backend, env.device), cfg, env, trainable=True)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     ids = torch.randint(2, 500, (4, 64), device="cuda")
     loss = m(input_ids=ids, labels=ids).loss

@@ -45,3 +45,19 @@ def test_gpu_smoke_counts_a_failed_check(capsys):
     assert lines[0].startswith("FAIL broken") and "kept 3 GiB" in lines[0]
     assert lines[1].startswith("PASS fine")
     assert gpu_smoke.RESULTS == [False, True]
+
+
+def test_every_library_name_the_smoke_imports_exists():
+    """The smoke only runs on a GPU: a rename in the library would otherwise first show there."""
+    import ast
+    import importlib
+
+    src = (Path(__file__).resolve().parents[2] / "cmd" / "gpu_smoke.py").read_text()
+    missing = [
+        (node.module, alias.name)
+        for node in ast.walk(ast.parse(src))
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fsdp_rlhf")
+        for alias in node.names
+        if not hasattr(importlib.import_module(node.module), alias.name)
+    ]
+    assert not missing, missing
