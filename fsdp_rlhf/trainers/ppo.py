@@ -129,14 +129,7 @@ class PPOTrainer:
             dtype=engine_dtype(cfg),
             sleep_drops_weights=sleep_drops_weights(cfg, env.device),
         )
-        self.state = common.Stateful()
-        self.state.add(
-            "actor", self.models.actor, self.optimizers["actor"], self.schedulers["actor"]
-        )
-        if self.models.critic is not None:
-            self.state.add(
-                "critic", self.models.critic, self.optimizers["critic"], self.schedulers["critic"]
-            )
+        self.state = self._stateful()
         self.guards = {
             name: BadStepGuard(cfg.guard.max_bad_steps, name) for name in self.optimizers
         }
@@ -153,6 +146,14 @@ class PPOTrainer:
             self.plan.num_engines,
             self.plan.tp_size,
         )
+
+    def _stateful(self) -> common.Stateful:
+        """What a checkpoint holds: each trained model with its optimizer and schedule."""
+        state = common.Stateful()
+        for name in self.optimizers:  # "actor", and "critic" with GAE
+            model = self.models.actor if name == "actor" else self.models.critic
+            state.add(name, model, self.optimizers[name], self.schedulers[name])
+        return state
 
     def _total_steps(self) -> int:
         b = self.cfg.batch
