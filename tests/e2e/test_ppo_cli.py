@@ -14,9 +14,9 @@ from tests.e2e.helpers import read_metrics, run_cli, torchrun
 
 pytestmark = pytest.mark.slow
 
-# A rule reward that prefers short answers (learnable in a few steps by a random tiny model),
-# and that can preempt its own process with SIGTERM on a given call, like a scheduler would.
-SHORT_REWARD_WITH_PREEMPTION = """
+# Rule rewards that can preempt their own process with SIGTERM on a given call (counted per
+# rank), like a scheduler would; each appends its return line.
+PREEMPTING_REWARD = """
 import os, signal
 KILL_AT = int(os.environ.get("TEST_SIGTERM_AT_CALL", "0"))
 calls = 0
@@ -26,24 +26,18 @@ def reward_func(queries, prompts, labels):
     calls += 1
     if calls == KILL_AT:
         os.kill(os.getpid(), signal.SIGTERM)
-    return [max(0.0, 1.0 - len(q[len(p):]) / 100.0) for q, p in zip(queries, prompts)]
 """
-
-
-# A 0/1 verifier-like reward (even word count): groups of 4 are often all-equal, so dynamic
-# filtering has groups to drop, and "correct" (score > 0) is meaningful for pass@k.
-PARITY_REWARD = """
-import os, signal
-KILL_AT = int(os.environ.get("TEST_SIGTERM_AT_CALL", "0"))
-calls = 0
-
-def reward_func(queries, prompts, labels):
-    global calls
-    calls += 1
-    if calls == KILL_AT:
-        os.kill(os.getpid(), signal.SIGTERM)
-    return [float(len(q[len(p):].split()) % 2 == 0) for q, p in zip(queries, prompts)]
-"""
+# prefers short answers: learnable in a few steps by a random tiny model
+SHORT_REWARD_WITH_PREEMPTION = (
+    PREEMPTING_REWARD
+    + "    return [max(0.0, 1.0 - len(q[len(p):]) / 100.0) for q, p in zip(queries, prompts)]\n"
+)
+# 0/1 and verifier-like (even word count): groups of 4 are often all-equal, so dynamic
+# filtering has groups to drop, and "correct" (score > 0) is meaningful for pass@k
+PARITY_REWARD = (
+    PREEMPTING_REWARD
+    + "    return [float(len(q[len(p):].split()) % 2 == 0) for q, p in zip(queries, prompts)]\n"
+)
 
 
 @pytest.fixture(scope="module")

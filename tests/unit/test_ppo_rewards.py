@@ -203,14 +203,20 @@ def test_stat_collector_mean_only_entry():
     assert not any(k.startswith("response_length/clip_ratio/") for k in out)
 
 
-@pytest.mark.parametrize("engine", ["vllm", "hf"])
-def test_rollout_tps_always_and_vllm_tps_only_when_vllm_generated(engine):
+def _eight_samples_config():
+    """4 prompts x 2 samples per step."""
     from fsdp_rlhf.config import PPOConfig
     from fsdp_rlhf.config_base import build_config
-    from fsdp_rlhf.trainers.ppo_metrics import throughput_metrics
 
     argv = "--pretrain x --rollout_batch_size 4 --n_samples_per_prompt 2".split()
-    cfg, _ = build_config(PPOConfig, argv)
+    return build_config(PPOConfig, argv)[0]
+
+
+@pytest.mark.parametrize("engine", ["vllm", "hf"])
+def test_rollout_tps_always_and_vllm_tps_only_when_vllm_generated(engine):
+    from fsdp_rlhf.trainers.ppo_metrics import throughput_metrics
+
+    cfg = _eight_samples_config()
     metrics = {
         "response_length/mean": 6.0,
         "prompt_length/mean": 4.0,
@@ -224,12 +230,9 @@ def test_rollout_tps_always_and_vllm_tps_only_when_vllm_generated(engine):
 
 
 def test_rollout_tps_counts_every_dynamic_sampling_round():
-    from fsdp_rlhf.config import PPOConfig
-    from fsdp_rlhf.config_base import build_config
     from fsdp_rlhf.trainers.ppo_metrics import throughput_metrics
 
-    argv = "--pretrain x --rollout_batch_size 4 --n_samples_per_prompt 2".split()
-    cfg, _ = build_config(PPOConfig, argv)
+    cfg = _eight_samples_config()
     # three rounds generated 3 x 8 sequences of 12 tokens on average in 3 s; the kept batch
     # (8 sequences of 10 tokens) trained in 1 s
     metrics = {
