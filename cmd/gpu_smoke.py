@@ -72,7 +72,7 @@ def engine_beside_models(model: str, env):
     """Shard actor + ref onto the GPU first, then start vLLM next to them (the job's order
     at every wake-up)."""
     from fsdp_rlhf.models.load import load_causal_lm, load_tokenizer
-    from fsdp_rlhf.rollout.memory_budget import vllm_memory_utilization
+    from fsdp_rlhf.rollout.memory_budget import check_device_budget
     from fsdp_rlhf.trainers.ppo_setup import build_engine, prepare_ppo_model
 
     cfg = _cfg(model)
@@ -82,8 +82,7 @@ def engine_beside_models(model: str, env):
     )
     ref_model = load_causal_lm(model, cfg.backend, env.device, dtype=torch.bfloat16)
     ref = prepare_ppo_model(ref_model, cfg, env, trainable=False)
-    free, total = torch.cuda.mem_get_info(env.device)
-    _, line = vllm_memory_utilization(free, total, cfg.rollout.vllm_gpu_memory_utilization)
+    line = check_device_budget(env.device, cfg.rollout.vllm_gpu_memory_utilization)
     engine = build_engine(cfg, env, tok)
     state = dict(cfg=cfg, tok=tok, actor=actor, ref=ref, engine=engine)
     return f"runner {model_runner(engine.llm)}; {line}", state

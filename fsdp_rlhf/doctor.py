@@ -28,7 +28,7 @@ from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.distributed.env import DistEnv, init_distributed, teardown
 from fsdp_rlhf.distributed.memory import JobFlags, ModelShape, Phase, plan_phases, verdict
 from fsdp_rlhf.metrics import setup_logging
-from fsdp_rlhf.rollout.memory_budget import vllm_memory_utilization
+from fsdp_rlhf.rollout.memory_budget import check_device_budget
 
 log = logging.getLogger("fsdp_rlhf")
 
@@ -211,11 +211,7 @@ def _check_engine(cfg: PPOConfig, env: DistEnv, engines: list) -> Check:
         tok = load_tokenizer(cfg.models.pretrain, cfg.backend.trust_remote_code)
         budget = ""
         if env.device.type == "cuda" and cfg.rollout.rollout_engine == "vllm":
-            free, total = torch.cuda.mem_get_info(env.device)
-            _, budget = vllm_memory_utilization(
-                free, total, cfg.rollout.vllm_gpu_memory_utilization
-            )
-            budget = "; " + budget
+            budget = "; " + check_device_budget(env.device, cfg.rollout.vllm_gpu_memory_utilization)
         start = time.perf_counter()
         engine = build_engine(cfg, env, tok)
         engines.append(engine)

@@ -44,3 +44,11 @@ def vllm_memory_utilization(
             "--ref_reward_offload"
         )
     return requested, f"vLLM memory: {numbers}: fits"
+
+
+def check_device_budget(device, requested: float) -> str:
+    """:func:`vllm_memory_utilization` on what ``device`` (CUDA) has free now; the log line."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info(device)
+    return vllm_memory_utilization(free, total, requested)[1]

@@ -32,7 +32,7 @@ from fsdp_rlhf.models.load import (
 from fsdp_rlhf.models.save import check_save_path, recover_interrupted_export
 from fsdp_rlhf.optim import build_optimizer, build_scheduler
 from fsdp_rlhf.rollout import HFEngine, RolloutEngine, build_rollout_groups
-from fsdp_rlhf.rollout.memory_budget import vllm_memory_utilization
+from fsdp_rlhf.rollout.memory_budget import check_device_budget
 from fsdp_rlhf.trainers.common import log_startup, prepare_model
 from fsdp_rlhf.trainers.rule_reward import RewardFn, auth_headers, build_rule_reward
 
@@ -251,9 +251,7 @@ def build_engine(cfg: PPOConfig, env: DistEnv, tokenizer) -> RolloutEngine:
         if env.device.type == "cuda":
             # vLLM sizes its pool as a fraction of the whole device and refuses to start when
             # that much is not free (another process, a CUDA context): say so in one line.
-            free, total = torch.cuda.mem_get_info(env.device)
-            _, line = vllm_memory_utilization(free, total, cfg.rollout.vllm_gpu_memory_utilization)
-            log.info(line)
+            log.info(check_device_budget(env.device, cfg.rollout.vllm_gpu_memory_utilization))
 
         return VLLMEngine(
             cfg.models.pretrain,

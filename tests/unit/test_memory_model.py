@@ -97,3 +97,22 @@ def test_vllm_utilization_fits_or_names_the_flag():
     assert util == 0.86
     with pytest.raises(UserError):
         vllm_memory_utilization(70 * GIB, total, 1.5)
+
+
+def test_device_budget_reads_the_device_it_is_given(monkeypatch):
+    import torch
+
+    from fsdp_rlhf.rollout.memory_budget import check_device_budget
+
+    seen = []
+
+    def fake_mem_get_info(device):
+        seen.append(device)
+        return 78 * GIB, 80 * GIB
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", fake_mem_get_info)
+    line = check_device_budget(torch.device("cuda", 3), 0.9)
+    assert seen == [torch.device("cuda", 3)] and "78.0 GiB free of 80.0 GiB" in line
+    assert line.endswith("fits")
+    with pytest.raises(UserError, match="--vllm_gpu_memory_utilization 0.99"):
+        check_device_budget(torch.device("cuda", 3), 0.99)
