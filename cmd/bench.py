@@ -1,17 +1,18 @@
-"""`make bench`: fsdp-rlhf against TRL on this machine, side by side (issue #8).
+"""`make bench`: fsdp-rlhf against TRL on this machine, side by side (issues #8, #15).
 
-Builds a ~34M-parameter Qwen2 model and synthetic data locally, then runs, interleaved
-(A B A B) with medians: reward-model training (ours with --packing_samples --torch_compile vs
-TRL RewardTrainer) and a GRPO step (ours with vLLM and --torch_compile vs TRL GRPOTrainer);
-then single runs: RM ours without packing and without compile, RM TRL with torch_compile=True,
-RM and GRPO pairs with both sides on glibc malloc, and ours alone: HF rollouts, PPO with
-critic + RM, 1 rank, and 2x response length. Every run of both sides gets tcmalloc in
-LD_PRELOAD when one is installed (vLLM's CPU setup; see fsdp_rlhf/allocator.py). Writes
-``bench/results/bench-<time>.json`` (+ ``latest.json``) and ``bench/results/summary.md``, and
-prints the table.
+Builds a ~34M-parameter Qwen2 model and synthetic data locally, then runs the matrix
+{bf16, fp32} x {tcmalloc, glibc}: in every cell reward-model training (ours with
+--packing_samples --torch_compile vs TRL RewardTrainer) and a GRPO step (ours with vLLM and
+--torch_compile vs TRL GRPOTrainer), both sides in the cell's precision and host allocator,
+interleaved (A B A B) with medians and spreads, and MFU against a one-thread matmul probe per
+dtype. The first cell runs again on a Llama-shaped model (GQA 9/3, tied embeddings); ours alone
+runs PPO with critic + RM (`--more`: also HF rollouts, 1 rank, 2x response length, RM without
+packing/compile, TRL RM with torch_compile). Writes ``bench/results/bench-<time>.json``
+(+ ``latest.json``) and ``bench/results/summary.md``, and prints the tables.
 
-    .venv/bin/python cmd/bench.py            # full run, under 20 minutes on 2 CPU cores
-    .venv/bin/python cmd/bench.py --smoke    # tiny sizes, one repetition, about a minute
+    .venv/bin/python cmd/bench.py                     # full run, about 25 minutes on 2 cores
+    .venv/bin/python cmd/bench.py --cells fp32+glibc  # one cell of the matrix
+    .venv/bin/python cmd/bench.py --smoke             # tiny sizes, one repetition, 2 cells
 
 Installs nothing: `make bench` installs TRL first. Without TRL, --smoke runs our side only.
 """
@@ -25,14 +26,15 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "cmd"))  # benchkit/ lives beside this script
 
-from benchkit import machine, rl, rm  # noqa: E402
-from benchkit.launch import glibc_env, use_tcmalloc  # noqa: E402
+from benchkit import machine, matrix, peak, rl, rm  # noqa: E402
+from benchkit.launch import use_tcmalloc  # noqa: E402
 from benchkit.memcpy import memcpy_reference  # noqa: E402
 from benchkit.render import console_table  # noqa: E402
 from benchkit.report import headline, targets, write_json  # noqa: E402
@@ -50,30 +52,7 @@ class Clock:
         print(f"[{time.time() - self.start:6.0f} s] {what}", flush=True)
 
 
-def run_rm(w: Workload, s: Sizes, work: Path, with_trl: bool, clock: Clock) -> list[dict]:
-    runs = []
-    for rep in range(s.reps):
-        runs.append(rm.run_pair(w, s, work, rep, with_trl))
-        got = {k: f"{v['pairs_per_s']:.2f} pairs/s" for k, v in runs[-1].items()}
-        clock.say(f"RM rep {rep}: {got}")
-    return runs
-
-
-def run_rl(w: Workload, s: Sizes, work: Path, with_trl: bool, clock: Clock) -> list[dict]:
-    runs = []
-    for rep in range(s.reps):
-        run = {"ours": rl.run_ours(f"grpo_ours_{rep}", w, s, work, s.nproc)}
-        clock.say(f"GRPO ours rep {rep}: {run['ours']['e2e_tps']:.1f} tokens/s/rank")
-        if with_trl:
-            run["trl"] = rl.run_trl(f"grpo_trl_{rep}", w, s, work, s.nproc)
-            clock.say(f"GRPO TRL rep {rep}: {run['trl']['e2e_tps']:.1f} tokens/s/rank")
-        runs.append(run)
-    return runs
-
-
-def run_rm_single(
-    w: Workload, s: Sizes, work: Path, with_trl: bool, clock: Clock
-) -> dict[str, dict]:
+def run_rm_single(w: Workload, s: Sizes, work: Path, with_trl: bool, clock: Clock) -> dict:
     """One run each: ours without packing, ours without compile, TRL with torch_compile."""
     out = {
         "ours without packing": rm.run_ours("rm_padded", w, s, work, packing=False),
@@ -86,36 +65,16 @@ def run_rm_single(
     return out
 
 
-def run_glibc(w: Workload, s: Sizes, work: Path, clock: Clock) -> dict[str, dict]:
-    """One RM pair and one GRPO pair with both sides on glibc malloc (no tcmalloc preload)."""
-    env = glibc_env()
-    rm_pair = {
-        "ours": rm.run_ours("rm_ours_glibc", w, s, work, env=env),
-        "trl": rm.run_trl("rm_trl_glibc", w, s, work, env=env),
-    }
-    rl_pair = {
-        "ours": rl.run_ours("grpo_ours_glibc", w, s, work, s.nproc, env=env),
-        "trl": rl.run_trl("grpo_trl_glibc", w, s, work, s.nproc, env=env),
-    }
-    clock.say(
-        f"glibc malloc: RM ours {rm_pair['ours']['pairs_per_s']:.2f} vs TRL "
-        f"{rm_pair['trl']['pairs_per_s']:.2f} pairs/s; GRPO ours {rl_pair['ours']['e2e_tps']:.1f}"
-        f" vs TRL {rl_pair['trl']['e2e_tps']:.1f} tokens/s/rank"
-    )
-    return {"rm": rm_pair, "rl": rl_pair}
-
-
-def run_extra(w: Workload, s: Sizes, work: Path, clock: Clock) -> dict[str, dict]:
-    """Ours only: HF rollouts, PPO with critic and RM (the RM trained in RM rep 0), scaling.
-
-    The 1-rank run gets one thread, like each of the 2 ranks: 1 core vs 2 cores.
-    """
-    jobs = {
-        "hf rollouts": dict(nproc=s.nproc, engine="hf"),
-        "ppo critic+rm": dict(nproc=s.nproc, rm=work / "rm_ours_0"),
-        "1 rank": dict(nproc=1, env={"OMP_NUM_THREADS": "1"}),
-        "2x response": dict(nproc=s.nproc, resp_len=2 * s.rl_resp_len),
-    }
+def run_extra(w: Workload, s: Sizes, work: Path, rm_dir: Path, more: bool, clock: Clock) -> dict:
+    """Ours only: PPO with critic and RM (the RM of the first RM run), and with ``more`` HF
+    rollouts and the scaling runs. The 1-rank run gets one thread, like each of the 2 ranks."""
+    jobs = {"ppo critic+rm": dict(nproc=s.nproc, rm=rm_dir)}
+    if more:
+        jobs |= {
+            "hf rollouts": dict(nproc=s.nproc, engine="hf"),
+            "1 rank": dict(nproc=1, env={"OMP_NUM_THREADS": "1"}),
+            "2x response": dict(nproc=s.nproc, resp_len=2 * s.rl_resp_len),
+        }
     out = {}
     for name, kw in jobs.items():
         out[name] = rl.run_ours(name.replace(" ", "_").replace("+", "_"), w, s, work, **kw)
@@ -123,7 +82,15 @@ def run_extra(w: Workload, s: Sizes, work: Path, clock: Clock) -> dict[str, dict
     return out
 
 
-def measure(s: Sizes, work: Path, with_trl: bool, allocator: str, clock: Clock) -> dict:
+def run_real_shaped(s: Sizes, work: Path, with_trl: bool, cell: str, allocator: str, clock):
+    """The primary cell again on the Llama-shaped model (GQA 9/3, tied embeddings)."""
+    w = build_workload(work / "data_llama", s, "llama")
+    clock.say(f"Llama-shaped workload: {w.params_m:.1f}M parameters")
+    runs = matrix.run_cells(w, s, work / "llama", with_trl, allocator, clock.say, (cell,))[cell]
+    return {**runs, "cell": cell, "params_m": w.params_m}
+
+
+def measure(s: Sizes, work: Path, with_trl: bool, allocator: str, clock: Clock, more: bool):
     w = build_workload(work / "data", s)
     clock.say(f"workload built: {w.params_m:.1f}M parameters in {work}; allocator: {allocator}")
     raw = {
@@ -132,15 +99,24 @@ def measure(s: Sizes, work: Path, with_trl: bool, allocator: str, clock: Clock) 
         "params_m": w.params_m,
         "with_trl": with_trl,
         "rm_tokens_per_pair": rm.tokens_per_pair(w),
-        "memcpy": memcpy_reference(int(w.params_m * 1e6) * 2),
-    }  # bf16 sync bytes
-    raw["rm_runs"] = run_rm(w, s, work, with_trl, clock)
-    raw["rl_runs"] = run_rl(w, s, work, with_trl, clock)
+        "memcpy": memcpy_reference(int(w.params_m * 1e6) * 2),  # bf16 sync bytes
+        "peak_flops_1t": peak.probe(),
+    }
+    clock.say("one-thread matmul peak: " + ", ".join(
+        f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in raw["peak_flops_1t"].items()))  # fmt: skip
+    raw["cells"] = matrix.run_cells(w, s, work, with_trl, allocator, clock.say)
+    primary = next(c for c, r in raw["cells"].items() if "skipped" not in r)
+    # the headline table, targets and notes read the primary cell under these names
+    raw["primary_cell"] = primary
+    raw["rm_runs"], raw["rl_runs"] = (raw["cells"][primary][k] for k in ("rm_runs", "rl_runs"))
+    if s.real_shaped:
+        raw["real_shaped"] = run_real_shaped(s, work, with_trl, primary, allocator, clock)
     if s.extra_runs:
-        raw["rm_single"] = run_rm_single(w, s, work, with_trl, clock)
-        if with_trl and raw["allocator"].startswith("tcmalloc"):
-            raw["glibc"] = run_glibc(w, s, work, clock)
-        raw["extra"] = run_extra(w, s, work, clock)
+        if more:
+            raw["rm_single"] = run_rm_single(w, s, work, with_trl, clock)
+        rm_dir = work / f"rm_ours_{matrix.tag(primary, 0)}"
+        raw["extra"] = run_extra(w, s, work, rm_dir, more, clock)
+    raw["matrix"] = matrix.summarize(raw)
     return raw
 
 
@@ -150,10 +126,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     p.add_argument("--work", type=Path, help="keep run folders here (default: a temp dir)")
     p.add_argument(
-        "--malloc",
-        choices=("tcmalloc", "glibc"),
-        default="tcmalloc",
-        help="allocator of every run, both sides (tcmalloc when installed; default)",
+        "--cells",
+        help="comma-separated subset of the matrix, e.g. fp32+glibc (default: every cell)",
+    )
+    p.add_argument(
+        "--more",
+        action="store_true",
+        help="also: HF rollouts, 1-rank and 2x-response scaling, RM without packing/compile",
     )
     return p.parse_args(argv)
 
@@ -165,6 +144,15 @@ def main(argv: list[str] | None = None) -> int:
         print(TRL_MISSING)
         return 2
     clock, sizes = Clock(), SMOKE if args.smoke else FULL
+    if args.cells:
+        cells = tuple(c.strip() for c in args.cells.split(","))
+        try:
+            for cell in cells:
+                matrix.parse_cell(cell)
+        except ValueError as e:
+            print(f"error: {e}")
+            return 2
+        sizes = replace(sizes, cells=cells)
     work = args.work or Path(tempfile.mkdtemp(prefix="fsdp_rlhf_bench_"))
     work.mkdir(parents=True, exist_ok=True)
     if not with_trl:
@@ -173,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine.describe(),
         "command": " ".join(["cmd/bench.py", *sys.argv[1:]]),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-        **measure(sizes, work, with_trl, use_tcmalloc(args.malloc == "tcmalloc"), clock),
+        **measure(sizes, work, with_trl, use_tcmalloc(True), clock, args.more),
     }
     raw["machine"]["load_avg_end"] = os.getloadavg()
     raw["elapsed_s"] = time.time() - clock.start

@@ -34,20 +34,26 @@ def _hf_rollout(raw: dict) -> str:
     return f"{hf['phases_s']['rollout']:.1f}" if hf else "-"
 
 
-def allocator_notes(raw: dict) -> list[str]:
-    g = raw.get("glibc")
-    if not g:
-        return []
-    rm_o, rm_t = (g["rm"][k]["pairs_per_s"] for k in ("ours", "trl"))
-    rl_o, rl_t = (g["rl"][k]["e2e_tps"] for k in ("ours", "trl"))
-    return [
-        f"Allocator: {raw['allocator']}, as vLLM's CPU backend asks. With glibc malloc on both "
-        f"sides (one pair each): RM ours {rm_o:.2f} vs TRL {rm_t:.2f} pairs/s "
-        f"({rm_o / rm_t:.2f}x), GRPO ours {rl_o:.1f} vs TRL {rl_t:.1f} tokens/s/rank "
-        f"({rl_o / rl_t:.2f}x). glibc hands large freed blocks back to the kernel, so each "
-        "step page-faults its buffers in again: in our GRPO actor update, measured separately, "
-        "56-84k minor faults with glibc against 1-4k with tcmalloc."
-    ]
+def matrix_notes(raw: dict) -> list[str]:
+    """Per cell: where our GRPO step's time goes, and how far each side is from the limit."""
+    out = []
+    for c in raw.get("matrix", []):
+        p = c["rl_ours_phases_s"]
+        top = sorted(((k, v) for k, v in p.items() if k != "all"), key=lambda kv: -kv[1])[:3]
+        shares = ", ".join(f"{k} {v:.2f} s ({100 * v / p['all']:.0f}%)" for k, v in top)
+        line = (
+            f"{c['workload']}, {c['cell']}: our GRPO step {p['all']:.2f} s: {shares}; the "
+            f"update runs at {100 * c['rl_ours_update_mfu']:.0f}% MFU."
+        )
+        trl = c["rl_trl_mfu"]
+        if trl == trl:  # TRL ran
+            line += (
+                f" TRL's whole GRPO step is at {100 * trl:.0f}% MFU, so 2x TRL needs ours at "
+                f"{200 * trl:.0f}% over the whole step (now {100 * c['rl_ours_mfu']:.0f}%); "
+                f"RM: ours {100 * c['rm_ours_mfu']:.0f}% vs TRL {100 * c['rm_trl_mfu']:.0f}%."
+            )
+        out.append(line)
+    return out
 
 
 def sync_note(raw: dict, h: dict) -> str:
@@ -125,7 +131,6 @@ def notes(raw: dict) -> list[str]:
             f"that run take {trl_c['wall_s']:.0f} s from launch to exit."
         )
     out += rl_notes(raw, h)
-    out += allocator_notes(raw)
     out.append(sync_note(raw, h))
     out += findings(raw)
     return out

@@ -28,8 +28,9 @@ def ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
 
 
-def spread(values: list[float]) -> str:
+def spread(values: list[float], fmt: str = "{:.1f}") -> str:
     """``median [min-max]`` for the table."""
     if not values:
         return "-"
-    return f"{median(values):.1f} [{min(values):.1f}-{max(values):.1f}]"
+    lo, mid, hi = (fmt.format(v) for v in (min(values), median(values), max(values)))
+    return f"{mid} [{lo}-{hi}]"

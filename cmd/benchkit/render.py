@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import math
 
+from benchkit.rates import spread
 from benchkit.report import headline, phase_table, targets
 
 SAME = (
     "Same for both sides: model and tokenizer files, data files, chat template, pairs or "
     "prompts per step, group size, max response length, micro-batch per rank, number of "
-    "processes (torchrun, gloo, OMP_NUM_THREADS=1 per rank), bf16 compute with fp32 master "
-    "weights, learning rate, KL coefficient, rule reward, no gradient checkpointing, host "
-    "allocator (tcmalloc in LD_PRELOAD when installed, as in the machine section; one pair of "
-    "each comparison also on glibc malloc), warm-up steps left out of the timed window."
+    "processes (torchrun, gloo, OMP_NUM_THREADS=1 per rank), the matrix cell's precision "
+    "(bf16 compute with fp32 master weights, or fp32) and host allocator (tcmalloc in "
+    "LD_PRELOAD, or glibc malloc with our CLI's own tcmalloc re-exec turned off), learning "
+    "rate, KL coefficient, rule reward, no gradient checkpointing, warm-up steps left out of "
+    "the timed window."
 )
 DIFFERS = (
     "TRL keeps its own defaults otherwise: DDP (ours: FSDP2), autocast bf16 (ours: bf16 "
@@ -58,16 +60,9 @@ def table_rows(raw: dict) -> list[Row]:
         trl_c = single["TRL with torch_compile"]["pairs_per_s"]
         label = "RM training pairs/s, vs TRL with torch_compile=True"
         rows.append(_row(label, h["rm_ours_pairs_s"], trl_c, "{:.2f}"))
-    glibc = raw.get("glibc")
-    if glibc:
-        pps = [glibc["rm"][k]["pairs_per_s"] for k in ("ours", "trl")]
-        rows.append(_row("RM training pairs/s, both sides on glibc malloc", *pps, "{:.2f}"))
     rows.append(
         _row("GRPO e2e tokens/s/rank (ours: vLLM)", h["rl_ours_tps"], trl_rl, target=">= 2x")
     )
-    if glibc:
-        tps = [glibc["rl"][k]["e2e_tps"] for k in ("ours", "trl")]
-        rows.append(_row("GRPO e2e tokens/s/rank, both sides on glibc malloc", *tps))
     if "hf rollouts" in x:
         tps = x["hf rollouts"]["e2e_tps"]
         rows.append(_row("GRPO e2e tokens/s/rank (ours: HF generate)", tps, trl_rl))
@@ -93,14 +88,47 @@ def _scaling_rows(h: dict, x: dict, nproc: int) -> list[Row]:
 
 
 HEADER = ("metric", "ours", "TRL / ref", "ratio", "target")
+MATRIX_HEADER = (
+    "workload", "cell", "comparison", "ours [min-max]", "TRL [min-max]", "ratio", "target",
+    "MFU ours", "MFU TRL",
+)  # fmt: skip
 
 
-def console_table(raw: dict) -> str:
-    rows = [HEADER, *table_rows(raw)]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
+def _status(met: bool | None) -> str:
+    return "-" if met is None else ("met" if met else "MISSED")
+
+
+def _pct(x: float) -> str:
+    return _f(100 * x, "{:.1f}%")
+
+
+def matrix_rows(raw: dict) -> list[tuple]:
+    """Two rows per cell (RM pairs/s, GRPO tokens/s/rank) with spreads, ratio and MFU; our
+    GRPO MFU is given over the whole step and, after the slash, over the update alone."""
+    rows = []
+    for c in raw.get("matrix", []):
+        rows.append((c["workload"], c["cell"], "RM pairs/s", spread(c["rm_ours"], "{:.2f}"),
+                     spread(c["rm_trl"], "{:.2f}"), _f(c["rm_ratio"], "{:.2f}x"),
+                     f">= 1.5x: {_status(c['rm_met'])}", _pct(c["rm_ours_mfu"]),
+                     _pct(c["rm_trl_mfu"])))  # fmt: skip
+        rows.append((c["workload"], c["cell"], "GRPO tokens/s/rank", spread(c["rl_ours"]),
+                     spread(c["rl_trl"]), _f(c["rl_ratio"], "{:.2f}x"),
+                     f">= 2x: {_status(c['rl_met'])}",
+                     f"{_pct(c['rl_ours_mfu'])} / {_pct(c['rl_ours_update_mfu'])}",
+                     _pct(c["rl_trl_mfu"])))  # fmt: skip
+    return rows
+
+
+def _console(header: tuple, body: list[tuple]) -> str:
+    rows = [header, *body]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def console_table(raw: dict) -> str:
+    return _console(HEADER, table_rows(raw)) + "\n\n" + _console(MATRIX_HEADER, matrix_rows(raw))
 
 
 def md_table(header: tuple, rows: list[tuple]) -> str:

@@ -103,6 +103,10 @@ def summarize_ours(job: Job, s: Sizes, nproc: int) -> dict:
     tokens = [
         (r["response_length/mean"] + r["prompt_length/mean"]) * s.rl_prompts * s.rl_n for r in rows
     ]
+    # training FLOP/s of the actor update alone: 6 x params x tokens / update seconds (all ranks)
+    update_tokens_per_s = median(
+        [t / r["timing/update"] for t, r in zip(tokens, rows, strict=True) if r["timing/update"]]
+    )
     wall_step = seconds / len(rows)
     memory = {
         k.removeprefix("memory/"): max(r[k] for r in job.rows if k in r)
@@ -112,6 +116,7 @@ def summarize_ours(job: Job, s: Sizes, nproc: int) -> dict:
     return {
         "e2e_tps": sum(tokens) / nproc / seconds,
         "e2e_tps_logged": median([r["e2e_tps"] for r in rows]),
+        "update_tokens_per_s": update_tokens_per_s,
         "step_s": median([r["timing/all"] for r in rows]),
         "wall_step_s": wall_step,
         "phases_s": _phases(rows),
@@ -175,3 +180,20 @@ def run_trl(
     cmd = trl_cmd(w, s, out, nproc, bf16=bf16)
     job = run_job(name, cmd, work / f"{name}.log", out / "steps.jsonl", env)
     return summarize_trl(job, s, nproc)
+
+
+def run_pair(
+    w: Workload,
+    s: Sizes,
+    work: Path,
+    tag: str,
+    with_trl: bool,
+    *,
+    bf16: bool = True,
+    env: dict[str, str] | None = None,
+) -> dict[str, dict]:
+    """One interleaved repetition of the GRPO comparison: ours, then TRL (when installed)."""
+    out = {"ours": run_ours(f"grpo_ours_{tag}", w, s, work, s.nproc, env=env, bf16=bf16)}
+    if with_trl:
+        out["trl"] = run_trl(f"grpo_trl_{tag}", w, s, work, s.nproc, env=env, bf16=bf16)
+    return out

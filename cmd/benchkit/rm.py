@@ -32,20 +32,28 @@ def _grad_accum(s: Sizes, nproc: int) -> int:
 
 
 def ours_cmd(
-    w: Workload, s: Sizes, out: Path, nproc: int, packing: bool = True, compile: bool = True
+    w: Workload,
+    s: Sizes,
+    out: Path,
+    nproc: int,
+    packing: bool = True,
+    compile: bool = True,
+    bf16: bool = True,
 ) -> list[str]:
     """``train-rm`` as we would run it: ``--packing_samples --torch_compile`` unless asked
-    for padded batches or eager blocks."""
+    for padded batches or eager blocks; fp32 (the CLI default) unless ``bf16``."""
     flags = dict(
         pretrain=w.model, dataset=w.pairs, save_path=out, ckpt_path=out / "ckpt",
         train_batch_size=s.rm_pairs_per_step, micro_train_batch_size=s.rm_micro,
-        max_len=MAX_LEN, learning_rate=LR, bf16=True, logging_steps=1, seed=SEED,
+        max_len=MAX_LEN, learning_rate=LR, bf16=bf16, logging_steps=1, seed=SEED,
         packing_samples=packing, torch_compile=compile,
     )  # fmt: skip
     return local_torchrun(nproc, cli("train-rm", **flags))
 
 
-def trl_cmd(w: Workload, s: Sizes, out: Path, nproc: int, compile: bool = False) -> list[str]:
+def trl_cmd(
+    w: Workload, s: Sizes, out: Path, nproc: int, compile: bool = False, bf16: bool = True
+) -> list[str]:
     """TRL with its defaults, or (``compile``) with ``torch_compile=True``."""
     cfg = dict(
         model=str(w.model),
@@ -55,7 +63,7 @@ def trl_cmd(w: Workload, s: Sizes, out: Path, nproc: int, compile: bool = False)
         grad_accum=_grad_accum(s, nproc),
         steps=s.rm_steps,
         lr=LR,
-        bf16=True,
+        bf16=bf16,
         max_length=MAX_LEN,
         seed=SEED,
         torch_compile=compile,
@@ -109,12 +117,13 @@ def run_trl(
     work: Path,
     compile: bool = False,
     env: dict[str, str] | None = None,
+    bf16: bool = True,
 ) -> dict:
     save = work / name
     save.mkdir(parents=True, exist_ok=True)
     job = run_job(
         name,
-        trl_cmd(w, s, save, s.nproc, compile),
+        trl_cmd(w, s, save, s.nproc, compile, bf16),
         work / f"{name}.log",
         save / "steps.jsonl",
         {**bench_env(work), **(env or {})},
@@ -122,9 +131,18 @@ def run_trl(
     return summarize(job, s, tokens_per_pair(w), key=None)
 
 
-def run_pair(w: Workload, s: Sizes, work: Path, rep: int, with_trl: bool) -> dict[str, dict]:
-    """One interleaved repetition: ours, then TRL (when installed)."""
-    out = {"ours": run_ours(f"rm_ours_{rep}", w, s, work)}
+def run_pair(
+    w: Workload,
+    s: Sizes,
+    work: Path,
+    tag: str,
+    with_trl: bool,
+    *,
+    bf16: bool = True,
+    env: dict[str, str] | None = None,
+) -> dict[str, dict]:
+    """One interleaved repetition: ours, then TRL (when installed); run folders ``rm_*_<tag>``."""
+    out = {"ours": run_ours(f"rm_ours_{tag}", w, s, work, env=env, bf16=bf16)}
     if with_trl:
-        out["trl"] = run_trl(f"rm_trl_{rep}", w, s, work)
+        out["trl"] = run_trl(f"rm_trl_{tag}", w, s, work, env=env, bf16=bf16)
     return out

@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
-from benchkit.notes import notes
-from benchkit.render import DIFFERS, HEADER, SAME, md_table, phases_md, table_rows, targets_md
+from benchkit.notes import matrix_notes, notes
+from benchkit.render import (
+    DIFFERS,
+    HEADER,
+    MATRIX_HEADER,
+    SAME,
+    matrix_rows,
+    md_table,
+    phases_md,
+    table_rows,
+    targets_md,
+)
 
 
 def _machine_md(m: dict, allocator: str) -> str:
@@ -24,7 +34,11 @@ def _workload_md(raw: dict) -> str:
     return (
         f"- Model: Qwen2 architecture, {raw['params_m']:.1f}M parameters (hidden {s['hidden']}, "
         f"{s['layers']} layers, {s['heads']} heads of 64, FFN {s['intermediate']}, "
-        f"vocab {s['vocab']}), random init, bf16 compute, {s['nproc']} ranks\n"
+        f"vocab {s['vocab']}), random init, {s['nproc']} ranks; the Llama-shaped row: "
+        f"{raw.get('real_shaped', {}).get('params_m', float('nan')):.1f}M parameters (hidden "
+        "576, 9 query / 3 KV heads, FFN 1536, tied embeddings, no head_dim key)\n"
+        f"- Precision: the cell's (bf16: bf16 compute, fp32 master weights; fp32: everything "
+        f"fp32); the tables above the matrix are the {raw.get('primary_cell', '-')} cell\n"
         f"- RM: {s['rm_pairs_per_step']} pairs/step, micro-batch {s['rm_micro']}/rank, "
         f"{s['rm_steps']} steps ({s['rm_warmup']} warm-up steps not timed), "
         f"{raw['rm_tokens_per_pair']:.0f} tokens per pair on average\n"
@@ -74,6 +88,13 @@ def summary_md(raw: dict) -> str:
         "stamped by the bench for both sides. Values are medians over repetitions.",
         "## Targets (issue #8)",
         targets_md(raw),
+        "## Matrix: precision x host allocator (issue #15)",
+        md_table(MATRIX_HEADER, matrix_rows(raw)),
+        "Medians over the interleaved repetitions, [min-max] beside them. MFU: 6 x parameters x "
+        "trained tokens/s over the ranks' one-thread matmul peak of the cell's dtype "
+        + _peaks(raw)
+        + "; ours GRPO: whole step / update phase alone. TRL's GRPO MFU is over its whole step.",
+        "\n".join(f"- {n}" for n in matrix_notes(raw)),
         "## Phase breakdown of our steps",
         phases_md(raw),
         "## Peak memory",
@@ -84,3 +105,8 @@ def summary_md(raw: dict) -> str:
         "\n".join(f"- {n}" for n in notes(raw)),
     ]
     return "\n\n".join(parts) + "\n"
+
+
+def _peaks(raw: dict) -> str:
+    peaks = raw.get("peak_flops_1t", {})
+    return "(" + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in peaks.items()) + ")"

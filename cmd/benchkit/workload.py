@@ -35,16 +35,22 @@ class Sizes:
     rl_steps: int
     rl_warmup: int
     prompt_words: tuple[int, int]
-    extra_runs: bool  # --rollout_engine hf, PPO with critic, scaling
+    cells: tuple[str, ...]  # "<bf16|fp32>+<tcmalloc|glibc>" of the matrix; the first is primary
+    real_shaped: bool  # also run the primary cell on a Llama-shaped model (GQA 9/3, tied)
+    extra_runs: bool  # PPO with critic (overhead target)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+CELLS = ("bf16+tcmalloc", "bf16+glibc", "fp32+tcmalloc", "fp32+glibc")
+
 # About 34M parameters: big enough that matmuls dominate a step on these CPUs, small enough
-# that the whole comparison fits in 20 minutes on 2 cores. Three warm-up steps on both sides:
-# --torch_compile compiles at the first step and again at the second (the first new shape makes
-# the sequence dimension dynamic); both are start-up costs, outside the steady-state window.
+# that the matrix (4 cells x 2 workloads x 2 sides x 2 repetitions, plus the Llama-shaped row)
+# fits in about 25 minutes on 2 cores; step counts are short for that. Two warm-up steps on
+# both sides: --torch_compile compiles at the first step and again at the second (the first
+# new shape makes the sequence dimension dynamic); both are start-up costs, outside the
+# steady-state window.
 FULL = Sizes(
     hidden=512,
     layers=8,
@@ -55,16 +61,18 @@ FULL = Sizes(
     reps=2,
     rm_pairs_per_step=16,
     rm_micro=8,
-    rm_steps=12,
-    rm_warmup=3,
+    rm_steps=7,
+    rm_warmup=2,
     rm_reply_words=(16, 128),
-    rl_prompts=16,
+    rl_prompts=8,
     rl_n=4,
     rl_resp_len=64,
     rl_micro=8,
-    rl_steps=6,
-    rl_warmup=3,
+    rl_steps=5,
+    rl_warmup=2,
     prompt_words=(16, 48),
+    cells=CELLS,
+    real_shaped=True,
     extra_runs=True,
 )
 # Tiny and short: checks that every path runs and writes sane numbers, not speed.
@@ -88,6 +96,8 @@ SMOKE = Sizes(
     rl_steps=2,
     rl_warmup=1,
     prompt_words=(4, 8),
+    cells=("bf16+tcmalloc", "fp32+glibc"),
+    real_shaped=False,
     extra_runs=False,
 )
 
@@ -129,6 +139,7 @@ class Workload:
     prompts: Path
     reward_py: Path
     params_m: float
+    arch: str = "qwen2"
 
 
 def rm_rows_needed(sizes: Sizes) -> int:
@@ -140,21 +151,27 @@ def rm_rows_needed(sizes: Sizes) -> int:
     return n
 
 
-def build_workload(root: Path, sizes: Sizes) -> Workload:
+# Llama-family shape as published small checkpoints have it (SmolLM-135M: hidden 576, 9 query
+# and 3 KV heads, tied embeddings), at the depth and FFN of the Qwen2 workload's size class.
+LLAMA_SHAPE = dict(hidden_size=576, num_heads=9, num_kv_heads=3, intermediate_size=1536)
+
+
+def build_workload(root: Path, sizes: Sizes, arch: str = "qwen2") -> Workload:
+    """The model (Qwen2 at ``sizes``, or the Llama shape above with ``sizes.layers``), pairs,
+    prompts and rule reward under ``root``."""
+    if arch == "qwen2":
+        shape = dict(hidden_size=sizes.hidden, num_heads=sizes.heads,
+                     intermediate_size=sizes.intermediate)  # fmt: skip
+    else:
+        shape = {**LLAMA_SHAPE, "tie_word_embeddings": True}
     model = build_model(
-        root / "model",
-        "qwen2",
-        hidden_size=sizes.hidden,
-        num_layers=sizes.layers,
-        num_heads=sizes.heads,
-        intermediate_size=sizes.intermediate,
-        vocab_size=sizes.vocab,
+        root / "model", arch, num_layers=sizes.layers, vocab_size=sizes.vocab, **shape
     )
     pairs = write_jsonl(pair_rows(rm_rows_needed(sizes), sizes), root / "pairs.jsonl")
     n_prompts = max(256, sizes.rl_prompts * (sizes.rl_steps + 1))
     prompts = write_jsonl(prompt_rows(n_prompts, sizes), root / "prompts.jsonl")
     reward_py = write_reward_file(root / "reward.py", "positive")
-    return Workload(model, pairs, prompts, reward_py, _params_m(model))
+    return Workload(model, pairs, prompts, reward_py, _params_m(model), arch)
 
 
 def _params_m(model: Path) -> float:

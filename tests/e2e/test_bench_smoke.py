@@ -28,7 +28,8 @@ def smoke(tmp_path_factory) -> dict:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     raw = json.loads((out / "latest.json").read_text())
-    return {"raw": raw, "summary": (out / "summary.md").read_text(), "stdout": proc.stdout}
+    summary = (out / "summary.md").read_text()
+    return {"raw": raw, "summary": summary, "stdout": proc.stdout, "work": out / "w"}
 
 
 def _positive(x) -> bool:
@@ -62,3 +63,28 @@ def test_trl_side_is_measured(smoke):
     h = smoke["raw"]["headline"]
     for key in ("rm_trl_pairs_s", "rl_trl_tps", "rm_ratio", "rl_ratio"):
         assert _positive(h[key]), (key, h[key])
+
+
+def test_matrix_cells_are_measured_with_mfu(smoke):
+    raw, summary = smoke["raw"], smoke["summary"]
+    peaks = raw["peak_flops_1t"]
+    assert _positive(peaks["bf16"]) and _positive(peaks["fp32"])
+    ran = [c for c, r in raw["cells"].items() if "skipped" not in r]
+    # the glibc cell runs everywhere; the tcmalloc cell wherever tcmalloc is installed
+    assert "fp32+glibc" in ran and ("bf16+tcmalloc" in ran) == bool(find_tcmalloc())
+    assert [c["cell"] for c in raw["matrix"]] == ran
+    for cell in raw["matrix"]:
+        assert all(_positive(x) for x in cell["rm_ours"] + cell["rl_ours"]), cell
+        for key in ("rm_ours_mfu", "rl_ours_mfu", "rl_ours_update_mfu"):
+            assert 0 < cell[key] < 1.5, (key, cell[key])  # a fraction of the probed peak
+        # the update alone is at least as efficient as the whole step it is part of
+        assert cell["rl_ours_update_mfu"] > cell["rl_ours_mfu"]
+    # each cell's runs got its allocator: our start-up log names glibc malloc only there
+    glibc = "CPU run with glibc malloc"
+    for run in ("rm_ours_fp32_glibc_0", "grpo_ours_fp32_glibc_0"):
+        assert glibc in (smoke["work"] / f"{run}.log").read_text(), run
+    if "bf16+tcmalloc" in ran:
+        assert glibc not in (smoke["work"] / "grpo_ours_bf16_tcmalloc_0.log").read_text()
+    assert "## Matrix: precision x host allocator" in summary
+    assert "fp32+glibc" in summary and "MFU" in summary
+    assert "fp32+glibc" in smoke["stdout"]  # the console matrix

@@ -1,0 +1,48 @@
+"""The machine's matmul limit per dtype, and model FLOP utilisation (MFU) against it.
+
+Every bench rank runs one thread (torchrun sets OMP_NUM_THREADS=1), so the limit of a run is
+``nproc`` times the one-thread matmul rate, probed here in the bench process itself on square
+matrices as large as the models' biggest projections.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+DTYPES = ("bf16", "fp32")
+
+
+def matmul_flops(dtype_name: str, n: int = 1024, reps: int = 7) -> float:
+    """Median FLOP/s of an ``n x n @ n x n`` matmul on one thread (2 n^3 FLOPs each)."""
+    import torch
+
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        torch.matmul(a, b)  # warm-up: oneDNN picks and caches its kernel
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            torch.matmul(a, b)
+            times.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return 2 * n**3 / statistics.median(times)
+
+
+def probe() -> dict[str, float]:
+    """One-thread matmul FLOP/s of each dtype the bench runs."""
+    return {name: matmul_flops(name) for name in DTYPES}
+
+
+def training_flops(params_m: float, tokens_per_s: float) -> float:
+    """Training FLOP/s of forward + backward: 6 x parameters x tokens per second."""
+    return 6 * params_m * 1e6 * tokens_per_s
+
+
+def mfu(params_m: float, tokens_per_s: float, peak_1t: float, nproc: int) -> float:
+    """Achieved training FLOP/s over ``nproc`` one-thread matmul peaks."""
+    return training_flops(params_m, tokens_per_s) / (peak_1t * nproc)
