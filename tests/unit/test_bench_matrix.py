@@ -1,0 +1,74 @@
+"""The bench matrix's pure parts: cell names, per-cell environments, medians, ratios and MFU."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.e2e.helpers import REPO
+
+sys.path.insert(0, str(REPO / "cmd"))
+
+from benchkit import matrix, peak  # noqa: E402
+from benchkit.render import matrix_rows  # noqa: E402
+
+
+def test_parse_cell():
+    assert matrix.parse_cell("fp32+glibc") == ("fp32", "glibc")
+    for bad in ("fp16+glibc", "bf16", "bf16+jemalloc", "glibc+bf16"):
+        with pytest.raises(ValueError, match="expected <bf16|fp32>"):
+            matrix.parse_cell(bad)
+
+
+def test_cell_env_takes_fast_allocators_out_of_glibc_cells(monkeypatch):
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libtcmalloc_minimal.so.4:/opt/libfoo.so")
+    env = matrix.cell_env("fp32+glibc", "tcmalloc (/usr/lib/libtcmalloc_minimal.so.4)")
+    assert env["LD_PRELOAD"] == "/opt/libfoo.so" and env["FSDP_RLHF_TCMALLOC"] == "0"
+    assert matrix.cell_env("bf16+tcmalloc", "tcmalloc (x) preloaded into both sides") == {}
+    # without tcmalloc installed, the tcmalloc cells cannot run (and are reported as skipped)
+    assert matrix.cell_env("bf16+tcmalloc", "glibc malloc (no tcmalloc installed)") is None
+
+
+def _rep(rm_ours, rm_trl, rl_ours, rl_trl, update_tps):
+    phases = {"all": 2.0, "update": 1.0, "rollout": 0.5}
+    return (
+        {"ours": {"pairs_per_s": rm_ours, "tokens_per_s": 100 * rm_ours},
+         "trl": {"pairs_per_s": rm_trl, "tokens_per_s": 100 * rm_trl}},
+        {"ours": {"e2e_tps": rl_ours, "update_tokens_per_s": update_tps, "phases_s": phases},
+         "trl": {"e2e_tps": rl_trl}},
+    )  # fmt: skip
+
+
+def test_summarize_cell_medians_ratios_and_mfu():
+    reps = [_rep(3.0, 2.0, 100.0, 40.0, 1000.0), _rep(2.0, 1.0, 120.0, 60.0, 3000.0),
+            _rep(4.0, 2.5, 90.0, 50.0, 2000.0)]  # fmt: skip
+    runs = {"cell": "fp32+glibc", "rm_runs": [r for r, _ in reps], "rl_runs": [r for _, r in reps]}
+    peaks = {"bf16": 4e11, "fp32": 1e11}
+    c = matrix.summarize_cell(runs, params_m=10.0, peak_1t=peaks, nproc=2, workload="qwen2")
+    assert c["rm_ratio"] == pytest.approx(3.0 / 2.0)  # ratio of the medians
+    assert c["rl_ratio"] == pytest.approx(100.0 / 50.0)
+    assert c["rm_met"] is True and c["rl_met"] is True
+    # 6 x 10M params x 300 tokens/s (median) over 2 ranks x 1e11 FLOP/s (fp32 peak)
+    assert c["rm_ours_mfu"] == pytest.approx(6 * 10e6 * 300 / 2e11)
+    # GRPO tokens/s are per rank: the whole machine trains nproc times as many
+    assert c["rl_trl_mfu"] == pytest.approx(6 * 10e6 * 50 * 2 / 2e11)
+    assert c["rl_ours_update_mfu"] == pytest.approx(6 * 10e6 * 2000 / 2e11)
+    assert c["rl_ours_phases_s"] == {"all": 2.0, "update": 1.0, "rollout": 0.5}
+    rows = matrix_rows({"matrix": [c]})
+    assert rows[0][3] == "3.00 [2.00-4.00]" and rows[0][6] == ">= 1.5x: met"
+    assert rows[1][5] == "2.00x"
+
+
+def test_summarize_cell_without_trl_has_no_verdict():
+    rm_run, rl_run = _rep(3.0, 2.0, 100.0, 40.0, 1000.0)
+    del rm_run["trl"], rl_run["trl"]
+    runs = {"cell": "bf16+tcmalloc", "rm_runs": [rm_run], "rl_runs": [rl_run]}
+    c = matrix.summarize_cell(runs, params_m=1.0, peak_1t={"bf16": 1e11, "fp32": 1e11},
+                              nproc=1, workload="qwen2")  # fmt: skip
+    assert c["rm_met"] is None and c["rl_met"] is None
+    assert matrix_rows({"matrix": [c]})[0][6] == ">= 1.5x: -"
+
+
+def test_training_flops():
+    assert peak.training_flops(34.0, 1000.0) == pytest.approx(6 * 34e6 * 1000)
