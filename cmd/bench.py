@@ -5,12 +5,13 @@ Builds a ~34M-parameter Qwen2 model and synthetic data locally, then runs the ma
 --packing_samples --torch_compile vs TRL RewardTrainer) and a GRPO step (ours with vLLM and
 --torch_compile vs TRL GRPOTrainer), both sides in the cell's precision and host allocator,
 interleaved (A B A B) with medians and spreads, and MFU against a one-thread matmul probe per
-dtype. The first cell runs again on a Llama-shaped model (GQA 9/3, tied embeddings); ours alone
-runs PPO with critic + RM (`--more`: also HF rollouts, 1 rank, 2x response length, RM without
-packing/compile, TRL RM with torch_compile). Writes ``bench/results/bench-<time>.json``
-(+ ``latest.json``) and ``bench/results/summary.md``, and prints the tables.
+dtype. The first cell runs again on a Llama-shaped model (GQA 9/3, tied embeddings). `--more`
+adds single runs: ours with PPO (critic + RM), HF rollouts, 1 rank, 2x response length, RM
+without packing / without compile, and TRL's RM with torch_compile. Writes
+``bench/results/bench-<time>.json`` (+ ``latest.json``) and ``bench/results/summary.md``, and
+prints the tables.
 
-    .venv/bin/python cmd/bench.py                     # full run, about 25 minutes on 2 cores
+    .venv/bin/python cmd/bench.py                     # full run, about 30 minutes on 2 cores
     .venv/bin/python cmd/bench.py --cells fp32+glibc  # one cell of the matrix
     .venv/bin/python cmd/bench.py --smoke             # tiny sizes, one repetition, 2 cells
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -65,16 +67,15 @@ def run_rm_single(w: Workload, s: Sizes, work: Path, with_trl: bool, clock: Cloc
     return out
 
 
-def run_extra(w: Workload, s: Sizes, work: Path, rm_dir: Path, more: bool, clock: Clock) -> dict:
-    """Ours only: PPO with critic and RM (the RM of the first RM run), and with ``more`` HF
-    rollouts and the scaling runs. The 1-rank run gets one thread, like each of the 2 ranks."""
-    jobs = {"ppo critic+rm": dict(nproc=s.nproc, rm=rm_dir)}
-    if more:
-        jobs |= {
-            "hf rollouts": dict(nproc=s.nproc, engine="hf"),
-            "1 rank": dict(nproc=1, env={"OMP_NUM_THREADS": "1"}),
-            "2x response": dict(nproc=s.nproc, resp_len=2 * s.rl_resp_len),
-        }
+def run_extra(w: Workload, s: Sizes, work: Path, rm_dir: Path, clock: Clock) -> dict:
+    """Ours only: PPO with critic and RM (the RM of the first RM run), HF rollouts and the
+    scaling runs. The 1-rank run gets one thread, like each of the 2 ranks."""
+    jobs = {
+        "ppo critic+rm": dict(nproc=s.nproc, rm=rm_dir),
+        "hf rollouts": dict(nproc=s.nproc, engine="hf"),
+        "1 rank": dict(nproc=1, env={"OMP_NUM_THREADS": "1"}),
+        "2x response": dict(nproc=s.nproc, resp_len=2 * s.rl_resp_len),
+    }
     out = {}
     for name, kw in jobs.items():
         out[name] = rl.run_ours(name.replace(" ", "_").replace("+", "_"), w, s, work, **kw)
@@ -82,15 +83,17 @@ def run_extra(w: Workload, s: Sizes, work: Path, rm_dir: Path, more: bool, clock
     return out
 
 
-def run_real_shaped(s: Sizes, work: Path, with_trl: bool, cell: str, allocator: str, clock):
+def run_real_shaped(s: Sizes, work: Path, with_trl: bool, cell: str, allocator: str, clock, keep):
     """The primary cell again on the Llama-shaped model (GQA 9/3, tied embeddings)."""
     w = build_workload(work / "data_llama", s, "llama")
     clock.say(f"Llama-shaped workload: {w.params_m:.1f}M parameters")
-    runs = matrix.run_cells(w, s, work / "llama", with_trl, allocator, clock.say, (cell,))[cell]
-    return {**runs, "cell": cell, "params_m": w.params_m}
+    runs = matrix.run_cells(w, s, work / "llama", with_trl, allocator, clock.say, (cell,), keep)
+    return {**runs[cell], "cell": cell, "params_m": w.params_m}
 
 
-def measure(s: Sizes, work: Path, with_trl: bool, allocator: str, clock: Clock, more: bool):
+def measure(
+    s: Sizes, work: Path, with_trl: bool, allocator: str, clock: Clock, more: bool, out: Path
+):
     w = build_workload(work / "data", s)
     clock.say(f"workload built: {w.params_m:.1f}M parameters in {work}; allocator: {allocator}")
     raw = {
@@ -104,20 +107,34 @@ def measure(s: Sizes, work: Path, with_trl: bool, allocator: str, clock: Clock, 
     }
     clock.say("one-thread matmul peak: " + ", ".join(
         f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in raw["peak_flops_1t"].items()))  # fmt: skip
-    raw["cells"] = matrix.run_cells(w, s, work, with_trl, allocator, clock.say)
+    partial = out / "partial.json"  # the runs so far, should a later one fail
+
+    def keep(key: str):
+        return lambda runs: write_partial(partial, {**raw, key: runs})
+
+    raw["cells"] = matrix.run_cells(w, s, work, with_trl, allocator, clock.say, keep=keep("cells"))
     primary = next(c for c, r in raw["cells"].items() if "skipped" not in r)
     # the headline table, targets and notes read the primary cell under these names
     raw["primary_cell"] = primary
     raw["rm_runs"], raw["rl_runs"] = (raw["cells"][primary][k] for k in ("rm_runs", "rl_runs"))
     if s.real_shaped:
-        raw["real_shaped"] = run_real_shaped(s, work, with_trl, primary, allocator, clock)
-    if s.extra_runs:
-        if more:
-            raw["rm_single"] = run_rm_single(w, s, work, with_trl, clock)
+        raw["real_shaped"] = run_real_shaped(
+            s, work, with_trl, primary, allocator, clock, keep("real_shaped")
+        )
+    if s.extra_runs and more:
+        raw["rm_single"] = run_rm_single(w, s, work, with_trl, clock)
         rm_dir = work / f"rm_ours_{matrix.tag(primary, 0)}"
-        raw["extra"] = run_extra(w, s, work, rm_dir, more, clock)
+        raw["extra"] = run_extra(w, s, work, rm_dir, clock)
     raw["matrix"] = matrix.summarize(raw)
+    partial.unlink(missing_ok=True)
     return raw
+
+
+def write_partial(path: Path, raw: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(raw, indent=1, default=float))
+    tmp.replace(path)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -132,7 +149,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--more",
         action="store_true",
-        help="also: HF rollouts, 1-rank and 2x-response scaling, RM without packing/compile",
+        help="also (ours): PPO with critic + RM, HF rollouts, 1-rank and 2x-response scaling, "
+        "RM without packing/compile; and TRL's RM with torch_compile",
     )
     return p.parse_args(argv)
 
@@ -161,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine.describe(),
         "command": " ".join(["cmd/bench.py", *sys.argv[1:]]),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-        **measure(sizes, work, with_trl, use_tcmalloc(True), clock, args.more),
+        **measure(sizes, work, with_trl, use_tcmalloc(True), clock, args.more, args.out),
     }
     raw["machine"]["load_avg_end"] = os.getloadavg()
     raw["elapsed_s"] = time.time() - clock.start

@@ -52,9 +52,12 @@ def run_cells(
     allocator: str,
     say: Callable[[str], None],
     cells: tuple[str, ...] | None = None,
+    keep: Callable[[dict], None] = lambda runs: None,
 ) -> dict[str, dict]:
-    """``{cell: {"rm_runs": [...], "rl_runs": [...]}}`` (or ``{"skipped": why}``)."""
+    """``{cell: {"rm_runs": [...], "rl_runs": [...]}}`` (or ``{"skipped": why}``); ``keep``
+    gets that dict after every repetition of a cell, so a late failure loses nothing."""
     cells = cells or s.cells
+    work.mkdir(parents=True, exist_ok=True)
     out: dict[str, dict] = {}
     for cell in cells:
         if cell_env(cell, allocator) is None:
@@ -71,6 +74,7 @@ def run_cells(
             runs["rm_runs"].append(rm.run_pair(w, s, work, tag(cell, rep), with_trl, **kw))
             runs["rl_runs"].append(rl.run_pair(w, s, work, tag(cell, rep), with_trl, **kw))
             say(f"{cell} rep {rep}: {_brief(runs['rm_runs'][-1], runs['rl_runs'][-1])}")
+            keep(out)
     return out
 
 

@@ -37,7 +37,7 @@ class Sizes:
     prompt_words: tuple[int, int]
     cells: tuple[str, ...]  # "<bf16|fp32>+<tcmalloc|glibc>" of the matrix; the first is primary
     real_shaped: bool  # also run the primary cell on a Llama-shaped model (GQA 9/3, tied)
-    extra_runs: bool  # PPO with critic (overhead target)
+    extra_runs: bool  # with --more: PPO with critic, HF rollouts, scaling, RM variants
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -47,10 +47,10 @@ CELLS = ("bf16+tcmalloc", "bf16+glibc", "fp32+tcmalloc", "fp32+glibc")
 
 # About 34M parameters: big enough that matmuls dominate a step on these CPUs, small enough
 # that the matrix (4 cells x 2 workloads x 2 sides x 2 repetitions, plus the Llama-shaped row)
-# fits in about 25 minutes on 2 cores; step counts are short for that. Two warm-up steps on
+# takes about half an hour on 2 cores; step counts are short for that. Three warm-up steps on
 # both sides: --torch_compile compiles at the first step and again at the second (the first
-# new shape makes the sequence dimension dynamic); both are start-up costs, outside the
-# steady-state window.
+# new shape makes the sequence dimension dynamic), and our third GRPO step is still 1.2-1.5x
+# the steady ones; all start-up costs, outside the steady-state window.
 FULL = Sizes(
     hidden=512,
     layers=8,
@@ -62,14 +62,14 @@ FULL = Sizes(
     rm_pairs_per_step=16,
     rm_micro=8,
     rm_steps=7,
-    rm_warmup=2,
+    rm_warmup=3,
     rm_reply_words=(16, 128),
     rl_prompts=8,
     rl_n=4,
     rl_resp_len=64,
     rl_micro=8,
     rl_steps=5,
-    rl_warmup=2,
+    rl_warmup=3,
     prompt_words=(16, 48),
     cells=CELLS,
     real_shaped=True,
