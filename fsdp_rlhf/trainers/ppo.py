@@ -49,6 +49,7 @@ from fsdp_rlhf.trainers.ppo_metrics import (
     log_samples,
     throughput_metrics,
 )
+from fsdp_rlhf.trainers.ppo_multiturn import build_multiturn, multiturn_rollout
 from fsdp_rlhf.trainers.ppo_rewards import (
     add_overlong_penalty,
     build_kl_controller,
@@ -56,7 +57,6 @@ from fsdp_rlhf.trainers.ppo_rewards import (
     observe_kl,
     rule_scores,
 )
-from fsdp_rlhf.trainers.ppo_multiturn import build_multiturn, multiturn_rollout
 from fsdp_rlhf.trainers.ppo_rollout import RolloutSession, sampling_config, sleep_drops_weights
 from fsdp_rlhf.trainers.ppo_sampling import dynamic_sample
 from fsdp_rlhf.trainers.ppo_setup import (
