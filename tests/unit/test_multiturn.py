@@ -213,7 +213,8 @@ def test_reward_func_file_is_a_single_turn_env(tok, tmp_path):
         tmp_path,
         """
         def reward_func(queries, prompts, labels):
-            return [float(q.startswith(p)) + (l == "L") for q, p, l in zip(queries, prompts, labels)]
+            rows = zip(queries, prompts, labels)
+            return [float(q.startswith(p)) + (lab == "L") for q, p, lab in rows]
         """,
     )
     _, trajs, engine, _ = run(tok, env)
