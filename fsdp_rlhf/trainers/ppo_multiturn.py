@@ -8,10 +8,12 @@ template's markers of a user turn, and appended (``response_mask`` 0, log-prob 0
 templates we ship are append-only for these turns (tests/unit/test_multiturn_template.py), so
 the stream equals the template's rendering of the whole conversation.
 
-A trajectory ends when the environment says ``done``, after ``--max_turns`` model turns, when a
-model turn is cut by ``--generate_max_len`` (its turn never ended), when another full turn
-would not fit in ``--max_total_len`` (the observation is then not appended), or on a tool error
-(the failing call adds reward 0). Its score is the SUM of the rewards ``step`` returned; an
+A trajectory ends when the environment says ``done``, after ``--max_turns`` model turns, when
+another full turn would not fit in ``--max_total_len`` (the observation is then not appended),
+or on a tool error (the failing call adds reward 0). A model turn cut by ``--generate_max_len``
+does not end it (the environment decides, as in verl): the observation then starts with the
+template's end-of-turn marker, which the model never wrote. ``finish_reasons`` are those of
+each trajectory's last model turn. Its score is the SUM of the rewards ``step`` returned; an
 environment that only grades the final answer returns 0 before.
 
 Downstream, the response is ``[model turn | observation | model turn | ...]`` with holes in
@@ -190,8 +192,7 @@ class MultiTurnRollout:
                 continue
             observation, reward, done = r.value
             t.score += reward
-            # a cut turn never reached its end-of-turn token: no observation can follow it
-            if done or last_turn or t.finish == "length":
+            if done or last_turn:
                 t.done = True
                 continue
             turn_end = self.tokenizer.decode(t.response[-1:]) if t.response else ""

@@ -135,11 +135,13 @@ def test_token_budget_stops_before_overflow(tok, tmp_path):
     assert out.response_ids.shape[1] == 3
 
 
-def test_cut_turn_ends_trajectory(tok, tmp_path):
-    env = write_env(tmp_path, TWO_TURN_ENV.replace("turn >= 2", "False"))
-    out, trajs, engine, _ = run(tok, env, finish="length")
-    assert len(engine.calls) == 1
-    assert out.finish_reasons == ["length"] * 4 and all(t.score == 1.0 for t in trajs)
+def test_cut_turn_is_closed_by_the_observation(tok, tmp_path):
+    out, trajs, engine, runner = run(tok, write_env(tmp_path, TWO_TURN_ENV), finish="length")
+    assert len(engine.calls) == 2 and out.finish_reasons == ["length"] * 4
+    obs = runner.observations.ids("obs1", tok.decode([11]))
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert obs[0] == end  # the template's end of turn, as an environment token
+    assert trajs[0].response[3 : 3 + len(obs)] == obs and trajs[0].mask[3] == 0
 
 
 def test_env_error_ends_trajectory_and_is_logged_once(tok, tmp_path, caplog):
