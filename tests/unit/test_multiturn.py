@@ -248,3 +248,39 @@ def test_config_budgets():
         ppo_config("--max_turns", "0")
     with pytest.raises(ConfigError, match="overlong_buffer_len"):
         ppo_config("--env_file", "e.py", "--overlong_buffer_len", "4")
+
+
+def test_sample_log_shows_env_turns(tok, tmp_path):
+    from fsdp_rlhf.trainers.ppo_metrics import log_samples
+
+    out, trajs, _, _ = run(tok, write_env(tmp_path, TWO_TURN_ENV))
+    exp = experience_from_rollout(out, torch.device("cpu"))
+    exp.scores = trajectory_stats(trajs)["scores"]
+    texts = []
+
+    class Logger:
+        def text(self, tag, body, step):
+            texts.append(body)
+
+    prompts = [Prompt(ids=[5, 6, 7], text=f"p{i}", label="L") for i in range(2)]
+    log_samples(Logger(), tok, exp, prompts, step=1, n_samples=2, save_path=str(tmp_path))
+    assert "obs1" in texts[0] and "obs1" in (tmp_path / "samples.jsonl").read_text()
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--reward_pretrain", "rm"], "drop --reward_pretrain"),
+        (["--remote_rm_url", "r.py"], "drop --remote_rm_url"),
+        (["--eval_dataset", "e.jsonl"], "--eval_dataset"),
+    ],
+)
+def test_preflight_refuses_other_reward_sources(tmp_path, extra, message):
+    from fsdp_rlhf.trainers.ppo_setup import _check_rewards
+
+    env = write_env(tmp_path, TWO_TURN_ENV)
+    with pytest.raises(UserError, match=message):
+        _check_rewards(ppo_config("--env_file", env, *extra))
+    _check_rewards(ppo_config("--env_file", env))  # alone: a valid reward source
+    with pytest.raises(UserError, match="--env_file .*no such file"):
+        _check_rewards(ppo_config("--env_file", str(tmp_path / "missing.py")))
