@@ -32,9 +32,12 @@ import torch
 
 from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.data.prompts import Prompt
+from fsdp_rlhf.distributed.env import all_reduce_scalars
 from fsdp_rlhf.metrics import PhaseTimer
 from fsdp_rlhf.rollout.engine import RolloutOutput, SamplingConfig, pad_token_rows
 from fsdp_rlhf.rollout.env import Environment, load_environment
+from fsdp_rlhf.trainers.ppo_metrics import StatCollector
+from fsdp_rlhf.trainers.ppo_rollout import RolloutSession
 
 Generate = Callable[[list[list[int]], SamplingConfig], RolloutOutput]
 
@@ -153,7 +156,9 @@ class MultiTurnRollout:
                 if not self.budget.fits_turn(t.length):
                     t.done = True
             live = [t for t in live if not t.done]
-            if not live:
+            # the ranks of a TP block generate together: all run a turn (some with no
+            # trajectory left) until none is left anywhere. Collective.
+            if all_reduce_scalars({"live": float(len(live))}, "max")["live"] == 0:
                 break
             turn_sampling = replace(sampling, n=1, seed=turn_seed(sampling.seed, turn))
             with self.timer("rollout"):
@@ -233,15 +238,15 @@ def trajectory_stats(trajs: Sequence[Trajectory]) -> dict[str, torch.Tensor]:
 
 def multiturn_rollout(
     runner: MultiTurnRollout,
-    session,
+    session: RolloutSession,
     prompts: Sequence[Prompt],
     sampling: SamplingConfig,
     metrics: dict[str, float],
-    stats,
+    stats: StatCollector,
 ) -> tuple[RolloutOutput, torch.Tensor]:
     """One wake-up (and weight sync) of ``session``'s engine for all turns; returns the batch
     and the (N,) summed environment rewards. ``stats`` gets ``multiturn/*`` (reduced with the
-    step's other statistics, so no collective here)."""
+    step's other statistics). Collective: one scalar all-reduce per turn."""
     with session.awake(metrics) as engine:
         out, trajs = runner.run(engine.generate, prompts, sampling)
     s = trajectory_stats(trajs)

@@ -284,3 +284,17 @@ def test_preflight_refuses_other_reward_sources(tmp_path, extra, message):
     _check_rewards(ppo_config("--env_file", env))  # alone: a valid reward source
     with pytest.raises(UserError, match="--env_file .*no such file"):
         _check_rewards(ppo_config("--env_file", str(tmp_path / "missing.py")))
+
+
+def test_rank_without_live_trajectories_keeps_generating_with_its_tp_block(
+    tok, tmp_path, monkeypatch
+):
+    """Another rank of the engine still has live trajectories (the all-reduce says so): this
+    rank must join every turn's generate, with no prompts, or the TP block would hang."""
+    from fsdp_rlhf.trainers import ppo_multiturn
+
+    monkeypatch.setattr(ppo_multiturn, "all_reduce_scalars", lambda values, op: {"live": 1.0})
+    env = write_env(tmp_path, TWO_TURN_ENV.replace("turn >= 2", "True"))
+    _, trajs, engine, _ = run(tok, env, max_turns=3)
+    assert [len(c) for c in engine.calls] == [4, 0, 0]
+    assert all(t.turns == 1 for t in trajs)
