@@ -540,6 +540,35 @@ class PPOEvalConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MultiTurnConfig:
+    """Multi-turn rollouts against a Python environment (``--env_file``); off without it."""
+
+    env_file: str | None = doc(
+        None,
+        "A .py file with reset(prompt, label) and step(history, action) -> (observation, "
+        "reward, done), or only reward_func(queries, prompts, labels) for one turn. Its "
+        "rewards are the scores (replaces --reward_pretrain / --remote_rm_url).",
+    )
+    max_turns: int = doc(4, "Model turns per trajectory at most (with --env_file).")
+    max_total_len: int | None = doc(
+        None,
+        "Prompt + every model and environment turn, in tokens (none: prompt_max_len + "
+        "max_turns * generate_max_len).",
+    )
+    env_timeout_s: float = doc(
+        30.0, "Per reset/step call; a call over it ends its trajectory as a tool error."
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1:
+            raise ConfigError(f"max_turns must be >= 1, got {self.max_turns}")
+        if self.max_total_len is not None and self.max_total_len < 1:
+            raise ConfigError(f"max_total_len must be >= 1, got {self.max_total_len}")
+        if self.env_timeout_s <= 0:
+            raise ConfigError(f"env_timeout_s must be > 0, got {self.env_timeout_s}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class PPOConfig:
     """`fsdp-rlhf ppo`."""
 
@@ -565,6 +594,7 @@ class PPOConfig:
     batch: PPOBatchConfig = section(PPOBatchConfig)
     algo: PPOAlgoConfig = section(PPOAlgoConfig)
     eval: PPOEvalConfig = section(PPOEvalConfig)
+    multiturn: MultiTurnConfig = section(MultiTurnConfig)
     actor_optim: OptimConfig = doc(help="Actor optimizer.", factory=lambda: OptimConfig(lr=1e-6))
     critic_optim: OptimConfig = doc(help="Critic optimizer.", factory=lambda: OptimConfig(lr=9e-6))
     ckpt: CheckpointConfig = section(CheckpointConfig)
@@ -580,6 +610,31 @@ class PPOConfig:
                 f"overlong_buffer_len ({buffer}) must be <= generate_max_len "
                 f"({self.rollout.generate_max_len})"
             )
+        self._check_multiturn()
+
+    def _check_multiturn(self) -> None:
+        mt = self.multiturn
+        if mt.env_file is None:
+            return
+        shortest = self.data.prompt_max_len + self.rollout.generate_max_len
+        if mt.max_total_len is not None and mt.max_total_len < shortest:
+            raise ConfigError(
+                f"max_total_len ({mt.max_total_len}) must be >= prompt_max_len + "
+                f"generate_max_len ({shortest}): the first turn must fit"
+            )
+        # the length penalty counts model tokens against one turn's generate_max_len
+        if self.algo.overlong_buffer_len is not None:
+            raise ConfigError("--overlong_buffer_len is single-turn only; drop it with --env_file")
+
+    @property
+    def total_len(self) -> int:
+        """Token budget of one trajectory: prompt + all model and environment turns."""
+        mt, r = self.multiturn, self.rollout
+        if mt.env_file is None:
+            return self.data.prompt_max_len + r.generate_max_len
+        if mt.max_total_len is not None:
+            return mt.max_total_len
+        return self.data.prompt_max_len + mt.max_turns * r.generate_max_len
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -97,6 +97,10 @@ class RolloutOutput:
         engine_logprobs: (N, T) float32 log-prob of each sampled token under the engine, 0 at
             pads; None when not requested.
         n: samples per prompt.
+        response_attention_mask: (N, T) 1 on every response token the model sees, or None
+            when that is ``response_mask``. Multi-turn rollouts set it: environment tokens
+            inside a response are attended to (1 here) but not trained on (0 in
+            ``response_mask``).
     """
 
     prompt_ids: torch.Tensor
@@ -106,6 +110,7 @@ class RolloutOutput:
     finish_reasons: list[str]
     engine_logprobs: torch.Tensor | None
     n: int
+    response_attention_mask: torch.Tensor | None = None
 
     @classmethod
     def from_lists(
@@ -163,13 +168,21 @@ class RolloutOutput:
         the response, as ``models.forward.response_logprobs`` expects.
         """
         input_ids = torch.cat([self.prompt_ids, self.response_ids], dim=1)
-        attention_mask = torch.cat([self.prompt_mask, self.response_mask], dim=1)
+        attention_mask = torch.cat([self.prompt_mask, self.response_tokens_mask], dim=1)
         return input_ids, attention_mask
+
+    @property
+    def response_tokens_mask(self) -> torch.Tensor:
+        """(N, T) 1 on every response token, generated or (multi-turn) from the environment."""
+        if self.response_attention_mask is None:
+            return self.response_mask
+        return self.response_attention_mask
 
     def select_prompts(self, start: int, stop: int) -> RolloutOutput:
         """Rows of prompts ``start .. stop - 1`` (all their n samples); padding width is kept."""
         rows = slice(start * self.n, stop * self.n)
         lp = self.engine_logprobs[rows] if self.engine_logprobs is not None else None
+        attn = self.response_attention_mask
         return replace(
             self,
             prompt_ids=self.prompt_ids[rows],
@@ -178,6 +191,7 @@ class RolloutOutput:
             response_mask=self.response_mask[rows],
             finish_reasons=self.finish_reasons[rows],
             engine_logprobs=lp,
+            response_attention_mask=attn[rows] if attn is not None else None,
         )
 
 

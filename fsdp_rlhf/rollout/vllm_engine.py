@@ -44,6 +44,7 @@ TESTED_VLLM_VERSIONS = ("0.32.0",)
 GiB = 1 << 30
 # CPU KV-cache sizing when not configured: room for this many full-length sequences at once.
 CPU_KV_CONCURRENT_SEQS = 32
+CPU_MAX_NUM_SEQS = 256  # sequences per scheduler step on CPU (vLLM's default)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -166,6 +167,11 @@ def engine_kwargs(
         kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
             model_path, max_model_len, tp_size, dtype, cfg.vllm_kvcache_space_gib
         )
+        # A prefill split over scheduler steps rewinds its seeded generator, which CPU
+        # generators cannot do ("CPU Generator does not use offset"): with long prompts (or
+        # multi-turn histories) vLLM's 2048-token default split them. Prefill whole batches.
+        kwargs["max_num_seqs"] = CPU_MAX_NUM_SEQS
+        kwargs["max_num_batched_tokens"] = CPU_MAX_NUM_SEQS * max_model_len
     return kwargs
 
 

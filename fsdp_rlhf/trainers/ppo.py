@@ -49,6 +49,7 @@ from fsdp_rlhf.trainers.ppo_metrics import (
     log_samples,
     throughput_metrics,
 )
+from fsdp_rlhf.trainers.ppo_multiturn import build_multiturn, multiturn_rollout
 from fsdp_rlhf.trainers.ppo_rewards import (
     add_overlong_penalty,
     build_kl_controller,
@@ -129,6 +130,7 @@ class PPOTrainer:
             dtype=engine_dtype(cfg),
             sleep_drops_weights=sleep_drops_weights(cfg, env.device),
         )
+        self.multiturn = build_multiturn(cfg, tokenizer, self.timer)  # None: single turn
         self.state = self._stateful()
         self.guards = {
             name: BadStepGuard(cfg.guard.max_bad_steps, name) for name in self.optimizers
@@ -254,13 +256,20 @@ class PPOTrainer:
     ) -> tuple[Experience, dict[str, float]]:
         metrics: dict[str, float] = {}
         sampling = sampling_config(self.cfg, self.step, round_)
-        out = self.rollout_session.generate([p.ids for p in prompts], sampling, metrics)
+        env_scores = None
+        if self.multiturn is None:
+            out = self.rollout_session.generate([p.ids for p in prompts], sampling, metrics)
+        else:  # --env_file: the environment's rewards are the scores
+            out, env_scores = multiturn_rollout(
+                self.multiturn, self.rollout_session, prompts, sampling, metrics, stats
+            )
         exp = experience_from_rollout(out, self.env.device)
+        exp.scores = env_scores.to(self.env.device) if env_scores is not None else None
         # reduced with the step's other statistics: a collective here would make each rank
         # wait for the slowest one's generation before scoring
         stats.add_mean("response_length/clip_ratio", truncated(out.finish_reasons))
         # every round's sequences, for rollout_tps (the batch stats see only the kept ones)
-        lengths = out.prompt_mask.sum(-1) + out.response_mask.sum(-1)
+        lengths = out.prompt_mask.sum(-1) + out.response_tokens_mask.sum(-1)
         stats.add_mean("rollout/generated_length", lengths.float())
         return exp, metrics
 
@@ -268,6 +277,8 @@ class PPOTrainer:
         """``exp.scores``; prompt i owns rows i*n .. i*n+n-1 (n: the training group size)."""
         micro = self.plan.micro_rollout_batch_size
         scores = torch.zeros(exp.num_sequences, device=exp.input_ids.device)
+        if self.multiturn is not None:  # set by the rollout; --env_file excludes the others
+            scores = exp.scores
         if self.models.reward is not None:
             with self.timer("reward_model"), self.onloaded(self.models.reward, "reward"):
                 rm = batched_scores(self.models.reward, exp, micro, self.packed)

@@ -182,7 +182,8 @@ def log_samples(
     T = exp.response_len
     rows = []
     for i in range(min(k, exp.num_sequences)):
-        ids = exp.input_ids[i, -T:][exp.response_mask[i].bool()].tolist()
+        # every response token, the environment's turns of a multi-turn rollout included
+        ids = exp.input_ids[i, -T:][exp.attention_mask[i, -T:].bool()].tolist()
         rows.append(
             {
                 "step": step,

@@ -7,6 +7,9 @@ and the actor's Adam state leaves the device while the engine is awake.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -57,6 +60,14 @@ class RolloutSession:
         ``phase`` names the generation timer (``rollout``, or ``eval``); a weight sync adds
         ``rollout/weight_sync_gbps`` to ``metrics``.
         """
+        with self.awake(metrics):
+            with self.timer(phase):
+                return self.engine.generate(prompt_ids, sampling)
+
+    @contextmanager
+    def awake(self, metrics: dict[str, float] | None = None) -> Iterator[RolloutEngine]:
+        """The engine awake with the actor's weights for several ``generate`` calls (one per
+        turn of a multi-turn rollout): one wake-up and at most one sync around all of them."""
         offload_optimizer(self.actor_optimizer, self.device)
         with self.timer("resharding_to_infer"):
             self.engine.wake_up(["weights"])
@@ -66,12 +77,10 @@ class RolloutSession:
                 if metrics is not None:
                     metrics["rollout/weight_sync_gbps"] = sync.bytes_per_s / 1e9
             self.engine.wake_up(["kv_cache"])
-        with self.timer(phase):
-            out = self.engine.generate(prompt_ids, sampling)
+        yield self.engine
         with self.timer("resharding_to_train"):
             self.engine.sleep()
             onload_optimizer(self.actor_optimizer, self.device)
-        return out
 
     def close(self) -> None:
         self.engine.close()

@@ -32,6 +32,7 @@ from fsdp_rlhf.models.load import (
 from fsdp_rlhf.models.save import check_save_path, recover_interrupted_export
 from fsdp_rlhf.optim import build_optimizer, build_scheduler
 from fsdp_rlhf.rollout import HFEngine, RolloutEngine, build_rollout_groups
+from fsdp_rlhf.rollout.env import load_environment
 from fsdp_rlhf.rollout.memory_budget import check_device_budget
 from fsdp_rlhf.trainers.common import log_startup, prepare_model
 from fsdp_rlhf.trainers.rule_reward import RewardFn, auth_headers, build_rule_reward
@@ -67,6 +68,9 @@ def _check_world(cfg: PPOConfig, world_size: int) -> None:
 def _check_rewards(cfg: PPOConfig) -> None:
     """Reward sources: paths, normalisation statistics, the rule reward and its token."""
     m = cfg.models
+    if cfg.multiturn.env_file is not None:
+        _check_env(cfg)
+        return
     if not m.reward_pretrain and not m.remote_rm_url:
         raise UserError("no reward source: pass --reward_pretrain and/or --remote_rm_url")
     if m.reward_pretrain:
@@ -83,6 +87,22 @@ def _check_rewards(cfg: PPOConfig) -> None:
         if not (url or "").startswith(("http://", "https://")):
             raise UserError("--remote_rm_auth_env applies only to an http(s) --remote_rm_url")
         auth_headers(m.remote_rm_auth_env)  # raises when the variable is unset
+
+
+def _check_env(cfg: PPOConfig) -> None:
+    """--env_file: its rewards are the scores; it must load and define the contract."""
+    m, path = cfg.models, cfg.multiturn.env_file
+    for flag, value in (
+        ("--reward_pretrain", m.reward_pretrain),
+        ("--remote_rm_url", m.remote_rm_url),
+    ):
+        if value:
+            raise UserError(
+                f"--env_file {path}: the environment's rewards are the scores; drop {flag}"
+            )
+    if cfg.eval.eval_dataset:
+        raise UserError(f"--env_file {path}: --eval_dataset evaluates single-turn only; drop it")
+    load_environment(path, cfg.multiturn.env_timeout_s)
 
 
 def _check_outputs(cfg: PPOConfig) -> None:
@@ -257,7 +277,8 @@ def build_engine(cfg: PPOConfig, env: DistEnv, tokenizer) -> RolloutEngine:
             cfg.models.pretrain,
             cfg.rollout,
             groups=groups,
-            prompt_max_len=cfg.data.prompt_max_len,
+            # multi-turn histories grow past the prompt: max_model_len = --max_total_len
+            prompt_max_len=cfg.total_len - cfg.rollout.generate_max_len,
             dtype=engine_dtype(cfg),
             seed=cfg.seed,
             pad_token_id=tokenizer.pad_token_id,

@@ -17,7 +17,6 @@ Non-finite rewards from either source stop the run with one line naming the sour
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -25,13 +24,13 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from fsdp_rlhf.config_base import redact_url
 from fsdp_rlhf.errors import UserError
+from fsdp_rlhf.rollout.env import import_user_file
 from fsdp_rlhf.trainers.guards import check_finite_scores
 
 log = logging.getLogger(__name__)
@@ -66,15 +65,7 @@ def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch
 
 def load_python_reward(path: str) -> RewardFn:
     """Import ``reward_func`` from a file; fails early with the file named."""
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"--remote_rm_url {path}: no such file")
-    spec = importlib.util.spec_from_file_location(f"fsdp_rlhf_reward_{p.stem}", p)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001 - user code; report it in one line
-        raise UserError(f"--remote_rm_url {path}: import failed: {type(e).__name__}: {e}") from e
+    module = import_user_file(path, "--remote_rm_url")
     fn = module.__dict__.get("reward_func")
     if not callable(fn):
         raise UserError(f"--remote_rm_url {path}: defines no reward_func(queries, prompts, labels)")

@@ -1,0 +1,300 @@
+"""Multi-turn rollouts with a deterministic stand-in engine: the turn loop, token/mask layout,
+budgets, environment errors and timeouts, and the env file contract."""
+
+from __future__ import annotations
+
+import logging
+import textwrap
+
+import pytest
+import torch
+
+from fsdp_rlhf.config import PPOConfig
+from fsdp_rlhf.config_base import ConfigError, build_config
+from fsdp_rlhf.data.prompts import Prompt
+from fsdp_rlhf.errors import UserError
+from fsdp_rlhf.metrics import PhaseTimer
+from fsdp_rlhf.rollout.engine import RolloutOutput, SamplingConfig
+from fsdp_rlhf.rollout.env import load_environment
+from fsdp_rlhf.testing.tiny import build_tokenizer
+from fsdp_rlhf.trainers.experience import experience_from_rollout
+from fsdp_rlhf.trainers.ppo_multiturn import MultiTurnRollout, TurnBudget, trajectory_stats
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return build_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+class FakeEngine:
+    """Answers every history with ``turn_len`` tokens derived from its length, ending with
+    ``<|im_end|>``; log-prob of token j is ``-(j + 1) / 10``. Records each call's batch."""
+
+    def __init__(self, tok, turn_len: int = 3, finish: str = "stop") -> None:
+        self.end = tok.convert_tokens_to_ids("<|im_end|>")
+        self.turn_len, self.finish = turn_len, finish
+        self.calls: list[list[list[int]]] = []
+
+    def generate(self, histories: list[list[int]], sampling: SamplingConfig) -> RolloutOutput:
+        assert sampling.n == 1
+        self.calls.append([list(h) for h in histories])
+        responses = []
+        for h in histories:
+            body = [10 + (len(h) + j) % 50 for j in range(self.turn_len - 1)]
+            responses.append(body + ([self.end] if self.finish == "stop" else [11]))
+        lps = [[-(j + 1) / 10 for j in range(len(r))] for r in responses]
+        return RolloutOutput.from_lists(
+            histories, responses, [self.finish] * len(responses), lps, pad_id=0, n=1
+        )
+
+
+def write_env(tmp_path, body: str, name: str = "env.py") -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+TWO_TURN_ENV = """
+    def reset(prompt, label):
+        return None
+
+    def step(history, action):
+        turn = sum(m["role"] == "assistant" for m in history)
+        assert history[0]["label"] == "L"
+        return "obs%d" % turn, float(turn), turn >= 2
+"""
+
+
+def run(tok, env_path, *, prompts=2, n=2, max_turns=4, total=4096, gen=8, timeout=5.0, **kw):
+    env = load_environment(env_path, timeout)
+    runner = MultiTurnRollout(
+        env, tok, TurnBudget(max_turns, total, gen), PhaseTimer(torch.device("cpu"))
+    )
+    engine = FakeEngine(tok, **kw)
+    ps = [Prompt(ids=[5 + i, 6, 7], text=f"p{i}", label="L") for i in range(prompts)]
+    out, trajs = runner.run(engine.generate, ps, SamplingConfig(max_new_tokens=gen, n=n, seed=3))
+    return out, trajs, engine, runner
+
+
+def test_turns_layout_masks_and_logprobs(tok, tmp_path):
+    out, trajs, engine, runner = run(tok, write_env(tmp_path, TWO_TURN_ENV))
+    assert len(engine.calls) == 2  # one batched generate per turn over all live trajectories
+    assert [len(c) for c in engine.calls] == [4, 4]
+    obs = runner.observations.ids("obs1", "<|im_end|>")
+    for i, t in enumerate(trajs):
+        assert t.turns == 2 and t.score == 3.0 and not t.error
+        assert t.mask == [1] * 3 + [0] * len(obs) + [1] * 3
+        # turn 2 generated from the exact token history: prompt, model tokens, observation
+        assert engine.calls[1][i] == t.prompt_ids + t.response[: 3 + len(obs)]
+        assert t.response[3 : 3 + len(obs)] == obs
+    row = out.response_mask[0]
+    assert row.tolist() == trajs[0].mask
+    assert out.response_attention_mask[0].sum() == len(trajs[0].response)
+    lp = out.engine_logprobs[0]
+    assert torch.all(lp[row == 0] == 0)
+    assert torch.allclose(lp[row == 1], torch.tensor([-0.1, -0.2, -0.3] * 2))
+    assert out.n == 2 and out.finish_reasons == ["stop"] * 4
+    stats = trajectory_stats(trajs)
+    assert stats["turns"].tolist() == [2.0] * 4
+    assert stats["env_tokens"].tolist() == [float(len(obs))] * 4
+
+
+def test_observation_is_a_user_turn_of_the_template(tok):
+    runner = MultiTurnRollout(None, tok, TurnBudget(2, 100, 8), PhaseTimer(torch.device("cpu")))
+    text = runner.observations.text("hi", "<|im_end|>")
+    assert text == "\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    # a turn that ended on another token gets the template's end of turn first
+    assert runner.observations.text("hi", "<|endoftext|>").startswith("<|im_end|>\n")
+
+
+def test_env_tokens_are_attended_not_trained(tok, tmp_path):
+    """The forwards must see observation tokens: the attention mask covers them while the
+    response mask (loss, KL, advantages) does not."""
+    out, trajs, _, _ = run(tok, write_env(tmp_path, TWO_TURN_ENV))
+    exp = experience_from_rollout(out, torch.device("cpu"))
+    T = exp.response_len
+    n_tokens = len(trajs[0].response)
+    assert exp.attention_mask[0, -T:].sum() == n_tokens
+    assert exp.response_mask[0].sum() == 6 < n_tokens
+
+
+def test_max_turns_stops(tok, tmp_path):
+    env = write_env(tmp_path, TWO_TURN_ENV.replace("turn >= 2", "False"))
+    _, trajs, engine, _ = run(tok, env, max_turns=3)
+    assert len(engine.calls) == 3
+    assert all(t.turns == 3 and t.score == 6.0 for t in trajs)
+    assert all(t.mask[-1] == 1 for t in trajs)  # no observation after the last turn
+
+
+def test_token_budget_stops_before_overflow(tok, tmp_path):
+    env = write_env(tmp_path, TWO_TURN_ENV.replace("turn >= 2", "False"))
+    # prompt 3 + turn 3 + obs (~12) + next turn 8 > 20: the observation is never appended
+    out, trajs, engine, _ = run(tok, env, total=20, max_turns=5)
+    assert len(engine.calls) == 1
+    assert all(t.length <= 20 and t.mask == [1, 1, 1] for t in trajs)
+    assert out.response_ids.shape[1] == 3
+
+
+def test_cut_turn_is_closed_by_the_observation(tok, tmp_path):
+    out, trajs, engine, runner = run(tok, write_env(tmp_path, TWO_TURN_ENV), finish="length")
+    assert len(engine.calls) == 2 and out.finish_reasons == ["length"] * 4
+    obs = runner.observations.ids("obs1", tok.decode([11]))
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert obs[0] == end  # the template's end of turn, as an environment token
+    assert trajs[0].response[3 : 3 + len(obs)] == obs and trajs[0].mask[3] == 0
+
+
+def test_env_error_ends_trajectory_and_is_logged_once(tok, tmp_path, caplog):
+    env = write_env(
+        tmp_path,
+        """
+        def reset(prompt, label):
+            return None
+
+        def step(history, action):
+            if history[0]["content"] == "p1":
+                raise RuntimeError("calculator broke")
+            return "ok", 1.0, len(history) >= 4
+        """,
+        name="broken_env.py",
+    )
+    with caplog.at_level(logging.WARNING, logger="fsdp_rlhf"):
+        _, trajs, engine, _ = run(tok, env)
+    assert [t.error for t in trajs] == [False, False, True, True]
+    assert [t.score for t in trajs] == [2.0, 2.0, 0.0, 0.0]
+    assert [len(c) for c in engine.calls] == [4, 2]  # failed trajectories dropped
+    logged = [r.getMessage() for r in caplog.records if "calculator broke" in r.getMessage()]
+    assert len(logged) == 1 and "broken_env.py" in logged[0]
+    assert trajectory_stats(trajs)["errors"].tolist() == [0.0, 0.0, 1.0, 1.0]
+
+
+def test_env_timeout_is_a_tool_error(tok, tmp_path):
+    env = write_env(
+        tmp_path,
+        """
+        import time
+
+        def reset(prompt, label):
+            return None
+
+        def step(history, action):
+            if history[0]["content"] == "p0":
+                time.sleep(5)
+            return "", 1.0, True
+        """,
+    )
+    _, trajs, _, _ = run(tok, env, timeout=0.3)
+    assert [t.error for t in trajs] == [True, True, False, False]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "return 'obs', float('nan'), False",
+        "return 'obs', 1.0",
+        "return 3, 1.0, False",
+    ],
+)
+def test_malformed_step_is_a_tool_error(tok, tmp_path, bad):
+    env = write_env(tmp_path, f"def reset(p, l):\n    return None\ndef step(h, a):\n    {bad}\n")
+    _, trajs, _, _ = run(tok, env)
+    assert all(t.error and t.score == 0.0 for t in trajs)
+
+
+def test_reset_observation_extends_the_prompt(tok, tmp_path):
+    env = write_env(tmp_path, TWO_TURN_ENV.replace("return None", "return ' tools: calc'"))
+    out, trajs, engine, _ = run(tok, env)
+    tools = tok(" tools: calc", add_special_tokens=False)["input_ids"]
+    assert trajs[0].prompt_ids == [5, 6, 7] + tools
+    assert engine.calls[0][0] == trajs[0].prompt_ids
+    assert out.prompt_mask[0].sum() == 3 + len(tools)
+
+
+def test_reward_func_file_is_a_single_turn_env(tok, tmp_path):
+    env = write_env(
+        tmp_path,
+        """
+        def reward_func(queries, prompts, labels):
+            rows = zip(queries, prompts, labels)
+            return [float(q.startswith(p)) + (lab == "L") for q, p, lab in rows]
+        """,
+    )
+    _, trajs, engine, _ = run(tok, env)
+    assert len(engine.calls) == 1 and all(t.score == 2.0 and t.turns == 1 for t in trajs)
+
+
+def test_env_file_contract_errors(tmp_path):
+    with pytest.raises(UserError, match="no such file"):
+        load_environment(str(tmp_path / "nope.py"), 1.0)
+    only_reset = write_env(tmp_path, "def reset(p, l):\n    return None\n")
+    with pytest.raises(UserError, match=r"--env_file .*defines neither reset"):
+        load_environment(only_reset, 1.0)
+    broken = write_env(tmp_path, "import not_a_module_xyz\n", name="b.py")
+    with pytest.raises(UserError, match="import failed: ModuleNotFoundError"):
+        load_environment(broken, 1.0)
+
+
+def ppo_config(*flags: str) -> PPOConfig:
+    return build_config(PPOConfig, ["--pretrain", "m", "--prompt_data", "d", *flags])[0]
+
+
+def test_config_budgets():
+    cfg = ppo_config("--env_file", "e.py", "--max_turns", "3", "--prompt_max_len", "10")
+    assert cfg.total_len == 10 + 3 * cfg.rollout.generate_max_len
+    assert ppo_config("--prompt_max_len", "10").total_len == 10 + cfg.rollout.generate_max_len
+    with pytest.raises(ConfigError, match="max_total_len"):
+        ppo_config("--env_file", "e.py", "--prompt_max_len", "10", "--max_total_len", "20")
+    with pytest.raises(ConfigError, match="max_turns"):
+        ppo_config("--max_turns", "0")
+    with pytest.raises(ConfigError, match="overlong_buffer_len"):
+        ppo_config("--env_file", "e.py", "--overlong_buffer_len", "4")
+
+
+def test_sample_log_shows_env_turns(tok, tmp_path):
+    from fsdp_rlhf.trainers.ppo_metrics import log_samples
+
+    out, trajs, _, _ = run(tok, write_env(tmp_path, TWO_TURN_ENV))
+    exp = experience_from_rollout(out, torch.device("cpu"))
+    exp.scores = trajectory_stats(trajs)["scores"]
+    texts = []
+
+    class Logger:
+        def text(self, tag, body, step):
+            texts.append(body)
+
+    prompts = [Prompt(ids=[5, 6, 7], text=f"p{i}", label="L") for i in range(2)]
+    log_samples(Logger(), tok, exp, prompts, step=1, n_samples=2, save_path=str(tmp_path))
+    assert "obs1" in texts[0] and "obs1" in (tmp_path / "samples.jsonl").read_text()
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--reward_pretrain", "rm"], "drop --reward_pretrain"),
+        (["--remote_rm_url", "r.py"], "drop --remote_rm_url"),
+        (["--eval_dataset", "e.jsonl"], "--eval_dataset"),
+    ],
+)
+def test_preflight_refuses_other_reward_sources(tmp_path, extra, message):
+    from fsdp_rlhf.trainers.ppo_setup import _check_rewards
+
+    env = write_env(tmp_path, TWO_TURN_ENV)
+    with pytest.raises(UserError, match=message):
+        _check_rewards(ppo_config("--env_file", env, *extra))
+    _check_rewards(ppo_config("--env_file", env))  # alone: a valid reward source
+    with pytest.raises(UserError, match="--env_file .*no such file"):
+        _check_rewards(ppo_config("--env_file", str(tmp_path / "missing.py")))
+
+
+def test_rank_without_live_trajectories_keeps_generating_with_its_tp_block(
+    tok, tmp_path, monkeypatch
+):
+    """Another rank of the engine still has live trajectories (the all-reduce says so): this
+    rank must join every turn's generate, with no prompts, or the TP block would hang."""
+    from fsdp_rlhf.trainers import ppo_multiturn
+
+    monkeypatch.setattr(ppo_multiturn, "all_reduce_scalars", lambda values, op: {"live": 1.0})
+    env = write_env(tmp_path, TWO_TURN_ENV.replace("turn >= 2", "True"))
+    _, trajs, engine, _ = run(tok, env, max_turns=3)
+    assert [len(c) for c in engine.calls] == [4, 0, 0]
+    assert all(t.turns == 1 for t in trajs)
