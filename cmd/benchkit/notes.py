@@ -67,7 +67,8 @@ def sync_note(raw: dict, h: dict) -> str:
 
 
 # What profiling showed (py-spy over whole runs, torch.profiler over single steps, and the
-# micro-benchmarks named below, on the 2-core bench machine); the numbers above are this run's.
+# micro-benchmarks named below) on the earlier 2-core bench machine, an Intel Xeon with AMX;
+# the summary says so, since the machine a run lands on may differ (its CPU is in the summary).
 FINDINGS = {
     "rm": (
         "RM, where the time goes: our step is packed (a third of the padded tokens were "
@@ -110,7 +111,11 @@ def findings(raw: dict) -> list[str]:
     """The profile notes of every target this run missed."""
     keys = ("rm", "rl", "overhead", "sync")
     missed = [t["met"] is False for t in raw["targets"]]
-    return [FINDINGS[k] for k, miss in zip(keys, missed, strict=True) if miss]
+    return [
+        f"{FINDINGS[k]} (Profiled on an earlier 2-core Intel Xeon bench machine with AMX.)"
+        for k, miss in zip(keys, missed, strict=True)
+        if miss
+    ]
 
 
 def notes(raw: dict) -> list[str]:
