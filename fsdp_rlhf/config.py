@@ -120,6 +120,42 @@ class GuardConfig:
             raise ConfigError(f"dist_timeout_min must be >= 1, got {self.dist_timeout_min}")
 
 
+@dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """LoRA adapters (peft) in place of full fine-tuning of the actor, critic or reward model:
+    the base stays frozen, the optimizer holds only the adapters (and a scalar head)."""
+
+    lora_rank: int = doc(0, "LoRA rank r (0: off, full fine-tuning).")
+    lora_alpha: int = doc(16, "LoRA alpha; adapter outputs are scaled by alpha / r.")
+    target_modules: tuple[str, ...] = doc(
+        ("all-linear",), "Module names that get adapters (all-linear: every decoder Linear)."
+    )
+    lora_dropout: float = doc(0.0, "Dropout on the adapters' input.")
+    merge_lora: bool = doc(
+        False,
+        "Also export the base with the adapters merged in as a plain HF model (save_path); "
+        "the adapter folder is always written (save_path/adapter).",
+    )
+
+    def __post_init__(self) -> None:
+        if self.lora_rank < 0:
+            raise ConfigError(f"lora_rank must be >= 0, got {self.lora_rank}")
+        if self.lora_alpha <= 0:
+            raise ConfigError(f"lora_alpha must be > 0, got {self.lora_alpha}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ConfigError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if not self.target_modules:
+            raise ConfigError("target_modules needs at least one module name")
+        if "all-linear" in self.target_modules and len(self.target_modules) > 1:
+            raise ConfigError("target_modules: all-linear stands alone (it names every Linear)")
+        if self.merge_lora and not self.enabled:
+            raise ConfigError("merge_lora needs lora_rank > 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.lora_rank > 0
+
+
 # ---------------------------------------------------------------- train-rm
 
 
@@ -194,6 +230,7 @@ class RMConfig:
     ckpt: CheckpointConfig = section(CheckpointConfig)
     logging: LoggingConfig = section(LoggingConfig)
     guard: GuardConfig = section(GuardConfig)
+    lora: LoraConfig = section(LoraConfig)
     seed: int = doc(42, "Seed for data order, init and dropout.")
 
 
@@ -600,6 +637,7 @@ class PPOConfig:
     ckpt: CheckpointConfig = section(CheckpointConfig)
     logging: LoggingConfig = section(LoggingConfig)
     guard: GuardConfig = section(GuardConfig)
+    lora: LoraConfig = section(LoraConfig)
     sample_log_steps: int = doc(10, "Every N steps log a few prompt/response/reward samples.")
     seed: int = doc(42, "Seed for data order, init and sampling.")
 
