@@ -220,6 +220,19 @@ def check_wake_tags(tags: Sequence[str] | None) -> tuple[str, ...]:
     return tuple(tags)
 
 
+@dataclass(frozen=True)
+class AdapterSpec:
+    """A LoRA adapter's settings besides its tensors, as peft's adapter_config.json has them."""
+
+    rank: int
+    alpha: int
+    target_modules: tuple[str, ...]
+
+    def peft_config(self) -> dict[str, object]:
+        targets = list(self.target_modules)
+        return {"r": self.rank, "lora_alpha": self.alpha, "target_modules": targets}
+
+
 class RolloutEngine(Protocol):
     """What trainers need from a generation engine. Every method is called on every rank."""
 
@@ -231,6 +244,12 @@ class RolloutEngine(Protocol):
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load a full set of HF-named weights in place; returns the bytes received."""
+        ...
+
+    def update_adapter(self, weights: Iterable[tuple[str, torch.Tensor]], spec: AdapterSpec) -> int:
+        """Serve a new LoRA adapter (peft-named tensors: ``base_model.model.<module>.lora_A.
+        weight``) on the unchanged base from now on, replacing the previous one; returns the
+        bytes received. Only engines built for LoRA take it."""
         ...
 
     def sleep(self) -> None:

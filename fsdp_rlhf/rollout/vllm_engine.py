@@ -33,7 +33,13 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 
 from fsdp_rlhf.config import RolloutConfig  # noqa: E402
 from fsdp_rlhf.models.attention import head_dim  # noqa: E402
-from fsdp_rlhf.rollout.engine import CountingWeights, RolloutOutput, SamplingConfig  # noqa: E402
+from fsdp_rlhf.rollout import vllm_lora  # noqa: E402
+from fsdp_rlhf.rollout.engine import (  # noqa: E402
+    AdapterSpec,
+    CountingWeights,
+    RolloutOutput,
+    SamplingConfig,
+)
 from fsdp_rlhf.rollout.groups import RolloutGroups, gather_prompts, own_prompt_range  # noqa: E402
 from fsdp_rlhf.rollout.rng import GenerationRng  # noqa: E402
 from fsdp_rlhf.rollout.sleep import SleepTracker  # noqa: E402
@@ -48,12 +54,13 @@ CPU_MAX_NUM_SEQS = 256  # sequences per scheduler step on CPU (vLLM's default)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def check_vllm_internals() -> str:
+def check_vllm_internals(lora: bool = False) -> str:
     """Raise if a vLLM API this adapter relies on is missing or changed; returns the version.
 
     Checked: ``Worker.reload_weights`` forwarding to ``GPUModelRunner.reload_weights(
     weights_iterator=...)`` (v1 and v2 runners; the CPU runners subclass them), the in-process
-    external-launcher executor and engine client (``close``), and the ``LLM`` methods used here.
+    external-launcher executor and engine client (``close``), the ``LLM`` methods used here,
+    and with ``lora`` the adapter APIs of :mod:`fsdp_rlhf.rollout.vllm_lora`.
     """
     from vllm.v1.engine.core_client import InprocClient
     from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
@@ -85,6 +92,8 @@ def check_vllm_internals() -> str:
         missing = set(params) - set(inspect.signature(fn).parameters)
         if missing:
             problems.append(f"{what} lost parameters {sorted(missing)}")
+    if lora:
+        problems += vllm_lora.check_lora_internals()
     if problems:
         raise RuntimeError(
             f"vLLM {vllm.__version__} breaks the fsdp_rlhf vLLM adapter (tested with "
@@ -144,8 +153,10 @@ def engine_kwargs(
     dtype: torch.dtype,
     seed: int,
     trust_remote_code: bool,
+    lora_rank: int = 0,
 ) -> dict:
-    """Arguments of ``vllm.LLM`` for one colocated engine."""
+    """Arguments of ``vllm.LLM`` for one colocated engine (serving adapters up to
+    ``lora_rank`` when > 0)."""
     max_model_len = prompt_max_len + cfg.generate_max_len
     kwargs = dict(
         model=model_path,
@@ -161,6 +172,8 @@ def engine_kwargs(
         logprobs_mode="processed_logprobs",
         trust_remote_code=trust_remote_code,
     )
+    if lora_rank > 0:
+        kwargs.update(vllm_lora.lora_engine_kwargs(lora_rank))
     if torch.cuda.is_available():
         kwargs.update(enable_sleep_mode=cfg.vllm_enable_sleep, disable_custom_all_reduce=True)
     else:
@@ -249,6 +262,9 @@ class VLLMEngine:
         dtype: engine dtype; weights are synced in this dtype.
         seed: base seed; engine k uses ``seed + k`` (identical inside a TP block).
         pad_token_id: pad id of the output tensors.
+        lora_rank: > 0: the actor trains LoRA adapters of this rank; the engine keeps the base
+            weights it loaded and takes only adapters (``update_adapter``). Asleep on CUDA it
+            then keeps the base in host memory (level 1): level 2 would discard it.
     """
 
     def __init__(
@@ -262,15 +278,18 @@ class VLLMEngine:
         seed: int,
         pad_token_id: int,
         trust_remote_code: bool = False,
+        lora_rank: int = 0,
     ) -> None:
-        self.version = check_vllm_internals()
+        self.version = check_vllm_internals(lora=lora_rank > 0)
         _check_layout(cfg, groups)
         self.groups = groups
         self.dtype = dtype
         self.pad_token_id = pad_token_id
         self._sleep = SleepTracker(
-            cfg.vllm_enable_sleep and torch.cuda.is_available(), cfg.vllm_sleep_level
+            cfg.vllm_enable_sleep and torch.cuda.is_available(),
+            1 if lora_rank > 0 else cfg.vllm_sleep_level,
         )
+        self._lora_id = 0  # the adapter served now (0: none yet, the base model)
         engine_seed = seed + groups.engine_index
         self._rng = GenerationRng(engine_seed)
         kwargs = engine_kwargs(
@@ -281,6 +300,7 @@ class VLLMEngine:
             dtype=dtype,
             seed=engine_seed,
             trust_remote_code=trust_remote_code,
+            lora_rank=lora_rank,
         )
         with self._rng.active():  # vLLM reseeds the global RNGs while it starts
             self.llm = LLM(**kwargs)
@@ -305,7 +325,9 @@ class VLLMEngine:
         outputs = []
         if requests:
             with self._rng.active():
-                outputs = self.llm.generate(requests, params, use_tqdm=False)
+                outputs = self.llm.generate(
+                    requests, params, use_tqdm=False, lora_request=self._lora_request()
+                )
         return to_rollout_output(outputs[start:stop], sampling, self.pad_token_id)
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -316,6 +338,26 @@ class VLLMEngine:
         # cached prefixes hold KV computed with the old weights
         self.llm.reset_prefix_cache()
         return counted.nbytes
+
+    def update_adapter(self, weights: Iterable[tuple[str, torch.Tensor]], spec: AdapterSpec) -> int:
+        """Serve a new adapter under a new id (the old one is dropped); returns bytes received.
+
+        The tensors stay in memory: the worker runs in this process (external launcher).
+        """
+        self._sleep.on_weight_update()  # the adapter slots live with the weights
+        counted = CountingWeights(weights)
+        # vLLM folds the scaling into lora_B in place: never hand it a caller's tensor
+        tensors = {name: tensor.clone() for name, tensor in counted}
+        new_id = self._lora_id + 1
+        self.llm.collective_rpc(
+            vllm_lora.install_adapter,
+            args=(new_id, tensors, spec.peft_config(), self._lora_id or None),
+        )
+        self._lora_id = new_id
+        return counted.nbytes
+
+    def _lora_request(self):
+        return vllm_lora.request(self._lora_id) if self._lora_id else None
 
     def sleep(self) -> None:
         if self._sleep.sleep():
