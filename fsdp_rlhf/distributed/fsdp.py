@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Literal
 
 import torch
@@ -255,9 +255,13 @@ def _gather_bucket(
 
 
 def iter_full_params(
-    model: nn.Module, dtype: torch.dtype | None = None, bucket_bytes: int | None = None
+    model: nn.Module,
+    dtype: torch.dtype | None = None,
+    bucket_bytes: int | None = None,
+    include: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, full tensor in dtype)`` for every parameter (each rank gets them all).
+    """Yield ``(name, full tensor in dtype)`` for every parameter (each rank gets them all), or
+    only those whose name ``include`` accepts (LoRA adapters).
 
     FSDP2 shards are gathered in buckets of up to ``bucket_bytes`` with one all-gather each, so
     peak extra memory is about two buckets (or one parameter, when larger), not the model.
@@ -270,6 +274,8 @@ def iter_full_params(
     bucket: list[tuple[str, DTensor, int]] = []
     size, key = 0, None
     for name, p in model.named_parameters():
+        if include is not None and not include(name):
+            continue
         n = _dim0_shard_numel(p)
         out = dtype or p.dtype
         nbytes = 0 if n is None else n * p.device_mesh.size() * out.itemsize

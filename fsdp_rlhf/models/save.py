@@ -13,16 +13,22 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
+from fsdp_rlhf.config import LoraConfig
 from fsdp_rlhf.distributed.env import run_and_agree
 from fsdp_rlhf.distributed.fsdp import gather_full_state_dict
 from fsdp_rlhf.errors import UserError
+from fsdp_rlhf.models.lora import adapter_config, adapter_state_dict, merge_lora_state_dict
 
 log = logging.getLogger("fsdp_rlhf")
+
+
+ADAPTER_DIR = "adapter"  # <save_path>/adapter: the LoRA adapter folder of a --lora_rank run
 
 
 def save_hf_model(
@@ -39,19 +45,70 @@ def save_hf_model(
     """
     state = gather_full_state_dict(model)
     final = Path(save_path)
+    _write_atomically(final, lambda tmp: _write_hf(model, state, tokenizer, tmp, extra_config))
+    return final
+
+
+def save_model(
+    model: nn.Module,
+    tokenizer,
+    save_path: str | Path,
+    lora: LoraConfig,
+    *,
+    base_path: str,
+    head: str | None = None,
+    extra_config: dict[str, Any] | None = None,
+) -> Path:
+    """Collective. The final export of a trained model: :func:`save_hf_model`, or with LoRA
+    the adapter folder ``<save_path>/adapter`` (peft's format, loadable by peft and vLLM) and,
+    with ``--merge_lora``, the merged HF model in ``save_path`` itself.
+
+    ``base_path``: the model the adapters were trained on; ``head``: a scalar head trained in
+    full (reward model, critic), saved in the adapter as peft's ``modules_to_save``.
+    """
+    if not lora.enabled:
+        return save_hf_model(model, tokenizer, save_path, extra_config=extra_config)
+    state = gather_full_state_dict(model)
+    final = Path(save_path)
+
+    def fill(tmp: Path) -> None:
+        from safetensors.torch import save_file
+
+        adapter = tmp / ADAPTER_DIR
+        adapter.mkdir()
+        config = adapter_config(model, lora, base_path, head)
+        (adapter / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        tensors = {k: v.contiguous() for k, v in adapter_state_dict(state, head).items()}
+        save_file(tensors, str(adapter / "adapter_model.safetensors"))
+        if lora.merge_lora:
+            _write_hf(model, merge_lora_state_dict(state, lora), tokenizer, tmp, extra_config)
+        elif tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+
+    _write_atomically(final, fill)
+    return final
+
+
+def _write_hf(model, state, tokenizer, out: Path, extra_config: dict[str, Any] | None) -> None:
+    model.save_pretrained(str(out), state_dict=state, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    if extra_config:
+        cfg_file = out / "config.json"
+        cfg = json.loads(cfg_file.read_text())
+        cfg.update(extra_config)
+        cfg_file.write_text(json.dumps(cfg, indent=2, sort_keys=True))
+
+
+def _write_atomically(final: Path, fill: Callable[[Path], None]) -> None:
+    """Rank 0 runs ``fill(tmp)`` on a fresh sibling folder, then renames it onto ``final``;
+    every rank learns whether that worked (a collective)."""
 
     def write() -> None:
         tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        model.save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-        if extra_config:
-            cfg_file = tmp / "config.json"
-            cfg = json.loads(cfg_file.read_text())
-            cfg.update(extra_config)
-            cfg_file.write_text(json.dumps(cfg, indent=2, sort_keys=True))
+        fill(tmp)
         old = final.with_name(f"{final.name}.old-{os.getpid()}")
         if final.exists():
             _carry_over(final, tmp)
@@ -62,7 +119,6 @@ def save_hf_model(
     # Every rank learns whether rank 0's write worked: on failure they stop with a clear
     # message instead of waiting at a barrier until the process-group timeout.
     run_and_agree(write, f"saving the model to {final}", only_rank0=True)
-    return final
 
 
 def _siblings(final: Path, kind: str) -> list[Path]:
@@ -112,6 +168,7 @@ _MODEL_FILES = {
     "merges.txt",
     "chat_template.jinja",
     "chat_template.json",
+    ADAPTER_DIR,
 }
 
 

@@ -4,12 +4,13 @@
 the vLLM engine is used (``from fsdp_rlhf.rollout.vllm_engine import VLLMEngine``).
 """
 
-from .engine import RolloutEngine, RolloutOutput, SamplingConfig
+from .engine import AdapterSpec, RolloutEngine, RolloutOutput, SamplingConfig
 from .groups import RolloutGroups, build_rollout_groups
 from .hf_engine import HFEngine
-from .weight_sync import SyncStats, stream_actor_weights, sync_weights
+from .weight_sync import SyncStats, stream_actor_weights, sync_adapter, sync_weights
 
 __all__ = [
+    "AdapterSpec",
     "HFEngine",
     "RolloutEngine",
     "RolloutGroups",
@@ -18,5 +19,6 @@ __all__ = [
     "SyncStats",
     "build_rollout_groups",
     "stream_actor_weights",
+    "sync_adapter",
     "sync_weights",
 ]

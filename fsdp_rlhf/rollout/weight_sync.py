@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from fsdp_rlhf.distributed.fsdp import iter_full_params
-from fsdp_rlhf.rollout.engine import RolloutEngine
+from fsdp_rlhf.models.lora import adapter_file_name, is_adapter_param
+from fsdp_rlhf.rollout.engine import AdapterSpec, RolloutEngine
 
 # Wrapper modules that insert a path segment into parameter names: torch.compile and
 # activation-checkpoint wrappers. FSDP2 (fully_shard) itself keeps HF names unchanged.
@@ -85,5 +86,25 @@ def sync_weights(actor: nn.Module, engine: RolloutEngine, dtype: torch.dtype) ->
     t0 = time.perf_counter()
     engine.wake_up(["weights"])
     nbytes = engine.update_weights(stream_actor_weights(actor, dtype))
+    engine.wake_up(["kv_cache"])
+    return SyncStats(bytes=nbytes, seconds=time.perf_counter() - t0)
+
+
+def stream_adapter_weights(
+    actor: nn.Module, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(peft adapter-file name, full tensor in dtype)`` for the LoRA adapters only; the
+    frozen base never moves. Collective, like :func:`stream_actor_weights`."""
+    for name, tensor in iter_full_params(actor, dtype, include=is_adapter_param):
+        yield adapter_file_name(name), tensor
+
+
+def sync_adapter(
+    actor: nn.Module, engine: RolloutEngine, dtype: torch.dtype, spec: AdapterSpec
+) -> SyncStats:
+    """Stream the actor's LoRA adapters into the engine (which keeps its base weights)."""
+    t0 = time.perf_counter()
+    engine.wake_up(["weights"])
+    nbytes = engine.update_adapter(stream_adapter_weights(actor, dtype), spec)
     engine.wake_up(["kv_cache"])
     return SyncStats(bytes=nbytes, seconds=time.perf_counter() - t0)

@@ -31,7 +31,8 @@ from fsdp_rlhf.distributed.offload import (
 )
 from fsdp_rlhf.metrics import PhaseTimer
 from fsdp_rlhf.models.load import load_tokenizer
-from fsdp_rlhf.models.save import save_hf_model
+from fsdp_rlhf.models.lora import adapters_disabled
+from fsdp_rlhf.models.save import save_model
 from fsdp_rlhf.trainers import common
 from fsdp_rlhf.trainers.experience import (
     Experience,
@@ -60,6 +61,7 @@ from fsdp_rlhf.trainers.ppo_rewards import (
 from fsdp_rlhf.trainers.ppo_rollout import RolloutSession, sampling_config, sleep_drops_weights
 from fsdp_rlhf.trainers.ppo_sampling import dynamic_sample
 from fsdp_rlhf.trainers.ppo_setup import (
+    adapter_spec,
     build_engine,
     build_models,
     build_optimizers,
@@ -129,6 +131,7 @@ class PPOTrainer:
             device=env.device,
             dtype=engine_dtype(cfg),
             sleep_drops_weights=sleep_drops_weights(cfg, env.device),
+            adapter=adapter_spec(cfg, self.models.actor),
         )
         self.multiturn = build_multiturn(cfg, tokenizer, self.timer)  # None: single turn
         self.state = self._stateful()
@@ -303,8 +306,8 @@ class PPOTrainer:
                 exp.old_logprobs = batched_logprobs(
                     self.models.actor, exp, micro, temp, self.packed
                 )
-        with self.timer("reference_model"), self.onloaded(self.models.ref, "ref"):
-            exp.ref_logprobs = batched_logprobs(self.models.ref, exp, micro, temp, self.packed)
+        with self.timer("reference_model"), self.reference() as ref:
+            exp.ref_logprobs = batched_logprobs(ref, exp, micro, temp, self.packed)
         if self.models.critic is not None:
             with self.timer("critic_model"):
                 onload_model(self.models.critic, self.env.device)
@@ -367,6 +370,13 @@ class PPOTrainer:
             with self.timer(f"{name}_offload"):
                 offload_model(model, self.env.device)
 
+    def reference(self):
+        """The reference policy for one phase: the ref model, or with LoRA the actor with its
+        adapters disabled (its frozen base: no second copy of the model)."""
+        if self.models.ref is None:
+            return adapters_disabled(self.models.actor)
+        return self.onloaded(self.models.ref, "ref")
+
     def evaluate(self) -> dict[str, float]:
         """``eval/*`` on the held-out prompts; keeps the best actor (--save_best_metric)."""
         evaluator: Evaluator = self.evaluator
@@ -379,7 +389,7 @@ class PPOTrainer:
             evaluator.save_best(
                 self.step,
                 metrics,
-                lambda path: save_hf_model(self.models.actor, self.models.tokenizer, path),
+                lambda path: self._export(self.models.actor, path),
             )
         return metrics
 
@@ -421,10 +431,16 @@ class PPOTrainer:
 
     def finish(self) -> None:
         save_path = self.cfg.ckpt.save_path
-        save_hf_model(self.models.actor, self.models.tokenizer, save_path)
+        self._export(self.models.actor, save_path)
         if self.models.critic is not None:
-            save_hf_model(self.models.critic, self.models.tokenizer, Path(save_path) / "critic")
+            self._export(self.models.critic, Path(save_path) / "critic", head="score")
         log.info("saved actor to %s", save_path)
+
+    def _export(self, model: nn.Module, path, head: str | None = None) -> None:
+        """The HF model, or with LoRA its adapter folder (and the merged model if asked)."""
+        m = self.cfg.models
+        base = m.pretrain if head is None else (m.critic_pretrain or m.reward_pretrain)
+        save_model(model, self.models.tokenizer, path, self.cfg.lora, base_path=base, head=head)
 
     def close(self) -> None:
         self.logger.close()

@@ -16,7 +16,14 @@ from torch import nn
 from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.distributed.offload import offload_optimizer, onload_optimizer
 from fsdp_rlhf.metrics import PhaseTimer
-from fsdp_rlhf.rollout import RolloutEngine, RolloutOutput, SamplingConfig, sync_weights
+from fsdp_rlhf.rollout import (
+    AdapterSpec,
+    RolloutEngine,
+    RolloutOutput,
+    SamplingConfig,
+    sync_adapter,
+    sync_weights,
+)
 
 
 class RolloutSession:
@@ -24,7 +31,8 @@ class RolloutSession:
 
     ``actor_updated()`` after each optimizer update marks the engine stale; the next
     ``generate`` syncs before sampling. At sleep level 2 on CUDA the engine drops its weights
-    when it sleeps, so every wake-up syncs.
+    when it sleeps, so every wake-up syncs. With ``adapter`` (LoRA) a sync moves only the
+    adapters; the engine keeps the base it loaded.
     """
 
     def __init__(
@@ -37,10 +45,12 @@ class RolloutSession:
         device: torch.device,
         dtype: torch.dtype,
         sleep_drops_weights: bool,
+        adapter: AdapterSpec | None = None,
     ) -> None:
         self.engine, self.actor, self.actor_optimizer = engine, actor, actor_optimizer
         self.timer, self.device, self.dtype = timer, device, dtype
         self.sleep_drops_weights = sleep_drops_weights
+        self.adapter = adapter
         # the engine loaded the checkpoint the run started from; after a resume (or a first
         # sleep that dropped them) its weights are not the actor's: sync at the first rollout
         self.actor_version, self.engine_version = 0, -1
@@ -72,24 +82,32 @@ class RolloutSession:
         with self.timer("resharding_to_infer"):
             self.engine.wake_up(["weights"])
             if self.engine_version != self.actor_version or self.sleep_drops_weights:
-                sync = sync_weights(self.actor, self.engine, self.dtype)
+                sync = self._sync()
                 self.engine_version = self.actor_version
                 if metrics is not None:
                     metrics["rollout/weight_sync_gbps"] = sync.bytes_per_s / 1e9
+                    metrics["rollout/weight_sync_bytes"] = float(sync.bytes)
             self.engine.wake_up(["kv_cache"])
         yield self.engine
         with self.timer("resharding_to_train"):
             self.engine.sleep()
             onload_optimizer(self.actor_optimizer, self.device)
 
+    def _sync(self):
+        if self.adapter is not None:
+            return sync_adapter(self.actor, self.engine, self.dtype, self.adapter)
+        return sync_weights(self.actor, self.engine, self.dtype)
+
     def close(self) -> None:
         self.engine.close()
 
 
 def sleep_drops_weights(cfg: PPOConfig, device: torch.device) -> bool:
-    """Sleep level 2 (CUDA) discards the engine's weights: every rollout needs a full sync."""
+    """Sleep level 2 (CUDA) discards the engine's weights: every rollout needs a full sync.
+    With LoRA the engine sleeps at level 1 (its base weights are never synced again)."""
     r = cfg.rollout
-    return device.type == "cuda" and r.vllm_enable_sleep and r.vllm_sleep_level == 2
+    level2 = r.vllm_enable_sleep and r.vllm_sleep_level == 2 and not cfg.lora.enabled
+    return device.type == "cuda" and level2
 
 
 def sampling_config(cfg: PPOConfig, step: int, round_: int = 0) -> SamplingConfig:

@@ -29,9 +29,10 @@ from fsdp_rlhf.models.load import (
     load_tokenizer,
     reward_normalization,
 )
+from fsdp_rlhf.models.lora import add_lora, target_module_names
 from fsdp_rlhf.models.save import check_save_path, recover_interrupted_export
 from fsdp_rlhf.optim import build_optimizer, build_scheduler
-from fsdp_rlhf.rollout import HFEngine, RolloutEngine, build_rollout_groups
+from fsdp_rlhf.rollout import AdapterSpec, HFEngine, RolloutEngine, build_rollout_groups
 from fsdp_rlhf.rollout.env import load_environment
 from fsdp_rlhf.rollout.memory_budget import check_device_budget
 from fsdp_rlhf.trainers.common import log_startup, prepare_model
@@ -63,6 +64,14 @@ def _check_world(cfg: PPOConfig, world_size: int) -> None:
         )
     if not p.colocate_all:  # accepted for the seed scripts, but there is no other placement
         raise UserError("--no_colocate_all: every rank holds every model (the only placement)")
+
+
+def _check_lora(cfg: PPOConfig) -> None:
+    if cfg.lora.enabled and cfg.rollout.rollout_engine != "vllm":
+        raise UserError(
+            "--lora_rank needs --rollout_engine vllm: the HF engine takes full weights, not "
+            "adapters"
+        )
 
 
 def _check_rewards(cfg: PPOConfig) -> None:
@@ -123,6 +132,7 @@ def preflight(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any]:
     from fsdp_rlhf.data.sources import check_keys, load_sources
 
     _check_world(cfg, world_size)
+    _check_lora(cfg)
     plan = plan_ppo_batches(cfg, world_size)
     m = cfg.models
     check_model_path(m.pretrain, "--pretrain")
@@ -162,11 +172,12 @@ def preflight(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any]:
 
 @dataclass
 class Models:
-    """Everything with weights. ``critic``/``reward`` are None when not used."""
+    """Everything with weights. ``critic``/``reward`` are None when not used; ``ref`` is None
+    with LoRA (the reference policy is the actor with its adapters disabled)."""
 
     tokenizer: Any
     actor: nn.Module
-    ref: nn.Module
+    ref: nn.Module | None
     critic: nn.Module | None
     reward: nn.Module | None
     reward_norm: tuple[float, float] | None
@@ -191,19 +202,25 @@ def build_models(cfg: PPOConfig, env: DistEnv, tokenizer) -> Models:
     m, backend = cfg.models, cfg.backend
     log_startup(env, cfg.fsdp.zero_stage)
     actor_model = load_causal_lm(m.pretrain, backend, env.device)
+    if cfg.lora.enabled:
+        add_lora(actor_model, cfg.lora)
     actor = prepare_ppo_model(actor_model, cfg, env, trainable=True)
     # Frozen models never run backward: recomputation would only cost time.
     no_ckpt = dataclasses.replace(backend, gradient_checkpointing=False)
     # Frozen weights need no fp32 master copy: bf16 shards under --bf16 halve their memory.
     frozen_dtype = torch.bfloat16 if backend.bf16 else torch.float32
-    ref_model = load_causal_lm(m.pretrain, no_ckpt, env.device, dtype=frozen_dtype)
-    ref = prepare_ppo_model(ref_model, cfg, env, trainable=False)
+    ref = None
+    if not cfg.lora.enabled:  # LoRA: the actor's frozen base is the reference
+        ref_model = load_causal_lm(m.pretrain, no_ckpt, env.device, dtype=frozen_dtype)
+        ref = prepare_ppo_model(ref_model, cfg, env, trainable=False)
     critic = reward = None
     norm = None
     if uses_critic(cfg):
         critic_model = load_scalar_model(
             critic_path(cfg), backend, env.device, value_head_prefix=m.value_head_prefix
         )
+        if cfg.lora.enabled:
+            add_lora(critic_model, cfg.lora, head="score")
         critic = prepare_ppo_model(critic_model, cfg, env, trainable=True)
     if m.reward_pretrain:
         reward_model = load_scalar_model(
@@ -283,6 +300,7 @@ def build_engine(cfg: PPOConfig, env: DistEnv, tokenizer) -> RolloutEngine:
             seed=cfg.seed,
             pad_token_id=tokenizer.pad_token_id,
             trust_remote_code=cfg.backend.trust_remote_code,
+            lora_rank=cfg.lora.lora_rank,
         )
     # In the engine dtype, like vLLM: an fp32 copy under --bf16 sampled from other logits than
     # the trainer computes, and generated about 3x slower on a bf16-capable CPU (bench).
@@ -295,6 +313,14 @@ def build_engine(cfg: PPOConfig, env: DistEnv, tokenizer) -> RolloutEngine:
         eos_token_ids=eos_token_ids(tokenizer, cfg.models.pretrain),
         seed=cfg.seed + groups.engine_index,
     )
+
+
+def adapter_spec(cfg: PPOConfig, actor: nn.Module) -> AdapterSpec | None:
+    """What the engine must know of the actor's adapters (None: full fine-tuning)."""
+    if not cfg.lora.enabled:
+        return None
+    modules = tuple(target_module_names(actor))
+    return AdapterSpec(rank=cfg.lora.lora_rank, alpha=cfg.lora.lora_alpha, target_modules=modules)
 
 
 def offload_idle(

@@ -30,7 +30,7 @@ from fsdp_rlhf.data.schedule import DataPosition, StepSchedule
 from fsdp_rlhf.distributed import checkpoint as ckpt
 from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars
 from fsdp_rlhf.metrics import Progress
-from fsdp_rlhf.models.save import save_hf_model
+from fsdp_rlhf.models.save import save_model
 from fsdp_rlhf.optim import build_optimizer, build_scheduler
 from fsdp_rlhf.trainers import common
 from fsdp_rlhf.trainers.guards import BadStepGuard
@@ -169,8 +169,14 @@ class RMTrainer:
             # OpenRLHF's loaders look the head up under this name; ours is always `score`.
             "value_head_prefix": "score",
         }
-        path = save_hf_model(
-            self.model, self.data.tokenizer, self.cfg.ckpt.save_path, extra_config=extra
+        path = save_model(
+            self.model,
+            self.data.tokenizer,
+            self.cfg.ckpt.save_path,
+            self.cfg.lora,
+            base_path=self.cfg.model.pretrain,
+            head="score",
+            extra_config=extra,
         )
         log.info(
             "reward model saved to %s (reward_mean=%.4g, reward_std=%.4g)",

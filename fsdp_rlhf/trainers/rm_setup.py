@@ -11,6 +11,7 @@ from torch import nn
 from fsdp_rlhf.config import RMConfig
 from fsdp_rlhf.distributed.env import DistEnv
 from fsdp_rlhf.models.load import load_scalar_model
+from fsdp_rlhf.models.lora import add_lora
 from fsdp_rlhf.trainers.common import log_startup, prepare_model
 from fsdp_rlhf.trainers.rm_data import RMData
 
@@ -28,6 +29,8 @@ def build_model(cfg: RMConfig, env: DistEnv, pad_token_id: int) -> nn.Module:
     )
     # HF (and vLLM) score the last token that is not pad_token_id: use the tokenizer's pad.
     model.config.pad_token_id = pad_token_id
+    if cfg.lora.enabled:  # adapters on the decoder; the head is trained in full
+        add_lora(model, cfg.lora, head="score")
     prepare_model(
         model, env, cfg.fsdp, cfg.backend, packed=cfg.batch.packing_samples, trainable=True
     )
