@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -100,6 +101,24 @@ def _save_rng(path: Path) -> None:
         os.fsync(f.fileno())
 
 
+# Frozen parameters (a LoRA model's base) are the run's input model, not its state: a checkpoint
+# holds only what training changes. With every parameter trainable this is the full model.
+_TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
+
+
+def _load_trained(model: nn.Module, state: dict[str, Any]) -> None:
+    """Load a trained-only model state; every trainable parameter must be in it."""
+    options = StateDictOptions(ignore_frozen_params=True, strict=False)
+    result = set_model_state_dict(model, state, options=options)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    missing = sorted(set(result.missing_keys) - frozen)
+    if missing or result.unexpected_keys:
+        raise RuntimeError(
+            f"checkpoint does not match the model: missing {missing[:3]}, unexpected "
+            f"{sorted(result.unexpected_keys)[:3]}"
+        )
+
+
 def _app_state(
     models: dict[str, nn.Module],
     optimizers: dict[str, torch.optim.Optimizer],
@@ -107,7 +126,7 @@ def _app_state(
 ) -> dict[str, Any]:
     state: dict[str, Any] = {}
     for name, model in models.items():
-        state[f"model.{name}"] = get_model_state_dict(model)
+        state[f"model.{name}"] = get_model_state_dict(model, options=_TRAINED_ONLY)
     for name, opt in optimizers.items():
         state[f"optim.{name}"] = get_optimizer_state_dict(models[name], opt)
     for name, sched in schedulers.items():
@@ -216,7 +235,7 @@ def load_checkpoint(
     state = _app_state(models, optimizers, schedulers)
     dcp.load(state, checkpoint_id=str(path / "models"))
     for name, model in models.items():
-        set_model_state_dict(model, state[f"model.{name}"])
+        _load_trained(model, state[f"model.{name}"])
     for name, opt in optimizers.items():
         set_optimizer_state_dict(models[name], opt, state[f"optim.{name}"])
     for name, sched in schedulers.items():

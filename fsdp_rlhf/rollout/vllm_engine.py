@@ -22,6 +22,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 import inspect  # noqa: E402
 import logging  # noqa: E402
 from collections.abc import Iterable, Sequence  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -129,6 +130,27 @@ def _check_tp_layout(groups: RolloutGroups) -> None:
         raise RuntimeError(
             f"vLLM formed TP group {ranks} on rank {groups.rank}, expected {groups.engine_ranks}"
         )
+
+
+def _cpu_shm_segment() -> Path | None:
+    """This rank's shared-memory file of vLLM's CPU TP communicator, if it uses one.
+
+    Its name is fixed per host under the external launcher (no instance id in it) and vLLM
+    unlinks it only in a destructor that the CLI's ``os._exit`` skips, so the next TP run on
+    the host failed with "create shm in SHMManager failed. errno: 17": ``close`` removes it.
+    """
+    from vllm.distributed.device_communicators.cpu_communicator import (
+        CpuCommunicator,
+        _CPUSHMDistributed,
+    )
+    from vllm.distributed.parallel_state import get_tp_group
+
+    comm = get_tp_group().device_communicator
+    if not isinstance(comm, CpuCommunicator) or not isinstance(
+        comm.dist_module, _CPUSHMDistributed
+    ):
+        return None
+    return Path("/dev/shm") / f"{comm.dist_module.group_name.lstrip('/')}_{comm.rank}"
 
 
 def cpu_kv_cache_bytes(
@@ -305,6 +327,7 @@ class VLLMEngine:
         with self._rng.active():  # vLLM reseeds the global RNGs while it starts
             self.llm = LLM(**kwargs)
         _check_tp_layout(groups)
+        self._shm_segment = _cpu_shm_segment()
 
     def generate(
         self, prompt_token_ids: list[list[int]], sampling: SamplingConfig
@@ -380,3 +403,5 @@ class VLLMEngine:
         after the group is gone, vLLM's finalizer fails with "Invalid process group specified".
         """
         self.llm.llm_engine.engine_core.shutdown()
+        if self._shm_segment is not None:
+            self._shm_segment.unlink(missing_ok=True)
