@@ -26,7 +26,14 @@ import torch.distributed as dist
 from fsdp_rlhf.allocator import preloaded_allocator
 from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.distributed.env import DistEnv, init_distributed, teardown
-from fsdp_rlhf.distributed.memory import JobFlags, ModelShape, Phase, plan_phases, verdict
+from fsdp_rlhf.distributed.memory import (
+    JobFlags,
+    ModelShape,
+    Phase,
+    lora_reference_savings,
+    plan_phases,
+    verdict,
+)
 from fsdp_rlhf.metrics import setup_logging
 from fsdp_rlhf.rollout.memory_budget import check_device_budget
 
@@ -122,6 +129,7 @@ def job_flags(cfg: PPOConfig, world: int, device_bytes: int) -> JobFlags:
         gradient_checkpointing=cfg.backend.gradient_checkpointing,
         critic=cfg.algo.advantage_estimator == "gae",
         reward=bool(cfg.models.reward_pretrain),
+        lora=cfg.lora.enabled,
     )
 
 
@@ -142,7 +150,8 @@ def plan_job(cfg: PPOConfig, world: int, device_bytes: int, cuda: bool) -> list[
         pool = weights // cfg.rollout.vllm_tensor_parallel_size + int(kv * 2**30)
         flags = dataclasses.replace(flags, vllm_pool_bytes=pool)
     critic = model_shape(critic_src) if flags.critic and critic_src else None
-    frozen = [actor] + ([model_shape(cfg.models.reward_pretrain)] if flags.reward else [])
+    reward = [model_shape(cfg.models.reward_pretrain)] if flags.reward else []
+    frozen = reward if flags.lora else [actor, *reward]  # LoRA: no reference model
     return plan_phases(flags, actor, critic, frozen)
 
 
@@ -241,6 +250,18 @@ def _memory_check(cfg: PPOConfig, env: DistEnv, device_gib: float) -> Check:
     return _try("memory estimate fits", run)
 
 
+def _lora_check(cfg: PPOConfig, env: DistEnv, device_gib: float) -> Check:
+    def run() -> str:
+        flags = job_flags(cfg, env.world_size, int(device_gib * 2**30))
+        saved = lora_reference_savings(flags, model_shape(cfg.models.pretrain))
+        return (
+            f"rank {cfg.lora.lora_rank}: the reference is the actor with its adapters disabled, "
+            f"no reference copy: {saved / 2**30:.2f} GiB less per device"
+        )
+
+    return _try("LoRA reference", run)
+
+
 def main(cfg: PPOConfig, debug: bool = False) -> int:
     env = init_distributed()
     setup_logging(env.rank, debug)
@@ -253,6 +274,8 @@ def main(cfg: PPOConfig, debug: bool = False) -> int:
         checks.append(_check_engine(cfg, env, engines))  # after the models are sharded
         held.clear()
         checks.append(_memory_check(cfg, env, min(r["total_gib"] for r in reports)))
+        if cfg.lora.enabled:
+            checks.append(_lora_check(cfg, env, min(r["total_gib"] for r in reports)))
     gathered = [None] * env.world_size
     dist.all_gather_object(gathered, [c.__dict__ for c in checks])
     if env.is_rank0:

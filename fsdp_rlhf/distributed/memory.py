@@ -86,6 +86,7 @@ class JobFlags:
     critic: bool = True
     reward: bool = True
     vllm_pool_bytes: int = 0  # vLLM on CPU sizes its pool in GiB, not as a fraction: 0 = GPU
+    lora: bool = False  # --lora_rank: frozen bases, no reference model (adapters are ~0 bytes)
 
     @property
     def pool(self) -> int:
@@ -147,8 +148,12 @@ def _gathered(f: JobFlags, m: ModelShape) -> dict:
 
 
 def update_phase(f: JobFlags, name: str, m: ModelShape, logits: bool, frozen: list) -> Phase:
-    states = 0 if f.adam_offload else (4 + 4 + 8) * m.params // f.world
-    parts = {"params+grads+adam shards": states, **_gathered(f, m)}
+    per_param = 4 if f.lora else 4 + 4 + 8  # LoRA: fp32 base shards; no grads or Adam state
+    states = 0 if f.adam_offload else per_param * m.params // f.world
+    gathered = _gathered(f, m)
+    if f.lora:
+        gathered.pop("unsharded grads", None)
+    parts = {"params+grads+adam shards": states, **gathered}
     parts["activations"] = _activations(f, m, f.micro_train_batch_size)
     if logits:
         parts["logits"] = 14 * f.micro_train_batch_size * f.seq_len * m.vocab
@@ -192,6 +197,12 @@ def plan_phases(
     if critic is not None:
         phases.append(update_phase(f, "critic update", critic, logits=False, frozen=frozen))
     return phases
+
+
+def lora_reference_savings(f: JobFlags, actor: ModelShape) -> int:
+    """Bytes per device that --lora_rank saves by using the actor's frozen base (adapters
+    disabled) as the reference instead of a sharded reference copy."""
+    return _frozen_bytes(f) * actor.params // f.world
 
 
 def verdict(phases: list[Phase]) -> tuple[bool, str]:

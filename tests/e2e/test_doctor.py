@@ -26,6 +26,9 @@ def test_doctor_reports_every_check_on_two_ranks(tiny_qwen2, trained_rm):
         "32",
         "--generate_max_len",
         "16",
+        # the engine starts with LoRA slots; doctor says what the missing ref copy saves
+        "--lora_rank",
+        "8",
     ]
     proc = torchrun(["doctor", *flags])
     out = proc.stdout
@@ -36,10 +39,12 @@ def test_doctor_reports_every_check_on_two_ranks(tiny_qwen2, trained_rm):
         "--reward_pretrain loads",
         "rollout engine starts",
         "memory estimate fits",
+        "LoRA reference",
     ):
         for rank in (0, 1):
             assert f"[rank {rank}] PASS {check}" in out, (check, out[-3000:])
     assert "bus bandwidth" in out and "torch" in out and "VERDICT: READY" in out
+    assert "no reference copy" in out and "GiB less per device" in out
     assert "allocator" in out  # the devices table says which malloc each rank runs on
     assert "Traceback" not in proc.stderr
 

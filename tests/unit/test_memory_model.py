@@ -116,3 +116,21 @@ def test_device_budget_reads_the_device_it_is_given(monkeypatch):
     assert line.endswith("fits")
     with pytest.raises(UserError, match="--vllm_gpu_memory_utilization 0.99"):
         check_device_budget(torch.device("cuda", 3), 0.99)
+
+
+def test_lora_drops_the_reference_and_the_base_adam_state():
+    """ZeRO-2 without offload at micro-batch 16 does not fit full fine-tuning (see the table);
+    with LoRA the base has no grads or Adam state and there is no reference copy."""
+    from fsdp_rlhf.distributed.memory import lora_reference_savings
+
+    m = ModelShape.from_hf_config(LLAMA_7B)
+    flags = dataclasses.replace(
+        LAUNCHER, zero_stage=2, adam_offload=False, micro_train_batch_size=16, lora=True
+    )
+    full = plan_phases(dataclasses.replace(flags, lora=False), m, m, [m, m])
+    lora = plan_phases(flags, m, m, [m])  # reward only: no reference model
+    assert not verdict(full)[0] and verdict(lora)[0], verdict(lora)[1]
+    update = {p.name: p for p in lora}["actor update"]
+    assert update.parts["params+grads+adam shards"] == 4 * m.params // 8
+    assert "unsharded grads" not in update.parts
+    assert lora_reference_savings(flags, m) == 2 * m.params // 8  # bf16 reference shards
