@@ -170,3 +170,9 @@ def test_save_path_being_recovered_is_accepted(tmp_path):
 def test_no_colocate_all_is_refused_not_ignored(models, tmp_path):
     with pytest.raises(UserError, match="--no_colocate_all: every rank holds every model"):
         preflight(ppo_cfg(models, tmp_path / "out", "--no_colocate_all"), 1)
+
+
+def test_lora_with_the_hf_engine_is_refused(models, tmp_path):
+    cfg = ppo_cfg(models, tmp_path / "out", "--lora_rank", "8", "--rollout_engine", "hf")
+    with pytest.raises(UserError, match="--lora_rank needs --rollout_engine vllm"):
+        preflight(cfg, 1)

@@ -260,3 +260,52 @@ def test_vllm_adapter_assumptions(tiny_qwen2):
     )
     assert (sampled.n, sampled.seed, sampled.stop_token_ids, sampled.logprobs) == (4, 11, [7], None)
     assert ve.request_seed(1, 0, 2) == ve.request_seed(1, 0, 2) != ve.request_seed(1, 1, 2)
+
+
+def test_vllm_lora_assumptions_and_rank_sizes(tiny_qwen2):
+    from fsdp_rlhf.errors import UserError
+    from fsdp_rlhf.rollout import vllm_engine as ve
+    from fsdp_rlhf.rollout import vllm_lora
+
+    assert vllm_lora.check_lora_internals() == []
+    ve.check_vllm_internals(lora=True)
+    kw = ve.engine_kwargs(
+        tiny_qwen2,
+        RolloutConfig(generate_max_len=16),
+        tp_size=1,
+        prompt_max_len=48,
+        dtype=torch.float32,
+        seed=3,
+        trust_remote_code=False,
+        lora_rank=12,
+    )
+    assert (kw["enable_lora"], kw["max_lora_rank"], kw["max_loras"]) == (True, 16, 1)
+    assert vllm_lora.max_lora_rank(8) == 8 and vllm_lora.max_lora_rank(1) == 1
+    with pytest.raises(UserError, match="--lora_rank 600"):
+        vllm_lora.max_lora_rank(600)
+
+
+def test_adapter_sync_moves_only_the_adapters(tiny_qwen2):
+    from fsdp_rlhf.config import LoraConfig
+    from fsdp_rlhf.models.lora import add_lora
+    from fsdp_rlhf.rollout import AdapterSpec, sync_adapter
+
+    class Recorder:
+        def wake_up(self, tags=None):
+            pass
+
+        def update_adapter(self, weights, spec):
+            self.weights, self.spec = dict(weights), spec
+            return sum(t.numel() * t.element_size() for t in self.weights.values())
+
+    actor = add_lora(_model(tiny_qwen2), LoraConfig(lora_rank=4))
+    engine, spec = Recorder(), AdapterSpec(rank=4, alpha=16, target_modules=("q_proj",))
+    stats = sync_adapter(actor, engine, torch.bfloat16, spec)
+    adapters = {n: p for n, p in actor.named_parameters() if p.requires_grad}
+    assert stats.bytes == 2 * sum(p.numel() for p in adapters.values()) and engine.spec is spec
+    assert len(engine.weights) == len(adapters) == 2 * 7 * 2  # A and B, 7 Linears, 2 layers
+    name = "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"
+    assert torch.equal(
+        engine.weights[name],
+        adapters["model.layers.1.mlp.down_proj.lora_B.default.weight"].bfloat16(),
+    )
