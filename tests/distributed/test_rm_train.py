@@ -171,3 +171,37 @@ def test_rm_learns_saves_and_resumes(tiny_qwen2, tmp_path):
     from fsdp_rlhf.models.load import reward_normalization
 
     assert reward_normalization(str(model_dir)) == (cfg["reward_mean"], cfg["reward_std"])
+
+
+def _lora_run(rank: int, world: int, model: str, data: str, root: str) -> int:
+    extra = ["--lora_rank", "8", "--lora_alpha", "16", "--merge_lora", "--learning_rate", "5e-3"]
+    argv = _argv(model, Path(data), Path(root) / "lora", *extra)
+    return _run_rm(argv)
+
+
+def test_rm_lora_learns_and_exports_adapter_and_merged_model(tiny_qwen2, tmp_path):
+    """--lora_rank: the decoder gets adapters, the score head is trained in full; the merged
+    export scores like the trainer's final eval, and base + adapter in peft like the merge."""
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification
+
+    data = tmp_path / "data"
+    write_jsonl(data / "train.jsonl", synthetic_pairs(192, seed=0))
+    write_jsonl(data / "eval.jsonl", synthetic_pairs(64, seed=1))
+    assert run_distributed(_lora_run, 2, tiny_qwen2, str(data), str(tmp_path)) == [0, 0]
+    model_dir = tmp_path / "lora" / "model"
+    rows = _rows(model_dir / "metrics.jsonl")
+    final_eval = [r for r in rows if "eval/acc" in r][-1]
+    assert final_eval["eval/acc"] > 0.8 and rows[0]["acc"] < 0.9, (rows[0], final_eval)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    hf, _, n = _hf_scores(model_dir, data)
+    assert abs(hf.mean().item() - cfg["reward_mean"]) < 1e-4
+    adapter = json.loads((model_dir / "adapter" / "adapter_config.json").read_text())
+    assert adapter["modules_to_save"] == ["score"] and adapter["task_type"] == "SEQ_CLS"
+    base = AutoModelForSequenceClassification.from_pretrained(tiny_qwen2, num_labels=1)
+    base.config.pad_token_id = cfg["pad_token_id"]
+    peft_model = PeftModel.from_pretrained(base, str(model_dir / "adapter")).eval()
+    merged = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    ids = torch.tensor([[5, 17, 33, 9, 41, 2, 77]])
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(input_ids=ids).logits, merged(input_ids=ids).logits)
