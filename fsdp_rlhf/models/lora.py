@@ -11,15 +11,17 @@ critic) gets no adapter: it is trained in full and saved with the adapter
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import torch
 from torch import nn
 
 from fsdp_rlhf.config import LoraConfig
 from fsdp_rlhf.errors import UserError
+
+log = logging.getLogger("fsdp_rlhf")
 
 ADAPTER = "default"  # peft's adapter name inside parameter names; adapter files drop it
 PEFT_PREFIX = "base_model.model."
@@ -80,6 +82,15 @@ def add_lora(model: nn.Module, cfg: LoraConfig, head: str | None = None) -> nn.M
     for name, p in model.named_parameters():
         trainable = is_adapter_param(name) or (head is not None and name.startswith(f"{head}."))
         p.requires_grad_(trainable)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    log.info(
+        "LoRA rank %d on %s: %.2fM of %.1fM parameters trained",
+        cfg.lora_rank,
+        ",".join(target_module_names(model)),
+        trained / 1e6,
+        total / 1e6,
+    )
     return model
 
 
@@ -168,14 +179,3 @@ def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
             m.enable_adapters(True)
         for p, flag in flags.items():
             p.requires_grad_(flag)
-
-
-def adapter_numel(model: nn.Module) -> int:
-    """Elements of the adapter parameters (global, not this rank's shard)."""
-    return sum(p.numel() for n, p in model.named_parameters() if is_adapter_param(n))
-
-
-def describe(model: nn.Module) -> dict[str, Any]:
-    total = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return {"trainable": trainable, "total": total, "modules": target_module_names(model)}

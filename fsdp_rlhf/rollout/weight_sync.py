@@ -15,12 +15,8 @@ import torch
 from torch import nn
 
 from fsdp_rlhf.distributed.fsdp import iter_full_params
-from fsdp_rlhf.models.lora import adapter_file_name, is_adapter_param
+from fsdp_rlhf.models.lora import adapter_file_name, is_adapter_param, strip_wrappers
 from fsdp_rlhf.rollout.engine import AdapterSpec, RolloutEngine
-
-# Wrapper modules that insert a path segment into parameter names: torch.compile and
-# activation-checkpoint wrappers. FSDP2 (fully_shard) itself keeps HF names unchanged.
-_WRAPPER_SEGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.")
 
 
 @dataclass(frozen=True)
@@ -37,9 +33,7 @@ class SyncStats:
 
 def hf_param_name(name: str) -> str:
     """The checkpoint (HF) name of an actor parameter: wrapper segments removed."""
-    for seg in _WRAPPER_SEGMENTS:
-        name = name.replace(seg, "")
-    return name
+    return strip_wrappers(name)
 
 
 def _module_name(actor: nn.Module, module: nn.Module) -> str:
