@@ -19,7 +19,7 @@ import os
 # every rank of a TP group); vLLM reads the variable lazily but it must never be "1" here.
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-import inspect  # noqa: E402
+
 import logging  # noqa: E402
 from collections.abc import Iterable, Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -44,6 +44,7 @@ from fsdp_rlhf.rollout.engine import (  # noqa: E402
 from fsdp_rlhf.rollout.groups import RolloutGroups, gather_prompts, own_prompt_range  # noqa: E402
 from fsdp_rlhf.rollout.rng import GenerationRng  # noqa: E402
 from fsdp_rlhf.rollout.sleep import SleepTracker  # noqa: E402
+from fsdp_rlhf.rollout.vllm_api import signature_problems  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -84,15 +85,7 @@ def check_vllm_internals(lora: bool = False) -> str:
         ),
         "InprocClient.shutdown": (InprocClient, "shutdown", ()),
     }
-    problems = []
-    for what, (cls, name, params) in expected.items():
-        fn = inspect.getattr_static(cls, name, None)
-        if fn is None:
-            problems.append(f"{what} is gone")
-            continue
-        missing = set(params) - set(inspect.signature(fn).parameters)
-        if missing:
-            problems.append(f"{what} lost parameters {sorted(missing)}")
+    problems = signature_problems(expected)
     if lora:
         problems += vllm_lora.check_lora_internals()
     if problems:

@@ -14,7 +14,6 @@ Each rank's worker builds the full adapter and vLLM's LoRA layers keep this rank
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
 from typing import Any, get_args
 
@@ -27,6 +26,7 @@ from vllm.lora.request import LoRARequest
 from vllm.lora.worker_manager import WorkerLoRAManager
 
 from fsdp_rlhf.errors import UserError
+from fsdp_rlhf.rollout.vllm_api import signature_problems
 
 # Never opened (see the module docstring); LoRARequest refuses an empty path.
 IN_MEMORY_PATH = "fsdp-rlhf://in-memory-adapter"
@@ -60,17 +60,7 @@ def check_lora_internals() -> list[str]:
         "LoRAModelManager.remove_adapter": (LoRAModelManager, "remove_adapter", ("adapter_id",)),
         "WorkerLoRAManager.list_adapters": (WorkerLoRAManager, "list_adapters", ()),
     }
-    problems = []
-    for what, (cls, name, params) in expected.items():
-        fn = inspect.getattr_static(cls, name, None)
-        if fn is None:
-            problems.append(f"{what} is gone")
-            continue
-        fn = fn.__func__ if isinstance(fn, classmethod) else fn
-        missing = set(params) - set(inspect.signature(fn).parameters)
-        if missing:
-            problems.append(f"{what} lost parameters {sorted(missing)}")
-    return problems
+    return signature_problems(expected)
 
 
 def request(lora_id: int) -> LoRARequest:
