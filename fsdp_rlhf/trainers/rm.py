@@ -178,6 +178,12 @@ class RMTrainer:
             head="score",
             extra_config=extra,
         )
+        if self.cfg.lora.enabled and not self.cfg.lora.merge_lora:
+            log.warning(
+                "%s holds the LoRA adapter only (adapter/); ppo --reward_pretrain needs a full "
+                "model: train with --merge_lora",
+                path,
+            )
         log.info(
             "reward model saved to %s (reward_mean=%.4g, reward_std=%.4g)",
             path,
