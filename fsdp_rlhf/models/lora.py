@@ -68,7 +68,9 @@ def peft_config(cfg: LoraConfig, head: str | None = None):
     )
 
 
-def add_lora(model: nn.Module, cfg: LoraConfig, head: str | None = None) -> nn.Module:
+def add_lora(
+    model: nn.Module, cfg: LoraConfig, head: str | None = None, *, quiet: bool = False
+) -> nn.Module:
     """Inject adapters in place; only they (and ``head``, trained in full) stay trainable.
 
     Call before ``fully_shard``. Returns ``model`` (same object, same class).
@@ -82,6 +84,8 @@ def add_lora(model: nn.Module, cfg: LoraConfig, head: str | None = None) -> nn.M
     for name, p in model.named_parameters():
         trainable = is_adapter_param(name) or (head is not None and name.startswith(f"{head}."))
         p.requires_grad_(trainable)
+    if quiet:
+        return model
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     log.info(
@@ -92,6 +96,17 @@ def add_lora(model: nn.Module, cfg: LoraConfig, head: str | None = None) -> nn.M
         total / 1e6,
     )
     return model
+
+
+def check_target_modules(path: str, cfg: LoraConfig, trust_remote_code: bool = False) -> None:
+    """Preflight: inject into an empty (meta-device) copy of the model at ``path``, so that a
+    ``--target_modules`` matching nothing fails in a second, before anything is loaded."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    add_lora(model, cfg, quiet=True)
 
 
 def lora_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:

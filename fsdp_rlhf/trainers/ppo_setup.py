@@ -29,7 +29,7 @@ from fsdp_rlhf.models.load import (
     load_tokenizer,
     reward_normalization,
 )
-from fsdp_rlhf.models.lora import add_lora, target_module_names
+from fsdp_rlhf.models.lora import add_lora, check_target_modules, target_module_names
 from fsdp_rlhf.models.save import check_save_path, recover_interrupted_export
 from fsdp_rlhf.optim import build_optimizer, build_scheduler
 from fsdp_rlhf.rollout import AdapterSpec, HFEngine, RolloutEngine, build_rollout_groups
@@ -67,11 +67,14 @@ def _check_world(cfg: PPOConfig, world_size: int) -> None:
 
 
 def _check_lora(cfg: PPOConfig) -> None:
-    if cfg.lora.enabled and cfg.rollout.rollout_engine != "vllm":
+    if not cfg.lora.enabled:
+        return
+    if cfg.rollout.rollout_engine != "vllm":
         raise UserError(
             "--lora_rank needs --rollout_engine vllm: the HF engine takes full weights, not "
             "adapters"
         )
+    check_target_modules(cfg.models.pretrain, cfg.lora, cfg.backend.trust_remote_code)
 
 
 def _check_rewards(cfg: PPOConfig) -> None:
@@ -132,10 +135,10 @@ def preflight(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any]:
     from fsdp_rlhf.data.sources import check_keys, load_sources
 
     _check_world(cfg, world_size)
-    _check_lora(cfg)
     plan = plan_ppo_batches(cfg, world_size)
     m = cfg.models
     check_model_path(m.pretrain, "--pretrain")
+    _check_lora(cfg)
     if cfg.backend.torch_compile:
         check_compile_toolchain()
     _check_rewards(cfg)

@@ -30,6 +30,7 @@ from fsdp_rlhf.data.schedule import DataPosition, StepSchedule
 from fsdp_rlhf.distributed import checkpoint as ckpt
 from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars
 from fsdp_rlhf.metrics import Progress
+from fsdp_rlhf.models.lora import check_target_modules
 from fsdp_rlhf.models.save import save_model
 from fsdp_rlhf.optim import build_optimizer, build_scheduler
 from fsdp_rlhf.trainers import common
@@ -52,7 +53,10 @@ def prepare(cfg: RMConfig, world_size: int) -> tuple[RMBatchPlan, RMData]:
     if os.environ.get("RANK", "0") != "0" or not sys.stderr.isatty():
         datasets.disable_progress_bars()  # tqdm bars would flood log files and other ranks
     plan = plan_rm_batches(cfg.batch, world_size)
-    return plan, prepare_rm_data(cfg, plan)
+    data = prepare_rm_data(cfg, plan)  # checks --pretrain first
+    if cfg.lora.enabled:
+        check_target_modules(cfg.model.pretrain, cfg.lora, cfg.backend.trust_remote_code)
+    return plan, data
 
 
 @dataclass
@@ -178,6 +182,12 @@ class RMTrainer:
             head="score",
             extra_config=extra,
         )
+        if self.cfg.lora.enabled and not self.cfg.lora.merge_lora:
+            log.warning(
+                "%s holds the LoRA adapter only (adapter/); ppo --reward_pretrain needs a full "
+                "model: train with --merge_lora",
+                path,
+            )
         log.info(
             "reward model saved to %s (reward_mean=%.4g, reward_std=%.4g)",
             path,

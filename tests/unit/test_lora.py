@@ -79,11 +79,15 @@ def test_add_lora_freezes_the_base_and_keeps_the_head_trainable(tiny):
     assert not any(n.startswith("score.") and "lora" in n for n, _ in model.named_parameters())
 
 
-def test_unknown_target_module_is_one_line(tiny):
+def test_unknown_target_module_is_one_line_before_loading(tiny):
     from fsdp_rlhf.errors import UserError
 
+    bad = LoraConfig(lora_rank=4, target_modules=("nope",))
     with pytest.raises(UserError, match="--target_modules nope"):
-        lora.add_lora(_causal(tiny), LoraConfig(lora_rank=4, target_modules=("nope",)))
+        lora.check_target_modules(str(tiny), bad)  # on an empty meta-device copy
+    with pytest.raises(UserError, match="--target_modules nope"):
+        lora.add_lora(_causal(tiny), bad)
+    lora.check_target_modules(str(tiny), LoraConfig(lora_rank=4, target_modules=("q_proj",)))
 
 
 def test_adapter_file_names():
