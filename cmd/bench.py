@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "cmd"))  # benchkit/ lives beside this script
 
-from benchkit import machine, matrix, peak, rl, rm  # noqa: E402
+from benchkit import lora, machine, matrix, peak, rl, rm  # noqa: E402
 from benchkit.launch import use_tcmalloc  # noqa: E402
 from benchkit.memcpy import memcpy_reference  # noqa: E402
 from benchkit.render import console_table  # noqa: E402
@@ -87,7 +87,9 @@ def run_real_shaped(s: Sizes, work: Path, with_trl: bool, cell: str, allocator: 
     """The primary cell again on the Llama-shaped model (GQA 9/3, tied embeddings)."""
     w = build_workload(work / "data_llama", s, "llama")
     clock.say(f"Llama-shaped workload: {w.params_m:.1f}M parameters")
-    runs = matrix.run_cells(w, s, work / "llama", with_trl, allocator, clock.say, (cell,), keep)
+    runs = matrix.run_cells(
+        w, s, work / "llama", with_trl, allocator, clock.say, (cell,), keep, lora=False
+    )
     return {**runs[cell], "cell": cell, "params_m": w.params_m}
 
 
@@ -117,6 +119,7 @@ def measure(
     # the headline table, targets and notes read the primary cell under these names
     raw["primary_cell"] = primary
     raw["rm_runs"], raw["rl_runs"] = (raw["cells"][primary][k] for k in ("rm_runs", "rl_runs"))
+    raw["lora"] = lora.summarize({**raw["cells"][primary], "cell": primary}, s.lora_rank)
     if s.real_shaped:
         raw["real_shaped"] = run_real_shaped(
             s, work, with_trl, primary, allocator, clock, keep("real_shaped")

@@ -53,9 +53,12 @@ def run_cells(
     say: Callable[[str], None],
     cells: tuple[str, ...] | None = None,
     keep: Callable[[dict], None] = lambda runs: None,
+    lora: bool = True,
 ) -> dict[str, dict]:
     """``{cell: {"rm_runs": [...], "rl_runs": [...]}}`` (or ``{"skipped": why}``); ``keep``
-    gets that dict after every repetition of a cell, so a late failure loses nothing."""
+    gets that dict after every repetition of a cell, so a late failure loses nothing. With
+    ``lora`` and ``s.lora_rank``, the first cell that runs also holds ``"lora_runs"``: our GRPO
+    with LoRA adapters, run after the cell's GRPO pair in each repetition."""
     cells = cells or s.cells
     work.mkdir(parents=True, exist_ok=True)
     out: dict[str, dict] = {}
@@ -65,6 +68,9 @@ def run_cells(
             say(f"{cell}: skipped, {NO_TCMALLOC}")
         else:
             out[cell] = {"rm_runs": [], "rl_runs": []}
+    primary = next((c for c, runs in out.items() if "skipped" not in runs), None)
+    if lora and s.lora_rank and primary is not None:
+        out[primary]["lora_runs"] = []
     for rep in range(s.reps):
         for cell, runs in out.items():
             if "skipped" in runs:
@@ -73,14 +79,21 @@ def run_cells(
             kw = dict(bf16=bf16, env=cell_env(cell, allocator))
             runs["rm_runs"].append(rm.run_pair(w, s, work, tag(cell, rep), with_trl, **kw))
             runs["rl_runs"].append(rl.run_pair(w, s, work, tag(cell, rep), with_trl, **kw))
-            say(f"{cell} rep {rep}: {_brief(runs['rm_runs'][-1], runs['rl_runs'][-1])}")
+            if "lora_runs" in runs:
+                name = f"grpo_lora_{tag(cell, rep)}"
+                lora_run = rl.run_ours(name, w, s, work, s.nproc, lora_rank=s.lora_rank, **kw)
+                runs["lora_runs"].append(lora_run)
+            last = runs.get("lora_runs", [None])[-1]
+            say(f"{cell} rep {rep}: {_brief(runs['rm_runs'][-1], runs['rl_runs'][-1], last)}")
             keep(out)
     return out
 
 
-def _brief(rm_run: dict, rl_run: dict) -> str:
+def _brief(rm_run: dict, rl_run: dict, lora_run: dict | None) -> str:
     got = [f"RM {side} {r['pairs_per_s']:.2f} pairs/s" for side, r in rm_run.items()]
     got += [f"GRPO {side} {r['e2e_tps']:.1f} tokens/s/rank" for side, r in rl_run.items()]
+    if lora_run is not None:
+        got.append(f"GRPO ours LoRA {lora_run['e2e_tps']:.1f} tokens/s/rank")
     return "; ".join(got)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from benchkit import lora
 from benchkit.rates import spread
 from benchkit.report import headline, phase_table, targets
 
@@ -128,7 +129,10 @@ def _console(header: tuple, body: list[tuple]) -> str:
 
 
 def console_table(raw: dict) -> str:
-    return _console(HEADER, table_rows(raw)) + "\n\n" + _console(MATRIX_HEADER, matrix_rows(raw))
+    text = _console(HEADER, table_rows(raw)) + "\n\n" + _console(MATRIX_HEADER, matrix_rows(raw))
+    if raw.get("lora"):
+        text += "\n\n" + _console(*lora.table(raw["lora"]))
+    return text
 
 
 def md_table(header: tuple, rows: list[tuple]) -> str:

@@ -45,9 +45,11 @@ def ours_cmd(
     rm: Path | None = None,
     compile: bool = True,
     bf16: bool = True,
+    lora_rank: int = 0,
 ) -> list[str]:
     """GRPO with the rule reward, or (``rm`` given) PPO with GAE: RM scores, critic from it.
-    With ``--torch_compile`` unless ``compile`` is False; fp32 (the CLI default) unless bf16."""
+    With ``--torch_compile`` unless ``compile`` is False; fp32 (the CLI default) unless bf16;
+    LoRA adapters of rank ``lora_rank`` on every linear layer when it is > 0."""
     flags = dict(
         pretrain=w.model, prompt_data=w.prompts, input_key="input", apply_chat_template=True,
         prompt_max_len=PROMPT_MAX_LEN, generate_max_len=resp_len or s.rl_resp_len,
@@ -56,7 +58,7 @@ def ours_cmd(
         micro_rollout_batch_size=s.rl_micro, max_steps=s.rl_steps, actor_learning_rate=LR,
         lr_warmup_ratio=0, bf16=bf16, rollout_engine=engine, save_path=out,
         ckpt_path=out / "ckpt", save_steps=-1, sample_log_steps=0, logging_steps=1, seed=SEED,
-        torch_compile=compile,
+        torch_compile=compile, lora_rank=lora_rank or False,
     )  # fmt: skip
     if rm is None:
         flags.update(advantage_estimator="grpo", remote_rm_url=w.reward_py, use_kl_loss=True,
@@ -124,6 +126,9 @@ def summarize_ours(job: Job, s: Sizes, nproc: int) -> dict:
         "wall_overhead_frac": median([_overhead(r, wall_step) for r in rows]),
         "weight_sync_gbps": median(
             [r["rollout/weight_sync_gbps"] for r in rows if "rollout/weight_sync_gbps" in r]
+        ),
+        "weight_sync_bytes": median(
+            [r["rollout/weight_sync_bytes"] for r in rows if "rollout/weight_sync_bytes" in r]
         ),
         "response_len": median([r["response_length/mean"] for r in rows]),
         "prompt_len": median([r["prompt_length/mean"] for r in rows]),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from benchkit import lora
 from benchkit.notes import matrix_notes, notes
 from benchkit.render import (
     DIFFERS,
@@ -95,6 +96,7 @@ def summary_md(raw: dict) -> str:
         + _peaks(raw)
         + "; ours GRPO: whole step / update phase alone. TRL's GRPO MFU is over its whole step.",
         "\n".join(f"- {n}" for n in matrix_notes(raw)),
+        *_lora_md(raw),
         "## Phase breakdown of our steps",
         phases_md(raw),
         "## Peak memory",
@@ -110,3 +112,15 @@ def summary_md(raw: dict) -> str:
 def _peaks(raw: dict) -> str:
     peaks = raw.get("peak_flops_1t", {})
     return "(" + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in peaks.items()) + ")"
+
+
+def _lora_md(raw: dict) -> list[str]:
+    if not raw.get("lora"):
+        return []
+    return [
+        "## LoRA against full fine-tuning (issue #18)",
+        md_table(*lora.table(raw["lora"])),
+        "Ours only, the matrix's primary cell, interleaved with its GRPO runs; medians over "
+        "the repetitions. Adapters on every linear layer, the reference forward is the base "
+        "with the adapters disabled, the sync pushes the adapters only.",
+    ]

@@ -34,6 +34,7 @@ class Sizes:
     rl_micro: int  # sequences per forward/backward per rank
     rl_steps: int
     rl_warmup: int
+    lora_rank: int  # the LoRA row's adapter rank (0: no LoRA row)
     prompt_words: tuple[int, int]
     cells: tuple[str, ...]  # "<bf16|fp32>+<tcmalloc|glibc>" of the matrix; the first is primary
     real_shaped: bool  # also run the primary cell on a Llama-shaped model (GQA 9/3, tied)
@@ -70,6 +71,7 @@ FULL = Sizes(
     rl_micro=8,
     rl_steps=5,
     rl_warmup=3,
+    lora_rank=16,
     prompt_words=(16, 48),
     cells=CELLS,
     real_shaped=True,
@@ -95,6 +97,7 @@ SMOKE = Sizes(
     rl_micro=4,
     rl_steps=2,
     rl_warmup=1,
+    lora_rank=4,
     prompt_words=(4, 8),
     cells=("bf16+tcmalloc", "fp32+glibc"),
     real_shaped=False,

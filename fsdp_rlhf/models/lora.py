@@ -180,17 +180,25 @@ def merge_lora_state_dict(state: dict[str, torch.Tensor], cfg: LoraConfig) -> di
 def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
     """``model`` computing with its base weights only (the reference policy of a LoRA actor).
 
-    peft's switch also flips ``requires_grad`` of the adapters; the flags are put back so the
-    optimizer's parameters stay trainable.
+    peft's switch also clears the adapters' ``requires_grad``. The flags are put back at once,
+    before the forward: FSDP2 fixes each group's gradient dtypes from them at the model's first
+    forward, which for an on-policy actor is this reference forward (with the adapters seen as
+    frozen, bf16 gradients would later meet fp32 master weights). A disabled adapter is not
+    computed, so its flag does not matter inside.
     """
     layers = [m for _, m in lora_modules(model)]
     flags = {p: p.requires_grad for p in model.parameters()}
+
+    def restore_flags() -> None:
+        for p, flag in flags.items():
+            p.requires_grad_(flag)
+
     for m in layers:
         m.enable_adapters(False)
+    restore_flags()
     try:
         yield model
     finally:
         for m in layers:
             m.enable_adapters(True)
-        for p, flag in flags.items():
-            p.requires_grad_(flag)
+        restore_flags()
