@@ -19,7 +19,7 @@ ROWS = (
     ("reference forward (s)", "reference_model", "{:.2f}"),
     ("rollout (s)", "rollout", "{:.2f}"),
     ("weight sync (s)", SYNC_PHASE, "{:.3f}"),
-    ("weight sync (MB per step)", "weight_sync_mb", "{:.1f}"),
+    ("weight sync (MB per step)", "weight_sync_mb", "{:.2f}"),
     ("e2e tokens/s/rank", "e2e_tps", "{:.1f}"),
 )
 

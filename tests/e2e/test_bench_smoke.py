@@ -88,3 +88,19 @@ def test_matrix_cells_are_measured_with_mfu(smoke):
     assert "## Matrix: precision x host allocator" in summary
     assert "fp32+glibc" in summary and "MFU" in summary
     assert "fp32+glibc" in smoke["stdout"]  # the console matrix
+
+
+def test_lora_row_syncs_the_adapters_only(smoke):
+    raw = smoke["raw"]
+    primary = raw["primary_cell"]
+    lora_runs = raw["cells"][primary]["lora_runs"]
+    assert len(lora_runs) == raw["sizes"]["reps"]
+    rows = {r["name"]: r for r in raw["lora"]["rows"]}
+    assert raw["lora"]["cell"] == primary and raw["lora"]["rank"] == raw["sizes"]["lora_rank"]
+    for name in ("step (s)", "update (s)", "weight sync (s)", "e2e tokens/s/rank"):
+        assert _positive(rows[name]["full"]) and _positive(rows[name]["lora"]), rows[name]
+    # rank-4 adapters of a 0.5M-parameter model: a few percent of the full model's bytes
+    sync = rows["weight sync (MB per step)"]
+    assert _positive(sync["lora"]) and sync["lora"] < 0.2 * sync["full"], sync
+    assert "## LoRA against full fine-tuning" in smoke["summary"]
+    assert "LoRA r=" in smoke["stdout"]
