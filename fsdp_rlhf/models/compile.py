@@ -60,7 +60,41 @@ def compile_blocks(model: nn.Module) -> int:
     count = 0
     for layer in layers:
         for child in layer.children():
-            child.compile()
+            # the forward alone: the hook must run eagerly, before dynamo sees the inputs
+            child.forward = torch.compile(child.forward)
+            child.register_forward_pre_hook(_sequence_dim_dynamic, with_kwargs=True)
             count += 1
     log.info("torch.compile: %d modules in %d decoder layers", count, len(layers))
     return count
+
+
+def _sequence_dim_dynamic(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Compile for any sequence length from the first call.
+
+    Left to itself, dynamo compiles each child for the first batch's length and again, dynamic,
+    at the first other length; each rank meets that second length at its own step, so the
+    recompile of one rank stalled step 2 and the other's step 3 (20 recompiles per run of the
+    bench's GRPO). Only the sequence dimension is marked: ``dynamic=True`` made every
+    dimension symbolic and the update 25% slower. The sequence dimension is every dimension
+    after the first of size L (hidden states, rotary cos/sin, a (B, 1, L, L) mask) but the
+    last of a 2-3 dimensional input, which is a feature dimension.
+    """
+    tensors = [t for t in _flat(args) + _flat(list(kwargs.values())) if t.dim() >= 2]
+    if not tensors:
+        return
+    seq = tensors[0].shape[1]
+    for t in tensors:
+        last = t.dim() if t.dim() >= 4 else t.dim() - 1
+        for d in range(1, last):
+            if t.shape[d] == seq and seq > 1:
+                torch._dynamo.maybe_mark_dynamic(t, d)
+
+
+def _flat(values) -> list[torch.Tensor]:
+    out = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, tuple | list):
+            out.extend(_flat(v))
+    return out

@@ -89,3 +89,19 @@ def test_torch_compile_matches_eager(tiny_qwen2):
     torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
     for name, g in _grads(eager).items():
         torch.testing.assert_close(_grads(compiled)[name], g, rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_torch_compile_takes_a_new_sequence_length_without_recompiling(tiny_qwen2):
+    """The first compile is already dynamic in the sequence dimension: a recompile at the
+    second length stalled a later step of each rank (bench GRPO, 20 recompiles per run)."""
+    from fsdp_rlhf.models.compile import compile_blocks
+
+    model = load_causal_lm(tiny_qwen2, BackendConfig(), "cpu")
+    compile_blocks(model)
+    ids = torch.randint(
+        2, model.config.vocab_size, (2, 23), generator=torch.Generator().manual_seed(0)
+    )
+    model(input_ids=ids[:, :9]).logits.sum().backward()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for length in (13, 23):
+            model(input_ids=ids[:, :length]).logits.sum().backward()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -309,3 +310,14 @@ def test_adapter_sync_moves_only_the_adapters(tiny_qwen2):
         engine.weights[name],
         adapters["model.layers.1.mlp.down_proj.lora_B.default.weight"].bfloat16(),
     )
+
+
+def test_cpu_engine_uses_the_compile_cache_that_loads_unless_the_user_chose(monkeypatch):
+    from fsdp_rlhf.rollout import vllm_engine as ve
+
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    ve._cpu_compile_cache()
+    assert os.environ["VLLM_USE_AOT_COMPILE"] == "0"
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
+    ve._cpu_compile_cache()
+    assert os.environ["VLLM_USE_AOT_COMPILE"] == "1"
