@@ -11,7 +11,7 @@ without packing / without compile, and TRL's RM with torch_compile. Writes
 ``bench/results/bench-<time>.json`` (+ ``latest.json``) and ``bench/results/summary.md``, and
 prints the tables.
 
-    .venv/bin/python cmd/bench.py                     # full run, about 30 minutes on 2 cores
+    .venv/bin/python cmd/bench.py                     # full run, about 31 minutes on 2 cores
     .venv/bin/python cmd/bench.py --cells fp32+glibc  # one cell of the matrix
     .venv/bin/python cmd/bench.py --smoke             # tiny sizes, one repetition, 2 cells
 
