@@ -317,6 +317,12 @@ class RolloutConfig:
     """Generation: engine, sampling, vLLM layout."""
 
     rollout_engine: Literal["vllm", "hf"] = doc("vllm", "vllm (default) or HF generate.")
+    lora_sync: Literal["adapter", "merged"] = doc(
+        "adapter",
+        "With --lora_rank: adapter (vLLM serves the adapters, only they are synced) or merged "
+        "(each adapted weight synced as W + (alpha/r) B A, like full fine-tuning: more bytes, "
+        "base-model decode speed where vLLM's LoRA kernels are slow, as on CPU).",
+    )
     vllm_num_engines: int | None = doc(None, "Engines = world / TP (checked when given).")
     vllm_tensor_parallel_size: int = doc(1, "TP size of each engine (contiguous ranks).")
     vllm_gpu_memory_utilization: float = doc(0.9, "GPU memory fraction vLLM may use.")

@@ -71,15 +71,63 @@ def stream_actor_weights(
             yield alias[hf_name], tensor
 
 
-def sync_weights(actor: nn.Module, engine: RolloutEngine, dtype: torch.dtype) -> SyncStats:
-    """Wake the engine's weights, stream the actor into it, then wake its KV cache.
+def stream_merged_weights(
+    actor: nn.Module, dtype: torch.dtype, lora_scaling: float
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``stream_actor_weights`` of a LoRA actor with its adapters merged in: each adapted weight
+    is yielded once, as ``W + lora_scaling * B @ A`` (computed in fp32) under its HF name, and
+    the adapter tensors themselves are not. Holds one module's W, A and B at a time.
+
+    Collective, like ``stream_actor_weights``.
+    """
+    alias = tied_head_alias(actor)
+    held: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in iter_full_params(actor, dtype):
+        hf_name = hf_param_name(name)
+        part = _lora_part(hf_name)
+        if part is None:
+            hf_name = hf_name.replace(".base_layer.", ".")  # an adapted layer's bias
+            yield hf_name, tensor
+            if hf_name in alias:
+                yield alias[hf_name], tensor
+            continue
+        module, key = part
+        parts = held.setdefault(module, {})
+        parts[key] = tensor
+        if len(parts) == 3:
+            delta = lora_scaling * (parts["B"].float() @ parts["A"].float())
+            yield f"{module}.weight", (parts["W"].float() + delta).to(dtype)
+            del held[module]
+    if held:
+        raise RuntimeError(f"LoRA merge: incomplete adapted weights {sorted(held)}")
+
+
+def _lora_part(hf_name: str) -> tuple[str, str] | None:
+    """``(module, "W" | "A" | "B")`` for an adapted layer's base weight or adapter weight."""
+    if hf_name.endswith(".base_layer.weight"):
+        return hf_name.removesuffix(".base_layer.weight"), "W"
+    if is_adapter_param(hf_name):
+        module, _, rest = hf_name.partition(".lora_")
+        return module, rest[0]  # "A.default.weight" -> "A"
+    return None
+
+
+def sync_weights(
+    actor: nn.Module, engine: RolloutEngine, dtype: torch.dtype, lora_scaling: float | None = None
+) -> SyncStats:
+    """Wake the engine's weights, stream the actor into it (with its LoRA adapters merged in
+    when ``lora_scaling`` is given), then wake its KV cache.
 
     The KV cache comes back only after the sync so it never coexists with the gathered tensors
     (the colocated OOM pattern). Returns bytes and seconds of the whole step.
     """
     t0 = time.perf_counter()
     engine.wake_up(["weights"])
-    nbytes = engine.update_weights(stream_actor_weights(actor, dtype))
+    if lora_scaling is None:
+        weights = stream_actor_weights(actor, dtype)
+    else:
+        weights = stream_merged_weights(actor, dtype, lora_scaling)
+    nbytes = engine.update_weights(weights)
     engine.wake_up(["kv_cache"])
     return SyncStats(bytes=nbytes, seconds=time.perf_counter() - t0)
 

@@ -68,6 +68,7 @@ from fsdp_rlhf.trainers.ppo_setup import (
     build_prompts,
     data_settings,
     engine_dtype,
+    merged_lora_scaling,
     offload_idle,
     preflight,
 )
@@ -132,6 +133,7 @@ class PPOTrainer:
             dtype=engine_dtype(cfg),
             sleep_drops_weights=sleep_drops_weights(cfg, env.device),
             adapter=adapter_spec(cfg, self.models.actor),
+            lora_scaling=merged_lora_scaling(cfg),
         )
         self.multiturn = build_multiturn(cfg, tokenizer, self.timer)  # None: single turn
         self.state = self._stateful()

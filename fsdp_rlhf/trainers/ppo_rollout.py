@@ -32,7 +32,8 @@ class RolloutSession:
     ``actor_updated()`` after each optimizer update marks the engine stale; the next
     ``generate`` syncs before sampling. At sleep level 2 on CUDA the engine drops its weights
     when it sleeps, so every wake-up syncs. With ``adapter`` (LoRA) a sync moves only the
-    adapters; the engine keeps the base it loaded.
+    adapters; the engine keeps the base it loaded. With ``lora_scaling`` (LoRA synced merged)
+    it moves every weight, the adapted ones with their adapters merged in.
     """
 
     def __init__(
@@ -46,11 +47,13 @@ class RolloutSession:
         dtype: torch.dtype,
         sleep_drops_weights: bool,
         adapter: AdapterSpec | None = None,
+        lora_scaling: float | None = None,
     ) -> None:
         self.engine, self.actor, self.actor_optimizer = engine, actor, actor_optimizer
         self.timer, self.device, self.dtype = timer, device, dtype
         self.sleep_drops_weights = sleep_drops_weights
         self.adapter = adapter
+        self.lora_scaling = lora_scaling  # LoRA synced merged into the base weights
         # the engine loaded the checkpoint the run started from; after a resume (or a first
         # sleep that dropped them) its weights are not the actor's: sync at the first rollout
         self.actor_version, self.engine_version = 0, -1
@@ -96,7 +99,7 @@ class RolloutSession:
     def _sync(self):
         if self.adapter is not None:
             return sync_adapter(self.actor, self.engine, self.dtype, self.adapter)
-        return sync_weights(self.actor, self.engine, self.dtype)
+        return sync_weights(self.actor, self.engine, self.dtype, self.lora_scaling)
 
     def close(self) -> None:
         self.engine.close()
@@ -106,7 +109,8 @@ def sleep_drops_weights(cfg: PPOConfig, device: torch.device) -> bool:
     """Sleep level 2 (CUDA) discards the engine's weights: every rollout needs a full sync.
     With LoRA the engine sleeps at level 1 (its base weights are never synced again)."""
     r = cfg.rollout
-    level2 = r.vllm_enable_sleep and r.vllm_sleep_level == 2 and not cfg.lora.enabled
+    adapters = cfg.lora.enabled and r.lora_sync == "adapter"
+    level2 = r.vllm_enable_sleep and r.vllm_sleep_level == 2 and not adapters
     return device.type == "cuda" and level2
 
 

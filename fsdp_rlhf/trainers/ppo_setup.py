@@ -30,6 +30,7 @@ from fsdp_rlhf.models.load import (
     reward_normalization,
 )
 from fsdp_rlhf.models.lora import add_lora, check_target_modules, target_module_names
+from fsdp_rlhf.models.lora import scaling as lora_scaling
 from fsdp_rlhf.models.save import check_save_path, recover_interrupted_export
 from fsdp_rlhf.optim import build_optimizer, build_scheduler
 from fsdp_rlhf.rollout import AdapterSpec, HFEngine, RolloutEngine, build_rollout_groups
@@ -303,7 +304,7 @@ def build_engine(cfg: PPOConfig, env: DistEnv, tokenizer) -> RolloutEngine:
             seed=cfg.seed,
             pad_token_id=tokenizer.pad_token_id,
             trust_remote_code=cfg.backend.trust_remote_code,
-            lora_rank=cfg.lora.lora_rank,
+            lora_rank=cfg.lora.lora_rank if adapter_sync(cfg) else 0,
         )
     # In the engine dtype, like vLLM: an fp32 copy under --bf16 sampled from other logits than
     # the trainer computes, and generated about 3x slower on a bf16-capable CPU (bench).
@@ -318,9 +319,22 @@ def build_engine(cfg: PPOConfig, env: DistEnv, tokenizer) -> RolloutEngine:
     )
 
 
+def adapter_sync(cfg: PPOConfig) -> bool:
+    """LoRA synced as adapters that vLLM serves (``--lora_sync adapter``)."""
+    return cfg.lora.enabled and cfg.rollout.lora_sync == "adapter"
+
+
+def merged_lora_scaling(cfg: PPOConfig) -> float | None:
+    """alpha / r when LoRA is synced merged into the base weights, else None."""
+    if not cfg.lora.enabled or cfg.rollout.lora_sync != "merged":
+        return None
+    return lora_scaling(cfg.lora)
+
+
 def adapter_spec(cfg: PPOConfig, actor: nn.Module) -> AdapterSpec | None:
-    """What the engine must know of the actor's adapters (None: full fine-tuning)."""
-    if not cfg.lora.enabled:
+    """What the engine must know of the actor's adapters (None: full fine-tuning, or LoRA
+    synced merged)."""
+    if not adapter_sync(cfg):
         return None
     modules = tuple(target_module_names(actor))
     return AdapterSpec(rank=cfg.lora.lora_rank, alpha=cfg.lora.lora_alpha, target_modules=modules)

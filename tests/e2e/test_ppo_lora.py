@@ -98,3 +98,30 @@ def test_lora_gae_tp2_adapter_sync_export_and_resume(tiny_qwen2, ppo_data, tmp_p
     a = load_file(str(save / "adapter" / "adapter_model.safetensors"))
     b = load_file(str(resumed / "adapter" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max() < 1e-6 for k in a)
+
+
+def _model_bytes(model_path: str) -> int:
+    """fp32 bytes of every weight vLLM is sent in a full sync (a tied head counted twice)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    tied = model.config.tie_word_embeddings
+    extra = model.get_output_embeddings().weight.numel() if tied else 0
+    return 4 * (sum(p.numel() for p in model.parameters()) + extra)
+
+
+def test_lora_synced_merged_matches_the_trainer(tiny_qwen2, ppo_data, tmp_path):  # noqa: F811
+    """--lora_sync merged: vLLM runs without LoRA and gets W + (alpha/r) B A at every sync."""
+    save = tmp_path / "merged"
+    flags = grpo_flags(tiny_qwen2, ppo_data, save, 3)
+    flags[flags.index("--actor_learning_rate") + 1] = "1e-2"
+    flags += ["--lora_rank", str(RANK), "--lora_sync", "merged"]
+    run = torchrun(["ppo", *flags])
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = read_metrics(save)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    # the engine samples from the merged weights the trainer computes with, after each update
+    for r in rows:
+        assert r["rollout/logprob_diff/max"] < 1e-3, r
+    assert rows[-1]["actor/kl"] > 1e-3, rows[-1]
+    assert all(r["rollout/weight_sync_bytes"] == _model_bytes(tiny_qwen2) for r in rows), rows
