@@ -83,10 +83,12 @@ def _sequence_dim_dynamic(module: nn.Module, args: tuple, kwargs: dict) -> None:
     if not tensors:
         return
     seq = tensors[0].shape[1]
+    if seq <= 1:
+        return
     for t in tensors:
         last = t.dim() if t.dim() >= 4 else t.dim() - 1
         for d in range(1, last):
-            if t.shape[d] == seq and seq > 1:
+            if t.shape[d] == seq:
                 torch._dynamo.maybe_mark_dynamic(t, d)
 
 

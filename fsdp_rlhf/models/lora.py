@@ -171,9 +171,17 @@ def merge_lora_state_dict(state: dict[str, torch.Tensor], cfg: LoraConfig) -> di
             merged[out] = tensor
             continue
         b = state[f"{module}.lora_B.{ADAPTER}.weight"]
-        delta = scaling(cfg) * (b.float() @ a.float())
-        merged[out] = (tensor.float() + delta).to(tensor.dtype)
+        merged[out] = merged_weight(tensor, a, b, scaling(cfg))
     return merged
+
+
+def merged_weight(
+    base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``base + scale * lora_b @ lora_a``, computed in fp32, in ``base``'s dtype.
+
+    Shapes: base (out, in), lora_a (r, in), lora_b (out, r)."""
+    return (base.float() + scale * (lora_b.float() @ lora_a.float())).to(base.dtype)
 
 
 @contextmanager

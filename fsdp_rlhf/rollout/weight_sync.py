@@ -8,14 +8,19 @@ memory is one parameter (the embedding or LM head). Must be called on every rank
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from fsdp_rlhf.distributed.fsdp import iter_full_params
-from fsdp_rlhf.models.lora import adapter_file_name, is_adapter_param, strip_wrappers
+from fsdp_rlhf.models.lora import (
+    adapter_file_name,
+    is_adapter_param,
+    merged_weight,
+    strip_wrappers,
+)
 from fsdp_rlhf.rollout.engine import AdapterSpec, RolloutEngine
 
 
@@ -95,8 +100,10 @@ def stream_merged_weights(
         parts = held.setdefault(module, {})
         parts[key] = tensor
         if len(parts) == 3:
-            delta = lora_scaling * (parts["B"].float() @ parts["A"].float())
-            yield f"{module}.weight", (parts["W"].float() + delta).to(dtype)
+            yield (
+                f"{module}.weight",
+                merged_weight(parts["W"], parts["A"], parts["B"], lora_scaling),
+            )
             del held[module]
     if held:
         raise RuntimeError(f"LoRA merge: incomplete adapted weights {sorted(held)}")
@@ -121,15 +128,11 @@ def sync_weights(
     The KV cache comes back only after the sync so it never coexists with the gathered tensors
     (the colocated OOM pattern). Returns bytes and seconds of the whole step.
     """
-    t0 = time.perf_counter()
-    engine.wake_up(["weights"])
     if lora_scaling is None:
         weights = stream_actor_weights(actor, dtype)
     else:
         weights = stream_merged_weights(actor, dtype, lora_scaling)
-    nbytes = engine.update_weights(weights)
-    engine.wake_up(["kv_cache"])
-    return SyncStats(bytes=nbytes, seconds=time.perf_counter() - t0)
+    return _timed_load(engine, lambda: engine.update_weights(weights))
 
 
 def stream_adapter_weights(
@@ -145,8 +148,14 @@ def sync_adapter(
     actor: nn.Module, engine: RolloutEngine, dtype: torch.dtype, spec: AdapterSpec
 ) -> SyncStats:
     """Stream the actor's LoRA adapters into the engine (which keeps its base weights)."""
+    weights = stream_adapter_weights(actor, dtype)
+    return _timed_load(engine, lambda: engine.update_adapter(weights, spec))
+
+
+def _timed_load(engine: RolloutEngine, load: Callable[[], int]) -> SyncStats:
+    """Wake the engine's weights, ``load`` (returns bytes), then wake its KV cache."""
     t0 = time.perf_counter()
     engine.wake_up(["weights"])
-    nbytes = engine.update_adapter(stream_adapter_weights(actor, dtype), spec)
+    nbytes = load()
     engine.wake_up(["kv_cache"])
     return SyncStats(bytes=nbytes, seconds=time.perf_counter() - t0)

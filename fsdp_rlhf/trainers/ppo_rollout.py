@@ -109,9 +109,13 @@ def sleep_drops_weights(cfg: PPOConfig, device: torch.device) -> bool:
     """Sleep level 2 (CUDA) discards the engine's weights: every rollout needs a full sync.
     With LoRA the engine sleeps at level 1 (its base weights are never synced again)."""
     r = cfg.rollout
-    adapters = cfg.lora.enabled and r.lora_sync == "adapter"
-    level2 = r.vllm_enable_sleep and r.vllm_sleep_level == 2 and not adapters
+    level2 = r.vllm_enable_sleep and r.vllm_sleep_level == 2 and not adapter_sync(cfg)
     return device.type == "cuda" and level2
+
+
+def adapter_sync(cfg: PPOConfig) -> bool:
+    """LoRA synced as adapters that vLLM serves (``--lora_sync adapter``)."""
+    return cfg.lora.enabled and cfg.rollout.lora_sync == "adapter"
 
 
 def sampling_config(cfg: PPOConfig, step: int, round_: int = 0) -> SamplingConfig:

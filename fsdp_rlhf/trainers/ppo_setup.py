@@ -37,6 +37,7 @@ from fsdp_rlhf.rollout import AdapterSpec, HFEngine, RolloutEngine, build_rollou
 from fsdp_rlhf.rollout.env import load_environment
 from fsdp_rlhf.rollout.memory_budget import check_device_budget
 from fsdp_rlhf.trainers.common import log_startup, prepare_model
+from fsdp_rlhf.trainers.ppo_rollout import adapter_sync
 from fsdp_rlhf.trainers.rule_reward import RewardFn, auth_headers, build_rule_reward
 
 log = logging.getLogger("fsdp_rlhf")
@@ -319,14 +320,9 @@ def build_engine(cfg: PPOConfig, env: DistEnv, tokenizer) -> RolloutEngine:
     )
 
 
-def adapter_sync(cfg: PPOConfig) -> bool:
-    """LoRA synced as adapters that vLLM serves (``--lora_sync adapter``)."""
-    return cfg.lora.enabled and cfg.rollout.lora_sync == "adapter"
-
-
 def merged_lora_scaling(cfg: PPOConfig) -> float | None:
     """alpha / r when LoRA is synced merged into the base weights, else None."""
-    if not cfg.lora.enabled or cfg.rollout.lora_sync != "merged":
+    if not cfg.lora.enabled or adapter_sync(cfg):
         return None
     return lora_scaling(cfg.lora)
 

@@ -49,6 +49,19 @@ with torch.no_grad():
 """
 
 
+def _run_following_the_trainer(flags: list[str], save) -> list[dict]:
+    """Run ``ppo`` for 3 steps; the engine's log-probs match the trainer's at every step, and
+    the updates moved the policy away from the reference (the base with adapters disabled)."""
+    run = torchrun(["ppo", *flags])
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = read_metrics(save)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["rollout/logprob_diff/max"] < 1e-3, r
+    assert rows[-1]["actor/kl"] > 1e-3, rows[-1]
+    return rows
+
+
 def test_lora_gae_tp2_adapter_sync_export_and_resume(tiny_qwen2, ppo_data, tmp_path):  # noqa: F811
     save = tmp_path / "full"
     flags = grpo_flags(tiny_qwen2, ppo_data, save, 3)
@@ -60,15 +73,8 @@ def test_lora_gae_tp2_adapter_sync_export_and_resume(tiny_qwen2, ppo_data, tmp_p
         "--critic_pretrain", tiny_qwen2, "--critic_learning_rate", "1e-3",
         "--lora_rank", str(RANK), "--merge_lora", "--vllm_tensor_parallel_size", "2",
     ]  # fmt: skip
-    full = torchrun(["ppo", *flags])
-    assert full.returncode == 0, full.stderr[-3000:]
-    rows = read_metrics(save)
-    assert [r["step"] for r in rows] == [1, 2, 3]
     # the engine generates with the trainer's adapters after every sync (TP 2: both slices)
-    for r in rows:
-        assert r["rollout/logprob_diff/max"] < 1e-3, r
-    # ... which moved the policy away from the reference, the base with adapters disabled
-    assert rows[-1]["actor/kl"] > 1e-3, rows[-1]
+    rows = _run_following_the_trainer(flags, save)
     # only the adapters travel into vLLM
     want = _adapter_bytes(tiny_qwen2, RANK)
     assert all(r["rollout/weight_sync_bytes"] == want for r in rows), (want, rows)
@@ -116,12 +122,6 @@ def test_lora_synced_merged_matches_the_trainer(tiny_qwen2, ppo_data, tmp_path):
     flags = grpo_flags(tiny_qwen2, ppo_data, save, 3)
     flags[flags.index("--actor_learning_rate") + 1] = "1e-2"
     flags += ["--lora_rank", str(RANK), "--lora_sync", "merged"]
-    run = torchrun(["ppo", *flags])
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = read_metrics(save)
-    assert [r["step"] for r in rows] == [1, 2, 3]
     # the engine samples from the merged weights the trainer computes with, after each update
-    for r in rows:
-        assert r["rollout/logprob_diff/max"] < 1e-3, r
-    assert rows[-1]["actor/kl"] > 1e-3, rows[-1]
+    rows = _run_following_the_trainer(flags, save)
     assert all(r["rollout/weight_sync_bytes"] == _model_bytes(tiny_qwen2) for r in rows), rows
