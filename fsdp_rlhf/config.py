@@ -363,6 +363,12 @@ class PPOBatchConfig:
         "Pack each micro-batch into one row without padding for every training-side forward "
         "(attention per sequence).",
     )
+    share_prompt_prefix: bool = doc(
+        True,
+        "With n_samples_per_prompt > 1, run each prompt through the actor and reference once for "
+        "its samples in a micro-batch (same log-probs and gradients, fewer tokens). Not with "
+        "--packing_samples or flash-attn; the log says when it is off.",
+    )
 
 
 ADVANTAGE_ESTIMATORS_NEEDING_GROUPS = (

@@ -69,10 +69,19 @@ def padded_sdpa(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
+    grouped_response_mask: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """HF attention interface: q (B, H, L, D), k/v (B, KV, L, D), ``attention_mask`` None
-    (plain causal) or (B, 1, L, >=L) bool, True where attended -> (B, L, H, D)."""
+    (plain causal) or (B, 1, L, >=L) bool, True where attended -> (B, L, H, D).
+
+    With ``grouped_response_mask`` the rows are shared-prompt rows (models.shared_prefix) and
+    ``attention_mask`` is their prompt mask: see :func:`shared_prompt_attention`.
+    """
+    if grouped_response_mask is not None:
+        return shared_prompt_attention(
+            query, key, value, attention_mask, grouped_response_mask, dropout, scaling
+        ), None
     if not _explicit_wanted(query, dropout, key.shape[-2]):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -80,26 +89,109 @@ def padded_sdpa(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     key, value = _repeat_kv(query, key, value)
-    B, H, L, D = query.shape
-    S = key.shape[-2]
+    L, S = query.shape[-2], key.shape[-2]
     if attention_mask is None:
         allowed = torch.ones(L, S, dtype=torch.bool, device=query.device).tril(S - L)
     else:
         allowed = attention_mask[:, :, :, :S].bool()
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = _masked_attention(query, key, value, allowed, scale, dropout, explicit=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def shared_prompt_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+) -> torch.Tensor:
+    """Attention over shared-prompt rows ``[prompt | response_1 | ... | response_s]``.
+
+    The prompt attends causally to itself; each response attends to the prompt and causally
+    to itself, never to its siblings: what each sample's own padded row would compute, with
+    the prompt's queries, keys and values computed once. Two dense attentions, so the cost is
+    ``P^2 + s T (P + T)`` rather than ``(P + s T)^2``.
+
+    Args:
+        query: (G, H, P + s*T, D); key/value: (G, KV, P + s*T, D).
+        prompt_mask: (G, 1, 1, P) bool, True on real (not left-padding) prompt tokens.
+        response_mask: (G*s, 1, 1, T) bool, True on attended response tokens.
+    Returns:
+        (G, P + s*T, H, D).
+    """
+    key, value = _repeat_kv(query, key, value)
+    G, H, L, D = query.shape
+    P, T = prompt_mask.shape[-1], response_mask.shape[-1]
+    s = response_mask.shape[0] // G
     scale = scaling if scaling is not None else D**-0.5
+    explicit = _explicit_wanted(query, dropout, P + T)
+    tril_p = torch.ones(P, P, dtype=torch.bool, device=query.device).tril()
+    # a left-padding query attends to itself: never a row with nothing allowed (NaN in SDPA)
+    eye_p = torch.eye(P, dtype=torch.bool, device=query.device)
+    prompt_allowed = (tril_p & prompt_mask) | eye_p  # (G, 1, P, P)
+
+    def per_response(x: torch.Tensor) -> torch.Tensor:  # (G, H, s*T, D) -> (G*s, H, T, D)
+        return x[:, :, P:].unflatten(2, (s, T)).transpose(1, 2).flatten(0, 1)
+
+    def with_prompt(x: torch.Tensor) -> torch.Tensor:  # each response's keys: prompt + its own
+        prompt = x[:, :, :P].unsqueeze(1).expand(G, s, H, P, D).flatten(0, 1)
+        return torch.cat([prompt, per_response(x)], dim=2)
+
+    tril_t = torch.ones(T, T, dtype=torch.bool, device=query.device).tril()
+    response_allowed = torch.cat(
+        [
+            prompt_mask.repeat_interleave(s, dim=0).expand(G * s, 1, T, P),
+            tril_t & response_mask,
+        ],
+        dim=-1,
+    )  # (G*s, 1, T, P + T)
+    out_p = _masked_attention(
+        query[:, :, :P], key[:, :, :P], value[:, :, :P], prompt_allowed, scale, dropout, explicit
+    )
+    out_r = _masked_attention(
+        per_response(query),
+        with_prompt(key),
+        with_prompt(value),
+        response_allowed,
+        scale,
+        dropout,
+        explicit,
+    )  # (G*s, H, T, D)
+    out_r = out_r.unflatten(0, (G, s)).transpose(1, 2).flatten(2, 3)  # (G, H, s*T, D)
+    return torch.cat([out_p, out_r], dim=2).transpose(1, 2).contiguous()
+
+
+def _masked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    scale: float,
+    dropout: float,
+    explicit: bool,
+) -> torch.Tensor:
+    """q (B, H, L, D), k/v (B, H, S, D), ``allowed`` (B, 1, L, S) bool -> (B, H, L, D)."""
+    if not explicit:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, dropout_p=dropout, scale=scale
+        )
+    B, H, L, D = q.shape
+    S = k.shape[-2]
     # Additive mask in the input dtype, fused into the score matmul; a finite floor, not -inf: a
     # left-padding query attends to nothing, and an all -inf row would turn into NaN (then NaN
     # gradients, even where the loss masks that position out).
-    bias = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
-    bias = bias.masked_fill(~allowed, torch.finfo(query.dtype).min).expand(B, H, L, S)
-    out = _attend(
-        query.reshape(B * H, L, D),
-        key.reshape(B * H, S, D),
-        value.reshape(B * H, S, D),
+    bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+    bias = bias.masked_fill(~allowed, torch.finfo(q.dtype).min).expand(B, H, L, S)
+    return _attend(
+        q.reshape(B * H, L, D),
+        k.reshape(B * H, S, D),
+        v.reshape(B * H, S, D),
         bias.reshape(B * H, L, S),
         scale,
     ).view(B, H, L, D)
-    return out.transpose(1, 2).contiguous(), None
 
 
 # A Python loop over data-dependent lengths: traced, it would specialise on every batch's lengths.

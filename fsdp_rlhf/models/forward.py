@@ -12,6 +12,7 @@ from torch import nn
 
 from fsdp_rlhf.algorithms import entropy_from_logits, logprobs_from_logits
 from fsdp_rlhf.models.packing import pack_rows
+from fsdp_rlhf.models.shared_prefix import share_prompts, shared_prompt_logits
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -104,6 +105,7 @@ def response_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = True,
     packed: bool = False,
+    group_size: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the last ``response_len`` tokens of each row under a causal LM.
 
@@ -113,12 +115,17 @@ def response_logprobs(
         entropy_grad: whether the entropy is differentiable; without it (entropy only as a
             metric) no per-chunk softmax over the vocabulary is kept for backward.
         packed: run the rows as one packed row (see :func:`token_values`).
+        group_size: > 1 when each run of that many consecutive rows shares its prompt: the
+            prompt then goes through the model once per run (models.shared_prefix).
     Returns:
         logprobs (B, T) float32, and entropy (B, T) when ``with_entropy``; at response
         padding the values are meaningless (callers mask them with ``response_mask``).
     """
     # logits at position i predict token i + 1: keep the T positions before each response token.
-    if packed:
+    if group_size > 1:
+        rows = share_prompts(input_ids, attention_mask, response_len, group_size)
+        logits = shared_prompt_logits(model, rows).float()
+    elif packed:
         row = pack_rows(input_ids, attention_mask)
         logits = model(**row.model_inputs()).logits[0]  # (T_packed, V)
         index = padded_positions(attention_mask, row.cu_seqlens)[:, -response_len - 1 : -1]

@@ -53,9 +53,15 @@ def chunks(n: int, size: int) -> list[slice]:
 
 @torch.no_grad()
 def batched_logprobs(
-    model: nn.Module, exp: Experience, micro: int, temperature: float, packed: bool = False
+    model: nn.Module,
+    exp: Experience,
+    micro: int,
+    temperature: float,
+    packed: bool = False,
+    group_size: int = 1,
 ) -> torch.Tensor:
-    """(N, T) log-probs of the response tokens, computed ``micro`` sequences at a time."""
+    """(N, T) log-probs of the response tokens, computed ``micro`` sequences at a time
+    (``group_size``: rows sharing one pass of their prompt, a divisor of ``micro``)."""
     out = []
     for sl in chunks(exp.num_sequences, micro):
         lp, _ = response_logprobs(
@@ -65,6 +71,7 @@ def batched_logprobs(
             exp.response_len,
             temperature=temperature,
             packed=packed,
+            group_size=group_size,
         )
         out.append(lp)
     return torch.cat(out) * exp.response_mask
@@ -95,9 +102,14 @@ def batched_scores(
     return torch.cat(out)
 
 
-def minibatches(n: int, size: int, generator: torch.Generator) -> list[torch.Tensor]:
-    """A shuffled split of ``range(n)`` into index tensors of ``size`` rows."""
-    perm = torch.randperm(n, generator=generator)
+def minibatches(
+    n: int, size: int, generator: torch.Generator, group: int = 1
+) -> list[torch.Tensor]:
+    """A shuffled split of ``range(n)`` into index tensors of ``size`` rows; runs of ``group``
+    consecutive rows (a shared-prompt group) stay together and in order."""
+    perm = torch.randperm(n // group, generator=generator)
+    if group > 1:
+        perm = (perm.unsqueeze(1) * group + torch.arange(group)).flatten()
     return [perm[i : i + size] for i in range(0, n, size)]
 
 

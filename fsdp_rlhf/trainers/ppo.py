@@ -71,6 +71,7 @@ from fsdp_rlhf.trainers.ppo_setup import (
     merged_lora_scaling,
     offload_idle,
     preflight,
+    prompt_group_size,
 )
 from fsdp_rlhf.trainers.ppo_update import (
     Optimization,
@@ -120,7 +121,8 @@ class PPOTrainer:
         self.total_steps = self._total_steps()
         updates = self.total_steps * cfg.algo.ppo_epochs * self.plan.optimizer_steps_per_epoch
         self.optimizers, self.schedulers = build_optimizers(cfg, self.models, updates)
-        self.update_plan = UpdatePlan.from_config(cfg, self.plan)
+        self.group_size = prompt_group_size(cfg, self.plan, self.models.actor)
+        self.update_plan = UpdatePlan.from_config(cfg, self.plan, self.group_size)
         self.kl_ctl = build_kl_controller(cfg.algo)
         self.evaluator = build_evaluator(cfg, env, tokenizer)
         self.timer = PhaseTimer(env.device)
@@ -306,10 +308,12 @@ class PPOTrainer:
         elif old_logprobs:
             with self.timer("old_log_p"):
                 exp.old_logprobs = batched_logprobs(
-                    self.models.actor, exp, micro, temp, self.packed
+                    self.models.actor, exp, micro, temp, self.packed, self.group_size
                 )
         with self.timer("reference_model"), self.reference() as ref:
-            exp.ref_logprobs = batched_logprobs(ref, exp, micro, temp, self.packed)
+            exp.ref_logprobs = batched_logprobs(
+                ref, exp, micro, temp, self.packed, self.group_size
+            )
         if self.models.critic is not None:
             with self.timer("critic_model"):
                 onload_model(self.models.critic, self.env.device)

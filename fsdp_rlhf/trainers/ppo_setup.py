@@ -32,6 +32,7 @@ from fsdp_rlhf.models.load import (
 from fsdp_rlhf.models.lora import add_lora, check_target_modules, target_module_names
 from fsdp_rlhf.models.lora import scaling as lora_scaling
 from fsdp_rlhf.models.save import check_save_path, recover_interrupted_export
+from fsdp_rlhf.models.shared_prefix import shared_group_size, sharing_blocker
 from fsdp_rlhf.optim import build_optimizer, build_scheduler
 from fsdp_rlhf.rollout import AdapterSpec, HFEngine, RolloutEngine, build_rollout_groups
 from fsdp_rlhf.rollout.env import load_environment
@@ -241,6 +242,28 @@ def build_models(cfg: PPOConfig, env: DistEnv, tokenizer) -> Models:
         norm = reward_normalization(m.reward_pretrain) if m.normalize_reward else None
     rule = build_rule_reward(m.remote_rm_url, m.remote_rm_auth_env) if m.remote_rm_url else None
     return Models(tokenizer, actor, ref, critic, reward, norm, rule)
+
+
+def prompt_group_size(cfg: PPOConfig, plan: PPOBatchPlan, actor: nn.Module) -> int:
+    """Rows that share one pass of their prompt in the actor's and reference's log-prob
+    forwards (``--share_prompt_prefix``; 1: none), logged once with the reason when off."""
+    n = cfg.batch.n_samples_per_prompt
+    if not cfg.batch.share_prompt_prefix or n == 1:
+        return 1
+    blocker = sharing_blocker(actor, cfg.batch.packing_samples)
+    size = shared_group_size(
+        n, plan.micro_rollout_batch_size, plan.micro_train_batch_size, plan.train_batch_size_per_rank
+    )
+    if blocker is None and size == 1:
+        blocker = (
+            f"n_samples_per_prompt ({n}) shares no factor with the micro-batch sizes "
+            f"({plan.micro_rollout_batch_size}, {plan.micro_train_batch_size})"
+        )
+    if blocker is not None:
+        log.info("shared prompt prefix: off, %s", blocker)
+        return 1
+    log.info("shared prompt prefix: each prompt runs once for %d of its %d samples", size, n)
+    return size
 
 
 def build_optimizers(cfg: PPOConfig, models: Models, total_updates: int) -> tuple[dict, dict]:

@@ -53,9 +53,12 @@ class UpdatePlan:
     zero_stage: int
     packed: bool
     norm_len: int  # the constant of --loss_agg_mode seq-mean-token-sum-norm (generate_max_len)
+    # consecutive rows sharing one pass of their prompt (models.shared_prefix); minibatches
+    # and micro-batches keep them together
+    group_size: int = 1
 
     @classmethod
-    def from_config(cls, cfg: PPOConfig, plan: PPOBatchPlan) -> UpdatePlan:
+    def from_config(cls, cfg: PPOConfig, plan: PPOBatchPlan, group_size: int = 1) -> UpdatePlan:
         return cls(
             ppo_epochs=cfg.algo.ppo_epochs,
             global_batch_size=cfg.batch.train_batch_size,
@@ -65,6 +68,7 @@ class UpdatePlan:
             zero_stage=cfg.fsdp.zero_stage,
             packed=cfg.batch.packing_samples,
             norm_len=cfg.rollout.generate_max_len,
+            group_size=group_size,
         )
 
     @property
@@ -128,7 +132,9 @@ def _update_loop(
     """
     stats, norms = RunningAverages(), []
     for _ in range(plan.ppo_epochs):
-        for idx in minibatches(exp.num_sequences, plan.batch_size_per_rank, generator):
+        for idx in minibatches(
+            exp.num_sequences, plan.batch_size_per_rank, generator, plan.group_size
+        ):
             num_tokens = global_token_count(exp.response_mask[idx])
             micros = chunks(len(idx), plan.micro_batch_size)
             for i, sl in enumerate(micros):
@@ -238,6 +244,7 @@ def _actor_loss_fn(
             with_entropy=True,
             entropy_grad=algo.entropy_loss_coef > 0,  # else a metric only
             packed=plan.packed,
+            group_size=plan.group_size,
         )
         old_logprobs = logprobs.detach() * mb.response_mask if reuse_logprobs else mb.old_logprobs
         is_weights, corr_stats = _correction(algo, logprobs, old_logprobs, mb)

@@ -1,6 +1,7 @@
 """The actor update on 2 gloo ranks: taking ``old_logprobs`` from the update's own forward
-(``reuse_update_logprobs``) and packing the micro-batches both give the same step as the plain
-path. The update runs on its explicit arguments: no trainer is built."""
+(``reuse_update_logprobs``), packing the micro-batches and running each shared prompt once
+(``--share_prompt_prefix``) all give the same step as the plain path. The update runs on its
+explicit arguments: no trainer is built."""
 
 from __future__ import annotations
 
@@ -20,11 +21,13 @@ ARGV = (
 
 
 def _experience(vocab: int, rank: int, P: int = 6, T: int = 5):
-    """4 sequences per rank in the PPO layout (left-padded prompt, right-padded response)."""
+    """4 sequences per rank in the PPO layout (left-padded prompt, right-padded response):
+    2 prompts with 2 samples each, as ``--n_samples_per_prompt 2`` rolls them out."""
     from fsdp_rlhf.trainers.experience import Experience
 
     g = torch.Generator().manual_seed(100 + rank)
-    ids, mask, rmask = ppo_layout_batch(g, vocab, [6, 2, 4, 3], [5, 1, 3, 4], P, T)
+    ids, mask, rmask = ppo_layout_batch(g, vocab, [6, 6, 3, 3], [5, 1, 3, 4], P, T)
+    ids[1, :P], ids[3, :P] = ids[0, :P], ids[2, :P]
     return Experience(
         input_ids=ids,
         attention_mask=mask,
@@ -35,7 +38,7 @@ def _experience(vocab: int, rank: int, P: int = 6, T: int = 5):
     )
 
 
-def _one_update(rank: int, world: int, model_path: str, reuse: bool, packed: bool):
+def _one_update(rank: int, world: int, model_path: str, reuse: bool, packed: bool, shared: bool):
     from fsdp_rlhf.config import PPOConfig, plan_ppo_batches
     from fsdp_rlhf.config_base import build_config
     from fsdp_rlhf.distributed.env import current_env
@@ -43,6 +46,7 @@ def _one_update(rank: int, world: int, model_path: str, reuse: bool, packed: boo
     from fsdp_rlhf.models.attention import use_varlen_attention
     from fsdp_rlhf.trainers.experience import batched_logprobs
     from fsdp_rlhf.trainers.guards import BadStepGuard
+    from fsdp_rlhf.trainers.ppo_setup import prompt_group_size
     from fsdp_rlhf.trainers.ppo_update import (
         Optimization,
         UpdatePlan,
@@ -58,6 +62,8 @@ def _one_update(rank: int, world: int, model_path: str, reuse: bool, packed: boo
     actor = load_causal_lm(model_path, cfg.backend, env.device)
     if packed:
         use_varlen_attention(actor)
+    group = prompt_group_size(cfg, plan, actor) if shared else 1
+    assert group == (2 if shared else 1)
     shard_model(actor, build_mesh(env.device, world), cfg.fsdp, bf16=False, grad_reduce="sum")
     actor.train()
     # SGD, not the configured AdamW: Adam's first step is about lr * sign(grad), which turns
@@ -67,12 +73,12 @@ def _one_update(rank: int, world: int, model_path: str, reuse: bool, packed: boo
     exp = _experience(actor.config.vocab_size, rank)
     assert reuse_update_logprobs(cfg.algo, plan.optimizer_steps_per_epoch, actor_updates=True)
     if not reuse:
-        exp.old_logprobs = batched_logprobs(actor, exp, 2, 1.0, packed=packed)
+        exp.old_logprobs = batched_logprobs(actor, exp, 2, 1.0, packed=packed, group_size=group)
     metrics, reused = update_actor(
         Optimization(actor, opt, sched, cfg.actor_optim.max_norm, BadStepGuard(0, "actor"), 1),
         exp,
         cfg.algo,
-        UpdatePlan.from_config(cfg, plan),
+        UpdatePlan.from_config(cfg, plan, group),
         update_generator(cfg.seed, 1, env.rank),
         kl_coef=cfg.algo.init_kl_coef,
         temperature=1.0,
@@ -83,13 +89,12 @@ def _one_update(rank: int, world: int, model_path: str, reuse: bool, packed: boo
     return reused if reuse else exp.old_logprobs, metrics, params
 
 
-def test_reused_and_packed_updates_match_the_plain_update(tiny_qwen2):
-    runs = {
-        (reuse, packed): run_distributed(_one_update, 2, tiny_qwen2, reuse, packed)
-        for reuse, packed in [(False, False), (True, False), (True, True)]
-    }
-    plain = runs[(False, False)]
-    for key in [(True, False), (True, True)]:
+def test_reused_packed_and_shared_prompt_updates_match_the_plain_update(tiny_qwen2):
+    variants = [(False, False, False), (True, False, False), (True, True, False)]
+    variants += [(False, False, True), (True, False, True)]
+    runs = {key: run_distributed(_one_update, 2, tiny_qwen2, *key) for key in variants}
+    plain = runs[variants[0]]
+    for key in variants[1:]:
         for rank in range(2):
             old, metrics, params = runs[key][rank]
             ref_old, ref_metrics, ref_params = plain[rank]
