@@ -55,8 +55,9 @@ class SharedPromptRows:
 
     ``input_ids``/``position_ids`` (G, P' + s*T); ``prompt_mask`` (G, 1, 1, P') and
     ``response_mask`` (B, 1, 1, T) bool, True on the tokens attended (P' is the longest prompt
-    of the batch: common left padding is cut); ``group_size`` s. ``logit_index`` (s, T) maps each response token to the position, among
-    the last ``1 + s*T`` of the row, whose logits predict it.
+    of the batch: common left padding is cut); ``group_size`` s. ``logit_index`` (s, T) maps
+    each response token to the position, among the last ``1 + s*T`` of the row, whose logits
+    predict it.
     """
 
     input_ids: torch.Tensor

@@ -311,9 +311,7 @@ class PPOTrainer:
                     self.models.actor, exp, micro, temp, self.packed, self.group_size
                 )
         with self.timer("reference_model"), self.reference() as ref:
-            exp.ref_logprobs = batched_logprobs(
-                ref, exp, micro, temp, self.packed, self.group_size
-            )
+            exp.ref_logprobs = batched_logprobs(ref, exp, micro, temp, self.packed, self.group_size)
         if self.models.critic is not None:
             with self.timer("critic_model"):
                 onload_model(self.models.critic, self.env.device)

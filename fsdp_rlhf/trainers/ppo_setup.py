@@ -251,14 +251,10 @@ def prompt_group_size(cfg: PPOConfig, plan: PPOBatchPlan, actor: nn.Module) -> i
     if not cfg.batch.share_prompt_prefix or n == 1:
         return 1
     blocker = sharing_blocker(actor, cfg.batch.packing_samples)
-    size = shared_group_size(
-        n, plan.micro_rollout_batch_size, plan.micro_train_batch_size, plan.train_batch_size_per_rank
-    )
+    batches = (plan.micro_rollout_batch_size, plan.micro_train_batch_size)
+    size = shared_group_size(n, *batches, plan.train_batch_size_per_rank)
     if blocker is None and size == 1:
-        blocker = (
-            f"n_samples_per_prompt ({n}) shares no factor with the micro-batch sizes "
-            f"({plan.micro_rollout_batch_size}, {plan.micro_train_batch_size})"
-        )
+        blocker = f"n_samples_per_prompt ({n}) shares no factor with the micro-batches {batches}"
     if blocker is not None:
         log.info("shared prompt prefix: off, %s", blocker)
         return 1
