@@ -114,7 +114,9 @@ def measure(
     def keep(key: str):
         return lambda runs: write_partial(partial, {**raw, key: runs})
 
-    raw["cells"] = matrix.run_cells(w, s, work, with_trl, allocator, clock.say, keep=keep("cells"))
+    raw["cells"] = matrix.run_cells(
+        w, s, work, with_trl, allocator, clock.say, keep=keep("cells"), peaks=raw["peak_flops_1t"]
+    )
     primary = next(c for c, r in raw["cells"].items() if "skipped" not in r)
     # the headline table, targets and notes read the primary cell under these names
     raw["primary_cell"] = primary
@@ -129,6 +131,7 @@ def measure(
         rm_dir = work / f"rm_ours_{matrix.tag(primary, 0)}"
         raw["extra"] = run_extra(w, s, work, rm_dir, clock)
     raw["matrix"] = matrix.summarize(raw)
+    raw["skipped_cells"] = matrix.skipped(raw)
     partial.unlink(missing_ok=True)
     return raw
 

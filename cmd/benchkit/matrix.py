@@ -40,6 +40,15 @@ def cell_env(cell: str, allocator: str) -> dict[str, str] | None:
     return None if allocator.startswith("glibc") else {}
 
 
+def skip_reason(cell: str, allocator: str, peaks: dict[str, float] | None) -> str | None:
+    """Why a cell cannot run (or would measure nothing) on this machine, else None."""
+    if cell_env(cell, allocator) is None:
+        return NO_TCMALLOC
+    if parse_cell(cell)[0] == "bf16" and peaks is not None:
+        return peak.bf16_blocker(peaks)
+    return None
+
+
 def tag(cell: str, rep: int) -> str:
     return f"{cell.replace('+', '_')}_{rep}"
 
@@ -54,18 +63,20 @@ def run_cells(
     cells: tuple[str, ...] | None = None,
     keep: Callable[[dict], None] = lambda runs: None,
     lora: bool = True,
+    peaks: dict[str, float] | None = None,
 ) -> dict[str, dict]:
     """``{cell: {"rm_runs": [...], "rl_runs": [...]}}`` (or ``{"skipped": why}``); ``keep``
     gets that dict after every repetition of a cell, so a late failure loses nothing. With
     ``lora`` and ``s.lora_rank``, the first cell that runs also holds ``"lora_runs"``: our GRPO
-    with LoRA adapters, run after the cell's GRPO pair in each repetition."""
+    with LoRA adapters, run after the cell's GRPO pair in each repetition. ``peaks`` (the
+    one-thread matmul probe) skips the bf16 cells where bf16 matmuls are emulated."""
     cells = cells or s.cells
     work.mkdir(parents=True, exist_ok=True)
     out: dict[str, dict] = {}
     for cell in cells:
-        if cell_env(cell, allocator) is None:
-            out[cell] = {"skipped": NO_TCMALLOC}
-            say(f"{cell}: skipped, {NO_TCMALLOC}")
+        if (why := skip_reason(cell, allocator, peaks)) is not None:
+            out[cell] = {"skipped": why}
+            say(f"{cell}: skipped, {why}")
         else:
             out[cell] = {"rm_runs": [], "rl_runs": []}
     primary = next((c for c, runs in out.items() if "skipped" not in runs), None)
@@ -135,6 +146,11 @@ def _met(value: float, goal: float) -> bool | None:
 def _phases(rl_runs: list[dict]) -> dict[str, float]:
     keys = sorted({k for r in rl_runs for k in r["ours"]["phases_s"]})
     return {k: median([r["ours"]["phases_s"].get(k, 0.0) for r in rl_runs]) for k in keys}
+
+
+def skipped(raw: dict) -> dict[str, str]:
+    """``{cell: reason}`` of the cells that did not run."""
+    return {cell: runs["skipped"] for cell, runs in raw["cells"].items() if "skipped" in runs}
 
 
 def summarize(raw: dict) -> list[dict]:

@@ -46,3 +46,20 @@ def training_flops(params_m: float, tokens_per_s: float) -> float:
 def mfu(params_m: float, tokens_per_s: float, peak_1t: float, nproc: int) -> float:
     """Achieved training FLOP/s over ``nproc`` one-thread matmul peaks."""
     return training_flops(params_m, tokens_per_s) / (peak_1t * nproc)
+
+
+# bf16 cells need bf16 matmuls at least this fast relative to fp32 to say anything about bf16:
+# CPUs without AVX512-BF16/AMX (e.g. AMD Zen 3) emulate them, 8x slower than fp32 for
+# nn.functional.linear and 70x for torch.matmul on the 2-core bench machine.
+NATIVE_BF16_MIN_RATIO = 0.5
+
+
+def bf16_blocker(peaks: dict[str, float]) -> str | None:
+    """Why bf16 runs say nothing here (no native bf16 matmul), or None."""
+    bf16, fp32 = peaks.get("bf16"), peaks.get("fp32")
+    if not bf16 or not fp32 or bf16 >= NATIVE_BF16_MIN_RATIO * fp32:
+        return None
+    return (
+        f"no native bf16 matmul on this CPU (one thread: bf16 {bf16 / 1e9:.1f} vs fp32 "
+        f"{fp32 / 1e9:.0f} GFLOP/s): bf16 runs are emulated"
+    )

@@ -117,6 +117,8 @@ def matrix_rows(raw: dict) -> list[tuple]:
                      f">= 2x: {_status(c['rl_met'])}",
                      f"{_pct(c['rl_ours_mfu'])} / {_pct(c['rl_ours_update_mfu'])}",
                      _pct(c["rl_trl_mfu"])))  # fmt: skip
+    for cell, why in raw.get("skipped_cells", {}).items():
+        rows.append(("qwen2", cell, f"skipped: {why}", "-", "-", "-", "-", "-", "-"))
     return rows
 
 

@@ -17,6 +17,8 @@ from tests.e2e.helpers import REPO, _env
 pytestmark = pytest.mark.slow
 
 HAS_TRL = importlib.util.find_spec("trl") is not None
+sys.path.insert(0, str(REPO / "cmd"))
+from benchkit.peak import bf16_blocker  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +72,16 @@ def test_matrix_cells_are_measured_with_mfu(smoke):
     peaks = raw["peak_flops_1t"]
     assert _positive(peaks["bf16"]) and _positive(peaks["fp32"])
     ran = [c for c, r in raw["cells"].items() if "skipped" not in r]
-    # the glibc cell runs everywhere; the tcmalloc cell wherever tcmalloc is installed
-    assert "fp32+glibc" in ran and ("bf16+tcmalloc" in ran) == bool(find_tcmalloc())
+    # the fp32 glibc cell runs everywhere; the bf16 tcmalloc cell wherever tcmalloc is
+    # installed and bf16 matmuls are native (else the tables say why it was skipped)
+    native_bf16 = bf16_blocker(peaks) is None
+    assert "fp32+glibc" in ran
+    assert ("bf16+tcmalloc" in ran) == (bool(find_tcmalloc()) and native_bf16)
+    if not native_bf16:
+        assert raw["skipped_cells"]["bf16+tcmalloc"] == bf16_blocker(peaks)
+        assert (
+            "skipped: no native bf16 matmul" in summary and "skipped: no native" in smoke["stdout"]
+        )
     assert [c["cell"] for c in raw["matrix"]] == ran
     for cell in raw["matrix"]:
         assert all(_positive(x) for x in cell["rm_ours"] + cell["rl_ours"]), cell

@@ -190,6 +190,34 @@ def _set_flags(flags: list[str], **values: str) -> list[str]:
     return out
 
 
+def test_shared_prompt_forwards_agree_with_the_engine(tiny_llama, ppo_data, tmp_path):
+    """``--share_prompt_prefix`` (the default) on a 9/3 GQA Llama with tied embeddings: pairs
+    of samples share one pass of their prompt in the old, reference and update forwards
+    (micro-batches of 2, groups of 4), and the old log-probs still match the fp32 engine's
+    at every step while the weights move (a KL penalty in the reward keeps the old-log-prob
+    forward separate from the update)."""
+    save = tmp_path / "shared"
+    flags = _set_flags(
+        grpo_flags(tiny_llama, ppo_data, save, steps=3),
+        rollout_batch_size="8",
+        train_batch_size="32",
+        micro_train_batch_size="2",
+        micro_rollout_batch_size="4",
+        init_kl_coef="0.01",
+    )
+    flags = [f for f in flags if f not in ("--packing_samples", "--use_kl_loss")]
+    proc = torchrun(["ppo", *flags])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    console = " ".join(proc.stdout.split())  # rank 0's rich log, wrapped at the terminal width
+    assert "shared prompt prefix: each prompt runs once for 2 of its 4 samples" in console
+    rows = read_metrics(save)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["timing/old_log_p"] > 0 and r["timing/reference_model"] > 0
+        assert r["rollout/logprob_diff/max"] < 1e-3, r["step"]
+    assert rows[-1]["actor/kl"] > 0  # the actor moved away from the reference
+
+
 def test_dynamic_sampling_gspo_bypass_overlong_and_eval_in_one_run(tiny_qwen2, ppo_data, tmp_path):
     save = tmp_path / "dapo"
     flags = _set_flags(

@@ -72,3 +72,19 @@ def test_summarize_cell_without_trl_has_no_verdict():
 
 def test_training_flops():
     assert peak.training_flops(34.0, 1000.0) == pytest.approx(6 * 34e6 * 1000)
+
+
+def test_bf16_cells_are_skipped_where_bf16_matmuls_are_emulated():
+    native = {"bf16": 4.37e11, "fp32": 9.6e10}  # AVX512-BF16 (the earlier bench machines)
+    emulated = {"bf16": 0.9e9, "fp32": 6.3e10}  # AMD Zen 3: AVX2 only
+    tcmalloc = "tcmalloc (x) preloaded into both sides"
+    assert peak.bf16_blocker(native) is None
+    why = peak.bf16_blocker(emulated)
+    assert why.startswith("no native bf16 matmul") and "bf16 0.9 vs fp32 63 GFLOP/s" in why
+    assert matrix.skip_reason("bf16+tcmalloc", tcmalloc, native) is None
+    assert matrix.skip_reason("bf16+glibc", tcmalloc, emulated) == why
+    assert matrix.skip_reason("fp32+tcmalloc", tcmalloc, emulated) is None
+    # a missing allocator is said first: it is what the user can fix
+    assert matrix.skip_reason("bf16+tcmalloc", "glibc malloc", emulated) == matrix.NO_TCMALLOC
+    rows = matrix_rows({"matrix": [], "skipped_cells": {"bf16+glibc": why}})
+    assert rows == [("qwen2", "bf16+glibc", f"skipped: {why}", *["-"] * 6)]
