@@ -200,6 +200,12 @@ class RMBatchConfig:
     packing_samples: bool = doc(
         False, "Pack each micro-batch into one row without padding (attention per sequence)."
     )
+    share_prompt_prefix: bool = doc(
+        True,
+        "With --packing_samples, run the prefix a pair's chosen and rejected sequences share "
+        "(the prompt) once per pair (same scores and gradients, fewer tokens); not with "
+        "flash-attn.",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -206,10 +206,17 @@ def varlen_sdpa(
     dropout: float = 0.0,
     scaling: float | None = None,
     cu_seq_lens_q: torch.Tensor | None = None,
+    shared_prefix_lens: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """HF attention interface: q (1, H, T, D), k/v (1, KV, T, D) -> (1, T, H, D), causal
-    attention within each ``cu_seq_lens_q`` segment."""
+    attention within each ``cu_seq_lens_q`` segment.
+
+    With ``shared_prefix_lens`` (B,) the segments are preference pairs that share a prefix
+    (models.shared_prefix.SharedPairRow): segment 2i is the chosen sequence, segment 2i + 1 the
+    rest of the rejected one, whose queries also attend to the first ``shared_prefix_lens[i]``
+    keys of segment 2i, as they would in the rejected sequence's own row.
+    """
     if cu_seq_lens_q is None or query.shape[0] != 1:
         raise ValueError(f"{VARLEN_ATTENTION} needs one packed row and cu_seq_lens_q (pack_rows)")
     key, value = _repeat_kv(query, key, value)
@@ -217,32 +224,40 @@ def varlen_sdpa(
     lengths = cu_seq_lens_q.diff().tolist()
     explicit = _explicit_wanted(query, dropout, max(lengths))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    pieces = zip(
-        query.split(lengths, dim=2),
-        key.split(lengths, dim=2),
-        value.split(lengths, dim=2),
-        strict=True,
-    )
-    if explicit:
-        parts = [_causal_attention(q[0], k[0], v[0], scale).unsqueeze(0) for q, k, v in pieces]
-    else:
-        with sdpa_kernel(_SDPA_BACKENDS):
-            parts = [
-                F.scaled_dot_product_attention(
-                    q, k, v, dropout_p=dropout, is_causal=True, scale=scale
-                )
-                for q, k, v in pieces
-            ]
-    return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
+    qs, ks, vs = (x[0].split(lengths, dim=1) for x in (query, key, value))  # (H, n, D) each
+    prefixes = [0] * len(lengths)  # keys each segment sees before its own
+    if shared_prefix_lens is not None:
+        prefixes[1::2] = shared_prefix_lens.tolist()
+    parts = []
+    for i, (q, k, v) in enumerate(zip(qs, ks, vs, strict=True)):
+        if prefixes[i]:  # a rejected rest: the pair's prefix keys first (segment i - 1)
+            k = torch.cat([ks[i - 1][:, : prefixes[i]], k], dim=1)
+            v = torch.cat([vs[i - 1][:, : prefixes[i]], v], dim=1)
+        parts.append(_causal_attention(q, k, v, scale, dropout, explicit))
+    return torch.cat(parts, dim=1).transpose(0, 1).unsqueeze(0).contiguous(), None
 
 
 def _causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout: float, explicit: bool
 ) -> torch.Tensor:
-    """Causal attention of one sequence: q/k/v (H, n, D) -> (H, n, D)."""
-    n = q.shape[1]
-    causal = torch.full((n, n), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
-    return _attend(q, k, v, causal.expand(q.shape[0], n, n), scale)
+    """Causal attention of one sequence whose last ``n`` tokens are the queries: q (H, n, D),
+    k/v (H, S >= n, D) -> (H, n, D)."""
+    n, S = q.shape[1], k.shape[1]
+    if not explicit:
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)  # SDPA's CPU flash kernel: 4D
+        with sdpa_kernel(_SDPA_BACKENDS):
+            if n == S:
+                out = F.scaled_dot_product_attention(
+                    q, k, v, dropout_p=dropout, is_causal=True, scale=scale
+                )
+            else:  # SDPA's is_causal aligns the diagonal top-left; these queries are the last n
+                allowed = torch.ones(n, S, dtype=torch.bool, device=q.device).tril(S - n)
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=allowed, dropout_p=dropout, scale=scale
+                )
+        return out[0]
+    causal = torch.full((n, S), float("-inf"), dtype=q.dtype, device=q.device).triu(S - n + 1)
+    return _attend(q, k, v, causal.expand(q.shape[0], n, S), scale)
 
 
 def _attend(

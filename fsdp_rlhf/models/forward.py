@@ -12,7 +12,11 @@ from torch import nn
 
 from fsdp_rlhf.algorithms import entropy_from_logits, logprobs_from_logits
 from fsdp_rlhf.models.packing import pack_rows
-from fsdp_rlhf.models.shared_prefix import share_prompts, shared_prompt_logits
+from fsdp_rlhf.models.shared_prefix import (
+    share_pair_prefixes,
+    share_prompts,
+    shared_prompt_logits,
+)
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -93,6 +97,16 @@ def sequence_scores(
     values = token_values(model, input_ids, attention_mask)
     idx = last_token_index(attention_mask)
     return values.gather(1, idx.unsqueeze(1)).squeeze(1)
+
+
+def shared_pair_scores(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
+    """Rewards of B preference pairs, (2B, L) right-padded rows (B chosen, then B rejected) ->
+    (2B,) in the same order, packed with each pair's common prefix run once
+    (models.shared_prefix.share_pair_prefixes; the model must use varlen attention)."""
+    row = share_pair_prefixes(input_ids, attention_mask)
+    return _head_values(model, **row.model_inputs())[0, row.last_index]
 
 
 def response_logprobs(

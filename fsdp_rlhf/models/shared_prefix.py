@@ -143,3 +143,73 @@ def shared_prompt_logits(model: nn.Module, rows: SharedPromptRows) -> torch.Tens
     G, s, T = logits.shape[0], rows.group_size, rows.response_len
     picked = logits[:, rows.logit_index.flatten()]  # (G, s*T, V)
     return picked.view(G * s, T, logits.shape[-1])
+
+
+# ---------------------------------------------------------------- preference pairs
+
+
+@dataclass(frozen=True)
+class SharedPairRow:
+    """B preference pairs packed into one row without padding, each pair's common prefix once:
+    segments ``[prefix + chosen rest]`` and ``[rejected rest]`` alternate, pair by pair.
+
+    ``input_ids``/``position_ids`` (1, T); ``cu_seqlens`` (2B + 1,) segment offsets;
+    ``prefix_lens`` (B,) tokens the rejected rest attends to at the start of its chosen segment.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    prefix_lens: torch.Tensor
+    max_len: int
+
+    def model_inputs(self) -> dict:
+        cu = self.cu_seqlens.to(torch.int32)
+        return dict(
+            input_ids=self.input_ids,
+            position_ids=self.position_ids,
+            use_cache=False,
+            cu_seq_lens_q=cu,
+            cu_seq_lens_k=cu,
+            max_length_q=self.max_len,
+            max_length_k=self.max_len,
+            # models.attention.varlen_sdpa: this keyword selects the shared-prefix pairs
+            shared_prefix_lens=self.prefix_lens,
+        )
+
+    @property
+    def last_index(self) -> torch.Tensor:
+        """(2B,) last token of each chosen, then each rejected sequence."""
+        ends = self.cu_seqlens[1:] - 1
+        return torch.cat([ends[0::2], ends[1::2]])
+
+
+def share_pair_prefixes(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> SharedPairRow:
+    """(2B, L) right-padded rows, B chosen then B rejected -> :class:`SharedPairRow`.
+
+    The shared prefix of a pair is the longest run of equal leading tokens (the prompt, and any
+    equal start of the two replies), less at least one token on each side: a score is read at
+    each sequence's own last token.
+    """
+    B = input_ids.shape[0] // 2
+    L = input_ids.shape[1]
+    mask = attention_mask.bool()
+    chosen, rejected = input_ids[:B], input_ids[B:]
+    same = (chosen == rejected) & mask[:B] & mask[B:]
+    common = same.long().cumprod(-1).sum(-1)
+    lengths = mask.sum(-1)
+    prefix = torch.minimum(common, torch.minimum(lengths[:B], lengths[B:]) - 1).clamp(min=0)
+    cols = torch.arange(L, device=input_ids.device)
+    keep_rejected = mask[B:] & (cols >= prefix.unsqueeze(1))
+    # pair by pair: chosen i, then rejected i's rest
+    ids = torch.stack([chosen, rejected], dim=1).reshape(2 * B, L)
+    keep = torch.stack([mask[:B], keep_rejected], dim=1).reshape(2 * B, L)
+    positions = (mask.long().cumsum(-1) - 1).view(2, B, L).transpose(0, 1).reshape(2 * B, L)
+    segment_lens = keep.sum(-1)
+    return SharedPairRow(
+        input_ids=ids[keep].unsqueeze(0),
+        position_ids=positions[keep].unsqueeze(0),
+        cu_seqlens=torch.nn.functional.pad(segment_lens.cumsum(0), (1, 0)),
+        prefix_lens=prefix,
+        max_len=int(segment_lens.max()),
+    )

@@ -37,7 +37,7 @@ from fsdp_rlhf.trainers import common
 from fsdp_rlhf.trainers.guards import BadStepGuard
 from fsdp_rlhf.trainers.rm_data import RMData, prepare_rm_data
 from fsdp_rlhf.trainers.rm_setup import RESUME_KEYS, build_model, resume_state
-from fsdp_rlhf.trainers.rm_steps import evaluate, train_step
+from fsdp_rlhf.trainers.rm_steps import evaluate, pair_layout, train_step
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ class RMTrainer:
         self.plan, self.data = prepared
         common.write_run_config(cfg, env)
         self.model = build_model(cfg, env, self.data.tokenizer.pad_token_id)
+        self.layout = pair_layout(self.model, cfg.batch)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.total_steps = self.data.steps_per_epoch * cfg.batch.max_epochs
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
@@ -122,6 +123,7 @@ class RMTrainer:
             self.env.device,
             self.guard,
             self.step,
+            self.layout,
         )
         self.window.add(stats)
         self.progress.advance()
@@ -144,7 +146,7 @@ class RMTrainer:
             self.plan.micro_batch_size_per_rank,
             self.data.tokenizer.pad_token_id,
         )
-        return evaluate(self.model, batches, self.cfg, env.device)
+        return evaluate(self.model, batches, self.cfg, env.device, self.layout)
 
     def _eta(self) -> str:
         done, left = self.step - self.first_step, self.total_steps - self.step

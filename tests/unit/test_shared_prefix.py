@@ -152,3 +152,70 @@ def test_shared_prompt_compiled_blocks_match_eager_without_recompiling(tiny_qwen
         ref, _ = response_logprobs(eager, ids, mask, cut)
         on = rmask.bool()
         torch.testing.assert_close(got[on], ref[on].detach(), rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- preference pairs (train-rm)
+
+
+def pair_batch(vocab: int, seed: int = 0):
+    """4 pairs, right-padded, B chosen rows then B rejected rows (collate_pairs' layout): a
+    shared 6-token prompt then different replies; a reply that extends the other; pairs equal
+    but for the last token; no common prefix at all."""
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()  # noqa: E731
+    prompt, reply = rand(6), rand(5)
+    pairs = [
+        (prompt + rand(4), prompt + rand(7)),
+        (prompt + reply, prompt + reply + rand(3)),
+        (reply + [7], reply + [8]),
+        ([5] + rand(5), [6] + rand(8)),
+    ]
+    seqs = [c for c, _ in pairs] + [r for _, r in pairs]
+    L = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), L, dtype=torch.long)
+    mask = torch.zeros(len(seqs), L, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
+    return ids, mask
+
+
+def test_shared_pair_row_layout():
+    from fsdp_rlhf.models.shared_prefix import share_pair_prefixes
+
+    ids, mask = pair_batch(vocab=50)
+    row = share_pair_prefixes(ids, mask)
+    # the prompt (6); all of the shorter reply but its last token (10); all but the last (5); 0
+    assert row.prefix_lens.tolist() == [6, 10, 5, 0]
+    lens = mask.sum(-1)
+    assert row.cu_seqlens.diff().tolist() == [10, 7, 11, 4, 6, 1, 6, 9]
+    assert row.input_ids.shape[1] == int(lens.sum() - row.prefix_lens.sum())
+    # the rejected rest continues the prefix's positions
+    assert row.position_ids[0, 10:17].tolist() == list(range(6, 13))
+    ends = row.cu_seqlens[1:] - 1
+    assert row.last_index.tolist() == [*ends[0::2].tolist(), *ends[1::2].tolist()]
+
+
+@pytest.mark.parametrize("explicit_max_len", [512, 0])  # explicit attention; SDPA kernels
+@pytest.mark.parametrize("model_fixture", ["tiny_qwen2", "tiny_llama"])
+def test_shared_pair_scores_and_grads_match_padded(
+    model_fixture, explicit_max_len, request, monkeypatch
+):
+    from fsdp_rlhf.models import attention
+    from fsdp_rlhf.models.attention import use_varlen_attention
+    from fsdp_rlhf.models.forward import sequence_scores, shared_pair_scores
+    from fsdp_rlhf.models.load import load_scalar_model
+
+    monkeypatch.setattr(attention, "CPU_EXPLICIT_ATTENTION_MAX_LEN", explicit_max_len)
+    path = request.getfixturevalue(model_fixture)
+    padded = load_scalar_model(path, BackendConfig(), "cpu", value_head_prefix="score")
+    padded.config.pad_token_id = 0
+    shared = copy.deepcopy(padded)
+    use_varlen_attention(shared)
+    ids, mask = pair_batch(padded.config.vocab_size, seed=1)
+    a, b = sequence_scores(padded, ids, mask), shared_pair_scores(shared, ids, mask)
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    weights = torch.linspace(1.0, 2.0, a.shape[0])
+    (a * weights).sum().backward()
+    (b * weights).sum().backward()
+    for (name, p), q in zip(padded.named_parameters(), shared.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
