@@ -1,17 +1,22 @@
-"""Shared-prompt forwards: a group of samples of one prompt runs the prompt through the model once.
+"""Shared-prefix forwards: tokens that several sequences start with go through the model once.
 
-GRPO-style rollouts sample ``n`` responses per prompt, and a padded (B, P + T) batch computes
-every layer on each sample's copy of the prompt. Here ``s`` consecutive rows that share their
-prompt become one row ``[prompt | response_1 | ... | response_s]`` of ``P + s*T`` tokens: the
-prompt's tokens go through the model once, each response attends to the prompt's keys and
-causally to itself but never to its siblings (``models.attention`` reads the layout from the
-4D prompt mask this module passes as the attention mask). The result is the same function of
-the weights as the padded forward, so log-probs, gradients and everything downstream are
-unchanged up to float rounding; the work drops from ``s (P + T)`` to ``P + s T`` tokens per
-group (the bench's GRPO: 4 x (44 + 64) -> 44 + 4 x 64 tokens, 0.69x).
+Two layouts. PPO groups (:func:`share_prompts`): GRPO-style rollouts sample ``n`` responses per
+prompt, and a padded (B, P + T) batch computes every layer on each sample's copy of the prompt. Here
+``s`` consecutive rows that share their prompt become one row ``[prompt | response_1 | ... |
+response_s]`` of ``P + s*T`` tokens: the prompt's tokens go through the model once, each response
+attends to the prompt's keys and causally to itself but never to its siblings (``models.attention``
+reads the layout from the 4D prompt mask this module passes as the attention mask). The result is
+the same function of the weights as the padded forward, so log-probs, gradients and everything
+downstream are unchanged up to float rounding; the work drops from ``s (P + T)`` to ``P + s T``
+tokens per group (the bench's GRPO: 4 x (44 + 64) -> 44 + 4 x 64 tokens, 0.69x).
 
 Position ids continue each response from its prompt's real length, as the padded row's
 ``cumsum(attention_mask) - 1`` does, so rotary embeddings see the same positions.
+
+Preference pairs (:func:`share_pair_prefixes`, ``train-rm --packing_samples``): the chosen and
+rejected sequences of a pair usually start with the same prompt; in the packed row the rejected
+one keeps only its rest, which attends to the prefix in the chosen segment
+(``models.attention.varlen_sdpa``).
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from torch import nn
 from fsdp_rlhf.allocator import allocator_hint, allocator_status
 from fsdp_rlhf.config import BackendConfig, CheckpointConfig, FSDPConfig
 from fsdp_rlhf.config_base import dump_yaml
+from fsdp_rlhf.cpu_bf16 import bf16_warning
 from fsdp_rlhf.distributed import checkpoint as ckpt
 from fsdp_rlhf.distributed.env import DistEnv, init_distributed, launched_world_size, teardown
 from fsdp_rlhf.distributed.fsdp import build_mesh, describe_zero_stage, shard_model
@@ -117,12 +118,14 @@ def fit(trainer: Trainer, save_steps: int) -> int:
     return 0
 
 
-def log_startup(env: DistEnv, zero_stage: int) -> None:
+def log_startup(env: DistEnv, zero_stage: int, bf16: bool) -> None:
     log.info(describe_zero_stage(zero_stage))
     if env.is_rank0 and (status := allocator_status()):
         log.info(status)
     if env.is_rank0 and (hint := allocator_hint(env.device.type)):
         log.warning(hint)
+    if env.is_rank0 and (slow := bf16_warning(env.device.type, bf16)):
+        log.warning(slow)
 
 
 def prepare_model(

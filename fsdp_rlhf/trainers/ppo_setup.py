@@ -206,7 +206,7 @@ def prepare_ppo_model(model: nn.Module, cfg: PPOConfig, env: DistEnv, trainable:
 
 def build_models(cfg: PPOConfig, env: DistEnv, tokenizer) -> Models:
     m, backend = cfg.models, cfg.backend
-    log_startup(env, cfg.fsdp.zero_stage)
+    log_startup(env, cfg.fsdp.zero_stage, cfg.backend.bf16)
     actor_model = load_causal_lm(m.pretrain, backend, env.device)
     if cfg.lora.enabled:
         add_lora(actor_model, cfg.lora)

@@ -20,7 +20,7 @@ RESUME_KEYS = ("train_pairs", "train_batch_size", "seed")
 
 def build_model(cfg: RMConfig, env: DistEnv, pad_token_id: int) -> nn.Module:
     """Load the SFT model with a scalar head and shard it over all ranks."""
-    log_startup(env, cfg.fsdp.zero_stage)
+    log_startup(env, cfg.fsdp.zero_stage, cfg.backend.bf16)
     # Same seed on every rank: a freshly initialised head must be identical everywhere,
     # because each rank keeps its own shard of its own copy.
     torch.manual_seed(cfg.seed)
