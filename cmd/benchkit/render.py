@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from benchkit import lora
+from benchkit import lora, prefix
 from benchkit.rates import spread
 from benchkit.report import headline, phase_table, targets
 
@@ -134,6 +134,8 @@ def console_table(raw: dict) -> str:
     text = _console(HEADER, table_rows(raw)) + "\n\n" + _console(MATRIX_HEADER, matrix_rows(raw))
     if raw.get("lora"):
         text += "\n\n" + _console(*lora.table(raw["lora"]))
+    if raw.get("shared_prefix"):
+        text += "\n\n" + _console(*prefix.table(raw["shared_prefix"]))
     return text
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchkit import lora
+from benchkit import lora, prefix
 from benchkit.notes import matrix_notes, notes
 from benchkit.render import (
     DIFFERS,
@@ -97,6 +97,7 @@ def summary_md(raw: dict) -> str:
         + "; ours GRPO: whole step / update phase alone. TRL's GRPO MFU is over its whole step.",
         "\n".join(f"- {n}" for n in matrix_notes(raw)),
         *_lora_md(raw),
+        *_prefix_md(raw),
         "## Phase breakdown of our steps",
         phases_md(raw),
         "## Peak memory",
@@ -123,4 +124,15 @@ def _lora_md(raw: dict) -> list[str]:
         "Ours only, the matrix's primary cell, interleaved with its GRPO runs; medians over "
         "the repetitions. Adapters on every linear layer, the reference forward is the base "
         "with the adapters disabled, the sync pushes the adapters only.",
+    ]
+
+
+def _prefix_md(raw: dict) -> list[str]:
+    if not raw.get("shared_prefix"):
+        return []
+    return [
+        "## Shared prompt prefix on and off (`--more`)",
+        md_table(*prefix.table(raw["shared_prefix"])),
+        "Ours only, in the bench process on one thread, fp32, compiled blocks; the same "
+        "micro-batch without and with the prefix run once, rounds interleaved.",
     ]

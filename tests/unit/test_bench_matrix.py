@@ -88,3 +88,16 @@ def test_bf16_cells_are_skipped_where_bf16_matmuls_are_emulated():
     assert matrix.skip_reason("bf16+tcmalloc", "glibc malloc", emulated) == matrix.NO_TCMALLOC
     rows = matrix_rows({"matrix": [], "skipped_cells": {"bf16+glibc": why}})
     assert rows == [("qwen2", "bf16+glibc", f"skipped: {why}", *["-"] * 6)]
+
+
+def test_shared_prefix_bench_times_each_case_and_tabulates_pairs(tmp_path):
+    """bench.py --more: the on/off micro-benchmark runs every case and pairs them up."""
+    from benchkit import prefix
+    from benchkit.workload import SMOKE, build_workload
+
+    w = build_workload(tmp_path, SMOKE)
+    result = prefix.measure(w, SMOKE, reps=1, warmup=1, compile=False)
+    assert len(result) == 6 and all(r["median_s"] > 0 for r in result.values())
+    header, rows = prefix.table(result)
+    assert len(header) == 4 and [r[0] for r in rows] == list(result)[0::2]
+    assert all(r[3].endswith("x") for r in rows)

@@ -1,0 +1,139 @@
+"""The shared prompt prefix on and off (``bench.py --more``): one micro-batch's forward and
+backward through the bench model, interleaved in this process on one thread, with compiled
+blocks as our runs use them.
+
+Whole runs on the 2-core machine move by 10-20% from run to run, more than this change, so the
+comparison is made where nothing else varies: the GRPO update's micro-batch (2 prompts x 4
+samples, responses of 50-64 of the 64 tokens) and the reference forward, padded against shared,
+and the reward model's micro-batch of pairs, packed against packed with each pair's prefix
+once.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from benchkit.workload import Sizes, Workload
+
+# responses end between this fraction of the maximum length and the maximum (the bench's mean
+# response was 57 of 64 tokens)
+SHORTEST_RESPONSE = 0.78
+
+
+def _grpo_batch(tokenizer, prompts: list[str], n: int, T: int, seed: int = 0):
+    """Left-padded chat prompts, each repeated for its n samples, then random responses."""
+    rendered = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+        )
+        for p in prompts
+    ]
+    ids_list = [tokenizer.encode(r, add_special_tokens=False) for r in rendered]
+    P, rng = max(map(len, ids_list)), random.Random(seed)
+    rows = len(prompts) * n
+    ids = torch.full((rows, P + T), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros(rows, P + T, dtype=torch.long)
+    for i in range(rows):
+        prompt, length = ids_list[i // n], rng.randint(max(1, int(SHORTEST_RESPONSE * T)), T)
+        ids[i, P - len(prompt) : P] = torch.tensor(prompt)
+        response = [rng.randrange(3, len(tokenizer)) for _ in range(length)]
+        ids[i, P : P + length] = torch.tensor(response)
+        mask[i, P - len(prompt) : P + length] = 1
+    return ids, mask
+
+
+def _pair_batch(tokenizer, rows: list[dict]):
+    """B pairs as collate_pairs lays them out: chosen rows, then rejected rows, EOS-terminated."""
+    seqs = [tokenizer.encode(r[side]) + [tokenizer.eos_token_id]
+            for side in ("chosen", "rejected") for r in rows]  # fmt: skip
+    L = max(map(len, seqs))
+    ids = torch.full((len(seqs), L), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros(len(seqs), L, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
+    return ids, mask
+
+
+def cases(w: Workload, s: Sizes, compile: bool = True) -> dict[str, Callable[[], None]]:
+    """Name -> one timed call; each pair of names is the same work without and with sharing."""
+    from fsdp_rlhf.config import BackendConfig
+    from fsdp_rlhf.models.attention import use_varlen_attention
+    from fsdp_rlhf.models.compile import compile_blocks
+    from fsdp_rlhf.models.forward import response_logprobs, sequence_scores, shared_pair_scores
+    from fsdp_rlhf.models.load import load_causal_lm, load_scalar_model, load_tokenizer
+
+    tok = load_tokenizer(str(w.model), False)
+    prompts = [json.loads(line)["input"] for line in open(w.prompts)]
+    groups = s.rl_micro // s.rl_n
+    ids, mask = _grpo_batch(tok, prompts[:groups], s.rl_n, s.rl_resp_len)
+    actor = load_causal_lm(str(w.model), BackendConfig(), "cpu")
+    pairs = [json.loads(line) for line in open(w.pairs)][: s.rm_micro]
+    pair_ids, pair_mask = _pair_batch(tok, pairs)
+    rm = load_scalar_model(str(w.model), BackendConfig(), "cpu", value_head_prefix="score")
+    rm.config.pad_token_id = tok.pad_token_id
+    use_varlen_attention(rm)
+    if compile:
+        compile_blocks(actor)
+        compile_blocks(rm)
+
+    def update(group: int) -> None:
+        lp, _ = response_logprobs(actor, ids, mask, s.rl_resp_len, group_size=group)
+        lp.sum().backward()
+        actor.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def reference(group: int) -> None:
+        response_logprobs(actor, ids, mask, s.rl_resp_len, group_size=group)
+
+    def reward(shared: bool) -> None:
+        scores = (shared_pair_scores(rm, pair_ids, pair_mask) if shared
+                  else sequence_scores(rm, pair_ids, pair_mask, packed=True))  # fmt: skip
+        scores.sum().backward()
+        rm.zero_grad(set_to_none=True)
+
+    return {
+        "GRPO update micro-batch, forward + backward": lambda: update(1),
+        "GRPO update micro-batch, forward + backward, shared": lambda: update(s.rl_n),
+        "GRPO reference forward": lambda: reference(1),
+        "GRPO reference forward, shared": lambda: reference(s.rl_n),
+        "RM micro-batch, forward + backward (packed)": lambda: reward(False),
+        "RM micro-batch, forward + backward (packed), shared": lambda: reward(True),
+    }
+
+
+def measure(w: Workload, s: Sizes, reps: int = 9, warmup: int = 3, compile: bool = True) -> dict:
+    """Median seconds of each case over ``reps`` interleaved rounds, on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        calls = cases(w, s, compile)
+        for call in calls.values():
+            for _ in range(warmup):  # compile and settle both layouts
+                call()
+        times: dict[str, list[float]] = {name: [] for name in calls}
+        for _ in range(reps):
+            for name, call in calls.items():
+                start = time.perf_counter()
+                call()
+                times[name].append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return {name: {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t)}
+            for name, t in times.items()}  # fmt: skip
+
+
+def table(result: dict) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+    """Rows of (work, off ms, on ms, on / off) from :func:`measure`."""
+    rows = []
+    names = list(result)
+    for off, on in zip(names[0::2], names[1::2], strict=True):
+        a, b = result[off]["median_s"], result[on]["median_s"]
+        rows.append((off, f"{1e3 * a:.0f}", f"{1e3 * b:.0f}", f"{b / a:.2f}x"))
+    header = ("one micro-batch, median of interleaved rounds", "ms", "ms shared", "shared / not")
+    return header, rows
