@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from fsdp_rlhf.models.attention import PADDED_ATTENTION
+from fsdp_rlhf.models.packing import PackedRow
 
 
 def shared_group_size(n_samples: int, *batch_sizes: int) -> int:
@@ -156,36 +157,21 @@ def shared_prompt_logits(model: nn.Module, rows: SharedPromptRows) -> torch.Tens
 @dataclass(frozen=True)
 class SharedPairRow:
     """B preference pairs packed into one row without padding, each pair's common prefix once:
-    segments ``[prefix + chosen rest]`` and ``[rejected rest]`` alternate, pair by pair.
+    segments ``[prefix + chosen rest]`` and ``[rejected rest]`` of ``packed`` alternate, pair
+    by pair; ``prefix_lens`` (B,) are the tokens each rejected rest attends to at the start of
+    its chosen segment."""
 
-    ``input_ids``/``position_ids`` (1, T); ``cu_seqlens`` (2B + 1,) segment offsets;
-    ``prefix_lens`` (B,) tokens the rejected rest attends to at the start of its chosen segment.
-    """
-
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    cu_seqlens: torch.Tensor
+    packed: PackedRow
     prefix_lens: torch.Tensor
-    max_len: int
 
     def model_inputs(self) -> dict:
-        cu = self.cu_seqlens.to(torch.int32)
-        return dict(
-            input_ids=self.input_ids,
-            position_ids=self.position_ids,
-            use_cache=False,
-            cu_seq_lens_q=cu,
-            cu_seq_lens_k=cu,
-            max_length_q=self.max_len,
-            max_length_k=self.max_len,
-            # models.attention.varlen_sdpa: this keyword selects the shared-prefix pairs
-            shared_prefix_lens=self.prefix_lens,
-        )
+        # models.attention.varlen_sdpa: this keyword selects the shared-prefix pairs
+        return {**self.packed.model_inputs(), "shared_prefix_lens": self.prefix_lens}
 
     @property
     def last_index(self) -> torch.Tensor:
         """(2B,) last token of each chosen, then each rejected sequence."""
-        ends = self.cu_seqlens[1:] - 1
+        ends = self.packed.last_index
         return torch.cat([ends[0::2], ends[1::2]])
 
 
@@ -211,10 +197,10 @@ def share_pair_prefixes(input_ids: torch.Tensor, attention_mask: torch.Tensor) -
     keep = torch.stack([mask[:B], keep_rejected], dim=1).reshape(2 * B, L)
     positions = (mask.long().cumsum(-1) - 1).view(2, B, L).transpose(0, 1).reshape(2 * B, L)
     segment_lens = keep.sum(-1)
-    return SharedPairRow(
+    packed = PackedRow(
         input_ids=ids[keep].unsqueeze(0),
         position_ids=positions[keep].unsqueeze(0),
         cu_seqlens=torch.nn.functional.pad(segment_lens.cumsum(0), (1, 0)),
-        prefix_lens=prefix,
         max_len=int(segment_lens.max()),
     )
+    return SharedPairRow(packed, prefix)

@@ -186,12 +186,13 @@ def test_shared_pair_row_layout():
     row = share_pair_prefixes(ids, mask)
     # the prompt (6); all of the shorter reply but its last token (10); all but the last (5); 0
     assert row.prefix_lens.tolist() == [6, 10, 5, 0]
-    lens = mask.sum(-1)
-    assert row.cu_seqlens.diff().tolist() == [10, 7, 11, 4, 6, 1, 6, 9]
-    assert row.input_ids.shape[1] == int(lens.sum() - row.prefix_lens.sum())
+    lens, packed = mask.sum(-1), row.packed
+    assert packed.cu_seqlens.diff().tolist() == [10, 7, 11, 4, 6, 1, 6, 9]
+    assert packed.input_ids.shape[1] == int(lens.sum() - row.prefix_lens.sum())
     # the rejected rest continues the prefix's positions
-    assert row.position_ids[0, 10:17].tolist() == list(range(6, 13))
-    ends = row.cu_seqlens[1:] - 1
+    assert packed.position_ids[0, 10:17].tolist() == list(range(6, 13))
+    assert row.model_inputs()["shared_prefix_lens"] is row.prefix_lens
+    ends = packed.cu_seqlens[1:] - 1
     assert row.last_index.tolist() == [*ends[0::2].tolist(), *ends[1::2].tolist()]
 
 
