@@ -254,6 +254,11 @@ def test_vllm_adapter_assumptions(tiny_qwen2):
     if not torch.cuda.is_available():
         assert kw["kv_cache_memory_bytes"] == ve.GiB  # tiny model: the 1 GiB floor
         assert ve.cpu_kv_cache_bytes(tiny_qwen2, 64, 1, torch.float32, 0.5) == ve.GiB // 2
+        # whole prefills (seeded CPU generators cannot rewind), in a budget that keeps the
+        # compiled engine's one-forward warm-up small but always fits one full-length sequence
+        assert kw["enable_chunked_prefill"] is False
+        assert kw["max_num_batched_tokens"] == ve.CPU_STEP_TOKENS
+        assert ve.cpu_scheduler_kwargs(8192)["max_num_batched_tokens"] == 8192
     greedy = ve.sampling_params(SamplingConfig(max_new_tokens=5, greedy=True, top_k=-1), None)
     assert (greedy.temperature, greedy.top_k, greedy.logprobs, greedy.max_tokens) == (0.0, 0, 0, 5)
     sampled = ve.sampling_params(
