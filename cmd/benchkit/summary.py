@@ -112,7 +112,11 @@ def summary_md(raw: dict) -> str:
 
 def _peaks(raw: dict) -> str:
     peaks = raw.get("peak_flops_1t", {})
-    return "(" + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in peaks.items()) + ")"
+    text = ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in peaks.items())
+    if probes := raw.get("peak_probes"):
+        each = [", ".join(f"{k} {v / 1e9:.0f}" for k, v in p.items()) for p in probes]
+        text += f"; the faster of the probes at the start ({each[0]}) and end ({each[1]})"
+    return f"({text})"
 
 
 def _lora_md(raw: dict) -> list[str]:

@@ -69,16 +69,19 @@ def test_trl_side_is_measured(smoke):
 
 def test_matrix_cells_are_measured_with_mfu(smoke):
     raw, summary = smoke["raw"], smoke["summary"]
-    peaks = raw["peak_flops_1t"]
+    peaks, (start, end) = raw["peak_flops_1t"], raw["peak_probes"]
     assert _positive(peaks["bf16"]) and _positive(peaks["fp32"])
+    # MFU divides by the faster of the probes before and after the runs
+    assert all(peaks[k] == max(start[k], end[k]) for k in ("bf16", "fp32")), raw["peak_probes"]
     ran = [c for c, r in raw["cells"].items() if "skipped" not in r]
     # the fp32 glibc cell runs everywhere; the bf16 tcmalloc cell wherever tcmalloc is
-    # installed and bf16 matmuls are native (else the tables say why it was skipped)
-    native_bf16 = bf16_blocker(peaks) is None
+    # installed and bf16 matmuls are native (else the tables say why it was skipped); cells
+    # are chosen by the probe taken before them
+    native_bf16 = bf16_blocker(start) is None
     assert "fp32+glibc" in ran
     assert ("bf16+tcmalloc" in ran) == (bool(find_tcmalloc()) and native_bf16)
     if not native_bf16:
-        assert raw["skipped_cells"]["bf16+tcmalloc"] == bf16_blocker(peaks)
+        assert raw["skipped_cells"]["bf16+tcmalloc"] == bf16_blocker(start)
         assert (
             "skipped: no native bf16 matmul" in summary and "skipped: no native" in smoke["stdout"]
         )
