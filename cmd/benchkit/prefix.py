@@ -18,8 +18,11 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from benchkit.workload import Sizes, Workload
+from fsdp_rlhf.data.preference import collate_pairs
+from fsdp_rlhf.rollout.engine import pad_token_rows
 
 # responses end between this fraction of the maximum length and the maximum (the bench's mean
 # response was 57 of 64 tokens)
@@ -27,7 +30,8 @@ SHORTEST_RESPONSE = 0.78
 
 
 def _grpo_batch(tokenizer, prompts: list[str], n: int, T: int, seed: int = 0):
-    """Left-padded chat prompts, each repeated for its n samples, then random responses."""
+    """Left-padded chat prompts, each repeated for its n samples, then random responses
+    right-padded to ``T`` tokens."""
     rendered = [
         tokenizer.apply_chat_template(
             [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
@@ -35,29 +39,26 @@ def _grpo_batch(tokenizer, prompts: list[str], n: int, T: int, seed: int = 0):
         for p in prompts
     ]
     ids_list = [tokenizer.encode(r, add_special_tokens=False) for r in rendered]
-    P, rng = max(map(len, ids_list)), random.Random(seed)
-    rows = len(prompts) * n
-    ids = torch.full((rows, P + T), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros(rows, P + T, dtype=torch.long)
-    for i in range(rows):
-        prompt, length = ids_list[i // n], rng.randint(max(1, int(SHORTEST_RESPONSE * T)), T)
-        ids[i, P - len(prompt) : P] = torch.tensor(prompt)
-        response = [rng.randrange(3, len(tokenizer)) for _ in range(length)]
-        ids[i, P : P + length] = torch.tensor(response)
-        mask[i, P - len(prompt) : P + length] = 1
-    return ids, mask
+    pad, rng = tokenizer.pad_token_id, random.Random(seed)
+    repeated = [p for p in ids_list for _ in range(n)]
+    prompt_ids, prompt_mask = pad_token_rows(repeated, pad, left=True)
+    shortest = max(1, int(SHORTEST_RESPONSE * T))
+    responses = [
+        [rng.randrange(3, len(tokenizer)) for _ in range(rng.randint(shortest, T))]
+        for _ in range(prompt_ids.shape[0])
+    ]
+    response_ids, response_mask = pad_token_rows(responses, pad, left=False)
+    extra = T - response_ids.shape[1]
+    ids = torch.cat([prompt_ids, F.pad(response_ids, (0, extra), value=pad)], dim=1)
+    return ids, torch.cat([prompt_mask, F.pad(response_mask, (0, extra))], dim=1)
 
 
 def _pair_batch(tokenizer, rows: list[dict]):
-    """B pairs as collate_pairs lays them out: chosen rows, then rejected rows, EOS-terminated."""
-    seqs = [tokenizer.encode(r[side]) + [tokenizer.eos_token_id]
-            for side in ("chosen", "rejected") for r in rows]  # fmt: skip
-    L = max(map(len, seqs))
-    ids = torch.full((len(seqs), L), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros(len(seqs), L, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
-    return ids, mask
+    """B pairs as ``train-rm`` lays them out: chosen rows, then rejected rows, EOS-terminated."""
+    ids = {f"{side}_ids": [tokenizer.encode(r[side]) + [tokenizer.eos_token_id] for r in rows]
+           for side in ("chosen", "rejected")}  # fmt: skip
+    batch = collate_pairs(ids, tokenizer.pad_token_id)
+    return batch.input_ids, batch.attention_mask
 
 
 def cases(w: Workload, s: Sizes, compile: bool = True) -> dict[str, Callable[[], None]]:
