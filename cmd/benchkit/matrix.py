@@ -5,6 +5,8 @@ then rep 1, ...), so a slow spell on the shared machine hits several cells a lit
 one cell a lot; each cell reports medians over repetitions with their spread, and ratios of
 medians. MFU is 6 x parameters x trained tokens/s over ``nproc`` one-thread matmul peaks of the
 cell's dtype (``benchkit.peak``); for our GRPO it is also given over the update phase alone.
+Beside each ratio, the ratio at peak: what ours would reach against the same TRL runs with every
+matmul of its step at that peak and nothing else costing time (``peak.grpo_ceiling_tps``).
 """
 
 from __future__ import annotations
@@ -131,12 +133,23 @@ def summarize_cell(
         out[f"rm_{side}_mfu"] = util(median(rm_tok))
         out[f"rl_{side}_mfu"] = util(median(tps) * nproc)
     out["rl_ours_update_mfu"] = util(median(_side(rl_runs, "ours", "update_tokens_per_s")))
+    # the ratios ours would reach with every matmul at the probed peak (and nothing else costing)
+    out["rm_ratio_at_peak"] = ratio(1.0, out["rm_trl_mfu"])
+    share = _response_share(rl_runs)
+    out["rl_ceiling_tps"] = peak.grpo_ceiling_tps(params_m, share, top)
+    out["rl_ratio_at_peak"] = ratio(out["rl_ceiling_tps"], median(out["rl_trl"]))
     out["rm_ratio"] = ratio(median(out["rm_ours"]), median(out["rm_trl"]))
     out["rl_ratio"] = ratio(median(out["rl_ours"]), median(out["rl_trl"]))
     out["rm_met"] = _met(out["rm_ratio"], RM_TARGET)
     out["rl_met"] = _met(out["rl_ratio"], RL_TARGET)
     out["rl_ours_phases_s"] = _phases(rl_runs)
     return out
+
+
+def _response_share(rl_runs: list[dict]) -> float:
+    """Median share of response tokens in our GRPO samples (prompt + response)."""
+    resp = median(_side(rl_runs, "ours", "response_len"))
+    return resp / (resp + median(_side(rl_runs, "ours", "prompt_len")))
 
 
 def _met(value: float, goal: float) -> bool | None:

@@ -50,10 +50,22 @@ def matrix_notes(raw: dict) -> list[str]:
             line += (
                 f" TRL's whole GRPO step is at {100 * trl:.0f}% MFU, so 2x TRL needs ours at "
                 f"{200 * trl:.0f}% over the whole step (now {100 * c['rl_ours_mfu']:.0f}%); "
-                f"RM: ours {100 * c['rm_ours_mfu']:.0f}% vs TRL {100 * c['rm_trl_mfu']:.0f}%."
+                f"RM: ours {100 * c['rm_ours_mfu']:.0f}% vs TRL {100 * c['rm_trl_mfu']:.0f}%. "
+                + _ceiling(c)
             )
         out.append(line)
     return out
+
+
+def _ceiling(c: dict) -> str:
+    """The GRPO ratio the machine allows at its matmul peak, said with what it assumes."""
+    return (
+        "Ratio at peak: with every matmul of our GRPO step (per token, 6 x parameters for the "
+        "update and 2 for the reference forward; per response token, 2 more for its decode) at "
+        "the probed peak and all else free, ours would run "
+        f"{c['rl_ceiling_tps']:.0f} tokens/s/rank, {c['rl_ratio_at_peak']:.2f}x TRL's measured "
+        "rate."
+    )
 
 
 def sync_note(raw: dict, h: dict) -> str:

@@ -56,6 +56,20 @@ def mfu(params_m: float, tokens_per_s: float, peak_1t: float, nproc: int) -> flo
     return training_flops(params_m, tokens_per_s) / (peak_1t * nproc)
 
 
+def grpo_flops_per_token(params_m: float, response_share: float) -> float:
+    """Matmul FLOPs a GRPO step must spend per token it trains, a lower bound: the update
+    (forward + backward, 6 x params), the reference forward (2 x params), and one decode
+    forward (2 x params) per response token, ``response_share`` of the tokens. Prompt prefill,
+    attention and everything that is not a matmul count as free."""
+    return params_m * 1e6 * (8 + 2 * response_share)
+
+
+def grpo_ceiling_tps(params_m: float, response_share: float, peak_1t: float) -> float:
+    """Tokens/s/rank a GRPO step could reach with every matmul at the one-thread peak and all
+    else free: the arithmetic limit of the machine for that step, whatever the software."""
+    return peak_1t / grpo_flops_per_token(params_m, response_share)
+
+
 # bf16 cells need bf16 matmuls at least this fast relative to fp32 to say anything about bf16:
 # CPUs without AVX512-BF16/AMX (e.g. AMD Zen 3) emulate them, 8x slower than fp32 for
 # nn.functional.linear and 70x for torch.matmul on the 2-core bench machine.

@@ -92,6 +92,8 @@ def test_matrix_cells_are_measured_with_mfu(smoke):
             assert 0 < cell[key] < 1.5, (key, cell[key])  # a fraction of the probed peak
         # the update alone is at least as efficient as the whole step it is part of
         assert cell["rl_ours_update_mfu"] > cell["rl_ours_mfu"]
+        # the arithmetic limit at the probed peak is above what ours measured
+        assert max(cell["rl_ours"]) < cell["rl_ceiling_tps"], cell
     # each cell's runs got its allocator: our start-up log names glibc malloc only there
     glibc = "CPU run with glibc malloc"
     for run in ("rm_ours_fp32_glibc_0", "grpo_ours_fp32_glibc_0"):

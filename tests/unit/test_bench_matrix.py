@@ -35,7 +35,8 @@ def _rep(rm_ours, rm_trl, rl_ours, rl_trl, update_tps):
     return (
         {"ours": {"pairs_per_s": rm_ours, "tokens_per_s": 100 * rm_ours},
          "trl": {"pairs_per_s": rm_trl, "tokens_per_s": 100 * rm_trl}},
-        {"ours": {"e2e_tps": rl_ours, "update_tokens_per_s": update_tps, "phases_s": phases},
+        {"ours": {"e2e_tps": rl_ours, "update_tokens_per_s": update_tps, "phases_s": phases,
+                  "response_len": 60.0, "prompt_len": 40.0},
          "trl": {"e2e_tps": rl_trl}},
     )  # fmt: skip
 
@@ -55,9 +56,14 @@ def test_summarize_cell_medians_ratios_and_mfu():
     assert c["rl_trl_mfu"] == pytest.approx(6 * 10e6 * 50 * 2 / 2e11)
     assert c["rl_ours_update_mfu"] == pytest.approx(6 * 10e6 * 2000 / 2e11)
     assert c["rl_ours_phases_s"] == {"all": 2.0, "update": 1.0, "rollout": 0.5}
+    # at the 1e11 peak: (6 + 2) x 10M per token, plus 2 x 10M per response token (60 of 100)
+    assert c["rl_ceiling_tps"] == pytest.approx(1e11 / (10e6 * (8 + 2 * 0.6)))
+    assert c["rl_ratio_at_peak"] == pytest.approx(c["rl_ceiling_tps"] / 50.0)  # TRL's median
+    # RM: TRL's MFU is the share of the peak it reaches, so ours at peak is 1 / that ahead
+    assert c["rm_ratio_at_peak"] == pytest.approx(1 / c["rm_trl_mfu"])
     rows = matrix_rows({"matrix": [c]})
     assert rows[0][3] == "3.00 [2.00-4.00]" and rows[0][6] == ">= 1.5x: met"
-    assert rows[1][5] == "2.00x"
+    assert rows[1][5] == "2.00x" and rows[1][7] == f"{c['rl_ratio_at_peak']:.2f}x"
 
 
 def test_summarize_cell_without_trl_has_no_verdict():
@@ -98,7 +104,7 @@ def test_bf16_cells_are_skipped_where_bf16_matmuls_are_emulated():
     # a missing allocator is said first: it is what the user can fix
     assert matrix.skip_reason("bf16+tcmalloc", "glibc malloc", emulated) == matrix.NO_TCMALLOC
     rows = matrix_rows({"matrix": [], "skipped_cells": {"bf16+glibc": why}})
-    assert rows == [("qwen2", "bf16+glibc", f"skipped: {why}", *["-"] * 6)]
+    assert rows == [("qwen2", "bf16+glibc", f"skipped: {why}", *["-"] * 7)]
 
 
 def test_shared_prefix_bench_times_each_case_and_tabulates_pairs(tmp_path):
