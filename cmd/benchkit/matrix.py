@@ -115,7 +115,13 @@ def _side(runs: list[dict], side: str, key: str) -> list[float]:
 
 
 def summarize_cell(
-    runs: dict, *, params_m: float, peak_1t: dict[str, float], nproc: int, workload: str
+    runs: dict,
+    *,
+    params_m: float,
+    peak_1t: dict[str, float],
+    nproc: int,
+    group_size: int,
+    workload: str,
 ) -> dict:
     """Medians, spreads, ratios, MFU and targets of one cell's repetitions."""
     precision, _ = parse_cell(runs["cell"])
@@ -136,7 +142,7 @@ def summarize_cell(
     # the ratios ours would reach with every matmul at the probed peak (and nothing else costing)
     out["rm_ratio_at_peak"] = ratio(1.0, out["rm_trl_mfu"])
     share = _response_share(rl_runs)
-    out["rl_ceiling_tps"] = peak.grpo_ceiling_tps(params_m, share, top)
+    out["rl_ceiling_tps"] = peak.grpo_ceiling_tps(params_m, share, group_size, top)
     out["rl_ratio_at_peak"] = ratio(out["rl_ceiling_tps"], median(out["rl_trl"]))
     out["rm_ratio"] = ratio(median(out["rm_ours"]), median(out["rm_trl"]))
     out["rl_ratio"] = ratio(median(out["rl_ours"]), median(out["rl_trl"]))
@@ -168,7 +174,8 @@ def skipped(raw: dict) -> dict[str, str]:
 
 def summarize(raw: dict) -> list[dict]:
     """One summary per cell that ran, the Llama-shaped row last."""
-    kw = dict(peak_1t=raw["peak_flops_1t"], nproc=raw["sizes"]["nproc"])
+    sizes = raw["sizes"]
+    kw = dict(peak_1t=raw["peak_flops_1t"], nproc=sizes["nproc"], group_size=sizes["rl_n"])
     out = [
         summarize_cell({**runs, "cell": cell}, params_m=raw["params_m"], workload="qwen2", **kw)
         for cell, runs in raw["cells"].items()

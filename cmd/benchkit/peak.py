@@ -56,18 +56,23 @@ def mfu(params_m: float, tokens_per_s: float, peak_1t: float, nproc: int) -> flo
     return training_flops(params_m, tokens_per_s) / (peak_1t * nproc)
 
 
-def grpo_flops_per_token(params_m: float, response_share: float) -> float:
-    """Matmul FLOPs a GRPO step must spend per token it trains, a lower bound: the update
-    (forward + backward, 6 x params), the reference forward (2 x params), and one decode
-    forward (2 x params) per response token, ``response_share`` of the tokens. Prompt prefill,
-    attention and everything that is not a matmul count as free."""
-    return params_m * 1e6 * (8 + 2 * response_share)
+def grpo_flops_per_token(params_m: float, response_share: float, group_size: int) -> float:
+    """Matmul FLOPs a GRPO step must spend per token it counts (every sample's prompt and
+    response), a lower bound: each distinct token once through the update (forward + backward,
+    6 x params) and the reference forward (2 x params), where a group of ``group_size``
+    samples shares one pass of its prompt, and one decode forward (2 x params) per response
+    token, ``response_share`` of the counted tokens. Attention and all that is not a matmul
+    count as free."""
+    distinct = (1 - response_share) / group_size + response_share
+    return params_m * 1e6 * (8 * distinct + 2 * response_share)
 
 
-def grpo_ceiling_tps(params_m: float, response_share: float, peak_1t: float) -> float:
+def grpo_ceiling_tps(
+    params_m: float, response_share: float, group_size: int, peak_1t: float
+) -> float:
     """Tokens/s/rank a GRPO step could reach with every matmul at the one-thread peak and all
-    else free: the arithmetic limit of the machine for that step, whatever the software."""
-    return peak_1t / grpo_flops_per_token(params_m, response_share)
+    else free: the machine's arithmetic limit for that step."""
+    return peak_1t / grpo_flops_per_token(params_m, response_share, group_size)
 
 
 # bf16 cells need bf16 matmuls at least this fast relative to fp32 to say anything about bf16:

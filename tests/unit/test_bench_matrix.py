@@ -46,7 +46,8 @@ def test_summarize_cell_medians_ratios_and_mfu():
             _rep(4.0, 2.5, 90.0, 50.0, 2000.0)]  # fmt: skip
     runs = {"cell": "fp32+glibc", "rm_runs": [r for r, _ in reps], "rl_runs": [r for _, r in reps]}
     peaks = {"bf16": 4e11, "fp32": 1e11}
-    c = matrix.summarize_cell(runs, params_m=10.0, peak_1t=peaks, nproc=2, workload="qwen2")
+    c = matrix.summarize_cell(runs, params_m=10.0, peak_1t=peaks, nproc=2, group_size=4,
+                              workload="qwen2")  # fmt: skip
     assert c["rm_ratio"] == pytest.approx(3.0 / 2.0)  # ratio of the medians
     assert c["rl_ratio"] == pytest.approx(100.0 / 50.0)
     assert c["rm_met"] is True and c["rl_met"] is True
@@ -56,8 +57,9 @@ def test_summarize_cell_medians_ratios_and_mfu():
     assert c["rl_trl_mfu"] == pytest.approx(6 * 10e6 * 50 * 2 / 2e11)
     assert c["rl_ours_update_mfu"] == pytest.approx(6 * 10e6 * 2000 / 2e11)
     assert c["rl_ours_phases_s"] == {"all": 2.0, "update": 1.0, "rollout": 0.5}
-    # at the 1e11 peak: (6 + 2) x 10M per token, plus 2 x 10M per response token (60 of 100)
-    assert c["rl_ceiling_tps"] == pytest.approx(1e11 / (10e6 * (8 + 2 * 0.6)))
+    # at the 1e11 peak, per 100 counted tokens (40 prompt, 60 response, groups of 4): update +
+    # reference forward, 8 x 10M over the 10 + 60 distinct tokens, decode 2 x 10M over the 60
+    assert c["rl_ceiling_tps"] == pytest.approx(1e11 * 100 / (10e6 * (8 * 70 + 2 * 60)))
     assert c["rl_ratio_at_peak"] == pytest.approx(c["rl_ceiling_tps"] / 50.0)  # TRL's median
     # RM: TRL's MFU is the share of the peak it reaches, so ours at peak is 1 / that ahead
     assert c["rm_ratio_at_peak"] == pytest.approx(1 / c["rm_trl_mfu"])
@@ -71,7 +73,7 @@ def test_summarize_cell_without_trl_has_no_verdict():
     del rm_run["trl"], rl_run["trl"]
     runs = {"cell": "bf16+tcmalloc", "rm_runs": [rm_run], "rl_runs": [rl_run]}
     c = matrix.summarize_cell(runs, params_m=1.0, peak_1t={"bf16": 1e11, "fp32": 1e11},
-                              nproc=1, workload="qwen2")  # fmt: skip
+                              nproc=1, group_size=4, workload="qwen2")  # fmt: skip
     assert c["rm_met"] is None and c["rl_met"] is None
     assert matrix_rows({"matrix": [c]})[0][6] == ">= 1.5x: -"
 
