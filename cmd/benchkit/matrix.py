@@ -5,8 +5,8 @@ then rep 1, ...), so a slow spell on the shared machine hits several cells a lit
 one cell a lot; each cell reports medians over repetitions with their spread, and ratios of
 medians. MFU is 6 x parameters x trained tokens/s over ``nproc`` one-thread matmul peaks of the
 cell's dtype (``benchkit.peak``); for our GRPO it is also given over the update phase alone.
-Beside each ratio, the ratio at peak: what ours would reach against the same TRL runs with every
-matmul of its step at that peak and nothing else costing time (``peak.grpo_ceiling_tps``).
+Beside the GRPO ratio, the ratio at peak: what ours would reach against the same TRL runs with
+every matmul of its step at that peak and nothing else costing time (``peak.grpo_ceiling_tps``).
 """
 
 from __future__ import annotations
@@ -139,8 +139,8 @@ def summarize_cell(
         out[f"rm_{side}_mfu"] = util(median(rm_tok))
         out[f"rl_{side}_mfu"] = util(median(tps) * nproc)
     out["rl_ours_update_mfu"] = util(median(_side(rl_runs, "ours", "update_tokens_per_s")))
-    # the ratios ours would reach with every matmul at the probed peak (and nothing else costing)
-    out["rm_ratio_at_peak"] = ratio(1.0, out["rm_trl_mfu"])
+    # the GRPO ratio ours would reach with every matmul at the probed peak and nothing else
+    # costing (none for the RM: its shared prompt prefix makes the arithmetic data-dependent)
     share = _response_share(rl_runs)
     out["rl_ceiling_tps"] = peak.grpo_ceiling_tps(params_m, share, group_size, top)
     out["rl_ratio_at_peak"] = ratio(out["rl_ceiling_tps"], median(out["rl_trl"]))

@@ -95,11 +95,11 @@ def summary_md(raw: dict) -> str:
         "trained tokens/s over the ranks' one-thread matmul peak of the cell's dtype "
         + _peaks(raw)
         + "; ours GRPO: whole step / update phase alone. TRL's GRPO MFU is over its whole step. "
-        "Ratio at peak: the ratio ours would reach against the same TRL runs if every matmul of "
-        "its step ran at that peak and nothing else took time (RM: 6 x parameters per token; "
-        "GRPO: 8 per distinct token for the update and reference forward, a group's shared "
-        "prompt counted once, and 2 per response token for its decode); a target above it is "
-        "out of reach here without less arithmetic or matmuls faster than the probe's.",
+        "Ratio at peak (GRPO): the ratio ours would reach against the same TRL runs if every "
+        "matmul of its step ran at that peak and nothing else took time (8 x parameters per "
+        "distinct token for the update and reference forward, a group's shared prompt counted "
+        "once, and 2 per response token for its decode); a target above it is out of reach here "
+        "without less arithmetic or matmuls faster than the probe's.",
         "\n".join(f"- {n}" for n in matrix_notes(raw)),
         *_lora_md(raw),
         *_prefix_md(raw),

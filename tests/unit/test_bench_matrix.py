@@ -61,11 +61,10 @@ def test_summarize_cell_medians_ratios_and_mfu():
     # reference forward, 8 x 10M over the 10 + 60 distinct tokens, decode 2 x 10M over the 60
     assert c["rl_ceiling_tps"] == pytest.approx(1e11 * 100 / (10e6 * (8 * 70 + 2 * 60)))
     assert c["rl_ratio_at_peak"] == pytest.approx(c["rl_ceiling_tps"] / 50.0)  # TRL's median
-    # RM: TRL's MFU is the share of the peak it reaches, so ours at peak is 1 / that ahead
-    assert c["rm_ratio_at_peak"] == pytest.approx(1 / c["rm_trl_mfu"])
     rows = matrix_rows({"matrix": [c]})
     assert rows[0][3] == "3.00 [2.00-4.00]" and rows[0][6] == ">= 1.5x: met"
     assert rows[1][5] == "2.00x" and rows[1][7] == f"{c['rl_ratio_at_peak']:.2f}x"
+    assert rows[0][7] == "-"  # no ratio at peak for the RM
 
 
 def test_summarize_cell_without_trl_has_no_verdict():
