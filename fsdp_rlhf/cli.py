@@ -31,30 +31,32 @@ app = typer.Typer(
 _RAW = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
 
 
-def _print_flags(config_cls: type, title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
+def _print_flags(config_cls: type, command: str, title: str) -> None:
+    from fsdp_rlhf.flag_help import render_help
 
-    from fsdp_rlhf.config_base import flags_help
-
-    table = Table(title=title, show_lines=False, header_style="bold")
-    for col in ("flag", "type", "default", "help"):
-        table.add_column(col, overflow="fold")
-    for row in flags_help(config_cls):
-        table.add_row(*row)
-    Console().print(table)
-    Console().print("Also: --config FILE.yaml, --debug. Dashes and underscores are equivalent.")
+    sys.stdout.write(render_help(config_cls, command, title))
 
 
-def _run(argv: list[str], config_cls: type, title: str, main: Callable) -> None:
+def _translate(command: str, argv: list[str]) -> list[str]:
+    """OpenRLHF spellings -> canonical flags; rank 0 prints what each became, once."""
+    from fsdp_rlhf.compat import translate
+
+    translation = translate(command, argv)
+    if translation.notes and os.environ.get("RANK", "0") == "0":
+        for note in translation.notes:
+            print(f"openrlhf flag: {note}", file=sys.stderr)
+    return translation.argv
+
+
+def _run(argv: list[str], config_cls: type, command: str, title: str, main: Callable) -> None:
     if "--help" in argv or "-h" in argv:
-        _print_flags(config_cls, title)
+        _print_flags(config_cls, command, title)
         raise typer.Exit(0)
     debug = "--debug" in argv
     try:
         from fsdp_rlhf.config_base import build_config
 
-        cfg, debug = build_config(config_cls, argv)
+        cfg, debug = build_config(config_cls, _translate(command, argv))
         code = main(cfg, debug=debug)
     except UserError as e:
         if debug:
@@ -75,7 +77,7 @@ def train_rm(ctx: typer.Context) -> None:
 
         return rm_main(cfg, debug=debug)
 
-    _run(list(ctx.args), RMConfig, "fsdp-rlhf train-rm flags", main)
+    _run(list(ctx.args), RMConfig, "train-rm", "fsdp-rlhf train-rm flags", main)
 
 
 @app.command("ppo", context_settings=_RAW)
@@ -88,7 +90,7 @@ def ppo(ctx: typer.Context) -> None:
 
         return ppo_main(cfg, debug=debug)
 
-    _run(list(ctx.args), PPOConfig, "fsdp-rlhf ppo flags", main)
+    _run(list(ctx.args), PPOConfig, "ppo", "fsdp-rlhf ppo flags", main)
 
 
 @app.command("doctor", context_settings=_RAW)
@@ -101,7 +103,7 @@ def doctor(ctx: typer.Context) -> None:
 
         return doctor_main(cfg, debug=debug)
 
-    _run(list(ctx.args), PPOConfig, "fsdp-rlhf doctor flags (same as ppo)", main)
+    _run(list(ctx.args), PPOConfig, "doctor", "fsdp-rlhf doctor flags (same as ppo)", main)
 
 
 def strip_launcher_args(argv: list[str]) -> list[str]:

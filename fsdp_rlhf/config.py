@@ -32,6 +32,14 @@ class BackendConfig:
         False, "torch.compile each decoder layer's norms, MLP and attention block (fused kernels)."
     )
     trust_remote_code: bool = doc(False, "Allow model code shipped inside checkpoint folders.")
+    disable_fast_tokenizer: bool = doc(
+        False, "Load the slow (Python) tokenizer instead of the Rust one."
+    )
+    full_determinism: bool = doc(
+        False,
+        "Deterministic kernels where PyTorch has them (transformers.enable_full_determinism): "
+        "slower, bitwise-repeatable runs on the same hardware.",
+    )
 
     def __post_init__(self) -> None:
         # flash-attn kernels take only fp16/bf16 inputs; fp32 would fail in the first forward
@@ -64,6 +72,7 @@ class OptimConfig:
     )
     min_lr_ratio: float = doc(0.1, "Floor of the cosine schedule, as a fraction of the peak.")
     adam_betas: tuple[float, ...] = doc((0.9, 0.95), "AdamW betas.")
+    adam_eps: float = doc(1e-8, "AdamW epsilon.")
     l2: float = doc(0.0, "Decoupled weight decay.")
     max_norm: float = doc(1.0, "Gradient clipping norm (<= 0 disables).")
 
@@ -74,6 +83,8 @@ class OptimConfig:
             raise ConfigError(f"lr_warmup_ratio must be in [0, 1), got {self.lr_warmup_ratio}")
         if len(self.adam_betas) != 2:
             raise ConfigError(f"adam_betas needs 2 values, got {list(self.adam_betas)}")
+        if self.adam_eps <= 0:
+            raise ConfigError(f"adam_eps must be > 0, got {self.adam_eps}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,12 +184,17 @@ class PreferenceDataConfig:
 
     dataset: str = doc("", "Comma-separated sources: JSON/JSONL/parquet file, folder, or hub name.")
     dataset_probs: str = doc("1.0", "Comma-separated mixing probabilities, one per source.")
+    dataset_split: str = doc("train", "Split to read from sources that have several.")
     eval_dataset: str | None = doc(None, "Held-out sources (default: 1% of train).")
+    eval_split: str = doc("test", "Split to read from eval sources that have several.")
     prompt_key: str | None = doc(None, "Key of the prompt; none: chosen/rejected are full texts.")
     chosen_key: str = doc("chosen", "Key of the preferred response.")
     rejected_key: str = doc("rejected", "Key of the dispreferred response.")
     margin_key: str | None = doc(None, "Key of a per-pair margin for the loss.")
     apply_chat_template: bool = doc(False, "Render message lists with the tokenizer's template.")
+    tokenizer_chat_template: str | None = doc(
+        None, "A Jinja chat template to use instead of the tokenizer's own."
+    )
     input_template: str | None = doc(
         None, "Template for the prompt, e.g. 'Human: {}\\nAssistant: '."
     )
@@ -220,7 +236,7 @@ class RMLossConfig:
 class RMConfig:
     """`fsdp-rlhf train-rm`."""
 
-    FLAG_ALIASES: ClassVar[dict[str, str]] = {
+    FLAT_NAMES: ClassVar[dict[str, str]] = {
         "learning_rate": "optim.lr",
         "max_norm": "optim.max_norm",
         "adam_betas": "optim.adam_betas",
@@ -306,6 +322,7 @@ class PromptDataConfig:
         "", "Comma-separated sources: JSON/JSONL/parquet file, folder, hub name."
     )
     prompt_data_probs: str = doc("1.0", "Comma-separated mixing probabilities, one per source.")
+    prompt_split: str = doc("train", "Split to read from sources that have several.")
     input_key: str = doc("input", "Key of the prompt (string or chat-message list).")
     label_key: str | None = doc(None, "Key of a label passed to the rule reward.")
     input_template: str | None = doc(
@@ -341,6 +358,11 @@ class RolloutConfig:
     vllm_kvcache_space_gib: float = doc(0.0, "CPU only: KV cache size (0: sized from the config).")
     enforce_eager: bool = doc(False, "Disable CUDA graphs in vLLM.")
     generate_max_len: int = doc(1024, "Max new tokens per response.")
+    max_len: int | None = doc(
+        None,
+        "Tokens per sequence, prompt + response (OpenRLHF's --max_len): each response may use "
+        "max_len minus its prompt's length, at most generate_max_len (none: generate_max_len).",
+    )
     temperature: float = doc(1.0, "Sampling temperature.")
     top_p: float = doc(1.0, "Nucleus sampling.")
     top_k: int = doc(-1, "Top-k sampling (-1: off).")
@@ -351,6 +373,8 @@ class RolloutConfig:
             raise ConfigError(f"vllm_sleep_level must be 1 or 2, got {self.vllm_sleep_level}")
         if self.temperature <= 0:
             raise ConfigError(f"temperature must be > 0, got {self.temperature}")
+        if self.max_len is not None and self.max_len < 2:
+            raise ConfigError(f"max_len must be >= 2, got {self.max_len}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -415,6 +439,11 @@ class PPOAlgoConfig:
         "REINFORCE++ batch whitening.",
     )
     gamma: float = doc(1.0, "Discount factor.")
+    advantage_std_norm: bool = doc(
+        True,
+        "Divide batch-whitened advantages (gae, reinforce++, reinforce_plus_plus_baseline) by "
+        "their std; --no_advantage_std_norm only subtracts the mean.",
+    )
     lam: float = doc(0.95, "GAE lambda.", flag="lambd")
     eps_clip: float = doc(0.2, "Policy ratio clip (lower side).")
     eps_clip_high: float | None = doc(None, "Upper-side clip (default: eps_clip).")
@@ -461,21 +490,13 @@ class PPOAlgoConfig:
     )
     is_truncated_threshold: tuple[float, ...] = doc(
         (0.5, 5.0),
-        "LOW HIGH thresholds of --is_correction (OpenRLHF's --vllm_is_truncated_threshold).",
-    )
-    enable_vllm_is_correction: bool = doc(
-        False, "OpenRLHF's switch: --is_correction tis unless another mode is chosen."
+        "LOW HIGH thresholds of --is_correction.",
     )
     use_rollout_logprobs_as_old: bool = doc(
         False,
         "Bypass mode: the rollout engine's log-probs serve as the old log-probs (no trainer "
         "recomputation; the PPO ratio then corrects the mismatch itself).",
     )
-    use_tis: bool = doc(
-        False,
-        "Legacy truncated IS: same as --is_correction tis --is_truncated_threshold 0 <tis_cap>.",
-    )
-    tis_cap: float = doc(2.0, "Cap of the truncated importance weights (with --use_tis).")
     dynamic_filtering: bool = doc(
         False,
         "DAPO dynamic sampling: drop prompt groups whose scores are all equal (or, with "
@@ -540,15 +561,7 @@ class PPOAlgoConfig:
 
     def _check_is_correction(self) -> None:
         mode = self.is_correction.replace("-", "_")
-        if self.enable_vllm_is_correction and mode == "none":
-            mode = "tis"
         threshold = tuple(self.is_truncated_threshold)
-        if self.use_tis:
-            if mode not in ("none", "tis"):
-                raise ConfigError(f"use_tis is --is_correction tis; it conflicts with {mode}")
-            if self.tis_cap <= 0:
-                raise ConfigError(f"tis_cap must be > 0, got {self.tis_cap}")
-            mode, threshold = "tis", (0.0, self.tis_cap)
         low, high = _pair(threshold, "is_truncated_threshold", ordered=True)
         if low < 0:
             raise ConfigError(f"is_truncated_threshold LOW must be >= 0, got {low}")
@@ -567,6 +580,7 @@ class PPOEvalConfig:
     eval_dataset: str | None = doc(
         None, "Held-out prompt sources, same format as prompt_data (none: no evaluation)."
     )
+    eval_split: str = doc("train", "Split to read from eval sources that have several.")
     eval_n_samples_per_prompt: int = doc(4, "Responses sampled per eval prompt (n of pass@k).")
     eval_temperature: float = doc(0.6, "Sampling temperature for evaluation.")
     save_best_metric: str | None = doc(
@@ -627,7 +641,7 @@ class MultiTurnConfig:
 class PPOConfig:
     """`fsdp-rlhf ppo`."""
 
-    FLAG_ALIASES: ClassVar[dict[str, str | tuple[str, ...]]] = {
+    FLAT_NAMES: ClassVar[dict[str, str | tuple[str, ...]]] = {
         "actor_learning_rate": "actor_optim.lr",
         "critic_learning_rate": "critic_optim.lr",
         "max_norm": ("actor_optim.max_norm", "critic_optim.max_norm"),
@@ -636,8 +650,7 @@ class PPOConfig:
         "adam_betas": ("actor_optim.adam_betas", "critic_optim.adam_betas"),
         "l2": ("actor_optim.l2", "critic_optim.l2"),
         "min_lr_ratio": ("actor_optim.min_lr_ratio", "critic_optim.min_lr_ratio"),
-        "vllm_is_truncated_threshold": "algo.is_truncated_threshold",
-        "vllm_is_correction_type": "algo.is_correction",
+        "adam_eps": ("actor_optim.adam_eps", "critic_optim.adam_eps"),
     }
 
     models: PPOModelsConfig = section(PPOModelsConfig)
@@ -660,6 +673,12 @@ class PPOConfig:
     seed: int = doc(42, "Seed for data order, init and sampling.")
 
     def __post_init__(self) -> None:
+        max_len = self.rollout.max_len
+        if max_len is not None and self.data.prompt_max_len >= max_len:
+            raise ConfigError(
+                f"prompt_max_len ({self.data.prompt_max_len}) must be < max_len ({max_len}): "
+                "max_len counts the prompt and its response"
+            )
         buffer = self.algo.overlong_buffer_len
         if buffer is not None and buffer > self.rollout.generate_max_len:
             raise ConfigError(
@@ -678,6 +697,8 @@ class PPOConfig:
                 f"max_total_len ({mt.max_total_len}) must be >= prompt_max_len + "
                 f"generate_max_len ({shortest}): the first turn must fit"
             )
+        if self.rollout.max_len is not None:
+            raise ConfigError("--max_len is single-turn; with --env_file use --max_total_len")
         # the length penalty counts model tokens against one turn's generate_max_len
         if self.algo.overlong_buffer_len is not None:
             raise ConfigError("--overlong_buffer_len is single-turn only; drop it with --env_file")
@@ -687,7 +708,8 @@ class PPOConfig:
         """Token budget of one trajectory: prompt + all model and environment turns."""
         mt, r = self.multiturn, self.rollout
         if mt.env_file is None:
-            return self.data.prompt_max_len + r.generate_max_len
+            longest = self.data.prompt_max_len + r.generate_max_len
+            return longest if r.max_len is None else min(longest, r.max_len)
         if mt.max_total_len is not None:
             return mt.max_total_len
         return self.data.prompt_max_len + mt.max_turns * r.generate_max_len

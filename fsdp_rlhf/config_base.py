@@ -57,21 +57,26 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def iter_leaves(cls: type, prefix: str = "") -> list[Leaf]:
-    """All leaf fields of a config class, depth first, with dotted paths."""
+def iter_leaves(cls: type, prefix: str = "", defaults: Any = None) -> list[Leaf]:
+    """All leaf fields of a config class, depth first, with dotted paths. A section built by
+    a factory (``actor_optim``: ``OptimConfig(lr=1e-6)``) reports its factory's defaults."""
     out: list[Leaf] = []
     hints = _hints(cls)
     for f in fields(cls):
         tp = hints[f.name]
         path = f"{prefix}{f.name}"
+        if defaults is not None:
+            default = getattr(defaults, f.name)
+        elif f.default is not MISSING:
+            default = f.default
+        elif f.default_factory is not MISSING:
+            default = f.default_factory()
+        else:
+            default = MISSING
         if is_dataclass(tp):
-            out.extend(iter_leaves(tp, path + "."))
+            section_default = default if is_dataclass(default) else None
+            out.extend(iter_leaves(tp, path + ".", section_default))
             continue
-        default = (
-            f.default
-            if f.default is not MISSING
-            else (f.default_factory() if f.default_factory is not MISSING else MISSING)
-        )
         out.append(Leaf(path, tp, default, f.metadata.get("help", ""), f.metadata.get("flag")))
     return out
 
@@ -92,8 +97,13 @@ def flag_table(cls: type) -> dict[str, Leaf]:
 
 
 def _type_name(tp: Any) -> str:
-    if get_origin(tp) is Literal:
-        return "one of " + "|".join(str(a) for a in get_args(tp))
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "|".join(str(a) for a in get_args(tp))
+    if origin is tuple:
+        return f"{_type_name(get_args(tp)[0])}..."
+    if origin in (typing.Union, types.UnionType):
+        return "|".join(_type_name(a) for a in get_args(tp) if a is not type(None)) + "|none"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -263,21 +273,33 @@ def dump_yaml(cfg: Any) -> str:
 
 
 def _flag_names(cls: type) -> dict[str, list[Leaf]]:
-    """Accepted flags -> the leaves they set: dotted paths, explicit ``flag=`` names, bare leaf
-    names that are unique in the tree, and the root's ``FLAG_ALIASES`` (a name for a leaf of a
-    section used twice, or for several leaves at once, e.g. ``--max_norm`` for actor and critic)."""
-    table = {name: [leaf] for name, leaf in flag_table(cls).items()}
+    """Accepted flags -> the leaves they set. Each leaf has one canonical flat name: the root's
+    ``FLAT_NAMES`` entry that names it (for a leaf of a section used twice, or several leaves
+    at once: ``--max_norm`` sets actor and critic), else its ``flag=``, else its own name when
+    that is unique in the tree. Its dotted path (``--optim.adam_betas``) is accepted too.
+    Foreign spellings (OpenRLHF's) are translated before this table is consulted
+    (:mod:`fsdp_rlhf.compat`)."""
     leaves = iter_leaves(cls)
     by_path = {leaf.path: leaf for leaf in leaves}
+    table: dict[str, list[Leaf]] = {leaf.path: [leaf] for leaf in leaves}
+    named: set[str] = set()
+    for name, paths in getattr(cls, "FLAT_NAMES", {}).items():
+        paths = (paths,) if isinstance(paths, str) else paths
+        table[name] = [by_path[p] for p in paths]
+        named.update(paths)
     bare: dict[str, list[Leaf]] = {}
     for leaf in leaves:
+        if leaf.path in named:
+            continue
+        if leaf.flag:
+            if leaf.flag in table and table[leaf.flag] != [leaf]:
+                raise AssertionError(f"flag {leaf.flag!r} names two settings")
+            table[leaf.flag] = [leaf]
+            continue
         bare.setdefault(leaf.path.rsplit(".", 1)[-1], []).append(leaf)
     for name, group in bare.items():
         if len(group) == 1 and name not in table:
             table[name] = group
-    for alias, paths in getattr(cls, "FLAG_ALIASES", {}).items():
-        paths = (paths,) if isinstance(paths, str) else paths
-        table[alias] = [by_path[p] for p in paths]
     return table
 
 
@@ -349,19 +371,30 @@ def build_config(cls: type, argv: list[str]):
     return from_dict(cls, data), debug
 
 
-def flags_help(cls: type) -> list[tuple[str, str, str, str]]:
-    """Rows of (flag, type, default, help) for ``--help``: one row per flat flag, then the
-    leaves reachable only by dotted path."""
+def _default_text(leaf: Leaf) -> str:
+    if leaf.default is MISSING:
+        return "-"
+    if isinstance(leaf.default, tuple):
+        return " ".join(str(v) for v in leaf.default) or "()"
+    return repr(leaf.default)
+
+
+def flags_help(cls: type) -> list[tuple[str, str, str, str, str]]:
+    """Rows of (section, flag, type, default, help) for ``--help``, one per setting, in the
+    order of the config tree: the canonical flat name, or the dotted path for a leaf without
+    one. ``section`` is the top-level field the leaf lives in (``""`` for root leaves)."""
     rows, covered = [], set()
-    for name, leaves in _flag_names(cls).items():
-        if "." in name:
-            continue
-        covered.update(leaf.path for leaf in leaves)
-        leaf = leaves[0]
-        default = "-" if leaf.default is MISSING else repr(leaf.default)
-        rows.append((f"--{name}", _type_name(leaf.type), default, leaf.help))
+    names = _flag_names(cls)
     for leaf in iter_leaves(cls):
-        if leaf.path not in covered:
-            default = "-" if leaf.default is MISSING else repr(leaf.default)
-            rows.append((f"--{leaf.path}", _type_name(leaf.type), default, leaf.help))
-    return sorted(rows)
+        if leaf.path in covered:
+            continue
+        flat = [n for n, group in names.items() if "." not in n and leaf in group]
+        if flat:
+            name = flat[0]
+            covered.update(x.path for x in names[name])
+        else:
+            name = leaf.path
+            covered.add(leaf.path)
+        section = leaf.path.split(".", 1)[0] if "." in leaf.path else ""
+        rows.append((section, f"--{name}", _type_name(leaf.type), _default_text(leaf), leaf.help))
+    return rows

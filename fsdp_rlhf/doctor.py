@@ -125,7 +125,7 @@ def job_flags(cfg: PPOConfig, world: int, device_bytes: int) -> JobFlags:
         vllm_sleep=cfg.rollout.vllm_enable_sleep,
         micro_train_batch_size=cfg.batch.micro_train_batch_size,
         micro_rollout_batch_size=cfg.rollout.micro_rollout_batch_size,
-        seq_len=cfg.data.prompt_max_len + cfg.rollout.generate_max_len,
+        seq_len=cfg.total_len,
         gradient_checkpointing=cfg.backend.gradient_checkpointing,
         critic=cfg.algo.advantage_estimator == "gae",
         reward=bool(cfg.models.reward_pretrain),
@@ -217,7 +217,7 @@ def _check_engine(cfg: PPOConfig, env: DistEnv, engines: list) -> Check:
     from fsdp_rlhf.trainers.ppo_setup import build_engine
 
     def run() -> str:
-        tok = load_tokenizer(cfg.models.pretrain, cfg.backend.trust_remote_code)
+        tok = load_tokenizer(cfg.models.pretrain, cfg.backend)
         budget = ""
         if env.device.type == "cuda" and cfg.rollout.rollout_engine == "vllm":
             budget = "; " + check_device_budget(env.device, cfg.rollout.vllm_gpu_memory_utilization)

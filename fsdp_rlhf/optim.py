@@ -40,6 +40,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
         param_groups(model, cfg.l2),
         lr=cfg.lr,
         betas=(cfg.adam_betas[0], cfg.adam_betas[1]),
+        eps=cfg.adam_eps,
         fused=True,
     )
 

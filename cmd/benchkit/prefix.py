@@ -69,7 +69,7 @@ def cases(w: Workload, s: Sizes, compile: bool = True) -> dict[str, Callable[[],
     from fsdp_rlhf.models.forward import response_logprobs, sequence_scores, shared_pair_scores
     from fsdp_rlhf.models.load import load_causal_lm, load_scalar_model, load_tokenizer
 
-    tok = load_tokenizer(str(w.model), False)
+    tok = load_tokenizer(str(w.model))
     prompts = [json.loads(line)["input"] for line in open(w.prompts)]
     groups = s.rl_micro // s.rl_n
     ids, mask = _grpo_batch(tok, prompts[:groups], s.rl_n, s.rl_resp_len)

@@ -110,6 +110,16 @@ def global_masked_var(
 
 
 @torch.no_grad()
+def global_masked_center(
+    values: torch.Tensor, mask: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """``values`` minus their global masked mean (``--no_advantage_std_norm``: whitening
+    without the division by the std). 0 where ``mask`` is 0."""
+    centered = values - global_masked_mean(values, mask, group)
+    return torch.where(mask.bool(), centered, torch.zeros_like(centered))
+
+
+@torch.no_grad()
 def global_masked_whiten(
     values: torch.Tensor,
     mask: torch.Tensor,

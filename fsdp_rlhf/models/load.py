@@ -63,10 +63,21 @@ def check_model_path(path: str, flag: str) -> None:
         raise UserError(f"{flag} {path}: {what}")
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False):
+def load_tokenizer(
+    path: str, backend: BackendConfig | None = None, chat_template: str | None = None
+):
+    """The model's tokenizer (the Rust one unless ``--disable_fast_tokenizer``), with a pad
+    token, and ``chat_template`` (``--tokenizer_chat_template``) in place of its own."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    backend = backend or BackendConfig()
+    tok = AutoTokenizer.from_pretrained(
+        path,
+        trust_remote_code=backend.trust_remote_code,
+        use_fast=not backend.disable_fast_tokenizer,
+    )
+    if chat_template is not None:
+        tok.chat_template = chat_template
     if tok.pad_token_id is None:
         # Llama-style tokenizers ship without a pad token; eos is the common stand-in.
         tok.pad_token = tok.eos_token

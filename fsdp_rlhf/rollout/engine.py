@@ -26,10 +26,13 @@ class SamplingConfig:
     ``top_k <= 0`` and ``top_p == 1`` disable those filters. ``seed`` (optional) makes sampling
     reproducible per request; without it the engine's own generation RNG is used.
     ``stop_token_ids`` stop generation in addition to the tokenizer's EOS; the stop token is
-    kept in the response (and in its mask), like EOS.
+    kept in the response (and in its mask), like EOS. ``max_total_len`` (OpenRLHF's
+    ``--max_len``) caps prompt + response: a prompt of P tokens gets at most
+    ``max_total_len - P`` new tokens (see :meth:`budget`).
     """
 
     max_new_tokens: int
+    max_total_len: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -53,6 +56,12 @@ class SamplingConfig:
     def is_greedy(self) -> bool:
         return self.greedy or self.temperature == 0.0
 
+    def budget(self, prompt_len: int) -> int:
+        """New tokens a prompt of ``prompt_len`` tokens may get (at least 1)."""
+        if self.max_total_len is None:
+            return self.max_new_tokens
+        return max(1, min(self.max_new_tokens, self.max_total_len - prompt_len))
+
     @classmethod
     def from_rollout_config(
         cls, cfg: RolloutConfig, *, n: int, seed: int | None = None
@@ -60,6 +69,7 @@ class SamplingConfig:
         """Sampling of PPO rollouts: the rollout section's settings, ``n`` samples per prompt."""
         return cls(
             max_new_tokens=cfg.generate_max_len,
+            max_total_len=cfg.max_len,
             temperature=cfg.temperature,
             top_p=cfg.top_p,
             top_k=cfg.top_k,

@@ -56,6 +56,19 @@ def trim_at_stop(
     return responses, reasons
 
 
+def cut_to_budget(
+    responses: list[list[int]], reasons: list[str], prompts: Sequence[Sequence[int]], sampling
+) -> tuple[list[list[int]], list[str]]:
+    """Cut each response to ``sampling.budget(len(prompt))`` tokens ("length" when cut)."""
+    out, why = [], []
+    for response, reason, prompt in zip(responses, reasons, prompts, strict=True):
+        budget = sampling.budget(len(prompt))
+        cut = len(response) > budget
+        out.append(response[:budget] if cut else response)
+        why.append("length" if cut else reason)
+    return out, why
+
+
 def sampled_logprobs(scores: Sequence[torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
     """Log-prob of each sampled token under the processed scores.
 
@@ -108,6 +121,8 @@ class HFEngine:
             )
         tokens = out.sequences[:, ids.shape[1] :]
         responses, reasons = trim_at_stop(tokens, stop_ids)
+        if sampling.max_total_len is not None:  # each prompt's own budget (one generate call)
+            responses, reasons = cut_to_budget(responses, reasons, rows, sampling)
         logprobs = None
         if sampling.return_logprobs:
             lp = sampled_logprobs(out.scores, tokens).cpu()

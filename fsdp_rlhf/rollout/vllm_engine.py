@@ -238,10 +238,12 @@ def request_seed(seed: int, engine_index: int, prompt_index: int) -> int:
     return int(np.random.SeedSequence([seed, engine_index, prompt_index]).generate_state(1)[0])
 
 
-def sampling_params(sampling: SamplingConfig, seed: int | None) -> SamplingParams:
+def sampling_params(
+    sampling: SamplingConfig, seed: int | None, max_tokens: int | None = None
+) -> SamplingParams:
     return SamplingParams(
         n=sampling.n,
-        max_tokens=sampling.max_new_tokens,
+        max_tokens=max_tokens or sampling.max_new_tokens,
         temperature=0.0 if sampling.is_greedy else sampling.temperature,
         top_p=sampling.top_p,
         top_k=max(sampling.top_k, 0),
@@ -362,12 +364,17 @@ class VLLMEngine:
         self._sleep.check_ready()
         prompts, counts = gather_prompts(self.groups, prompt_token_ids, sampling)
         start, stop = own_prompt_range(counts, self.groups.rank_in_engine)
-        if sampling.seed is None or sampling.is_greedy:
+        seeded = sampling.seed is not None and not sampling.is_greedy
+        if not seeded and sampling.max_total_len is None:
             params = sampling_params(sampling, None)
-        else:
+        else:  # one request each: its own seed and/or its own token budget
             params = [
-                sampling_params(sampling, request_seed(sampling.seed, self.groups.engine_index, i))
-                for i in range(len(prompts))
+                sampling_params(
+                    sampling,
+                    request_seed(sampling.seed, self.groups.engine_index, i) if seeded else None,
+                    sampling.budget(len(p)),
+                )
+                for i, p in enumerate(prompts)
             ]
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         outputs = []

@@ -65,6 +65,11 @@ def launch(
     with one line; ``build(cfg, env, prepared)`` loads the models.
     """
     setup_logging(int(os.environ.get("RANK", "0")), debug)
+    if cfg.backend.full_determinism:
+        from transformers import enable_full_determinism
+
+        # warn_only: an op without a deterministic kernel warns instead of failing the run
+        enable_full_determinism(cfg.seed, warn_only=True)
     world_size = launched_world_size()
     prepared = prepare(cfg, world_size)
     owns_group = not dist.is_initialized()  # a test may have made the group already

@@ -105,7 +105,7 @@ class PPOTrainer:
         self.cfg, self.env = cfg, env
         self.plan, rows = prepared
         common.write_run_config(cfg, env)
-        tokenizer = load_tokenizer(cfg.models.pretrain, cfg.backend.trust_remote_code)
+        tokenizer = load_tokenizer(cfg.models.pretrain, cfg.backend)
         # The engine first, then to sleep: vLLM sizes its memory from what is free when it
         # starts, so with four resident models it would refuse to start (TRL's colocate order).
         engine = build_engine(cfg, env, tokenizer)

@@ -57,6 +57,7 @@ def load_eval_rows(cfg: PPOConfig):
         max_samples=cfg.data.max_samples,
         seed=cfg.seed,
         flag_name="--eval_dataset",
+        split=cfg.eval.eval_split,
     )
     keys = [cfg.data.input_key] + ([cfg.data.label_key] if cfg.data.label_key else [])
     flags = ["--input_key"] + (["--label_key"] if cfg.data.label_key else [])
@@ -141,6 +142,7 @@ class Evaluator:
         e, r = self.cfg.eval, self.cfg.rollout
         return SamplingConfig(
             max_new_tokens=r.generate_max_len,
+            max_total_len=r.max_len,
             temperature=0.0 if greedy else e.eval_temperature,
             top_p=1.0 if greedy else r.top_p,
             top_k=-1 if greedy else r.top_k,

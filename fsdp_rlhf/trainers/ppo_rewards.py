@@ -17,7 +17,7 @@ from fsdp_rlhf.algorithms import (
 )
 from fsdp_rlhf.config import PPOAlgoConfig
 from fsdp_rlhf.distributed.env import all_reduce_scalars, world_size
-from fsdp_rlhf.distributed.stats import global_masked_whiten
+from fsdp_rlhf.distributed.stats import global_masked_center, global_masked_whiten
 from fsdp_rlhf.trainers.experience import Experience
 from fsdp_rlhf.trainers.rule_reward import RewardFn, decode_responses
 
@@ -60,7 +60,7 @@ def compute_advantages(
         gamma=algo.gamma,
         lam=algo.lam,
         n_samples_per_prompt=n_samples_per_prompt,
-        whiten_fn=global_masked_whiten,
+        whiten_fn=global_masked_whiten if algo.advantage_std_norm else global_masked_center,
     )
     exp.rewards, exp.advantages, exp.returns = out
 

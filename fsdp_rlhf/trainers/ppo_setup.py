@@ -151,7 +151,7 @@ def preflight(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any]:
         raise UserError("--advantage_estimator gae needs a critic: pass --critic_pretrain")
     _check_outputs(cfg)
     if cfg.data.apply_chat_template:
-        check_chat_template(load_tokenizer(m.pretrain, cfg.backend.trust_remote_code), m.pretrain)
+        check_chat_template(load_tokenizer(m.pretrain, cfg.backend), m.pretrain)
     if not cfg.data.prompt_data:
         raise UserError("--prompt_data is required")
     rows = load_sources(
@@ -160,6 +160,7 @@ def preflight(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any]:
         max_samples=cfg.data.max_samples,
         seed=cfg.seed,
         flag_name="--prompt_data",
+        split=cfg.data.prompt_split,
     )
     keys = [cfg.data.input_key] + ([cfg.data.label_key] if cfg.data.label_key else [])
     flags = ["--input_key"] + (["--label_key"] if cfg.data.label_key else [])

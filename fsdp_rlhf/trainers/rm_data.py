@@ -76,13 +76,15 @@ def prepare_rm_data(cfg: RMConfig, plan: RMBatchPlan) -> RMData:
     d = cfg.data
     columns = _columns(cfg)
     common = dict(max_samples=d.max_samples, seed=cfg.seed, columns=columns)
-    train_raw = load_sources(d.dataset, d.dataset_probs, flag_name="--dataset", **common)
+    train_raw = load_sources(
+        d.dataset, d.dataset_probs, flag_name="--dataset", split=d.dataset_split, **common
+    )
     eval_raw = None
     if d.eval_dataset:
         eval_raw = load_sources(
-            d.eval_dataset, None, flag_name="--eval_dataset", split="test", **common
+            d.eval_dataset, None, flag_name="--eval_dataset", split=d.eval_split, **common
         )
-    tokenizer = load_tokenizer(cfg.model.pretrain, cfg.backend.trust_remote_code)
+    tokenizer = load_tokenizer(cfg.model.pretrain, cfg.backend, d.tokenizer_chat_template)
     if d.apply_chat_template:
         check_chat_template(tokenizer, cfg.model.pretrain)
     train, _ = tokenize_pairs(train_raw, tokenizer, d, what="train")
