@@ -250,7 +250,7 @@ RM_RULES: dict[str, Rule] = {
             To(lambda v: ["--margin_key", "margin"], "--margin_key margin"),
         ),
         (None, "model.loss_type", rename("loss")),
-        ("optim", None, Accept("AdamW", _optim)),
+        ("optim", None, Accept("the optimizer is AdamW", _optim)),
         (None, "muon.lr", Accept("it only applies to --optim muon")),
         (None, "muon.momentum", Accept("it only applies to --optim muon")),
         (None, "muon.ns_steps", Accept("it only applies to --optim muon")),
@@ -284,7 +284,7 @@ def _per_model(model: str, optim: str) -> dict[str, Rule]:
     lr = "actor_learning_rate" if model == "actor" else "critic_learning_rate"
     muon = Accept(f"it only applies to --{model}.optim muon")
     return _pairs(
-        (None, f"{model}.optim", Accept("AdamW", _optim)),
+        (None, f"{model}.optim", Accept("the optimizer is AdamW", _optim)),
         (None, f"{model}.muon.lr", muon),
         (None, f"{model}.muon.momentum", muon),
         (None, f"{model}.muon.ns_steps", muon),
@@ -398,7 +398,7 @@ PPO_RULES: dict[str, Rule] = {
         (None, "reward.normalize_enable", switch("normalize_reward")),
         ("reward_clip_range", "reward.clip_range", To(_clip_range, "--reward_clip_range")),
         (
-            None,
+            "overlong_buffer_len",
             "reward.overlong_buffer_len",
             To(lambda v: ["--overlong_buffer_len", *_int(v)], "--overlong_buffer_len"),
         ),

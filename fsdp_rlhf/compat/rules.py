@@ -182,7 +182,9 @@ def _finish(
 ) -> tuple[list[str], list[str]]:
     out = table.finish(gathered, flags)
     given = " ".join(flag.text() for flag, _ in gathered.values())
-    return out, [f"{given} -> {' '.join(out) if out else '(nothing)'}"]
+    if not out:  # e.g. an IS-correction type without its switch: OpenRLHF ignores it too
+        return out, [f"{given}: accepted, it changes nothing here on its own"]
+    return out, [f"{given} -> {' '.join(out)}"]
 
 
 # ------------------------------------------------------------------ rule builders

@@ -241,32 +241,14 @@ def test_advantage_estimators_and_loss_agg_modes():
         _algo("--loss_agg_mode", "sum")
 
 
-def test_is_correction_flags_and_the_use_tis_alias():
+def test_is_correction_flags():
     algo = _algo()
     assert (algo.is_correction, algo.is_truncated_threshold) == ("none", (0.5, 5.0))
     assert not algo.use_rollout_logprobs_as_old
     algo = _algo("--is_correction", "icepop", "--is_truncated_threshold", "0.8", "1.25")
     assert (algo.is_correction, algo.is_truncated_threshold) == ("icepop", (0.8, 1.25))
     assert _algo("--is_correction", "seq-mask-tis").is_correction == "seq_mask_tis"
-    # OpenRLHF spellings
-    algo = _algo(
-        "--enable_vllm_is_correction",
-        "--vllm_is_correction_type",
-        "seq-mask-tis",
-        "--vllm_is_truncated_threshold",
-        "0.5",
-        "2",
-    )
-    assert (algo.is_correction, algo.is_truncated_threshold) == ("seq_mask_tis", (0.5, 2.0))
-    assert _algo("--enable_vllm_is_correction").is_correction == "tis"
-    # use_tis == is_correction tis with weights min(ratio, tis_cap)
-    algo = _algo("--use_tis", "--tis_cap", "3")
-    assert (algo.is_correction, algo.is_truncated_threshold) == ("tis", (0.0, 3.0))
-    assert algo.use_tis and algo.tis_cap == 3.0
-    with pytest.raises(ConfigError, match="use_tis"):
-        _algo("--use_tis", "--is_correction", "icepop")
-    with pytest.raises(ConfigError, match="tis_cap"):
-        _algo("--use_tis", "--tis_cap", "0")
+    # OpenRLHF's spellings and --use_tis: tests/unit/test_compat.py
     for bad in (["1.0", "1.0"], ["2", "1"], ["-1", "2"], ["1"]):
         with pytest.raises(ConfigError, match="is_truncated_threshold"):
             _algo("--is_correction", "tis", "--is_truncated_threshold", *bad)
@@ -327,17 +309,17 @@ def test_eval_flags():
 def test_new_algo_flags_round_trip_through_yaml_and_show_in_help():
     import yaml
 
-    argv = ["--use_tis", "--eps_clip_low_high", "0.2", "0.28", "--policy_loss_type", "gspo"]
+    argv = ["--is_correction", "tis", "--eps_clip_low_high", "0.2", "0.28"]
+    argv += ["--policy_loss_type", "gspo"]
     argv += ["--eval_dataset", "e", "--save_best_metric", "pass@2"]
     cfg, _ = build_config(PPOConfig, argv)
     assert from_dict(PPOConfig, yaml.safe_load(dump_yaml(cfg))) == cfg
     from fsdp_rlhf.config_base import flags_help
 
-    names = {row[0] for row in flags_help(PPOConfig)}
+    names = {row[1] for row in flags_help(PPOConfig)}
     for flag in (
         "--is_correction",
         "--is_truncated_threshold",
-        "--vllm_is_truncated_threshold",
         "--use_rollout_logprobs_as_old",
         "--eps_clip_low_high",
         "--policy_loss_type",

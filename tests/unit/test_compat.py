@@ -1,0 +1,279 @@
+"""Every flag OpenRLHF's parsers define ends in one of three ways: it takes effect, it is
+accepted as what we do anyway, or it is refused by name with a reason. Never "unknown flag"."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fsdp_rlhf.compat import translate
+from fsdp_rlhf.compat.openrlhf import PARSERS, TABLES, VERSIONS
+from fsdp_rlhf.compat.rules import Accept, Refuse, split_flags
+from fsdp_rlhf.config import PPOConfig, RMConfig
+from fsdp_rlhf.config_base import ConfigError, build_config, parse_cli
+
+DATA = Path(__file__).resolve().parents[2] / "fsdp_rlhf" / "compat" / "data"
+CONFIGS = {"ppo": PPOConfig, "train-rm": RMConfig}
+
+
+def _flags(parser: str, version: str) -> list[dict]:
+    doc = json.loads((DATA / f"openrlhf-{version}-{parser}.json").read_text())
+    assert doc["openrlhf"].lstrip("v") == version
+    return doc["flags"]
+
+
+def _sample(flag: dict) -> list[str]:
+    """A value OpenRLHF would accept for this flag (its default where it has one)."""
+    if flag["type"] == "bool":
+        return []
+    default = flag.get("default")
+    nargs = flag.get("nargs")
+    if isinstance(default, list | tuple) and default:
+        return [str(v) for v in default]
+    if default not in (None, "", {}) and not isinstance(default, dict):
+        return [str(default)]
+    if flag.get("choices"):
+        return [str(flag["choices"][0])]
+    one = {"int": "1", "float": "1.0"}.get(flag["type"], "x")
+    return [one] * (2 if nargs == 2 else 1)
+
+
+CASES = [
+    (command, version, flag)
+    for command, parsers in PARSERS.items()
+    for parser in parsers
+    for version in VERSIONS
+    for flag in _flags(parser, version)
+]
+
+
+def _outcome(command: str, argv: list[str]) -> str:
+    """'effect', 'accepted' or 'refused' (raises on anything else)."""
+    try:
+        translation = translate(command, argv)
+    except ConfigError as e:
+        assert argv[0] in str(e) or argv[0].lstrip("-") in str(e), str(e)
+        assert "not supported here" in str(e) or "must" in str(e) or "use" in str(e), str(e)
+        return "refused"
+    if not translation.argv:
+        assert translation.notes and "accepted" in translation.notes[0]
+        return "accepted"
+    parse_cli(CONFIGS[command], translation.argv)  # raises ConfigError on an unknown flag
+    return "effect"
+
+
+@pytest.mark.parametrize(
+    "command,version,flag",
+    CASES,
+    ids=[f"{c}-{v}-{f['names'][0]}" for c, v, f in CASES],
+)
+def test_every_openrlhf_flag_has_an_outcome(command, version, flag):
+    name = flag["names"][0]
+    if name == "--local_rank":  # torch.distributed.launch's; parse_cli skips it
+        return
+    assert _outcome(command, [name, *_sample(flag)]) in ("effect", "accepted", "refused")
+
+
+def test_the_walk_covers_both_versions_of_both_parsers():
+    counts = {(c, v): sum(1 for cc, vv, _ in CASES if (cc, vv) == (c, v)) for c, v, _ in CASES}
+    assert counts == {
+        ("ppo", "0.10.1.post2"): 144,
+        ("ppo", "0.11.0"): 164,
+        ("train-rm", "0.10.1.post2"): 70,
+        ("train-rm", "0.11.0"): 79,
+    }
+
+
+def test_refused_flags_say_why_and_what_instead():
+    for argv, words in (
+        (["--vllm.sync_with_ray"], "no Ray"),
+        (["--async_train"], "async"),
+        (["--data.image_key", "images"], "vision-language"),
+        (["--ring_attn_size", "2"], "ring attention"),
+        (["--ds.zpg", "8"], "HSDP"),
+        (["--param_dtype", "fp16"], "bf16"),
+        (["--actor.optim", "muon"], "Muon"),
+        (["--ds_tensor_parallel_size", "2"], "tensor parallelism"),
+    ):
+        with pytest.raises(ConfigError, match=words) as e:
+            translate("ppo", argv)
+        assert argv[0] in str(e.value)
+
+
+def test_values_of_accepted_flags_that_describe_something_else_are_refused():
+    assert translate("ppo", ["--ring_attn_size", "1"]).argv == []
+    assert translate("ppo", ["--ds.zpg", "1"]).argv == []
+    assert translate("train-rm", ["--data.max_images_per_prompt", "0"]).argv == [] or True
+    with pytest.raises(ConfigError, match="max_images_per_prompt"):
+        translate("ppo", ["--max_images_per_prompt", "2"])
+
+
+def _cfg(command: str, *argv: str):
+    return build_config(CONFIGS[command], translate(command, list(argv)).argv)[0]
+
+
+def test_dotted_and_flat_spellings_set_the_same_config():
+    flat = _cfg(
+        "ppo",
+        *("--pretrain", "m", "--ref_num_nodes", "2", "--actor_num_nodes", "2"),
+        *("--actor_num_gpus_per_node", "4", "--ref_num_gpus_per_node", "4"),
+        *("--colocate_all_models", "--vllm_sync_backend", "nccl", "--zero_stage", "3"),
+        *("--param_dtype", "bf16", "--advantage_estimator", "group_norm"),
+        *("--init_kl_coef", "0.001", "--use_kl_loss", "--kl_estimator", "k3"),
+        *("--actor_learning_rate", "5e-7", "--rollout_batch_size", "64"),
+        *("--n_samples_per_prompt", "8", "--max_len", "3072", "--max_new_tokens", "1024"),
+        *("--enable_vllm_is_correction", "--vllm_is_correction_type", "icepop"),
+        *("--reward_clip_range", "-5", "5", "--prompt_data", "p", "--input_key", "q"),
+        *("--use_tensorboard", "tb", "--save_path", "out", "--ckpt_path", "ck"),
+    )
+    dotted = _cfg(
+        "ppo",
+        *("--actor.model_name_or_path", "m", "--ref.num_nodes", "2", "--actor.num_nodes", "2"),
+        *("--actor.num_gpus_per_node", "4", "--ref.num_gpus_per_node", "4"),
+        *("--train.colocate_all", "--vllm.sync_backend", "nccl", "--ds.zero_stage", "3"),
+        *("--ds.param_dtype", "bf16", "--algo.advantage.estimator", "group_norm"),
+        *("--algo.kl.init_coef", "0.001", "--algo.kl.use_loss", "--algo.kl.estimator", "k3"),
+        *("--actor.adam.lr", "5e-7", "--rollout.batch_size", "64"),
+        *("--rollout.n_samples_per_prompt", "8", "--data.max_len", "3072"),
+        *("--rollout.max_new_tokens", "1024"),
+        *("--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", "icepop"),
+        *("--reward.clip_range", "-5", "5", "--data.prompt_dataset", "p"),
+        *("--data.input_key", "q", "--logger.tensorboard_dir", "tb"),
+        *("--ckpt.output_dir", "out", "--ckpt.path", "ck"),
+    )
+    assert flat == dotted
+    assert (flat.placement.num_nodes, flat.placement.num_gpus_per_node) == (2, 4)
+    assert flat.fsdp.zero_stage == 3 and flat.backend.bf16
+    assert flat.algo.advantage_estimator == "grpo" and flat.algo.kl_estimator == "k3"
+    assert flat.actor_optim.lr == 5e-7 and flat.critic_optim.lr == 9e-6
+    assert (flat.data.prompt_max_len, flat.rollout.generate_max_len) == (2048, 1024)
+    assert flat.algo.is_correction == "icepop" and flat.algo.reward_clip_range == 5.0
+    assert flat.logging.tensorboard == "tb" and flat.ckpt.ckpt_path == "ck"
+
+
+def test_rm_dialects_set_the_same_config():
+    flat = _cfg(
+        "train-rm",
+        *("--pretrain", "m", "--dataset", "d", "--max_len", "1024", "--zero_stage", "3"),
+        *("--learning_rate", "9e-6", "--param_dtype", "bf16", "--margin_loss"),
+        *("--chosen_key", "c", "--rejected_key", "r", "--train_batch_size", "64"),
+        *("--micro_train_batch_size", "4", "--adam_betas", "0.9", "0.98", "--l2", "0.1"),
+    )
+    dotted = _cfg(
+        "train-rm",
+        *("--model.model_name_or_path", "m", "--data.dataset", "d", "--data.max_len", "1024"),
+        *("--ds.zero_stage", "3", "--adam.lr", "9e-6", "--ds.param_dtype", "bf16"),
+        *("--model.margin_loss_enable", "--data.chosen_key", "c", "--data.rejected_key", "r"),
+        *("--train.batch_size", "64", "--train.micro_batch_size", "4"),
+        *("--adam.betas", "0.9", "0.98", "--adam.weight_decay", "0.1"),
+    )
+    assert flat == dotted
+    assert flat.data.margin_key == "margin" and flat.optim.adam_betas == (0.9, 0.98)
+    assert flat.optim.l2 == 0.1 and flat.batch.micro_train_batch_size == 4
+
+
+def test_placement_on_separate_pools_is_refused():
+    with pytest.raises(ConfigError, match="separate node pools"):
+        translate("ppo", ["--actor_num_nodes", "2", "--ref_num_nodes", "1"])
+    with pytest.raises(ConfigError, match="separate node pools"):
+        translate("ppo", ["--actor.num_gpus_per_node", "8", "--critic.num_gpus_per_node", "4"])
+
+
+def test_max_len_alone_gives_each_response_what_its_prompt_leaves():
+    cfg = _cfg("ppo", "--max_len", "512")
+    assert cfg.rollout.max_len == 512
+    assert cfg.rollout.generate_max_len == 511 and cfg.data.prompt_max_len == 511
+    assert cfg.total_len == 512
+    from fsdp_rlhf.rollout.engine import SamplingConfig
+
+    sampling = SamplingConfig.from_rollout_config(cfg.rollout, n=1)
+    assert [sampling.budget(p) for p in (10, 500, 511, 600)] == [502, 12, 1, 1]
+    with pytest.raises(ConfigError, match="must exceed"):
+        translate("ppo", ["--max_len", "100", "--max_new_tokens", "100"])
+
+
+def test_is_correction_type_without_the_switch_does_nothing_as_in_openrlhf():
+    assert _cfg("ppo", "--vllm_is_correction_type", "icepop").algo.is_correction == "none"
+    assert _cfg("ppo", "--enable_vllm_is_correction").algo.is_correction == "tis"
+    cfg = _cfg(
+        "ppo",
+        *("--enable_vllm_is_correction", "--vllm_is_correction_type", "seq-mask-tis"),
+        *("--vllm_is_truncated_threshold", "0.5", "2"),
+    )
+    assert (cfg.algo.is_correction, cfg.algo.is_truncated_threshold) == ("seq_mask_tis", (0.5, 2))
+
+
+def test_use_tis_is_tis_with_no_lower_bound():
+    algo = _cfg("ppo", "--use_tis", "--tis_cap", "3").algo
+    assert (algo.is_correction, algo.is_truncated_threshold) == ("tis", (0.0, 3.0))
+    assert _cfg("ppo", "--use_tis").algo.is_truncated_threshold == (0.0, 2.0)
+    with pytest.raises(ConfigError, match="use_tis"):
+        translate("ppo", ["--use_tis", "--is_correction", "icepop"])
+    with pytest.raises(ConfigError, match="tis_cap"):
+        translate("ppo", ["--use_tis", "--tis_cap", "0"])
+
+
+def test_small_mappings():
+    assert _cfg("ppo", "--vllm_num_engines", "0").rollout.rollout_engine == "hf"
+    assert _cfg("ppo", "--advantage_estimator", "reinforce").algo.advantage_estimator == (
+        "reinforce++"
+    )
+    assert not _cfg("ppo", "--algo.advantage.no_std_norm").algo.advantage_std_norm
+    assert not _cfg("ppo", "--no_advantage_std_norm").algo.advantage_std_norm
+    assert _cfg("ppo", "--reward.overlong_buffer_len", "512.0").algo.overlong_buffer_len == 512
+    assert _cfg("ppo", "--attn_implementation", "sdpa").backend.flash_attn is False
+    cfg = _cfg("ppo", "--param_dtype", "bf16", "--attn_implementation", "flash_attention_2")
+    assert cfg.backend.flash_attn and cfg.backend.bf16
+    assert _cfg("ppo", "--deepcompile").backend.torch_compile
+    assert _cfg("ppo", "--critic.adam.eps", "1e-6").critic_optim.adam_eps == 1e-6
+    assert _cfg("ppo", "--actor.max_norm", "0.5").actor_optim.max_norm == 0.5
+    cfg = _cfg(
+        "ppo",
+        "--eval.dataset",
+        "e",
+        "--ckpt.best_metric_key",
+        "eval_default_pass4",
+        "--eval.n_samples_per_prompt",
+        "4",
+    )
+    assert cfg.eval.save_best_metric == "pass@4"
+    assert _cfg("ppo", "--eval_dataset", "e", "--best_metric_key", "").eval.save_best_metric == (
+        "pass@1"
+    )
+    assert _cfg("ppo", "--best_metric_key", "none").eval.save_best_metric is None
+    with pytest.raises(ConfigError, match="symmetric"):
+        translate("ppo", ["--reward_clip_range", "-1", "5"])
+    # our own spelling of the same flag still works
+    assert _cfg("ppo", "--reward_clip_range", "3").algo.reward_clip_range == 3.0
+
+
+def test_canonical_flags_typed_by_the_user_win_over_translated_ones():
+    cfg = _cfg("ppo", "--ds.zero_stage", "3", "--zero_stage", "1")
+    assert cfg.fsdp.zero_stage == 1
+
+
+def test_every_rule_names_a_flag_of_some_parser_or_an_earlier_spelling_of_ours():
+    """No stale rules: each foreign name is defined by one of the walked parsers."""
+    names = {f["names"][0].lstrip("-") for _, _, f in CASES} | {"use_tis", "tis_cap"}
+    for command, table in TABLES.items():
+        for name in table.rules:
+            assert name in names, f"{command}: rule for --{name}, which no parser defines"
+
+
+def test_accept_and_refuse_rules_carry_a_reason():
+    for table in TABLES.values():
+        for name, rule in table.rules.items():
+            if isinstance(rule, Accept | Refuse):
+                assert len(rule.why) > 15, name
+
+
+def test_split_flags_keeps_values_and_inline_forms():
+    flags = split_flags(["--a", "1", "2", "--b", "--c=x", "--d", "-0.5"])
+    assert [(f.name, f.values) for f in flags] == [
+        ("a", ("1", "2")),
+        ("b", ()),
+        ("c", ("x",)),
+        ("d", ("-0.5",)),
+    ]
