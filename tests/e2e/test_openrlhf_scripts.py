@@ -1,0 +1,144 @@
+"""OpenRLHF launch scripts, v0.10 flat and v0.11 dotted, run with only the entry point swapped.
+
+The scripts in ``openrlhf_scripts/`` are written the way OpenRLHF's examples write them (bash
+arrays or one long command, ``set -x``); the test only fills in paths. Each runs a few steps
+of the tiny model on 2 CPU ranks with real vLLM rollouts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from fsdp_rlhf.distributed.env import free_port
+from fsdp_rlhf.testing.synthetic import preference_rows, prompt_rows, write_jsonl
+from tests.e2e.helpers import _env, read_metrics
+from tests.e2e.test_ppo_cli import PARITY_REWARD, SHORT_REWARD_WITH_PREEMPTION
+
+pytestmark = pytest.mark.slow
+
+SCRIPTS = Path(__file__).parent / "openrlhf_scripts"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("openrlhf_data")
+    write_jsonl(prompt_rows(64, chat=True), root / "prompts.jsonl")
+    write_jsonl(preference_rows(80), root / "pairs.jsonl")
+    (root / "reward.py").write_text(SHORT_REWARD_WITH_PREEMPTION)
+    (root / "parity_reward.py").write_text(PARITY_REWARD)
+    return root
+
+
+def run_script(name: str, model: str, data: Path, save: Path) -> subprocess.CompletedProcess:
+    import sys
+
+    env = _env(
+        {
+            "MODEL": model,
+            "DATA": str(data),
+            "SAVE": str(save),
+            "PORT": str(free_port()),
+            "PYTHON": sys.executable,
+        }
+    )
+    return subprocess.run(
+        ["bash", str(SCRIPTS / name)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+
+
+def translated(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("openrlhf flag: ")]
+
+
+def test_grpo_script_in_openrlhf_v010_flags(tiny_qwen2, data, tmp_path):
+    save = tmp_path / "grpo"
+    proc = run_script("grpo_v0.10_flat.sh", tiny_qwen2, data, save)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    notes = translated(proc.stderr)
+    assert "openrlhf flag: --advantage_estimator group_norm -> --advantage_estimator grpo" in (
+        " ".join(notes)
+    ) or any("group_norm -> --advantage_estimator grpo" in n for n in notes), notes
+    assert any("--vllm_sync_backend nccl: accepted" in n for n in notes), notes
+    assert any("--max_len 48" in n and "--prompt_max_len 32" in n for n in notes), notes
+    assert len(notes) == len(set(notes))  # once each, from rank 0 only
+    rows = read_metrics(save)
+    assert [r["step"] for r in rows] == [1, 2]  # --max_samples 16 / --rollout_batch_size 8
+    assert rows[-1]["response_length/max"] <= 16
+    assert "rollout_corr/is_masked_frac" in rows[-1] or "rollout/mismatch_kl" in rows[-1]
+    config = (save / "config.yaml").read_text()
+    assert "advantage_estimator: grpo" in config and "zero_stage: 3" in config
+    assert "is_correction: icepop" in config
+    assert (save / "tb").is_dir() and (save / "config.json").is_file()
+
+
+def test_dapo_script_in_openrlhf_v011_flags(tiny_qwen2, data, tmp_path):
+    save = tmp_path / "dapo"
+    proc = run_script("dapo_v0.11_dotted.sh", tiny_qwen2, data, save)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    notes = translated(proc.stderr)
+    assert any(n.startswith("openrlhf flag: --ds.zero_stage 3 -> --zero_stage 3") for n in notes)
+    rows = read_metrics(save)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all("dynamic_filter/gen_rounds" in r for r in rows)
+    # --data.max_len 40 alone: prompt + response <= 40 for every sequence
+    for r in rows:
+        assert r["response_length/max"] <= 40 - r["prompt_length/min"], r
+    config = (save / "config.yaml").read_text()
+    for line in (
+        "eps_clip_high: 0.27",
+        "dynamic_filtering: true",
+        "max_len: 40",
+        "is_correction: tis",
+        "packing_samples: true",
+    ):
+        assert line in config, line
+
+
+def test_rm_script_in_openrlhf_v011_flags(tiny_qwen2, data, tmp_path):
+    save = tmp_path / "rm"
+    proc = run_script("rm_v0.11_dotted.sh", tiny_qwen2, data, save)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    notes = translated(proc.stderr)
+    assert any("--model.model_name_or_path" in n and "--pretrain" in n for n in notes), notes
+    rows = read_metrics(save)
+    assert rows and rows[-1]["step"] >= 3
+    saved = json.loads((save / "config.json").read_text())
+    assert "reward_mean" in saved
+    config = (save / "config.yaml").read_text()
+    assert "bf16: true" in config and "packing_samples: true" in config
+
+
+def test_scripts_are_bash_and_name_no_flag_of_ours_only(tmp_path):
+    """The scripts use OpenRLHF's spellings, so a rename on our side cannot make them pass
+    by accident: every flag they pass is one of OpenRLHF's parsers' flags."""
+    from fsdp_rlhf.compat.migration import openrlhf_flags
+
+    theirs = {
+        f["names"][0]
+        for parser in ("ppo", "rm")
+        for version in ("0.10.1.post2", "0.11.0")
+        for f in openrlhf_flags(parser, version)
+    }
+    for script in SCRIPTS.glob("*.sh"):
+        text = script.read_text()
+        flags = {
+            tok
+            for line in text.splitlines()
+            if not line.lstrip().startswith("#")
+            and "torch.distributed.run" not in line
+            and "--master_addr" not in line
+            for tok in line.split()
+            if tok.startswith("--") and len(tok) > 2
+        }
+        assert flags and flags <= theirs, (script.name, sorted(flags - theirs))
+    assert os.access(SCRIPTS / "grpo_v0.10_flat.sh", os.R_OK)
