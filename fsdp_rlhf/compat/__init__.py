@@ -32,6 +32,8 @@ def aliases(command: str) -> list[tuple[str, str]]:
     rows = []
     for name, rule in sorted(table.rules.items()):
         if isinstance(rule, To | Gather):
+            if rule.shown == f"--{name}":
+                continue  # our flag too; only OpenRLHF's values are translated
             target = rule.shown
         elif isinstance(rule, Accept):
             target = "accepted: " + rule.why

@@ -103,8 +103,8 @@ def _optim(values: Values) -> str | None:
 
 COMMON: dict[str, Rule] = _pairs(
     # checkpoints
-    ("save_path", "ckpt.output_dir", rename("save_path")),
-    ("save_hf_ckpt", "ckpt.save_hf", switch("save_hf_ckpt")),
+    (None, "ckpt.output_dir", rename("save_path")),
+    (None, "ckpt.save_hf", switch("save_hf_ckpt")),
     (
         "disable_ds_ckpt",
         "ckpt.disable_ds",
@@ -197,7 +197,7 @@ COMMON: dict[str, Rule] = _pairs(
         Accept("data is tokenized in memory before the first step; no loader workers are used"),
     ),
     (None, "train.seed", rename("seed")),
-    ("full_determinism", "train.full_determinism_enable", switch("full_determinism")),
+    (None, "train.full_determinism_enable", switch("full_determinism")),
     (None, "train.max_epochs", rename("max_epochs")),
     (None, "train.batch_size", rename("train_batch_size")),
     (None, "train.micro_batch_size", rename("micro_train_batch_size")),
@@ -458,7 +458,7 @@ PPO_RULES: dict[str, Rule] = {
                 "OpenRLHF's group_norm is GRPO, reinforce is REINFORCE++",
             ),
         ),
-        ("no_advantage_std_norm", "algo.advantage.no_std_norm", switch("no_advantage_std_norm")),
+        (None, "algo.advantage.no_std_norm", switch("no_advantage_std_norm")),
         (None, "algo.kl.target", rename("kl_target")),
         (None, "algo.kl.horizon", rename("kl_horizon")),
         (None, "algo.kl.init_coef", rename("init_kl_coef")),
@@ -471,7 +471,7 @@ PPO_RULES: dict[str, Rule] = {
         (None, "rollout.batch_size", rename("rollout_batch_size")),
         (None, "rollout.micro_batch_size", rename("micro_rollout_batch_size")),
         (None, "rollout.n_samples_per_prompt", rename("n_samples_per_prompt")),
-        ("use_dynamic_batch", "train.dynamic_batch_enable", switch("use_dynamic_batch")),
+        (None, "train.dynamic_batch_enable", switch("use_dynamic_batch")),
         (None, "train.max_tokens_per_gpu", rename("train_max_tokens_per_gpu")),
         (None, "rollout.max_tokens_per_gpu", rename("rollout_max_tokens_per_gpu")),
         (None, "train.enable_ema", switch("enable_ema")),

@@ -277,3 +277,18 @@ def test_split_flags_keeps_values_and_inline_forms():
         ("c", ("x",)),
         ("d", ("-0.5",)),
     ]
+
+
+def test_no_rule_renames_a_flag_to_itself():
+    from fsdp_rlhf.compat.rules import To
+
+    for table in TABLES.values():
+        for name, rule in table.rules.items():
+            if isinstance(rule, To) and rule.shown == f"--{name}":
+                # allowed only where OpenRLHF's values differ from ours
+                assert name in (
+                    "vllm_num_engines",
+                    "reward_clip_range",
+                    "overlong_buffer_len",
+                    "advantage_estimator",
+                ), name

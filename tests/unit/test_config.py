@@ -179,12 +179,40 @@ def test_cli_help_lists_commands_and_flags():
     exe = [sys.executable, "-m", "fsdp_rlhf.cli"]
     out = subprocess.run([*exe, "--help"], capture_output=True, text=True, check=True).stdout
     assert "train-rm" in out and "ppo" in out and "doctor" in out
-    env = {"COLUMNS": "200", "PATH": "/usr/bin:/bin"}
+
+
+@pytest.mark.parametrize("command,cls", [("ppo", PPOConfig), ("train-rm", RMConfig)])
+def test_piped_help_has_every_flag_on_one_line(command, cls):
+    """Narrow terminal, piped: every flag's name, type, default and help on its own line,
+    grouped by section, so `--help | grep -- --flag` finds it."""
+    from fsdp_rlhf.config_base import flags_help
+
+    env = {"COLUMNS": "40", "PATH": "/usr/bin:/bin"}
     out = subprocess.run(
-        [*exe, "ppo", "--help"], capture_output=True, text=True, check=True, env=env
+        [sys.executable, "-m", "fsdp_rlhf.cli", command, "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
     ).stdout
-    for flag in ("--rollout_batch_size", "--vllm_tensor_parallel_size", "--lambd"):
-        assert flag in out
+    lines = out.splitlines()
+    for _, flag, _, default, text in flags_help(cls):
+        hits = [line for line in lines if line.strip().startswith(f"{flag} ")]
+        assert len(hits) == 1, flag
+        assert f"[default: {default}]" in hits[0] and text.split(".")[0] in hits[0], hits[0]
+    for section in (
+        "Models:",
+        "Data:",
+        "Algorithm:",
+        "Batch sizes:",
+        "Optimizer:",
+        "Checkpoints:",
+        "Logging:",
+        "LoRA:",
+    ):
+        assert section in lines or command == "train-rm", section
+    assert any(line.startswith("OpenRLHF aliases") for line in lines)
+    assert any(line.strip().startswith("--ds.zero_stage") for line in lines)
 
 
 def test_cli_bad_flag_is_one_line_and_exit_2():
