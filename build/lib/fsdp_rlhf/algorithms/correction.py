@@ -1,0 +1,150 @@
+"""Correcting the mismatch between the rollout engine's and the trainer's log-probs.
+
+vLLM samples with different kernels and precision than the trainer, so for the same weights
+``pi_rollout`` (what actually sampled the tokens) differs from ``pi_old`` (the trainer's
+recomputation). The rollout is then slightly off-policy for PPO's old policy. With
+``ratio_t = pi_old(y_t) / pi_rollout(y_t)`` per token, each mode returns detached per-token
+weights that multiply the policy loss (``policy_loss(..., is_weights=w)``):
+
+* ``"tis"``: truncated importance sampling, ``w_t = clamp(ratio_t, low, high)`` (Yao et al.,
+  2025, "Your efficient RL framework secretly brings you off-policy RL training"). With
+  ``low = 0`` this is ``min(ratio_t, high)``, verl's token TIS and this project's
+  ``--use_tis --tis_cap`` (:func:`~fsdp_rlhf.algorithms.losses.truncated_is_weights`);
+  OpenRLHF's ``tis`` also clamps from below (default ``[0.5, 5.0]``).
+* ``"icepop"``: token masking, ``w_t = ratio_t`` where ``low <= ratio_t <= high`` and 0
+  elsewhere: tokens the two engines disagree on too much do not train at all.
+* ``"seq_mask_tis"``: sequence rejection on the geometric-mean ratio
+  ``exp(mean_t log ratio_t)`` over the valid tokens of the row (length-normalised, so long
+  responses are not rejected just for being long); rows outside ``[low, high]`` get weight 0
+  and kept rows get the ``tis`` weights. This is verl's "geometric rejection + token TIS";
+  OpenRLHF's ``seq-mask-tis`` keeps the untruncated token ratio on kept rows.
+
+Rejected tokens keep their place in the loss normaliser (``num_tokens``), as in OpenRLHF; verl
+instead drops them from the response mask before counting. The lead chooses by what mask it
+counts tokens with.
+
+"Bypass" mode (``--use_rollout_logprobs_as_old``) needs no function here: passing the engine's
+log-probs as ``old_logprobs`` makes the PPO ratio itself correct for the mismatch.
+
+Shapes: (B, T) for every per-token tensor; masks are 1/True on valid response tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from .kl import kl_estimate
+from .masked import masked_mean, masked_sum
+
+ISCorrection = Literal["none", "tis", "icepop", "seq_mask_tis"]
+IS_CORRECTIONS: tuple[str, ...] = ("none", "tis", "icepop", "seq_mask_tis")
+
+_LOG_RATIO_GUARD = 20.0
+
+
+@torch.no_grad()
+def rollout_mismatch_metrics(
+    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """How far the trainer's log-probs are from the rollout engine's, on valid tokens.
+
+    Args:
+        old_logprobs: (B, T) log-probs of the sampled tokens under the trainer.
+        rollout_logprobs: (B, T) log-probs reported by the rollout engine.
+        response_mask: (B, T) valid response tokens.
+
+    Returns:
+        Detached local 0-d tensors: ``mismatch_kl`` (k3 estimate of KL(rollout || trainer),
+        the direction the tokens were sampled from; token mean), ``mismatch_k1`` (token mean
+        of ``rollout - old``, OpenRLHF's ``vllm_kl``), ``mismatch_abs_diff`` (token mean of
+        ``|old - rollout|``) and ``mismatch_abs_diff_max`` (its max; reduce it across ranks
+        with MAX, the others with a token-weighted mean).
+    """
+    diff = old_logprobs - rollout_logprobs
+    abs_diff = torch.where(response_mask.bool(), diff.abs(), torch.zeros_like(diff))
+    return {
+        "mismatch_kl": masked_mean(
+            kl_estimate(rollout_logprobs, old_logprobs, "k3", clamp=None), response_mask
+        ),
+        "mismatch_k1": masked_mean(-diff, response_mask),
+        "mismatch_abs_diff": masked_mean(abs_diff, response_mask),
+        "mismatch_abs_diff_max": abs_diff.amax() if abs_diff.numel() else abs_diff.sum(),
+    }
+
+
+def _check_thresholds(low: float, high: float) -> None:
+    if not 0.0 <= low < high:
+        raise ValueError(f"IS thresholds need 0 <= low < high, got low={low}, high={high}")
+
+
+@torch.no_grad()
+def sequence_geometric_ratio(log_ratio: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """``exp(mean_t log_ratio_t)`` over the valid tokens of each row; (B,), 1 for empty rows."""
+    valid = response_mask.bool()
+    total = torch.where(valid, log_ratio, torch.zeros_like(log_ratio)).sum(dim=-1)
+    mean = total / valid.to(log_ratio.dtype).sum(dim=-1).clamp(min=1)
+    return torch.exp(mean.clamp(-_LOG_RATIO_GUARD, _LOG_RATIO_GUARD))
+
+
+@torch.no_grad()
+def rollout_correction(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    mode: ISCorrection = "tis",
+    low: float = 0.5,
+    high: float = 5.0,
+) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """Per-token weights correcting the rollout/trainer mismatch (see the module docstring).
+
+    Args:
+        old_logprobs: (B, T) log-probs of the sampled tokens under the trainer (``pi_old``).
+        rollout_logprobs: (B, T) log-probs reported by the rollout engine.
+        response_mask: (B, T) valid response tokens.
+        mode: ``"none"``, ``"tis"``, ``"icepop"`` or ``"seq_mask_tis"``.
+        low: Lower threshold on the ratio (``>= 0``; 0 disables the lower side).
+        high: Upper threshold on the ratio (``> low``).
+
+    Returns:
+        ``(weights, stats)``: detached (B, T) weights, 0 at masked and rejected positions
+        (``None`` for ``mode="none"``), and detached local stats: the
+        :func:`rollout_mismatch_metrics` plus, unless ``mode="none"``, ``is_weight_mean``
+        (mean weight over valid tokens), ``is_clipfrac`` (valid tokens whose weight was
+        truncated), ``is_masked_frac`` (valid tokens given weight 0 by a mask) and, for
+        ``seq_mask_tis``, ``is_seq_masked_frac`` (non-empty rows rejected).
+    """
+    stats = rollout_mismatch_metrics(old_logprobs, rollout_logprobs, response_mask)
+    if mode == "none":
+        return None, stats
+    if mode not in IS_CORRECTIONS:
+        raise ValueError(f"unknown IS correction {mode!r}; expected one of {IS_CORRECTIONS}")
+    _check_thresholds(low, high)
+    valid = response_mask.bool()
+    log_ratio = (old_logprobs - rollout_logprobs).clamp(-_LOG_RATIO_GUARD, _LOG_RATIO_GUARD)
+    ratio = torch.exp(log_ratio)
+    inside = (ratio >= low) & (ratio <= high)
+    keep = valid
+    truncated = torch.zeros_like(valid)
+    if mode == "icepop":
+        keep = valid & inside
+        weights = ratio
+    else:
+        weights = ratio.clamp(min=low, max=high)
+        truncated = ~inside
+        if mode == "seq_mask_tis":
+            seq_ratio = sequence_geometric_ratio(log_ratio, response_mask)
+            seq_keep = (seq_ratio >= low) & (seq_ratio <= high)
+            keep = valid & seq_keep.unsqueeze(-1)
+            nonempty = valid.any(dim=-1)
+            rejected = (nonempty & ~seq_keep).to(ratio.dtype)
+            n_rows = nonempty.to(ratio.dtype).sum().clamp(min=1)
+            stats["is_seq_masked_frac"] = rejected.sum() / n_rows
+    weights = torch.where(keep, weights, torch.zeros_like(weights))
+    stats["is_weight_mean"] = masked_mean(weights, response_mask)
+    stats["is_clipfrac"] = masked_mean((truncated & keep).to(ratio.dtype), response_mask)
+    stats["is_masked_frac"] = masked_sum((valid & ~keep).to(ratio.dtype), response_mask) / (
+        valid.to(ratio.dtype).sum().clamp(min=1)
+    )
+    return weights, stats

@@ -1,0 +1,194 @@
+"""Per-token KL estimators and KL-coefficient controllers.
+
+The estimators follow J. Schulman, "Approximating KL Divergence" (2020,
+http://joschu.net/blog/kl-approx.html). With tokens sampled from the policy and
+``log_ratio = logprobs - ref_logprobs``:
+
+* ``k1 = log_ratio``: unbiased for KL(policy || ref), high variance, can be negative.
+* ``k2 = 0.5 * log_ratio ** 2``: biased, low variance, always >= 0. Its gradient with respect
+  to ``logprobs`` is ``log_ratio``, which is the gradient of the true KL in expectation.
+* ``k3 = exp(-log_ratio) - 1 + log_ratio``: unbiased, low variance, always >= 0.
+* ``k3+``: the value of k3 with the gradient of k2 (straight-through). Used directly as an
+  on-policy loss, k3's gradient estimates the gradient of the reverse KL(ref || policy), not
+  of KL(policy || ref); the k2 gradient is the right one, so k3+ logs the k3 value but
+  optimises with the k2 gradient.
+
+Clamping and gradients
+----------------------
+``clamp`` bounds the *value* of the estimate (what is logged, added to the reward, or shown as
+the KL loss) but not its gradient: the clamp is straight-through, so every token keeps the
+gradient of the unclamped estimator. A plain ``clamp(-10, 10)`` would give k2 a zero gradient
+once ``|log_ratio| > sqrt(20) ~ 4.47`` and k1 once ``|log_ratio| > 10``: exactly the tokens
+that drifted furthest from the reference would stop being pulled back. ``k3+`` therefore has
+the gradient ``log_ratio`` (that of k2) everywhere, with the (clamped) k3 value.
+``log_ratio_clamp`` (default 20) is the only hard clamp: it guards ``exp`` against overflow and
+its gradient is zero beyond it. Note that plain k3's own gradient, ``1 - exp(-log_ratio)``,
+grows like ``exp(|log_ratio|)`` for negative log-ratios; prefer ``k3+`` (or k2) as a loss.
+
+Which mean feeds the KL controller
+----------------------------------
+:func:`kl_mean_parts` gives the numerator and denominator of the two batch means, so they can
+be all-reduced (sum both) and divided, exactly, under data parallelism:
+
+* ``"seq-mean-token-mean"``: the mean over sequences of each sequence's token mean. This is
+  what OpenRLHF (``masked_mean(kl, mask, dim=-1)`` per sample, averaged) and verl
+  (``apply_kl_penalty``) feed their adaptive controllers, so a ``--kl_target`` taken from
+  their scripts means the same thing here. **The trainer should use this one for the
+  controller.** (Rows without a valid token are left out of the count; verl counts them
+  as 0, which only matters for empty responses.)
+* ``"token-mean"``: the mean over all valid tokens of the batch. Long responses weigh more.
+  Fine as a logged metric (``actor/kl``), but it is not the quantity OpenRLHF/verl targets.
+
+The controllers implement the KL penalty schedule of Ziegler et al., "Fine-Tuning Language
+Models from Human Preferences" (2019), section 2.2.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+
+KLKind = Literal["k1", "k2", "k3", "k3+"]
+
+
+def kl_estimate(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    kind: KLKind = "k1",
+    clamp: float | None = 10.0,
+    log_ratio_clamp: float = 20.0,
+) -> torch.Tensor:
+    """Per-token estimate of KL(policy || ref) from log-probs of sampled tokens.
+
+    Args:
+        logprobs: (B, T) log-probs of the sampled tokens under the policy.
+        ref_logprobs: (B, T) log-probs of the same tokens under the reference model.
+        kind: One of ``"k1"``, ``"k2"``, ``"k3"``, ``"k3+"`` (see the module docstring).
+        clamp: Clamp the *value* of the estimate to ``[-clamp, clamp]``; ``None`` disables. A
+            few tokens whose probability collapsed under one model otherwise dominate a whole
+            batch. The clamp is straight-through: the gradient is that of the unclamped
+            estimator (``k3+``: of k2), so far-off tokens are still pulled back.
+        log_ratio_clamp: The log ratio is clamped to ``[-c, c]`` before ``exp`` so k3 cannot
+            overflow (a hard clamp: no gradient beyond it).
+
+    Returns:
+        (B, T) estimates; the caller applies ``response_mask``.
+    """
+    log_ratio = (logprobs - ref_logprobs).clamp(-log_ratio_clamp, log_ratio_clamp)
+    if kind == "k1":
+        kl = log_ratio
+    elif kind == "k2":
+        kl = 0.5 * log_ratio.square()
+    elif kind in ("k3", "k3+"):
+        kl = torch.exp(-log_ratio) - 1 + log_ratio
+    else:
+        raise ValueError(f"unknown KL estimator {kind!r}; expected k1, k2, k3 or k3+")
+    if kind == "k3+":
+        k2 = 0.5 * log_ratio.square()
+        kl = k2 + (kl - k2).detach()
+    if clamp is not None:
+        kl = kl + (kl.detach().clamp(-clamp, clamp) - kl.detach())
+    return kl
+
+
+def kl_mean_parts(
+    kl: torch.Tensor,
+    response_mask: torch.Tensor,
+    mode: Literal["seq-mean-token-mean", "token-mean"] = "seq-mean-token-mean",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Numerator and denominator of a batch-mean KL, to be summed over ranks and divided.
+
+    Args:
+        kl: (B, T) per-token KL estimates (e.g. from :func:`kl_estimate`).
+        response_mask: (B, T) valid response tokens.
+        mode: ``"seq-mean-token-mean"``: (sum over sequences of each sequence's token mean,
+            number of sequences with at least one valid token); the OpenRLHF/verl quantity
+            for the KL controller. ``"token-mean"``: (sum over valid tokens, number of valid
+            tokens).
+
+    Returns:
+        ``(numerator, denominator)``: 0-d tensors in ``kl``'s dtype, detached. The mean is
+        ``numerator / max(denominator, 1)`` locally, or after all-reducing both (SUM) across
+        data-parallel ranks for the global value.
+    """
+    valid = response_mask.bool()
+    kl = torch.where(valid, kl.detach(), torch.zeros_like(kl))
+    counts = valid.to(kl.dtype).sum(dim=-1)
+    if mode == "token-mean":
+        return kl.sum(), counts.sum()
+    if mode == "seq-mean-token-mean":
+        per_seq = kl.sum(dim=-1) / counts.clamp(min=1)
+        return per_seq.sum(), (counts > 0).to(kl.dtype).sum()
+    raise ValueError(f"unknown KL mean {mode!r}; expected seq-mean-token-mean or token-mean")
+
+
+def kl_mean(
+    kl: torch.Tensor,
+    response_mask: torch.Tensor,
+    mode: Literal["seq-mean-token-mean", "token-mean"] = "seq-mean-token-mean",
+) -> torch.Tensor:
+    """Local batch-mean KL (see :func:`kl_mean_parts`); 0 for a batch without valid tokens."""
+    num, den = kl_mean_parts(kl, response_mask, mode)
+    return num / den.clamp(min=1)
+
+
+class FixedKLController:
+    """Constant KL coefficient, with the same interface as :class:`AdaptiveKLController`.
+
+    Args:
+        kl_coef: The coefficient ``beta`` of the KL penalty.
+    """
+
+    def __init__(self, kl_coef: float) -> None:
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """No-op; present so trainers need not special-case the fixed controller."""
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController:
+    """Proportional controller steering the observed KL towards a target.
+
+    Each update multiplies the coefficient by ``1 + e * n_steps / horizon`` where
+    ``e = clip(current_kl / target - 1, -0.2, 0.2)`` (Ziegler et al. 2019). The clip keeps a
+    single outlier batch from moving the coefficient by more than 20% per horizon.
+
+    Args:
+        init_kl_coef: Starting coefficient.
+        target: Desired KL per sequence (in the same units as ``current_kl``).
+        horizon: Number of samples over which a full proportional correction is applied.
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: float) -> None:
+        if target <= 0 or horizon <= 0:
+            raise ValueError(f"target and horizon must be positive, got {target}, {horizon}")
+        self.value = float(init_kl_coef)
+        self.target = float(target)
+        self.horizon = float(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Adjust ``value`` after observing ``current_kl`` over ``n_steps`` samples.
+
+        A NaN/Inf observation is ignored: NaN would survive the clip below and poison the
+        coefficient (and every later reward) for the rest of the run.
+        """
+        if not math.isfinite(float(current_kl)):
+            return
+        error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value, "target": self.target, "horizon": self.horizon}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
+        self.target = float(state.get("target", self.target))
+        self.horizon = float(state.get("horizon", self.horizon))

@@ -1,0 +1,164 @@
+"""`fsdp-rlhf`: the command line. Run every subcommand under torchrun, on every rank::
+
+    torchrun --nproc_per_node 8 -m fsdp_rlhf.cli train-rm --pretrain ... --dataset ...
+    torchrun --nproc_per_node 8 -m fsdp_rlhf.cli ppo --pretrain ... --reward_pretrain ...
+
+Flags are the OpenRLHF / AIAK-RLHF names (underscores or dashes), after an optional
+``--config x.yaml``: defaults < YAML < flags. ``--local_rank`` from torch.distributed.launch is
+ignored. Bad input prints one line and exits 2 (a traceback only with ``--debug``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable
+
+import typer
+
+from fsdp_rlhf.allocator import maybe_reexec
+from fsdp_rlhf.errors import UserError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Pure-PyTorch RLHF on FSDP2: reward-model training and colocated PPO (no Ray).",
+)
+
+# Flags are parsed by fsdp_rlhf.config_base against the config tree, not by click, so that
+# every OpenRLHF spelling works and YAML/flag precedence lives in one place.
+_RAW = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+
+
+def _print_flags(config_cls: type, command: str, title: str) -> None:
+    from fsdp_rlhf.flag_help import render_help
+
+    sys.stdout.write(render_help(config_cls, command, title))
+
+
+def _translate(command: str, argv: list[str]) -> list[str]:
+    """OpenRLHF spellings -> canonical flags; rank 0 prints what each became, once."""
+    from fsdp_rlhf.compat import translate
+
+    translation = translate(command, argv)
+    if translation.notes and os.environ.get("RANK", "0") == "0":
+        for note in translation.notes:
+            print(f"openrlhf flag: {note}", file=sys.stderr)
+    return translation.argv
+
+
+def _run(argv: list[str], config_cls: type, command: str, title: str, main: Callable) -> None:
+    if "--help" in argv or "-h" in argv:
+        _print_flags(config_cls, command, title)
+        raise typer.Exit(0)
+    debug = "--debug" in argv
+    try:
+        from fsdp_rlhf.config_base import build_config
+
+        cfg, debug = build_config(config_cls, _translate(command, argv))
+        code = main(cfg, debug=debug)
+    except UserError as e:
+        if debug:
+            raise
+        if os.environ.get("RANK", "0") == "0":  # one line per job, not one per rank
+            print(f"error: {e}", file=sys.stderr)
+        raise typer.Exit(2) from None
+    raise typer.Exit(code or 0)
+
+
+@app.command("train-rm", context_settings=_RAW)
+def train_rm(ctx: typer.Context) -> None:
+    """Train a pairwise (Bradley-Terry) reward model. --help lists every flag."""
+    from fsdp_rlhf.config import RMConfig
+
+    def main(cfg, debug):
+        from fsdp_rlhf.trainers.rm import main as rm_main
+
+        return rm_main(cfg, debug=debug)
+
+    _run(list(ctx.args), RMConfig, "train-rm", "fsdp-rlhf train-rm flags", main)
+
+
+@app.command("ppo", context_settings=_RAW)
+def ppo(ctx: typer.Context) -> None:
+    """PPO / GRPO / RLOO / REINFORCE++ with in-process vLLM rollouts. --help lists every flag."""
+    from fsdp_rlhf.config import PPOConfig
+
+    def main(cfg, debug):
+        from fsdp_rlhf.trainers.ppo import main as ppo_main
+
+        return ppo_main(cfg, debug=debug)
+
+    _run(list(ctx.args), PPOConfig, "ppo", "fsdp-rlhf ppo flags", main)
+
+
+@app.command("doctor", context_settings=_RAW)
+def doctor(ctx: typer.Context) -> None:
+    """Preflight checks under the same launcher: versions, devices, all-reduce, vLLM, memory."""
+    from fsdp_rlhf.config import PPOConfig
+
+    def main(cfg, debug):
+        from fsdp_rlhf.doctor import main as doctor_main
+
+        return doctor_main(cfg, debug=debug)
+
+    _run(list(ctx.args), PPOConfig, "doctor", "fsdp-rlhf doctor flags (same as ppo)", main)
+
+
+def strip_launcher_args(argv: list[str]) -> list[str]:
+    """Drop ``--local-rank=N``: ``python -m torch.distributed.launch`` (without --use-env) puts
+    it right after ``-m fsdp_rlhf.cli``, before the subcommand, where typer would reject it.
+    The rank comes from the LOCAL_RANK environment variable instead."""
+    return [a for a in argv if not a.startswith(("--local-rank=", "--local_rank="))]
+
+
+def quiet_libraries() -> None:
+    """Library progress bars and load reports drown the trainer's own log; users can still
+    turn them back on by setting these variables themselves."""
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# Commands that train or load models: worth a process restart for tcmalloc (not --help).
+RUN_COMMANDS = ("train-rm", "ppo", "doctor")
+
+
+def wants_fast_allocator(argv: list[str]) -> bool:
+    return bool(argv) and argv[0] in RUN_COMMANDS and not {"--help", "-h"} & set(argv)
+
+
+def end_without_teardown(code: int) -> None:
+    """Flush the log and leave with ``code``, skipping interpreter teardown.
+
+    Everything a run writes is closed by then (metrics, TensorBoard, checkpoints, the export;
+    the process group is destroyed). The teardown itself, destroying the C++ threads of gloo,
+    vLLM and inductor in no set order, sometimes aborts on CPU hosts ("terminate called without
+    an active exception", exit -6 after a finished run: 1 of 4 bench smokes here), and a
+    launcher would count that job as failed.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def main() -> None:
+    quiet_libraries()
+    sys.argv[1:] = strip_launcher_args(sys.argv[1:])
+    runs = wants_fast_allocator(sys.argv[1:])
+    if runs:
+        maybe_reexec()  # CPU hosts: once, with tcmalloc preloaded (see fsdp_rlhf.allocator)
+    try:
+        app()
+    except SystemExit as done:
+        if runs:
+            code = done.code
+            end_without_teardown(code if isinstance(code, int) else int(code is not None))
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""Every foreign spelling of our flags, in one place.
+
+Users bring launch scripts written for OpenRLHF v0.10 (flat flags, ``--ref_num_nodes``), v0.11
+(dotted, ``--ds.zero_stage``) or AIAK-RLHF (OpenRLHF's 2024 names, most of which are ours). The
+config tree keeps one canonical name per setting (``fsdp_rlhf.config``); this package turns each
+foreign flag into canonical ones before the config parser sees the line, accepts the ones that
+describe what this trainer does anyway, and refuses by name the ones it cannot honour, with the
+reason. Each command's table is in :mod:`fsdp_rlhf.compat.openrlhf`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from fsdp_rlhf.compat.openrlhf import TABLES
+from fsdp_rlhf.compat.rules import Accept, Gather, Refuse, To, Translation, translate_with
+
+
+def translate(command: str, argv: Sequence[str]) -> Translation:
+    """``argv`` with every foreign flag of ``command`` replaced by canonical flags."""
+    table = TABLES.get(command)
+    if table is None:
+        return Translation(list(argv))
+    return translate_with(table, argv)
+
+
+def aliases(command: str) -> list[tuple[str, str]]:
+    """(foreign flag, what it becomes) for ``--help`` and the migration page."""
+    table = TABLES.get(command)
+    if table is None:
+        return []
+    rows = []
+    for name, rule in sorted(table.rules.items()):
+        if isinstance(rule, To | Gather):
+            if rule.shown == f"--{name}":
+                continue  # our flag too; only OpenRLHF's values are translated
+            target = rule.shown
+        elif isinstance(rule, Accept):
+            target = "accepted: " + rule.why
+        else:
+            assert isinstance(rule, Refuse)
+            target = "refused: " + rule.why
+        rows.append((f"--{name}", target))
+    return rows
+
+
+__all__ = ["Translation", "aliases", "translate"]

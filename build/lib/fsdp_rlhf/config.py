@@ -1,0 +1,781 @@
+"""The config trees of `fsdp-rlhf train-rm` and `fsdp-rlhf ppo`.
+
+Flat flag names are the ones in AIAK-RLHF / OpenRLHF launch scripts (``--train_batch_size``), so
+their scripts run unchanged. Each component receives only its own section. Derived sizes (gradient
+accumulation, micro-batches per rank) come from the pure ``plan_*`` functions, never by editing a
+config.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from fsdp_rlhf.config_base import ConfigError, doc, section
+
+# ---------------------------------------------------------------- shared sections
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackendConfig:
+    """How models are materialised: precision, attention kernel, recompute."""
+
+    bf16: bool = doc(False, "bf16 parameters with fp32 gradient reduction (MixedPrecisionPolicy).")
+    flash_attn: bool = doc(
+        False,
+        "Use flash_attention_2 (needs --bf16) when flash-attn and CUDA are present, else sdpa "
+        "(warns); packed forwards then use its varlen kernel.",
+    )
+    gradient_checkpointing: bool = doc(False, "Recompute activations in backward to save memory.")
+    torch_compile: bool = doc(
+        False, "torch.compile each decoder layer's norms, MLP and attention block (fused kernels)."
+    )
+    trust_remote_code: bool = doc(False, "Allow model code shipped inside checkpoint folders.")
+    disable_fast_tokenizer: bool = doc(
+        False, "Load the slow (Python) tokenizer instead of the Rust one."
+    )
+    full_determinism: bool = doc(
+        False,
+        "Deterministic kernels where PyTorch has them (transformers.enable_full_determinism): "
+        "slower, bitwise-repeatable runs on the same hardware.",
+    )
+
+    def __post_init__(self) -> None:
+        # flash-attn kernels take only fp16/bf16 inputs; fp32 would fail in the first forward
+        if self.flash_attn and not self.bf16:
+            raise ConfigError("--flash_attn needs --bf16 (flash-attn has no fp32 kernels)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FSDPConfig:
+    """FSDP2 sharding. ``zero_stage`` keeps DeepSpeed's vocabulary for migrating users."""
+
+    zero_stage: int = doc(
+        2, "3: reshard params after forward (ZeRO-3); 0-2: keep them gathered until backward ends."
+    )
+    adam_offload: bool = doc(False, "Keep optimizer states on CPU (FSDP2 CPUOffloadPolicy).")
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """AdamW with warmup and a cosine-to-min-lr (or constant) schedule."""
+
+    lr: float = doc(1e-5, "Peak learning rate.")
+    lr_warmup_ratio: float = doc(0.03, "Fraction of total steps spent warming up linearly.")
+    lr_scheduler: Literal["cosine_with_min_lr", "constant_with_warmup", "linear"] = doc(
+        "cosine_with_min_lr", "Schedule after warmup."
+    )
+    min_lr_ratio: float = doc(0.1, "Floor of the cosine schedule, as a fraction of the peak.")
+    adam_betas: tuple[float, ...] = doc((0.9, 0.95), "AdamW betas.")
+    adam_eps: float = doc(1e-8, "AdamW epsilon.")
+    l2: float = doc(0.0, "Decoupled weight decay.")
+    max_norm: float = doc(1.0, "Gradient clipping norm (<= 0 disables).")
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ConfigError(f"learning rate must be > 0, got {self.lr}")
+        if not 0.0 <= self.lr_warmup_ratio < 1.0:
+            raise ConfigError(f"lr_warmup_ratio must be in [0, 1), got {self.lr_warmup_ratio}")
+        if len(self.adam_betas) != 2:
+            raise ConfigError(f"adam_betas needs 2 values, got {list(self.adam_betas)}")
+        if self.adam_eps <= 0:
+            raise ConfigError(f"adam_eps must be > 0, got {self.adam_eps}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Where the final model goes and how resumable checkpoints are kept."""
+
+    save_path: str = doc("./ckpt", "Final HF model folder (written atomically).")
+    save_steps: int = doc(-1, "Write a resumable checkpoint every N steps (-1: never).")
+    ckpt_path: str = doc("./ckpt/checkpoints", "Folder of resumable DCP checkpoints.")
+    load_checkpoint: bool = doc(False, "Resume from the newest complete checkpoint in ckpt_path.")
+    max_ckpt_num: int = doc(3, "Keep at most this many checkpoints.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    """Console, TensorBoard and metrics.jsonl."""
+
+    logging_steps: int = doc(1, "Log every N optimizer steps.")
+    eval_steps: int = doc(-1, "Evaluate every N steps (-1: only at the end).")
+    tensorboard: str | None = doc(None, "TensorBoard log folder (none: no TensorBoard).")
+
+    def __post_init__(self) -> None:
+        if self.logging_steps < 1:
+            raise ConfigError(f"logging_steps must be >= 1, got {self.logging_steps}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GuardConfig:
+    """Failure handling: non-finite optimizer steps and how long a rank waits for the others."""
+
+    max_bad_steps: int = doc(
+        5,
+        "Skip an optimizer step whose gradient norm is NaN/Inf; abort when more than this many "
+        "come in a row (0: abort at the first).",
+    )
+    dist_timeout_min: int = doc(
+        60, "Minutes a collective may wait for the other ranks before the job fails."
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_bad_steps < 0:
+            raise ConfigError(f"max_bad_steps must be >= 0, got {self.max_bad_steps}")
+        if self.dist_timeout_min < 1:
+            raise ConfigError(f"dist_timeout_min must be >= 1, got {self.dist_timeout_min}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """LoRA adapters (peft) in place of full fine-tuning of the actor, critic or reward model:
+    the base stays frozen, the optimizer holds only the adapters (and a scalar head)."""
+
+    lora_rank: int = doc(0, "LoRA rank r (0: off, full fine-tuning).")
+    lora_alpha: int = doc(16, "LoRA alpha; adapter outputs are scaled by alpha / r.")
+    target_modules: tuple[str, ...] = doc(
+        ("all-linear",), "Module names that get adapters (all-linear: every decoder Linear)."
+    )
+    lora_dropout: float = doc(0.0, "Dropout on the adapters' input.")
+    merge_lora: bool = doc(
+        False,
+        "Also export the base with the adapters merged in as a plain HF model (save_path); "
+        "the adapter folder is always written (save_path/adapter).",
+    )
+
+    def __post_init__(self) -> None:
+        if self.lora_rank < 0:
+            raise ConfigError(f"lora_rank must be >= 0, got {self.lora_rank}")
+        if self.lora_alpha <= 0:
+            raise ConfigError(f"lora_alpha must be > 0, got {self.lora_alpha}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ConfigError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if not self.target_modules:
+            raise ConfigError("target_modules needs at least one module name")
+        if "all-linear" in self.target_modules and len(self.target_modules) > 1:
+            raise ConfigError("target_modules: all-linear stands alone (it names every Linear)")
+        if self.merge_lora and not self.enabled:
+            raise ConfigError("merge_lora needs lora_rank > 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.lora_rank > 0
+
+
+# ---------------------------------------------------------------- train-rm
+
+
+@dataclass(frozen=True, kw_only=True)
+class RMModelConfig:
+    """The SFT model a reward model starts from, and its value head."""
+
+    pretrain: str = doc("", "SFT model folder (or hub name when online).")
+    value_head_prefix: str = doc("score", "Name of the value head module in saved checkpoints.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreferenceDataConfig:
+    """Pairwise preference data."""
+
+    dataset: str = doc("", "Comma-separated sources: JSON/JSONL/parquet file, folder, or hub name.")
+    dataset_probs: str = doc("1.0", "Comma-separated mixing probabilities, one per source.")
+    dataset_split: str = doc("train", "Split to read from sources that have several.")
+    eval_dataset: str | None = doc(None, "Held-out sources (default: 1% of train).")
+    eval_split: str = doc("test", "Split to read from eval sources that have several.")
+    prompt_key: str | None = doc(None, "Key of the prompt; none: chosen/rejected are full texts.")
+    chosen_key: str = doc("chosen", "Key of the preferred response.")
+    rejected_key: str = doc("rejected", "Key of the dispreferred response.")
+    margin_key: str | None = doc(None, "Key of a per-pair margin for the loss.")
+    apply_chat_template: bool = doc(False, "Render message lists with the tokenizer's template.")
+    tokenizer_chat_template: str | None = doc(
+        None, "A Jinja chat template to use instead of the tokenizer's own."
+    )
+    input_template: str | None = doc(
+        None, "Template for the prompt, e.g. 'Human: {}\\nAssistant: '."
+    )
+    max_len: int = doc(512, "Truncate each tokenized text to this many tokens.")
+    max_samples: int = doc(100_000_000, "Use at most this many pairs.")
+
+    def __post_init__(self) -> None:
+        if self.max_len < 2:
+            raise ConfigError(f"max_len must be >= 2, got {self.max_len}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RMBatchConfig:
+    """Batch sizes (global = summed over all ranks)."""
+
+    train_batch_size: int = doc(128, "Pairs per optimizer step, global.")
+    micro_train_batch_size: int = doc(8, "Pairs per forward/backward on one rank.")
+    max_epochs: int = doc(1, "Passes over the training data.")
+    packing_samples: bool = doc(
+        False, "Pack each micro-batch into one row without padding (attention per sequence)."
+    )
+    share_prompt_prefix: bool = doc(
+        True,
+        "With --packing_samples, run the prefix a pair's chosen and rejected sequences share "
+        "(the prompt) once per pair (same scores and gradients, fewer tokens); not with "
+        "flash-attn.",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RMLossConfig:
+    """Bradley-Terry loss options."""
+
+    loss: Literal["sigmoid", "logexp"] = doc("sigmoid", "-logsigmoid(c - r - m) or log(1+e^(r-c)).")
+    center_rewards_coefficient: float = doc(0.0, "Weight of the (c + r)^2 centering penalty.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RMConfig:
+    """`fsdp-rlhf train-rm`."""
+
+    FLAT_NAMES: ClassVar[dict[str, str]] = {
+        "learning_rate": "optim.lr",
+        "max_norm": "optim.max_norm",
+        "adam_betas": "optim.adam_betas",
+    }
+
+    model: RMModelConfig = section(RMModelConfig)
+    backend: BackendConfig = section(BackendConfig)
+    fsdp: FSDPConfig = section(FSDPConfig)
+    data: PreferenceDataConfig = section(PreferenceDataConfig)
+    batch: RMBatchConfig = section(RMBatchConfig)
+    optim: OptimConfig = section(OptimConfig)
+    loss: RMLossConfig = section(RMLossConfig)
+    ckpt: CheckpointConfig = section(CheckpointConfig)
+    logging: LoggingConfig = section(LoggingConfig)
+    guard: GuardConfig = section(GuardConfig)
+    lora: LoraConfig = section(LoraConfig)
+    seed: int = doc(42, "Seed for data order, init and dropout.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RMBatchPlan:
+    """Sizes derived from the batch config and the world."""
+
+    world_size: int
+    micro_batch_size_per_rank: int
+    grad_accum_steps: int
+    batch_size_per_rank: int
+
+
+def plan_rm_batches(batch: RMBatchConfig, world_size: int) -> RMBatchPlan:
+    """Gradient accumulation so that ``world * micro * accum == train_batch_size``."""
+    per_step = world_size * batch.micro_train_batch_size
+    if batch.train_batch_size % per_step:
+        raise ConfigError(
+            f"train_batch_size ({batch.train_batch_size}) must be divisible by world size "
+            f"({world_size}) x micro_train_batch_size ({batch.micro_train_batch_size})"
+        )
+    return RMBatchPlan(
+        world_size=world_size,
+        micro_batch_size_per_rank=batch.micro_train_batch_size,
+        grad_accum_steps=batch.train_batch_size // per_step,
+        batch_size_per_rank=batch.train_batch_size // world_size,
+    )
+
+
+# ---------------------------------------------------------------- ppo
+
+
+@dataclass(frozen=True, kw_only=True)
+class PPOModelsConfig:
+    """The four models and where rewards come from."""
+
+    pretrain: str = doc("", "SFT model: initial actor and the reference model.")
+    reward_pretrain: str | None = doc(None, "Reward model folder (HF sequence classification).")
+    critic_pretrain: str | None = doc(None, "Critic init (default: the reward model).")
+    value_head_prefix: str = doc("score", "Value-head name to look for in reward/critic folders.")
+    remote_rm_url: str | None = doc(
+        None, "Rule reward: a .py file with reward_func(queries, prompts, labels), or an HTTP URL."
+    )
+    remote_rm_auth_env: str | None = doc(
+        None, "Name of an environment variable whose value is sent as 'Authorization: Bearer'."
+    )
+    normalize_reward: bool = doc(False, "Normalise scores by the mean/std in the RM's config.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlacementConfig:
+    """Where models live. Everything is colocated on every rank; flags kept for seed scripts."""
+
+    colocate_all: bool = doc(
+        True, "All models and the vLLM engine share every GPU (the only mode)."
+    )
+    num_nodes: int | None = doc(None, "Expected nodes; checked against the torchrun world.")
+    num_gpus_per_node: int | None = doc(None, "Expected ranks per node; checked likewise.")
+    ref_reward_offload: bool = doc(False, "Keep reference and reward models in host memory.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PromptDataConfig:
+    """Prompt data for rollouts."""
+
+    prompt_data: str = doc(
+        "", "Comma-separated sources: JSON/JSONL/parquet file, folder, hub name."
+    )
+    prompt_data_probs: str = doc("1.0", "Comma-separated mixing probabilities, one per source.")
+    prompt_split: str = doc("train", "Split to read from sources that have several.")
+    input_key: str = doc("input", "Key of the prompt (string or chat-message list).")
+    label_key: str | None = doc(None, "Key of a label passed to the rule reward.")
+    input_template: str | None = doc(
+        "Human: {}\nAssistant: ", "Template for raw prompts when no chat template is applied."
+    )
+    apply_chat_template: bool = doc(False, "Render prompts with the tokenizer's chat template.")
+    prompt_max_len: int = doc(
+        1024, "Prompts longer than this (tokens) are truncated from the left."
+    )
+    max_samples: int = doc(100_000, "Use at most this many prompts.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """Generation: engine, sampling, vLLM layout."""
+
+    rollout_engine: Literal["vllm", "hf"] = doc("vllm", "vllm (default) or HF generate.")
+    lora_sync: Literal["adapter", "merged"] = doc(
+        "adapter",
+        "With --lora_rank: adapter (vLLM serves the adapters, only they are synced) or merged "
+        "(each adapted weight synced as W + (alpha/r) B A, like full fine-tuning: more bytes, "
+        "base-model decode speed where vLLM's LoRA kernels are slow, as on CPU).",
+    )
+    vllm_num_engines: int | None = doc(None, "Engines = world / TP (checked when given).")
+    vllm_tensor_parallel_size: int = doc(1, "TP size of each engine (contiguous ranks).")
+    vllm_gpu_memory_utilization: float = doc(0.9, "GPU memory fraction vLLM may use.")
+    vllm_enable_sleep: bool = doc(True, "Release vLLM memory between rollouts (GPU only).")
+    # 2 by default: the actor's weights are streamed into the engine before every rollout, so
+    # level 1's copy to host memory and back would be thrown away.
+    vllm_sleep_level: int = doc(
+        2, "2: discard weights while asleep (re-synced every step); 1: offload them to CPU."
+    )
+    vllm_kvcache_space_gib: float = doc(0.0, "CPU only: KV cache size (0: sized from the config).")
+    enforce_eager: bool = doc(False, "Disable CUDA graphs in vLLM.")
+    generate_max_len: int = doc(1024, "Max new tokens per response.")
+    max_len: int | None = doc(
+        None,
+        "Tokens per sequence, prompt + response (OpenRLHF's --max_len): each response may use "
+        "max_len minus its prompt's length, at most generate_max_len (none: generate_max_len).",
+    )
+    temperature: float = doc(1.0, "Sampling temperature.")
+    top_p: float = doc(1.0, "Nucleus sampling.")
+    top_k: int = doc(-1, "Top-k sampling (-1: off).")
+    micro_rollout_batch_size: int = doc(8, "Sequences per forward in the scoring phases, per rank.")
+
+    def __post_init__(self) -> None:
+        if self.vllm_sleep_level not in (1, 2):
+            raise ConfigError(f"vllm_sleep_level must be 1 or 2, got {self.vllm_sleep_level}")
+        if self.temperature <= 0:
+            raise ConfigError(f"temperature must be > 0, got {self.temperature}")
+        if self.max_len is not None and self.max_len < 2:
+            raise ConfigError(f"max_len must be >= 2, got {self.max_len}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PPOBatchConfig:
+    """Batch sizes; 'global' means summed over all ranks."""
+
+    rollout_batch_size: int = doc(512, "Prompts per step, global.")
+    n_samples_per_prompt: int = doc(1, "Responses sampled per prompt.")
+    train_batch_size: int = doc(128, "Sequences per optimizer step, global.")
+    micro_train_batch_size: int = doc(8, "Sequences per forward/backward on one rank.")
+    max_epochs: int = doc(1, "Passes over the prompt data.")
+    num_episodes: int = doc(1, "Repeat the whole schedule this many times.")
+    max_steps: int = doc(-1, "Stop after this many steps (-1: run the data out).")
+    packing_samples: bool = doc(
+        False,
+        "Pack each micro-batch into one row without padding for every training-side forward "
+        "(attention per sequence).",
+    )
+    share_prompt_prefix: bool = doc(
+        True,
+        "With n_samples_per_prompt > 1, run each prompt through the actor and reference once for "
+        "its samples in a micro-batch (same log-probs and gradients, fewer tokens). Not with "
+        "--packing_samples or flash-attn; the log says when it is off.",
+    )
+
+
+ADVANTAGE_ESTIMATORS_NEEDING_GROUPS = (
+    "rloo",
+    "grpo",
+    "dr_grpo",
+    "reinforce_plus_plus_baseline",
+    "reinforce_baseline",
+)
+GSPO_PAPER_CLIP = (3e-4, 4e-4)
+
+
+def _pair(value: tuple[float, ...], name: str, *, ordered: bool = False) -> tuple[float, float]:
+    if len(value) != 2:
+        raise ConfigError(f"{name} needs 2 values (LOW HIGH), got {list(value)}")
+    low, high = value
+    if ordered and not low < high:
+        raise ConfigError(f"{name} needs LOW < HIGH, got {list(value)}")
+    return low, high
+
+
+@dataclass(frozen=True, kw_only=True)
+class PPOAlgoConfig:
+    """PPO objective, advantages and KL."""
+
+    advantage_estimator: Literal[
+        "gae",
+        "reinforce++",
+        "rloo",
+        "grpo",
+        "dr_grpo",
+        "reinforce_plus_plus_baseline",
+        "reinforce_baseline",
+    ] = doc(
+        "gae",
+        "gae needs a critic; the others are critic-free. reinforce_plus_plus_baseline (verl's "
+        "name; reinforce_baseline is OpenRLHF's for the same): group-mean baseline, then "
+        "REINFORCE++ batch whitening.",
+    )
+    gamma: float = doc(1.0, "Discount factor.")
+    advantage_std_norm: bool = doc(
+        True,
+        "Divide batch-whitened advantages (gae, reinforce++, reinforce_plus_plus_baseline) by "
+        "their std; --no_advantage_std_norm only subtracts the mean.",
+    )
+    lam: float = doc(0.95, "GAE lambda.", flag="lambd")
+    eps_clip: float = doc(0.2, "Policy ratio clip (lower side).")
+    eps_clip_high: float | None = doc(None, "Upper-side clip (default: eps_clip).")
+    eps_clip_low_high: tuple[float, ...] = doc(
+        (),
+        "OpenRLHF's two-value form LOW HIGH (DAPO clip-higher, e.g. 0.2 0.28): sets eps_clip "
+        "and eps_clip_high, overriding both.",
+    )
+    policy_loss_type: Literal["ppo", "gspo"] = doc(
+        "ppo",
+        "ppo: token-level ratio; gspo: sequence-level ratio (geometric mean of token ratios, "
+        "GSPO), aggregated per sequence (seq-mean-token-mean).",
+    )
+    gspo_eps_clip_low_high: tuple[float, ...] = doc(
+        (),
+        "GSPO's clip range LOW HIGH on the sequence ratio (default: --eps_clip_low_high when "
+        "given, else the paper's 3e-4 4e-4).",
+    )
+    value_clip: float = doc(0.2, "Value clip around old values (<= 0 disables).")
+    dual_clip: float | None = doc(None, "Dual-clip constant c > 1 for negative advantages.")
+    kl_estimator: Literal["k1", "k2", "k3", "k3+"] = doc("k1", "KL estimator (Schulman).")
+    use_kl_loss: bool = doc(False, "KL in the actor loss instead of in the reward.")
+    init_kl_coef: float = doc(0.02, "KL coefficient (initial value when kl_target is set).")
+    kl_target: float | None = doc(None, "Adaptive KL controller target (Ziegler et al.).")
+    kl_horizon: int = doc(10000, "Adaptive KL controller horizon.")
+    entropy_loss_coef: float = doc(0.0, "Entropy bonus weight.")
+    reward_clip_range: float = doc(10.0, "Clip scores to [-x, x].")
+    ppo_epochs: int = doc(1, "Passes over each rollout batch.")
+    freezing_actor_steps: int = doc(-1, "Train only the critic for the first N steps.")
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+    ] = doc(
+        "token-mean",
+        "How per-token losses are averaged (global over ranks): token-mean; "
+        "seq-mean-token-mean; seq-mean-token-sum; seq-mean-token-sum-norm (Dr. GRPO: token "
+        "sums / generate_max_len, mean over sequences).",
+    )
+    is_correction: Literal["none", "tis", "icepop", "seq_mask_tis", "seq-mask-tis"] = doc(
+        "none",
+        "Rollout/trainer log-prob mismatch correction with ratio pi_old/pi_rollout: tis "
+        "(weights clamped to [LOW, HIGH]), icepop (tokens outside [LOW, HIGH] get weight 0), "
+        "seq_mask_tis (rows whose geometric-mean ratio is outside [LOW, HIGH] get weight 0, "
+        "others tis).",
+    )
+    is_truncated_threshold: tuple[float, ...] = doc(
+        (0.5, 5.0),
+        "LOW HIGH thresholds of --is_correction.",
+    )
+    use_rollout_logprobs_as_old: bool = doc(
+        False,
+        "Bypass mode: the rollout engine's log-probs serve as the old log-probs (no trainer "
+        "recomputation; the PPO ratio then corrects the mismatch itself).",
+    )
+    dynamic_filtering: bool = doc(
+        False,
+        "DAPO dynamic sampling: drop prompt groups whose scores are all equal (or, with "
+        "--dynamic_filtering_reward_range, whose mean is outside it) and sample more.",
+    )
+    dynamic_filtering_reward_range: tuple[float, ...] = doc(
+        (),
+        "LOW HIGH: keep groups with LOW < mean score < HIGH (OpenRLHF's rule); empty: keep "
+        "groups whose scores are not all equal (DAPO/verl's rule).",
+    )
+    max_num_gen_batches: int = doc(
+        0,
+        "Dynamic filtering: give up after this many generation rounds in one step and fill "
+        "the batch with dropped groups (verl's name; 0: until full, capped at 32 rounds).",
+    )
+    overlong_buffer_len: int | None = doc(
+        None,
+        "DAPO overlong shaping: penalise responses longer than generate_max_len - this, "
+        "linearly up to -overlong_penalty_factor at generate_max_len (none: off).",
+    )
+    overlong_penalty_factor: float = doc(1.0, "Largest overlong penalty (DAPO).")
+
+    def _set(self, **values) -> None:
+        for name, value in values.items():
+            object.__setattr__(self, name, value)  # normalising a frozen dataclass at init
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.lam <= 1.0:
+            raise ConfigError(f"lambd must be in [0, 1], got {self.lam}")
+        if not 0.0 < self.gamma <= 1.0:
+            raise ConfigError(f"gamma must be in (0, 1], got {self.gamma}")
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ConfigError(f"dual_clip must be > 1, got {self.dual_clip}")
+        self._check_clips()
+        self._check_is_correction()
+        if self.dynamic_filtering_reward_range:
+            _pair(
+                self.dynamic_filtering_reward_range, "dynamic_filtering_reward_range", ordered=True
+            )
+        if self.max_num_gen_batches < 0:
+            raise ConfigError(f"max_num_gen_batches must be >= 0, got {self.max_num_gen_batches}")
+        if self.overlong_buffer_len is not None and self.overlong_buffer_len <= 0:
+            raise ConfigError(f"overlong_buffer_len must be > 0, got {self.overlong_buffer_len}")
+        if self.overlong_penalty_factor < 0:
+            raise ConfigError(
+                f"overlong_penalty_factor must be >= 0, got {self.overlong_penalty_factor}"
+            )
+
+    def _check_clips(self) -> None:
+        if self.eps_clip_low_high:
+            low, high = _pair(self.eps_clip_low_high, "eps_clip_low_high")
+            self._set(eps_clip=low, eps_clip_high=high)
+        if self.eps_clip < 0 or (self.eps_clip_high is not None and self.eps_clip_high < 0):
+            raise ConfigError(
+                f"eps_clip values must be >= 0, got {self.eps_clip}, {self.eps_clip_high}"
+            )
+        gspo = self.gspo_eps_clip_low_high or self.eps_clip_low_high or GSPO_PAPER_CLIP
+        low, high = _pair(tuple(gspo), "gspo_eps_clip_low_high")
+        if low < 0 or high < 0:
+            raise ConfigError(f"gspo_eps_clip_low_high must be >= 0, got {[low, high]}")
+        self._set(gspo_eps_clip_low_high=(low, high))
+
+    def _check_is_correction(self) -> None:
+        mode = self.is_correction.replace("-", "_")
+        threshold = tuple(self.is_truncated_threshold)
+        low, high = _pair(threshold, "is_truncated_threshold", ordered=True)
+        if low < 0:
+            raise ConfigError(f"is_truncated_threshold LOW must be >= 0, got {low}")
+        if self.use_rollout_logprobs_as_old and mode != "none":
+            raise ConfigError(
+                f"--use_rollout_logprobs_as_old makes the PPO ratio correct the mismatch; "
+                f"--is_correction {mode} would need the trainer's own old log-probs"
+            )
+        self._set(is_correction=mode, is_truncated_threshold=(low, high))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PPOEvalConfig:
+    """Evaluation on held-out prompts every --eval_steps (pass@1 / pass@k)."""
+
+    eval_dataset: str | None = doc(
+        None, "Held-out prompt sources, same format as prompt_data (none: no evaluation)."
+    )
+    eval_split: str = doc("train", "Split to read from eval sources that have several.")
+    eval_n_samples_per_prompt: int = doc(4, "Responses sampled per eval prompt (n of pass@k).")
+    eval_temperature: float = doc(0.6, "Sampling temperature for evaluation.")
+    save_best_metric: str | None = doc(
+        None,
+        "Keep a copy of the model with the best value of this eval metric: pass@1 or pass@K "
+        "with K <= eval_n_samples_per_prompt (none: off).",
+    )
+
+    def __post_init__(self) -> None:
+        if self.eval_n_samples_per_prompt < 1:
+            raise ConfigError(
+                f"eval_n_samples_per_prompt must be >= 1, got {self.eval_n_samples_per_prompt}"
+            )
+        if self.eval_temperature < 0:
+            raise ConfigError(f"eval_temperature must be >= 0, got {self.eval_temperature}")
+        if self.save_best_metric is None:
+            return
+        match = re.fullmatch(r"(?:eval/)?pass@(\d+)", self.save_best_metric)
+        if match is None or not 1 <= int(match[1]) <= self.eval_n_samples_per_prompt:
+            raise ConfigError(
+                f"save_best_metric must be pass@K with 1 <= K <= eval_n_samples_per_prompt "
+                f"({self.eval_n_samples_per_prompt}), got {self.save_best_metric!r}"
+            )
+        if self.eval_dataset is None:
+            raise ConfigError("save_best_metric needs --eval_dataset")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MultiTurnConfig:
+    """Multi-turn rollouts against a Python environment (``--env_file``); off without it."""
+
+    env_file: str | None = doc(
+        None,
+        "A .py file with reset(prompt, label) and step(history, action) -> (observation, "
+        "reward, done), or only reward_func(queries, prompts, labels) for one turn. Its "
+        "rewards are the scores (replaces --reward_pretrain / --remote_rm_url).",
+    )
+    max_turns: int = doc(4, "Model turns per trajectory at most (with --env_file).")
+    max_total_len: int | None = doc(
+        None,
+        "Prompt + every model and environment turn, in tokens (none: prompt_max_len + "
+        "max_turns * generate_max_len).",
+    )
+    env_timeout_s: float = doc(
+        30.0, "Per reset/step call; a call over it ends its trajectory as a tool error."
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1:
+            raise ConfigError(f"max_turns must be >= 1, got {self.max_turns}")
+        if self.max_total_len is not None and self.max_total_len < 1:
+            raise ConfigError(f"max_total_len must be >= 1, got {self.max_total_len}")
+        if self.env_timeout_s <= 0:
+            raise ConfigError(f"env_timeout_s must be > 0, got {self.env_timeout_s}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PPOConfig:
+    """`fsdp-rlhf ppo`."""
+
+    FLAT_NAMES: ClassVar[dict[str, str | tuple[str, ...]]] = {
+        "actor_learning_rate": "actor_optim.lr",
+        "critic_learning_rate": "critic_optim.lr",
+        "max_norm": ("actor_optim.max_norm", "critic_optim.max_norm"),
+        "lr_warmup_ratio": ("actor_optim.lr_warmup_ratio", "critic_optim.lr_warmup_ratio"),
+        "lr_scheduler": ("actor_optim.lr_scheduler", "critic_optim.lr_scheduler"),
+        "adam_betas": ("actor_optim.adam_betas", "critic_optim.adam_betas"),
+        "l2": ("actor_optim.l2", "critic_optim.l2"),
+        "min_lr_ratio": ("actor_optim.min_lr_ratio", "critic_optim.min_lr_ratio"),
+        "adam_eps": ("actor_optim.adam_eps", "critic_optim.adam_eps"),
+    }
+
+    models: PPOModelsConfig = section(PPOModelsConfig)
+    placement: PlacementConfig = section(PlacementConfig)
+    backend: BackendConfig = section(BackendConfig)
+    fsdp: FSDPConfig = section(FSDPConfig)
+    data: PromptDataConfig = section(PromptDataConfig)
+    rollout: RolloutConfig = section(RolloutConfig)
+    batch: PPOBatchConfig = section(PPOBatchConfig)
+    algo: PPOAlgoConfig = section(PPOAlgoConfig)
+    eval: PPOEvalConfig = section(PPOEvalConfig)
+    multiturn: MultiTurnConfig = section(MultiTurnConfig)
+    actor_optim: OptimConfig = doc(help="Actor optimizer.", factory=lambda: OptimConfig(lr=1e-6))
+    critic_optim: OptimConfig = doc(help="Critic optimizer.", factory=lambda: OptimConfig(lr=9e-6))
+    ckpt: CheckpointConfig = section(CheckpointConfig)
+    logging: LoggingConfig = section(LoggingConfig)
+    guard: GuardConfig = section(GuardConfig)
+    lora: LoraConfig = section(LoraConfig)
+    sample_log_steps: int = doc(10, "Every N steps log a few prompt/response/reward samples.")
+    seed: int = doc(42, "Seed for data order, init and sampling.")
+
+    def __post_init__(self) -> None:
+        max_len = self.rollout.max_len
+        if max_len is not None and self.data.prompt_max_len >= max_len:
+            raise ConfigError(
+                f"prompt_max_len ({self.data.prompt_max_len}) must be < max_len ({max_len}): "
+                "max_len counts the prompt and its response"
+            )
+        buffer = self.algo.overlong_buffer_len
+        if buffer is not None and buffer > self.rollout.generate_max_len:
+            raise ConfigError(
+                f"overlong_buffer_len ({buffer}) must be <= generate_max_len "
+                f"({self.rollout.generate_max_len})"
+            )
+        self._check_multiturn()
+
+    def _check_multiturn(self) -> None:
+        mt = self.multiturn
+        if mt.env_file is None:
+            return
+        shortest = self.data.prompt_max_len + self.rollout.generate_max_len
+        if mt.max_total_len is not None and mt.max_total_len < shortest:
+            raise ConfigError(
+                f"max_total_len ({mt.max_total_len}) must be >= prompt_max_len + "
+                f"generate_max_len ({shortest}): the first turn must fit"
+            )
+        if self.rollout.max_len is not None:
+            raise ConfigError("--max_len is single-turn; with --env_file use --max_total_len")
+        # the length penalty counts model tokens against one turn's generate_max_len
+        if self.algo.overlong_buffer_len is not None:
+            raise ConfigError("--overlong_buffer_len is single-turn only; drop it with --env_file")
+
+    @property
+    def total_len(self) -> int:
+        """Token budget of one trajectory: prompt + all model and environment turns."""
+        mt, r = self.multiturn, self.rollout
+        if mt.env_file is None:
+            longest = self.data.prompt_max_len + r.generate_max_len
+            return longest if r.max_len is None else min(longest, r.max_len)
+        if mt.max_total_len is not None:
+            return mt.max_total_len
+        return self.data.prompt_max_len + mt.max_turns * r.generate_max_len
+
+
+@dataclass(frozen=True, kw_only=True)
+class PPOBatchPlan:
+    """Sizes derived from the PPO config and the world (all per rank unless named global)."""
+
+    world_size: int
+    tp_size: int
+    num_engines: int
+    micro_rollout_batch_size: int
+    train_batch_size_per_rank: int
+    micro_train_batch_size: int
+    optimizer_steps_per_epoch: int
+
+
+def plan_ppo_batches(cfg: PPOConfig, world_size: int) -> PPOBatchPlan:
+    """Check divisibility and derive per-rank sizes; raises ``ConfigError`` naming the flags."""
+    b, r = cfg.batch, cfg.rollout
+    tp = r.vllm_tensor_parallel_size
+    if tp < 1 or world_size % tp:
+        raise ConfigError(
+            f"vllm_tensor_parallel_size ({tp}) must divide the world size ({world_size})"
+        )
+    if r.vllm_num_engines is not None and r.vllm_num_engines * tp != world_size:
+        raise ConfigError(
+            f"vllm_num_engines ({r.vllm_num_engines}) x vllm_tensor_parallel_size ({tp}) must "
+            f"equal the world size ({world_size}): every rank holds one engine slice"
+        )
+    if b.rollout_batch_size % world_size:
+        raise ConfigError(
+            f"rollout_batch_size ({b.rollout_batch_size}) must be divisible by the world size "
+            f"({world_size})"
+        )
+    samples = b.rollout_batch_size * b.n_samples_per_prompt
+    samples_per_rank = samples // world_size
+    if samples_per_rank % r.micro_rollout_batch_size:
+        raise ConfigError(
+            f"rollout samples per rank ({samples_per_rank} = rollout_batch_size x "
+            f"n_samples_per_prompt / world) must be divisible by micro_rollout_batch_size "
+            f"({r.micro_rollout_batch_size})"
+        )
+    per_step = world_size * b.micro_train_batch_size
+    if b.train_batch_size % per_step or samples % b.train_batch_size:
+        raise ConfigError(
+            f"train_batch_size ({b.train_batch_size}) must be divisible by world size x "
+            f"micro_train_batch_size ({per_step}) and divide rollout_batch_size x "
+            f"n_samples_per_prompt ({samples})"
+        )
+    if (
+        cfg.algo.advantage_estimator in ADVANTAGE_ESTIMATORS_NEEDING_GROUPS
+        and b.n_samples_per_prompt < 2
+    ):
+        raise ConfigError(
+            f"advantage_estimator {cfg.algo.advantage_estimator} needs n_samples_per_prompt >= 2"
+        )
+    if cfg.algo.dynamic_filtering and b.n_samples_per_prompt < 2:
+        raise ConfigError("dynamic_filtering needs n_samples_per_prompt >= 2 (it filters groups)")
+    return PPOBatchPlan(
+        world_size=world_size,
+        tp_size=tp,
+        num_engines=world_size // tp,
+        micro_rollout_batch_size=r.micro_rollout_batch_size,
+        train_batch_size_per_rank=b.train_batch_size // world_size,
+        micro_train_batch_size=b.micro_train_batch_size,
+        optimizer_steps_per_epoch=samples // b.train_batch_size,
+    )

@@ -1,0 +1,285 @@
+"""Preference pairs -> token ids, a resumable per-rank schedule, and the concatenated collate.
+
+Texts are rendered and tokenized once, up front. Each sequence ends with EOS (unless the
+tokenizer pads with EOS) and never with a pad token, so the score position is the same for
+every rule in use: our "last attended token", and HF's "last non-pad token" that
+``AutoModelForSequenceClassification`` (and vLLM) apply to right-padded input.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import datasets
+import numpy as np
+import torch
+
+from fsdp_rlhf.config import PreferenceDataConfig
+from fsdp_rlhf.data.schedule import DataPosition, StepSchedule, eval_shard
+from fsdp_rlhf.errors import UserError
+
+log = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------- rendering
+
+
+def _template(tokenizer, messages: list, *, generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=generation_prompt
+    )
+
+
+def _need_template(cfg: PreferenceDataConfig, flag: str, key: str) -> None:
+    if not cfg.apply_chat_template:
+        raise UserError(
+            f"{flag} {key!r}: values are chat-message lists; add --apply_chat_template to render "
+            "them with the tokenizer's chat template"
+        )
+
+
+def _check_type(value: Any, flag: str, key: str) -> None:
+    if not isinstance(value, str | list):
+        raise UserError(
+            f"{flag} {key!r}: expected a string or a list of chat messages, got "
+            f"{type(value).__name__}"
+        )
+
+
+def render_prompt(value: Any, cfg: PreferenceDataConfig, tokenizer) -> tuple[str, list | None]:
+    """The prompt text, and its messages when a chat template renders it."""
+    _check_type(value, "--prompt_key", str(cfg.prompt_key))
+    if isinstance(value, list):
+        _need_template(cfg, "--prompt_key", str(cfg.prompt_key))
+        return _template(tokenizer, value, generation_prompt=True), value
+    if cfg.apply_chat_template:
+        messages = [{"role": "user", "content": value}]
+        return _template(tokenizer, messages, generation_prompt=True), messages
+    return (cfg.input_template.format(value) if cfg.input_template else value), None
+
+
+def render_reply(
+    value: Any,
+    prompt: tuple[str, list | None] | None,
+    cfg: PreferenceDataConfig,
+    tokenizer,
+    flag: str,
+    key: str,
+) -> str:
+    """The full text of one side of a pair: prompt + reply, or the whole text without a prompt.
+
+    A message-list reply after a prompt is rendered as ``template(prompt + reply)``, which must
+    start with the prompt rendered with its generation prompt: otherwise the chosen and rejected
+    texts would not share the prompt the model is asked to continue.
+    """
+    _check_type(value, flag, key)
+    if isinstance(value, str):
+        return value if prompt is None else prompt[0] + value
+    _need_template(cfg, flag, key)
+    if prompt is None:
+        return _template(tokenizer, value, generation_prompt=False)
+    prompt_text, prompt_messages = prompt
+    if prompt_messages is None:
+        raise UserError(f"{flag} {key!r}: message-list replies need message-list prompts")
+    full = _template(tokenizer, prompt_messages + value, generation_prompt=False)
+    if not full.startswith(prompt_text):
+        raise UserError(
+            f"{flag} {key!r}: the chat template renders prompt + reply with a different prefix "
+            "than the prompt with add_generation_prompt=True; pass replies as strings"
+        )
+    return full
+
+
+# ---------------------------------------------------------------- tokenizing
+
+
+def finish_ids(ids: list[int], *, pad_id: int, eos_id: int, max_len: int) -> list[int]:
+    """Append EOS (unless pad == EOS), truncate to ``max_len`` keeping the EOS, strip trailing pads.
+
+    When pad == EOS an appended EOS would be read as padding by HF's last-non-pad rule, so none
+    is appended. Trailing pad tokens are dropped for the same reason.
+    """
+    append_eos = eos_id != pad_id
+    if append_eos and (not ids or ids[-1] != eos_id):
+        ids = ids + [eos_id]
+    if len(ids) > max_len:
+        ids = ids[: max_len - 1] + [eos_id] if append_eos else ids[:max_len]
+    while ids and ids[-1] == pad_id:
+        ids = ids[:-1]
+    return ids
+
+
+def _tokenize_batch(batch: dict[str, list], *, cfg: PreferenceDataConfig, tokenizer) -> dict:
+    n = len(batch[cfg.chosen_key])
+    chosen, rejected = [], []
+    for i in range(n):
+        prompt = None
+        if cfg.prompt_key is not None:
+            prompt = render_prompt(batch[cfg.prompt_key][i], cfg, tokenizer)
+        chosen.append(
+            render_reply(
+                batch[cfg.chosen_key][i], prompt, cfg, tokenizer, "--chosen_key", cfg.chosen_key
+            )
+        )
+        rejected.append(
+            render_reply(
+                batch[cfg.rejected_key][i],
+                prompt,
+                cfg,
+                tokenizer,
+                "--rejected_key",
+                cfg.rejected_key,
+            )
+        )
+    # Template output already holds the model's special tokens (BOS); plain text gets them here.
+    special = not cfg.apply_chat_template
+    finish = partial(
+        finish_ids,
+        pad_id=tokenizer.pad_token_id,
+        eos_id=tokenizer.eos_token_id,
+        max_len=cfg.max_len,
+    )
+    out: dict[str, list] = {"chosen_ids": [], "rejected_ids": []}
+    if cfg.margin_key is not None:
+        out["margin"] = []
+    enc_c = tokenizer(chosen, add_special_tokens=special)["input_ids"]
+    enc_r = tokenizer(rejected, add_special_tokens=special)["input_ids"]
+    for i, (c, r) in enumerate(zip(enc_c, enc_r, strict=True)):
+        c, r = finish(c), finish(r)
+        if not c or not r or c == r:
+            continue  # counted as dropped by the caller
+        out["chosen_ids"].append(c)
+        out["rejected_ids"].append(r)
+        if cfg.margin_key is not None:
+            out["margin"].append(_margin(batch[cfg.margin_key][i], cfg.margin_key))
+    return out
+
+
+def _margin(value: Any, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise UserError(f"--margin_key {key!r}: expected a number, got {value!r}")
+    return float(value)
+
+
+def tokenize_pairs(
+    dataset: datasets.Dataset, tokenizer, cfg: PreferenceDataConfig, *, what: str = "train"
+) -> tuple[datasets.Dataset, int]:
+    """Render and tokenize every pair once.
+
+    Returns:
+        ``(pairs, dropped)``: a dataset with ``chosen_ids`` and ``rejected_ids`` (int32 lists,
+        each at most ``max_len`` long) and ``margin`` (with ``--margin_key``), and the number
+        of pairs dropped because chosen and rejected were identical (or empty) after truncation.
+    """
+    if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
+        raise UserError("the tokenizer has no EOS token: the reward is read at the EOS position")
+    features = {
+        "chosen_ids": datasets.Sequence(datasets.Value("int32")),
+        "rejected_ids": datasets.Sequence(datasets.Value("int32")),
+    }
+    if cfg.margin_key is not None:
+        features["margin"] = datasets.Value("float32")
+    pairs = dataset.map(
+        partial(_tokenize_batch, cfg=cfg, tokenizer=tokenizer),
+        batched=True,
+        remove_columns=dataset.column_names,
+        features=datasets.Features(features),
+        # In memory: every rank tokenizes the same data; no shared cache files to race on.
+        keep_in_memory=True,
+        desc=f"tokenizing {what} pairs",
+    )
+    dropped = len(dataset) - len(pairs)
+    if dropped:
+        log.warning(
+            "%s: dropped %d of %d pairs whose chosen and rejected are identical (or empty) after "
+            "truncation to max_len=%d",
+            what,
+            dropped,
+            len(dataset),
+            cfg.max_len,
+        )
+    return pairs, dropped
+
+
+# ---------------------------------------------------------------- batching
+
+
+@dataclass(frozen=True)
+class PairBatch:
+    """Chosen rows first, then rejected rows, right-padded, for one forward.
+
+    Attributes:
+        input_ids: (2B, L) long.
+        attention_mask: (2B, L) long, 1 on tokens.
+        margin: (B,) float32, or None without ``--margin_key``.
+        num_valid: pairs 0..num_valid-1 are real; the rest pad an uneven eval shard.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    margin: torch.Tensor | None
+    num_valid: int
+
+    @property
+    def num_pairs(self) -> int:
+        return self.input_ids.shape[0] // 2
+
+
+def collate_pairs(rows: dict[str, list], pad_id: int, num_valid: int | None = None) -> PairBatch:
+    """Columns of B pairs (``dataset[indices]``) -> a :class:`PairBatch` of 2B sequences."""
+    seqs = rows["chosen_ids"] + rows["rejected_ids"]
+    length = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), length), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+        mask[i, : len(s)] = 1
+    margin = torch.tensor(rows["margin"], dtype=torch.float32) if "margin" in rows else None
+    n = len(rows["chosen_ids"])
+    return PairBatch(ids, mask, margin, n if num_valid is None else num_valid)
+
+
+class PreferenceLoader:
+    """Micro-batches of one optimizer step for this rank, from a :class:`StepSchedule`."""
+
+    def __init__(
+        self, pairs: datasets.Dataset, schedule: StepSchedule, micro_batch: int, pad_id: int
+    ) -> None:
+        if schedule.per_rank % micro_batch:
+            raise ValueError(f"{schedule.per_rank} pairs per rank not divisible by {micro_batch}")
+        self.pairs = pairs
+        self.schedule = schedule
+        self.micro_batch = micro_batch
+        self.pad_id = pad_id
+
+    def step_batches(self, pos: DataPosition) -> list[PairBatch]:
+        """The gradient-accumulation micro-batches of step ``pos`` on this rank."""
+        idx = self.schedule.rank_indices(pos.epoch, pos.step)
+        chunks = [idx[i : i + self.micro_batch] for i in range(0, len(idx), self.micro_batch)]
+        return [collate_pairs(self.pairs[c], self.pad_id) for c in chunks]
+
+
+def eval_batches(
+    pairs: datasets.Dataset, world_size: int, rank: int, micro_batch: int, pad_id: int
+) -> Iterator[PairBatch]:
+    """This rank's eval micro-batches (same count on every rank; see ``eval_shard``)."""
+    for idx, valid in eval_shard(len(pairs), world_size, rank, micro_batch):
+        yield collate_pairs(pairs[idx], pad_id, num_valid=valid)
+
+
+def hold_out(
+    pairs: datasets.Dataset, seed: int, fraction: float = 0.01, minimum: int = 8
+) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """Split off ``max(fraction * N, minimum)`` random pairs (at most half) as the eval set.
+
+    Returns:
+        ``(train, eval)``, disjoint.
+    """
+    n = len(pairs)
+    n_eval = min(max(math.ceil(n * fraction), minimum), n // 2)
+    order = np.random.default_rng([seed, 1_000_003]).permutation(n)
+    return pairs.select(np.sort(order[n_eval:])), pairs.select(np.sort(order[:n_eval]))

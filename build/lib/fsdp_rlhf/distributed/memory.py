@@ -1,0 +1,213 @@
+"""Per-device memory model of a colocated PPO job, phase by phase (pure arithmetic, no GPU).
+
+Every rank holds FSDP2 shards of actor, critic, reference and reward models plus a vLLM engine.
+The phases of one step do not overlap, so the job fits when each phase does:
+
+* ``start-up / wake``: vLLM insists on ``free >= util x total`` when it starts, and its sleep
+  mode hands the same pool back on every wake, so ``resident + util x total <= total`` must hold
+  with ``resident`` = everything the trainer keeps on the device during rollout.
+* ``rollout``: vLLM's pool (weights + KV cache, ``util x total``) + resident shards + the
+  weight-sync gather buckets + CUDA context/NCCL.
+* ``scoring``: no-grad forwards (ref, reward, critic values, old log-probs) at
+  ``micro_rollout_batch_size``: the scored model's shard, one gathered layer, the logits.
+* ``actor update`` / ``critic update``: sharded fp32 params, grads and Adam moments (on the host
+  with ``--adam_offload``: FSDP's CPUOffloadPolicy), gathered bf16 layers, activations, logits,
+  plus frozen shards that stay (no ``--ref_reward_offload``) and what vLLM keeps asleep.
+
+Bytes per element: fp32 master params/grads 4, Adam 2 x 4, bf16 compute copies 2. Shapes:
+``b`` micro-batch, ``s = prompt_max_len + generate_max_len``, ``h`` hidden, ``I`` MLP width,
+``V`` vocab, ``L`` layers, ``N`` parameters, ``W`` ranks. Activations per layer and token are
+about ``9 h + 3 I`` bf16 values (norm in/out, q/k/v, attention out, o_proj, residual; SwiGLU gate,
+up and product), flash/SDPA attention keeping no ``s x s`` matrix; with gradient checkpointing
+only each layer's input (``h`` values) is kept, plus one layer recomputed in backward.
+Logits: the actor keeps ``b s V`` bf16 logits, an fp32 copy, fp32 log-softmax and its grad.
+Constants marked ASSUMED are not measured here (no GPU yet); ``cmd/gpu_smoke.py`` prints the
+measured phase peaks to calibrate them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GIB = 2**30
+CONTEXT_BYTES = int(1.5 * GIB)  # ASSUMED: CUDA context + NCCL buffers per process
+VLLM_ASLEEP_BYTES = 1 * GIB  # ASSUMED: what a sleeping vLLM keeps (CUDA graphs, buffers)
+SYNC_BUCKET_BYTES = 256 << 20  # fsdp.GATHER_BUCKET_BYTES["cuda"]; two live at once
+TRAIN_HEADROOM = 0.95  # fragmentation of the caching allocator
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What memory depends on. ``params`` counts every parameter (N)."""
+
+    params: int
+    layers: int
+    hidden: int
+    intermediate: int
+    vocab: int
+
+    @property
+    def layer_params(self) -> int:
+        return max(0, self.params - 2 * self.vocab * self.hidden) // max(1, self.layers)
+
+    @property
+    def root_params(self) -> int:
+        """Embeddings + LM head (+ norms): FSDP2's root unit, gathered with every forward."""
+        return self.params - self.layers * self.layer_params
+
+    @staticmethod
+    def from_hf_config(config: dict, params: int | None = None) -> ModelShape:
+        h, n_layers = config["hidden_size"], config["num_hidden_layers"]
+        inter, vocab = config.get("intermediate_size", 4 * h), config["vocab_size"]
+        if params is None:  # Llama-style: q,k,v,o + gate,up,down per layer, untied embeddings
+            kv = config.get("num_key_value_heads", config["num_attention_heads"])
+            head_dim = config.get("head_dim", h // config["num_attention_heads"])
+            attn = 2 * h * h + 2 * h * kv * head_dim
+            params = n_layers * (attn + 3 * h * inter) + 2 * vocab * h
+        return ModelShape(params, n_layers, h, inter, vocab)
+
+
+@dataclass(frozen=True)
+class JobFlags:
+    """The flags memory depends on, per device (one rank per GPU)."""
+
+    world: int
+    device_bytes: int
+    zero_stage: int = 2
+    bf16: bool = True
+    adam_offload: bool = False
+    ref_reward_offload: bool = False
+    gpu_memory_utilization: float = 0.9
+    vllm_sleep: bool = True
+    micro_train_batch_size: int = 1
+    micro_rollout_batch_size: int = 1
+    seq_len: int = 2048
+    gradient_checkpointing: bool = False
+    critic: bool = True
+    reward: bool = True
+    vllm_pool_bytes: int = 0  # vLLM on CPU sizes its pool in GiB, not as a fraction: 0 = GPU
+    lora: bool = False  # --lora_rank: frozen bases, no reference model (adapters are ~0 bytes)
+
+    @property
+    def pool(self) -> int:
+        """vLLM's weights + KV cache pool."""
+        return self.vllm_pool_bytes or int(self.gpu_memory_utilization * self.device_bytes)
+
+
+@dataclass
+class Phase:
+    name: str
+    parts: dict[str, int] = field(default_factory=dict)
+    limit: int = 0
+    fix: str = ""  # the flag to change when the phase does not fit
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.limit
+
+    def line(self) -> str:
+        worst = sorted(self.parts.items(), key=lambda kv: -kv[1])[:3]
+        top = ", ".join(f"{k} {v / GIB:.1f}" for k, v in worst)
+        mark = "fits" if self.fits else "DOES NOT FIT"
+        return f"{self.name}: {self.total / GIB:.1f} of {self.limit / GIB:.1f} GiB {mark} ({top})"
+
+
+def _frozen_bytes(f: JobFlags) -> int:
+    return 2 if f.bf16 else 4  # frozen models load in bf16 under --bf16 (models.load)
+
+
+def resident_during_rollout(f: JobFlags, actor: ModelShape, frozen: list[ModelShape]) -> dict:
+    """Trainer memory that stays on the device while vLLM holds its pool. The trainer offloads
+    the actor's optimizer and the whole critic between their updates; with ``--adam_offload``
+    the trainable shards live on the host anyway."""
+    parts = {"cuda context + nccl": CONTEXT_BYTES}
+    if not f.adam_offload:
+        parts["actor fp32 shard"] = 4 * actor.params // f.world
+    if not f.ref_reward_offload:
+        parts["ref/reward shards"] = sum(_frozen_bytes(f) * m.params for m in frozen) // f.world
+    return parts
+
+
+def _activations(f: JobFlags, m: ModelShape, b: int) -> int:
+    per_layer = 2 * b * f.seq_len * (9 * m.hidden + 3 * m.intermediate)
+    if not f.gradient_checkpointing:
+        return m.layers * per_layer
+    # layer inputs kept; one layer's activations and their grads live during its recompute
+    return m.layers * 2 * b * f.seq_len * m.hidden + 2 * per_layer
+
+
+def _gathered(f: JobFlags, m: ModelShape) -> dict:
+    """Unsharded bf16 params (and, below ZeRO-3, accumulated unsharded fp32 grads)."""
+    if f.zero_stage >= 3:  # the current layer, the prefetched one and the root
+        return {"gathered layers": 2 * (2 * m.layer_params + m.root_params)}
+    return {"gathered params": 2 * m.params, "unsharded grads": 4 * m.params}
+
+
+def update_phase(f: JobFlags, name: str, m: ModelShape, logits: bool, frozen: list) -> Phase:
+    per_param = 4 if f.lora else 4 + 4 + 8  # LoRA: fp32 base shards; no grads or Adam state
+    states = 0 if f.adam_offload else per_param * m.params // f.world
+    gathered = _gathered(f, m)
+    if f.lora:
+        gathered.pop("unsharded grads", None)
+    parts = {"params+grads+adam shards": states, **gathered}
+    parts["activations"] = _activations(f, m, f.micro_train_batch_size)
+    if logits:
+        parts["logits"] = 14 * f.micro_train_batch_size * f.seq_len * m.vocab
+    parts["cuda context + nccl"] = CONTEXT_BYTES
+    if not f.ref_reward_offload:
+        parts["ref/reward shards"] = sum(_frozen_bytes(f) * x.params for x in frozen) // f.world
+    parts["vllm"] = VLLM_ASLEEP_BYTES if f.vllm_sleep else f.pool
+    if not f.vllm_sleep:
+        fix = "--vllm_enable_sleep (vLLM keeps its pool while training)"
+    elif f.adam_offload:
+        fix = "--micro_train_batch_size (lower) or --gradient_checkpointing"
+    else:
+        fix = "--adam_offload (or --zero_stage 3, lower --micro_train_batch_size)"
+    return Phase(name, parts, int(TRAIN_HEADROOM * f.device_bytes), fix)
+
+
+def scoring_phase(f: JobFlags, actor: ModelShape, frozen: list[ModelShape]) -> Phase:
+    b, biggest = f.micro_rollout_batch_size, max([actor, *frozen], key=lambda m: m.params)
+    parts = resident_during_rollout(f, actor, frozen)
+    if f.ref_reward_offload:  # the scored model is onloaded for its pass
+        parts["scored model shard"] = _frozen_bytes(f) * biggest.params // f.world
+    parts["gathered layer + root"] = 2 * (biggest.layer_params + biggest.root_params)
+    parts["logits"] = 10 * b * f.seq_len * actor.vocab  # bf16 + fp32 copy + log-softmax
+    parts["vllm"] = VLLM_ASLEEP_BYTES if f.vllm_sleep else 0
+    fix = "--micro_rollout_batch_size (lower)"
+    return Phase("scoring (no-grad)", parts, int(TRAIN_HEADROOM * f.device_bytes), fix)
+
+
+def plan_phases(
+    f: JobFlags, actor: ModelShape, critic: ModelShape | None, frozen: list[ModelShape]
+) -> list[Phase]:
+    """Every phase of a PPO step on one device, in step order."""
+    pool = f.pool
+    resident = resident_during_rollout(f, actor, frozen)
+    util_fix = "--vllm_gpu_memory_utilization (lower) or --adam_offload / --ref_reward_offload"
+    wake = Phase("vllm start-up/wake", {"vllm pool": pool, **resident}, f.device_bytes, util_fix)
+    rollout_parts = {"vllm pool": pool, **resident, "sync buckets": 2 * SYNC_BUCKET_BYTES}
+    phases = [wake, Phase("rollout", rollout_parts, f.device_bytes, util_fix)]
+    phases.append(scoring_phase(f, actor, frozen))
+    phases.append(update_phase(f, "actor update", actor, logits=True, frozen=frozen))
+    if critic is not None:
+        phases.append(update_phase(f, "critic update", critic, logits=False, frozen=frozen))
+    return phases
+
+
+def lora_reference_savings(f: JobFlags, actor: ModelShape) -> int:
+    """Bytes per device that --lora_rank saves by using the actor's frozen base (adapters
+    disabled) as the reference instead of a sharded reference copy."""
+    return _frozen_bytes(f) * actor.params // f.world
+
+
+def verdict(phases: list[Phase]) -> tuple[bool, str]:
+    """(fits, one line naming each phase that does not fit and the flag to change)."""
+    bad = [p for p in phases if not p.fits]
+    if not bad:
+        return True, "every phase fits: " + "; ".join(p.line() for p in phases)
+    return False, "; ".join(f"{p.line()} -> change {p.fix}" for p in bad)

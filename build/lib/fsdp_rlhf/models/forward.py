@@ -1,0 +1,162 @@
+"""Forward passes with the shapes trainers need: token values, sequence scores, token log-probs.
+
+Position ids are always passed explicitly (``cumsum(attention_mask) - 1``) so left-padded
+prompts get the same positions as unpadded ones: HF decoders derive positions from the cache
+position, not from the mask.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fsdp_rlhf.algorithms import entropy_from_logits, logprobs_from_logits
+from fsdp_rlhf.models.packing import pack_rows
+from fsdp_rlhf.models.shared_prefix import (
+    share_pair_prefixes,
+    share_prompts,
+    shared_prompt_logits,
+)
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, L) -> (B, L) positions counting only attended tokens."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, L) -> (B,) index of the last attended token of each row (any padding side)."""
+    L = attention_mask.shape[-1]
+    idx = torch.arange(L, device=attention_mask.device).expand_as(attention_mask)
+    return torch.where(attention_mask.bool(), idx, -1).max(-1).values
+
+
+def padded_positions(attention_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """(B, L) index into the packed row (``pack_rows``) of every padded position.
+
+    Attended positions map to their own token; padding maps to the nearest token of the same
+    sequence, so every index is valid and gathers stay inside the row's sequence.
+    """
+    return cu_seqlens[:-1].unsqueeze(1) + position_ids_from_mask(attention_mask)
+
+
+def token_values(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool = False
+) -> torch.Tensor:
+    """Scalar head applied at every position of a ``*ForSequenceClassification`` model.
+
+    Under FSDP2 the root module's parameters (embeddings, final norm, head) are gathered only
+    around the root's own ``forward`` and, in backward, only once the gradient reaches the
+    root's outputs. So the model is called as a whole; a hook on the head captures the values
+    at every position (HF returns one position), and the returned values are tied to the
+    root's output so that its backward hook fires before the head's backward runs.
+
+    Args:
+        input_ids, attention_mask: (B, L).
+        packed: run the rows as one packed row (the model must use
+            ``models.attention.use_varlen_attention``); padding then costs nothing.
+    Returns:
+        (B, L) float32 values (at padded positions: a neighbouring token's value).
+    """
+    if packed:
+        row = pack_rows(input_ids, attention_mask)
+        values = _head_values(model, **row.model_inputs())[0]
+        return values[padded_positions(attention_mask, row.cu_seqlens)]
+    return _head_values(
+        model,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    )
+
+
+def _head_values(model: nn.Module, **inputs) -> torch.Tensor:
+    """The scalar head's output at every position of ``model(**inputs)``: (B, L) float32."""
+    captured: list[torch.Tensor] = []
+    handle = model.score.register_forward_hook(lambda _m, _args, out: captured.append(out))
+    try:
+        out = model(**inputs)
+    finally:
+        handle.remove()
+    # out.logits (B, 1) are entries of the captured values, so the zero term changes nothing.
+    return (captured[0] + 0.0 * out.logits.unsqueeze(1)).squeeze(-1).float()
+
+
+def sequence_scores(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool = False
+) -> torch.Tensor:
+    """Reward of each sequence, read at its last attended token. (B, L) -> (B,).
+
+    ``packed``: the rows go through the model as one packed row without padding (the model
+    must use ``models.attention.use_varlen_attention``).
+    """
+    if packed:
+        row = pack_rows(input_ids, attention_mask)
+        return _head_values(model, **row.model_inputs())[0, row.last_index]
+    values = token_values(model, input_ids, attention_mask)
+    idx = last_token_index(attention_mask)
+    return values.gather(1, idx.unsqueeze(1)).squeeze(1)
+
+
+def shared_pair_scores(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
+    """Rewards of B preference pairs, (2B, L) right-padded rows (B chosen, then B rejected) ->
+    (2B,) in the same order, packed with each pair's common prefix run once
+    (models.shared_prefix.share_pair_prefixes; the model must use varlen attention)."""
+    row = share_pair_prefixes(input_ids, attention_mask)
+    return _head_values(model, **row.model_inputs())[0, row.last_index]
+
+
+def response_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_len: int,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    packed: bool = False,
+    group_size: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of the last ``response_len`` tokens of each row under a causal LM.
+
+    Args:
+        input_ids, attention_mask: (B, P + T), prompt left-padded, response right-padded.
+        response_len: T.
+        entropy_grad: whether the entropy is differentiable; without it (entropy only as a
+            metric) no per-chunk softmax over the vocabulary is kept for backward.
+        packed: run the rows as one packed row (see :func:`token_values`).
+        group_size: > 1 when each run of that many consecutive rows shares its prompt: the
+            prompt then goes through the model once per run (models.shared_prefix).
+    Returns:
+        logprobs (B, T) float32, and entropy (B, T) when ``with_entropy``; at response
+        padding the values are meaningless (callers mask them with ``response_mask``).
+    """
+    # logits at position i predict token i + 1: keep the T positions before each response token.
+    if group_size > 1:
+        rows = share_prompts(input_ids, attention_mask, response_len, group_size)
+        logits = shared_prompt_logits(model, rows).float()
+    elif packed:
+        row = pack_rows(input_ids, attention_mask)
+        logits = model(**row.model_inputs()).logits[0]  # (T_packed, V)
+        index = padded_positions(attention_mask, row.cu_seqlens)[:, -response_len - 1 : -1]
+        logits = logits[index].float()
+    else:
+        logits = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+        ).logits
+        logits = logits[:, -response_len - 1 : -1, :].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    labels = input_ids[:, -response_len:]
+    logprobs = logprobs_from_logits(logits, labels)
+    entropy = None
+    if with_entropy:
+        entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+    return logprobs, entropy

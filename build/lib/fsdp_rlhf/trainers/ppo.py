@@ -1,0 +1,470 @@
+"""`fsdp-rlhf ppo`: colocated single-controller PPO. Every rank runs this same loop::
+
+    torchrun --nproc_per_node 8 -m fsdp_rlhf.cli ppo --pretrain SFT --reward_pretrain RM ...
+
+One step = one rollout batch: sync weights into vLLM, generate, score, old/ref log-probs and
+values, advantages, critic update, actor update. Idle models leave the GPU between phases.
+The loop (stop vote, checkpoints) is :func:`fsdp_rlhf.trainers.common.fit`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fsdp_rlhf.algorithms import clip_scores
+from fsdp_rlhf.config import PPOBatchPlan, PPOConfig
+from fsdp_rlhf.data.prompts import Prompt, PromptSampler
+from fsdp_rlhf.distributed import checkpoint as ckpt
+from fsdp_rlhf.distributed.env import DistEnv
+from fsdp_rlhf.distributed.offload import (
+    offload_model,
+    offload_optimizer,
+    onload_model,
+    onload_optimizer,
+)
+from fsdp_rlhf.metrics import PhaseTimer
+from fsdp_rlhf.models.load import load_tokenizer
+from fsdp_rlhf.models.lora import adapters_disabled
+from fsdp_rlhf.models.save import save_model
+from fsdp_rlhf.trainers import common
+from fsdp_rlhf.trainers.experience import (
+    Experience,
+    batched_logprobs,
+    batched_scores,
+    batched_values,
+    experience_from_rollout,
+    truncated,
+)
+from fsdp_rlhf.trainers.guards import BadStepGuard, check_finite_scores
+from fsdp_rlhf.trainers.ppo_eval import Evaluator, build_evaluator
+from fsdp_rlhf.trainers.ppo_metrics import (
+    StatCollector,
+    collect_batch_stats,
+    log_samples,
+    throughput_metrics,
+)
+from fsdp_rlhf.trainers.ppo_multiturn import build_multiturn, multiturn_rollout
+from fsdp_rlhf.trainers.ppo_rewards import (
+    add_overlong_penalty,
+    build_kl_controller,
+    compute_advantages,
+    observe_kl,
+    rule_scores,
+)
+from fsdp_rlhf.trainers.ppo_rollout import RolloutSession, sampling_config, sleep_drops_weights
+from fsdp_rlhf.trainers.ppo_sampling import dynamic_sample
+from fsdp_rlhf.trainers.ppo_setup import (
+    adapter_spec,
+    build_engine,
+    build_models,
+    build_optimizers,
+    build_prompts,
+    data_settings,
+    engine_dtype,
+    merged_lora_scaling,
+    offload_idle,
+    preflight,
+    prompt_group_size,
+)
+from fsdp_rlhf.trainers.ppo_update import (
+    Optimization,
+    UpdatePlan,
+    reuse_update_logprobs,
+    update_actor,
+    update_critic,
+    update_generator,
+)
+
+log = logging.getLogger("fsdp_rlhf")
+
+CONSOLE_KEYS = [
+    "critic/score/mean",
+    "actor/kl_coef",
+    "actor/ppo_kl",
+    "actor/pg_loss",
+    "critic/vf_loss",
+    "response_length/mean",
+    "e2e_tps",
+    "timing/all",
+]
+
+
+def main(cfg: PPOConfig, debug: bool = False) -> int:
+    return common.launch(cfg, debug, preflight, PPOTrainer)
+
+
+class PPOTrainer:
+    def __init__(self, cfg: PPOConfig, env: DistEnv, prepared: tuple[PPOBatchPlan, list]):
+        self.cfg, self.env = cfg, env
+        self.plan, rows = prepared
+        common.write_run_config(cfg, env)
+        tokenizer = load_tokenizer(cfg.models.pretrain, cfg.backend)
+        # The engine first, then to sleep: vLLM sizes its memory from what is free when it
+        # starts, so with four resident models it would refuse to start (TRL's colocate order).
+        engine = build_engine(cfg, env, tokenizer)
+        engine.sleep()
+        log.info("rollout engine started and asleep; loading the models")
+        # after the engine, which seeds torch per engine: fresh heads must match on all ranks
+        torch.manual_seed(cfg.seed)
+        self.models = build_models(cfg, env, tokenizer)
+        self.prompts = build_prompts(cfg, rows, tokenizer)
+        self.sampler = PromptSampler(
+            len(self.prompts), cfg.batch.rollout_batch_size, env.rank, env.world_size, cfg.seed
+        )
+        self.total_steps = self._total_steps()
+        updates = self.total_steps * cfg.algo.ppo_epochs * self.plan.optimizer_steps_per_epoch
+        self.optimizers, self.schedulers = build_optimizers(cfg, self.models, updates)
+        self.group_size = prompt_group_size(cfg, self.plan, self.models.actor)
+        self.update_plan = UpdatePlan.from_config(cfg, self.plan, self.group_size)
+        self.kl_ctl = build_kl_controller(cfg.algo)
+        self.evaluator = build_evaluator(cfg, env, tokenizer)
+        self.timer = PhaseTimer(env.device)
+        self.rollout_session = RolloutSession(
+            engine,
+            self.models.actor,
+            self.optimizers["actor"],
+            self.timer,
+            device=env.device,
+            dtype=engine_dtype(cfg),
+            sleep_drops_weights=sleep_drops_weights(cfg, env.device),
+            adapter=adapter_spec(cfg, self.models.actor),
+            lora_scaling=merged_lora_scaling(cfg),
+        )
+        self.multiturn = build_multiturn(cfg, tokenizer, self.timer)  # None: single turn
+        self.state = self._stateful()
+        self.guards = {
+            name: BadStepGuard(cfg.guard.max_bad_steps, name) for name in self.optimizers
+        }
+        self.step = 0
+        self._resume()  # optimizer state is created here, while the engine sleeps
+        offload_idle(self.models, self.optimizers, cfg.placement.ref_reward_offload, env.device)
+        self.logger = common.open_metrics(cfg, env, self.step)
+        log.info(
+            "PPO: %d steps, %d prompts/step x %d samples, world %d (%d engines x TP %d)",
+            self.total_steps,
+            cfg.batch.rollout_batch_size,
+            cfg.batch.n_samples_per_prompt,
+            env.world_size,
+            self.plan.num_engines,
+            self.plan.tp_size,
+        )
+
+    def _stateful(self) -> common.Stateful:
+        """What a checkpoint holds: each trained model with its optimizer and schedule."""
+        state = common.Stateful()
+        for name in self.optimizers:  # "actor", and "critic" with GAE
+            model = self.models.actor if name == "actor" else self.models.critic
+            state.add(name, model, self.optimizers[name], self.schedulers[name])
+        return state
+
+    def _total_steps(self) -> int:
+        b = self.cfg.batch
+        total = b.num_episodes * b.max_epochs * self.sampler.batches_per_epoch
+        return min(total, b.max_steps) if b.max_steps > 0 else total
+
+    # ------------------------------------------------------------------ one step
+
+    def train_step(self, stop_agreed: Callable[[], bool]) -> bool:
+        sampler_state = self.sampler.state_dict()
+        metrics = self.run_phases(self.draw_prompts(), stop_agreed)
+        if metrics is None:
+            # a resumed run must redo this step: the prompts drawn (more than one batch with
+            # --dynamic_filtering) go back to the sampler
+            self.sampler.load_state_dict(sampler_state)
+            return False
+        last = self.step == self.total_steps
+        if self.evaluator is not None and self.evaluator.due(self.step, self.total_steps):
+            metrics.update(self.evaluate())
+        # Every step goes to metrics.jsonl/TensorBoard; the console every logging_steps.
+        console = self.step % self.cfg.logging.logging_steps == 0 or last
+        self.logger.log(self.step, metrics, CONSOLE_KEYS, console=console)
+        return True
+
+    def draw_prompts(self) -> list[Prompt]:
+        return [self.prompts[i] for i in self.sampler.next_indices()]
+
+    def run_phases(
+        self, prompts: list[Prompt], stop_agreed: Callable[[], bool]
+    ) -> dict[str, float] | None:
+        """The step's phases; None when a stop was agreed after the rollout (nothing has
+        changed but the engine's weights, which equal the actor's)."""
+        stats = StatCollector()
+        reuse = reuse_update_logprobs(
+            self.cfg.algo, self.plan.optimizer_steps_per_epoch, self.actor_updates
+        )
+        with self.timer("all"):
+            # 1-2. rollout (current actor weights into the engine, sample responses) and score
+            #    (reward model and/or rule reward); with --dynamic_filtering, repeated on fresh
+            #    prompts until the batch holds only groups with a learning signal
+            exp, prompts, rollout_metrics = self.sample(prompts, stats)
+            # a PPO step is long: vote again before the update, so a stop signal that came
+            # during the rollout still leaves the whole window for the checkpoint
+            if stop_agreed():
+                return None
+            # 3. reference log-probs, critic values, and the sampling policy's log-probs
+            #    unless the actor update will supply them
+            self.forward_old_ref_values(exp, old_logprobs=not reuse)
+            # 4. KL-shaped rewards, advantages and returns; the KL controller observes
+            #    KL(old || ref) as soon as the old log-probs exist
+            with self.timer("adv"):
+                compute_advantages(
+                    exp, self.cfg.algo, self.kl_ctl.value, self.cfg.batch.n_samples_per_prompt
+                )
+                kl_metrics = {} if reuse else observe_kl(exp, self.cfg.algo, self.kl_ctl)
+            # 5. critic then actor updates
+            update_metrics = self.update(exp, reuse)
+            if reuse:
+                kl_metrics = observe_kl(exp, self.cfg.algo, self.kl_ctl)
+        collect_batch_stats(stats, exp, trainer_old_logprobs=not self.bypass)
+        metrics = {**rollout_metrics, **kl_metrics, **update_metrics, **stats.reduce()}
+        metrics.update(
+            throughput_metrics(
+                metrics,
+                self.timer.times,
+                self.cfg,
+                self.env.world_size,
+                engine_name=self.engine_name,
+            )
+        )
+        metrics.update(self.timer.pop())
+        self.maybe_log_samples(exp, prompts)
+        return metrics
+
+    # ------------------------------------------------------------------ phases
+
+    def sample(
+        self, prompts: list[Prompt], stats: StatCollector
+    ) -> tuple[Experience, list[Prompt], dict[str, float]]:
+        """Rollout and score this step's prompts (and, with --dynamic_filtering, more)."""
+
+        def generate_and_score(batch: list[Prompt], round_: int):
+            exp, metrics = self.rollout(batch, stats, round_)
+            self.score(exp, batch)
+            add_overlong_penalty(exp, self.cfg.algo, self.cfg.rollout.generate_max_len)
+            return exp, metrics
+
+        if not self.cfg.algo.dynamic_filtering:
+            exp, metrics = generate_and_score(prompts, 0)
+            return exp, prompts, metrics
+        n, pad_id = self.cfg.batch.n_samples_per_prompt, self.models.tokenizer.pad_token_id
+        return dynamic_sample(
+            prompts, self.draw_prompts, generate_and_score, self.cfg.algo, n, pad_id
+        )
+
+    def rollout(
+        self, prompts: list[Prompt], stats: StatCollector, round_: int = 0
+    ) -> tuple[Experience, dict[str, float]]:
+        metrics: dict[str, float] = {}
+        sampling = sampling_config(self.cfg, self.step, round_)
+        env_scores = None
+        if self.multiturn is None:
+            out = self.rollout_session.generate([p.ids for p in prompts], sampling, metrics)
+        else:  # --env_file: the environment's rewards are the scores
+            out, env_scores = multiturn_rollout(
+                self.multiturn, self.rollout_session, prompts, sampling, metrics, stats
+            )
+        exp = experience_from_rollout(out, self.env.device)
+        exp.scores = env_scores.to(self.env.device) if env_scores is not None else None
+        # reduced with the step's other statistics: a collective here would make each rank
+        # wait for the slowest one's generation before scoring
+        stats.add_mean("response_length/clip_ratio", truncated(out.finish_reasons))
+        # every round's sequences, for rollout_tps (the batch stats see only the kept ones)
+        lengths = out.prompt_mask.sum(-1) + out.response_tokens_mask.sum(-1)
+        stats.add_mean("rollout/generated_length", lengths.float())
+        return exp, metrics
+
+    def score(self, exp: Experience, prompts: list[Prompt], n: int | None = None) -> None:
+        """``exp.scores``; prompt i owns rows i*n .. i*n+n-1 (n: the training group size)."""
+        micro = self.plan.micro_rollout_batch_size
+        scores = torch.zeros(exp.num_sequences, device=exp.input_ids.device)
+        if self.multiturn is not None:  # set by the rollout; --env_file excludes the others
+            scores = exp.scores
+        if self.models.reward is not None:
+            with self.timer("reward_model"), self.onloaded(self.models.reward, "reward"):
+                rm = batched_scores(self.models.reward, exp, micro, self.packed)
+            check_finite_scores(rm, self.step, f"reward model {self.cfg.models.reward_pretrain}")
+            if self.models.reward_norm is not None:
+                mean, std = self.models.reward_norm
+                rm = (rm - mean) / std
+            scores = scores + rm
+        if self.models.rule_reward is not None:
+            with self.timer("rule_reward"):
+                n = n or self.cfg.batch.n_samples_per_prompt
+                rule = rule_scores(self.models.rule_reward, exp, prompts, self.models.tokenizer, n)
+                scores = scores + rule.to(scores.device)
+        exp.scores = clip_scores(scores, self.cfg.algo.reward_clip_range)
+
+    def forward_old_ref_values(self, exp: Experience, old_logprobs: bool) -> None:
+        micro, temp = self.plan.micro_rollout_batch_size, self.cfg.rollout.temperature
+        if self.bypass:  # --use_rollout_logprobs_as_old: no trainer recomputation
+            exp.old_logprobs = exp.engine_logprobs * exp.response_mask
+        elif old_logprobs:
+            with self.timer("old_log_p"):
+                exp.old_logprobs = batched_logprobs(
+                    self.models.actor, exp, micro, temp, self.packed, self.group_size
+                )
+        with self.timer("reference_model"), self.reference() as ref:
+            exp.ref_logprobs = batched_logprobs(ref, exp, micro, temp, self.packed, self.group_size)
+        if self.models.critic is not None:
+            with self.timer("critic_model"):
+                onload_model(self.models.critic, self.env.device)
+                exp.values = batched_values(self.models.critic, exp, micro, self.packed)
+
+    def update(self, exp: Experience, reuse_logprobs: bool) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        cfg, device = self.cfg, self.env.device
+        if self.models.critic is not None:
+            with self.timer("update_critic"):
+                critic = self._optimization("critic")
+                onload_optimizer(critic.optimizer, device)
+                metrics.update(
+                    update_critic(critic, exp, cfg.algo, self.update_plan, self._generator())
+                )
+                offload_optimizer(critic.optimizer, device)
+                offload_model(critic.model, device)
+        if self.actor_updates:
+            with self.timer("update"):
+                actor_metrics, old_logprobs = update_actor(
+                    self._optimization("actor"),
+                    exp,
+                    cfg.algo,
+                    self.update_plan,
+                    self._generator(),
+                    kl_coef=self.kl_ctl.value,
+                    temperature=cfg.rollout.temperature,
+                    reuse_logprobs=reuse_logprobs,
+                )
+            metrics.update(actor_metrics)
+            if reuse_logprobs:
+                exp.old_logprobs = old_logprobs
+            self.rollout_session.actor_updated()
+        metrics["actor/lr"] = self.schedulers["actor"].get_last_lr()[0]
+        metrics["actor/kl_coef"] = self.kl_ctl.value
+        return metrics
+
+    def _optimization(self, name: str) -> Optimization:
+        optim_cfg = self.cfg.actor_optim if name == "actor" else self.cfg.critic_optim
+        return Optimization(
+            self.state.models[name],
+            self.optimizers[name],
+            self.schedulers[name],
+            optim_cfg.max_norm,
+            self.guards[name],
+            self.step,
+        )
+
+    def _generator(self) -> torch.Generator:
+        return update_generator(self.cfg.seed, self.step, self.env.rank)
+
+    @contextmanager
+    def onloaded(self, model: nn.Module, name: str):
+        """Onload a frozen model for one phase (timed as ``<name>_onload``) and, with
+        ``--ref_reward_offload``, offload it again after use (``<name>_offload``)."""
+        with self.timer(f"{name}_onload"):
+            onload_model(model, self.env.device)
+        yield model
+        if self.cfg.placement.ref_reward_offload:
+            with self.timer(f"{name}_offload"):
+                offload_model(model, self.env.device)
+
+    def reference(self):
+        """The reference policy for one phase: the ref model, or with LoRA the actor with its
+        adapters disabled (its frozen base: no second copy of the model)."""
+        if self.models.ref is None:
+            return adapters_disabled(self.models.actor)
+        return self.onloaded(self.models.ref, "ref")
+
+    def evaluate(self) -> dict[str, float]:
+        """``eval/*`` on the held-out prompts; keeps the best actor (--save_best_metric)."""
+        evaluator: Evaluator = self.evaluator
+        metrics = evaluator.run(self.rollout_session.generate, self.score)
+        # the phases eval ran (reward_model, resharding...) must not add to the next step's
+        # timings; its total is timing/eval. (Eval also synced the new weights into the
+        # engine, so the next step's rollout skips the sync and reports no weight_sync_gbps.)
+        self.timer.pop()
+        if evaluator.improved(metrics):
+            evaluator.save_best(
+                self.step,
+                metrics,
+                lambda path: self._export(self.models.actor, path),
+            )
+        return metrics
+
+    # ------------------------------------------------------------------ i/o
+
+    def maybe_log_samples(self, exp: Experience, prompts: list[Prompt]) -> None:
+        every = self.cfg.sample_log_steps
+        if every > 0 and (self.step % every == 0 or self.step == 1) and self.env.is_rank0:
+            log_samples(
+                self.logger,
+                self.models.tokenizer,
+                exp,
+                prompts,
+                step=self.step,
+                n_samples=self.cfg.batch.n_samples_per_prompt,
+                save_path=self.cfg.ckpt.save_path,
+            )
+
+    def save_checkpoint(self) -> None:
+        trainer_state = {
+            **data_settings(self.cfg, len(self.prompts)),
+            "sampler": self.sampler.state_dict(),
+            "kl_ctl": self.kl_ctl.state_dict(),
+            "guards": {name: g.state_dict() for name, g in self.guards.items()},
+        }
+        common.save(self.cfg.ckpt, self.step, self.state, trainer_state)
+
+    def _resume(self) -> None:
+        current = data_settings(self.cfg, len(self.prompts))
+        check = partial(ckpt.check_resumable, current=current, keys=list(current))
+        saved = common.resume(self.cfg.ckpt, self.state, check)
+        if saved is None:
+            return
+        self.step = int(saved["step"])
+        self.sampler.load_state_dict(saved["sampler"])
+        self.kl_ctl.load_state_dict(saved["kl_ctl"])
+        for name, state in saved.get("guards", {}).items():
+            self.guards[name].load_state_dict(state)
+
+    def finish(self) -> None:
+        save_path = self.cfg.ckpt.save_path
+        self._export(self.models.actor, save_path)
+        if self.models.critic is not None:
+            self._export(self.models.critic, Path(save_path) / "critic", head="score")
+        log.info("saved actor to %s", save_path)
+
+    def _export(self, model: nn.Module, path, head: str | None = None) -> None:
+        """The HF model, or with LoRA its adapter folder (and the merged model if asked)."""
+        m = self.cfg.models
+        base = m.pretrain if head is None else (m.critic_pretrain or m.reward_pretrain)
+        save_model(model, self.models.tokenizer, path, self.cfg.lora, base_path=base, head=head)
+
+    def close(self) -> None:
+        self.logger.close()
+        self.rollout_session.close()
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def actor_updates(self) -> bool:
+        """Whether this step trains the actor (``--freezing_actor_steps`` holds it back)."""
+        return self.step > self.cfg.algo.freezing_actor_steps
+
+    @property
+    def bypass(self) -> bool:
+        return self.cfg.algo.use_rollout_logprobs_as_old
+
+    @property
+    def packed(self) -> bool:
+        return self.cfg.batch.packing_samples
+
+    @property
+    def engine_name(self) -> str:
+        return self.cfg.rollout.rollout_engine

@@ -1,0 +1,202 @@
+"""PPO step metrics with verl / MindSpeed RL names, reduced across ranks in three collectives."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from fsdp_rlhf.algorithms import rollout_mismatch_metrics
+from fsdp_rlhf.config import PPOConfig
+from fsdp_rlhf.distributed.env import all_reduce_scalars
+from fsdp_rlhf.metrics import MetricLogger
+from fsdp_rlhf.trainers.experience import Experience
+
+
+class StatCollector:
+    """Global mean / max / min of per-sequence or per-token quantities.
+
+    ``add("critic/values", values, mask)`` yields ``critic/values/{mean,max,min}`` over the valid
+    entries of every rank: sums and counts are all-reduced (not means of means).
+    """
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.maxs: dict[str, float] = {}
+        self.mins: dict[str, float] = {}
+        self.means: list[str] = []
+
+    def add(self, name: str, values: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        values = values.detach().float()
+        picked = values[mask.bool()] if mask is not None else values.reshape(-1)
+        self.sums[f"{name}/sum"] = float(picked.sum()) if picked.numel() else 0.0
+        self.sums[f"{name}/count"] = float(picked.numel())
+        self.maxs[name] = float(picked.max()) if picked.numel() else float("-inf")
+        self.mins[name] = float(picked.min()) if picked.numel() else float("inf")
+
+    def add_mean(self, name: str, values: torch.Tensor) -> None:
+        """Only ``name`` itself: the global mean of ``values``. Repeated calls accumulate (the
+        rounds of dynamic sampling each report their responses)."""
+        total, count = float(values.detach().float().sum()), float(values.numel())
+        self.add_weighted_mean(name, total / count if count else 0.0, count)
+
+    def add_weighted_mean(self, name: str, local_mean: float, weight: float) -> None:
+        """Only ``name``: the global mean of per-rank means weighted by ``weight`` (their
+        token counts, say), i.e. the mean over every rank's entries."""
+        self.sums[f"{name}/sum"] = self.sums.get(f"{name}/sum", 0.0) + local_mean * weight
+        self.sums[f"{name}/count"] = self.sums.get(f"{name}/count", 0.0) + weight
+        if name not in self.means:
+            self.means.append(name)
+
+    def reduce(self) -> dict[str, float]:
+        sums = all_reduce_scalars(self.sums, "sum")
+        maxs = all_reduce_scalars(self.maxs, "max")
+        mins = all_reduce_scalars(self.mins, "min")
+
+        def mean(name: str) -> float:
+            count = sums[f"{name}/count"]
+            return sums[f"{name}/sum"] / count if count else 0.0
+
+        out = {name: mean(name) for name in self.means}
+        for name in self.maxs:
+            out[f"{name}/mean"] = mean(name)
+            out[f"{name}/max"] = maxs[name]
+            out[f"{name}/min"] = mins[name]
+        return out
+
+
+class RunningAverages:
+    """Averages of loss statistics over micro-batches, then over ranks; names ending in
+    ``_max`` are maxima instead (a mean of maxima would hide the outlier they exist to show)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, list[float]] = defaultdict(list)
+
+    def add(self, stats: dict[str, float | torch.Tensor]) -> None:
+        for k, v in stats.items():
+            self.values[k].append(float(v))
+
+    def reduce(self) -> dict[str, float]:
+        means = {k: sum(v) / len(v) for k, v in self.values.items() if v and not k.endswith("_max")}
+        maxs = {k: max(v) for k, v in self.values.items() if v and k.endswith("_max")}
+        # every rank has the same keys (they follow the config), so both collectives match
+        return {**all_reduce_scalars(means, "mean"), **all_reduce_scalars(maxs, "max")}
+
+
+def throughput(
+    tokens_per_sample: float, num_samples_global: int, world_size: int, seconds: float
+) -> float:
+    """Tokens per second per device: the seed's e2e/update/vllm_tps formula,
+    (response_length_mean + prompt_length_mean) x global_batch x n / world_size / time."""
+    if seconds <= 0:
+        return 0.0
+    return tokens_per_sample * num_samples_global / world_size / seconds
+
+
+def explained_variance(
+    values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """Local sums for 1 - Var[returns - values] / Var[returns], reduced by the caller."""
+    m = mask.bool()
+    r, d = returns[m].double(), (returns - values)[m].double()
+    return {
+        "n": float(m.sum()),
+        "r": float(r.sum()),
+        "r2": float((r * r).sum()),
+        "d": float(d.sum()),
+        "d2": float((d * d).sum()),
+    }
+
+
+def reduce_explained_variance(local: dict[str, float]) -> float:
+    s = all_reduce_scalars(local, "sum")
+    n = max(s["n"], 1.0)
+    var_r = s["r2"] / n - (s["r"] / n) ** 2
+    var_d = s["d2"] / n - (s["d"] / n) ** 2
+    return 1.0 - var_d / var_r if var_r > 1e-12 else 0.0
+
+
+def collect_batch_stats(
+    stats: StatCollector, exp: Experience, trainer_old_logprobs: bool = True
+) -> None:
+    mask = exp.response_mask
+    stats.add("critic/score", exp.scores)
+    stats.add("critic/rewards", (exp.rewards * mask).sum(-1))
+    stats.add("critic/advantages", exp.advantages, mask)
+    stats.add("critic/returns", exp.returns, mask)
+    if exp.values is not None:
+        stats.add("critic/values", exp.values, mask)
+    stats.add("response_length", mask.sum(-1))
+    prompt_mask = exp.attention_mask[:, : -exp.response_len]
+    stats.add("prompt_length", prompt_mask.sum(-1).float())
+    if trainer_old_logprobs:  # in bypass mode old_logprobs are the engine's: nothing to compare
+        diff = (exp.engine_logprobs - exp.old_logprobs).abs()
+        stats.add("rollout/logprob_diff", diff, mask)
+        mismatch = rollout_mismatch_metrics(exp.old_logprobs, exp.engine_logprobs, mask)
+        tokens = float(mask.sum())
+        for name in ("mismatch_kl", "mismatch_k1", "mismatch_abs_diff"):
+            stats.add_weighted_mean(f"rollout/{name}", float(mismatch[name]), tokens)
+
+
+def throughput_metrics(
+    metrics: dict[str, float],
+    times: dict[str, float],
+    cfg: PPOConfig,
+    world_size: int,
+    engine_name: str,
+) -> dict[str, float]:
+    """``e2e_tps``, ``update_tps`` and ``rollout_tps``; ``vllm_tps`` (the seed's name) only
+    when vLLM generated, so an HF-engine run does not report a vLLM speed.
+
+    e2e and update count the batch trained on; rollout counts every sequence generated, which
+    with --dynamic_filtering is ``dynamic_filter/gen_rounds`` full batches.
+    """
+    tokens = metrics["response_length/mean"] + metrics["prompt_length/mean"]
+    n = cfg.batch.rollout_batch_size * cfg.batch.n_samples_per_prompt
+    rounds = metrics.get("dynamic_filter/gen_rounds", 1.0)
+    generated = metrics["rollout/generated_length"]
+    out = {
+        "e2e_tps": throughput(tokens, n, world_size, times.get("all", 0.0)),
+        "update_tps": throughput(tokens, n, world_size, times.get("update", 0.0)),
+        "rollout_tps": throughput(generated, n * rounds, world_size, times.get("rollout", 0.0)),
+    }
+    if engine_name == "vllm":
+        out["vllm_tps"] = out["rollout_tps"]
+    return out
+
+
+def log_samples(
+    logger: MetricLogger,
+    tokenizer,
+    exp: Experience,
+    prompts,
+    *,
+    step: int,
+    n_samples: int,
+    save_path: str,
+    k: int = 3,
+) -> None:
+    """A few prompt/response/score triples to TensorBoard text and ``samples.jsonl``."""
+    T = exp.response_len
+    rows = []
+    for i in range(min(k, exp.num_sequences)):
+        # every response token, the environment's turns of a multi-turn rollout included
+        ids = exp.input_ids[i, -T:][exp.attention_mask[i, -T:].bool()].tolist()
+        rows.append(
+            {
+                "step": step,
+                "prompt": prompts[i // n_samples].text,
+                "response": tokenizer.decode(ids, skip_special_tokens=False),
+                "score": float(exp.scores[i]),
+            }
+        )
+    with open(Path(save_path) / "samples.jsonl", "a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    body = "\n\n".join(
+        f"**prompt**: {r['prompt']}\n\n**response**: {r['response']}\n\n**score**: {r['score']:.4f}"
+        for r in rows
+    )
+    logger.text("samples", body, step)

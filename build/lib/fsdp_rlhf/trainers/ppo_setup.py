@@ -1,0 +1,381 @@
+"""PPO setup: cheap checks before any heavy work, then building each component from its section.
+
+``preflight`` runs before the process group and before any model is loaded, so bad input fails
+in a second with one line naming the problem.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_rlhf.config import PPOBatchPlan, PPOConfig, plan_ppo_batches
+from fsdp_rlhf.data.prompts import Prompt, check_chat_template, tokenize_prompts
+from fsdp_rlhf.distributed.env import DistEnv
+from fsdp_rlhf.distributed.offload import offload_model, offload_optimizer
+from fsdp_rlhf.errors import UserError
+from fsdp_rlhf.models.compile import check_compile_toolchain
+from fsdp_rlhf.models.load import (
+    check_model_path,
+    load_causal_lm,
+    load_scalar_model,
+    load_tokenizer,
+    reward_normalization,
+)
+from fsdp_rlhf.models.lora import add_lora, check_target_modules, target_module_names
+from fsdp_rlhf.models.lora import scaling as lora_scaling
+from fsdp_rlhf.models.save import check_save_path, recover_interrupted_export
+from fsdp_rlhf.models.shared_prefix import shared_group_size, sharing_blocker
+from fsdp_rlhf.optim import build_optimizer, build_scheduler
+from fsdp_rlhf.rollout import AdapterSpec, HFEngine, RolloutEngine, build_rollout_groups
+from fsdp_rlhf.rollout.env import load_environment
+from fsdp_rlhf.rollout.memory_budget import check_device_budget
+from fsdp_rlhf.trainers.common import log_startup, prepare_model
+from fsdp_rlhf.trainers.ppo_rollout import adapter_sync
+from fsdp_rlhf.trainers.rule_reward import RewardFn, auth_headers, build_rule_reward
+
+log = logging.getLogger("fsdp_rlhf")
+
+
+def uses_critic(cfg: PPOConfig) -> bool:
+    return cfg.algo.advantage_estimator == "gae"
+
+
+def critic_path(cfg: PPOConfig) -> str | None:
+    return cfg.models.critic_pretrain or cfg.models.reward_pretrain
+
+
+def _check_world(cfg: PPOConfig, world_size: int) -> None:
+    p = cfg.placement
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if p.num_gpus_per_node is not None and p.num_gpus_per_node != local:
+        raise UserError(
+            f"--num_gpus_per_node {p.num_gpus_per_node} but torchrun started {local} ranks per "
+            f"node (--nproc_per_node)"
+        )
+    if p.num_nodes is not None and p.num_nodes * local != world_size:
+        raise UserError(
+            f"--num_nodes {p.num_nodes} x {local} ranks per node != torchrun world size "
+            f"{world_size} (--nnodes)"
+        )
+    if not p.colocate_all:  # accepted for the seed scripts, but there is no other placement
+        raise UserError("--no_colocate_all: every rank holds every model (the only placement)")
+
+
+def _check_lora(cfg: PPOConfig) -> None:
+    if not cfg.lora.enabled:
+        return
+    if cfg.rollout.rollout_engine != "vllm":
+        raise UserError(
+            "--lora_rank needs --rollout_engine vllm: the HF engine takes full weights, not "
+            "adapters"
+        )
+    check_target_modules(cfg.models.pretrain, cfg.lora, cfg.backend.trust_remote_code)
+
+
+def _check_rewards(cfg: PPOConfig) -> None:
+    """Reward sources: paths, normalisation statistics, the rule reward and its token."""
+    m = cfg.models
+    if cfg.multiturn.env_file is not None:
+        _check_env(cfg)
+        return
+    if not m.reward_pretrain and not m.remote_rm_url:
+        raise UserError("no reward source: pass --reward_pretrain and/or --remote_rm_url")
+    if m.reward_pretrain:
+        check_model_path(m.reward_pretrain, "--reward_pretrain")
+        if m.normalize_reward and reward_normalization(m.reward_pretrain) is None:
+            raise UserError(
+                f"--normalize_reward: {m.reward_pretrain}/config.json has no reward_mean/"
+                "reward_std (fsdp-rlhf train-rm writes them); drop the flag or add them"
+            )
+    url = m.remote_rm_url
+    if url and url.endswith(".py") and not os.path.isfile(url):
+        raise UserError(f"--remote_rm_url {url}: no such file")
+    if m.remote_rm_auth_env:
+        if not (url or "").startswith(("http://", "https://")):
+            raise UserError("--remote_rm_auth_env applies only to an http(s) --remote_rm_url")
+        auth_headers(m.remote_rm_auth_env)  # raises when the variable is unset
+
+
+def _check_env(cfg: PPOConfig) -> None:
+    """--env_file: its rewards are the scores; it must load and define the contract."""
+    m, path = cfg.models, cfg.multiturn.env_file
+    for flag, value in (
+        ("--reward_pretrain", m.reward_pretrain),
+        ("--remote_rm_url", m.remote_rm_url),
+    ):
+        if value:
+            raise UserError(
+                f"--env_file {path}: the environment's rewards are the scores; drop {flag}"
+            )
+    if cfg.eval.eval_dataset:
+        raise UserError(f"--env_file {path}: --eval_dataset evaluates single-turn only; drop it")
+    load_environment(path, cfg.multiturn.env_timeout_s)
+
+
+def _check_outputs(cfg: PPOConfig) -> None:
+    """The final export must be able to land in --save_path (it is renamed into place)."""
+    m = cfg.models
+    inputs = {"--pretrain": m.pretrain, "--reward_pretrain": m.reward_pretrain}
+    check_save_path(
+        cfg.ckpt.save_path, other_paths={**inputs, "--critic_pretrain": m.critic_pretrain}
+    )
+    # Before anything reads checkpoints under save_path: put back what a crash mid-export
+    # moved aside. Rank 0 only, and it finishes before joining the process group.
+    if os.environ.get("RANK", "0") == "0":
+        recover_interrupted_export(cfg.ckpt.save_path)
+
+
+def preflight(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any]:
+    """Validate flags, paths, data and sizes. Returns the batch plan and the raw prompt rows."""
+    from fsdp_rlhf.data.sources import check_keys, load_sources
+
+    _check_world(cfg, world_size)
+    plan = plan_ppo_batches(cfg, world_size)
+    m = cfg.models
+    check_model_path(m.pretrain, "--pretrain")
+    _check_lora(cfg)
+    if cfg.backend.torch_compile:
+        check_compile_toolchain()
+    _check_rewards(cfg)
+    if m.critic_pretrain:
+        check_model_path(m.critic_pretrain, "--critic_pretrain")
+    if uses_critic(cfg) and not critic_path(cfg):
+        raise UserError("--advantage_estimator gae needs a critic: pass --critic_pretrain")
+    _check_outputs(cfg)
+    if cfg.data.apply_chat_template:
+        check_chat_template(load_tokenizer(m.pretrain, cfg.backend), m.pretrain)
+    if not cfg.data.prompt_data:
+        raise UserError("--prompt_data is required")
+    rows = load_sources(
+        cfg.data.prompt_data,
+        cfg.data.prompt_data_probs,
+        max_samples=cfg.data.max_samples,
+        seed=cfg.seed,
+        flag_name="--prompt_data",
+        split=cfg.data.prompt_split,
+    )
+    keys = [cfg.data.input_key] + ([cfg.data.label_key] if cfg.data.label_key else [])
+    flags = ["--input_key"] + (["--label_key"] if cfg.data.label_key else [])
+    check_keys(rows, keys, flags)
+    if len(rows) < cfg.batch.rollout_batch_size:
+        raise UserError(
+            f"--prompt_data has {len(rows)} prompts, fewer than --rollout_batch_size "
+            f"{cfg.batch.rollout_batch_size}"
+        )
+    if cfg.eval.eval_dataset is not None:
+        from fsdp_rlhf.trainers.ppo_eval import load_eval_rows
+
+        load_eval_rows(cfg)  # bad eval data fails here, not after the models are loaded
+    return plan, rows
+
+
+@dataclass
+class Models:
+    """Everything with weights. ``critic``/``reward`` are None when not used; ``ref`` is None
+    with LoRA (the reference policy is the actor with its adapters disabled)."""
+
+    tokenizer: Any
+    actor: nn.Module
+    ref: nn.Module | None
+    critic: nn.Module | None
+    reward: nn.Module | None
+    reward_norm: tuple[float, float] | None
+    rule_reward: RewardFn | None
+
+
+def prepare_ppo_model(model: nn.Module, cfg: PPOConfig, env: DistEnv, trainable: bool) -> nn.Module:
+    """``common.prepare_model`` with PPO's settings (also used by ``doctor``)."""
+    # Token-mean losses are normalised by the global token count, so ranks must sum grads.
+    return prepare_model(
+        model,
+        env,
+        cfg.fsdp,
+        cfg.backend,
+        packed=cfg.batch.packing_samples,
+        trainable=trainable,
+        grad_reduce="sum",
+    )
+
+
+def build_models(cfg: PPOConfig, env: DistEnv, tokenizer) -> Models:
+    m, backend = cfg.models, cfg.backend
+    log_startup(env, cfg.fsdp.zero_stage, cfg.backend.bf16)
+    actor_model = load_causal_lm(m.pretrain, backend, env.device)
+    if cfg.lora.enabled:
+        add_lora(actor_model, cfg.lora)
+    actor = prepare_ppo_model(actor_model, cfg, env, trainable=True)
+    # Frozen models never run backward: recomputation would only cost time.
+    no_ckpt = dataclasses.replace(backend, gradient_checkpointing=False)
+    # Frozen weights need no fp32 master copy: bf16 shards under --bf16 halve their memory.
+    frozen_dtype = torch.bfloat16 if backend.bf16 else torch.float32
+    ref = None
+    if not cfg.lora.enabled:  # LoRA: the actor's frozen base is the reference
+        ref_model = load_causal_lm(m.pretrain, no_ckpt, env.device, dtype=frozen_dtype)
+        ref = prepare_ppo_model(ref_model, cfg, env, trainable=False)
+    critic = reward = None
+    norm = None
+    if uses_critic(cfg):
+        critic_model = load_scalar_model(
+            critic_path(cfg), backend, env.device, value_head_prefix=m.value_head_prefix
+        )
+        if cfg.lora.enabled:
+            add_lora(critic_model, cfg.lora, head="score")
+        critic = prepare_ppo_model(critic_model, cfg, env, trainable=True)
+    if m.reward_pretrain:
+        reward_model = load_scalar_model(
+            m.reward_pretrain,
+            no_ckpt,
+            env.device,
+            value_head_prefix=m.value_head_prefix,
+            init_head_if_missing=False,
+            dtype=frozen_dtype,
+        )
+        reward = prepare_ppo_model(reward_model, cfg, env, trainable=False)
+        # preflight already refused --normalize_reward without the statistics
+        norm = reward_normalization(m.reward_pretrain) if m.normalize_reward else None
+    rule = build_rule_reward(m.remote_rm_url, m.remote_rm_auth_env) if m.remote_rm_url else None
+    return Models(tokenizer, actor, ref, critic, reward, norm, rule)
+
+
+def prompt_group_size(cfg: PPOConfig, plan: PPOBatchPlan, actor: nn.Module) -> int:
+    """Rows that share one pass of their prompt in the actor's and reference's log-prob
+    forwards (``--share_prompt_prefix``; 1: none), logged once with the reason when off."""
+    n = cfg.batch.n_samples_per_prompt
+    if not cfg.batch.share_prompt_prefix or n == 1:
+        return 1
+    blocker = sharing_blocker(actor, cfg.batch.packing_samples)
+    batches = (plan.micro_rollout_batch_size, plan.micro_train_batch_size)
+    size = shared_group_size(n, *batches, plan.train_batch_size_per_rank)
+    if blocker is None and size == 1:
+        blocker = f"n_samples_per_prompt ({n}) shares no factor with the micro-batches {batches}"
+    if blocker is not None:
+        log.info("shared prompt prefix: off, %s", blocker)
+        return 1
+    log.info("shared prompt prefix: each prompt runs once for %d of its %d samples", size, n)
+    return size
+
+
+def build_optimizers(cfg: PPOConfig, models: Models, total_updates: int) -> tuple[dict, dict]:
+    """AdamW + schedule for the actor and (with GAE) the critic, keyed like the models."""
+    optimizers = {"actor": build_optimizer(models.actor, cfg.actor_optim)}
+    schedulers = {"actor": build_scheduler(optimizers["actor"], cfg.actor_optim, total_updates)}
+    if models.critic is not None:
+        optimizers["critic"] = build_optimizer(models.critic, cfg.critic_optim)
+        schedulers["critic"] = build_scheduler(
+            optimizers["critic"], cfg.critic_optim, total_updates
+        )
+    return optimizers, schedulers
+
+
+def build_prompts(cfg: PPOConfig, rows, tokenizer) -> list[Prompt]:
+    prompts = tokenize_prompts(rows, tokenizer, cfg.data)
+    if len(prompts) < cfg.batch.rollout_batch_size:
+        raise UserError(
+            f"only {len(prompts)} non-empty prompts, fewer than --rollout_batch_size "
+            f"{cfg.batch.rollout_batch_size}"
+        )
+    return prompts
+
+
+def engine_dtype(cfg: PPOConfig) -> torch.dtype:
+    return torch.bfloat16 if cfg.backend.bf16 else torch.float32
+
+
+def eos_token_ids(tokenizer, model_path: str) -> list[int]:
+    """EOS ids the engines stop on: the tokenizer's plus the generation config's."""
+    from transformers import GenerationConfig
+
+    ids = {tokenizer.eos_token_id}
+    # Without generation_config.json (OSError) the tokenizer's EOS is all there is.
+    with contextlib.suppress(OSError):
+        extra = GenerationConfig.from_pretrained(model_path).eos_token_id
+        ids.update(extra if isinstance(extra, list) else [extra])
+    return sorted(i for i in ids if i is not None)
+
+
+def build_engine(cfg: PPOConfig, env: DistEnv, tokenizer) -> RolloutEngine:
+    """The rollout engine of this rank (collective: all ranks build theirs together).
+
+    NOTE: the process group must already exist; vLLM reuses it (see distributed.env).
+    """
+    groups = build_rollout_groups(cfg.rollout.vllm_tensor_parallel_size)
+    if cfg.rollout.rollout_engine == "vllm":
+        from fsdp_rlhf.rollout.vllm_engine import VLLMEngine
+
+        if env.device.type == "cuda":
+            # vLLM sizes its pool as a fraction of the whole device and refuses to start when
+            # that much is not free (another process, a CUDA context): say so in one line.
+            log.info(check_device_budget(env.device, cfg.rollout.vllm_gpu_memory_utilization))
+
+        return VLLMEngine(
+            cfg.models.pretrain,
+            cfg.rollout,
+            groups=groups,
+            # multi-turn histories grow past the prompt: max_model_len = --max_total_len
+            prompt_max_len=cfg.total_len - cfg.rollout.generate_max_len,
+            dtype=engine_dtype(cfg),
+            seed=cfg.seed,
+            pad_token_id=tokenizer.pad_token_id,
+            trust_remote_code=cfg.backend.trust_remote_code,
+            lora_rank=cfg.lora.lora_rank if adapter_sync(cfg) else 0,
+        )
+    # In the engine dtype, like vLLM: an fp32 copy under --bf16 sampled from other logits than
+    # the trainer computes, and generated about 3x slower on a bf16-capable CPU (bench).
+    model = load_causal_lm(cfg.models.pretrain, cfg.backend, env.device)
+    model = model.to(device=env.device, dtype=engine_dtype(cfg))
+    model.config.use_cache = True
+    return HFEngine(
+        model,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_ids=eos_token_ids(tokenizer, cfg.models.pretrain),
+        seed=cfg.seed + groups.engine_index,
+    )
+
+
+def merged_lora_scaling(cfg: PPOConfig) -> float | None:
+    """alpha / r when LoRA is synced merged into the base weights, else None."""
+    if not cfg.lora.enabled or adapter_sync(cfg):
+        return None
+    return lora_scaling(cfg.lora)
+
+
+def adapter_spec(cfg: PPOConfig, actor: nn.Module) -> AdapterSpec | None:
+    """What the engine must know of the actor's adapters (None: full fine-tuning, or LoRA
+    synced merged)."""
+    if not adapter_sync(cfg):
+        return None
+    modules = tuple(target_module_names(actor))
+    return AdapterSpec(rank=cfg.lora.lora_rank, alpha=cfg.lora.lora_alpha, target_modules=modules)
+
+
+def offload_idle(
+    models: Models, optimizers: dict, ref_reward_offload: bool, device: torch.device
+) -> None:
+    """Before the first rollout, what it does not use goes to host memory (no-op on CPU jobs
+    and for --adam_offload models): the critic and its optimizer state (restored by a resume),
+    and with --ref_reward_offload the frozen models."""
+    if models.critic is not None:
+        offload_optimizer(optimizers["critic"], device)
+        offload_model(models.critic, device)
+    if ref_reward_offload:
+        for model in (models.ref, models.reward):
+            if model is not None:
+                offload_model(model, device)
+
+
+def data_settings(cfg: PPOConfig, num_prompts: int) -> dict[str, int]:
+    """What a checkpoint's prompt order depends on: a resume with other values cannot continue
+    it (the sampler state would index another permutation)."""
+    return {
+        "num_prompts": num_prompts,
+        "rollout_batch_size": cfg.batch.rollout_batch_size,
+        "seed": cfg.seed,
+    }

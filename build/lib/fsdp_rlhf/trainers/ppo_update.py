@@ -1,0 +1,358 @@
+"""The PPO updates: ``ppo_epochs`` x shuffled minibatches x micro-batches, for the actor and
+the critic. Every function takes the model, its optimizer and schedule and the config sections
+it reads; none sees the trainer.
+
+Losses are normalised by the minibatch's global token (or sequence) count and FSDP sums
+gradients across ranks (``grad_reduce="sum"``), so every optimizer step sees the exact global
+mean however the batch is sharded and split into micro-batches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fsdp_rlhf.algorithms import (
+    aggregate_loss,
+    entropy_bonus,
+    gspo_loss,
+    kl_estimate,
+    policy_loss,
+    rollout_correction,
+    value_loss,
+)
+from fsdp_rlhf.config import PPOAlgoConfig, PPOBatchPlan, PPOConfig
+from fsdp_rlhf.distributed.fsdp import accumulate
+from fsdp_rlhf.distributed.stats import global_token_count
+from fsdp_rlhf.models.forward import response_logprobs, token_values
+from fsdp_rlhf.trainers.experience import Experience, chunks, minibatches
+from fsdp_rlhf.trainers.guards import BadStepGuard, finite_mean, guarded_step
+from fsdp_rlhf.trainers.ppo_metrics import (
+    RunningAverages,
+    explained_variance,
+    reduce_explained_variance,
+)
+
+# loss_fn(micro_batch, num_tokens, num_seqs) -> (loss, detached stats)
+LossFn = Callable[[Experience, int, int], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class UpdatePlan:
+    """How one rollout batch is cut into optimizer steps, for either model."""
+
+    ppo_epochs: int
+    global_batch_size: int  # sequences per optimizer step over all ranks (train_batch_size)
+    batch_size_per_rank: int
+    micro_batch_size: int
+    world_size: int
+    zero_stage: int
+    packed: bool
+    norm_len: int  # the constant of --loss_agg_mode seq-mean-token-sum-norm (generate_max_len)
+    # consecutive rows sharing one pass of their prompt (models.shared_prefix); minibatches
+    # and micro-batches keep them together
+    group_size: int = 1
+
+    @classmethod
+    def from_config(cls, cfg: PPOConfig, plan: PPOBatchPlan, group_size: int = 1) -> UpdatePlan:
+        return cls(
+            ppo_epochs=cfg.algo.ppo_epochs,
+            global_batch_size=cfg.batch.train_batch_size,
+            batch_size_per_rank=plan.train_batch_size_per_rank,
+            micro_batch_size=plan.micro_train_batch_size,
+            world_size=plan.world_size,
+            zero_stage=cfg.fsdp.zero_stage,
+            packed=cfg.batch.packing_samples,
+            norm_len=cfg.rollout.generate_max_len,
+            group_size=group_size,
+        )
+
+    @property
+    def micro_steps(self) -> int:
+        """Micro-batches per optimizer step on one rank."""
+        return math.ceil(self.batch_size_per_rank / self.micro_batch_size)
+
+
+@dataclass(frozen=True)
+class Optimization:
+    """A trainable model with its optimizer, schedule, clipping norm and the guard that skips
+    non-finite steps (``step`` is the PPO step, for its message)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    max_norm: float
+    guard: BadStepGuard
+    step: int
+
+
+def reuse_update_logprobs(
+    algo: PPOAlgoConfig, optimizer_steps_per_epoch: int, actor_updates: bool
+) -> bool:
+    """Whether the actor update's own forward can supply ``old_logprobs``, saving a forward.
+
+    With one epoch and one optimizer step per rollout batch, every micro-batch of the update
+    runs on the weights the batch was sampled with, so its detached log-probs are exactly the
+    old ones (the ratio is 1, as verl and TRL also exploit). That holds only if nothing needs
+    them before the update: not a KL penalty in the reward, nor an adaptive KL controller (it
+    sets the coefficient the update uses). Never in bypass mode
+    (``--use_rollout_logprobs_as_old``): the engine's log-probs are the old ones there.
+    """
+    return (
+        actor_updates
+        and not algo.use_rollout_logprobs_as_old
+        and algo.ppo_epochs == 1
+        and optimizer_steps_per_epoch == 1
+        and algo.kl_target is None
+        and not kl_in_reward(algo)
+    )
+
+
+def kl_in_reward(algo: PPOAlgoConfig) -> bool:
+    return not algo.use_kl_loss and algo.init_kl_coef != 0
+
+
+def _update_loop(
+    opt: Optimization,
+    exp: Experience,
+    plan: UpdatePlan,
+    generator: torch.Generator,
+    loss_fn: LossFn,
+    on_micro: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+) -> tuple[dict[str, float], float]:
+    """Run the epochs; returns the rank-averaged loss statistics and the mean grad norm of
+    the optimizer steps taken (a non-finite norm skips its step, see ``guarded_step``).
+
+    ``on_micro(rows, loss_stats)`` sees each micro-batch's row indices in ``exp`` after its
+    backward (the actor collects its log-probs through it).
+    """
+    stats, norms = RunningAverages(), []
+    for _ in range(plan.ppo_epochs):
+        for idx in minibatches(
+            exp.num_sequences, plan.batch_size_per_rank, generator, plan.group_size
+        ):
+            num_tokens = global_token_count(exp.response_mask[idx])
+            micros = chunks(len(idx), plan.micro_batch_size)
+            for i, sl in enumerate(micros):
+                accumulate(opt.model, i == len(micros) - 1, plan.zero_stage)
+                rows = idx[sl]
+                loss, step_stats = loss_fn(exp.rows(rows), num_tokens, plan.global_batch_size)
+                loss.backward()
+                logprobs = step_stats.pop("logprobs", None)
+                if on_micro is not None:
+                    on_micro(rows, logprobs)
+                stats.add(step_stats)
+            norms.append(
+                guarded_step(
+                    opt.model.parameters(),
+                    opt.optimizer,
+                    opt.scheduler,
+                    opt.max_norm,
+                    opt.guard,
+                    opt.step,
+                )
+            )
+    return stats.reduce(), finite_mean(norms)
+
+
+def _as_global_sum(out: dict[str, float], keys: tuple[str, ...], plan: UpdatePlan) -> None:
+    """Loss terms are fractions of a global mean: their sum over micro-batches and ranks is the
+    value, and RunningAverages averaged them, so scale back to the sum."""
+    for key in keys:
+        out[key] *= plan.micro_steps * plan.world_size
+
+
+def _local_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def _correction(
+    algo: PPOAlgoConfig, logprobs: torch.Tensor, old_logprobs: torch.Tensor, mb: Experience
+) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """Rollout/trainer mismatch weights (``--is_correction``) and their ``rollout_corr/*`` stats.
+
+    In bypass mode the old log-probs *are* the engine's, so the mismatch is measured against
+    the update's own (detached) log-probs instead: on the first minibatch of the first epoch
+    those are the trainer's old ones.
+    """
+    trainer = logprobs.detach() if algo.use_rollout_logprobs_as_old else old_logprobs
+    low, high = algo.is_truncated_threshold
+    weights, st = rollout_correction(
+        trainer, mb.engine_logprobs, mb.response_mask, algo.is_correction, low, high
+    )
+    return weights, {f"rollout_corr/{k}": v for k, v in st.items()}
+
+
+def _policy_term(
+    algo: PPOAlgoConfig,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    mb: Experience,
+    is_weights: torch.Tensor | None,
+    agg: dict,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's token-ratio loss, or GSPO's sequence-ratio loss (``--policy_loss_type gspo``)."""
+    if algo.policy_loss_type == "gspo":
+        low, high = algo.gspo_eps_clip_low_high
+        loss, st = gspo_loss(
+            logprobs,
+            old_logprobs,
+            mb.advantages,
+            mb.response_mask,
+            clip_eps_low=low,
+            clip_eps_high=high,
+            is_weights=is_weights,
+            **agg,
+        )
+        extra = {"actor/seq_clipfrac": st["seq_clipfrac"], "actor/seq_ratio": st["seq_ratio_mean"]}
+    else:
+        loss, st = policy_loss(
+            logprobs,
+            old_logprobs,
+            mb.advantages,
+            mb.response_mask,
+            clip_eps_low=algo.eps_clip,
+            clip_eps_high=algo.eps_clip_high,
+            dual_clip=algo.dual_clip,
+            is_weights=is_weights,
+            **agg,
+        )
+        extra = {}
+    stats = {"actor/pg_clipfrac": st["pg_clipfrac"], "actor/ppo_kl": st["ppo_kl"], **extra}
+    return loss, stats
+
+
+def _actor_loss_fn(
+    model: nn.Module,
+    algo: PPOAlgoConfig,
+    kl_coef: float,
+    temperature: float,
+    plan: UpdatePlan,
+    reuse_logprobs: bool,
+) -> LossFn:
+    def loss_fn(mb: Experience, num_tokens: int, num_seqs: int):
+        logprobs, entropy = response_logprobs(
+            model,
+            mb.input_ids,
+            mb.attention_mask,
+            mb.response_len,
+            temperature=temperature,
+            with_entropy=True,
+            entropy_grad=algo.entropy_loss_coef > 0,  # else a metric only
+            packed=plan.packed,
+            group_size=plan.group_size,
+        )
+        old_logprobs = logprobs.detach() * mb.response_mask if reuse_logprobs else mb.old_logprobs
+        is_weights, corr_stats = _correction(algo, logprobs, old_logprobs, mb)
+        agg = dict(
+            loss_agg=algo.loss_agg_mode,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            norm_len=plan.norm_len,
+        )
+        loss, pg_stats = _policy_term(algo, logprobs, old_logprobs, mb, is_weights, agg)
+        kl = kl_estimate(logprobs, mb.ref_logprobs, kind=algo.kl_estimator)
+        kl_loss = aggregate_loss(kl, mb.response_mask, mode=algo.loss_agg_mode, **_counts(agg))
+        stats = {
+            "actor/pg_loss": loss.detach(),
+            **pg_stats,
+            "actor/kl_loss": kl_loss.detach(),
+            "actor/entropy": _local_mean(entropy.detach(), mb.response_mask),
+            **corr_stats,
+            "logprobs": old_logprobs,
+        }
+        if algo.use_kl_loss:
+            loss = loss + kl_coef * kl_loss
+        if algo.entropy_loss_coef > 0:
+            loss = loss + entropy_bonus(entropy, mb.response_mask, algo.entropy_loss_coef, **agg)
+        return loss, stats
+
+    return loss_fn
+
+
+def _counts(agg: dict) -> dict:
+    """The normaliser arguments of ``aggregate_loss`` (it names the mode ``mode``)."""
+    return {k: agg[k] for k in ("num_tokens", "num_seqs", "norm_len")}
+
+
+def update_actor(
+    actor: Optimization,
+    exp: Experience,
+    algo: PPOAlgoConfig,
+    plan: UpdatePlan,
+    generator: torch.Generator,
+    *,
+    kl_coef: float,
+    temperature: float,
+    reuse_logprobs: bool = False,
+) -> tuple[dict[str, float], torch.Tensor | None]:
+    """The actor's policy-gradient updates on one rollout batch.
+
+    Args:
+        exp: this rank's batch; ``old_logprobs`` may be None when ``reuse_logprobs``.
+        reuse_logprobs: take the old log-probs from this update's own forward (see
+            :func:`reuse_update_logprobs`); they are returned rather than written into ``exp``.
+
+    Returns:
+        ``(metrics, old_logprobs)``: the (N, T) log-probs the update used as old ones when
+        ``reuse_logprobs``, else None.
+    """
+    loss_fn = _actor_loss_fn(actor.model, algo, kl_coef, temperature, plan, reuse_logprobs)
+    collected = torch.zeros_like(exp.response_mask) if reuse_logprobs else None
+
+    def keep(rows: torch.Tensor, logprobs: torch.Tensor) -> None:
+        if collected is not None:
+            collected[rows] = logprobs
+
+    out, grad_norm = _update_loop(actor, exp, plan, generator, loss_fn, on_micro=keep)
+    _as_global_sum(out, ("actor/pg_loss", "actor/kl_loss"), plan)
+    out["actor/grad_norm"] = grad_norm
+    out.update(actor.guard.metrics("actor/"))
+    out["grad_norm"] = grad_norm  # the seed's name for the actor's norm, kept as an alias
+    return out, collected
+
+
+def update_critic(
+    critic: Optimization,
+    exp: Experience,
+    algo: PPOAlgoConfig,
+    plan: UpdatePlan,
+    generator: torch.Generator,
+) -> dict[str, float]:
+    """Value-function updates on one rollout batch (``exp.values`` and ``exp.returns`` set)."""
+    T = exp.response_len
+
+    def loss_fn(mb: Experience, num_tokens: int, num_seqs: int):
+        values = token_values(critic.model, mb.input_ids, mb.attention_mask, plan.packed)
+        loss, st = value_loss(
+            values[:, -T - 1 : -1],
+            mb.values,
+            mb.returns,
+            mb.response_mask,
+            value_clip=algo.value_clip if algo.value_clip > 0 else None,
+            loss_agg=algo.loss_agg_mode,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            norm_len=plan.norm_len,
+        )
+        return loss, {"critic/vf_loss": loss.detach(), "critic/vf_clipfrac": st["vf_clipfrac"]}
+
+    out, grad_norm = _update_loop(critic, exp, plan, generator, loss_fn)
+    _as_global_sum(out, ("critic/vf_loss",), plan)
+    out["critic/grad_norm"] = grad_norm
+    out.update(critic.guard.metrics("critic/"))
+    out["critic/lr"] = critic.scheduler.get_last_lr()[0]
+    out["critic/vf_explained_var"] = reduce_explained_variance(
+        explained_variance(exp.values, exp.returns, exp.response_mask)
+    )
+    return out
+
+
+def update_generator(seed: int, step: int, rank: int) -> torch.Generator:
+    """The minibatch shuffle of one step on one rank: a resumed run shuffles as the
+    uninterrupted one did."""
+    return torch.Generator().manual_seed(seed * 7919 + step * 31 + rank)

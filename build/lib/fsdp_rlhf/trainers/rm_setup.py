@@ -1,0 +1,51 @@
+"""`train-rm` pieces built after the process group exists: the sharded model, and the plain
+state a checkpoint carries so that a resumed run can continue the same data order."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_rlhf.config import RMConfig
+from fsdp_rlhf.distributed.env import DistEnv
+from fsdp_rlhf.models.load import load_scalar_model
+from fsdp_rlhf.models.lora import add_lora
+from fsdp_rlhf.trainers.common import log_startup, prepare_model
+from fsdp_rlhf.trainers.rm_data import RMData
+
+RESUME_KEYS = ("train_pairs", "train_batch_size", "seed")
+
+
+def build_model(cfg: RMConfig, env: DistEnv, pad_token_id: int) -> nn.Module:
+    """Load the SFT model with a scalar head and shard it over all ranks."""
+    log_startup(env, cfg.fsdp.zero_stage, cfg.backend.bf16)
+    # Same seed on every rank: a freshly initialised head must be identical everywhere,
+    # because each rank keeps its own shard of its own copy.
+    torch.manual_seed(cfg.seed)
+    model = load_scalar_model(
+        cfg.model.pretrain, cfg.backend, env.device, value_head_prefix=cfg.model.value_head_prefix
+    )
+    # HF (and vLLM) score the last token that is not pad_token_id: use the tokenizer's pad.
+    model.config.pad_token_id = pad_token_id
+    if cfg.lora.enabled:  # adapters on the decoder; the head is trained in full
+        add_lora(model, cfg.lora, head="score")
+    prepare_model(
+        model, env, cfg.fsdp, cfg.backend, packed=cfg.batch.packing_samples, trainable=True
+    )
+    # Different dropout masks per rank from here on.
+    torch.manual_seed(cfg.seed + env.rank)
+    return model
+
+
+def resume_state(cfg: RMConfig, data: RMData, global_step: int) -> dict[str, Any]:
+    """Plain values saved with a checkpoint; resuming requires the same data and batch."""
+    epoch, step_in_epoch = divmod(global_step, data.steps_per_epoch)
+    return {
+        "epoch": epoch,
+        "step_in_epoch": step_in_epoch,
+        "train_pairs": len(data.train),
+        "train_batch_size": cfg.batch.train_batch_size,
+        "seed": cfg.seed,
+    }

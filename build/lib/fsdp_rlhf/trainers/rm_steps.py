@@ -1,0 +1,154 @@
+"""One `train-rm` optimizer step and one evaluation pass."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+from typing import Literal
+
+import torch
+from torch import nn
+
+from fsdp_rlhf.algorithms import pairwise_loss
+from fsdp_rlhf.config import RMBatchConfig, RMConfig, RMLossConfig
+from fsdp_rlhf.data.preference import PairBatch
+from fsdp_rlhf.distributed.env import all_reduce_scalars
+from fsdp_rlhf.distributed.fsdp import accumulate
+from fsdp_rlhf.models.attention import VARLEN_ATTENTION
+from fsdp_rlhf.models.forward import sequence_scores, shared_pair_scores
+from fsdp_rlhf.trainers.guards import BadStepGuard, guarded_step
+
+log = logging.getLogger("fsdp_rlhf")
+
+
+PairLayout = Literal["padded", "packed", "shared"]
+
+
+def pair_layout(model: nn.Module, batch: RMBatchConfig) -> PairLayout:
+    """How the pairs go through ``model``: padded, packed into one row, or packed with each
+    pair's shared prefix once (``--share_prompt_prefix``, needs the varlen attention of
+    ``--packing_samples``; flash-attn's kernels take no shared prefix)."""
+    if not batch.packing_samples:
+        return "padded"
+    impl = model.config._attn_implementation
+    if batch.share_prompt_prefix and impl == VARLEN_ATTENTION:
+        log.info("shared prompt prefix: each pair's common prefix runs once")
+        return "shared"
+    if batch.share_prompt_prefix:
+        log.info("shared prompt prefix: off, the model's attention is %s", impl)
+    return "packed"
+
+
+def score_pairs(
+    model: nn.Module, batch: PairBatch, device: torch.device, layout: PairLayout = "padded"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward over the 2B sequences (see :func:`pair_layout`). Returns (B,) chosen and
+    (B,) rejected scores (fp32)."""
+    ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
+    if layout == "shared":
+        scores = shared_pair_scores(model, ids, mask)
+    else:
+        scores = sequence_scores(model, ids, mask, packed=layout == "packed")
+    return scores[: batch.num_pairs], scores[batch.num_pairs :]
+
+
+def objective(
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    margin: torch.Tensor | None,
+    cfg: RMLossConfig,
+) -> torch.Tensor:
+    """Mean Bradley-Terry loss over B pairs, plus the optional centering penalty.
+
+    The penalty ``coef * mean((c + r)^2)`` (TRL's ``center_rewards_coefficient``) pins the
+    reward scale's offset near 0, which the pairwise loss alone leaves free.
+    """
+    loss = pairwise_loss(chosen, rejected, margin, kind=cfg.loss)
+    if cfg.center_rewards_coefficient:
+        loss = loss + cfg.center_rewards_coefficient * (chosen + rejected).pow(2).mean()
+    return loss
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    batches: list[PairBatch],
+    cfg: RMConfig,
+    device: torch.device,
+    guard: BadStepGuard,
+    step: int,
+    layout: PairLayout,
+) -> dict[str, float]:
+    """Forward/backward over this rank's micro-batches (``layout``: :func:`pair_layout`), clip,
+    optimizer and scheduler step (skipped by ``guard`` when the gradient norm is NaN/Inf;
+    ``step`` names it).
+
+    Gradients are synchronised (reduce-scattered) only after the last micro-batch; each
+    micro-batch loss is divided by their count so the update uses the mean over the step.
+
+    Returns:
+        This rank's means of ``loss acc chosen_reward reject_reward margin``, plus the
+        global ``grad_norm`` and the ``lr`` this step used.
+    """
+    sums = dict.fromkeys(("loss", "acc", "chosen_reward", "reject_reward", "margin"), 0.0)
+    for i, batch in enumerate(batches):
+        accumulate(model, i == len(batches) - 1, cfg.fsdp.zero_stage)
+        chosen, rejected = score_pairs(model, batch, device, layout)
+        margin = batch.margin.to(device) if batch.margin is not None else None
+        loss = objective(chosen, rejected, margin, cfg.loss)
+        (loss / len(batches)).backward()
+        chosen, rejected = chosen.detach(), rejected.detach()
+        sums["loss"] += loss.item()
+        sums["acc"] += (chosen > rejected).float().mean().item()
+        sums["chosen_reward"] += chosen.mean().item()
+        sums["reject_reward"] += rejected.mean().item()
+        sums["margin"] += (chosen - rejected).mean().item()
+    lr = scheduler.get_last_lr()[0]
+    grad_norm = guarded_step(
+        model.parameters(), optimizer, scheduler, cfg.optim.max_norm, guard, step
+    )
+    stats = {k: v / len(batches) for k, v in sums.items()}
+    return {**stats, "grad_norm": grad_norm, "lr": lr}
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    batches: Iterable[PairBatch],
+    cfg: RMConfig,
+    device: torch.device,
+    layout: PairLayout,
+) -> dict[str, float]:
+    """Loss, accuracy and reward mean/std (over chosen and rejected) on the eval set.
+
+    Every rank runs the same number of forwards (shards are padded); sums are reduced once.
+    The std is the unbiased one over all 2 x N eval rewards.
+    """
+    model.eval()
+    sums = dict.fromkeys(("loss", "correct", "pairs", "reward_sum", "reward_sq"), 0.0)
+    for batch in batches:
+        chosen, rejected = score_pairs(model, batch, device, layout)
+        n = batch.num_valid
+        if n == 0:
+            continue  # padding only: the forward above kept the collectives in step
+        chosen, rejected = chosen[:n], rejected[:n]
+        margin = batch.margin[:n].to(device) if batch.margin is not None else None
+        sums["loss"] += objective(chosen, rejected, margin, cfg.loss).item() * n
+        sums["correct"] += (chosen > rejected).sum().item()
+        sums["pairs"] += n
+        rewards = torch.cat([chosen, rejected]).double()
+        sums["reward_sum"] += rewards.sum().item()
+        sums["reward_sq"] += rewards.pow(2).sum().item()
+    model.train()
+    tot = all_reduce_scalars(sums, op="sum")
+    n_rewards = 2 * tot["pairs"]
+    mean = tot["reward_sum"] / n_rewards
+    var = (tot["reward_sq"] - n_rewards * mean**2) / (n_rewards - 1)
+    return {
+        "eval/loss": tot["loss"] / tot["pairs"],
+        "eval/acc": tot["correct"] / tot["pairs"],
+        "eval/reward_mean": mean,
+        "eval/reward_std": math.sqrt(max(var, 0.0)),
+    }
