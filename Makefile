@@ -31,11 +31,11 @@ endif
 	@rm -f $(VENV)/.installed-*
 	@touch $(STAMP)
 
-# glibc malloc costs CPU runs 9-12% of a GRPO step (README "Host allocator"): install the
+# glibc malloc costs CPU runs 9-12% of a GRPO step (docs/cpu_notes.md): install the
 # system library where we can (root on Debian/Ubuntu), else say how.
 tcmalloc:
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	  echo "installing libtcmalloc-minimal4 (faster CPU runs; see README: Host allocator)"; \
+	  echo "installing libtcmalloc-minimal4 (faster CPU runs; see docs/cpu_notes.md)"; \
 	  apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1 \
 	  || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1; } \
 	  || echo "note: could not install libtcmalloc-minimal4: CPU runs use glibc malloc (slower)"; \

@@ -1,10 +1,10 @@
 """Host memory allocator of CPU runs: tcmalloc preloaded by default, found where installed.
 
 Why it matters: PyTorch's CPU tensors come straight from malloc. glibc returns large freed blocks
-to the kernel, so every training step page-faults its activation and gradient buffers in again.
-Measured on the 2-core bench machine (GRPO step of the 34M-parameter bench model): 56-84k minor
-page faults per actor update with glibc against 1-4k with tcmalloc, and the update went from
-2.7-3.1 s to 2.3-2.5 s. vLLM's CPU backend asks for tcmalloc in ``LD_PRELOAD`` for the same reason.
+to the kernel, so every training step page-faults its activation and gradient buffers in again;
+tcmalloc keeps them, and the faults and the time they cost mostly go away (measured in
+benchmarks/grpo_rm_vs_trl_intel-xeon-amx-2core_2026-11-22.md). vLLM's CPU backend asks for
+tcmalloc in ``LD_PRELOAD`` for the same reason.
 
 ``LD_PRELOAD`` acts only when a process starts, so on a host without a GPU the CLI re-executes
 itself once with tcmalloc preloaded (:func:`reexec_env`; same PID, so torchrun and schedulers

@@ -1,10 +1,11 @@
 """Whether this CPU multiplies bf16 matrices natively, for a warning before a slow ``--bf16`` run.
 
 CPUs with AVX512-BF16 or AMX run bf16 matmuls 2-4x faster than fp32; without them (AVX2-only
-x86, e.g. AMD Zen 3) PyTorch emulates bf16: on the 2-core bench machine ``nn.functional.linear``
-took 8x longer in bf16 than in fp32 (9.5 against 77 GFLOP/s), so ``--bf16`` makes a CPU run
-several times slower there, not faster. A timing probe rather than a CPU-flag table: it also
-covers ARM and whatever oneDNN does on the next CPU.
+x86, e.g. AMD Zen 3) PyTorch emulates bf16 and ``nn.functional.linear`` runs several times
+slower in bf16 than in fp32 (measured in
+benchmarks/grpo_rm_vs_trl_amd-epyc-zen3-avx2-2core_2026-11-24.md), so ``--bf16`` makes a CPU
+run slower there, not faster. A timing probe rather than a CPU-flag table: it also covers ARM
+and whatever oneDNN does on the next CPU.
 """
 
 from __future__ import annotations

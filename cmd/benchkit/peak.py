@@ -15,8 +15,8 @@ DTYPES = ("bf16", "fp32")
 def matmul_flops(dtype_name: str, n: int = 1024, min_reps: int = 3, budget_s: float = 1.0) -> float:
     """Best FLOP/s of an ``n x n @ n x n`` matmul on one thread (2 n^3 FLOPs each), over at
     least ``min_reps`` repetitions and about ``budget_s`` seconds. The fastest repetition, not the
-    median: other jobs on a shared host only ever slow one down (the median of 7 read 54 GFLOP/s
-    in fp32 at a load average of 2 on a machine that gives 77-83 when quiet)."""
+    median: other jobs on a shared host only ever slow one down (at a load average of 2 the
+    median read far below the quiet machine's peak; see benchmarks/)."""
     import torch
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
@@ -76,8 +76,8 @@ def grpo_ceiling_tps(
 
 
 # bf16 cells need bf16 matmuls at least this fast relative to fp32 to say anything about bf16:
-# CPUs without AVX512-BF16/AMX (e.g. AMD Zen 3) emulate them, 8x slower than fp32 for
-# nn.functional.linear and 70x for torch.matmul on the 2-core bench machine.
+# CPUs without AVX512-BF16/AMX (e.g. AMD Zen 3) emulate them, many times slower than fp32
+# (measured in benchmarks/).
 NATIVE_BF16_MIN_RATIO = 0.5
 
 

@@ -50,8 +50,8 @@ CELLS = ("bf16+tcmalloc", "bf16+glibc", "fp32+tcmalloc", "fp32+glibc")
 # that the matrix (4 cells x 2 workloads x 2 sides x 2 repetitions, plus the Llama-shaped row
 # and the LoRA runs) fits the 25 minutes issue #15 allows on 2 cores; step counts are short for
 # that. Two warm-up steps on both sides: our first step compiles (--torch_compile; vLLM's
-# compiled model comes from its cache), and the second is still 1.5-2x the steady ones for our
-# RM; TRL's steps are steady from the second. All start-up costs stay outside the window.
+# compiled model comes from its cache), and the second is still slower than the steady ones for
+# our RM; TRL's steps are steady from the second. All start-up costs stay outside the window.
 FULL = Sizes(
     hidden=512,
     layers=8,

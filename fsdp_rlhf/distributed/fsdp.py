@@ -200,10 +200,10 @@ def clip_grad_norm_(
 # Most bytes one gather moves (full tensors, summed over the bucket); a larger parameter goes
 # alone. One collective per parameter costs a latency each (hundreds of them for a 7B model),
 # and casting shards to the target dtype before gathering halves the bytes when fp32 shards
-# feed a bf16 engine: together 2x faster than per-parameter gathers (34M model, 2 gloo ranks).
-# Over gloo, 4-32 MB buckets gather the 68 MB bf16 model in 0.07-0.08 s and 256 MB ones in
-# 0.11 s (the big copies in and out of the buffer stop overlapping with the transfer). The CUDA
-# size follows verl/OpenRLHF practice for NCCL (not measured here: no GPU).
+# feed a bf16 engine: together much faster than per-parameter gathers. Over gloo, buckets of a
+# few MB to tens of MB beat 256 MB ones (the big copies in and out of the buffer stop
+# overlapping with the transfer; timings in benchmarks/). The CUDA size follows verl/OpenRLHF
+# practice for NCCL (not measured here: no GPU).
 GATHER_BUCKET_BYTES = {"cpu": 16 << 20, "cuda": 256 << 20}
 
 

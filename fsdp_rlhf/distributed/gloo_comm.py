@@ -1,14 +1,13 @@
 """Collectives on gloo (CPU) done with point-to-point sends: FSDP2's gradient reduce-scatter
 and the weight-sync all-gather.
 
-gloo's ``reduce_scatter_tensor`` first clones its whole input. On the bench machine (2 CPU
-ranks, one decoder layer's 17 MB of fp32 gradients) it takes 18-21 ms in isolation where
-sending each peer its chunk and adding what arrives takes 8-12 ms; inside a PPO update, where
-freshly allocated memory is slow to touch, that clone alone took 33 ms per layer (0.27 s per
-update). The chunks arrive in one receive buffer per input size that is kept and reused, so
-its pages stay mapped. gloo's all-gather is slow the same way: gathering 68 MB of bf16 shards
-on 2 ranks takes 67-71 ms, sending each peer the shard directly 30-37 ms. NCCL's collectives
-need none of this and are left alone.
+gloo's ``reduce_scatter_tensor`` first clones its whole input, which makes it slower than
+sending each peer its chunk and adding what arrives; inside a PPO update, where freshly
+allocated memory is slow to touch, that clone costs the most. The chunks arrive in one receive
+buffer per input size that is kept and reused, so its pages stay mapped. gloo's all-gather is
+slow the same way: sending each peer the shard directly is faster. Timings:
+benchmarks/grpo_rm_vs_trl_intel-xeon-amx-2core_2026-11-22.md. NCCL's collectives need none of
+this and are left alone.
 """
 
 from __future__ import annotations

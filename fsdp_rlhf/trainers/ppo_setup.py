@@ -328,7 +328,7 @@ def build_engine(cfg: PPOConfig, env: DistEnv, tokenizer) -> RolloutEngine:
             lora_rank=cfg.lora.lora_rank if adapter_sync(cfg) else 0,
         )
     # In the engine dtype, like vLLM: an fp32 copy under --bf16 sampled from other logits than
-    # the trainer computes, and generated about 3x slower on a bf16-capable CPU (bench).
+    # the trainer computes, and generated slower on a bf16-capable CPU (benchmarks/).
     model = load_causal_lm(cfg.models.pretrain, cfg.backend, env.device)
     model = model.to(device=env.device, dtype=engine_dtype(cfg))
     model.config.use_cache = True

@@ -48,7 +48,7 @@ def test_shape_from_config_counts_llama_7b():
 @pytest.mark.parametrize(
     "changes,fits,flag",
     [
-        # the launchers' flags: every phase fits under this model (see README memory notes)
+        # the launchers' flags: every phase fits under this model (see docs/memory_and_offload.md)
         ({}, True, None),
         # no offload at all: the trainer's shards + vLLM's 90% overflow the rollout
         (
