@@ -16,6 +16,7 @@ import logging
 import os
 import platform
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -280,6 +281,8 @@ def main(cfg: PPOConfig, debug: bool = False) -> int:
     dist.all_gather_object(gathered, [c.__dict__ for c in checks])
     if env.is_rank0:
         _print_report(versions(), reports, gathered)
+        sys.stdout.flush()
+    dist.barrier()  # a failed rank must not exit (torchrun then stops rank 0) mid-report
     ok = all(c["ok"] for rank_checks in gathered for c in rank_checks)
     for engine in engines:
         engine.close()  # vLLM's shutdown also destroys the process group

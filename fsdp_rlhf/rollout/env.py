@@ -34,7 +34,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from fsdp_rlhf.errors import UserError
+from fsdp_rlhf.errors import UserError, user_code_error
 
 log = logging.getLogger("fsdp_rlhf")
 
@@ -50,7 +50,7 @@ def import_user_file(path: str, flag: str) -> ModuleType:
     try:
         spec.loader.exec_module(module)
     except Exception as e:  # noqa: BLE001 - user code; report it in one line
-        raise UserError(f"{flag} {path}: import failed: {type(e).__name__}: {e}") from e
+        raise user_code_error(flag, path, e, "import failed:") from e
     return module
 
 

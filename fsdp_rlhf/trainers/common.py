@@ -29,8 +29,10 @@ from fsdp_rlhf.config_base import dump_yaml
 from fsdp_rlhf.cpu_bf16 import bf16_warning
 from fsdp_rlhf.distributed import checkpoint as ckpt
 from fsdp_rlhf.distributed.env import DistEnv, init_distributed, launched_world_size, teardown
+from fsdp_rlhf.distributed.exit_report import note_prepared
 from fsdp_rlhf.distributed.fsdp import build_mesh, describe_zero_stage, shard_model
 from fsdp_rlhf.distributed.signals import GracefulStop, SaveTimer
+from fsdp_rlhf.errors import WriteFault
 from fsdp_rlhf.metrics import MetricLogger, setup_logging, truncate_metrics
 from fsdp_rlhf.models.attention import use_varlen_attention
 from fsdp_rlhf.models.compile import compile_blocks
@@ -67,6 +69,7 @@ def launch(
     setup_logging(int(os.environ.get("RANK", "0")), debug)
     world_size = launched_world_size()
     prepared = prepare(cfg, world_size)
+    note_prepared()  # a rank that failed validation need not wait for this one's message
     owns_group = not dist.is_initialized()  # a test may have made the group already
     env = init_distributed(cfg.guard.dist_timeout_min)
     if env.world_size != world_size:
@@ -75,6 +78,8 @@ def launch(
     try:
         trainer = build(cfg, env, prepared)
         return fit(trainer, cfg.ckpt.save_steps)
+    except WriteFault as e:  # a checkpoint or the export: name what the user still has
+        raise e.naming_checkpoint(ckpt.latest_checkpoint(cfg.ckpt.ckpt_path)) from e
     finally:
         if trainer is not None:
             trainer.close()  # a vLLM engine destroys the process group with it
