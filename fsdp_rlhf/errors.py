@@ -12,6 +12,7 @@ of a write (:func:`write_fault`).
 
 from __future__ import annotations
 
+import errno
 import os
 import traceback
 from collections.abc import Iterator
@@ -97,14 +98,41 @@ def os_errno(e: BaseException) -> int | None:
     return None
 
 
+# Free space under which a failed write is taken for a full disk: some writers lose the errno
+# (torch.save's zip writer reports "unexpected pos"), and what a failed write leaves free is
+# less than its buffer.
+FULL_DISK_BYTES = 64 * 2**20
+
+
+def free_bytes(path: str | Path) -> int | None:
+    """Bytes this process may still write on the filesystem of ``path`` (or of its nearest
+    existing parent); None when that cannot be told."""
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        st = os.statvfs(p)
+    except OSError:
+        return None
+    blocks = st.f_bfree if os.geteuid() == 0 else st.f_bavail  # root may use reserved blocks
+    return blocks * st.f_frsize
+
+
 def write_fault(
     e: BaseException, path: str | Path, *, removed_partial: bool = False
 ) -> WriteFault | None:
     """A :class:`WriteFault` when ``e`` is the filesystem refusing to write ``path``
-    ("no space left on device while writing PATH"); None when ``e`` is something else."""
+    ("no space left on device while writing PATH"); None when ``e`` is something else.
+
+    Call it before deleting what the failed write left: a full disk is also recognised by the
+    space left on it when the writer lost the errno.
+    """
     number = os_errno(e)
     if number is None:
-        return None
+        free = free_bytes(path)
+        if free is None or free >= FULL_DISK_BYTES:
+            return None
+        number = errno.ENOSPC
     return WriteFault(os.strerror(number).lower(), path, removed_partial=removed_partial)
 
 
@@ -113,19 +141,32 @@ def _user_frames(e: BaseException, path: Path) -> list[traceback.FrameSummary]:
     return [f for f in frames if Path(f.filename).resolve() == path]
 
 
+def user_code_where(path: str | Path, e: BaseException) -> str:
+    """``path:line`` of the line in the user's file where ``e`` was raised (``path`` alone when
+    it was raised elsewhere, e.g. by our checks of what the file returned)."""
+    p = Path(path).resolve()
+    frames = _user_frames(e, p)
+    line = frames[-1].lineno if frames else None
+    if isinstance(e, SyntaxError) and e.lineno and Path(e.filename or "").resolve() == p:
+        line = e.lineno
+    return f"{path}:{line}" if line else str(path)
+
+
+def exception_line(e: BaseException) -> str:
+    """``Type: first line of the message``."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
 def user_code_error(what: str, path: str | Path, e: BaseException, doing: str = "") -> UserError:
     """The user's file raised ``e``: one line ``WHAT PATH:LINE: DOING Type: message`` (the
     line in their file where it raised), and only their own frames as detail.
 
     e.g. ``user_code_error("rule reward file", p, e, "reward_func raised")``.
     """
-    p = Path(path).resolve()
-    frames = _user_frames(e, p)
-    line = frames[-1].lineno if frames else None
-    if isinstance(e, SyntaxError) and e.lineno and Path(e.filename or "").resolve() == p:
-        line = e.lineno
-    where = f"{path}:{line}" if line else str(path)
-    text = str(e).strip().splitlines()
-    reason = f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+    frames = _user_frames(e, Path(path).resolve())
     detail = "".join(traceback.format_list(frames)).rstrip() if frames else ""
-    return UserError(f"{what} {where}: {doing + ' ' if doing else ''}{reason}", detail=detail)
+    doing = f"{doing} " if doing else ""
+    return UserError(
+        f"{what} {user_code_where(path, e)}: {doing}{exception_line(e)}", detail=detail
+    )

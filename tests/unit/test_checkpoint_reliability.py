@@ -23,7 +23,7 @@ from fsdp_rlhf.distributed.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
-from fsdp_rlhf.errors import UserError
+from fsdp_rlhf.errors import UserError, WriteFault
 from fsdp_rlhf.metrics import truncate_metrics
 from tests.dist_utils import run_distributed
 
@@ -123,8 +123,8 @@ def _save_fails_on_rank0(rank: int, world: int, root: str) -> str:
         _save(Path(root), 1)
     except PeerFailure as e:
         return f"peer {time.monotonic() - started:.1f} {e}"
-    except OSError as e:
-        return f"own {type(e).__name__}"
+    except WriteFault as e:
+        return f"own {e}"
     return "no error"
 
 
@@ -132,7 +132,11 @@ def test_failed_save_on_rank0_ends_the_other_ranks_at_once(tmp_path):
     blocker = tmp_path / "not_a_dir"
     blocker.write_text("x")  # rank 0 cannot create a checkpoint folder under a file
     out = run_distributed(_save_fails_on_rank0, 2, str(blocker), timeout=120)
-    assert out[0].startswith("own ")
+    # the rank that failed says what and where, in one line
+    assert (
+        out[0] == f"own not a directory while writing {blocker}/step_1 (the partial copy "
+        "was removed)"
+    ), out[0]
     kind, seconds, *msg = out[1].split()
     assert kind == "peer" and float(seconds) < 30, out[1]
     assert "failed on rank 0" in " ".join(msg)
