@@ -161,14 +161,15 @@ def report(failure: Failure, *, file: TextIO | None = None, wait_s: float = WAIT
     file = file or sys.stderr
     sys.stdout.flush()  # a report already written to stdout goes out first
     rank, world = _rank_world()
-    store = _store() if world > 1 else None
-    if store is None:
-        _print(lines_to_print(rank, world, {rank: failure}), file)
-        return
+    alone = {rank: failure}
     in_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main else None
     printed = False
     try:
+        store = _store() if world > 1 else None
+        if store is None:
+            _print(lines_to_print(rank, world, alone), file)
+            return
         record = [rank, failure.code, failure.message, failure.secondary]
         store.append("failures", json.dumps(record) + "\n")
         store.add("arrived", 1)
@@ -186,7 +187,7 @@ def report(failure: Failure, *, file: TextIO | None = None, wait_s: float = WAIT
         _wait(store, lambda s: s.add("printed", 0) >= s.add("arrived", 0), PRINTED_WAIT_S)
     except Exception:  # noqa: BLE001 - the store failed, or SIGTERM: speak for oneself
         if not printed:
-            _print(lines_to_print(rank, world, {rank: failure}), file)
+            _print(lines_to_print(rank, world, alone), file)
     finally:
         if in_main:
             signal.signal(signal.SIGTERM, previous)
