@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from fsdp_rlhf.algorithms.names import CRITIC_ESTIMATORS
 from fsdp_rlhf.allocator import preloaded_allocator
 from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.distributed.env import DistEnv, init_distributed, teardown
@@ -128,7 +129,7 @@ def job_flags(cfg: PPOConfig, world: int, device_bytes: int) -> JobFlags:
         micro_rollout_batch_size=cfg.rollout.micro_rollout_batch_size,
         seq_len=cfg.data.prompt_max_len + cfg.rollout.generate_max_len,
         gradient_checkpointing=cfg.backend.gradient_checkpointing,
-        critic=cfg.algo.advantage_estimator == "gae",
+        critic=cfg.algo.advantage_estimator in CRITIC_ESTIMATORS,
         reward=bool(cfg.models.reward_pretrain),
         lora=cfg.lora.enabled,
     )

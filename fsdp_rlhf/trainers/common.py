@@ -173,9 +173,9 @@ def prepare_model(
 
 
 @dataclass
-class Stateful:
-    """What a checkpoint restores besides the trainer's plain state; keys pair a model with
-    its optimizer and schedule."""
+class TrainedModels:
+    """The trained models with their optimizers and schedules, keyed alike: what a
+    checkpoint restores besides the trainer's plain state."""
 
     models: dict[str, nn.Module] = field(default_factory=dict)
     optimizers: dict[str, torch.optim.Optimizer] = field(default_factory=dict)
@@ -189,7 +189,9 @@ class Stateful:
             self.schedulers[name] = scheduler
 
 
-def save(ckpt_cfg: CheckpointConfig, step: int, state: Stateful, trainer_state: dict) -> Path:
+def save(
+    ckpt_cfg: CheckpointConfig, step: int, trained: TrainedModels, trainer_state: dict
+) -> Path:
     """A resumable checkpoint at ``step`` (collective); warns when it took over half the
     window a stop signal leaves (see ``SaveTimer``)."""
     timer = SaveTimer()
@@ -197,9 +199,9 @@ def save(ckpt_cfg: CheckpointConfig, step: int, state: Stateful, trainer_state: 
         path = ckpt.save_checkpoint(
             ckpt_cfg.ckpt_path,
             step,
-            models=state.models,
-            optimizers=state.optimizers,
-            schedulers=state.schedulers,
+            models=trained.models,
+            optimizers=trained.optimizers,
+            schedulers=trained.schedulers,
             trainer_state=trainer_state,
             keep=ckpt_cfg.max_ckpt_num,
         )
@@ -218,7 +220,9 @@ def write_run_config(cfg: Any, env: DistEnv) -> None:
 
 
 def resume(
-    ckpt_cfg: CheckpointConfig, state: Stateful, check: Callable[[Path], None] | None = None
+    ckpt_cfg: CheckpointConfig,
+    trained: TrainedModels,
+    check: Callable[[Path], None] | None = None,
 ) -> dict[str, Any] | None:
     """Restore the newest checkpoint when ``--load_checkpoint``; None for a fresh start.
 
@@ -235,7 +239,7 @@ def resume(
     if check is not None:
         check(path)
     saved = ckpt.load_checkpoint(
-        path, models=state.models, optimizers=state.optimizers, schedulers=state.schedulers
+        path, models=trained.models, optimizers=trained.optimizers, schedulers=trained.schedulers
     )
     log.info("resumed from %s at step %d", path, saved["step"])
     return saved

@@ -88,7 +88,7 @@ class RunningAverages:
 def throughput(
     tokens_per_sample: float, num_samples_global: int, world_size: int, seconds: float
 ) -> float:
-    """Tokens per second per device: the seed's e2e/update/vllm_tps formula,
+    """Tokens per second per device: MindSpeed RL's e2e/update/vllm_tps formula,
     (response_length_mean + prompt_length_mean) x global_batch x n / world_size / time."""
     if seconds <= 0:
         return 0.0
@@ -147,7 +147,7 @@ def throughput_metrics(
     world_size: int,
     engine_name: str,
 ) -> dict[str, float]:
-    """``e2e_tps``, ``update_tps`` and ``rollout_tps``; ``vllm_tps`` (the seed's name) only
+    """``e2e_tps``, ``update_tps`` and ``rollout_tps``; ``vllm_tps`` (MindSpeed RL's name) only
     when vLLM generated, so an HF-engine run does not report a vLLM speed.
 
     e2e and update count the batch trained on; rollout counts every sequence generated, which

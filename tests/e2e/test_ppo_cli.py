@@ -310,7 +310,7 @@ def test_stop_during_dynamic_sampling_resumes_the_same_batches(tiny_qwen2, ppo_d
             assert after[s][key] == pytest.approx(ref, rel=1e-3, abs=1e-4), (s, key, rounds)
 
 
-def test_seed_flag_set_with_trained_reward_model(tiny_qwen2, trained_rm, ppo_data, tmp_path):
+def test_aiak_flag_set_with_trained_reward_model(tiny_qwen2, trained_rm, ppo_data, tmp_path):
     save = tmp_path / "ppo"
     # The AIAK section 2.3 flag set, verbatim apart from paths and sizes.
     flags = [

@@ -28,7 +28,7 @@ from fsdp_rlhf.metrics import truncate_metrics
 from tests.dist_utils import run_distributed
 
 
-def _stateful():
+def _trained():
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -38,7 +38,7 @@ def _stateful():
 
 
 def _save(root: Path, step: int, keep: int = 3, **state) -> Path:
-    models, opts = _stateful()
+    models, opts = _trained()
     return save_checkpoint(
         root, step, models=models, optimizers=opts, schedulers={}, trainer_state=state, keep=keep
     )
@@ -79,7 +79,7 @@ def test_unreadable_newest_falls_back_to_previous(tmp_path, caplog, damage):
         found = resolve_resume(tmp_path, True)
     assert found == tmp_path / "step_1"
     assert "step_2 is unreadable" in caplog.text
-    models, opts = _stateful()
+    models, opts = _trained()
     assert load_checkpoint(found, models=models, optimizers=opts, schedulers={})["pos"] == 1
 
 
@@ -92,7 +92,7 @@ def test_rng_files_load_with_weights_only_and_restore_streams(tmp_path):
     torch.load(path / "rng_rank0.pt", weights_only=True)  # raises on numpy/pickled objects
     random.seed(99)
     np.random.seed(99)
-    models, opts = _stateful()  # reseeds torch
+    models, opts = _trained()  # reseeds torch
     load_checkpoint(path, models=models, optimizers=opts, schedulers={})
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
     marker = json.loads((path / "COMPLETE").read_text())
