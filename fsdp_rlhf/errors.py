@@ -6,8 +6,9 @@
   unreachable reward server.
 
 Helpers here turn the exceptions raised at those boundaries into such lines: a user file's
-``path:line`` and its own frames (:func:`user_code_error`), and the operating system's refusal
-of a write (:func:`write_fault`).
+``path:line`` and its own frames (:func:`user_code_error`), the operating system's refusal of a
+write (:func:`write_fault`, :func:`writing`), a library failing on the user's model or config
+files (:func:`reading`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import errno
 import os
 import traceback
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -134,6 +136,31 @@ def write_fault(
             return None
         number = errno.ENOSPC
     return WriteFault(os.strerror(number).lower(), path, removed_partial=removed_partial)
+
+
+@contextmanager
+def writing(path: str | Path) -> Iterator[None]:
+    """Inside: an OSError writing ``path`` (full disk, quota, permissions) becomes a one-line
+    :class:`WriteFault` naming it."""
+    try:
+        yield
+    except OSError as e:
+        fault = write_fault(e, path)
+        if fault is None:
+            raise
+        raise fault from e
+
+
+@contextmanager
+def reading(what: str, path: str | Path) -> Iterator[None]:
+    """Inside: any failure loading the user's ``what`` from ``path`` (a model, a tokenizer, a
+    config file) becomes one :class:`UserError` line naming both; ours stay UserErrors."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a library's error about the user's files
+        raise UserError(f"{path}: cannot load the {what}: {exception_line(e)}") from e
 
 
 def _user_frames(e: BaseException, path: Path) -> list[traceback.FrameSummary]:

@@ -32,7 +32,7 @@ from fsdp_rlhf.distributed.env import DistEnv, init_distributed, launched_world_
 from fsdp_rlhf.distributed.exit_report import note_prepared
 from fsdp_rlhf.distributed.fsdp import build_mesh, describe_zero_stage, shard_model
 from fsdp_rlhf.distributed.signals import GracefulStop, SaveTimer
-from fsdp_rlhf.errors import WriteFault
+from fsdp_rlhf.errors import WriteFault, writing
 from fsdp_rlhf.metrics import MetricLogger, setup_logging, truncate_metrics
 from fsdp_rlhf.models.attention import use_varlen_attention
 from fsdp_rlhf.models.compile import compile_blocks
@@ -213,10 +213,11 @@ def write_run_config(cfg: Any, env: DistEnv) -> None:
     """``<save_path>/config.yaml``: the resolved config of this run (rank 0)."""
     if env.is_rank0:
         out = Path(cfg.ckpt.save_path)
-        out.mkdir(parents=True, exist_ok=True)
         tmp = out / "config.yaml.tmp"
-        tmp.write_text(dump_yaml(cfg))
-        tmp.replace(out / "config.yaml")
+        with writing(out / "config.yaml"):
+            out.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(dump_yaml(cfg))
+            tmp.replace(out / "config.yaml")
 
 
 def resume(

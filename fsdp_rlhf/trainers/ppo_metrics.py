@@ -11,6 +11,7 @@ import torch
 from fsdp_rlhf.algorithms import rollout_mismatch_metrics
 from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.distributed.env import all_reduce_scalars
+from fsdp_rlhf.errors import writing
 from fsdp_rlhf.metrics import MetricLogger
 from fsdp_rlhf.trainers.experience import Experience
 
@@ -192,7 +193,8 @@ def log_samples(
                 "score": float(exp.scores[i]),
             }
         )
-    with open(Path(save_path) / "samples.jsonl", "a") as f:
+    path = Path(save_path) / "samples.jsonl"
+    with writing(path), open(path, "a") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     body = "\n\n".join(

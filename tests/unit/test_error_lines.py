@@ -164,3 +164,31 @@ def test_one_process_prints_one_line(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "1")
     report(Failure(2, "bad flag"), file=sys.stderr)
     assert capsys.readouterr().err == "error: bad flag\n"
+
+
+def test_a_broken_model_folder_is_one_line_naming_it(tmp_path, tiny_qwen2):
+    import shutil
+
+    import torch
+
+    from fsdp_rlhf.config import BackendConfig
+    from fsdp_rlhf.models.load import load_causal_lm, load_tokenizer
+
+    broken = tmp_path / "model"
+    shutil.copytree(tiny_qwen2, broken)
+    (broken / "model.safetensors").write_bytes(b"\x00" * 64)  # a torn download
+    with pytest.raises(UserError, match=rf"^{broken}: cannot load the causal LM: \w+"):
+        load_causal_lm(str(broken), BackendConfig(), torch.device("cpu"))
+    (broken / "tokenizer.json").write_text("{")
+    with pytest.raises(UserError, match=rf"^{broken}: cannot load the tokenizer: "):
+        load_tokenizer(str(broken))
+
+
+def test_metrics_that_cannot_be_written_are_one_line(tmp_path):
+    from fsdp_rlhf.metrics import MetricLogger
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")  # save_path below a file: the folder cannot be made
+    with pytest.raises(WriteFault) as err:
+        MetricLogger(0, str(blocker / "run"), None)
+    assert str(err.value) == f"not a directory while writing {blocker}/run/metrics.jsonl"
