@@ -455,6 +455,8 @@ def test_bad_input_one_line_before_heavy_work(tiny_qwen2, ppo_data, tmp_path, ch
     proc = run_cli(["ppo", *flags], env={"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], lines
+    # rank 0 of 2 without torchrun's store: it speaks for itself, naming its rank
+    assert len(lines) == 1 and lines[0].startswith("error [rank 0]: "), lines
+    assert message in lines[0], lines
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "bad").exists()
