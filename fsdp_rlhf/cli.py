@@ -17,11 +17,15 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import typer
 
 from fsdp_rlhf.allocator import maybe_reexec
-from fsdp_rlhf.errors import Fault, UserError
+from fsdp_rlhf.errors import Fault, UserError, exception_line
+
+if TYPE_CHECKING:
+    from fsdp_rlhf.distributed.exit_report import Failure
 
 app = typer.Typer(
     add_completion=False,
@@ -72,12 +76,13 @@ def _run(argv: list[str], config_cls: type, title: str, main: Callable) -> None:
     raise typer.Exit(code)
 
 
-def describe_failure(e: Exception, debug: bool):
+def describe_failure(e: Exception, debug: bool) -> Failure:
     """The line (and exit code) a failure is reported with. Bad input and faults are one line
-    (and the user's own frames), their traceback only with ``--debug``; anything else is a
-    bug in fsdp-rlhf and always shows its traceback."""
+    (and the user's own frames), their traceback only with ``--debug``; anything else is
+    unexpected and shows its traceback, unless another rank failed first (then it is most
+    likely a collective that rank broke)."""
     from fsdp_rlhf.distributed.env import PeerFailure
-    from fsdp_rlhf.distributed.exit_report import Failure
+    from fsdp_rlhf.distributed.exit_report import Failure, first_to_fail
 
     if isinstance(e, UserError | Fault | PeerFailure):
         if debug:
@@ -86,9 +91,13 @@ def describe_failure(e: Exception, debug: bool):
             return Failure(1, str(e), secondary=True)
         detail = getattr(e, "detail", "")
         return Failure(e.exit_code, str(e) + (f"\n{detail}" if detail else ""))
+    line = exception_line(e)
+    if not first_to_fail():  # e.g. a collective broken by the rank that failed first
+        if debug:
+            traceback.print_exc()
+        return Failure(1, f"stopped after another rank failed ({line})", secondary=True)
     traceback.print_exc()
-    first = (str(e).strip().splitlines() or [""])[0]
-    return Failure(1, f"{type(e).__name__}: {first} (a bug in fsdp-rlhf: traceback above)")
+    return Failure(1, f"{line} (unexpected: the traceback above shows where)")
 
 
 @app.command("train-rm", context_settings=_RAW)

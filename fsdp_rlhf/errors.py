@@ -56,7 +56,7 @@ class WriteFault(Fault):
         return f"{self.reason} while writing {self.path}{partial}{self.checkpoint_note}"
 
     def naming_checkpoint(self, newest: Path | None) -> WriteFault:
-        """The same fault, its line ending with the newest complete checkpoint (or none)."""
+        """End the line with the newest complete checkpoint (or that there is none)."""
         self.checkpoint_note = (
             f"; the newest complete checkpoint is {newest}, intact"
             if newest is not None

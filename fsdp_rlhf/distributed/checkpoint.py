@@ -9,7 +9,8 @@ Layout of ``<ckpt_path>/step_<N>/``::
 
 A checkpoint is first written as ``step_<N>.tmp`` and renamed once every rank has finished, so
 a crash mid-save never leaves something that looks complete; leftover ``.tmp`` folders are
-removed by rank 0 at the next save or resume. The small files and the rename are fsynced.
+removed by rank 0 at the next save or resume (a save that fails, e.g. on a full disk, removes
+its own at once). The small files and the rename are fsynced.
 
 "Newest" means most recently written (``written_at``), not the highest step number: a fresh run
 into a folder that still holds higher-numbered checkpoints of an older run must neither resume

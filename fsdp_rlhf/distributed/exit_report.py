@@ -11,6 +11,8 @@ exists and after it is destroyed):
   ``error [ranks 0,2-3]: ...``); a rank whose only news is that another rank failed
   (``PeerFailure``) stays silent unless no rank with a reason has shown up;
 * no rank exits until every rank that arrived has printed, so no line or report is cut off;
+* an unexpected error on a rank after another rank noted its failure (:func:`note_failing`) is
+  a consequence (a broken collective): reported without a traceback, unless no rank says more;
 * the meeting is bounded: a rank that never arrives (it is well and blocked in a collective, or
   hung) costs at most :data:`WAIT_S` seconds, and ranks that already passed the validation
   phase (:func:`note_prepared`) are not waited for at all; a SIGTERM (another rank exited)
@@ -123,6 +125,27 @@ def note_prepared() -> None:
             store.add("prepared", 1)
         except Exception:  # noqa: BLE001 - an optimisation only; the wait stays bounded
             pass
+
+
+_failed_as: int | None = None  # this rank's place among the ranks that failed after validation
+
+
+def note_failing() -> None:
+    """This rank failed after the process group started. Called before its teardown, which
+    breaks the collectives the other ranks wait in: their errors ("Connection closed by
+    peer") come after this note, so :func:`first_to_fail` tells them they are consequences."""
+    global _failed_as
+    if _failed_as is not None or _rank_world()[1] == 1 or (store := _store()) is None:
+        return
+    try:
+        _failed_as = store.add("failing", 1)
+    except Exception:  # noqa: BLE001 - without the note an error is reported as unexpected
+        pass
+
+
+def first_to_fail() -> bool:
+    """Whether no other rank noted a failure before this one (True when unknown)."""
+    return _failed_as is None or _failed_as == 1
 
 
 class _Terminated(Exception):

@@ -29,7 +29,7 @@ from fsdp_rlhf.config_base import dump_yaml
 from fsdp_rlhf.cpu_bf16 import bf16_warning
 from fsdp_rlhf.distributed import checkpoint as ckpt
 from fsdp_rlhf.distributed.env import DistEnv, init_distributed, launched_world_size, teardown
-from fsdp_rlhf.distributed.exit_report import note_prepared
+from fsdp_rlhf.distributed.exit_report import note_failing, note_prepared
 from fsdp_rlhf.distributed.fsdp import build_mesh, describe_zero_stage, shard_model
 from fsdp_rlhf.distributed.signals import GracefulStop, SaveTimer
 from fsdp_rlhf.errors import WriteFault, writing
@@ -78,8 +78,11 @@ def launch(
     try:
         trainer = build(cfg, env, prepared)
         return fit(trainer, cfg.ckpt.save_steps)
-    except WriteFault as e:  # a checkpoint or the export: name what the user still has
-        raise e.naming_checkpoint(ckpt.latest_checkpoint(cfg.ckpt.ckpt_path)) from e
+    except BaseException as e:
+        note_failing()  # before the teardown below breaks the other ranks' collectives
+        if isinstance(e, WriteFault):  # a checkpoint or the export: name what the user has
+            e.naming_checkpoint(ckpt.latest_checkpoint(cfg.ckpt.ckpt_path))
+        raise
     finally:
         if trainer is not None:
             trainer.close()  # a vLLM engine destroys the process group with it

@@ -124,3 +124,41 @@ def test_sigterm_ends_the_wait_with_the_line_printed(store_env):
     out, err = proc.communicate(timeout=30)
     assert time.monotonic() - sent < 2
     assert err == "error [rank 1]: boom\n" and proc.returncode == 0
+
+
+def _broken_collective(rank: int, world: int) -> str:
+    """Rank 1 fails and tears down (as launch does); rank 0 waits in an all-reduce."""
+    import contextlib
+    import io
+
+    import torch
+    import torch.distributed as dist
+
+    from fsdp_rlhf.cli import describe_failure
+    from fsdp_rlhf.distributed import exit_report
+
+    # the process group's own store (rank 0 hosts it) stands in for torchrun's
+    os.environ.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RUN_ID="t")
+    if rank == 1:
+        exit_report.note_failing()
+        dist.destroy_process_group()  # the collective rank 0 waits in breaks now
+        time.sleep(3)  # rank 0's store outlives its check
+        return "failed first"
+    try:
+        dist.all_reduce(torch.ones(1))
+    except Exception as e:  # noqa: BLE001 - the broken collective
+        exit_report.note_failing()
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr):
+            failure = describe_failure(e, debug=False)
+        return f"{failure.secondary} {stderr.getvalue()!r} {failure.message}"
+    return "no error"
+
+
+def test_a_collective_broken_by_the_rank_that_failed_first_is_no_new_error():
+    from tests.dist_utils import run_distributed
+
+    out = run_distributed(_broken_collective, 2, timeout=120)
+    assert out[1] == "failed first"
+    # secondary (printed only if no rank says more), and no traceback
+    assert out[0].startswith("True '' stopped after another rank failed (RuntimeError: "), out[0]
