@@ -5,7 +5,9 @@
 
 Flags are the OpenRLHF / AIAK-RLHF names (underscores or dashes), after an optional
 ``--config x.yaml``: defaults < YAML < flags. ``--local_rank`` from torch.distributed.launch is
-ignored. Bad input prints one line and exits 2 (a traceback only with ``--debug``).
+ignored. Bad input prints one line and exits 2, a fault (full disk, unreachable reward server)
+one line and exits 1, whichever rank finds it (a traceback only with ``--debug``; see
+fsdp_rlhf.distributed.exit_report).
 """
 
 from __future__ import annotations
@@ -13,12 +15,17 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import typer
 
 from fsdp_rlhf.allocator import maybe_reexec
-from fsdp_rlhf.errors import UserError
+from fsdp_rlhf.errors import Fault, UserError, exception_line
+
+if TYPE_CHECKING:
+    from fsdp_rlhf.distributed.exit_report import Failure
 
 app = typer.Typer(
     add_completion=False,
@@ -57,14 +64,42 @@ def _run(argv: list[str], config_cls: type, command: str, title: str, main: Call
         from fsdp_rlhf.config_base import build_config
 
         cfg, debug = build_config(config_cls, _translate(command, argv))
-        code = main(cfg, debug=debug)
-    except UserError as e:
+        code = main(cfg, debug=debug) or 0
+        failure = None
+    except Exception as e:  # noqa: BLE001 - every failure ends in the job's error report
+        failure = describe_failure(e, debug)
+        code = failure.code
+    if code:
+        from fsdp_rlhf.distributed.exit_report import Failure, report
+
+        # every rank, also one that has nothing to say: none may leave (and have torchrun
+        # stop the others) before each rank's line and rank 0's report are printed
+        report(failure or Failure(code))
+    raise typer.Exit(code)
+
+
+def describe_failure(e: Exception, debug: bool) -> Failure:
+    """The line (and exit code) a failure is reported with. Bad input and faults are one line
+    (and the user's own frames), their traceback only with ``--debug``; anything else is
+    unexpected and shows its traceback, unless another rank failed first (then it is most
+    likely a collective that rank broke)."""
+    from fsdp_rlhf.distributed.env import PeerFailure
+    from fsdp_rlhf.distributed.exit_report import Failure, first_to_fail
+
+    if isinstance(e, UserError | Fault | PeerFailure):
         if debug:
-            raise
-        if os.environ.get("RANK", "0") == "0":  # one line per job, not one per rank
-            print(f"error: {e}", file=sys.stderr)
-        raise typer.Exit(2) from None
-    raise typer.Exit(code or 0)
+            traceback.print_exc()
+        if isinstance(e, PeerFailure):
+            return Failure(1, str(e), secondary=True)
+        detail = getattr(e, "detail", "")
+        return Failure(e.exit_code, str(e) + (f"\n{detail}" if detail else ""))
+    line = exception_line(e)
+    if not first_to_fail():  # e.g. a collective broken by the rank that failed first
+        if debug:
+            traceback.print_exc()
+        return Failure(1, f"stopped after another rank failed ({line})", secondary=True)
+    traceback.print_exc()
+    return Failure(1, f"{line} (unexpected: the traceback above shows where)")
 
 
 @app.command("train-rm", context_settings=_RAW)

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
+from fsdp_rlhf.algorithms.names import ESTIMATORS_NEEDING_GROUPS, AdvantageEstimator, LossAgg
 from fsdp_rlhf.config_base import ConfigError, doc, section
 
 # ---------------------------------------------------------------- shared sections
@@ -304,7 +305,8 @@ class PPOModelsConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class PlacementConfig:
-    """Where models live. Everything is colocated on every rank; flags kept for seed scripts."""
+    """Where models live. Everything is colocated on every rank; the flags are kept for
+    AIAK-RLHF's scripts."""
 
     colocate_all: bool = doc(
         True, "All models and the vLLM engine share every GPU (the only mode)."
@@ -401,13 +403,6 @@ class PPOBatchConfig:
     )
 
 
-ADVANTAGE_ESTIMATORS_NEEDING_GROUPS = (
-    "rloo",
-    "grpo",
-    "dr_grpo",
-    "reinforce_plus_plus_baseline",
-    "reinforce_baseline",
-)
 GSPO_PAPER_CLIP = (3e-4, 4e-4)
 
 
@@ -424,15 +419,7 @@ def _pair(value: tuple[float, ...], name: str, *, ordered: bool = False) -> tupl
 class PPOAlgoConfig:
     """PPO objective, advantages and KL."""
 
-    advantage_estimator: Literal[
-        "gae",
-        "reinforce++",
-        "rloo",
-        "grpo",
-        "dr_grpo",
-        "reinforce_plus_plus_baseline",
-        "reinforce_baseline",
-    ] = doc(
+    advantage_estimator: AdvantageEstimator = doc(
         "gae",
         "gae needs a critic; the others are critic-free. reinforce_plus_plus_baseline (verl's "
         "name; reinforce_baseline is OpenRLHF's for the same): group-mean baseline, then "
@@ -473,9 +460,7 @@ class PPOAlgoConfig:
     reward_clip_range: float = doc(10.0, "Clip scores to [-x, x].")
     ppo_epochs: int = doc(1, "Passes over each rollout batch.")
     freezing_actor_steps: int = doc(-1, "Train only the critic for the first N steps.")
-    loss_agg_mode: Literal[
-        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
-    ] = doc(
+    loss_agg_mode: LossAgg = doc(
         "token-mean",
         "How per-token losses are averaged (global over ranks): token-mean; "
         "seq-mean-token-mean; seq-mean-token-sum; seq-mean-token-sum-norm (Dr. GRPO: token "
@@ -761,10 +746,7 @@ def plan_ppo_batches(cfg: PPOConfig, world_size: int) -> PPOBatchPlan:
             f"micro_train_batch_size ({per_step}) and divide rollout_batch_size x "
             f"n_samples_per_prompt ({samples})"
         )
-    if (
-        cfg.algo.advantage_estimator in ADVANTAGE_ESTIMATORS_NEEDING_GROUPS
-        and b.n_samples_per_prompt < 2
-    ):
+    if cfg.algo.advantage_estimator in ESTIMATORS_NEEDING_GROUPS and b.n_samples_per_prompt < 2:
         raise ConfigError(
             f"advantage_estimator {cfg.algo.advantage_estimator} needs n_samples_per_prompt >= 2"
         )

@@ -232,6 +232,8 @@ def load_yaml(path: str) -> dict[str, Any]:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--config {path}: cannot be read ({e})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: top level must be a mapping")
     return data

@@ -16,6 +16,7 @@ import logging
 import os
 import platform
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from fsdp_rlhf.algorithms.names import CRITIC_ESTIMATORS
 from fsdp_rlhf.allocator import preloaded_allocator
 from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.distributed.env import DistEnv, init_distributed, teardown
@@ -127,7 +129,7 @@ def job_flags(cfg: PPOConfig, world: int, device_bytes: int) -> JobFlags:
         micro_rollout_batch_size=cfg.rollout.micro_rollout_batch_size,
         seq_len=cfg.total_len,
         gradient_checkpointing=cfg.backend.gradient_checkpointing,
-        critic=cfg.algo.advantage_estimator == "gae",
+        critic=cfg.algo.advantage_estimator in CRITIC_ESTIMATORS,
         reward=bool(cfg.models.reward_pretrain),
         lora=cfg.lora.enabled,
     )
@@ -280,6 +282,8 @@ def main(cfg: PPOConfig, debug: bool = False) -> int:
     dist.all_gather_object(gathered, [c.__dict__ for c in checks])
     if env.is_rank0:
         _print_report(versions(), reports, gathered)
+        sys.stdout.flush()
+    dist.barrier()  # a failed rank must not exit (torchrun then stops rank 0) mid-report
     ok = all(c["ok"] for rank_checks in gathered for c in rank_checks)
     for engine in engines:
         engine.close()  # vLLM's shutdown also destroys the process group

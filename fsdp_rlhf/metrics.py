@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from fsdp_rlhf.errors import writing
+
 log = logging.getLogger("fsdp_rlhf")
 
 
@@ -96,13 +98,15 @@ class MetricLogger:
         if not self.enabled:
             return
         if save_path:
-            Path(save_path).mkdir(parents=True, exist_ok=True)
-            mode = "a" if append else "w"
-            self._jsonl = open(Path(save_path) / "metrics.jsonl", mode)  # noqa: SIM115
+            self._path = Path(save_path) / "metrics.jsonl"
+            with writing(self._path):
+                Path(save_path).mkdir(parents=True, exist_ok=True)
+                self._jsonl = open(self._path, "a" if append else "w")  # noqa: SIM115
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(tensorboard)
+            with writing(tensorboard):
+                self._tb = SummaryWriter(tensorboard)
 
     def log(
         self,
@@ -121,8 +125,9 @@ class MetricLogger:
         clean = {k: float(v) for k, v in metrics.items() if v is not None}
         if self._jsonl:
             row = {"step": step, **{k: (v if math.isfinite(v) else None) for k, v in clean.items()}}
-            self._jsonl.write(json.dumps(row) + "\n")
-            self._jsonl.flush()
+            with writing(self._path):
+                self._jsonl.write(json.dumps(row) + "\n")
+                self._jsonl.flush()
         if self._tb:
             for k, v in clean.items():
                 self._tb.add_scalar(k, v, step)
@@ -205,5 +210,6 @@ def truncate_metrics(path: Path, after_step: int) -> None:
     if torn:
         log.warning("%s: dropped %d unreadable row(s) (a write cut short)", path, torn)
     tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    tmp.replace(path)
+    with writing(tmp):
+        tmp.write_text("".join(line + "\n" for line in keep))
+        tmp.replace(path)

@@ -1,7 +1,7 @@
 """RL step: `fsdp-rlhf ppo` (GRPO, vLLM or HF rollouts; PPO with critic) against TRL's
 `GRPOTrainer`, plus the phase breakdown, weight-sync rate and scaling runs of ours.
 
-Tokens per second per rank is the seed's e2e_tps formula, (prompt + response tokens) of the
+Tokens per second per rank is MindSpeed RL's e2e_tps formula, (prompt + response tokens) of the
 step's samples / ranks / seconds, with seconds taken between step log lines for both sides
 (ours also logs e2e_tps from its own step timer, reported beside it).
 """

@@ -2,71 +2,80 @@
 losses, rollout/trainer mismatch correction, dynamic-sampling filters and pass@k. Nothing
 here imports model, inference or config code, so it can be unit-tested in isolation and
 reused by any trainer.
+
+The names of the estimators and loss aggregations (:mod:`.names`) come without torch; the
+functions load with their module on first use, so the config tree can import the names
+cheaply (``fsdp-rlhf ppo --help``).
 """
 
-from .advantages import (
-    Advantages,
-    dr_grpo,
-    estimate_advantages,
-    gae,
-    grpo,
-    reinforce_plus_plus,
-    reinforce_plus_plus_baseline,
-    rloo,
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+from .names import (
+    ADVANTAGE_ESTIMATORS,
+    LOSS_AGG_MODES,
+    AdvantageEstimator,
+    LossAgg,
 )
-from .correction import rollout_correction, rollout_mismatch_metrics
-from .filtering import dynamic_filter_groups, expand_group_mask
-from .kl import AdaptiveKLController, FixedKLController, kl_estimate, kl_mean, kl_mean_parts
-from .logprobs import entropy_from_logits, logprobs_from_logits
-from .losses import (
-    aggregate_loss,
-    entropy_bonus,
-    gspo_loss,
-    pairwise_loss,
-    policy_loss,
-    truncated_is_weights,
-    value_loss,
-)
-from .masked import masked_mean, masked_sum, masked_var, masked_whiten
-from .passk import eval_pass_metrics, pass_at_k, pass_at_k_per_prompt
-from .rewards import RunningMeanStd, clip_scores, overlong_penalty, shape_rewards
+
+_MODULE_OF = {
+    "AdaptiveKLController": "kl",
+    "Advantages": "advantages",
+    "FixedKLController": "kl",
+    "RunningMeanStd": "rewards",
+    "aggregate_loss": "losses",
+    "clip_scores": "rewards",
+    "dr_grpo": "advantages",
+    "dynamic_filter_groups": "filtering",
+    "entropy_bonus": "losses",
+    "entropy_from_logits": "logprobs",
+    "estimate_advantages": "advantages",
+    "eval_pass_metrics": "passk",
+    "expand_group_mask": "filtering",
+    "gae": "advantages",
+    "grpo": "advantages",
+    "gspo_loss": "losses",
+    "kl_estimate": "kl",
+    "kl_mean": "kl",
+    "kl_mean_parts": "kl",
+    "logprobs_from_logits": "logprobs",
+    "masked_mean": "masked",
+    "masked_sum": "masked",
+    "masked_var": "masked",
+    "masked_whiten": "masked",
+    "overlong_penalty": "rewards",
+    "pairwise_loss": "losses",
+    "pass_at_k": "passk",
+    "pass_at_k_per_prompt": "passk",
+    "policy_loss": "losses",
+    "reinforce_plus_plus": "advantages",
+    "reinforce_plus_plus_baseline": "advantages",
+    "rloo": "advantages",
+    "rollout_correction": "correction",
+    "rollout_mismatch_metrics": "correction",
+    "shape_rewards": "rewards",
+    "truncated_is_weights": "losses",
+    "value_loss": "losses",
+}
 
 __all__ = [
-    "Advantages",
-    "AdaptiveKLController",
-    "FixedKLController",
-    "RunningMeanStd",
-    "aggregate_loss",
-    "clip_scores",
-    "dr_grpo",
-    "dynamic_filter_groups",
-    "entropy_bonus",
-    "entropy_from_logits",
-    "estimate_advantages",
-    "eval_pass_metrics",
-    "expand_group_mask",
-    "gae",
-    "grpo",
-    "gspo_loss",
-    "kl_estimate",
-    "kl_mean",
-    "kl_mean_parts",
-    "logprobs_from_logits",
-    "masked_mean",
-    "masked_sum",
-    "masked_var",
-    "masked_whiten",
-    "overlong_penalty",
-    "pairwise_loss",
-    "pass_at_k",
-    "pass_at_k_per_prompt",
-    "policy_loss",
-    "reinforce_plus_plus",
-    "reinforce_plus_plus_baseline",
-    "rloo",
-    "rollout_correction",
-    "rollout_mismatch_metrics",
-    "shape_rewards",
-    "truncated_is_weights",
-    "value_loss",
+    "ADVANTAGE_ESTIMATORS",
+    "LOSS_AGG_MODES",
+    "AdvantageEstimator",
+    "LossAgg",
+    *_MODULE_OF,
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f".{_MODULE_OF[name]}", __name__), name)
+    globals()[name] = value  # once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

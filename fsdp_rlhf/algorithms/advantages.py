@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 
 from .masked import masked_whiten
+from .names import ADVANTAGE_ESTIMATORS, BASELINE_ESTIMATORS, GROUP_ESTIMATORS
 from .rewards import last_valid_index, shape_rewards
 
 WhitenFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -250,10 +251,7 @@ class Advantages(NamedTuple):
     returns: torch.Tensor
 
 
-GROUP_ESTIMATORS = {"rloo": rloo, "grpo": grpo, "dr_grpo": dr_grpo}
-# verl's name and OpenRLHF's for the same estimator
-BASELINE_ESTIMATORS = ("reinforce_plus_plus_baseline", "reinforce_baseline")
-ESTIMATORS = ("gae", "reinforce++", *BASELINE_ESTIMATORS, *GROUP_ESTIMATORS)
+_GROUP_FNS = dict(zip(GROUP_ESTIMATORS, (rloo, grpo, dr_grpo), strict=True))
 
 
 @torch.no_grad()
@@ -270,7 +268,7 @@ def estimate_advantages(
     n_samples_per_prompt: int = 1,
     whiten_fn: WhitenFn | None = None,
 ) -> Advantages:
-    """Shape rewards and run one estimator (``ESTIMATORS``).
+    """Shape rewards and run one estimator (``names.ADVANTAGE_ESTIMATORS``).
 
     Args:
         scores: (B,) sequence scores.
@@ -300,9 +298,11 @@ def estimate_advantages(
             scores, response_mask, n_samples_per_prompt, penalty, gamma, whiten_fn=whiten
         )
         return Advantages(rewards, adv, returns)
-    if estimator not in GROUP_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; one of {ESTIMATORS}")
-    group = GROUP_ESTIMATORS[estimator](scores, response_mask, n_samples_per_prompt)
+    if estimator not in _GROUP_FNS:
+        raise ValueError(
+            f"unknown advantage estimator {estimator!r}; one of {ADVANTAGE_ESTIMATORS}"
+        )
+    group = _GROUP_FNS[estimator](scores, response_mask, n_samples_per_prompt)
     kl_to_go = discounted_returns(-kl_coef * kl * response_mask, response_mask, gamma)
     advantages = (group + kl_to_go) * response_mask
     return Advantages(rewards, advantages, discounted_returns(rewards, response_mask, gamma))

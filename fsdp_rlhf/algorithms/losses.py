@@ -26,16 +26,8 @@ import torch.nn.functional as F
 
 from .correction import rollout_correction
 from .masked import masked_mean, masked_sum
+from .names import LOSS_AGG_MODES, LossAgg
 
-LossAgg = Literal[
-    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
-]
-LOSS_AGG_MODES: tuple[str, ...] = (
-    "token-mean",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-sum-norm",
-)
 Count = int | float | torch.Tensor | None
 
 

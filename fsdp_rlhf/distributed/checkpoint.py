@@ -9,7 +9,8 @@ Layout of ``<ckpt_path>/step_<N>/``::
 
 A checkpoint is first written as ``step_<N>.tmp`` and renamed once every rank has finished, so
 a crash mid-save never leaves something that looks complete; leftover ``.tmp`` folders are
-removed by rank 0 at the next save or resume. The small files and the rename are fsynced.
+removed by rank 0 at the next save or resume (a save that fails, e.g. on a full disk, removes
+its own at once). The small files and the rename are fsynced.
 
 "Newest" means most recently written (``written_at``), not the highest step number: a fresh run
 into a folder that still holds higher-numbered checkpoints of an older run must neither resume
@@ -36,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -44,8 +46,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from fsdp_rlhf.distributed.env import broadcast_object, run_and_agree
-from fsdp_rlhf.errors import UserError
+from fsdp_rlhf.distributed.env import PeerFailure, broadcast_object, run_and_agree
+from fsdp_rlhf.errors import UserError, write_fault
 
 log = logging.getLogger("fsdp_rlhf")
 
@@ -194,7 +196,9 @@ def save_checkpoint(
     """Collective: every rank must call it. Optimizer keys must match model keys.
 
     A failure on one rank (disk full, permissions) is agreed on by all ranks right away, so
-    none is left waiting at a barrier for the process-group timeout.
+    none is left waiting at a barrier for the process-group timeout; the partial folder is
+    deleted and a refused write raises :class:`~fsdp_rlhf.errors.WriteFault` ("no space left
+    on device while writing PATH"), the ranks that did not fail :class:`PeerFailure`.
     """
     root = Path(ckpt_path)
     final = root / f"step_{step}"
@@ -216,11 +220,35 @@ def save_checkpoint(
         _fsync_dir(root)
         _prune(root, keep, final)
 
-    run_and_agree(prepare, f"creating {tmp}", only_rank0=True)
-    dcp.save(_app_state(models, optimizers, schedulers), checkpoint_id=str(tmp / "models"))
-    run_and_agree(lambda: _save_rng(tmp / f"rng_rank{rank}.pt"), f"writing RNG state to {tmp}")
-    run_and_agree(finalize, f"completing checkpoint {final}", only_rank0=True)
+    try:
+        run_and_agree(prepare, f"creating {tmp}", only_rank0=True)
+        dcp.save(_app_state(models, optimizers, schedulers), checkpoint_id=str(tmp / "models"))
+        run_and_agree(lambda: _save_rng(tmp / f"rng_rank{rank}.pt"), f"writing RNG state to {tmp}")
+        run_and_agree(finalize, f"completing checkpoint {final}", only_rank0=True)
+    except (Exception, CheckpointException) as e:
+        # Every rank gets here together (each step above is agreed on, DCP's save raises on
+        # all ranks), so rank 0 may delete the partial folder: nothing half-written stays.
+        failure = _save_failure(e, final)  # before the delete: it may look at the free space
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if failure is e:
+            raise
+        raise failure from e
     return final
+
+
+def _save_failure(e: BaseException, final: Path) -> BaseException:
+    """What a failed save raises: a one-line WriteFault for a full disk or another refused
+    write; else the error itself (DCP's CheckpointException, a BaseException, as an Exception
+    so the CLI reports it)."""
+    if isinstance(e, PeerFailure):
+        return e  # the rank that failed reports it
+    fault = write_fault(e, final, removed_partial=True)
+    if fault is not None:
+        return fault
+    if isinstance(e, CheckpointException):
+        return RuntimeError(f"writing checkpoint {final} failed: {e}")
+    return e
 
 
 def load_checkpoint(

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from fsdp_rlhf.config import BackendConfig
-from fsdp_rlhf.errors import UserError
+from fsdp_rlhf.errors import UserError, reading
 from fsdp_rlhf.models.attention import PADDED_ATTENTION, register_attention
 
 log = logging.getLogger(__name__)
@@ -71,11 +71,12 @@ def load_tokenizer(
     from transformers import AutoTokenizer
 
     backend = backend or BackendConfig()
-    tok = AutoTokenizer.from_pretrained(
-        path,
-        trust_remote_code=backend.trust_remote_code,
-        use_fast=not backend.disable_fast_tokenizer,
-    )
+    with reading("tokenizer", path):
+        tok = AutoTokenizer.from_pretrained(
+            path,
+            trust_remote_code=backend.trust_remote_code,
+            use_fast=not backend.disable_fast_tokenizer,
+        )
     if chat_template is not None:
         tok.chat_template = chat_template
     if tok.pad_token_id is None:
@@ -91,12 +92,11 @@ def load_causal_lm(
     from transformers import AutoModelForCausalLM
 
     quiet_transformers()
-    model = AutoModelForCausalLM.from_pretrained(
-        path,
-        dtype=dtype,
-        attn_implementation=attn_implementation(backend.flash_attn, device),
-        trust_remote_code=backend.trust_remote_code,
-    )
+    attn = attn_implementation(backend.flash_attn, device)
+    with reading("causal LM", path):
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=attn, trust_remote_code=backend.trust_remote_code
+        )
     model.config.use_cache = False
     if backend.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -131,14 +131,16 @@ def load_scalar_model(
     from transformers import AutoModelForSequenceClassification
 
     quiet_transformers()
-    model, info = AutoModelForSequenceClassification.from_pretrained(
-        path,
-        num_labels=1,
-        dtype=dtype,
-        attn_implementation=attn_implementation(backend.flash_attn, device),
-        trust_remote_code=backend.trust_remote_code,
-        output_loading_info=True,
-    )
+    attn = attn_implementation(backend.flash_attn, device)
+    with reading("scalar-head model", path):
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            path,
+            num_labels=1,
+            dtype=dtype,
+            attn_implementation=attn,
+            trust_remote_code=backend.trust_remote_code,
+            output_loading_info=True,
+        )
     if "score.weight" in info["missing_keys"]:
         weight = _read_head_weight(Path(path), value_head_prefix) if Path(path).is_dir() else None
         with torch.no_grad():
@@ -162,7 +164,8 @@ def reward_normalization(path: str) -> tuple[float, float] | None:
     cfg_file = Path(path) / "config.json"
     if not cfg_file.is_file():
         return None
-    cfg = json.loads(cfg_file.read_text())
+    with reading("config", cfg_file):
+        cfg = json.loads(cfg_file.read_text())
     mean, std = cfg.get("reward_mean", cfg.get("mean")), cfg.get("reward_std", cfg.get("std"))
     if mean is None or std is None or not math.isfinite(std) or std <= 0:
         return None

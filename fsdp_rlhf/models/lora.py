@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from fsdp_rlhf.config import LoraConfig
-from fsdp_rlhf.errors import UserError
+from fsdp_rlhf.errors import UserError, reading
 
 log = logging.getLogger("fsdp_rlhf")
 
@@ -103,7 +103,8 @@ def check_target_modules(path: str, cfg: LoraConfig, trust_remote_code: bool = F
     ``--target_modules`` matching nothing fails in a second, before anything is loaded."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with reading("model config", path):
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     add_lora(model, cfg, quiet=True)

@@ -22,7 +22,7 @@ from torch import nn
 from fsdp_rlhf.config import LoraConfig
 from fsdp_rlhf.distributed.env import run_and_agree
 from fsdp_rlhf.distributed.fsdp import gather_full_state_dict
-from fsdp_rlhf.errors import UserError
+from fsdp_rlhf.errors import UserError, write_fault
 from fsdp_rlhf.models.lora import adapter_config, adapter_state_dict, merge_lora_state_dict
 
 log = logging.getLogger("fsdp_rlhf")
@@ -102,18 +102,32 @@ def _write_hf(model, state, tokenizer, out: Path, extra_config: dict[str, Any] |
 
 def _write_atomically(final: Path, fill: Callable[[Path], None]) -> None:
     """Rank 0 runs ``fill(tmp)`` on a fresh sibling folder, then renames it onto ``final``;
-    every rank learns whether that worked (a collective)."""
+    every rank learns whether that worked (a collective). A refused write (full disk) deletes
+    the partial folder and raises :class:`~fsdp_rlhf.errors.WriteFault` on rank 0."""
 
     def write() -> None:
         tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        fill(tmp)
+        try:
+            tmp.mkdir(parents=True)
+            fill(tmp)
+        except Exception as e:
+            fault = write_fault(e, final, removed_partial=True)  # before the delete frees space
+            shutil.rmtree(tmp, ignore_errors=True)
+            if fault is None:
+                raise
+            raise fault from e
         old = final.with_name(f"{final.name}.old-{os.getpid()}")
-        if final.exists():
-            _carry_over(final, tmp)
-            final.rename(old)
-        tmp.rename(final)
+        try:
+            if final.exists():
+                _carry_over(final, tmp)
+                final.rename(old)
+            tmp.rename(final)
+        except OSError as e:  # what was moved is put back at the next start
+            fault = write_fault(e, final)
+            if fault is None:
+                raise
+            raise fault from e
         shutil.rmtree(old, ignore_errors=True)
 
     # Every rank learns whether rank 0's write worked: on failure they stop with a clear

@@ -34,7 +34,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from fsdp_rlhf.errors import UserError
+from fsdp_rlhf.errors import UserError, exception_line, user_code_error, user_code_where
 
 log = logging.getLogger("fsdp_rlhf")
 
@@ -50,7 +50,7 @@ def import_user_file(path: str, flag: str) -> ModuleType:
     try:
         spec.loader.exec_module(module)
     except Exception as e:  # noqa: BLE001 - user code; report it in one line
-        raise UserError(f"{flag} {path}: import failed: {type(e).__name__}: {e}") from e
+        raise user_code_error(flag, path, e, "import failed:") from e
     return module
 
 
@@ -65,9 +65,14 @@ class EnvResult:
 
 
 def _call_all(
-    fn: Callable, calls: Sequence[tuple], timeout_s: float, check: Callable[[Any], Any]
+    fn: Callable,
+    calls: Sequence[tuple],
+    timeout_s: float,
+    check: Callable[[Any], Any],
+    path: str,
 ) -> list[EnvResult]:
-    """Run ``fn(*args)`` for every args tuple in parallel threads, each under ``timeout_s``."""
+    """Run ``fn(*args)`` for every args tuple in parallel threads, each under ``timeout_s``.
+    An error names ``path:line`` of the user's file ``path`` where it was raised."""
     slots: list[EnvResult | None] = [None] * len(calls)
 
     def run(i: int, args: tuple) -> None:
@@ -75,9 +80,8 @@ def _call_all(
         try:
             slots[i] = EnvResult(value=check(fn(*args)), seconds=time.perf_counter() - start)
         except Exception as e:  # noqa: BLE001 - user code: the trajectory ends, the run goes on
-            slots[i] = EnvResult(
-                error=f"{type(e).__name__}: {e}", seconds=time.perf_counter() - start
-            )
+            error = f"{user_code_where(path, e)}: {exception_line(e)}"
+            slots[i] = EnvResult(error=error, seconds=time.perf_counter() - start)
 
     threads = [threading.Thread(target=run, args=(i, a), daemon=True) for i, a in enumerate(calls)]
     start = time.perf_counter()
@@ -88,7 +92,7 @@ def _call_all(
     return [
         s
         if s is not None
-        else EnvResult(error=f"timed out after {timeout_s:g}s", seconds=timeout_s)
+        else EnvResult(error=f"{path}: timed out after {timeout_s:g}s", seconds=timeout_s)
         for s in slots
     ]
 
@@ -118,17 +122,18 @@ class Environment:
 
     def reset(self, prompts: Sequence[str], labels: Sequence[Any]) -> list[EnvResult]:
         calls = list(zip(prompts, labels, strict=True))
-        return self._report(_call_all(self._reset, calls, self.timeout_s, _check_observation))
+        results = _call_all(self._reset, calls, self.timeout_s, _check_observation, self.path)
+        return self._report(results)
 
     def step(self, histories: Sequence[list[dict]], actions: Sequence[str]) -> list[EnvResult]:
         calls = list(zip(histories, actions, strict=True))
-        return self._report(_call_all(self._step, calls, self.timeout_s, _check_step))
+        return self._report(_call_all(self._step, calls, self.timeout_s, _check_step, self.path))
 
     def _report(self, results: list[EnvResult]) -> list[EnvResult]:
         first = next((r.error for r in results if r.error is not None), None)
         if first is not None and not self.reported:
             self.reported = True  # once per run: a broken tool would flood the log
-            log.warning("--env_file %s: %s (trajectory ended, reward 0)", self.path, first)
+            log.warning("--env_file %s (trajectory ended, reward 0)", first)
         return results
 
 

@@ -29,8 +29,10 @@ from fsdp_rlhf.config_base import dump_yaml
 from fsdp_rlhf.cpu_bf16 import bf16_warning
 from fsdp_rlhf.distributed import checkpoint as ckpt
 from fsdp_rlhf.distributed.env import DistEnv, init_distributed, launched_world_size, teardown
+from fsdp_rlhf.distributed.exit_report import note_failing, note_prepared
 from fsdp_rlhf.distributed.fsdp import build_mesh, describe_zero_stage, shard_model
 from fsdp_rlhf.distributed.signals import GracefulStop, SaveTimer
+from fsdp_rlhf.errors import WriteFault, writing
 from fsdp_rlhf.metrics import MetricLogger, setup_logging, truncate_metrics
 from fsdp_rlhf.models.attention import use_varlen_attention
 from fsdp_rlhf.models.compile import compile_blocks
@@ -72,6 +74,7 @@ def launch(
         enable_full_determinism(cfg.seed, warn_only=True)
     world_size = launched_world_size()
     prepared = prepare(cfg, world_size)
+    note_prepared()  # a rank that failed validation need not wait for this one's message
     owns_group = not dist.is_initialized()  # a test may have made the group already
     env = init_distributed(cfg.guard.dist_timeout_min)
     if env.world_size != world_size:
@@ -80,6 +83,11 @@ def launch(
     try:
         trainer = build(cfg, env, prepared)
         return fit(trainer, cfg.ckpt.save_steps)
+    except BaseException as e:
+        note_failing()  # before the teardown below breaks the other ranks' collectives
+        if isinstance(e, WriteFault):  # a checkpoint or the export: name what the user has
+            e.naming_checkpoint(ckpt.latest_checkpoint(cfg.ckpt.ckpt_path))
+        raise
     finally:
         if trainer is not None:
             trainer.close()  # a vLLM engine destroys the process group with it
@@ -173,9 +181,9 @@ def prepare_model(
 
 
 @dataclass
-class Stateful:
-    """What a checkpoint restores besides the trainer's plain state; keys pair a model with
-    its optimizer and schedule."""
+class TrainedModels:
+    """The trained models with their optimizers and schedules, keyed alike: what a
+    checkpoint restores besides the trainer's plain state."""
 
     models: dict[str, nn.Module] = field(default_factory=dict)
     optimizers: dict[str, torch.optim.Optimizer] = field(default_factory=dict)
@@ -189,7 +197,9 @@ class Stateful:
             self.schedulers[name] = scheduler
 
 
-def save(ckpt_cfg: CheckpointConfig, step: int, state: Stateful, trainer_state: dict) -> Path:
+def save(
+    ckpt_cfg: CheckpointConfig, step: int, trained: TrainedModels, trainer_state: dict
+) -> Path:
     """A resumable checkpoint at ``step`` (collective); warns when it took over half the
     window a stop signal leaves (see ``SaveTimer``)."""
     timer = SaveTimer()
@@ -197,9 +207,9 @@ def save(ckpt_cfg: CheckpointConfig, step: int, state: Stateful, trainer_state: 
         path = ckpt.save_checkpoint(
             ckpt_cfg.ckpt_path,
             step,
-            models=state.models,
-            optimizers=state.optimizers,
-            schedulers=state.schedulers,
+            models=trained.models,
+            optimizers=trained.optimizers,
+            schedulers=trained.schedulers,
             trainer_state=trainer_state,
             keep=ckpt_cfg.max_ckpt_num,
         )
@@ -211,14 +221,17 @@ def write_run_config(cfg: Any, env: DistEnv) -> None:
     """``<save_path>/config.yaml``: the resolved config of this run (rank 0)."""
     if env.is_rank0:
         out = Path(cfg.ckpt.save_path)
-        out.mkdir(parents=True, exist_ok=True)
         tmp = out / "config.yaml.tmp"
-        tmp.write_text(dump_yaml(cfg))
-        tmp.replace(out / "config.yaml")
+        with writing(out / "config.yaml"):
+            out.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(dump_yaml(cfg))
+            tmp.replace(out / "config.yaml")
 
 
 def resume(
-    ckpt_cfg: CheckpointConfig, state: Stateful, check: Callable[[Path], None] | None = None
+    ckpt_cfg: CheckpointConfig,
+    trained: TrainedModels,
+    check: Callable[[Path], None] | None = None,
 ) -> dict[str, Any] | None:
     """Restore the newest checkpoint when ``--load_checkpoint``; None for a fresh start.
 
@@ -235,7 +248,7 @@ def resume(
     if check is not None:
         check(path)
     saved = ckpt.load_checkpoint(
-        path, models=state.models, optimizers=state.optimizers, schedulers=state.schedulers
+        path, models=trained.models, optimizers=trained.optimizers, schedulers=trained.schedulers
     )
     log.info("resumed from %s at step %d", path, saved["step"])
     return saved

@@ -138,7 +138,7 @@ class PPOTrainer:
             lora_scaling=merged_lora_scaling(cfg),
         )
         self.multiturn = build_multiturn(cfg, tokenizer, self.timer)  # None: single turn
-        self.state = self._stateful()
+        self.trained = self._trained_models()
         self.guards = {
             name: BadStepGuard(cfg.guard.max_bad_steps, name) for name in self.optimizers
         }
@@ -156,13 +156,13 @@ class PPOTrainer:
             self.plan.tp_size,
         )
 
-    def _stateful(self) -> common.Stateful:
+    def _trained_models(self) -> common.TrainedModels:
         """What a checkpoint holds: each trained model with its optimizer and schedule."""
-        state = common.Stateful()
+        trained = common.TrainedModels()
         for name in self.optimizers:  # "actor", and "critic" with GAE
             model = self.models.actor if name == "actor" else self.models.critic
-            state.add(name, model, self.optimizers[name], self.schedulers[name])
-        return state
+            trained.add(name, model, self.optimizers[name], self.schedulers[name])
+        return trained
 
     def _total_steps(self) -> int:
         b = self.cfg.batch
@@ -352,7 +352,7 @@ class PPOTrainer:
     def _optimization(self, name: str) -> Optimization:
         optim_cfg = self.cfg.actor_optim if name == "actor" else self.cfg.critic_optim
         return Optimization(
-            self.state.models[name],
+            self.trained.models[name],
             self.optimizers[name],
             self.schedulers[name],
             optim_cfg.max_norm,
@@ -419,12 +419,12 @@ class PPOTrainer:
             "kl_ctl": self.kl_ctl.state_dict(),
             "guards": {name: g.state_dict() for name, g in self.guards.items()},
         }
-        common.save(self.cfg.ckpt, self.step, self.state, trainer_state)
+        common.save(self.cfg.ckpt, self.step, self.trained, trainer_state)
 
     def _resume(self) -> None:
         current = data_settings(self.cfg, len(self.prompts))
         check = partial(ckpt.check_resumable, current=current, keys=list(current))
-        saved = common.resume(self.cfg.ckpt, self.state, check)
+        saved = common.resume(self.cfg.ckpt, self.trained, check)
         if saved is None:
             return
         self.step = int(saved["step"])

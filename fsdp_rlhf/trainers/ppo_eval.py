@@ -34,7 +34,7 @@ from fsdp_rlhf.algorithms import eval_pass_metrics
 from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.data.prompts import Prompt, tokenize_prompts
 from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars, barrier, broadcast_object
-from fsdp_rlhf.errors import UserError
+from fsdp_rlhf.errors import UserError, reading, writing
 from fsdp_rlhf.rollout import RolloutOutput, SamplingConfig
 from fsdp_rlhf.trainers.experience import Experience, experience_from_rollout
 
@@ -179,8 +179,9 @@ class Evaluator:
         path = self.best_dir / BEST_FILE
         if self.metric is None or not self.cfg.ckpt.load_checkpoint or not path.is_file():
             return None
-        saved = json.loads(path.read_text())
-        return float(saved["value"]) if saved.get("metric") == self.metric else None
+        with reading("best-model record", path):
+            saved = json.loads(path.read_text())
+            return float(saved["value"]) if saved.get("metric") == self.metric else None
 
     def improved(self, metrics: dict[str, float]) -> bool:
         if self.metric is None:
@@ -198,12 +199,13 @@ class Evaluator:
         export(staging)
         if self.env.is_rank0:
             record = {"metric": self.metric, "value": value, "step": step}
-            (staging / BEST_FILE).write_text(json.dumps(record, indent=2))
             old = self.best_dir.with_name(f"{BEST_DIR}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            if self.best_dir.exists():
-                self.best_dir.rename(old)
-            staging.rename(self.best_dir)
+            with writing(self.best_dir):
+                (staging / BEST_FILE).write_text(json.dumps(record, indent=2))
+                shutil.rmtree(old, ignore_errors=True)
+                if self.best_dir.exists():
+                    self.best_dir.rename(old)
+                staging.rename(self.best_dir)
             shutil.rmtree(old, ignore_errors=True)
         barrier()
         self.best = value

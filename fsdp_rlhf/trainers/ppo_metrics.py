@@ -11,6 +11,7 @@ import torch
 from fsdp_rlhf.algorithms import rollout_mismatch_metrics
 from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.distributed.env import all_reduce_scalars
+from fsdp_rlhf.errors import writing
 from fsdp_rlhf.metrics import MetricLogger
 from fsdp_rlhf.trainers.experience import Experience
 
@@ -88,7 +89,7 @@ class RunningAverages:
 def throughput(
     tokens_per_sample: float, num_samples_global: int, world_size: int, seconds: float
 ) -> float:
-    """Tokens per second per device: the seed's e2e/update/vllm_tps formula,
+    """Tokens per second per device: MindSpeed RL's e2e/update/vllm_tps formula,
     (response_length_mean + prompt_length_mean) x global_batch x n / world_size / time."""
     if seconds <= 0:
         return 0.0
@@ -147,7 +148,7 @@ def throughput_metrics(
     world_size: int,
     engine_name: str,
 ) -> dict[str, float]:
-    """``e2e_tps``, ``update_tps`` and ``rollout_tps``; ``vllm_tps`` (the seed's name) only
+    """``e2e_tps``, ``update_tps`` and ``rollout_tps``; ``vllm_tps`` (MindSpeed RL's name) only
     when vLLM generated, so an HF-engine run does not report a vLLM speed.
 
     e2e and update count the batch trained on; rollout counts every sequence generated, which
@@ -192,7 +193,8 @@ def log_samples(
                 "score": float(exp.scores[i]),
             }
         )
-    with open(Path(save_path) / "samples.jsonl", "a") as f:
+    path = Path(save_path) / "samples.jsonl"
+    with writing(path), open(path, "a") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     body = "\n\n".join(

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_rlhf.algorithms.names import CRITIC_ESTIMATORS
 from fsdp_rlhf.config import PPOBatchPlan, PPOConfig, plan_ppo_batches
 from fsdp_rlhf.data.prompts import Prompt, check_chat_template, tokenize_prompts
 from fsdp_rlhf.distributed.env import DistEnv
@@ -45,7 +46,7 @@ log = logging.getLogger("fsdp_rlhf")
 
 
 def uses_critic(cfg: PPOConfig) -> bool:
-    return cfg.algo.advantage_estimator == "gae"
+    return cfg.algo.advantage_estimator in CRITIC_ESTIMATORS
 
 
 def critic_path(cfg: PPOConfig) -> str | None:
@@ -65,7 +66,7 @@ def _check_world(cfg: PPOConfig, world_size: int) -> None:
             f"--num_nodes {p.num_nodes} x {local} ranks per node != torchrun world size "
             f"{world_size} (--nnodes)"
         )
-    if not p.colocate_all:  # accepted for the seed scripts, but there is no other placement
+    if not p.colocate_all:  # AIAK-RLHF's scripts pass it; there is no other placement
         raise UserError("--no_colocate_all: every rank holds every model (the only placement)")
 
 

@@ -312,7 +312,7 @@ def update_actor(
     _as_global_sum(out, ("actor/pg_loss", "actor/kl_loss"), plan)
     out["actor/grad_norm"] = grad_norm
     out.update(actor.guard.metrics("actor/"))
-    out["grad_norm"] = grad_norm  # the seed's name for the actor's norm, kept as an alias
+    out["grad_norm"] = grad_norm  # MindSpeed RL's name for the actor's norm, kept as an alias
     return out, collected
 
 

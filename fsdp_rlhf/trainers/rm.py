@@ -89,12 +89,12 @@ class RMTrainer:
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.total_steps = self.data.steps_per_epoch * cfg.batch.max_epochs
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
-        self.state = common.Stateful()
-        self.state.add("rm", self.model, self.optimizer, self.scheduler)
+        self.trained = common.TrainedModels()
+        self.trained.add("rm", self.model, self.optimizer, self.scheduler)
         self.guard = BadStepGuard(cfg.guard.max_bad_steps, "reward model")
         current = resume_state(cfg, self.data, 0)
         check = partial(ckpt.check_resumable, current=current, keys=list(RESUME_KEYS))
-        saved = common.resume(cfg.ckpt, self.state, check)
+        saved = common.resume(cfg.ckpt, self.trained, check)
         self.step = int(saved["step"]) if saved else 0
         if saved:
             self.guard.load_state_dict(saved.get("guard", {}))
@@ -159,7 +159,7 @@ class RMTrainer:
             **resume_state(self.cfg, self.data, self.step),
             "guard": self.guard.state_dict(),
         }
-        common.save(self.cfg.ckpt, self.step, self.state, trainer_state)
+        common.save(self.cfg.ckpt, self.step, self.trained, trainer_state)
 
     def finish(self) -> None:
         """Final eval, then the HF model (atomically) with the eval reward mean/std.

@@ -12,11 +12,15 @@ token never appears in flags, ``config.yaml`` or logs; a URL is logged with its 
 and query string masked (:func:`redact_url`).
 
 A ``.py`` file is imported and executed in every training process, with the trainer's rights.
-Non-finite rewards from either source stop the run with one line naming the source.
+Each way a source can fail stops the run with one line: a ``reward_func`` that raises names its
+file's ``path:line`` (the user's own frames follow, fsdp-rlhf's only with ``--debug``), a
+server that keeps failing names its (masked) URL, the number of tries and the last error, and
+non-finite rewards name the source.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
@@ -29,7 +33,7 @@ from typing import Any
 import torch
 
 from fsdp_rlhf.config_base import redact_url
-from fsdp_rlhf.errors import UserError
+from fsdp_rlhf.errors import Fault, UserError, user_code_error
 from fsdp_rlhf.rollout.env import import_user_file
 from fsdp_rlhf.trainers.guards import check_finite_scores
 
@@ -73,7 +77,14 @@ def load_python_reward(path: str) -> RewardFn:
     source = f"rule reward file {path}"
 
     def call(queries: list[str], prompts: list[str], labels: list[Any]) -> torch.Tensor:
-        return _as_tensor(fn(queries, prompts, labels), len(queries), source)
+        try:
+            out = fn(queries, prompts, labels)
+        except Exception as e:  # noqa: BLE001 - the user's code: its line, not our frames
+            raise user_code_error("rule reward file", path, e, "reward_func raised") from e
+        try:
+            return _as_tensor(out, len(queries), source)
+        except ValueError as e:  # a malformed result is the user's to fix
+            raise UserError(str(e)) from None
 
     return call
 
@@ -116,12 +127,12 @@ def http_reward(
         for attempt in range(retries + 1):
             try:
                 return _as_tensor(_post(url, payload, timeout_s, headers), n, source)
-            except (urllib.error.URLError, TimeoutError, ConnectionError, ValueError) as e:
+            except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as e:
                 # str(e) of urllib errors can quote the full URL: mask it there too.
-                err = str(e).replace(url, shown)
+                err = (str(e) or type(e).__name__).replace(url, shown)
                 if attempt == retries:
-                    msg = f"reward server {shown} failed {retries + 1} times: {err}"
-                    raise RuntimeError(msg) from None
+                    msg = f"{source}: {retries + 1} tries failed, the last with: {err}"
+                    raise Fault(msg) from None
                 log.warning(
                     "reward server %s: %s; retry %d in %.0fs", shown, err, attempt + 1, delay
                 )

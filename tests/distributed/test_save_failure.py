@@ -12,6 +12,7 @@ from tests.dist_utils import run_distributed
 def _export(rank: int, world: int, model_path: str, save_path: str) -> str:
     from fsdp_rlhf.config import BackendConfig
     from fsdp_rlhf.distributed.env import PeerFailure, current_env
+    from fsdp_rlhf.errors import WriteFault
     from fsdp_rlhf.models.load import load_causal_lm
     from fsdp_rlhf.models.save import save_hf_model
 
@@ -21,8 +22,8 @@ def _export(rank: int, world: int, model_path: str, save_path: str) -> str:
         save_hf_model(model, None, save_path)
     except PeerFailure as e:
         return f"peer {time.monotonic() - started:.1f} {e}"
-    except OSError as e:
-        return f"own {type(e).__name__}"
+    except WriteFault as e:
+        return f"own {e}"
     return "ok"
 
 
@@ -30,7 +31,10 @@ def test_export_failure_on_rank0_reaches_every_rank(tiny_qwen2, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")  # the export folder's parent is a file: rank 0's mkdir fails
     out = run_distributed(_export, 2, tiny_qwen2, str(blocker / "model"), timeout=300)
-    assert out[0].startswith("own "), out
+    assert (
+        out[0] == f"own not a directory while writing {blocker}/model (the partial copy was "
+        "removed)"
+    ), out
     kind, seconds, *msg = out[1].split()
     assert kind == "peer" and float(seconds) < 60, out[1]
     assert "saving the model to" in " ".join(msg) and "rank 0" in " ".join(msg)

@@ -310,7 +310,7 @@ def test_stop_during_dynamic_sampling_resumes_the_same_batches(tiny_qwen2, ppo_d
             assert after[s][key] == pytest.approx(ref, rel=1e-3, abs=1e-4), (s, key, rounds)
 
 
-def test_seed_flag_set_with_trained_reward_model(tiny_qwen2, trained_rm, ppo_data, tmp_path):
+def test_aiak_flag_set_with_trained_reward_model(tiny_qwen2, trained_rm, ppo_data, tmp_path):
     save = tmp_path / "ppo"
     # The AIAK section 2.3 flag set, verbatim apart from paths and sizes.
     flags = [
@@ -455,6 +455,8 @@ def test_bad_input_one_line_before_heavy_work(tiny_qwen2, ppo_data, tmp_path, ch
     proc = run_cli(["ppo", *flags], env={"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], lines
+    # rank 0 of 2 without torchrun's store: it speaks for itself, naming its rank
+    assert len(lines) == 1 and lines[0].startswith("error [rank 0]: "), lines
+    assert message in lines[0], lines
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "bad").exists()

@@ -1,5 +1,6 @@
-"""`fsdp-rlhf train-rm` through the real command line: the AIAK seed flags (section 1.3) under
-torchrun and under ``python -m torch.distributed.launch``, and one-line errors on bad input."""
+"""`fsdp-rlhf train-rm` through the real command line: AIAK-RLHF's RM flags (its guide's
+section 1.3) under torchrun and under ``python -m torch.distributed.launch``, and one-line errors
+on bad input."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from tests.rm_utils import synthetic_pairs, write_jsonl
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _seed_flags(model: str, dataset: Path, out: Path) -> list[str]:
-    """The launch line of the seed's RM example, with paths and sizes made tiny."""
+def _aiak_flags(model: str, dataset: Path, out: Path) -> list[str]:
+    """The launch line of AIAK-RLHF's RM example, with paths and sizes made tiny."""
     return [
         "--save_path", str(out / "model"),
         "--save_steps", "-1",
@@ -50,19 +51,19 @@ def _env() -> dict[str, str]:
 
 LAUNCHERS = {
     "torchrun": [sys.executable, "-m", "torch.distributed.run"],
-    # The seed's own launcher: passes --local-rank=N before our subcommand (no --use-env).
+    # AIAK-RLHF's own launcher: passes --local-rank=N before our subcommand (no --use-env).
     "launch": [sys.executable, "-m", "torch.distributed.launch"],
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
-def test_seed_launch_line_trains_and_saves(launcher, tiny_qwen2, tmp_path):
+def test_aiak_launch_line_trains_and_saves(launcher, tiny_qwen2, tmp_path):
     dataset = write_jsonl(tmp_path / "pairs.jsonl", synthetic_pairs(40, seed=0))
     cmd = [
         *LAUNCHERS[launcher], "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
         "--master_port", str(free_port()), "-m", "fsdp_rlhf.cli", "train-rm",
-        *_seed_flags(tiny_qwen2, dataset, tmp_path),
+        *_aiak_flags(tiny_qwen2, dataset, tmp_path),
     ]  # fmt: skip
     proc = subprocess.run(
         cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300
@@ -94,7 +95,7 @@ def bad_inputs(tiny_qwen2, tmp_path):
     good = write_jsonl(tmp_path / "good.jsonl", synthetic_pairs(40, seed=0))
     malformed = tmp_path / "malformed.jsonl"
     malformed.write_text(good.read_text().splitlines()[0] + "\n{not json\n")
-    base = _seed_flags(tiny_qwen2, good, tmp_path)
+    base = _aiak_flags(tiny_qwen2, good, tmp_path)
 
     def flags(**over: str) -> list[str]:
         out = list(base)

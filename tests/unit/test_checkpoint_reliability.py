@@ -23,12 +23,12 @@ from fsdp_rlhf.distributed.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
-from fsdp_rlhf.errors import UserError
+from fsdp_rlhf.errors import UserError, WriteFault
 from fsdp_rlhf.metrics import truncate_metrics
 from tests.dist_utils import run_distributed
 
 
-def _stateful():
+def _trained():
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -38,7 +38,7 @@ def _stateful():
 
 
 def _save(root: Path, step: int, keep: int = 3, **state) -> Path:
-    models, opts = _stateful()
+    models, opts = _trained()
     return save_checkpoint(
         root, step, models=models, optimizers=opts, schedulers={}, trainer_state=state, keep=keep
     )
@@ -79,7 +79,7 @@ def test_unreadable_newest_falls_back_to_previous(tmp_path, caplog, damage):
         found = resolve_resume(tmp_path, True)
     assert found == tmp_path / "step_1"
     assert "step_2 is unreadable" in caplog.text
-    models, opts = _stateful()
+    models, opts = _trained()
     assert load_checkpoint(found, models=models, optimizers=opts, schedulers={})["pos"] == 1
 
 
@@ -92,7 +92,7 @@ def test_rng_files_load_with_weights_only_and_restore_streams(tmp_path):
     torch.load(path / "rng_rank0.pt", weights_only=True)  # raises on numpy/pickled objects
     random.seed(99)
     np.random.seed(99)
-    models, opts = _stateful()  # reseeds torch
+    models, opts = _trained()  # reseeds torch
     load_checkpoint(path, models=models, optimizers=opts, schedulers={})
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
     marker = json.loads((path / "COMPLETE").read_text())
@@ -123,8 +123,8 @@ def _save_fails_on_rank0(rank: int, world: int, root: str) -> str:
         _save(Path(root), 1)
     except PeerFailure as e:
         return f"peer {time.monotonic() - started:.1f} {e}"
-    except OSError as e:
-        return f"own {type(e).__name__}"
+    except WriteFault as e:
+        return f"own {e}"
     return "no error"
 
 
@@ -132,7 +132,11 @@ def test_failed_save_on_rank0_ends_the_other_ranks_at_once(tmp_path):
     blocker = tmp_path / "not_a_dir"
     blocker.write_text("x")  # rank 0 cannot create a checkpoint folder under a file
     out = run_distributed(_save_fails_on_rank0, 2, str(blocker), timeout=120)
-    assert out[0].startswith("own ")
+    # the rank that failed says what and where, in one line
+    assert (
+        out[0] == f"own not a directory while writing {blocker}/step_1 (the partial copy "
+        "was removed)"
+    ), out[0]
     kind, seconds, *msg = out[1].split()
     assert kind == "peer" and float(seconds) < 30, out[1]
     assert "failed on rank 0" in " ".join(msg)

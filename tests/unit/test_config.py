@@ -1,4 +1,4 @@
-"""Config tree: precedence, strictness, seed flags, derived sizes."""
+"""Config tree: precedence, strictness, AIAK-RLHF's flags, derived sizes."""
 
 from __future__ import annotations
 
@@ -6,24 +6,21 @@ import dataclasses
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from fsdp_rlhf.config import PPOConfig, RMConfig, plan_ppo_batches, plan_rm_batches
 from fsdp_rlhf.config_base import ConfigError, build_config, dump_yaml, from_dict, iter_leaves
 
-SEEDS = Path(__file__).resolve().parents[3] / "shared" / "seeds" / "000_47f264b46064c01e.txt"
-
-# Flags of the AIAK seed scripts (sections 1.3/1.4 and 2.3/2.4), verbatim.
-RM_SEED_FLAGS = """--pretrain --save_path --save_steps --logging_steps --eval_steps
+# Flags of AIAK-RLHF's RM and PPO scripts (its guide's sections 1.3/1.4 and 2.3/2.4), verbatim.
+AIAK_RM_FLAGS = """--pretrain --save_path --save_steps --logging_steps --eval_steps
 --train_batch_size --micro_train_batch_size --bf16 --max_epochs --max_len --zero_stage
 --learning_rate --dataset
 --dataset_probs --prompt_key --chosen_key --rejected_key --apply_chat_template --flash_attn
 --gradient_checkpointing --tensorboard --eval_dataset --seed --lr_warmup_ratio --lr_scheduler
 --max_norm --margin_key --loss --center_rewards_coefficient --value_head_prefix --ckpt_path
 --load_checkpoint --input_template --max_samples""".split()
-PPO_SEED_FLAGS = """--pretrain --reward_pretrain --micro_train_batch_size --micro_rollout_batch_size
+AIAK_PPO_FLAGS = """--pretrain --reward_pretrain --micro_train_batch_size --micro_rollout_batch_size
 --rollout_batch_size --colocate_all --bf16 --max_samples --max_epochs --generate_max_len
 --prompt_max_len --zero_stage --actor_learning_rate --critic_learning_rate --init_kl_coef
 --normalize_reward --save_path --prompt_data --prompt_data_probs --input_key --input_template
@@ -54,8 +51,8 @@ def _value_for(cls, flag: str) -> list[str]:
     return ["0.5"] if "float" in text else ["x"]
 
 
-@pytest.mark.parametrize("cls,flags", [(RMConfig, RM_SEED_FLAGS), (PPOConfig, PPO_SEED_FLAGS)])
-def test_every_seed_flag_is_accepted_with_underscores_and_dashes(cls, flags):
+@pytest.mark.parametrize("cls,flags", [(RMConfig, AIAK_RM_FLAGS), (PPOConfig, AIAK_PPO_FLAGS)])
+def test_every_aiak_flag_is_accepted_with_underscores_and_dashes(cls, flags):
     for flag in flags:
         argv = [flag, *_value_for(cls, flag)]
         if flag == "--dual_clip":
@@ -66,13 +63,13 @@ def test_every_seed_flag_is_accepted_with_underscores_and_dashes(cls, flags):
             argv = [flag, "0.99"]
         if flag == "--eps_clip":
             argv = [flag, "0.1"]
-        if flag == "--flash_attn":  # flash-attn has no fp32 kernels; the seed scripts pass both
+        if flag == "--flash_attn":  # flash-attn has no fp32 kernels; AIAK's scripts pass both
             argv = [flag, "--bf16"]
         build_config(cls, argv)
         build_config(cls, [flag.replace("_", "-"), *argv[1:]])
 
 
-def test_seed_defaults_match_the_tables():
+def test_defaults_match_aiak_tables():
     rm, _ = build_config(RMConfig, [])
     assert (rm.batch.train_batch_size, rm.batch.micro_train_batch_size) == (128, 8)
     assert (rm.data.max_len, rm.fsdp.zero_stage, rm.optim.lr) == (512, 2, 1e-5)

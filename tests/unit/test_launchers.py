@@ -51,13 +51,13 @@ PPO_PATHS = {
 
 
 # Periodic checkpoints (issue #19): the launchers save every SAVE_STEPS steps (default 20) where
-# the seed's RM script had --save_steps -1, so a crash loses at most that many steps.
+# AIAK-RLHF's RM script had --save_steps -1, so a crash loses at most that many steps.
 SAVE_STEPS = "20"
 
 
-def rm_seed_flags(p: dict[str, str] = RM_PATHS, save_steps: str = SAVE_STEPS) -> list[str]:
-    """The training flags of the seed's RM launch script (sections 1.3/1.5), in order, with
-    periodic checkpoints in place of its ``--save_steps -1``."""
+def aiak_rm_flags(p: dict[str, str] = RM_PATHS, save_steps: str = SAVE_STEPS) -> list[str]:
+    """The training flags of AIAK-RLHF's RM launch script (its guide's sections 1.3/1.5), in
+    order, with periodic checkpoints in place of its ``--save_steps -1``."""
     return shlex.split(
         f"--save_path {p['SAVE_PATH']} --save_steps {save_steps} --logging_steps 1 --eval_steps -1"
         f" --train_batch_size 128 --micro_train_batch_size 1 --pretrain {p['SFT_MODEL_PATH']}"
@@ -67,10 +67,11 @@ def rm_seed_flags(p: dict[str, str] = RM_PATHS, save_steps: str = SAVE_STEPS) ->
     )
 
 
-def ppo_seed_flags(
+def aiak_ppo_flags(
     nnodes: int, gpus: int, tp: int, engines: int, p: dict[str, str] = PPO_PATHS
 ) -> list[str]:
-    """The flags the seed's PPO script (section 2.3) passes to train_ppo_ray_optim.py, in order."""
+    """The flags AIAK-RLHF's PPO script (its guide's section 2.3) passes to
+    train_ppo_ray_optim.py, in order."""
     return shlex.split(
         f"--num_nodes {nnodes} --num_gpus_per_node {gpus} --vllm_num_engines {engines}"
         f" --vllm_tensor_parallel_size {tp} --vllm_gpu_memory_utilization 0.9 --colocate_all"
@@ -93,7 +94,7 @@ def resume_flags(save_path: str) -> list[str]:
     return [*ckpt_flags(save_path), "--load_checkpoint"]
 
 
-PPO_PERIODIC = ["--save_steps", SAVE_STEPS]  # after the seed flags, which have no --save_steps
+PPO_PERIODIC = ["--save_steps", SAVE_STEPS]  # after AIAK's flags, which have no --save_steps
 
 
 # ---------------------------------------------------------------- helpers
@@ -683,10 +684,10 @@ def test_configmap_launch_script(cmd: str, tmp_path: Path):
     gpus = limits["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
     assert opt(launcher, "--nproc_per_node") == str(gpus)
     if cmd == "ppo":
-        expected = ppo_seed_flags(nnodes=2, gpus=8, tp=1, engines=16) + PPO_PERIODIC
+        expected = aiak_ppo_flags(nnodes=2, gpus=8, tp=1, engines=16) + PPO_PERIODIC
         expected += resume_flags(PPO_PATHS["SAVE_PATH"])
     else:
-        expected = rm_seed_flags() + resume_flags(RM_PATHS["SAVE_PATH"])
+        expected = aiak_rm_flags() + resume_flags(RM_PATHS["SAVE_PATH"])
     assert flags == expected
 
 
@@ -754,9 +755,9 @@ def test_sbatch_renders_torchrun_for_two_nodes(cmd: str, fakes):
     save = (PPO_PATHS if cmd == "ppo" else RM_PATHS)["SAVE_PATH"]
     assert flags[-2:] == ["--seed", "7"]  # extra sbatch arguments come last
     if cmd == "ppo":
-        expected = ppo_seed_flags(nnodes=2, gpus=8, tp=1, engines=16) + PPO_PERIODIC
+        expected = aiak_ppo_flags(nnodes=2, gpus=8, tp=1, engines=16) + PPO_PERIODIC
     else:
-        expected = rm_seed_flags()
+        expected = aiak_rm_flags()
     assert flags[:-2] == expected + resume_flags(save)
 
 
@@ -820,7 +821,7 @@ def test_cmd_train_rm_flags_match_seed():
         "torchrun --nproc_per_node 8 --nnodes 1 --node_rank 0"
         " --master_addr 127.0.0.1 --master_port 29500"
     )
-    assert flags == rm_seed_flags() + ckpt_flags(RM_PATHS["SAVE_PATH"])
+    assert flags == aiak_rm_flags() + ckpt_flags(RM_PATHS["SAVE_PATH"])
 
 
 def test_cmd_ppo_flags_match_seed():
@@ -840,7 +841,7 @@ def test_cmd_ppo_flags_match_seed():
         "torchrun --nproc_per_node 8 --nnodes 1 --node_rank 0"
         " --master_addr 127.0.0.1 --master_port 29500"
     )
-    expected = ppo_seed_flags(nnodes=1, gpus=8, tp=1, engines=8) + PPO_PERIODIC
+    expected = aiak_ppo_flags(nnodes=1, gpus=8, tp=1, engines=8) + PPO_PERIODIC
     assert flags == expected + ckpt_flags(PPO_PATHS["SAVE_PATH"])
 
 
@@ -864,7 +865,7 @@ def test_cmd_ppo_multinode_env():
         " --master_addr 10.0.0.1 --master_port 23456"
     )
     paths = {**PPO_PATHS, "SAVE_PATH": "/x/out", "TENSORBOARD_PATH": "/x/tb"}
-    expected = ppo_seed_flags(nnodes=2, gpus=4, tp=2, engines=4, p=paths) + PPO_PERIODIC
+    expected = aiak_ppo_flags(nnodes=2, gpus=4, tp=2, engines=4, p=paths) + PPO_PERIODIC
     assert flags == expected + ckpt_flags("/x/out") + ["--max_samples", "10"]
 
 

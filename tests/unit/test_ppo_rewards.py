@@ -12,7 +12,7 @@ import torch
 
 from fsdp_rlhf.algorithms import FixedKLController
 from fsdp_rlhf.config import PPOAlgoConfig
-from fsdp_rlhf.errors import UserError
+from fsdp_rlhf.errors import Fault, UserError
 from fsdp_rlhf.trainers.experience import Experience, truncated
 from fsdp_rlhf.trainers.ppo_rewards import add_overlong_penalty, compute_advantages, observe_kl
 from fsdp_rlhf.trainers.ppo_update import reuse_update_logprobs
@@ -185,8 +185,13 @@ def test_http_rule_reward_batches_and_retries(monkeypatch):
 def test_http_rule_reward_gives_up_after_retries(monkeypatch):
     monkeypatch.setattr("fsdp_rlhf.trainers.rule_reward.time.sleep", lambda s: None)
     fn = http_reward("http://127.0.0.1:9/", retries=2, timeout_s=0.5)  # discard port: refused
-    with pytest.raises(RuntimeError, match="failed 3 times"):
+    with pytest.raises(Fault) as err:
         fn(["q"], ["p"], [None])
+    # one line: the endpoint, the number of tries and the last error
+    assert str(err.value) == (
+        "HTTP reward endpoint http://127.0.0.1:9/: 3 tries failed, the last with: "
+        "<urlopen error [Errno 111] Connection refused>"
+    )
 
 
 def test_stat_collector_mean_only_entry():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fsdp_rlhf.algorithms.kl import AdaptiveKLController
-from fsdp_rlhf.errors import UserError
+from fsdp_rlhf.errors import Fault, UserError
 from fsdp_rlhf.trainers.guards import (
     BadStepGuard,
     NonFiniteError,
@@ -136,7 +136,7 @@ def test_http_rule_reward_rejects_nan_without_retrying(server, monkeypatch):
 def test_http_rule_reward_logs_a_redacted_url(monkeypatch, caplog):
     monkeypatch.setattr("fsdp_rlhf.trainers.rule_reward.time.sleep", lambda s: None)
     fn = http_reward("http://user:pw@127.0.0.1:9/r?token=t0k", retries=1, timeout_s=0.5)
-    with caplog.at_level(logging.WARNING), pytest.raises(RuntimeError) as err:
+    with caplog.at_level(logging.WARNING), pytest.raises(Fault) as err:
         fn(["q"], ["p"], [None])
     text = caplog.text + str(err.value)
     assert "pw" not in text and "t0k" not in text and "user" not in text
