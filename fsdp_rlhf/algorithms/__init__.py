@@ -1,6 +1,6 @@
 """RLHF math as pure torch functions: masked statistics, log-probs, KL, rewards, advantages,
-losses, rollout/trainer mismatch correction, dynamic-sampling filters and pass@k. Nothing
-here imports model, inference or config code, so it can be unit-tested in isolation and
+losses, direct preference (DPO/IPO) losses, rollout/trainer mismatch correction,
+dynamic-sampling filters and pass@k. Nothing here imports model, inference or config code, so it can be unit-tested in isolation and
 reused by any trainer.
 """
 
@@ -29,9 +29,23 @@ from .losses import (
 )
 from .masked import masked_mean, masked_sum, masked_var, masked_whiten
 from .passk import eval_pass_metrics, pass_at_k, pass_at_k_per_prompt
+from .preference import (
+    PreferenceOutput,
+    dpo_loss,
+    ipo_loss,
+    nll_loss,
+    preference_logits,
+    preference_loss,
+)
 from .rewards import RunningMeanStd, clip_scores, overlong_penalty, shape_rewards
 
 __all__ = [
+    "PreferenceOutput",
+    "dpo_loss",
+    "ipo_loss",
+    "nll_loss",
+    "preference_logits",
+    "preference_loss",
     "Advantages",
     "AdaptiveKLController",
     "FixedKLController",
