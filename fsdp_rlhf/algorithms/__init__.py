@@ -1,7 +1,7 @@
 """RLHF math as pure torch functions: masked statistics, log-probs, KL, rewards, advantages,
 losses, direct preference (DPO/IPO) losses, rollout/trainer mismatch correction,
-dynamic-sampling filters and pass@k. Nothing here imports model, inference or config code, so it can be unit-tested in isolation and
-reused by any trainer.
+dynamic-sampling filters and pass@k. Nothing here imports model, inference or config code,
+so it can be unit-tested in isolation and reused by any trainer.
 """
 
 from .advantages import (

@@ -9,11 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import datasets
 
 from fsdp_rlhf.config import RMBatchPlan, RMConfig
 from fsdp_rlhf.data.preference import hold_out, tokenize_pairs
@@ -23,21 +19,16 @@ from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.models.compile import check_compile_toolchain
 from fsdp_rlhf.models.load import check_model_path, load_tokenizer
 from fsdp_rlhf.models.save import check_save_path, recover_interrupted_export
+from fsdp_rlhf.trainers.offline import TrainData, steps_per_epoch
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class RMData:
-    """Tokenized train and eval pairs (columns ``chosen_ids``, ``rejected_ids``[, ``margin``])."""
-
-    tokenizer: Any
-    train: datasets.Dataset
-    eval: datasets.Dataset
-    steps_per_epoch: int
+# Tokenized train and eval pairs (columns ``chosen_ids``, ``rejected_ids``[, ``margin``]).
+RMData = TrainData
 
 
-def _columns(cfg: RMConfig) -> dict[str, str]:
+def pair_columns(cfg: RMConfig) -> dict[str, str]:
     """Flag -> dataset column this run reads."""
     d = cfg.data
     cols = {"--chosen_key": d.chosen_key, "--rejected_key": d.rejected_key}
@@ -49,7 +40,7 @@ def _columns(cfg: RMConfig) -> dict[str, str]:
 
 
 def check_paths(cfg: RMConfig) -> None:
-    """Cheap checks of paths given by flags."""
+    """Cheap checks of paths given by flags (also of `sft` and `dpo`: same sections)."""
     check_model_path(cfg.model.pretrain, "--pretrain")
     if cfg.backend.torch_compile:
         check_compile_toolchain()
@@ -74,7 +65,7 @@ def prepare_rm_data(cfg: RMConfig, plan: RMBatchPlan) -> RMData:
     """
     check_paths(cfg)
     d = cfg.data
-    columns = _columns(cfg)
+    columns = pair_columns(cfg)
     common = dict(max_samples=d.max_samples, seed=cfg.seed, columns=columns)
     train_raw = load_sources(d.dataset, d.dataset_probs, flag_name="--dataset", **common)
     eval_raw = None
@@ -93,21 +84,5 @@ def prepare_rm_data(cfg: RMConfig, plan: RMBatchPlan) -> RMData:
         eval_pairs, _ = tokenize_pairs(eval_raw, tokenizer, d, what="eval")
     if len(eval_pairs) == 0:
         raise UserError("the eval set is empty (after dropping identical pairs)")
-    steps_per_epoch = len(train) // cfg.batch.train_batch_size
-    if steps_per_epoch == 0:
-        raise UserError(
-            f"only {len(train)} training pairs (after dropping identical pairs and holding out "
-            f"the eval set), fewer than --train_batch_size {cfg.batch.train_batch_size}"
-        )
-    log.info(
-        "data: %d train pairs, %d eval pairs; %d steps/epoch x %d epochs; %d pairs per rank "
-        "per step in %d micro-batches of %d",
-        len(train),
-        len(eval_pairs),
-        steps_per_epoch,
-        cfg.batch.max_epochs,
-        plan.batch_size_per_rank,
-        plan.grad_accum_steps,
-        plan.micro_batch_size_per_rank,
-    )
-    return RMData(tokenizer, train, eval_pairs, steps_per_epoch)
+    steps = steps_per_epoch(len(train), cfg, plan, len(eval_pairs), "pairs")
+    return RMData(tokenizer, train, eval_pairs, steps)
