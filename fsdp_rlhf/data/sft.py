@@ -170,7 +170,8 @@ def _tokenize_batch(batch: dict[str, list], *, cfg: SFTDataConfig, tokenizer) ->
         if not cfg.apply_chat_template and tokenizer.eos_token_id is not None:
             ids, mask = ids + [tokenizer.eos_token_id], mask + [1]
         ids, mask = ids[: cfg.max_len], mask[: cfg.max_len]
-        if not any(mask[1:]):
+        mask[0] = 0  # nothing predicts the first token
+        if not any(mask):
             continue  # the response was truncated away: counted by the caller
         out["input_ids"].append(ids)
         out["loss_mask"].append(mask)
