@@ -7,9 +7,9 @@ Builds a ~34M-parameter Qwen2 model and synthetic data locally, then runs the ma
 interleaved (A B A B) with medians and spreads, and MFU against a one-thread matmul probe per
 dtype. The first cell runs again on a Llama-shaped model (GQA 9/3, tied embeddings). `--more`
 adds single runs: ours with PPO (critic + RM), HF rollouts, 1 rank, 2x response length, RM
-without packing / without compile, and TRL's RM with torch_compile. After the matrix, the primary cell
-also compares `fsdp-rlhf sft` with TRL's SFTTrainer and `fsdp-rlhf dpo` with its DPOTrainer
-(`--offline`: those rows alone). Writes
+without packing / without compile, and TRL's RM with torch_compile. After the matrix, the
+primary cell also compares `fsdp-rlhf sft` with TRL's SFTTrainer and `fsdp-rlhf dpo` with its
+DPOTrainer (`--offline`: those rows alone). Writes
 ``bench/results/bench-<time>.json`` (+ ``latest.json``) and ``bench/results/summary.md``, and
 prints the tables.
 
