@@ -25,19 +25,19 @@ import torch
 from torch import nn
 
 from fsdp_rlhf.algorithms import preference_loss
-from fsdp_rlhf.config import DPOConfig, RMBatchPlan, plan_rm_batches
+from fsdp_rlhf.config import DPOConfig, RMBatchPlan
 from fsdp_rlhf.data.preference import PairBatch
 from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars
 from fsdp_rlhf.distributed.fsdp import accumulate
 from fsdp_rlhf.distributed.offload import offload_model, onload_model
 from fsdp_rlhf.models.label_logprobs import Layout, sequence_logprobs
-from fsdp_rlhf.models.lora import adapters_disabled, check_target_modules
+from fsdp_rlhf.models.lora import adapters_disabled
 from fsdp_rlhf.models.save import save_model
 from fsdp_rlhf.trainers import common
 from fsdp_rlhf.trainers.dpo_data import prepare_dpo_data
 from fsdp_rlhf.trainers.guards import guarded_step
 from fsdp_rlhf.trainers.lm_setup import build_policy, build_reference
-from fsdp_rlhf.trainers.offline import OfflineTrainer, TrainData, quiet_progress_bars
+from fsdp_rlhf.trainers.offline import OfflineTrainer, TrainData, prepare_command
 from fsdp_rlhf.trainers.rm_steps import pair_layout
 
 log = logging.getLogger(__name__)
@@ -61,12 +61,7 @@ def main(cfg: DPOConfig, debug: bool = False) -> int:
 
 
 def prepare(cfg: DPOConfig, world_size: int) -> tuple[RMBatchPlan, TrainData]:
-    quiet_progress_bars()
-    plan = plan_rm_batches(cfg.batch, world_size)
-    data = prepare_dpo_data(cfg, plan)  # checks --pretrain first
-    if cfg.lora.enabled:
-        check_target_modules(cfg.model.pretrain, cfg.lora, cfg.backend.trust_remote_code)
-    return plan, data
+    return prepare_command(cfg, world_size, prepare_dpo_data)
 
 
 def response_mask(batch: PairBatch) -> torch.Tensor:

@@ -8,12 +8,10 @@ import logging
 
 from fsdp_rlhf.config import DPOConfig, RMBatchPlan
 from fsdp_rlhf.data.preference import tokenize_pairs
-from fsdp_rlhf.data.prompts import check_chat_template
-from fsdp_rlhf.data.sources import load_sources
 from fsdp_rlhf.errors import UserError
-from fsdp_rlhf.models.load import check_model_path, load_tokenizer
+from fsdp_rlhf.models.load import check_model_path
 from fsdp_rlhf.trainers.offline import TrainData, steps_per_epoch
-from fsdp_rlhf.trainers.rm_data import check_paths, pair_columns
+from fsdp_rlhf.trainers.rm_data import check_paths, load_raw, pair_columns
 
 log = logging.getLogger(__name__)
 
@@ -39,16 +37,7 @@ def prepare_dpo_data(cfg: DPOConfig, plan: RMBatchPlan) -> TrainData:
     def check(row: dict) -> str | None:
         return pair_problem(row, d.chosen_key, d.rejected_key)
 
-    common = dict(max_samples=d.max_samples, seed=cfg.seed, columns=pair_columns(cfg), check=check)
-    train_raw = load_sources(d.dataset, d.dataset_probs, flag_name="--dataset", **common)
-    eval_raw = None
-    if d.eval_dataset:
-        eval_raw = load_sources(
-            d.eval_dataset, None, flag_name="--eval_dataset", split="test", **common
-        )
-    tokenizer = load_tokenizer(cfg.model.pretrain, cfg.backend.trust_remote_code)
-    if d.apply_chat_template:
-        check_chat_template(tokenizer, cfg.model.pretrain)
+    train_raw, eval_raw, tokenizer = load_raw(cfg, pair_columns(cfg), check)
     train, _ = tokenize_pairs(train_raw, tokenizer, d, what="train", with_prompt_len=True)
     eval_pairs = None
     if eval_raw is not None:

@@ -27,12 +27,14 @@ from typing import Any
 import datasets
 from torch import nn
 
+from fsdp_rlhf.config import plan_rm_batches
 from fsdp_rlhf.data.preference import PreferenceLoader, collate_pairs, eval_batches
 from fsdp_rlhf.data.schedule import DataPosition, StepSchedule
 from fsdp_rlhf.distributed import checkpoint as ckpt
 from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.metrics import Progress
+from fsdp_rlhf.models.lora import check_target_modules
 from fsdp_rlhf.optim import build_optimizer, build_scheduler
 from fsdp_rlhf.trainers import common
 from fsdp_rlhf.trainers.guards import BadStepGuard
@@ -94,6 +96,19 @@ def resume_state(cfg: Any, num_train: int, steps_per_epoch: int, step: int) -> d
         "train_batch_size": cfg.batch.train_batch_size,
         "seed": cfg.seed,
     }
+
+
+def prepare_command(
+    cfg: Any, world_size: int, prepare_data: Callable[[Any, Any], TrainData]
+) -> tuple[Any, TrainData]:
+    """``prepare`` of train-rm, sft and dpo (before the process group, no communication):
+    batch plan, ``prepare_data(cfg, plan)`` (checks --pretrain first), LoRA targets."""
+    quiet_progress_bars()
+    plan = plan_rm_batches(cfg.batch, world_size)
+    data = prepare_data(cfg, plan)
+    if cfg.lora.enabled:
+        check_target_modules(cfg.model.pretrain, cfg.lora, cfg.backend.trust_remote_code)
+    return plan, data
 
 
 @dataclass

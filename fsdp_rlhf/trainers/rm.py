@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import logging
 
-from fsdp_rlhf.config import RMBatchPlan, RMConfig, plan_rm_batches
+from fsdp_rlhf.config import RMBatchPlan, RMConfig
 from fsdp_rlhf.data.preference import PairBatch
 from fsdp_rlhf.distributed.env import DistEnv
-from fsdp_rlhf.models.lora import check_target_modules
 from fsdp_rlhf.models.save import save_model
 from fsdp_rlhf.trainers import common
-from fsdp_rlhf.trainers.offline import OfflineTrainer, quiet_progress_bars
+from fsdp_rlhf.trainers.offline import OfflineTrainer, TrainData, prepare_command
 from fsdp_rlhf.trainers.rm_data import RMData, prepare_rm_data
 from fsdp_rlhf.trainers.rm_setup import build_model
 from fsdp_rlhf.trainers.rm_steps import evaluate, pair_layout, train_step
@@ -38,13 +37,8 @@ def main(cfg: RMConfig, debug: bool = False) -> int:
     return common.launch(cfg, debug, prepare, RMTrainer)
 
 
-def prepare(cfg: RMConfig, world_size: int) -> tuple[RMBatchPlan, RMData]:
-    quiet_progress_bars()
-    plan = plan_rm_batches(cfg.batch, world_size)
-    data = prepare_rm_data(cfg, plan)  # checks --pretrain first
-    if cfg.lora.enabled:
-        check_target_modules(cfg.model.pretrain, cfg.lora, cfg.backend.trust_remote_code)
-    return plan, data
+def prepare(cfg: RMConfig, world_size: int) -> tuple[RMBatchPlan, TrainData]:
+    return prepare_command(cfg, world_size, prepare_rm_data)
 
 
 class RMTrainer(OfflineTrainer):

@@ -10,11 +10,14 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Any
+
+import datasets
 
 from fsdp_rlhf.config import RMBatchPlan, RMConfig
 from fsdp_rlhf.data.preference import hold_out, tokenize_pairs
 from fsdp_rlhf.data.prompts import check_chat_template
-from fsdp_rlhf.data.sources import load_sources
+from fsdp_rlhf.data.sources import RowCheck, load_sources
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.models.compile import check_compile_toolchain
 from fsdp_rlhf.models.load import check_model_path, load_tokenizer
@@ -57,16 +60,15 @@ def check_paths(cfg: RMConfig) -> None:
         raise UserError(f"--input_template {d.input_template!r}: must contain {{}} for the prompt")
 
 
-def prepare_rm_data(cfg: RMConfig, plan: RMBatchPlan) -> RMData:
-    """Validate flags and data, then tokenize train and eval pairs once.
-
-    The eval set is ``--eval_dataset`` or, without it, pairs held out from the training data
-    (1%, at least 8); its rewards also give the mean/std written next to the model.
-    """
-    check_paths(cfg)
+def load_raw(
+    cfg: RMConfig, columns: dict[str, str], check: RowCheck | None = None
+) -> tuple[datasets.Dataset, datasets.Dataset | None, Any]:
+    """The raw train rows (sources mixed by ``--dataset_probs``), the raw eval rows of
+    ``--eval_dataset`` (None without it) and the tokenizer, chat template checked; every
+    source is checked for ``columns`` (flag -> key) and, with ``check``, row by row.
+    Shared by train-rm, sft and dpo (same data flags)."""
     d = cfg.data
-    columns = pair_columns(cfg)
-    common = dict(max_samples=d.max_samples, seed=cfg.seed, columns=columns)
+    common = dict(max_samples=d.max_samples, seed=cfg.seed, columns=columns, check=check)
     train_raw = load_sources(d.dataset, d.dataset_probs, flag_name="--dataset", **common)
     eval_raw = None
     if d.eval_dataset:
@@ -76,6 +78,18 @@ def prepare_rm_data(cfg: RMConfig, plan: RMBatchPlan) -> RMData:
     tokenizer = load_tokenizer(cfg.model.pretrain, cfg.backend.trust_remote_code)
     if d.apply_chat_template:
         check_chat_template(tokenizer, cfg.model.pretrain)
+    return train_raw, eval_raw, tokenizer
+
+
+def prepare_rm_data(cfg: RMConfig, plan: RMBatchPlan) -> RMData:
+    """Validate flags and data, then tokenize train and eval pairs once.
+
+    The eval set is ``--eval_dataset`` or, without it, pairs held out from the training data
+    (1%, at least 8); its rewards also give the mean/std written next to the model.
+    """
+    check_paths(cfg)
+    d = cfg.data
+    train_raw, eval_raw, tokenizer = load_raw(cfg, pair_columns(cfg))
     train, _ = tokenize_pairs(train_raw, tokenizer, d, what="train")
     if eval_raw is None:
         train, eval_pairs = hold_out(train, cfg.seed)

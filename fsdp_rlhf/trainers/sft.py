@@ -22,18 +22,17 @@ import logging
 import torch
 from torch import nn
 
-from fsdp_rlhf.config import RMBatchPlan, SFTConfig, plan_rm_batches
+from fsdp_rlhf.config import RMBatchPlan, SFTConfig
 from fsdp_rlhf.data.sft import SFTBatch, collate_samples
 from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars
 from fsdp_rlhf.distributed.fsdp import accumulate
 from fsdp_rlhf.distributed.stats import global_token_count
 from fsdp_rlhf.models.label_logprobs import Layout, label_logprobs
-from fsdp_rlhf.models.lora import check_target_modules
 from fsdp_rlhf.models.save import save_model
 from fsdp_rlhf.trainers import common
 from fsdp_rlhf.trainers.guards import BadStepGuard, guarded_step
 from fsdp_rlhf.trainers.lm_setup import build_policy
-from fsdp_rlhf.trainers.offline import OfflineTrainer, TrainData, quiet_progress_bars
+from fsdp_rlhf.trainers.offline import OfflineTrainer, TrainData, prepare_command
 from fsdp_rlhf.trainers.sft_data import prepare_sft_data
 
 log = logging.getLogger(__name__)
@@ -47,12 +46,7 @@ def main(cfg: SFTConfig, debug: bool = False) -> int:
 
 
 def prepare(cfg: SFTConfig, world_size: int) -> tuple[RMBatchPlan, TrainData]:
-    quiet_progress_bars()
-    plan = plan_rm_batches(cfg.batch, world_size)
-    data = prepare_sft_data(cfg, plan)  # checks --pretrain first
-    if cfg.lora.enabled:
-        check_target_modules(cfg.model.pretrain, cfg.lora, cfg.backend.trust_remote_code)
-    return plan, data
+    return prepare_command(cfg, world_size, prepare_sft_data)
 
 
 def _forward(model: nn.Module, batch: SFTBatch, device: torch.device, layout: Layout):
