@@ -182,6 +182,9 @@ class PreferenceDataConfig:
     input_template: str | None = doc(
         None, "Template for the prompt, e.g. 'Human: {}\\nAssistant: '."
     )
+    tokenizer_chat_template: str | None = doc(
+        None, "A Jinja chat template replacing the tokenizer's (saved with the model)."
+    )
     max_len: int = doc(512, "Truncate each tokenized text to this many tokens.")
     max_samples: int = doc(100_000_000, "Use at most this many pairs.")
 
@@ -789,6 +792,9 @@ class SFTDataConfig:
         "Template for string prompts without --apply_chat_template (not in pretrain mode).",
     )
     apply_chat_template: bool = doc(False, "Render messages with the tokenizer's chat template.")
+    tokenizer_chat_template: str | None = doc(
+        None, "A Jinja chat template replacing the tokenizer's (saved with the model)."
+    )
     multiturn: bool = doc(
         False, "input_key holds whole conversations: loss on every assistant turn."
     )

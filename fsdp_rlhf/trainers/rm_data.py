@@ -76,6 +76,8 @@ def load_raw(
             d.eval_dataset, None, flag_name="--eval_dataset", split="test", **common
         )
     tokenizer = load_tokenizer(cfg.model.pretrain, cfg.backend.trust_remote_code)
+    if d.tokenizer_chat_template:
+        tokenizer.chat_template = d.tokenizer_chat_template
     if d.apply_chat_template:
         check_chat_template(tokenizer, cfg.model.pretrain)
     return train_raw, eval_raw, tokenizer
