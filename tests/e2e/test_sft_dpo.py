@@ -34,27 +34,34 @@ def _greedy_accuracy(model_dir: str | Path, rows: list[dict]) -> float:
     return hits / len(rows)
 
 
-def test_sft_learns_held_out_continuation(tiny_qwen2, tmp_path):
+def test_sft_learns_held_out_continuation_and_resumes(tiny_qwen2, tmp_path):
     write_jsonl(continuation_rows(512, seed=0), tmp_path / "train.jsonl")
     held_out = continuation_rows(48, seed=1)
     write_jsonl(held_out, tmp_path / "eval.jsonl")
     out = tmp_path / "sft"
-    proc = torchrun([
+    args = [
         "sft", "--pretrain", tiny_qwen2, "--dataset", str(tmp_path / "train.jsonl"),
         "--eval_dataset", str(tmp_path / "eval.jsonl"), "--input_key", "input",
         "--output_key", "output", "--save_path", str(out), "--ckpt_path", str(out / "ckpt"),
-        "--train_batch_size", "16", "--micro_train_batch_size", "4", "--max_epochs", "2",
+        "--train_batch_size", "16", "--micro_train_batch_size", "4",
         "--learning_rate", "3e-3", "--max_len", "64", "--logging_steps", "8",
-        "--eval_steps", "16", "--save_steps", "32",
-    ])  # fmt: skip
+        "--eval_steps", "16", "--save_steps", "32", "--max_epochs", "2",
+    ]  # fmt: skip
+    proc = torchrun(args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(out)
     evals = [r["eval/loss"] for r in rows if "eval/loss" in r]
     assert len(evals) == 4 and evals[-1] < 0.1 < evals[0], evals
     assert [r["step"] for r in rows if "loss" in r] == [8, 16, 24, 32, 40, 48, 56, 64]
-    assert (out / "ckpt").is_dir()  # periodic resumable checkpoints (--save_steps)
     assert _greedy_accuracy(tiny_qwen2, held_out) < 0.2
     assert _greedy_accuracy(out, held_out) >= 0.9
+    # resume from the step-64 checkpoint (--save_steps) for a third epoch: steps 65-96 only
+    proc = torchrun([*args[: args.index("--max_epochs") + 1], "3", "--load_checkpoint"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in " ".join((proc.stdout + proc.stderr).split())
+    steps = [r["step"] for r in read_metrics(out) if "loss" in r]
+    assert steps == [8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96]
+    assert read_metrics(out)[-1]["eval/loss"] < 0.1
 
 
 def _response_logps(model, tok, prompt: str, reply: str) -> float:
