@@ -140,9 +140,9 @@ def measure(
         raw["rm_single"] = run_rm_single(w, s, work, with_trl, clock)
         rm_dir = work / f"rm_ours_{matrix.tag(primary, 0)}"
         raw["extra"] = run_extra(w, s, work, rm_dir, clock)
-    raw["offline"] = offline.measure(
-        w, s, work / "offline", with_trl, primary, matrix.cell_env(primary, allocator), clock.say
-    )
+    if s.offline_rows:  # --smoke leaves them to `--smoke --offline` (the test suite's time)
+        env = matrix.cell_env(primary, allocator)
+        raw["offline"] = offline.measure(w, s, work / "offline", with_trl, primary, env, clock.say)
     raw["matrix"] = matrix.summarize(raw)
     raw["skipped_cells"] = matrix.skipped(raw)
     partial.unlink(missing_ok=True)
