@@ -95,8 +95,7 @@ def sft(ctx: typer.Context) -> None:
 
 @app.command("dpo", context_settings=_RAW)
 def dpo(ctx: typer.Context) -> None:
-    """Direct preference optimization: DPO, IPO, cDPO (OpenRLHF train_dpo). --help lists every
-    flag."""
+    """DPO, IPO or cDPO on preference pairs (OpenRLHF train_dpo). --help lists every flag."""
     from fsdp_rlhf.config import DPOConfig
 
     def main(cfg, debug):

@@ -57,21 +57,28 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def iter_leaves(cls: type, prefix: str = "") -> list[Leaf]:
-    """All leaf fields of a config class, depth first, with dotted paths."""
+def iter_leaves(cls: type, prefix: str = "", defaults: Any = None) -> list[Leaf]:
+    """All leaf fields of a config class, depth first, with dotted paths. A section whose
+    field has its own factory (``doc(factory=...)``) reports that instance's defaults."""
     out: list[Leaf] = []
     hints = _hints(cls)
     for f in fields(cls):
         tp = hints[f.name]
         path = f"{prefix}{f.name}"
         if is_dataclass(tp):
-            out.extend(iter_leaves(tp, path + "."))
+            sub = getattr(defaults, f.name) if defaults is not None else None
+            if sub is None and f.default_factory not in (MISSING, tp):
+                sub = f.default_factory()
+            out.extend(iter_leaves(tp, path + ".", sub))
             continue
-        default = (
-            f.default
-            if f.default is not MISSING
-            else (f.default_factory() if f.default_factory is not MISSING else MISSING)
-        )
+        if defaults is not None:
+            default = getattr(defaults, f.name)
+        else:
+            default = (
+                f.default
+                if f.default is not MISSING
+                else (f.default_factory() if f.default_factory is not MISSING else MISSING)
+            )
         out.append(Leaf(path, tp, default, f.metadata.get("help", ""), f.metadata.get("flag")))
     return out
 

@@ -171,3 +171,15 @@ def test_tokenizer_chat_template_replaces_the_tokenizers(tiny_qwen2, tmp_path):
     ids, mask = data.train[0]["input_ids"], data.train[0]["loss_mask"]
     assert data.tokenizer.decode(ids) == "[user]hello[assistant]one two"
     assert data.tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m]) == "one two"
+
+
+def test_help_shows_a_sections_own_defaults():
+    from fsdp_rlhf.config import DPOConfig, PPOConfig, SFTConfig
+    from fsdp_rlhf.config_base import flags_help
+
+    def default(cls, flag):
+        return next(row[2] for row in flags_help(cls) if row[0] == flag)
+
+    assert default(DPOConfig, "--packing_samples") == "True"
+    assert default(SFTConfig, "--learning_rate") == "5e-06"
+    assert default(PPOConfig, "--actor_learning_rate") == "1e-06"
