@@ -14,13 +14,12 @@ import json
 import sys
 from pathlib import Path
 
-from trl_rm_worker import step_logger
+from trl_rm_worker import step_logger, trainer_args
 from worker_exit import exit_after_training
 
 
 def main() -> None:
     cfg = json.loads(sys.argv[1])
-    import torch
     from datasets import load_dataset
 
     if cfg["kind"] == "sft":
@@ -31,21 +30,7 @@ def main() -> None:
         from trl import DPOTrainer as Trainer
 
     out = Path(cfg["out"])
-    args = Config(
-        output_dir=str(out),
-        per_device_train_batch_size=cfg["micro"],
-        gradient_accumulation_steps=cfg["grad_accum"],
-        max_steps=cfg["steps"],
-        learning_rate=cfg["lr"],
-        bf16=cfg["bf16"],
-        use_cpu=not torch.cuda.is_available(),
-        gradient_checkpointing=False,
-        max_length=cfg["max_length"],
-        seed=cfg["seed"],
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-    )
+    args = Config(**trainer_args(cfg))
     rows = load_dataset("json", data_files=cfg["data"], split="train")
     trainer = Trainer(model=cfg["model"], args=args, train_dataset=rows)
     trainer.add_callback(step_logger(out / "steps.jsonl"))

@@ -268,15 +268,21 @@ class PairBatch:
         return self.input_ids.shape[0] // 2
 
 
-def collate_pairs(rows: dict[str, list], pad_id: int, num_valid: int | None = None) -> PairBatch:
-    """Columns of B pairs (``dataset[indices]``) -> a :class:`PairBatch` of 2B sequences."""
-    seqs = rows["chosen_ids"] + rows["rejected_ids"]
+def right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> (N, L) long ids padded on the right with ``pad_id``, and their (N, L)
+    attention mask (1 on tokens)."""
     length = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), length), dtype=torch.long)
     for i, s in enumerate(seqs):
         ids[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
         mask[i, : len(s)] = 1
+    return ids, mask
+
+
+def collate_pairs(rows: dict[str, list], pad_id: int, num_valid: int | None = None) -> PairBatch:
+    """Columns of B pairs (``dataset[indices]``) -> a :class:`PairBatch` of 2B sequences."""
+    ids, mask = right_pad(rows["chosen_ids"] + rows["rejected_ids"], pad_id)
     margin = torch.tensor(rows["margin"], dtype=torch.float32) if "margin" in rows else None
     prompt_lens = torch.tensor(rows["prompt_len"]) if "prompt_len" in rows else None
     n = len(rows["chosen_ids"])

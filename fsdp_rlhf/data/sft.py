@@ -21,6 +21,7 @@ import datasets
 import torch
 
 from fsdp_rlhf.config import SFTDataConfig
+from fsdp_rlhf.data.preference import right_pad
 from fsdp_rlhf.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -239,13 +240,7 @@ class SFTBatch:
 
 def collate_samples(rows: dict[str, list], pad_id: int, num_valid: int | None = None) -> SFTBatch:
     """Columns of N samples (``dataset[indices]``) -> an :class:`SFTBatch`."""
-    seqs, masks = rows["input_ids"], rows["loss_mask"]
-    length = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(seqs), length), dtype=torch.long)
-    loss = torch.zeros((len(seqs), length), dtype=torch.bool)
-    for i, (s, m) in enumerate(zip(seqs, masks, strict=True)):
-        ids[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
-        attn[i, : len(s)] = 1
-        loss[i, : len(m)] = torch.as_tensor(m, dtype=torch.bool)
-    return SFTBatch(ids, attn, loss, len(seqs) if num_valid is None else num_valid)
+    seqs = rows["input_ids"]
+    ids, attn = right_pad(seqs, pad_id)
+    loss, _ = right_pad(rows["loss_mask"], 0)
+    return SFTBatch(ids, attn, loss.bool(), len(seqs) if num_valid is None else num_valid)

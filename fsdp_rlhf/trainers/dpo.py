@@ -32,10 +32,8 @@ from fsdp_rlhf.distributed.fsdp import accumulate
 from fsdp_rlhf.distributed.offload import offload_model, onload_model
 from fsdp_rlhf.models.label_logprobs import Layout, sequence_logprobs
 from fsdp_rlhf.models.lora import adapters_disabled
-from fsdp_rlhf.models.save import save_model
 from fsdp_rlhf.trainers import common
 from fsdp_rlhf.trainers.dpo_data import prepare_dpo_data
-from fsdp_rlhf.trainers.guards import guarded_step
 from fsdp_rlhf.trainers.lm_setup import build_policy, build_reference
 from fsdp_rlhf.trainers.offline import OfflineTrainer, TrainData, prepare_command
 from fsdp_rlhf.trainers.rm_steps import pair_layout
@@ -155,18 +153,9 @@ class DPOTrainer(OfflineTrainer):
             (loss.mean() / len(batches)).backward()
             for k, v in stats.items():
                 sums[k] += v.mean().item() / len(batches)
-        lr = self.scheduler.get_last_lr()[0]
-        grad_norm = guarded_step(
-            self.model.parameters(),
-            self.optimizer,
-            self.scheduler,
-            self.cfg.optim.max_norm,
-            self.guard,
-            self.step,
-        )
         if not self.cfg.loss.nll_loss_coef:
             sums.pop("nll_loss")
-        return {**sums, "grad_norm": grad_norm, "lr": lr}
+        return {**sums, **self.optimizer_step()}
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float] | None:
@@ -187,16 +176,3 @@ class DPOTrainer(OfflineTrainer):
         self.model.train()
         tot = all_reduce_scalars(sums, op="sum")
         return {f"eval/{k}": tot[k] / max(tot["pairs"], 1.0) for k in PAIR_METRICS}
-
-    def finish(self) -> None:
-        """Final eval (with --eval_dataset), then the HF model, atomically."""
-        if (stats := self.evaluate()) is not None:
-            self.metrics.log(self.step, stats)
-        path = save_model(
-            self.model,
-            self.data.tokenizer,
-            self.cfg.ckpt.save_path,
-            self.cfg.lora,
-            base_path=self.cfg.model.pretrain,
-        )
-        log.info("model saved to %s", path)

@@ -35,9 +35,10 @@ from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.metrics import Progress
 from fsdp_rlhf.models.lora import check_target_modules
+from fsdp_rlhf.models.save import save_model
 from fsdp_rlhf.optim import build_optimizer, build_scheduler
 from fsdp_rlhf.trainers import common
-from fsdp_rlhf.trainers.guards import BadStepGuard
+from fsdp_rlhf.trainers.guards import BadStepGuard, guarded_step
 
 log = logging.getLogger(__name__)
 
@@ -189,9 +190,35 @@ class OfflineTrainer:
         raise NotImplementedError
 
     def finish(self) -> None:
-        raise NotImplementedError
+        """Final eval (when there is an eval set), then the HF model, atomically (rank 0 writes
+        ``--save_path``; with LoRA the adapter folder, plus the merged model with
+        ``--merge_lora``). train-rm overrides it to add its reward statistics."""
+        if (stats := self.evaluate()) is not None:
+            self.metrics.log(self.step, stats)
+        path = save_model(
+            self.model,
+            self.data.tokenizer,
+            self.cfg.ckpt.save_path,
+            self.cfg.lora,
+            base_path=self.cfg.model.pretrain,
+        )
+        log.info("model saved to %s", path)
 
     # ------------------------------------------------------------ shared
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip, step (skipped by the guard on a NaN/Inf gradient norm), schedule; returns the
+        global ``grad_norm`` and the ``lr`` the step used."""
+        lr = self.scheduler.get_last_lr()[0]
+        grad_norm = guarded_step(
+            self.model.parameters(),
+            self.optimizer,
+            self.scheduler,
+            self.cfg.optim.max_norm,
+            self.guard,
+            self.step,
+        )
+        return {"grad_norm": grad_norm, "lr": lr}
 
     def train_step(self, stop_agreed: Callable[[], bool]) -> bool:
         """One optimizer step (short: the stop vote after it is enough)."""

@@ -28,9 +28,7 @@ from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars
 from fsdp_rlhf.distributed.fsdp import accumulate
 from fsdp_rlhf.distributed.stats import global_token_count
 from fsdp_rlhf.models.label_logprobs import Layout, label_logprobs
-from fsdp_rlhf.models.save import save_model
 from fsdp_rlhf.trainers import common
-from fsdp_rlhf.trainers.guards import BadStepGuard, guarded_step
 from fsdp_rlhf.trainers.lm_setup import build_policy
 from fsdp_rlhf.trainers.offline import OfflineTrainer, TrainData, prepare_command
 from fsdp_rlhf.trainers.sft_data import prepare_sft_data
@@ -53,40 +51,6 @@ def _forward(model: nn.Module, batch: SFTBatch, device: torch.device, layout: La
     ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
     learned = batch.loss_mask.to(device)
     return label_logprobs(model, ids, mask, learned, layout), learned
-
-
-def sft_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    batches: list[SFTBatch],
-    cfg: SFTConfig,
-    device: torch.device,
-    guard: BadStepGuard,
-    step: int,
-    layout: Layout,
-) -> dict[str, float]:
-    """Forward/backward over this rank's micro-batches, clip, optimizer and scheduler step.
-
-    The model must sum gradients over ranks (``grad_reduce="sum"``). Returns this rank's share
-    of the global token-mean ``loss`` (its mean over ranks is the global mean), its learned
-    ``tokens``, the global ``grad_norm`` and the ``lr`` this step used.
-    """
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    n_global = global_token_count([b.loss_mask for b in batches])  # one all-reduce
-    nll = 0.0
-    for i, batch in enumerate(batches):
-        accumulate(model, i == len(batches) - 1, cfg.fsdp.zero_stage)
-        logprobs, _ = _forward(model, batch, device, layout)
-        loss = -logprobs.sum() / n_global
-        loss.backward()
-        nll += loss.item()
-    lr = scheduler.get_last_lr()[0]
-    grad_norm = guarded_step(
-        model.parameters(), optimizer, scheduler, cfg.optim.max_norm, guard, step
-    )
-    tokens = sum(int(b.loss_mask.sum()) for b in batches)
-    return {"loss": nll * world, "tokens": float(tokens), "grad_norm": grad_norm, "lr": lr}
 
 
 @torch.no_grad()
@@ -121,32 +85,25 @@ class SFTTrainer(OfflineTrainer):
         super().__init__(cfg, env, plan, data, model, collate=collate_samples, guard_name="policy")
 
     def update(self, batches: list[SFTBatch]) -> dict[str, float]:
-        return sft_step(
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            batches,
-            self.cfg,
-            self.env.device,
-            self.guard,
-            self.step,
-            self.layout,
-        )
+        """Forward/backward over this rank's micro-batches, then the optimizer step.
+
+        The model sums gradients over ranks (``grad_reduce="sum"``). Returns this rank's share
+        of the global token-mean ``loss`` (its mean over ranks is the global mean), its learned
+        ``tokens``, the global ``grad_norm`` and the ``lr`` this step used.
+        """
+        n_global = global_token_count([b.loss_mask for b in batches])  # one all-reduce
+        nll = 0.0
+        for i, batch in enumerate(batches):
+            accumulate(self.model, i == len(batches) - 1, self.cfg.fsdp.zero_stage)
+            logprobs, _ = _forward(self.model, batch, self.env.device, self.layout)
+            loss = -logprobs.sum() / n_global
+            loss.backward()
+            nll += loss.item()
+        tokens = sum(int(b.loss_mask.sum()) for b in batches)
+        stats = {"loss": nll * self.env.world_size, "tokens": float(tokens)}
+        return {**stats, **self.optimizer_step()}
 
     def evaluate(self) -> dict[str, float] | None:
         if self.data.eval is None:
             return None
         return sft_evaluate(self.model, self.eval_batches(), self.env.device, self.layout)
-
-    def finish(self) -> None:
-        """Final eval (with --eval_dataset), then the HF model, atomically."""
-        if (stats := self.evaluate()) is not None:
-            self.metrics.log(self.step, stats)
-        path = save_model(
-            self.model,
-            self.data.tokenizer,
-            self.cfg.ckpt.save_path,
-            self.cfg.lora,
-            base_path=self.cfg.model.pretrain,
-        )
-        log.info("model saved to %s", path)
