@@ -7,7 +7,9 @@ Builds a ~34M-parameter Qwen2 model and synthetic data locally, then runs the ma
 interleaved (A B A B) with medians and spreads, and MFU against a one-thread matmul probe per
 dtype. The first cell runs again on a Llama-shaped model (GQA 9/3, tied embeddings). `--more`
 adds single runs: ours with PPO (critic + RM), HF rollouts, 1 rank, 2x response length, RM
-without packing / without compile, and TRL's RM with torch_compile. Writes
+without packing / without compile, and TRL's RM with torch_compile. After the matrix, the
+primary cell also compares `fsdp-rlhf sft` with TRL's SFTTrainer and `fsdp-rlhf dpo` with its
+DPOTrainer (`--offline`: those rows alone). Writes
 ``bench/results/bench-<time>.json`` (+ ``latest.json``) and ``bench/results/summary.md``, and
 prints the tables.
 
@@ -35,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "cmd"))  # benchkit/ lives beside this script
 
-from benchkit import lora, machine, matrix, peak, prefix, rl, rm  # noqa: E402
+from benchkit import lora, machine, matrix, offline, peak, prefix, rl, rm  # noqa: E402
 from benchkit.launch import use_tcmalloc  # noqa: E402
 from benchkit.memcpy import memcpy_reference  # noqa: E402
 from benchkit.render import console_table  # noqa: E402
@@ -138,6 +140,9 @@ def measure(
         raw["rm_single"] = run_rm_single(w, s, work, with_trl, clock)
         rm_dir = work / f"rm_ours_{matrix.tag(primary, 0)}"
         raw["extra"] = run_extra(w, s, work, rm_dir, clock)
+    if s.offline_rows:  # --smoke leaves them to `--smoke --offline` (the test suite's time)
+        env = matrix.cell_env(primary, allocator)
+        raw["offline"] = offline.measure(w, s, work / "offline", with_trl, primary, env, clock.say)
     raw["matrix"] = matrix.summarize(raw)
     raw["skipped_cells"] = matrix.skipped(raw)
     partial.unlink(missing_ok=True)
@@ -151,6 +156,49 @@ def write_partial(path: Path, raw: dict) -> None:
     tmp.replace(path)
 
 
+def run_offline_only(s: Sizes, work: Path, with_trl: bool, clock: Clock, args) -> int:
+    """``--offline``: the SFT and DPO comparisons alone, in the first cell that runs here."""
+    allocator = use_tcmalloc(True)
+    peaks = peak.probe()
+    runnable = [c for c in s.cells if matrix.skip_reason(c, allocator, peaks) is None]
+    if not runnable:
+        print("error: no cell of the matrix runs here")
+        return 2
+    cell = runnable[0]
+    w = build_workload(work / "data", s)
+    clock.say(f"workload built: {w.params_m:.1f}M parameters; cell {cell}; {allocator}")
+    raw = {
+        "machine": machine.describe(),
+        "command": " ".join(["cmd/bench.py", *sys.argv[1:]]),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "sizes": s.to_dict(),
+        "params_m": w.params_m,
+        "allocator": allocator,
+        "offline": offline.measure(
+            w, s, work / "offline", with_trl, cell, matrix.cell_env(cell, allocator), clock.say
+        ),
+    }
+    raw["machine"]["load_avg_end"] = os.getloadavg()
+    raw["elapsed_s"] = time.time() - clock.start
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"offline-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(raw, indent=1, default=float))
+    print(console_offline(raw["offline"]))
+    print(f"\nraw numbers: {path}")
+    if args.work is None:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def console_offline(result: dict) -> str:
+    header, rows = offline.table(result)
+    table = [header, *rows]
+    widths = [max(len(str(r[i])) for r in table) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(str(c).ljust(n) for c, n in zip(r, widths, strict=True)) for r in table
+    )
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition")
@@ -159,6 +207,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--cells",
         help="comma-separated subset of the matrix, e.g. fp32+glibc (default: every cell)",
+    )
+    p.add_argument(
+        "--offline",
+        action="store_true",
+        help="only the SFT and DPO rows (vs TRL's SFTTrainer / DPOTrainer), in the first cell "
+        "that runs here; writes bench/results/offline-<time>.json",
     )
     p.add_argument(
         "--more",
@@ -189,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     if not with_trl:
         clock.say(f"{TRL_MISSING}; --smoke measures our side only")
+    if args.offline:
+        return run_offline_only(sizes, work, with_trl, clock, args)
     raw = {
         "machine": machine.describe(),
         "command": " ".join(["cmd/bench.py", *sys.argv[1:]]),

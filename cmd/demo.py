@@ -1,6 +1,7 @@
 """`make demo`: the whole pipeline on 2 CPU ranks in a few minutes, nothing downloaded.
 
-1. build a small Qwen2 model and BPE tokenizer locally, warm it up on the synthetic texts,
+1. build a small Qwen2 model and BPE tokenizer locally, warm it up on the synthetic texts
+   (`fsdp-rlhf sft`),
 2. train a reward model on synthetic preference pairs (`fsdp-rlhf train-rm`),
 3. run PPO against it with vLLM rollouts (`fsdp-rlhf ppo`),
 4. print a summary table and write a PNG of score and KL per step next to the TensorBoard logs.
@@ -52,30 +53,13 @@ def torchrun(args: list[str], log_file: Path, nproc: int) -> float:
     return time.perf_counter() - start
 
 
-def sft_warmup(model_dir: Path, rows: list[dict], steps: int, seed: int = 0) -> float:
-    """A short causal-LM fit on prompt + reply texts, so the policy starts out writing words
-    (a random model emits byte soup, and PPO would only learn to game the reward model)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(seed)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    texts = [
-        r["prompt"] + r[k] + tok.eos_token for r in rows for k in ("chosen_reply", "rejected_reply")
+def sft_rows(pairs: list[dict]) -> list[dict]:
+    """Both replies of every pair as prompt -> response samples for the SFT warm-up."""
+    return [
+        {"input": r["prompt"], "output": r[k]}
+        for r in pairs
+        for k in ("chosen_reply", "rejected_reply")
     ]
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model.train()
-    for step in range(steps):
-        batch = [texts[(step * 32 + i) % len(texts)] for i in range(32)]
-        enc = tok(batch, return_tensors="pt", padding=True)
-        labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
-        loss = model(**enc, labels=labels).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    model.save_pretrained(model_dir)
-    return float(loss)
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -123,7 +107,10 @@ def summary(rm_rows, ppo_rows, times) -> list[tuple[str, str]]:
         (f"RM score, first {k} steps (mean)", f"{before:+.3f}"),
         (f"RM score, last {k} steps (mean)", f"{after:+.3f}"),
         ("final KL to reference", f"{ppo_rows[-1]['actor/kl']:.4f}"),
-        ("wall time: train-rm / ppo", f"{times['rm']:.0f} s / {times['ppo']:.0f} s"),
+        (
+            "wall time: sft / train-rm / ppo",
+            f"{times.get('sft', 0):.0f} s / {times['rm']:.0f} s / {times['ppo']:.0f} s",
+        ),
     ]
     for p in phases:
         vals = [r[f"timing/{p}"] for r in ppo_rows[1:] if f"timing/{p}" in r]
@@ -137,37 +124,56 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO / "demo_out"))
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--ppo_steps", type=int, default=None, help="override max_steps")
-    ap.add_argument("--sft_steps", type=int, default=150, help="LM warm-up steps (0: none)")
+    ap.add_argument("--sft_epochs", type=int, default=2, help="SFT warm-up epochs (0: none)")
     args = ap.parse_args()
     out = Path(args.out)
     for d in ("models", "data", "logs"):
         (out / d).mkdir(parents=True, exist_ok=True)
     print("building a small Qwen2 model + tokenizer (random weights, no download)", flush=True)
-    sft = build_model(
-        out / "models" / "sft", "qwen2", hidden_size=128, num_layers=2, num_heads=2, seed=1
+    base = build_model(
+        out / "models" / "base", "qwen2", hidden_size=128, num_layers=2, num_heads=2, seed=1
     )
     pairs = preference_rows(1024, seed=1)
     write_jsonl(pairs, out / "data" / "pairs.jsonl")
-    loss = sft_warmup(sft, pairs, steps=args.sft_steps)
-    print(f"SFT warm-up: {args.sft_steps} steps on the pairs' texts, final LM loss {loss:.2f}")
-    write_jsonl(prompt_rows(1024, seed=1), out / "data" / "prompts.jsonl")
-    times = {
-        "rm": torchrun(
+    write_jsonl(sft_rows(pairs), out / "data" / "sft.jsonl")
+    sft, times = base, {}
+    if args.sft_epochs > 0:
+        sft = out / "sft"
+        times["sft"] = torchrun(
             [
-                "train-rm",
+                "sft",
                 "--config",
-                str(REPO / "configs" / "demo_rm.yaml"),
+                str(REPO / "configs" / "demo_sft.yaml"),
                 "--pretrain",
-                str(sft),
+                str(base),
                 "--dataset",
-                str(out / "data" / "pairs.jsonl"),
+                str(out / "data" / "sft.jsonl"),
                 "--save_path",
-                str(out / "rm"),
+                str(sft),
+                "--max_epochs",
+                str(args.sft_epochs),
             ],
-            out / "logs" / "train_rm.log",
+            out / "logs" / "sft.log",
             args.nproc,
         )
-    }
+        losses = [r["loss"] for r in read_metrics(sft / "metrics.jsonl") if "loss" in r]
+        print(f"SFT warm-up: {args.sft_epochs} epochs, final response loss {losses[-1]:.2f}")
+    write_jsonl(prompt_rows(1024, seed=1), out / "data" / "prompts.jsonl")
+    times["rm"] = torchrun(
+        [
+            "train-rm",
+            "--config",
+            str(REPO / "configs" / "demo_rm.yaml"),
+            "--pretrain",
+            str(sft),
+            "--dataset",
+            str(out / "data" / "pairs.jsonl"),
+            "--save_path",
+            str(out / "rm"),
+        ],
+        out / "logs" / "train_rm.log",
+        args.nproc,
+    )
     extra = ["--max_steps", str(args.ppo_steps)] if args.ppo_steps else []
     times["ppo"] = torchrun(
         [

@@ -16,10 +16,10 @@ sys.path.insert(0, str(REPO))
 
 def pages() -> dict[Path, str]:
     from fsdp_rlhf.compat.migration import render
-    from fsdp_rlhf.config import PPOConfig, RMConfig
+    from fsdp_rlhf.config import DPOConfig, PPOConfig, RMConfig, SFTConfig
     from fsdp_rlhf.flag_help import render_markdown
 
-    commands = {"ppo": PPOConfig, "train-rm": RMConfig}
+    commands = {"ppo": PPOConfig, "train-rm": RMConfig, "sft": SFTConfig, "dpo": DPOConfig}
     reference = [
         "# Configuration reference",
         "",

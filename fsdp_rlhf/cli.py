@@ -1,6 +1,8 @@
 """`fsdp-rlhf`: the command line. Run every subcommand under torchrun, on every rank::
 
+    torchrun --nproc_per_node 8 -m fsdp_rlhf.cli sft --pretrain ... --dataset ...
     torchrun --nproc_per_node 8 -m fsdp_rlhf.cli train-rm --pretrain ... --dataset ...
+    torchrun --nproc_per_node 8 -m fsdp_rlhf.cli dpo --pretrain ... --dataset ...
     torchrun --nproc_per_node 8 -m fsdp_rlhf.cli ppo --pretrain ... --reward_pretrain ...
 
 Flags are the OpenRLHF / AIAK-RLHF names (underscores or dashes), after an optional
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
-    help="Pure-PyTorch RLHF on FSDP2: reward-model training and colocated PPO (no Ray).",
+    help="Pure-PyTorch RLHF on FSDP2: SFT, reward models, DPO and colocated PPO (no Ray).",
 )
 
 # Flags are parsed by fsdp_rlhf.config_base against the config tree, not by click, so that
@@ -115,6 +117,32 @@ def train_rm(ctx: typer.Context) -> None:
     _run(list(ctx.args), RMConfig, "train-rm", "fsdp-rlhf train-rm flags", main)
 
 
+@app.command("sft", context_settings=_RAW)
+def sft(ctx: typer.Context) -> None:
+    """Supervised fine-tuning of a causal LM (OpenRLHF train_sft). --help lists every flag."""
+    from fsdp_rlhf.config import SFTConfig
+
+    def main(cfg, debug):
+        from fsdp_rlhf.trainers.sft import main as sft_main
+
+        return sft_main(cfg, debug=debug)
+
+    _run(list(ctx.args), SFTConfig, "sft", "fsdp-rlhf sft flags", main)
+
+
+@app.command("dpo", context_settings=_RAW)
+def dpo(ctx: typer.Context) -> None:
+    """DPO, IPO or cDPO on preference pairs (OpenRLHF train_dpo). --help lists every flag."""
+    from fsdp_rlhf.config import DPOConfig
+
+    def main(cfg, debug):
+        from fsdp_rlhf.trainers.dpo import main as dpo_main
+
+        return dpo_main(cfg, debug=debug)
+
+    _run(list(ctx.args), DPOConfig, "dpo", "fsdp-rlhf dpo flags", main)
+
+
 @app.command("ppo", context_settings=_RAW)
 def ppo(ctx: typer.Context) -> None:
     """PPO / GRPO / RLOO / REINFORCE++ with in-process vLLM rollouts. --help lists every flag."""
@@ -158,7 +186,7 @@ def quiet_libraries() -> None:
 
 
 # Commands that train or load models: worth a process restart for tcmalloc (not --help).
-RUN_COMMANDS = ("train-rm", "ppo", "doctor")
+RUN_COMMANDS = ("train-rm", "sft", "dpo", "ppo", "doctor")
 
 
 def wants_fast_allocator(argv: list[str]) -> bool:

@@ -191,7 +191,11 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = ""):
             continue
         tp, path = hints[f.name], f"{prefix}{f.name}"
         if is_dataclass(tp):
-            kwargs[f.name] = from_dict(tp, data[f.name], path + ".")
+            sub = data[f.name]
+            if f.default_factory not in (MISSING, tp) and isinstance(sub, dict):
+                # a section with its own defaults (e.g. the actor's lr): keys not given keep them
+                sub = {**to_dict(f.default_factory()), **sub}
+            kwargs[f.name] = from_dict(tp, sub, path + ".")
         else:
             kwargs[f.name] = coerce(data[f.name], tp, path)
     try:

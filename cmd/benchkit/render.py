@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from benchkit import lora, prefix
+from benchkit import lora, offline, prefix
 from benchkit.rates import spread
 from benchkit.report import headline, phase_table, targets
 
@@ -133,6 +133,8 @@ def _console(header: tuple, body: list[tuple]) -> str:
 
 def console_table(raw: dict) -> str:
     text = _console(HEADER, table_rows(raw)) + "\n\n" + _console(MATRIX_HEADER, matrix_rows(raw))
+    if raw.get("offline"):
+        text += "\n\n" + _console(*offline.table(raw["offline"]))
     if raw.get("lora"):
         text += "\n\n" + _console(*lora.table(raw["lora"]))
     if raw.get("shared_prefix"):

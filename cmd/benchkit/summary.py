@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchkit import lora, prefix
+from benchkit import lora, offline, prefix
 from benchkit.notes import matrix_notes, notes
 from benchkit.render import (
     DIFFERS,
@@ -101,6 +101,7 @@ def summary_md(raw: dict) -> str:
         "once, and 2 per response token for its decode); a target above it is out of reach here "
         "without less arithmetic or matmuls faster than the probe's.",
         "\n".join(f"- {n}" for n in matrix_notes(raw)),
+        *_offline_md(raw),
         *_lora_md(raw),
         *_prefix_md(raw),
         "## Phase breakdown of our steps",
@@ -122,6 +123,23 @@ def _peaks(raw: dict) -> str:
         each = [", ".join(f"{k} {v / 1e9:.0f}" for k, v in p.items()) for p in probes]
         text += f"; the faster of the probes at the start ({each[0]}) and end ({each[1]})"
     return f"({text})"
+
+
+def _offline_md(raw: dict) -> list[str]:
+    if not raw.get("offline"):
+        return []
+    tokens = raw["offline"]["tokens_per_row"]
+    return [
+        "## SFT and DPO against TRL (issue #31)",
+        md_table(*offline.table(raw["offline"])),
+        "Medians over interleaved repetitions, [min-max] beside them; the primary cell's "
+        "precision and allocator. Ours in the CLI's default configuration (packed micro-batches, "
+        "DPO with each pair's prompt once, eager blocks); TRL's SFTTrainer and DPOTrainer with "
+        "their defaults (padded micro-batches; DPO with a reference copy), gradient "
+        f"checkpointing off on both sides. {tokens['sft']:.0f} tokens per SFT sample and "
+        f"{tokens['dpo']:.0f} per DPO pair (both sides, prompt counted twice) on average; "
+        "same micro-batch, samples per step and steps as the RM rows.",
+    ]
 
 
 def _lora_md(raw: dict) -> list[str]:

@@ -28,15 +28,13 @@ def step_logger(path: Path):
     return StepLines()
 
 
-def main() -> None:
-    cfg = json.loads(sys.argv[1])
+def trainer_args(cfg: dict) -> dict:
+    """TRL config arguments every worker sets from the bench's settings (the rest: TRL's
+    defaults, but gradient checkpointing off as in ours)."""
     import torch
-    from datasets import load_dataset
-    from trl import RewardConfig, RewardTrainer
 
-    out = Path(cfg["out"])
-    args = RewardConfig(
-        output_dir=str(out),
+    return dict(
+        output_dir=cfg["out"],
         per_device_train_batch_size=cfg["micro"],
         gradient_accumulation_steps=cfg["grad_accum"],
         max_steps=cfg["steps"],
@@ -44,13 +42,21 @@ def main() -> None:
         bf16=cfg["bf16"],
         use_cpu=not torch.cuda.is_available(),
         gradient_checkpointing=False,
-        torch_compile=cfg["torch_compile"],
         max_length=cfg["max_length"],
         seed=cfg["seed"],
         save_strategy="no",
         report_to="none",
         disable_tqdm=True,
     )
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    from datasets import load_dataset
+    from trl import RewardConfig, RewardTrainer
+
+    out = Path(cfg["out"])
+    args = RewardConfig(**trainer_args(cfg), torch_compile=cfg["torch_compile"])
     pairs = load_dataset("json", data_files=cfg["data"], split="train")
     trainer = RewardTrainer(model=cfg["model"], args=args, train_dataset=pairs)
     trainer.add_callback(step_logger(out / "steps.jsonl"))

@@ -39,6 +39,7 @@ class Sizes:
     cells: tuple[str, ...]  # "<bf16|fp32>+<tcmalloc|glibc>" of the matrix; the first is primary
     real_shaped: bool  # also run the primary cell on a Llama-shaped model (GQA 9/3, tied)
     extra_runs: bool  # with --more: PPO with critic, HF rollouts, scaling, RM variants
+    offline_rows: bool = True  # SFT and DPO against TRL in the primary cell (benchkit.offline)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -102,6 +103,7 @@ SMOKE = Sizes(
     cells=("bf16+tcmalloc", "fp32+glibc"),
     real_shaped=False,
     extra_runs=False,
+    offline_rows=False,
 )
 
 

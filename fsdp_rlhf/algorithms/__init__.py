@@ -1,5 +1,6 @@
 """RLHF math as pure torch functions: masked statistics, log-probs, KL, rewards, advantages,
-losses, rollout/trainer mismatch correction, dynamic-sampling filters and pass@k. Nothing
+losses, direct preference (DPO/IPO) losses, rollout/trainer mismatch correction,
+dynamic-sampling filters and pass@k. Nothing
 here imports model, inference or config code, so it can be unit-tested in isolation and
 reused by any trainer.
 
@@ -24,9 +25,11 @@ _MODULE_OF = {
     "AdaptiveKLController": "kl",
     "Advantages": "advantages",
     "FixedKLController": "kl",
+    "PreferenceOutput": "preference",
     "RunningMeanStd": "rewards",
     "aggregate_loss": "losses",
     "clip_scores": "rewards",
+    "dpo_loss": "preference",
     "dr_grpo": "advantages",
     "dynamic_filter_groups": "filtering",
     "entropy_bonus": "losses",
@@ -36,6 +39,7 @@ _MODULE_OF = {
     "expand_group_mask": "filtering",
     "gae": "advantages",
     "grpo": "advantages",
+    "ipo_loss": "preference",
     "gspo_loss": "losses",
     "kl_estimate": "kl",
     "kl_mean": "kl",
@@ -45,11 +49,14 @@ _MODULE_OF = {
     "masked_sum": "masked",
     "masked_var": "masked",
     "masked_whiten": "masked",
+    "nll_loss": "preference",
     "overlong_penalty": "rewards",
     "pairwise_loss": "losses",
     "pass_at_k": "passk",
     "pass_at_k_per_prompt": "passk",
     "policy_loss": "losses",
+    "preference_logits": "preference",
+    "preference_loss": "preference",
     "reinforce_plus_plus": "advantages",
     "reinforce_plus_plus_baseline": "advantages",
     "rloo": "advantages",

@@ -26,8 +26,11 @@ def describe(command: str, config_cls: type, name: str) -> tuple[str, str]:
     key = normalise(name)
     rule = TABLES[command].rules.get(key)
     if rule is None:
-        if key in _flag_names(config_cls) or key == "local_rank":
+        names = _flag_names(config_cls)
+        if key in names or key == "local_rank":
             return "takes effect", "same name"
+        if key.startswith("no_") and key[3:] in names:
+            return "takes effect", f"same name (turns --{key[3:]} off)"
         return "UNKNOWN", ""
     if isinstance(rule, To | Gather):
         return "takes effect", rule.shown + (f" ({rule.note})" if rule.note else "")
@@ -105,8 +108,10 @@ def render(configs: dict[str, type]) -> str:
         "",
         "Launch scripts written for OpenRLHF run with the entry point swapped:",
         "`ray job submit ... -- python3 -m openrlhf.cli.train_ppo_ray` becomes",
-        "`torchrun --nnodes N --nproc_per_node G ... -m fsdp_rlhf.cli ppo` (and `train_rm`",
-        "becomes `train-rm`). Both of OpenRLHF's spellings work: v0.10's flat flags",
+        "`torchrun --nnodes N --nproc_per_node G ... -m fsdp_rlhf.cli ppo`; `train_rm`,",
+        "`train_sft` and `train_dpo` become `train-rm`, `sft` and `dpo` (`deepspeed --module",
+        "openrlhf.cli.train_sft` -> `torchrun ... -m fsdp_rlhf.cli sft`). Both of OpenRLHF's",
+        "spellings work: v0.10's flat flags",
         "(`--ref_num_nodes`) and v0.11's dotted ones (`--ref.num_nodes`), next to the names",
         "AIAK-RLHF's scripts use. At start, rank 0 prints what each foreign flag became",
         "(`openrlhf flag: --ds.zero_stage 3 -> --zero_stage 3`).",

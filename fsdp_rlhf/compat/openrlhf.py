@@ -222,7 +222,10 @@ COMMON: dict[str, Rule] = _pairs(
 
 # ------------------------------------------------------------------ train-rm
 
-RM_RULES: dict[str, Rule] = {
+LIGER = Accept("a fused-kernel choice for speed and memory: the same loss is computed without it")
+
+# train-rm, sft and dpo: one model, one optimizer (OpenRLHF's --model.*, --adam.*, --muon.*)
+OFFLINE: dict[str, Rule] = {
     **COMMON,
     **_pairs(
         (None, "model.model_name_or_path", rename("pretrain")),
@@ -239,17 +242,6 @@ RM_RULES: dict[str, Rule] = {
                 "0", "no MoE load-balancing loss", "the MoE load-balancing loss is not implemented"
             ),
         ),
-        (
-            "compute_fp32_loss",
-            "model.compute_fp32_loss_enable",
-            Accept("scores and the loss are computed in fp32"),
-        ),
-        (
-            "margin_loss",
-            "model.margin_loss_enable",
-            To(lambda v: ["--margin_key", "margin"], "--margin_key margin"),
-        ),
-        (None, "model.loss_type", rename("loss")),
         ("optim", None, Accept("the optimizer is AdamW", _optim)),
         (None, "muon.lr", Accept("it only applies to --optim muon")),
         (None, "muon.momentum", Accept("it only applies to --optim muon")),
@@ -262,6 +254,45 @@ RM_RULES: dict[str, Rule] = {
         (None, "adam.weight_decay", rename("l2")),
         (None, "eval.dataset", rename("eval_dataset")),
         (None, "eval.split", rename("eval_split")),
+    ),
+}
+
+RM_RULES: dict[str, Rule] = {
+    **OFFLINE,
+    **_pairs(
+        (
+            "compute_fp32_loss",
+            "model.compute_fp32_loss_enable",
+            Accept("scores and the loss are computed in fp32"),
+        ),
+        (
+            "margin_loss",
+            "model.margin_loss_enable",
+            To(lambda v: ["--margin_key", "margin"], "--margin_key margin"),
+        ),
+        (None, "model.loss_type", rename("loss")),
+    ),
+}
+
+SFT_RULES: dict[str, Rule] = {
+    **OFFLINE,
+    **_pairs(
+        ("train_split", None, rename("dataset_split")),
+        ("use_liger_kernel", "ds.use_liger_kernel", LIGER),
+        (None, "model.pretrain_mode_enable", switch("pretrain_mode")),
+    ),
+}
+
+DPO_RULES: dict[str, Rule] = {
+    **OFFLINE,
+    **_pairs(
+        ("use_liger_kernel", "ds.use_liger_kernel", LIGER),
+        (None, "ref.model_name_or_path", rename("ref_pretrain")),
+        (None, "ref.offload", switch("ref_offload")),
+        (None, "model.beta", rename("beta")),
+        (None, "model.ipo_enable", switch("ipo")),
+        (None, "model.label_smoothing", rename("label_smoothing")),
+        (None, "model.nll_loss_coef", rename("nll_loss_coef")),
     ),
 }
 
@@ -418,14 +449,7 @@ PPO_RULES: dict[str, Rule] = {
             "actor.gradient_checkpointing_reentrant",
             Accept("activation checkpointing is non-reentrant here (same gradients)"),
         ),
-        (
-            "use_liger_kernel",
-            "ds.use_liger_kernel",
-            Accept(
-                "log-probs are computed a chunk at a time without full fp32 logits, the memory "
-                "saving Liger's fused cross-entropy is used for"
-            ),
-        ),
+        ("use_liger_kernel", "ds.use_liger_kernel", LIGER),
         ("perf", None, Accept("timing/* and throughput metrics are always logged")),
         # PPO objective
         (
@@ -602,10 +626,17 @@ TABLES: dict[str, Table] = {
     "ppo": Table("ppo", PPO_RULES, _finish_ppo),
     "doctor": Table("doctor", PPO_RULES, _finish_ppo),
     "train-rm": Table("train-rm", RM_RULES),
+    "sft": Table("sft", SFT_RULES),
+    "dpo": Table("dpo", DPO_RULES),
 }
 
 # The parsers whose flags each command answers for (tests/unit/test_compat.py walks them).
-PARSERS: dict[str, tuple[str, ...]] = {"ppo": ("ppo",), "train-rm": ("rm",)}
+PARSERS: dict[str, tuple[str, ...]] = {
+    "ppo": ("ppo",),
+    "train-rm": ("rm",),
+    "sft": ("sft",),
+    "dpo": ("dpo",),
+}
 VERSIONS = ("0.10.1.post2", "0.11.0")
 
 __all__ = ["TABLES", "PARSERS", "VERSIONS", "To"]

@@ -113,13 +113,37 @@ def finish_ids(ids: list[int], *, pad_id: int, eos_id: int, max_len: int) -> lis
     return ids
 
 
-def _tokenize_batch(batch: dict[str, list], *, cfg: PreferenceDataConfig, tokenizer) -> dict:
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """Number of equal leading tokens of ``a`` and ``b``."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def prompt_length(chosen: list[int], rejected: list[int], prompt: list[int] | None) -> int:
+    """Tokens of a pair that belong to its prompt: the prompt's tokens both sides start with
+    (a merge across the prompt/reply boundary makes that fewer than the prompt's own count), or
+    without a prompt the pair's common prefix; at least one token of each side is left over."""
+    if prompt is None:
+        n = common_prefix_len(chosen, rejected)
+    else:
+        n = min(common_prefix_len(prompt, chosen), common_prefix_len(prompt, rejected))
+    return max(0, min(n, len(chosen) - 1, len(rejected) - 1))
+
+
+def _tokenize_batch(
+    batch: dict[str, list], *, cfg: PreferenceDataConfig, tokenizer, with_prompt_len: bool = False
+) -> dict:
     n = len(batch[cfg.chosen_key])
-    chosen, rejected = [], []
+    chosen, rejected, prompts = [], [], []
     for i in range(n):
         prompt = None
         if cfg.prompt_key is not None:
             prompt = render_prompt(batch[cfg.prompt_key][i], cfg, tokenizer)
+            prompts.append(prompt[0])
         chosen.append(
             render_reply(
                 batch[cfg.chosen_key][i], prompt, cfg, tokenizer, "--chosen_key", cfg.chosen_key
@@ -146,14 +170,19 @@ def _tokenize_batch(batch: dict[str, list], *, cfg: PreferenceDataConfig, tokeni
     out: dict[str, list] = {"chosen_ids": [], "rejected_ids": []}
     if cfg.margin_key is not None:
         out["margin"] = []
+    if with_prompt_len:
+        out["prompt_len"] = []
     enc_c = tokenizer(chosen, add_special_tokens=special)["input_ids"]
     enc_r = tokenizer(rejected, add_special_tokens=special)["input_ids"]
+    enc_p = tokenizer(prompts, add_special_tokens=special)["input_ids"] if prompts else None
     for i, (c, r) in enumerate(zip(enc_c, enc_r, strict=True)):
         c, r = finish(c), finish(r)
         if not c or not r or c == r:
             continue  # counted as dropped by the caller
         out["chosen_ids"].append(c)
         out["rejected_ids"].append(r)
+        if with_prompt_len:
+            out["prompt_len"].append(prompt_length(c, r, enc_p[i] if enc_p else None))
         if cfg.margin_key is not None:
             out["margin"].append(_margin(batch[cfg.margin_key][i], cfg.margin_key))
     return out
@@ -166,14 +195,20 @@ def _margin(value: Any, key: str) -> float:
 
 
 def tokenize_pairs(
-    dataset: datasets.Dataset, tokenizer, cfg: PreferenceDataConfig, *, what: str = "train"
+    dataset: datasets.Dataset,
+    tokenizer,
+    cfg: PreferenceDataConfig,
+    *,
+    what: str = "train",
+    with_prompt_len: bool = False,
 ) -> tuple[datasets.Dataset, int]:
     """Render and tokenize every pair once.
 
     Returns:
         ``(pairs, dropped)``: a dataset with ``chosen_ids`` and ``rejected_ids`` (int32 lists,
-        each at most ``max_len`` long) and ``margin`` (with ``--margin_key``), and the number
-        of pairs dropped because chosen and rejected were identical (or empty) after truncation.
+        each at most ``max_len`` long), ``margin`` (with ``--margin_key``) and ``prompt_len``
+        (with ``with_prompt_len``: :func:`prompt_length`), and the number of pairs dropped
+        because chosen and rejected were identical (or empty) after truncation.
     """
     if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
         raise UserError("the tokenizer has no EOS token: the reward is read at the EOS position")
@@ -183,8 +218,10 @@ def tokenize_pairs(
     }
     if cfg.margin_key is not None:
         features["margin"] = datasets.Value("float32")
+    if with_prompt_len:
+        features["prompt_len"] = datasets.Value("int32")
     pairs = dataset.map(
-        partial(_tokenize_batch, cfg=cfg, tokenizer=tokenizer),
+        partial(_tokenize_batch, cfg=cfg, tokenizer=tokenizer, with_prompt_len=with_prompt_len),
         batched=True,
         remove_columns=dataset.column_names,
         features=datasets.Features(features),
@@ -217,58 +254,81 @@ class PairBatch:
         attention_mask: (2B, L) long, 1 on tokens.
         margin: (B,) float32, or None without ``--margin_key``.
         num_valid: pairs 0..num_valid-1 are real; the rest pad an uneven eval shard.
+        prompt_lens: (B,) long prompt tokens of each pair (DPO), or None.
     """
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     margin: torch.Tensor | None
     num_valid: int
+    prompt_lens: torch.Tensor | None = None
 
     @property
     def num_pairs(self) -> int:
         return self.input_ids.shape[0] // 2
 
 
-def collate_pairs(rows: dict[str, list], pad_id: int, num_valid: int | None = None) -> PairBatch:
-    """Columns of B pairs (``dataset[indices]``) -> a :class:`PairBatch` of 2B sequences."""
-    seqs = rows["chosen_ids"] + rows["rejected_ids"]
+def right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> (N, L) long ids padded on the right with ``pad_id``, and their (N, L)
+    attention mask (1 on tokens)."""
     length = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), length), dtype=torch.long)
     for i, s in enumerate(seqs):
         ids[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
         mask[i, : len(s)] = 1
+    return ids, mask
+
+
+def collate_pairs(rows: dict[str, list], pad_id: int, num_valid: int | None = None) -> PairBatch:
+    """Columns of B pairs (``dataset[indices]``) -> a :class:`PairBatch` of 2B sequences."""
+    ids, mask = right_pad(rows["chosen_ids"] + rows["rejected_ids"], pad_id)
     margin = torch.tensor(rows["margin"], dtype=torch.float32) if "margin" in rows else None
+    prompt_lens = torch.tensor(rows["prompt_len"]) if "prompt_len" in rows else None
     n = len(rows["chosen_ids"])
-    return PairBatch(ids, mask, margin, n if num_valid is None else num_valid)
+    return PairBatch(ids, mask, margin, n if num_valid is None else num_valid, prompt_lens)
 
 
 class PreferenceLoader:
-    """Micro-batches of one optimizer step for this rank, from a :class:`StepSchedule`."""
+    """Micro-batches of one optimizer step for this rank, from a :class:`StepSchedule`.
+
+    ``collate(rows, pad_id)`` turns a micro-batch's columns into a batch (default: pairs;
+    ``sft`` passes its own for single sequences)."""
 
     def __init__(
-        self, pairs: datasets.Dataset, schedule: StepSchedule, micro_batch: int, pad_id: int
+        self,
+        pairs: datasets.Dataset,
+        schedule: StepSchedule,
+        micro_batch: int,
+        pad_id: int,
+        collate=collate_pairs,
     ) -> None:
         if schedule.per_rank % micro_batch:
-            raise ValueError(f"{schedule.per_rank} pairs per rank not divisible by {micro_batch}")
+            raise ValueError(f"{schedule.per_rank} rows per rank not divisible by {micro_batch}")
         self.pairs = pairs
         self.schedule = schedule
         self.micro_batch = micro_batch
         self.pad_id = pad_id
+        self.collate = collate
 
-    def step_batches(self, pos: DataPosition) -> list[PairBatch]:
+    def step_batches(self, pos: DataPosition) -> list:
         """The gradient-accumulation micro-batches of step ``pos`` on this rank."""
         idx = self.schedule.rank_indices(pos.epoch, pos.step)
         chunks = [idx[i : i + self.micro_batch] for i in range(0, len(idx), self.micro_batch)]
-        return [collate_pairs(self.pairs[c], self.pad_id) for c in chunks]
+        return [self.collate(self.pairs[c], self.pad_id) for c in chunks]
 
 
 def eval_batches(
-    pairs: datasets.Dataset, world_size: int, rank: int, micro_batch: int, pad_id: int
-) -> Iterator[PairBatch]:
+    pairs: datasets.Dataset,
+    world_size: int,
+    rank: int,
+    micro_batch: int,
+    pad_id: int,
+    collate=collate_pairs,
+) -> Iterator:
     """This rank's eval micro-batches (same count on every rank; see ``eval_shard``)."""
     for idx, valid in eval_shard(len(pairs), world_size, rank, micro_batch):
-        yield collate_pairs(pairs[idx], pad_id, num_valid=valid)
+        yield collate(pairs[idx], pad_id, num_valid=valid)
 
 
 def hold_out(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import datasets
@@ -189,6 +189,22 @@ def check_keys(
             )
 
 
+RowCheck = Callable[[dict], "str | None"]
+
+
+def check_rows(dataset: datasets.Dataset, check: RowCheck, where: str) -> None:
+    """Fail on the first row ``check`` objects to, naming ``where`` (flag and source) and the
+    row, counted from 1 (a JSON Lines file's line number when it has no blank lines)."""
+    start = 0
+    for batch in dataset.iter(batch_size=4096):
+        n = len(next(iter(batch.values()))) if batch else 0
+        for i in range(n):
+            problem = check({k: v[i] for k, v in batch.items()})
+            if problem:
+                raise UserError(f"{where}: row {start + i + 1}: {problem}")
+        start += n
+
+
 def _mix(parts: list[datasets.Dataset], probs: list[float] | None, seed: int, flag_name: str):
     if len(parts) == 1:
         return parts[0]
@@ -212,6 +228,7 @@ def load_sources(
     probs_flag: str | None = None,
     columns: Mapping[str, str] | None = None,
     split: str = "train",
+    check: RowCheck | None = None,
 ) -> datasets.Dataset:
     """Load comma-separated sources and mix them into one dataset.
 
@@ -227,6 +244,8 @@ def load_sources(
         columns: flag name -> column this caller needs; each source is checked for them and
             reduced to them before mixing (sources may carry different extra columns).
         split: split to use when a source has several (single-split sources are used as is).
+        check: row -> problem or None, run on every row of each source before mixing, so that
+            a bad row is named by its source and position (:func:`check_rows`).
 
     Returns:
         A ``datasets.Dataset`` with at most ``max_samples`` rows.
@@ -243,6 +262,8 @@ def load_sources(
         if columns is not None:
             check_keys(part, list(columns.values()), list(columns), where=f"{flag_name} {src}")
             part = part.select_columns(list(dict.fromkeys(columns.values())))
+        if check is not None:
+            check_rows(part, check, f"{flag_name} {src}")
         log.info("%s %s: %d rows", flag_name, src, len(part))
         parts.append(part)
     mixed = _mix(parts, weights, seed, flag_name)

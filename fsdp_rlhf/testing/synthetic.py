@@ -100,3 +100,25 @@ def write_reward_file(path: str | Path, kind: str = "positive") -> Path:
     path = Path(path)
     path.write_text(body)
     return path
+
+
+# A fixed word -> word map: the continuation task `sft` tests and the demo learn.
+CONTINUATION_MAP = dict(
+    zip(
+        "cat dog bird fish tree sun moon star".split(),
+        "red blue green big small one two three".split(),
+        strict=True,
+    )
+)
+
+
+def continuation_rows(n: int, seed: int = 0) -> list[dict[str, str]]:
+    """``input``: a few words; ``output``: the word ``CONTINUATION_MAP`` gives the last one.
+    A model has to learn the map and where to look; random weights get it right by chance."""
+    rng = random.Random(seed)
+    keys = list(CONTINUATION_MAP)
+    rows = []
+    for _ in range(n):
+        words = [rng.choice(keys) for _ in range(rng.randint(2, 5))]
+        rows.append({"input": " ".join(words), "output": CONTINUATION_MAP[words[-1]]})
+    return rows

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,26 +17,21 @@ import datasets
 from fsdp_rlhf.config import RMBatchPlan, RMConfig
 from fsdp_rlhf.data.preference import hold_out, tokenize_pairs
 from fsdp_rlhf.data.prompts import check_chat_template
-from fsdp_rlhf.data.sources import load_sources
+from fsdp_rlhf.data.sources import RowCheck, load_sources
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.models.compile import check_compile_toolchain
 from fsdp_rlhf.models.load import check_model_path, load_tokenizer
 from fsdp_rlhf.models.save import check_save_path, recover_interrupted_export
+from fsdp_rlhf.trainers.offline import TrainData, steps_per_epoch
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class RMData:
-    """Tokenized train and eval pairs (columns ``chosen_ids``, ``rejected_ids``[, ``margin``])."""
-
-    tokenizer: Any
-    train: datasets.Dataset
-    eval: datasets.Dataset
-    steps_per_epoch: int
+# Tokenized train and eval pairs (columns ``chosen_ids``, ``rejected_ids``[, ``margin``]).
+RMData = TrainData
 
 
-def _columns(cfg: RMConfig) -> dict[str, str]:
+def pair_columns(cfg: RMConfig) -> dict[str, str]:
     """Flag -> dataset column this run reads."""
     d = cfg.data
     cols = {"--chosen_key": d.chosen_key, "--rejected_key": d.rejected_key}
@@ -49,7 +43,7 @@ def _columns(cfg: RMConfig) -> dict[str, str]:
 
 
 def check_paths(cfg: RMConfig) -> None:
-    """Cheap checks of paths given by flags."""
+    """Cheap checks of paths given by flags (also of `sft` and `dpo`: same sections)."""
     check_model_path(cfg.model.pretrain, "--pretrain")
     if cfg.backend.torch_compile:
         check_compile_toolchain()
@@ -66,16 +60,15 @@ def check_paths(cfg: RMConfig) -> None:
         raise UserError(f"--input_template {d.input_template!r}: must contain {{}} for the prompt")
 
 
-def prepare_rm_data(cfg: RMConfig, plan: RMBatchPlan) -> RMData:
-    """Validate flags and data, then tokenize train and eval pairs once.
-
-    The eval set is ``--eval_dataset`` or, without it, pairs held out from the training data
-    (1%, at least 8); its rewards also give the mean/std written next to the model.
-    """
-    check_paths(cfg)
+def load_raw(
+    cfg: RMConfig, columns: dict[str, str], check: RowCheck | None = None
+) -> tuple[datasets.Dataset, datasets.Dataset | None, Any]:
+    """The raw train rows (sources mixed by ``--dataset_probs``), the raw eval rows of
+    ``--eval_dataset`` (None without it) and the tokenizer, chat template checked; every
+    source is checked for ``columns`` (flag -> key) and, with ``check``, row by row.
+    Shared by train-rm, sft and dpo (same data flags)."""
     d = cfg.data
-    columns = _columns(cfg)
-    common = dict(max_samples=d.max_samples, seed=cfg.seed, columns=columns)
+    common = dict(max_samples=d.max_samples, seed=cfg.seed, columns=columns, check=check)
     train_raw = load_sources(
         d.dataset, d.dataset_probs, flag_name="--dataset", split=d.dataset_split, **common
     )
@@ -87,6 +80,18 @@ def prepare_rm_data(cfg: RMConfig, plan: RMBatchPlan) -> RMData:
     tokenizer = load_tokenizer(cfg.model.pretrain, cfg.backend, d.tokenizer_chat_template)
     if d.apply_chat_template:
         check_chat_template(tokenizer, cfg.model.pretrain)
+    return train_raw, eval_raw, tokenizer
+
+
+def prepare_rm_data(cfg: RMConfig, plan: RMBatchPlan) -> RMData:
+    """Validate flags and data, then tokenize train and eval pairs once.
+
+    The eval set is ``--eval_dataset`` or, without it, pairs held out from the training data
+    (1%, at least 8); its rewards also give the mean/std written next to the model.
+    """
+    check_paths(cfg)
+    d = cfg.data
+    train_raw, eval_raw, tokenizer = load_raw(cfg, pair_columns(cfg))
     train, _ = tokenize_pairs(train_raw, tokenizer, d, what="train")
     if eval_raw is None:
         train, eval_pairs = hold_out(train, cfg.seed)
@@ -95,21 +100,5 @@ def prepare_rm_data(cfg: RMConfig, plan: RMBatchPlan) -> RMData:
         eval_pairs, _ = tokenize_pairs(eval_raw, tokenizer, d, what="eval")
     if len(eval_pairs) == 0:
         raise UserError("the eval set is empty (after dropping identical pairs)")
-    steps_per_epoch = len(train) // cfg.batch.train_batch_size
-    if steps_per_epoch == 0:
-        raise UserError(
-            f"only {len(train)} training pairs (after dropping identical pairs and holding out "
-            f"the eval set), fewer than --train_batch_size {cfg.batch.train_batch_size}"
-        )
-    log.info(
-        "data: %d train pairs, %d eval pairs; %d steps/epoch x %d epochs; %d pairs per rank "
-        "per step in %d micro-batches of %d",
-        len(train),
-        len(eval_pairs),
-        steps_per_epoch,
-        cfg.batch.max_epochs,
-        plan.batch_size_per_rank,
-        plan.grad_accum_steps,
-        plan.micro_batch_size_per_rank,
-    )
-    return RMData(tokenizer, train, eval_pairs, steps_per_epoch)
+    steps = steps_per_epoch(len(train), cfg, plan, len(eval_pairs), "pairs")
+    return RMData(tokenizer, train, eval_pairs, steps)

@@ -1,9 +1,6 @@
-"""`train-rm` pieces built after the process group exists: the sharded model, and the plain
-state a checkpoint carries so that a resumed run can continue the same data order."""
+"""`train-rm`'s model, built after the process group exists."""
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 from torch import nn
@@ -13,9 +10,6 @@ from fsdp_rlhf.distributed.env import DistEnv
 from fsdp_rlhf.models.load import load_scalar_model
 from fsdp_rlhf.models.lora import add_lora
 from fsdp_rlhf.trainers.common import log_startup, prepare_model
-from fsdp_rlhf.trainers.rm_data import RMData
-
-RESUME_KEYS = ("train_pairs", "train_batch_size", "seed")
 
 
 def build_model(cfg: RMConfig, env: DistEnv, pad_token_id: int) -> nn.Module:
@@ -37,15 +31,3 @@ def build_model(cfg: RMConfig, env: DistEnv, pad_token_id: int) -> nn.Module:
     # Different dropout masks per rank from here on.
     torch.manual_seed(cfg.seed + env.rank)
     return model
-
-
-def resume_state(cfg: RMConfig, data: RMData, global_step: int) -> dict[str, Any]:
-    """Plain values saved with a checkpoint; resuming requires the same data and batch."""
-    epoch, step_in_epoch = divmod(global_step, data.steps_per_epoch)
-    return {
-        "epoch": epoch,
-        "step_in_epoch": step_in_epoch,
-        "train_pairs": len(data.train),
-        "train_batch_size": cfg.batch.train_batch_size,
-        "seed": cfg.seed,
-    }

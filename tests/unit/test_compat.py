@@ -11,11 +11,11 @@ import pytest
 from fsdp_rlhf.compat import translate
 from fsdp_rlhf.compat.openrlhf import PARSERS, TABLES, VERSIONS
 from fsdp_rlhf.compat.rules import Accept, Refuse, split_flags
-from fsdp_rlhf.config import PPOConfig, RMConfig
+from fsdp_rlhf.config import DPOConfig, PPOConfig, RMConfig, SFTConfig
 from fsdp_rlhf.config_base import ConfigError, build_config, parse_cli
 
 DATA = Path(__file__).resolve().parents[2] / "fsdp_rlhf" / "compat" / "data"
-CONFIGS = {"ppo": PPOConfig, "train-rm": RMConfig}
+CONFIGS = {"ppo": PPOConfig, "train-rm": RMConfig, "sft": SFTConfig, "dpo": DPOConfig}
 
 
 def _flags(parser: str, version: str) -> list[dict]:
@@ -83,6 +83,10 @@ def test_the_walk_covers_both_versions_of_both_parsers():
         ("ppo", "0.11.0"): 164,
         ("train-rm", "0.10.1.post2"): 70,
         ("train-rm", "0.11.0"): 79,
+        ("sft", "0.10.1.post2"): 69,
+        ("sft", "0.11.0"): 77,
+        ("dpo", "0.10.1.post2"): 74,
+        ("dpo", "0.11.0"): 82,
     }
 
 

@@ -24,11 +24,23 @@ import yaml
 from jsonschema import Draft202012Validator
 
 REPO = Path(__file__).resolve().parents[2]
-CMD_SCRIPTS = {"train-rm": REPO / "cmd" / "train_rm.sh", "ppo": REPO / "cmd" / "ppo.sh"}
-SBATCH = {"train-rm": REPO / "slurm" / "train_rm.sbatch", "ppo": REPO / "slurm" / "ppo.sbatch"}
+CMD_SCRIPTS = {
+    "train-rm": REPO / "cmd" / "train_rm.sh",
+    "ppo": REPO / "cmd" / "ppo.sh",
+    "sft": REPO / "cmd" / "sft.sh",
+    "dpo": REPO / "cmd" / "dpo.sh",
+}
+SBATCH = {
+    "train-rm": REPO / "slurm" / "train_rm.sbatch",
+    "ppo": REPO / "slurm" / "ppo.sbatch",
+    "sft": REPO / "slurm" / "sft.sbatch",
+    "dpo": REPO / "slurm" / "dpo.sbatch",
+}
 MANIFESTS = {
     "train-rm": REPO / "k8s" / "rm-pytorchjob.yaml",
     "ppo": REPO / "k8s" / "ppo-pytorchjob.yaml",
+    "sft": REPO / "k8s" / "sft-pytorchjob.yaml",
+    "dpo": REPO / "k8s" / "dpo-pytorchjob.yaml",
 }
 TIMEOUT = 10
 
@@ -86,6 +98,47 @@ def aiak_ppo_flags(
     )
 
 
+# OpenRLHF's train_sft / train_dpo examples (Llama 3 8B), on AIAK-style paths.
+SFT_PATHS = {
+    "SAVE_PATH": "/mnt/cluster/models/Llama-2-7b-sft-model-ocra-500k/",
+    "PRETRAIN_PATH": "/mnt/cluster/test/models/Llama-2-7b-hf/",
+    "DATASET_PATH": "/mnt/cluster/test/dataset/Open-Orca/OpenOrca",
+    "TENSORBOARD_PATH": "/mnt/cluster/tensorboard-log",
+}
+DPO_PATHS = {
+    "SAVE_PATH": "/mnt/cluster/models/Llama-2-7b-dpo-model/",
+    "SFT_MODEL_PATH": "/mnt/cluster/test/models/Llama-2-7b-sft-model-ocra-500k/",
+    "DATASET_PATH": "/mnt/cluster/test/dataset/OpenRLHF/preference_dataset_mixture2_and_safe_pku",
+    "TENSORBOARD_PATH": "/mnt/cluster/tensorboard-log",
+}
+
+
+def sft_flags(p: dict[str, str] = SFT_PATHS) -> list[str]:
+    return shlex.split(
+        f"--save_path {p['SAVE_PATH']} --save_steps {SAVE_STEPS} --logging_steps 1"
+        " --eval_steps -1 --train_batch_size 256 --micro_train_batch_size 2"
+        f" --pretrain {p['PRETRAIN_PATH']} --bf16 --max_epochs 1 --max_len 2048 --zero_stage 2"
+        f" --learning_rate 5e-6 --dataset {p['DATASET_PATH']} --input_key question"
+        " --output_key response --max_samples 500000 --flash_attn"
+        f" --tensorboard {p['TENSORBOARD_PATH']} --gradient_checkpointing"
+    )
+
+
+def dpo_flags(p: dict[str, str] = DPO_PATHS) -> list[str]:
+    return shlex.split(
+        f"--save_path {p['SAVE_PATH']} --save_steps {SAVE_STEPS} --logging_steps 1"
+        " --eval_steps -1 --train_batch_size 256 --micro_train_batch_size 1"
+        f" --pretrain {p['SFT_MODEL_PATH']} --bf16 --max_epochs 1 --max_len 8192 --zero_stage 3"
+        f" --learning_rate 5e-7 --beta 0.1 --dataset {p['DATASET_PATH']} --apply_chat_template"
+        " --chosen_key chosen --rejected_key rejected --flash_attn"
+        f" --tensorboard {p['TENSORBOARD_PATH']} --gradient_checkpointing"
+    )
+
+
+# Launchers whose flags are the same on every platform (only train-rm and ppo differ: seeds).
+OFFLINE_FLAGS = {"sft": (sft_flags, SFT_PATHS), "dpo": (dpo_flags, DPO_PATHS)}
+
+
 def ckpt_flags(save_path: str) -> list[str]:
     return ["--ckpt_path", save_path.rstrip("/") + "/checkpoints"]
 
@@ -104,7 +157,7 @@ LAUNCHER_VARS = (
     "MASTER_ADDR MASTER_PORT WORLD_SIZE RANK GPUS_PER_NODE VLLM_TENSOR_PARALLEL_SIZE SAVE_PATH"
     " CKPT_PATH SFT_MODEL_PATH REWARD_MODEL_PATH DATASET_PATH TENSORBOARD_PATH"
     " AIHC_TENSORBOARD_LOG_PATH NCCL_SOCKET_IFNAME NCCL_IB_HCA NCCL_IB_GID_INDEX DRY_RUN"
-    " GLOO_SOCKET_IFNAME TORCH_ELASTIC_SHUTDOWN_TIMEOUT SAVE_STEPS"
+    " GLOO_SOCKET_IFNAME TORCH_ELASTIC_SHUTDOWN_TIMEOUT SAVE_STEPS PRETRAIN_PATH"
 ).split()
 
 
@@ -334,6 +387,7 @@ def all_shell_files() -> list[Path]:
 def test_launcher_files_exist():
     files = {p.relative_to(REPO).as_posix() for p in all_shell_files()}
     assert {"cmd/train_rm.sh", "cmd/ppo.sh", "slurm/train_rm.sbatch", "slurm/ppo.sbatch"} <= files
+    assert {"cmd/sft.sh", "cmd/dpo.sh", "slurm/sft.sbatch", "slurm/dpo.sbatch"} <= files
     for path in MANIFESTS.values():
         assert path.is_file()
 
@@ -686,6 +740,9 @@ def test_configmap_launch_script(cmd: str, tmp_path: Path):
     if cmd == "ppo":
         expected = aiak_ppo_flags(nnodes=2, gpus=8, tp=1, engines=16) + PPO_PERIODIC
         expected += resume_flags(PPO_PATHS["SAVE_PATH"])
+    elif cmd in OFFLINE_FLAGS:
+        make, paths = OFFLINE_FLAGS[cmd]
+        expected = make() + resume_flags(paths["SAVE_PATH"])
     else:
         expected = aiak_rm_flags() + resume_flags(RM_PATHS["SAVE_PATH"])
     assert flags == expected
@@ -719,7 +776,7 @@ def sbatch_directives(path: Path) -> list[str]:
     return lines
 
 
-SIGNAL_LEAD_S = {"train-rm": 300, "ppo": 600}
+SIGNAL_LEAD_S = {"train-rm": 300, "ppo": 600, "sft": 300, "dpo": 300}
 
 
 @pytest.mark.parametrize("cmd", SBATCH)
@@ -752,10 +809,13 @@ def test_sbatch_renders_torchrun_for_two_nodes(cmd: str, fakes):
     assert opt(launcher, "--rdzv_backend") == "c10d"
     assert opt(launcher, "--rdzv_endpoint") == "node-a:20123"  # head node, port from the job id
     assert opt(launcher, "--rdzv_id") == "123"
-    save = (PPO_PATHS if cmd == "ppo" else RM_PATHS)["SAVE_PATH"]
+    paths = {"ppo": PPO_PATHS, **{c: p for c, (_, p) in OFFLINE_FLAGS.items()}}
+    save = paths.get(cmd, RM_PATHS)["SAVE_PATH"]
     assert flags[-2:] == ["--seed", "7"]  # extra sbatch arguments come last
     if cmd == "ppo":
         expected = aiak_ppo_flags(nnodes=2, gpus=8, tp=1, engines=16) + PPO_PERIODIC
+    elif cmd in OFFLINE_FLAGS:
+        expected = OFFLINE_FLAGS[cmd][0]()
     else:
         expected = aiak_rm_flags()
     assert flags[:-2] == expected + resume_flags(save)
@@ -814,7 +874,7 @@ def test_sbatch_finished_run_is_not_requeued(fakes):
 # ---------------------------------------------------------------- cmd/*.sh
 
 
-def test_cmd_train_rm_flags_match_seed():
+def test_cmd_train_rm_flags_match_aiak_script():
     launcher, sub, flags = split_at_cli(dry_run(CMD_SCRIPTS["train-rm"]))
     assert sub == "train-rm"
     assert launcher == shlex.split(
@@ -824,7 +884,19 @@ def test_cmd_train_rm_flags_match_seed():
     assert flags == aiak_rm_flags() + ckpt_flags(RM_PATHS["SAVE_PATH"])
 
 
-def test_cmd_ppo_flags_match_seed():
+@pytest.mark.parametrize("cmd", sorted(OFFLINE_FLAGS))
+def test_cmd_sft_dpo_flags_match_openrlhf_examples(cmd: str):
+    launcher, sub, flags = split_at_cli(dry_run(CMD_SCRIPTS[cmd]))
+    assert sub == cmd
+    assert launcher == shlex.split(
+        "torchrun --nproc_per_node 8 --nnodes 1 --node_rank 0"
+        " --master_addr 127.0.0.1 --master_port 29500"
+    )
+    make, paths = OFFLINE_FLAGS[cmd]
+    assert flags == make() + ckpt_flags(paths["SAVE_PATH"])
+
+
+def test_cmd_ppo_flags_match_aiak_script():
     argv = dry_run(CMD_SCRIPTS["ppo"])
     text = " ".join(argv)
     for snippet in (
@@ -911,13 +983,15 @@ def rendered_commands(tmp_path: Path, fakes) -> list[tuple[str, list[str]]]:
 
 def test_rendered_flags_parse_with_the_cli(tmp_path: Path, fakes):
     """Every launcher's flags are accepted by fsdp-rlhf's own config parser."""
-    from fsdp_rlhf.config import PPOConfig, RMConfig
+    from fsdp_rlhf.config import DPOConfig, PPOConfig, RMConfig, SFTConfig
     from fsdp_rlhf.config_base import build_config
 
     rendered = rendered_commands(tmp_path, fakes)
-    assert sorted(sub for sub, _ in rendered) == ["ppo"] * 3 + ["train-rm"] * 3
+    subs = sorted(sub for sub, _ in rendered)
+    assert subs == ["dpo"] * 3 + ["ppo"] * 3 + ["sft"] * 3 + ["train-rm"] * 3
+    configs = {"ppo": PPOConfig, "train-rm": RMConfig, "sft": SFTConfig, "dpo": DPOConfig}
     for sub, flags in rendered:
-        cfg, _ = build_config(PPOConfig if sub == "ppo" else RMConfig, flags)
+        cfg, _ = build_config(configs[sub], flags)
         assert cfg.ckpt.load_checkpoint == ("--load_checkpoint" in flags)
 
 

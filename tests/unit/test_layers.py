@@ -1,8 +1,8 @@
 """The package's import graph: lower layers never import upward.
 
 algorithms/ is pure tensor math (torch and itself); distributed/, rollout/, data/, models/
-never import trainers/ or the entry points; inside trainers/ only the two entry modules
-(ppo.py, rm.py) and nothing imports them; the library never imports its test fixtures.
+never import trainers/ or the entry points; inside trainers/ nothing imports the command
+modules (ppo.py, rm.py, sft.py, dpo.py); the library never imports its test fixtures.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 PKG = Path(__file__).resolve().parents[2] / "fsdp_rlhf"
 LOWER = ("algorithms", "distributed", "rollout", "data", "models")
 ENTRY_POINTS = ("fsdp_rlhf.cli", "fsdp_rlhf.doctor", "fsdp_rlhf.trainers")
-TRAINER_ENTRIES = ("fsdp_rlhf.trainers.ppo", "fsdp_rlhf.trainers.rm")
+TRAINER_ENTRIES = tuple(f"fsdp_rlhf.trainers.{m}" for m in ("ppo", "rm", "sft", "dpo"))
 _ENTRY_PREFIXES = tuple(f"{m}." for m in TRAINER_ENTRIES)
 
 

@@ -1,0 +1,109 @@
+"""`fsdp-rlhf sft`: supervised fine-tuning of a causal LM on FSDP2.
+
+Table of contents, in call order (the loop is :func:`fsdp_rlhf.trainers.common.fit`, the step
+bookkeeping :class:`fsdp_rlhf.trainers.offline.OfflineTrainer`)::
+
+    prepare         check every row, tokenize with the mask of learned tokens (no communication)
+    SFTTrainer      policy (full or LoRA) -> fully_shard -> AdamW + schedule -> resume
+    update          one optimizer step: token-mean NLL over the whole global batch
+    evaluate        eval loss (with --eval_dataset)
+    finish          final evaluate, then the HF model (atomic export)
+
+The loss is the mean negative log-likelihood over every learned token of the global batch
+(all ranks, all micro-batches): each micro-batch's NLL sum is divided by that global count and
+gradients are summed over ranks, so a long sample weighs by its tokens whatever rank and
+micro-batch it lands in.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from fsdp_rlhf.config import RMBatchPlan, SFTConfig
+from fsdp_rlhf.data.sft import SFTBatch, collate_samples
+from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars
+from fsdp_rlhf.distributed.fsdp import accumulate
+from fsdp_rlhf.distributed.stats import global_token_count
+from fsdp_rlhf.models.label_logprobs import Layout, label_logprobs
+from fsdp_rlhf.trainers import common
+from fsdp_rlhf.trainers.lm_setup import build_policy
+from fsdp_rlhf.trainers.offline import OfflineTrainer, TrainData, prepare_command
+from fsdp_rlhf.trainers.sft_data import prepare_sft_data
+
+log = logging.getLogger(__name__)
+
+TRAIN_KEYS = ["loss", "tokens", "lr", "grad_norm"]
+
+
+def main(cfg: SFTConfig, debug: bool = False) -> int:
+    """Fine-tune a causal LM; returns the process exit code (0, also after a graceful stop)."""
+    return common.launch(cfg, debug, prepare, SFTTrainer)
+
+
+def prepare(cfg: SFTConfig, world_size: int) -> tuple[RMBatchPlan, TrainData]:
+    return prepare_command(cfg, world_size, prepare_sft_data)
+
+
+def _forward(model: nn.Module, batch: SFTBatch, device: torch.device, layout: Layout):
+    ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
+    learned = batch.loss_mask.to(device)
+    return label_logprobs(model, ids, mask, learned, layout), learned
+
+
+@torch.no_grad()
+def sft_evaluate(
+    model: nn.Module, batches: list[SFTBatch], device: torch.device, layout: Layout
+) -> dict[str, float]:
+    """Token-mean NLL over every learned token of the eval set (a collective)."""
+    model.eval()
+    sums = {"nll": 0.0, "tokens": 0.0}
+    for batch in batches:
+        logprobs, learned = _forward(model, batch, device, layout)
+        learned[batch.num_valid :] = False  # rows padding an uneven shard
+        sums["nll"] -= logprobs[learned].sum().item()
+        sums["tokens"] += learned.sum().item()
+    model.train()
+    tot = all_reduce_scalars(sums, op="sum")
+    return {"eval/loss": tot["nll"] / max(tot["tokens"], 1.0)}
+
+
+class SFTTrainer(OfflineTrainer):
+    """One causal LM, its optimizer and schedule; ``step`` counts finished optimizer steps."""
+
+    command = "sft"
+    model_name = "policy"
+    train_keys = TRAIN_KEYS
+
+    def __init__(self, cfg: SFTConfig, env: DistEnv, prepared: tuple[RMBatchPlan, TrainData]):
+        plan, data = prepared
+        common.write_run_config(cfg, env)
+        model = build_policy(cfg, env, grad_reduce="sum")
+        self.layout: Layout = "packed" if cfg.batch.packing_samples else "padded"
+        super().__init__(cfg, env, plan, data, model, collate=collate_samples, guard_name="policy")
+
+    def update(self, batches: list[SFTBatch]) -> dict[str, float]:
+        """Forward/backward over this rank's micro-batches, then the optimizer step.
+
+        The model sums gradients over ranks (``grad_reduce="sum"``). Returns this rank's share
+        of the global token-mean ``loss`` (its mean over ranks is the global mean), its learned
+        ``tokens``, the global ``grad_norm`` and the ``lr`` this step used.
+        """
+        n_global = global_token_count([b.loss_mask for b in batches])  # one all-reduce
+        nll = 0.0
+        for i, batch in enumerate(batches):
+            accumulate(self.model, i == len(batches) - 1, self.cfg.fsdp.zero_stage)
+            logprobs, _ = _forward(self.model, batch, self.env.device, self.layout)
+            loss = -logprobs.sum() / n_global
+            loss.backward()
+            nll += loss.item()
+        tokens = sum(int(b.loss_mask.sum()) for b in batches)
+        stats = {"loss": nll * self.env.world_size, "tokens": float(tokens)}
+        return {**stats, **self.optimizer_step()}
+
+    def evaluate(self) -> dict[str, float] | None:
+        if self.data.eval is None:
+            return None
+        return sft_evaluate(self.model, self.eval_batches(), self.env.device, self.layout)
