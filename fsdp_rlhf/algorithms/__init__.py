@@ -29,7 +29,13 @@ from .losses import (
 )
 from .masked import masked_mean, masked_sum, masked_var, masked_whiten
 from .passk import eval_pass_metrics, pass_at_k, pass_at_k_per_prompt
-from .rewards import RunningMeanStd, clip_scores, overlong_penalty, shape_rewards
+from .rewards import (
+    RunningMeanStd,
+    clip_scores,
+    overlong_penalty,
+    shape_rewards,
+    stop_properly_penalty,
+)
 
 __all__ = [
     "Advantages",
@@ -67,6 +73,7 @@ __all__ = [
     "rollout_correction",
     "rollout_mismatch_metrics",
     "shape_rewards",
+    "stop_properly_penalty",
     "truncated_is_weights",
     "value_loss",
 ]

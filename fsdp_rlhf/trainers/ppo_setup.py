@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,6 +20,7 @@ from torch import nn
 
 from fsdp_rlhf.config import PPOBatchPlan, PPOConfig, plan_ppo_batches
 from fsdp_rlhf.data.prompts import Prompt, check_chat_template, tokenize_prompts
+from fsdp_rlhf.distributed.ema import ShardedEMA
 from fsdp_rlhf.distributed.env import DistEnv
 from fsdp_rlhf.distributed.offload import offload_model, offload_optimizer
 from fsdp_rlhf.errors import UserError
@@ -272,6 +275,33 @@ def build_optimizers(cfg: PPOConfig, models: Models, total_updates: int) -> tupl
             optimizers["critic"], cfg.critic_optim, total_updates
         )
     return optimizers, schedulers
+
+
+def build_ema(cfg: PPOConfig, actor: nn.Module, optimizer) -> ShardedEMA | None:
+    """``--enable_ema``: the actor's EMA, updated after each of its optimizer steps; in host
+    memory when the run offloads (``--adam_offload``, ``--ref_reward_offload``)."""
+    if not cfg.algo.enable_ema:
+        return None
+    host = cfg.fsdp.adam_offload or cfg.placement.ref_reward_offload
+    ema = ShardedEMA(actor, cfg.algo.ema_beta, host=host)
+    ema.attach(optimizer)
+    devices = sorted({str(t.device) for t in ema.shadow.values()})
+    log.info(
+        "EMA of the actor (beta %g, fp32 shards on %s): the model saved at the end",
+        ema.beta,
+        ", ".join(devices),
+    )
+    return ema
+
+
+def check_ema_resumable(path: Path, enabled: bool) -> None:
+    """A checkpoint written without --enable_ema has no EMA to resume with it."""
+    saved = json.loads((path / "trainer.json").read_text())
+    if enabled and not saved.get("enable_ema", False):
+        raise UserError(
+            f"--load_checkpoint {path}: written without --enable_ema, so it holds no EMA of the "
+            "actor; resume without --enable_ema or start with a new --ckpt_path"
+        )
 
 
 def build_prompts(cfg: PPOConfig, rows, tokenizer) -> list[Prompt]:

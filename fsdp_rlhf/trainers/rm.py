@@ -105,7 +105,7 @@ class RMTrainer:
         self.loader = PreferenceLoader(
             self.data.train, schedule, self.plan.micro_batch_size_per_rank, pad_id
         )
-        self.metrics = common.open_metrics(cfg, env, self.step)
+        self.metrics = common.open_metrics(cfg, env, self.step, "rm")
         self.progress = Progress(env.rank, self.total_steps, "train-rm", start=self.step)
         self.window = _Window()
         self.started, self.first_step = time.monotonic(), self.step
@@ -159,7 +159,7 @@ class RMTrainer:
             **resume_state(self.cfg, self.data, self.step),
             "guard": self.guard.state_dict(),
         }
-        common.save(self.cfg.ckpt, self.step, self.state, trainer_state)
+        common.save(self.cfg.ckpt, self.step, self.state, trainer_state, self._export)
 
     def finish(self) -> None:
         """Final eval, then the HF model (atomically) with the eval reward mean/std.
@@ -169,21 +169,8 @@ class RMTrainer:
         """
         stats = self.evaluate()
         self.metrics.log(self.step, stats)
-        extra = {
-            "reward_mean": stats["eval/reward_mean"],
-            "reward_std": stats["eval/reward_std"],
-            # OpenRLHF's loaders look the head up under this name; ours is always `score`.
-            "value_head_prefix": "score",
-        }
-        path = save_model(
-            self.model,
-            self.data.tokenizer,
-            self.cfg.ckpt.save_path,
-            self.cfg.lora,
-            base_path=self.cfg.model.pretrain,
-            head="score",
-            extra_config=extra,
-        )
+        extra = {"reward_mean": stats["eval/reward_mean"], "reward_std": stats["eval/reward_std"]}
+        path = self._export(self.cfg.ckpt.save_path, extra)
         if self.cfg.lora.enabled and not self.cfg.lora.merge_lora:
             log.warning(
                 "%s holds the LoRA adapter only (adapter/); ppo --reward_pretrain needs a full "
@@ -195,6 +182,20 @@ class RMTrainer:
             path,
             extra["reward_mean"],
             extra["reward_std"],
+        )
+
+    def _export(self, path, extra: dict | None = None):
+        """The HF reward model (collective): the final one, or a checkpoint's with
+        --save_hf_ckpt (no eval statistics there: they come from the final evaluation)."""
+        return save_model(
+            self.model,
+            self.data.tokenizer,
+            path,
+            self.cfg.lora,
+            base_path=self.cfg.model.pretrain,
+            head="score",
+            # OpenRLHF's loaders look the head up under this name; ours is always `score`.
+            extra_config={**(extra or {}), "value_head_prefix": "score"},
         )
 
     def close(self) -> None:
