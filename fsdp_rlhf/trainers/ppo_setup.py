@@ -38,6 +38,7 @@ from fsdp_rlhf.models.save import check_save_path, recover_interrupted_export
 from fsdp_rlhf.models.shared_prefix import shared_group_size, sharing_blocker
 from fsdp_rlhf.optim import build_optimizer, build_scheduler
 from fsdp_rlhf.rollout import AdapterSpec, HFEngine, RolloutEngine, build_rollout_groups
+from fsdp_rlhf.rollout.agent import load_agent_class
 from fsdp_rlhf.rollout.env import load_environment
 from fsdp_rlhf.rollout.memory_budget import check_device_budget
 from fsdp_rlhf.trainers.common import log_startup, prepare_model
@@ -86,7 +87,7 @@ def _check_lora(cfg: PPOConfig) -> None:
 def _check_rewards(cfg: PPOConfig) -> None:
     """Reward sources: paths, normalisation statistics, the rule reward and its token."""
     m = cfg.models
-    if cfg.multiturn.env_file is not None:
+    if cfg.multiturn.source is not None:
         _check_env(cfg)
         return
     if not m.reward_pretrain and not m.remote_rm_url:
@@ -108,19 +109,23 @@ def _check_rewards(cfg: PPOConfig) -> None:
 
 
 def _check_env(cfg: PPOConfig) -> None:
-    """--env_file: its rewards are the scores; it must load and define the contract."""
-    m, path = cfg.models, cfg.multiturn.env_file
+    """--env_file / --agent_func_path: its rewards are the scores; it must load and define
+    the contract."""
+    m, (source, path) = cfg.models, cfg.multiturn.source
     for flag, value in (
         ("--reward_pretrain", m.reward_pretrain),
         ("--remote_rm_url", m.remote_rm_url),
     ):
         if value:
             raise UserError(
-                f"--env_file {path}: the environment's rewards are the scores; drop {flag}"
+                f"{source} {path}: the environment's rewards are the scores; drop {flag}"
             )
     if cfg.eval.eval_dataset:
-        raise UserError(f"--env_file {path}: --eval_dataset evaluates single-turn only; drop it")
-    load_environment(path, cfg.multiturn.env_timeout_s)
+        raise UserError(f"{source} {path}: --eval_dataset evaluates single-turn only; drop it")
+    if cfg.multiturn.env_file is not None:
+        load_environment(path, cfg.multiturn.env_timeout_s)
+    else:
+        load_agent_class(path)
 
 
 def _check_outputs(cfg: PPOConfig) -> None:
