@@ -270,11 +270,13 @@ def resume(
     return saved
 
 
-def open_metrics(cfg: Any, env: DistEnv, resumed_step: int, command: str) -> MetricLogger:
+def open_metrics(cfg: Any, env: DistEnv, resumed_step: int) -> MetricLogger:
     """The run's metric sinks. A resumed run continues the interrupted run's metrics.jsonl,
     minus the rows it wrote after its last checkpoint (those steps are about to be redone).
-    With ``--use_wandb``, rank 0 also starts a W&B run (``command``: ``ppo``, ``rm``) whose
-    config is the redacted one of config.yaml; a resumed run starts a new W&B run."""
+    With ``--use_wandb``, rank 0 also starts a W&B run whose config is the redacted one of
+    config.yaml (its default names come from the command: ``PPOConfig`` -> ``ppo``); a
+    resumed run starts a new W&B run."""
+    command = type(cfg).__name__.removesuffix("Config").lower()
     path = Path(cfg.ckpt.save_path) / "metrics.jsonl"
     if resumed_step > 0 and env.is_rank0:
         truncate_metrics(path, after_step=resumed_step)

@@ -148,7 +148,7 @@ class PPOTrainer:
         self.step = 0
         self._resume()  # optimizer state is created here, while the engine sleeps
         offload_idle(self.models, self.optimizers, cfg.placement.ref_reward_offload, env.device)
-        self.logger = common.open_metrics(cfg, env, self.step, "ppo")
+        self.logger = common.open_metrics(cfg, env, self.step)
         log.info(
             "PPO: %d steps, %d prompts/step x %d samples, world %d (%d engines x TP %d)",
             self.total_steps,

@@ -105,7 +105,7 @@ class RMTrainer:
         self.loader = PreferenceLoader(
             self.data.train, schedule, self.plan.micro_batch_size_per_rank, pad_id
         )
-        self.metrics = common.open_metrics(cfg, env, self.step, "rm")
+        self.metrics = common.open_metrics(cfg, env, self.step)
         self.progress = Progress(env.rank, self.total_steps, "train-rm", start=self.step)
         self.window = _Window()
         self.started, self.first_step = time.monotonic(), self.step
