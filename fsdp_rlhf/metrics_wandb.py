@@ -112,7 +112,12 @@ class WandbRun:
         self.run.log({tag: wandb.Table(columns=columns, data=data)}, step=step)
 
     def close(self, exit_code: int = 0) -> None:
+        import wandb
+
         self.run.finish(exit_code=exit_code)
+        # finish() can return before wandb's service has written the run file (offline runs
+        # measured empty right after it); teardown waits for the service to flush and stop
+        wandb.teardown()
         if self.offline_dir is not None:
             where = self.offline_dir
             log.info("W&B offline run: %s (upload: wandb sync %s)", where, where)

@@ -58,7 +58,7 @@ def test_offline_run_holds_the_metrics_and_the_redacted_config(tmp_path, caplog)
     logger.log(2, {"critic/score/mean": 0.75, "actor/pg_loss": float("nan")}, console=False)
     logger.table("samples", [{"prompt": "p", "response": "r", "score": 1.0}], 2)
     logger.close()
-    (line,) = [r.getMessage() for r in caplog.records if "W&B" in r.getMessage()]
+    (line,) = [r.getMessage() for r in caplog.records if "W&B: logging" in r.getMessage()]
     assert "offline" in line and "no API key" in line
     offline = run.offline_dir
     assert str(offline) in line and f"wandb sync {offline}" in line
@@ -85,9 +85,9 @@ def test_a_key_with_an_unreachable_server_goes_offline_fast(tmp_path, monkeypatc
     assert time.monotonic() - started < 30
     run.log({"loss": 1.0}, 1)
     run.close()
-    (line,) = [r.getMessage() for r in caplog.records if "W&B" in r.getMessage()]
+    (line,) = [r.getMessage() for r in caplog.records if "W&B: logging" in r.getMessage()]
     assert "unreachable" in line and KEY not in line
-    assert run.run.name == "r" and history(_run_file(tmp_path))[0]["loss"] == 1.0
+    assert run.run.name == "r" and [r["loss"] for r in history(_run_file(tmp_path))] == [1.0]
     _no_key_anywhere(tmp_path)
 
 
@@ -106,7 +106,7 @@ def test_a_server_that_never_answers_bounds_the_online_start(tmp_path, monkeypat
         run = metrics_wandb.open_wandb(LoggingConfig(use_wandb=KEY), "ppo", {}, tmp_path)
     assert time.monotonic() - started < 40
     run.close()
-    (line,) = [r.getMessage() for r in caplog.records if "W&B" in r.getMessage()]
+    (line,) = [r.getMessage() for r in caplog.records if "W&B: logging" in r.getMessage()]
     assert "online start failed" in line and run.offline_dir is not None
     _no_key_anywhere(tmp_path)
     hole.close()
