@@ -52,14 +52,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from fsdp_rlhf.errors import UserError
-from fsdp_rlhf.rollout.env import (
-    Environment,
-    EnvResult,
-    NewPrompt,
-    _call_all,
-    _check_step,
-    import_user_file,
-)
+from fsdp_rlhf.rollout.env import Environment, NewPrompt, import_user_file
 
 log = logging.getLogger("fsdp_rlhf")
 
@@ -252,23 +245,19 @@ class AgentEnvironment(Environment):
             future.cancel()  # the call is reported as timed out; stop its coroutine
             raise
 
-    def reset(self, prompts: Sequence[str], labels: Sequence[Any]) -> list[EnvResult]:
+    def _reset_calls(self, prompts: Sequence[str], labels: Sequence[Any]) -> list[tuple]:
+        """A new batch: one agent instance per slot, created by its reset call."""
         n = len(prompts)
         self.instances, self.texts = [None] * n, list(prompts)
         self.labels, self.logs = list(labels), [{} for _ in range(n)]
-        calls = [(i, p, label) for i, (p, label) in enumerate(zip(prompts, labels, strict=True))]
-        return self._report(_call_all(self._reset_one, calls, self.timeout_s, lambda v: v))
+        return [(i, p, label) for i, (p, label) in enumerate(zip(prompts, labels, strict=True))]
 
-    def step(
-        self,
-        histories: Sequence[list[dict]],
-        actions: Sequence[str],
-        slots: Sequence[int] | None = None,
-    ) -> list[EnvResult]:
+    def _step_calls(self, histories, actions, slots) -> list[tuple]:
         if slots is None:
             raise ValueError("an agent environment needs the trajectories' slots")
-        calls = list(zip(slots, actions, strict=True))
-        return self._report(_call_all(self._step_one, calls, self.timeout_s, _check_step))
+        return list(zip(slots, actions, strict=True))
+
+    _check_reset = staticmethod(lambda value: value)  # _reset_one checks it
 
     def trajectory_logs(self) -> list[dict[str, float]]:
         return self.logs

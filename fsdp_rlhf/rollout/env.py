@@ -140,8 +140,8 @@ class Environment:
         """Called before each batch's ``reset`` with its sampling settings."""
 
     def reset(self, prompts: Sequence[str], labels: Sequence[Any]) -> list[EnvResult]:
-        calls = list(zip(prompts, labels, strict=True))
-        return self._report(_call_all(self._reset, calls, self.timeout_s, _check_observation))
+        calls = self._reset_calls(prompts, labels)
+        return self._report(_call_all(self._reset, calls, self.timeout_s, self._check_reset))
 
     def step(
         self,
@@ -149,8 +149,17 @@ class Environment:
         actions: Sequence[str],
         slots: Sequence[int] | None = None,
     ) -> list[EnvResult]:
-        calls = list(zip(histories, actions, strict=True))
+        calls = self._step_calls(histories, actions, slots)
         return self._report(_call_all(self._step, calls, self.timeout_s, _check_step))
+
+    # the arguments of each reset / step call, and the check of a reset's result
+    def _reset_calls(self, prompts: Sequence[str], labels: Sequence[Any]) -> list[tuple]:
+        return list(zip(prompts, labels, strict=True))
+
+    def _step_calls(self, histories, actions, slots) -> list[tuple]:
+        return list(zip(histories, actions, strict=True))
+
+    _check_reset = staticmethod(_check_observation)
 
     def trajectory_logs(self) -> list[dict[str, float]] | None:
         """Per-slot numbers the environment reported for the last batch (None: none kept)."""
