@@ -60,7 +60,7 @@ COPY . .
 
 # flash-attn's setup imports torch, so it is built without build isolation against the torch
 # checked above; the same check runs again after in case the extra's resolution moved it.
-RUN pip install --no-build-isolation -e ".[gpu]" \
+RUN pip install --no-build-isolation -e ".[gpu,wandb]" \
     && python -c "import sys, torch, vllm, flash_attn, fsdp_rlhf; \
 got = (torch.__version__.split('+')[0], (torch.version.cuda or '')[:len('${CUDA_VERSION}')], \
 vllm.__version__, flash_attn.__version__); \

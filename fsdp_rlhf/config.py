@@ -8,6 +8,7 @@ config.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import ClassVar, Literal
@@ -97,6 +98,30 @@ class CheckpointConfig:
     ckpt_path: str = doc("./ckpt/checkpoints", "Folder of resumable DCP checkpoints.")
     load_checkpoint: bool = doc(False, "Resume from the newest complete checkpoint in ckpt_path.")
     max_ckpt_num: int = doc(3, "Keep at most this many checkpoints.")
+    max_ckpt_mem: float | None = doc(
+        None,
+        "GiB: after each save, delete the oldest checkpoints until those in ckpt_path total at "
+        "most this (the newest is always kept; none or inf: no limit).",
+    )
+    save_hf_ckpt: bool = doc(
+        False,
+        "Also write a HF model into each checkpoint (step_N/hf; PPO's critic in step_N/hf/"
+        "critic), rotated with it.",
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_ckpt_mem is not None and not self.max_ckpt_mem > 0:
+            raise ConfigError(f"max_ckpt_mem must be > 0 GiB, got {self.max_ckpt_mem}")
+
+    @property
+    def max_ckpt_bytes(self) -> float | None:
+        """``max_ckpt_mem`` in bytes; None when unlimited."""
+        if self.max_ckpt_mem is None or math.isinf(self.max_ckpt_mem):
+            return None
+        return self.max_ckpt_mem * 2**30
+
+
+FALSE_WORDS = ("", "false", "0", "no", "off", "none")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,10 +131,26 @@ class LoggingConfig:
     logging_steps: int = doc(1, "Log every N optimizer steps.")
     eval_steps: int = doc(-1, "Evaluate every N steps (-1: only at the end).")
     tensorboard: str | None = doc(None, "TensorBoard log folder (none: no TensorBoard).")
+    use_wandb: str | None = doc(
+        None,
+        "Weights & Biases: an API key, or True to use WANDB_API_KEY / `wandb login` (none: off). "
+        "Offline (a local run to `wandb sync`) without a key or a reachable server.",
+        secret=True,
+    )
+    wandb_org: str | None = doc(None, "W&B entity (team or user; none: the key's default).")
+    wandb_group: str | None = doc(None, "W&B run group.")
+    wandb_project: str | None = doc(None, "W&B project (none: openrlhf_train_<command>).")
+    wandb_run_name: str | None = doc(None, "W&B run name (none: <command>_<MMDD>T<HH:MM>).")
 
     def __post_init__(self) -> None:
         if self.logging_steps < 1:
             raise ConfigError(f"logging_steps must be >= 1, got {self.logging_steps}")
+        if self.use_wandb is not None and self.use_wandb.strip().lower() in FALSE_WORDS:
+            object.__setattr__(self, "use_wandb", None)  # --use_wandb False: off
+
+    @property
+    def wandb_enabled(self) -> bool:
+        return self.use_wandb is not None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -503,6 +544,17 @@ class PPOAlgoConfig:
         "linearly up to -overlong_penalty_factor at generate_max_len (none: off).",
     )
     overlong_penalty_factor: float = doc(1.0, "Largest overlong penalty (DAPO).")
+    stop_properly_penalty_coef: float | None = doc(
+        None,
+        "ProRL: scores of responses cut by generate_max_len (no EOS): in [0, 1] they are "
+        "multiplied by it, below 0 they are replaced by it (none: off).",
+    )
+    enable_ema: bool = doc(
+        False,
+        "Keep an exponential moving average of the actor's weights (updated after every actor "
+        "optimizer step, checkpointed); it is the model exported to save_path.",
+    )
+    ema_beta: float = doc(0.992, "EMA decay: ema = beta * ema + (1 - beta) * actor.")
 
     def _set(self, **values) -> None:
         for name, value in values.items():
@@ -529,6 +581,14 @@ class PPOAlgoConfig:
             raise ConfigError(
                 f"overlong_penalty_factor must be >= 0, got {self.overlong_penalty_factor}"
             )
+        coef = self.stop_properly_penalty_coef
+        if coef is not None and coef > 1:
+            raise ConfigError(
+                f"stop_properly_penalty_coef must be in [0, 1] (a factor) or < 0 (a fixed "
+                f"score), got {coef}"
+            )
+        if not 0.0 <= self.ema_beta < 1.0:
+            raise ConfigError(f"ema_beta must be in [0, 1), got {self.ema_beta}")
 
     def _check_clips(self) -> None:
         if self.eps_clip_low_high:
@@ -603,7 +663,15 @@ class MultiTurnConfig:
         "reward, done), or only reward_func(queries, prompts, labels) for one turn. Its "
         "rewards are the scores (replaces --reward_pretrain / --remote_rm_url).",
     )
-    max_turns: int = doc(4, "Model turns per trajectory at most (with --env_file).")
+    agent_func_path: str | None = doc(
+        None,
+        "An OpenRLHF agent file (AgentInstance with async reset/step, AgentExecutor = "
+        "MultiTurnAgentExecutor(AgentInstance)), run unchanged as the environment; instead of "
+        "--env_file.",
+    )
+    max_turns: int = doc(
+        4, "Model turns per trajectory at most (with --env_file or --agent_func_path)."
+    )
     max_total_len: int | None = doc(
         None,
         "Prompt + every model and environment turn, in tokens (none: prompt_max_len + "
@@ -614,12 +682,25 @@ class MultiTurnConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.env_file is not None and self.agent_func_path is not None:
+            raise ConfigError(
+                "--env_file and --agent_func_path both name the environment; pass one"
+            )
         if self.max_turns < 1:
             raise ConfigError(f"max_turns must be >= 1, got {self.max_turns}")
         if self.max_total_len is not None and self.max_total_len < 1:
             raise ConfigError(f"max_total_len must be >= 1, got {self.max_total_len}")
         if self.env_timeout_s <= 0:
             raise ConfigError(f"env_timeout_s must be > 0, got {self.env_timeout_s}")
+
+    @property
+    def source(self) -> tuple[str, str] | None:
+        """``(flag, path)`` of the environment, or None for single-turn rollouts."""
+        if self.env_file is not None:
+            return "--env_file", self.env_file
+        if self.agent_func_path is not None:
+            return "--agent_func_path", self.agent_func_path
+        return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -674,7 +755,7 @@ class PPOConfig:
 
     def _check_multiturn(self) -> None:
         mt = self.multiturn
-        if mt.env_file is None:
+        if mt.source is None:
             return
         shortest = self.data.prompt_max_len + self.rollout.generate_max_len
         if mt.max_total_len is not None and mt.max_total_len < shortest:
@@ -686,13 +767,15 @@ class PPOConfig:
             raise ConfigError("--max_len is single-turn; with --env_file use --max_total_len")
         # the length penalty counts model tokens against one turn's generate_max_len
         if self.algo.overlong_buffer_len is not None:
-            raise ConfigError("--overlong_buffer_len is single-turn only; drop it with --env_file")
+            raise ConfigError(
+                f"--overlong_buffer_len is single-turn only; drop it with {mt.source[0]}"
+            )
 
     @property
     def total_len(self) -> int:
         """Token budget of one trajectory: prompt + all model and environment turns."""
         mt, r = self.multiturn, self.rollout
-        if mt.env_file is None:
+        if mt.source is None:
             longest = self.data.prompt_max_len + r.generate_max_len
             return longest if r.max_len is None else min(longest, r.max_len)
         if mt.max_total_len is not None:

@@ -27,12 +27,20 @@ class ConfigError(UserError, ValueError):
     """A user-facing configuration problem (bad key, bad type, bad value)."""
 
 
-def doc(default: Any = MISSING, help: str = "", *, flag: str | None = None, factory=MISSING):
-    """A dataclass field with help text and an optional flat CLI flag name."""
-    meta = {"help": help, "flag": flag}
+def doc(
+    default: Any = MISSING,
+    help: str = "",
+    *,
+    flag: str | None = None,
+    factory=MISSING,
+    secret: bool = False,
+):
+    """A dataclass field with help text and an optional flat CLI flag name. A ``secret``
+    string (a credential) is masked in :func:`dump_yaml`."""
+    meta = {"help": help, "flag": flag, "secret": secret}
     if factory is not MISSING:
-        return dataclasses.field(default_factory=factory, metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
+        return dataclasses.field(default_factory=factory, metadata=meta, repr=not secret)
+    return dataclasses.field(default=default, metadata=meta, repr=not secret)
 
 
 def section(cls: type):
@@ -51,6 +59,7 @@ class Leaf:
     default: Any
     help: str
     flag: str | None
+    secret: bool = False
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -77,7 +86,12 @@ def iter_leaves(cls: type, prefix: str = "", defaults: Any = None) -> list[Leaf]
             section_default = default if is_dataclass(default) else None
             out.extend(iter_leaves(tp, path + ".", section_default))
             continue
-        out.append(Leaf(path, tp, default, f.metadata.get("help", ""), f.metadata.get("flag")))
+        meta = f.metadata
+        out.append(
+            Leaf(
+                path, tp, default, meta.get("help", ""), meta.get("flag"), meta.get("secret", False)
+            )
+        )
     return out
 
 
@@ -269,10 +283,32 @@ def _redacted(data: Any) -> Any:
     return redact_url(data) if isinstance(data, str) else data
 
 
+SWITCH_WORDS = ("true", "false", "1", "0", "yes", "no", "on", "off")
+
+
+def redacted_dict(cfg: Any) -> dict[str, Any]:
+    """:func:`to_dict` with credentials masked: http(s) URLs lose user, password and query
+    values; ``secret`` leaves (an API key) become ``***`` unless they hold a switch word
+    (``True``)."""
+    data = _redacted(to_dict(cfg))
+    for leaf in iter_leaves(type(cfg)):
+        if not leaf.secret:
+            continue
+        node = data
+        *parents, last = leaf.path.split(".")
+        for p in parents:
+            node = node[p]
+        value = node[last]
+        if isinstance(value, str) and value.strip().lower() not in SWITCH_WORDS:
+            node[last] = "***"
+    return data
+
+
 def dump_yaml(cfg: Any) -> str:
-    """The config as YAML, with credentials and query strings of http(s) URLs masked: the file
-    lands next to the model and is copied around, so it must not carry a reward server's key."""
-    return yaml.safe_dump(_redacted(to_dict(cfg)), sort_keys=False)
+    """The config as YAML, with credentials masked (:func:`redacted_dict`): the file lands
+    next to the model and is copied around, so it must not carry a reward server's or W&B's
+    key."""
+    return yaml.safe_dump(redacted_dict(cfg), sort_keys=False)
 
 
 # ---------------------------------------------------------------- CLI flags

@@ -1,7 +1,8 @@
-"""Metrics: rank-0 console (rich), TensorBoard and ``<save_path>/metrics.jsonl``; phase timers.
+"""Metrics: rank-0 console (rich), TensorBoard, Weights & Biases (``metrics_wandb``) and
+``<save_path>/metrics.jsonl``; phase timers.
 
-Metric names are ``group/name`` (verl / MindSpeed RL names for PPO). ``metrics.jsonl`` holds one
-JSON object per logged optimizer step with ``"step"`` and every metric.
+Metric names are ``group/name`` (verl / MindSpeed RL names for PPO), the same in every sink.
+``metrics.jsonl`` holds one JSON object per logged optimizer step with ``"step"`` and every metric.
 """
 
 from __future__ import annotations
@@ -89,12 +90,20 @@ class MetricLogger:
     """Writes metrics on rank 0 only; other ranks get a logger that does nothing."""
 
     def __init__(
-        self, rank: int, save_path: str | None, tensorboard: str | None, *, append: bool = True
+        self,
+        rank: int,
+        save_path: str | None,
+        tensorboard: str | None,
+        *,
+        append: bool = True,
+        wandb=None,
     ) -> None:
-        """``append=False`` starts a fresh ``metrics.jsonl`` (a new run); resumed runs append."""
+        """``append=False`` starts a fresh ``metrics.jsonl`` (a new run); resumed runs append.
+        ``wandb``: an open :class:`~fsdp_rlhf.metrics_wandb.WandbRun` (rank 0), or None."""
         self.enabled = rank == 0
         self._jsonl = None
         self._tb = None
+        self._wandb = wandb if self.enabled else None
         if not self.enabled:
             return
         if save_path:
@@ -131,6 +140,8 @@ class MetricLogger:
         if self._tb:
             for k, v in clean.items():
                 self._tb.add_scalar(k, v, step)
+        if self._wandb:
+            self._wandb.log(clean, step)
         if not console:
             return
         keys = console_keys or sorted(clean)
@@ -141,11 +152,20 @@ class MetricLogger:
         if self.enabled and self._tb:
             self._tb.add_text(tag, body, step)
 
+    def table(self, tag: str, rows: list[dict], step: int) -> None:
+        """Rows of one table (e.g. prompt/response/score samples): a W&B table."""
+        if self._wandb:
+            self._wandb.table(tag, rows, step)
+
     def close(self) -> None:
         if self._jsonl:
             self._jsonl.close()
         if self._tb:
             self._tb.close()
+        if self._wandb:
+            # called from a `finally` while an exception propagates: mark the run failed
+            self._wandb.close(exit_code=1 if sys.exc_info()[0] is not None else 0)
+            self._wandb = None
 
 
 class Progress:

@@ -63,6 +63,7 @@ _MODULE_OF = {
     "rollout_correction": "correction",
     "rollout_mismatch_metrics": "correction",
     "shape_rewards": "rewards",
+    "stop_properly_penalty": "rewards",
     "truncated_is_weights": "losses",
     "value_loss": "losses",
 }

@@ -104,6 +104,31 @@ def overlong_penalty(
     return -penalty_factor * exceed.clamp(0.0, 1.0)
 
 
+def stop_properly_penalty(
+    scores: torch.Tensor, truncated: torch.Tensor, coef: float
+) -> torch.Tensor:
+    """ProRL's stop-properly penalty (OpenRLHF's ``--stop_properly_penalty_coef``).
+
+    A truncated response (cut by the generation budget, finish reason ``length``: it never
+    wrote EOS) keeps ``coef`` times its score when ``0 <= coef <= 1`` (0 zeroes it), or gets
+    the fixed score ``coef`` when ``coef < 0`` (e.g. -0.5, whatever it scored). Responses that
+    stopped on their own are unchanged.
+
+    Args:
+        scores: (B,) sequence scores.
+        truncated: (B,) bool or 0/1, True where the response was truncated.
+        coef: The coefficient; values above 1 are rejected (they would reward truncation).
+
+    Returns:
+        (B,) scores in ``scores``'s dtype.
+    """
+    if coef > 1:
+        raise ValueError(f"coef must be <= 1, got {coef}")
+    cut = truncated.to(device=scores.device).bool()
+    penalised = torch.full_like(scores, coef) if coef < 0 else scores * coef
+    return torch.where(cut, penalised, scores)
+
+
 class RunningMeanStd:
     """Running mean and (population) variance of a stream of values.
 

@@ -127,7 +127,7 @@ COMMON: dict[str, Rule] = _pairs(
     (None, "logger.logging_steps", rename("logging_steps")),
     (None, "eval.steps", rename("eval_steps")),
     ("use_tensorboard", "logger.tensorboard_dir", rename("tensorboard")),
-    (None, "logger.wandb.key", rename("use_wandb")),
+    (None, "logger.wandb.key", rename("use_wandb", secret=True)),
     (None, "logger.wandb.org", rename("wandb_org")),
     (None, "logger.wandb.group", rename("wandb_group")),
     (None, "logger.wandb.project", rename("wandb_project")),

@@ -84,6 +84,7 @@ class To:
     emit: Callable[[Values], list[str]]
     shown: str
     note: str = ""
+    secret: bool = False  # an API key: the start-up note shows *** for its value
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,10 @@ def translate_with(table: Table, argv: Sequence[str]) -> Translation:
             raise ConfigError(f"{flag.text()}: {e}") from None
         emitted.extend(out)
         arrow = " ".join(out) if out else "(nothing)"
-        notes.append(f"{flag.text()} -> {arrow}" + (f" ({rule.note})" if rule.note else ""))
+        given = flag.text()
+        if rule.secret:
+            given, arrow = f"{flag.spelled} ***", f"{out[0]} ***"
+        notes.append(f"{given} -> {arrow}" + (f" ({rule.note})" if rule.note else ""))
     if table.finish is not None and gathered:
         out, finish_notes = _finish(table, gathered, flags)
         emitted.extend(out)
@@ -196,9 +200,9 @@ def _one(values: Values) -> str:
     return values[0]
 
 
-def rename(canonical: str, note: str = "") -> To:
+def rename(canonical: str, note: str = "", *, secret: bool = False) -> To:
     """Same meaning, other name: values pass through (a switch stays a switch)."""
-    return To(lambda v: [f"--{canonical}", *v], f"--{canonical}", note)
+    return To(lambda v: [f"--{canonical}", *v], f"--{canonical}", note, secret)
 
 
 def switch(canonical: str, note: str = "") -> To:

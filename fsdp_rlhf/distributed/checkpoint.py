@@ -29,6 +29,7 @@ import random
 import re
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -174,13 +175,38 @@ def remove_stale_tmp(ckpt_path: str | Path) -> list[Path]:
     return stale
 
 
-def _prune(root: Path, keep: int, just_written: Path) -> None:
-    """Keep the ``keep`` most recently written checkpoints; never the one just written."""
-    if keep <= 0:
+def folder_bytes(path: Path) -> int:
+    """Total size of the files under ``path`` (links not followed)."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def _prune(root: Path, keep: int, just_written: Path, max_bytes: float | None = None) -> None:
+    """Keep the ``keep`` most recently written checkpoints, then delete the oldest until the
+    complete checkpoints total at most ``max_bytes``; never the one just written. Each
+    removal is logged with its reason."""
+    found = [d for _, d in list_checkpoints(root)]
+    if keep > 0:
+        for old in found[:-keep]:
+            if old != just_written:
+                shutil.rmtree(old, ignore_errors=True)
+                log.info("removed checkpoint %s (--max_ckpt_num %d)", old, keep)
+        found = [d for d in found if d.exists()]
+    if max_bytes is None:
         return
-    for _, old in list_checkpoints(root)[:-keep]:
-        if old != just_written:
-            shutil.rmtree(old, ignore_errors=True)
+    sizes = {d: folder_bytes(d) for d in found}
+    for old in found:
+        total = sum(sizes.values())
+        if total <= max_bytes or old == just_written:
+            break
+        shutil.rmtree(old, ignore_errors=True)
+        log.info(
+            "removed checkpoint %s (%.2f GiB): the checkpoints took %.2f GiB, over "
+            "--max_ckpt_mem %g GiB",
+            old,
+            sizes.pop(old) / 2**30,
+            total / 2**30,
+            max_bytes / 2**30,
+        )
 
 
 def save_checkpoint(
@@ -192,8 +218,16 @@ def save_checkpoint(
     schedulers: dict[str, Any],
     trainer_state: dict[str, Any],
     keep: int = 3,
+    max_bytes: float | None = None,
+    write_extra: Callable[[Path], None] | None = None,
 ) -> Path:
     """Collective: every rank must call it. Optimizer keys must match model keys.
+
+    ``max_bytes``: after the save, older checkpoints are deleted until the complete ones
+    total at most this (the new one always stays). ``write_extra(folder)``, a collective
+    called on every rank after the shards are written and before the checkpoint is marked
+    complete, adds files that belong to it (a HF export), so they appear, rotate and
+    disappear with it.
 
     A failure on one rank (disk full, permissions) is agreed on by all ranks right away, so
     none is left waiting at a barrier for the process-group timeout; the partial folder is
@@ -218,12 +252,14 @@ def save_checkpoint(
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         _fsync_dir(root)
-        _prune(root, keep, final)
+        _prune(root, keep, final, max_bytes)
 
     try:
         run_and_agree(prepare, f"creating {tmp}", only_rank0=True)
         dcp.save(_app_state(models, optimizers, schedulers), checkpoint_id=str(tmp / "models"))
         run_and_agree(lambda: _save_rng(tmp / f"rng_rank{rank}.pt"), f"writing RNG state to {tmp}")
+        if write_extra is not None:
+            write_extra(tmp)
         run_and_agree(finalize, f"completing checkpoint {final}", only_rank0=True)
     except (Exception, CheckpointException) as e:
         # Every rank gets here together (each step above is agreed on, DCP's save raises on

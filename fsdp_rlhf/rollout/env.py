@@ -12,6 +12,9 @@ An environment file defines either
 * only ``reward_func(queries, prompts, labels)`` (OpenRLHF's single-turn rule reward): it is
   called as a one-step environment whose step ends the trajectory.
 
+OpenRLHF agent files (``--agent_func_path``) run through the same contract; see
+:mod:`fsdp_rlhf.rollout.agent`.
+
 Every call runs with a time limit (``--env_timeout_s``) in a daemon thread, all trajectories of
 a turn in parallel: a call that raises, times out or returns something malformed ends its
 trajectory as a tool error (:class:`EnvResult` ``error``), and the first such error of the run
@@ -113,27 +116,66 @@ def _check_step(out: Any) -> tuple[str, float, bool]:
     return _check_observation(obs), reward, bool(done)
 
 
+@dataclass(frozen=True)
+class NewPrompt:
+    """A ``reset`` result that replaces the prompt text instead of extending it (an OpenRLHF
+    agent's initial observation)."""
+
+    text: str
+
+
 class Environment:
-    """The loaded ``--env_file``; ``reset``/``step`` over a batch of trajectories."""
+    """The loaded ``--env_file``; ``reset``/``step`` over a batch of trajectories.
+
+    ``reset`` starts a batch: trajectory ``i`` of it is slot ``i``; ``step`` names the slots
+    of the trajectories it continues (an environment holding per-trajectory state needs them).
+    ``raw_observations``: observations are appended verbatim (they carry their own chat
+    markup) instead of being wrapped as a user turn of the chat template.
+    """
+
+    flag = "--env_file"
+    raw_observations = False
 
     def __init__(self, path: str, reset: Callable, step: Callable, timeout_s: float) -> None:
         self.path, self._reset, self._step, self.timeout_s = path, reset, step, timeout_s
         self.reported = False
 
-    def reset(self, prompts: Sequence[str], labels: Sequence[Any]) -> list[EnvResult]:
-        calls = list(zip(prompts, labels, strict=True))
-        results = _call_all(self._reset, calls, self.timeout_s, _check_observation, self.path)
-        return self._report(results)
+    def start(self, sampling: Any) -> None:
+        """Called before each batch's ``reset`` with its sampling settings."""
 
-    def step(self, histories: Sequence[list[dict]], actions: Sequence[str]) -> list[EnvResult]:
-        calls = list(zip(histories, actions, strict=True))
+    def reset(self, prompts: Sequence[str], labels: Sequence[Any]) -> list[EnvResult]:
+        calls = self._reset_calls(prompts, labels)
+        return self._report(
+            _call_all(self._reset, calls, self.timeout_s, self._check_reset, self.path)
+        )
+
+    def step(
+        self,
+        histories: Sequence[list[dict]],
+        actions: Sequence[str],
+        slots: Sequence[int] | None = None,
+    ) -> list[EnvResult]:
+        calls = self._step_calls(histories, actions, slots)
         return self._report(_call_all(self._step, calls, self.timeout_s, _check_step, self.path))
+
+    # the arguments of each reset / step call, and the check of a reset's result
+    def _reset_calls(self, prompts: Sequence[str], labels: Sequence[Any]) -> list[tuple]:
+        return list(zip(prompts, labels, strict=True))
+
+    def _step_calls(self, histories, actions, slots) -> list[tuple]:
+        return list(zip(histories, actions, strict=True))
+
+    _check_reset = staticmethod(_check_observation)
+
+    def trajectory_logs(self) -> list[dict[str, float]] | None:
+        """Per-slot numbers the environment reported for the last batch (None: none kept)."""
+        return None
 
     def _report(self, results: list[EnvResult]) -> list[EnvResult]:
         first = next((r.error for r in results if r.error is not None), None)
         if first is not None and not self.reported:
             self.reported = True  # once per run: a broken tool would flood the log
-            log.warning("--env_file %s (trajectory ended, reward 0)", first)
+            log.warning("%s %s (trajectory ended, reward 0)", self.flag, first)
         return results
 
 

@@ -25,15 +25,16 @@ from torch import nn
 
 from fsdp_rlhf.allocator import allocator_hint, allocator_status
 from fsdp_rlhf.config import BackendConfig, CheckpointConfig, FSDPConfig
-from fsdp_rlhf.config_base import dump_yaml
+from fsdp_rlhf.config_base import dump_yaml, redacted_dict
 from fsdp_rlhf.cpu_bf16 import bf16_warning
 from fsdp_rlhf.distributed import checkpoint as ckpt
 from fsdp_rlhf.distributed.env import DistEnv, init_distributed, launched_world_size, teardown
 from fsdp_rlhf.distributed.exit_report import note_failing, note_prepared
 from fsdp_rlhf.distributed.fsdp import build_mesh, describe_zero_stage, shard_model
 from fsdp_rlhf.distributed.signals import GracefulStop, SaveTimer
-from fsdp_rlhf.errors import WriteFault, writing
+from fsdp_rlhf.errors import UserError, WriteFault, writing
 from fsdp_rlhf.metrics import MetricLogger, setup_logging, truncate_metrics
+from fsdp_rlhf.metrics_wandb import check_wandb, open_wandb
 from fsdp_rlhf.models.attention import use_varlen_attention
 from fsdp_rlhf.models.compile import compile_blocks
 
@@ -73,6 +74,7 @@ def launch(
         # warn_only: an op without a deterministic kernel warns instead of failing the run
         enable_full_determinism(cfg.seed, warn_only=True)
     world_size = launched_world_size()
+    check_wandb(cfg.logging)
     prepared = prepare(cfg, world_size)
     note_prepared()  # a rank that failed validation need not wait for this one's message
     owns_group = not dist.is_initialized()  # a test may have made the group already
@@ -183,11 +185,19 @@ def prepare_model(
 @dataclass
 class TrainedModels:
     """The trained models with their optimizers and schedules, keyed alike: what a
-    checkpoint restores besides the trainer's plain state."""
+    checkpoint restores besides the trainer's plain state. ``extras`` are other objects with
+    ``state_dict`` and ``load_state_dict`` (an EMA of a model's shards), saved and restored
+    like a schedule."""
 
     models: dict[str, nn.Module] = field(default_factory=dict)
     optimizers: dict[str, torch.optim.Optimizer] = field(default_factory=dict)
     schedulers: dict[str, Any] = field(default_factory=dict)
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def stateful_objects(self) -> dict[str, Any]:
+        """Schedules and extras: what ``checkpoint`` saves through their ``state_dict``."""
+        return {**self.schedulers, **self.extras}
 
     def add(self, name: str, model: nn.Module, optimizer=None, scheduler=None) -> None:
         self.models[name] = model
@@ -197,11 +207,31 @@ class TrainedModels:
             self.schedulers[name] = scheduler
 
 
+HF_CKPT_DIR = "hf"  # <ckpt_path>/step_N/hf: the --save_hf_ckpt export of that step
+
+
 def save(
-    ckpt_cfg: CheckpointConfig, step: int, trained: TrainedModels, trainer_state: dict
+    ckpt_cfg: CheckpointConfig,
+    step: int,
+    trained: TrainedModels,
+    trainer_state: dict,
+    hf_export: Callable[[Path], None] | None = None,
 ) -> Path:
     """A resumable checkpoint at ``step`` (collective); warns when it took over half the
-    window a stop signal leaves (see ``SaveTimer``)."""
+    window a stop signal leaves (see ``SaveTimer``).
+
+    With ``--save_hf_ckpt``, ``hf_export(folder)`` (collective) writes the HF model(s) into
+    ``step_N/hf`` before the checkpoint is marked complete: the export is as atomic as the
+    checkpoint and rotates with it (``--max_ckpt_num``, ``--max_ckpt_mem``).
+    """
+    write_extra = None
+    if ckpt_cfg.save_hf_ckpt:
+        if hf_export is None:
+            raise UserError("--save_hf_ckpt: this command has no HF export for its checkpoints")
+
+        def write_extra(folder: Path) -> None:
+            hf_export(folder / HF_CKPT_DIR)
+
     timer = SaveTimer()
     with timer(f"checkpoint at step {step}"):
         path = ckpt.save_checkpoint(
@@ -209,9 +239,11 @@ def save(
             step,
             models=trained.models,
             optimizers=trained.optimizers,
-            schedulers=trained.schedulers,
+            schedulers=trained.stateful_objects,
             trainer_state=trainer_state,
             keep=ckpt_cfg.max_ckpt_num,
+            max_bytes=ckpt_cfg.max_ckpt_bytes,
+            write_extra=write_extra,
         )
     log.info("checkpoint: %s (%.1f s)", path, timer.last_s)
     return path
@@ -248,7 +280,10 @@ def resume(
     if check is not None:
         check(path)
     saved = ckpt.load_checkpoint(
-        path, models=trained.models, optimizers=trained.optimizers, schedulers=trained.schedulers
+        path,
+        models=trained.models,
+        optimizers=trained.optimizers,
+        schedulers=trained.stateful_objects,
     )
     log.info("resumed from %s at step %d", path, saved["step"])
     return saved
@@ -256,10 +291,21 @@ def resume(
 
 def open_metrics(cfg: Any, env: DistEnv, resumed_step: int) -> MetricLogger:
     """The run's metric sinks. A resumed run continues the interrupted run's metrics.jsonl,
-    minus the rows it wrote after its last checkpoint (those steps are about to be redone)."""
+    minus the rows it wrote after its last checkpoint (those steps are about to be redone).
+    With ``--use_wandb``, rank 0 also starts a W&B run whose config is the redacted one of
+    config.yaml (its default names come from the command: ``PPOConfig`` -> ``ppo``); a
+    resumed run starts a new W&B run."""
+    command = type(cfg).__name__.removesuffix("Config").lower()
     path = Path(cfg.ckpt.save_path) / "metrics.jsonl"
     if resumed_step > 0 and env.is_rank0:
         truncate_metrics(path, after_step=resumed_step)
+    wandb_run = None
+    if env.is_rank0 and cfg.logging.wandb_enabled:
+        wandb_run = open_wandb(cfg.logging, command, redacted_dict(cfg), cfg.ckpt.save_path)
     return MetricLogger(
-        env.rank, cfg.ckpt.save_path, cfg.logging.tensorboard, append=resumed_step > 0
+        env.rank,
+        cfg.ckpt.save_path,
+        cfg.logging.tensorboard,
+        append=resumed_step > 0,
+        wandb=wandb_run,
     )

@@ -21,6 +21,7 @@ class Experience:
     attention_mask: torch.Tensor  # (N, P+T)
     response_mask: torch.Tensor  # (N, T) float, 1 on generated tokens
     engine_logprobs: torch.Tensor  # (N, T) log-probs reported by the rollout engine
+    truncated: torch.Tensor | None = None  # (N,) bool: the response hit generate_max_len
     old_logprobs: torch.Tensor | None = None  # (N, T) actor before this step's updates
     ref_logprobs: torch.Tensor | None = None  # (N, T) reference model
     values: torch.Tensor | None = None  # (N, T) critic before this step's updates
@@ -120,6 +121,7 @@ def experience_from_rollout(out: RolloutOutput, device: torch.device) -> Experie
         attention_mask=attention_mask.to(device),
         response_mask=out.response_mask.float().to(device),
         engine_logprobs=out.engine_logprobs.float().to(device),
+        truncated=truncated(out.finish_reasons).bool().to(device),
     )
 
 

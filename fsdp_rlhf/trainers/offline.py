@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import datasets
@@ -195,14 +196,14 @@ class OfflineTrainer:
         ``--merge_lora``). train-rm overrides it to add its reward statistics."""
         if (stats := self.evaluate()) is not None:
             self.metrics.log(self.step, stats)
-        path = save_model(
-            self.model,
-            self.data.tokenizer,
-            self.cfg.ckpt.save_path,
-            self.cfg.lora,
-            base_path=self.cfg.model.pretrain,
-        )
+        path = self.export(self.cfg.ckpt.save_path)
         log.info("model saved to %s", path)
+
+    def export(self, path) -> Path:
+        """The HF model (collective): the final one, or a checkpoint's with --save_hf_ckpt."""
+        return save_model(
+            self.model, self.data.tokenizer, path, self.cfg.lora, base_path=self.cfg.model.pretrain
+        )
 
     # ------------------------------------------------------------ shared
 
@@ -261,7 +262,7 @@ class OfflineTrainer:
             **resume_state(self.cfg, len(self.data.train), self.data.steps_per_epoch, self.step),
             "guard": self.guard.state_dict(),
         }
-        common.save(self.cfg.ckpt, self.step, self.trained, trainer_state)
+        common.save(self.cfg.ckpt, self.step, self.trained, trainer_state, self.export)
 
     def close(self) -> None:
         self.progress.close()

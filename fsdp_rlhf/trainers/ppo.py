@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from contextlib import contextmanager
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -53,6 +52,7 @@ from fsdp_rlhf.trainers.ppo_metrics import (
 from fsdp_rlhf.trainers.ppo_multiturn import build_multiturn, multiturn_rollout
 from fsdp_rlhf.trainers.ppo_rewards import (
     add_overlong_penalty,
+    add_stop_properly_penalty,
     build_kl_controller,
     compute_advantages,
     observe_kl,
@@ -62,10 +62,12 @@ from fsdp_rlhf.trainers.ppo_rollout import RolloutSession, sampling_config, slee
 from fsdp_rlhf.trainers.ppo_sampling import dynamic_sample
 from fsdp_rlhf.trainers.ppo_setup import (
     adapter_spec,
+    build_ema,
     build_engine,
     build_models,
     build_optimizers,
     build_prompts,
+    check_ema_resumable,
     data_settings,
     engine_dtype,
     merged_lora_scaling,
@@ -121,6 +123,7 @@ class PPOTrainer:
         self.total_steps = self._total_steps()
         updates = self.total_steps * cfg.algo.ppo_epochs * self.plan.optimizer_steps_per_epoch
         self.optimizers, self.schedulers = build_optimizers(cfg, self.models, updates)
+        self.ema = build_ema(cfg, self.models.actor, self.optimizers["actor"])  # None: off
         self.group_size = prompt_group_size(cfg, self.plan, self.models.actor)
         self.update_plan = UpdatePlan.from_config(cfg, self.plan, self.group_size)
         self.kl_ctl = build_kl_controller(cfg.algo)
@@ -162,6 +165,8 @@ class PPOTrainer:
         for name in self.optimizers:  # "actor", and "critic" with GAE
             model = self.models.actor if name == "actor" else self.models.critic
             trained.add(name, model, self.optimizers[name], self.schedulers[name])
+        if self.ema is not None:
+            trained.extras["actor_ema"] = self.ema
         return trained
 
     def _total_steps(self) -> int:
@@ -248,6 +253,7 @@ class PPOTrainer:
             exp, metrics = self.rollout(batch, stats, round_)
             self.score(exp, batch)
             add_overlong_penalty(exp, self.cfg.algo, self.cfg.rollout.generate_max_len)
+            add_stop_properly_penalty(exp, self.cfg.algo)
             return exp, metrics
 
         if not self.cfg.algo.dynamic_filtering:
@@ -418,12 +424,17 @@ class PPOTrainer:
             "sampler": self.sampler.state_dict(),
             "kl_ctl": self.kl_ctl.state_dict(),
             "guards": {name: g.state_dict() for name, g in self.guards.items()},
+            "enable_ema": self.ema is not None,
         }
-        common.save(self.cfg.ckpt, self.step, self.trained, trainer_state)
+        common.save(self.cfg.ckpt, self.step, self.trained, trainer_state, self._export_all)
 
     def _resume(self) -> None:
         current = data_settings(self.cfg, len(self.prompts))
-        check = partial(ckpt.check_resumable, current=current, keys=list(current))
+
+        def check(path: Path) -> None:
+            ckpt.check_resumable(path, current=current, keys=list(current))
+            check_ema_resumable(path, self.ema is not None)
+
         saved = common.resume(self.cfg.ckpt, self.trained, check)
         if saved is None:
             return
@@ -435,10 +446,20 @@ class PPOTrainer:
 
     def finish(self) -> None:
         save_path = self.cfg.ckpt.save_path
-        self._export(self.models.actor, save_path)
+        self._export_all(Path(save_path))
+        log.info("saved %s to %s", "the actor's EMA" if self.ema else "actor", save_path)
+
+    def _export_all(self, path: Path) -> None:
+        """The final models into ``path`` (also a checkpoint's ``hf`` with --save_hf_ckpt):
+        the actor, or its EMA with --enable_ema (OpenRLHF exports the EMA in its place), and
+        the critic in ``critic/``."""
+        if self.ema is None:
+            self._export(self.models.actor, path)
+        else:
+            with self.ema.applied() as averaged:
+                self._export(averaged, path)
         if self.models.critic is not None:
-            self._export(self.models.critic, Path(save_path) / "critic", head="score")
-        log.info("saved actor to %s", save_path)
+            self._export(self.models.critic, path / "critic", head="score")
 
     def _export(self, model: nn.Module, path, head: str | None = None) -> None:
         """The HF model, or with LoRA its adapter folder (and the merged model if asked)."""

@@ -202,3 +202,4 @@ def log_samples(
         for r in rows
     )
     logger.text("samples", body, step)
+    logger.table("samples", rows, step)

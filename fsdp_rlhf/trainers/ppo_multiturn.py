@@ -29,13 +29,15 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.data.prompts import Prompt
 from fsdp_rlhf.distributed.env import all_reduce_scalars
 from fsdp_rlhf.metrics import PhaseTimer
+from fsdp_rlhf.rollout.agent import load_agent
 from fsdp_rlhf.rollout.engine import RolloutOutput, SamplingConfig, pad_token_rows
-from fsdp_rlhf.rollout.env import Environment, load_environment
+from fsdp_rlhf.rollout.env import Environment, NewPrompt, load_environment
 from fsdp_rlhf.trainers.ppo_metrics import StatCollector
 from fsdp_rlhf.trainers.ppo_rollout import RolloutSession
 
@@ -95,6 +97,7 @@ class Trajectory:
     error: bool = False
     finish: str = "stop"
     done: bool = False
+    slot: int = 0  # its index in the environment's batch
 
     @property
     def length(self) -> int:
@@ -149,6 +152,9 @@ class MultiTurnRollout:
             for p in prompts
             for _ in range(n)
         ]
+        for slot, t in enumerate(trajs):
+            t.slot = slot
+        self.env.start(sampling)
         self._reset(trajs, [prompts[i // n] for i in range(len(trajs))])
         for turn in range(self.budget.max_turns):
             live = [t for t in trajs if not t.done]
@@ -173,6 +179,12 @@ class MultiTurnRollout:
         for t, r in zip(trajs, results, strict=True):
             if r.error is not None:
                 t.error, t.done = True, True
+            elif isinstance(r.value, NewPrompt):
+                ids = self.tokenizer(r.value.text, add_special_tokens=False)["input_ids"]
+                # left-truncated (like prompts) so that one full model turn still fits
+                room = self.budget.max_total_len - self.budget.generate_max_len
+                t.prompt_ids = ids[-room:]
+                t.history[0]["content"] = r.value.text
             elif r.value:
                 t.prompt_ids += self.tokenizer(r.value, add_special_tokens=False)["input_ids"]
 
@@ -190,7 +202,9 @@ class MultiTurnRollout:
 
     def _step(self, live: list[Trajectory], actions: list[str], last_turn: bool) -> None:
         with self.timer("env"):
-            results = self.env.step([list(t.history) for t in live], actions)
+            results = self.env.step(
+                [list(t.history) for t in live], actions, [t.slot for t in live]
+            )
         for t, r in zip(live, results, strict=True):
             if r.error is not None:
                 t.error, t.done = True, True
@@ -200,8 +214,11 @@ class MultiTurnRollout:
             if done or last_turn:
                 t.done = True
                 continue
-            turn_end = self.tokenizer.decode(t.response[-1:]) if t.response else ""
-            ids = self.observations.ids(observation, turn_end)
+            if self.env.raw_observations:  # it carries its own chat markup
+                ids = self.tokenizer(observation, add_special_tokens=False)["input_ids"]
+            else:
+                turn_end = self.tokenizer.decode(t.response[-1:]) if t.response else ""
+                ids = self.observations.ids(observation, turn_end)
             if not self.budget.fits_turn(t.length + len(ids)):
                 t.done = True
                 continue
@@ -250,17 +267,38 @@ def multiturn_rollout(
     with session.awake(metrics) as engine:
         out, trajs = runner.run(engine.generate, prompts, sampling)
     s = trajectory_stats(trajs)
+    logs = runner.env.trajectory_logs()
+    if logs is not None:  # the same on every rank: it depends on the environment's kind
+        add_agent_logs(stats, logs)
     stats.add("multiturn/turns", s["turns"])
     stats.add("multiturn/env_tokens", s["env_tokens"])
     stats.add_mean("multiturn/tool_error_ratio", s["errors"])
     return out, s["scores"]
 
 
+def add_agent_logs(stats: StatCollector, logs: Sequence[dict[str, float]]) -> None:
+    """``agent/<key>``: the global mean of each number an agent's last step reported in
+    ``extra_logs``, over the trajectories that reported it. Collective: ranks agree on the
+    keys first (a rank whose trajectories all failed has none)."""
+    keys = sorted({k for row in logs for k in row})
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(everyone, keys)
+        keys = sorted({k for ks in everyone for k in ks})
+    for key in keys:
+        values = [row[key] for row in logs if key in row]
+        mean = sum(values) / len(values) if values else 0.0
+        stats.add_weighted_mean(f"agent/{key}", mean, float(len(values)))
+
+
 def build_multiturn(cfg: PPOConfig, tokenizer, timer: PhaseTimer) -> MultiTurnRollout | None:
-    """The runner of ``--env_file`` (None without it)."""
+    """The runner of ``--env_file`` or ``--agent_func_path`` (None without either)."""
     mt = cfg.multiturn
-    if mt.env_file is None:
+    if mt.env_file is not None:
+        env = load_environment(mt.env_file, mt.env_timeout_s)
+    elif mt.agent_func_path is not None:
+        env = load_agent(mt.agent_func_path, mt.env_timeout_s)
+    else:
         return None
-    env = load_environment(mt.env_file, mt.env_timeout_s)
     budget = TurnBudget(mt.max_turns, cfg.total_len, cfg.rollout.generate_max_len)
     return MultiTurnRollout(env, tokenizer, budget, timer)

@@ -14,6 +14,7 @@ from fsdp_rlhf.algorithms import (
     kl_estimate,
     kl_mean_parts,
     overlong_penalty,
+    stop_properly_penalty,
 )
 from fsdp_rlhf.config import PPOAlgoConfig
 from fsdp_rlhf.distributed.env import all_reduce_scalars, world_size
@@ -93,6 +94,17 @@ def add_overlong_penalty(exp: Experience, algo: PPOAlgoConfig, max_len: int) -> 
         lengths, max_len, algo.overlong_buffer_len, algo.overlong_penalty_factor
     )
     exp.scores = exp.scores + penalty.to(exp.scores)
+
+
+@torch.no_grad()
+def add_stop_properly_penalty(exp: Experience, algo: PPOAlgoConfig) -> None:
+    """ProRL's penalty on truncated responses (``--stop_properly_penalty_coef``) applied to
+    ``exp.scores``, after the overlong penalty (as OpenRLHF orders them) and before dynamic
+    filtering. A multi-turn trajectory counts as truncated when its last model turn was."""
+    coef = algo.stop_properly_penalty_coef
+    if coef is None:
+        return
+    exp.scores = stop_properly_penalty(exp.scores, exp.truncated, coef)
 
 
 def build_kl_controller(algo: PPOAlgoConfig) -> AdaptiveKLController | FixedKLController:

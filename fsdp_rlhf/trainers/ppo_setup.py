@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +21,7 @@ from torch import nn
 from fsdp_rlhf.algorithms.names import CRITIC_ESTIMATORS
 from fsdp_rlhf.config import PPOBatchPlan, PPOConfig, plan_ppo_batches
 from fsdp_rlhf.data.prompts import Prompt, check_chat_template, tokenize_prompts
+from fsdp_rlhf.distributed.ema import ShardedEMA
 from fsdp_rlhf.distributed.env import DistEnv
 from fsdp_rlhf.distributed.offload import offload_model, offload_optimizer
 from fsdp_rlhf.errors import UserError
@@ -36,6 +39,7 @@ from fsdp_rlhf.models.save import check_save_path, recover_interrupted_export
 from fsdp_rlhf.models.shared_prefix import shared_group_size, sharing_blocker
 from fsdp_rlhf.optim import build_optimizer, build_scheduler
 from fsdp_rlhf.rollout import AdapterSpec, HFEngine, RolloutEngine, build_rollout_groups
+from fsdp_rlhf.rollout.agent import load_agent_class
 from fsdp_rlhf.rollout.env import load_environment
 from fsdp_rlhf.rollout.memory_budget import check_device_budget
 from fsdp_rlhf.trainers.common import log_startup, prepare_model
@@ -84,7 +88,7 @@ def _check_lora(cfg: PPOConfig) -> None:
 def _check_rewards(cfg: PPOConfig) -> None:
     """Reward sources: paths, normalisation statistics, the rule reward and its token."""
     m = cfg.models
-    if cfg.multiturn.env_file is not None:
+    if cfg.multiturn.source is not None:
         _check_env(cfg)
         return
     if not m.reward_pretrain and not m.remote_rm_url:
@@ -106,19 +110,23 @@ def _check_rewards(cfg: PPOConfig) -> None:
 
 
 def _check_env(cfg: PPOConfig) -> None:
-    """--env_file: its rewards are the scores; it must load and define the contract."""
-    m, path = cfg.models, cfg.multiturn.env_file
+    """--env_file / --agent_func_path: its rewards are the scores; it must load and define
+    the contract."""
+    m, (source, path) = cfg.models, cfg.multiturn.source
     for flag, value in (
         ("--reward_pretrain", m.reward_pretrain),
         ("--remote_rm_url", m.remote_rm_url),
     ):
         if value:
             raise UserError(
-                f"--env_file {path}: the environment's rewards are the scores; drop {flag}"
+                f"{source} {path}: the environment's rewards are the scores; drop {flag}"
             )
     if cfg.eval.eval_dataset:
-        raise UserError(f"--env_file {path}: --eval_dataset evaluates single-turn only; drop it")
-    load_environment(path, cfg.multiturn.env_timeout_s)
+        raise UserError(f"{source} {path}: --eval_dataset evaluates single-turn only; drop it")
+    if cfg.multiturn.env_file is not None:
+        load_environment(path, cfg.multiturn.env_timeout_s)
+    else:
+        load_agent_class(path)
 
 
 def _check_outputs(cfg: PPOConfig) -> None:
@@ -274,6 +282,33 @@ def build_optimizers(cfg: PPOConfig, models: Models, total_updates: int) -> tupl
             optimizers["critic"], cfg.critic_optim, total_updates
         )
     return optimizers, schedulers
+
+
+def build_ema(cfg: PPOConfig, actor: nn.Module, optimizer) -> ShardedEMA | None:
+    """``--enable_ema``: the actor's EMA, updated after each of its optimizer steps; in host
+    memory when the run offloads (``--adam_offload``, ``--ref_reward_offload``)."""
+    if not cfg.algo.enable_ema:
+        return None
+    host = cfg.fsdp.adam_offload or cfg.placement.ref_reward_offload
+    ema = ShardedEMA(actor, cfg.algo.ema_beta, host=host)
+    ema.attach(optimizer)
+    devices = sorted({str(t.device) for t in ema.shadow.values()})
+    log.info(
+        "EMA of the actor (beta %g, fp32 shards on %s): the model saved at the end",
+        ema.beta,
+        ", ".join(devices),
+    )
+    return ema
+
+
+def check_ema_resumable(path: Path, enabled: bool) -> None:
+    """A checkpoint written without --enable_ema has no EMA to resume with it."""
+    saved = json.loads((path / "trainer.json").read_text())
+    if enabled and not saved.get("enable_ema", False):
+        raise UserError(
+            f"--load_checkpoint {path}: written without --enable_ema, so it holds no EMA of the "
+            "actor; resume without --enable_ema or start with a new --ckpt_path"
+        )
 
 
 def build_prompts(cfg: PPOConfig, rows, tokenizer) -> list[Prompt]:

@@ -79,21 +79,8 @@ class RMTrainer(OfflineTrainer):
         """
         stats = self.evaluate()
         self.metrics.log(self.step, stats)
-        extra = {
-            "reward_mean": stats["eval/reward_mean"],
-            "reward_std": stats["eval/reward_std"],
-            # OpenRLHF's loaders look the head up under this name; ours is always `score`.
-            "value_head_prefix": "score",
-        }
-        path = save_model(
-            self.model,
-            self.data.tokenizer,
-            self.cfg.ckpt.save_path,
-            self.cfg.lora,
-            base_path=self.cfg.model.pretrain,
-            head="score",
-            extra_config=extra,
-        )
+        extra = {"reward_mean": stats["eval/reward_mean"], "reward_std": stats["eval/reward_std"]}
+        path = self.export(self.cfg.ckpt.save_path, extra)
         if self.cfg.lora.enabled and not self.cfg.lora.merge_lora:
             log.warning(
                 "%s holds the LoRA adapter only (adapter/); ppo --reward_pretrain needs a full "
@@ -105,4 +92,18 @@ class RMTrainer(OfflineTrainer):
             path,
             extra["reward_mean"],
             extra["reward_std"],
+        )
+
+    def export(self, path, extra: dict | None = None):
+        """The HF reward model (collective): the final one, or a checkpoint's with
+        --save_hf_ckpt (no eval statistics there: they come from the final evaluation)."""
+        return save_model(
+            self.model,
+            self.data.tokenizer,
+            path,
+            self.cfg.lora,
+            base_path=self.cfg.model.pretrain,
+            head="score",
+            # OpenRLHF's loaders look the head up under this name; ours is always `score`.
+            extra_config={**(extra or {}), "value_head_prefix": "score"},
         )

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from fsdp_rlhf.testing.synthetic import prompt_rows, write_jsonl
 from tests.e2e.helpers import read_metrics, run_cli, torchrun
@@ -146,14 +147,59 @@ def test_rule_reward_rises_and_sigterm_resume_reproduces(tiny_qwen2, ppo_data, t
     assert (save / "model.safetensors").is_file()
 
 
-def test_gae_on_tied_odd_gqa_llama(tiny_llama, ppo_data, tmp_path):
+# An OpenRLHF agent file (--agent_func_path), written their way: a second, shorter answer
+# is asked for and graded; the feedback carries its own "Human:/Assistant:" markup.
+SHORTER_PLEASE_AGENT = """
+import torch
+
+from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
+
+
+class AgentInstance(AgentInstanceBase):
+    def __init__(self, *args, **kwargs):
+        self.turns = 0
+
+    async def reset(self, states: dict, **kwargs):
+        return {"observation": states["observation"]}
+
+    async def step(self, states: dict, **kwargs):
+        self.turns += 1
+        done = self.turns >= 2
+        reward = max(0.0, 1.0 - len(states["action_text"]) / 64) if done else 0.0
+        return {
+            "rewards": torch.tensor(reward),
+            "scores": torch.tensor(reward),
+            "environment_feedback": "" if done else "\\nHuman: Shorter, please.\\nAssistant: ",
+            "done": done,
+            "sampling_params": states.get("sampling_params", None),
+            "extra_logs": {"turns": torch.tensor(self.turns)},
+        }
+
+
+class AgentExecutor(MultiTurnAgentExecutor):
+    def __init__(self):
+        super().__init__(AgentInstance)
+"""
+
+
+def test_gae_on_tied_odd_gqa_llama_with_an_openrlhf_agent(tiny_llama, ppo_data, tmp_path):
     """Actor, reference and critic shaped like a published small Llama (9 query / 3 KV heads,
     tied embeddings: no lm_head.weight among the parameters): weight sync into vLLM, packed
-    forwards, a critic built from a causal checkpoint, and the HF export."""
+    forwards, a critic built from a causal checkpoint, and the HF export. Rewards come from an
+    OpenRLHF agent file over two turns (GAE over the holes the feedback leaves in the response
+    mask), with ProRL's stop-properly penalty on truncated answers."""
     save = tmp_path / "llama"
-    flags = grpo_flags(tiny_llama, ppo_data, save, 3)
-    flags[flags.index("--advantage_estimator") + 1] = "gae"
+    agent = tmp_path / "agent_func.py"
+    agent.write_text(SHORTER_PLEASE_AGENT)
+    flags = _set_flags(
+        grpo_flags(tiny_llama, ppo_data, save, 3),
+        advantage_estimator="gae",
+        remote_rm_url=str(agent),
+    )
+    flags[flags.index("--remote_rm_url")] = "--agent_func_path"
     flags += ["--critic_pretrain", tiny_llama, "--critic_learning_rate", "1e-3"]
+    # room for the feedback: every trajectory takes both turns
+    flags += ["--max_turns", "2", "--max_total_len", "128", "--stop_properly_penalty_coef", "-0.5"]
     proc = torchrun(["ppo", *flags])
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(save)
@@ -161,6 +207,16 @@ def test_gae_on_tied_odd_gqa_llama(tiny_llama, ppo_data, tmp_path):
     # at lr 2e-3 a head left stale by the sync would move the engine far off the trainer
     assert all(r["rollout/logprob_diff/mean"] < 0.05 for r in rows), rows
     assert all("critic/vf_loss" in r for r in rows)
+    assert any(r["response_length/clip_ratio"] > 0 for r in rows)  # the penalty had work
+    for r in rows:
+        assert r["multiturn/turns/min"] == 2 and r["multiturn/tool_error_ratio"] == 0, r
+        assert r["agent/turns"] == 2.0 and r["multiturn/env_tokens/min"] > 0
+        # truncated answers score exactly -0.5, the others the agent's reward in [0, 1]
+        cut = r["response_length/clip_ratio"]
+        assert r["critic/score/min"] == (-0.5 if cut > 0 else pytest.approx(0, abs=1)), r
+        assert r["critic/score/max"] <= 1.0
+        if cut == 1.0:
+            assert r["critic/score/mean"] == -0.5
     _check_export(
         save,
         "assert m.config.tie_word_embeddings and m.config.num_key_value_heads == 3; "
@@ -373,8 +429,26 @@ def test_aiak_flag_set_with_trained_reward_model(tiny_qwen2, trained_rm, ppo_dat
         "2",
         "--sample_log_steps",
         "1",
+        # OpenRLHF's flags, v0.10 spelling: W&B (no key here: offline), an EMA of the actor,
+        # a HF export in every checkpoint, rotation by size (below one checkpoint: only the
+        # newest stays)
+        "--use_wandb",
+        "True",
+        "--wandb_run_name",
+        "seed_flags",
+        "--enable_ema",
+        "--ema_beta",
+        "0.5",
+        "--save_steps",
+        "1",
+        "--ckpt_path",
+        str(save / "ckpt"),
+        "--save_hf_ckpt",
+        "--max_ckpt_mem",
+        "0.000001",
     ]
-    proc = torchrun(["ppo", *flags])
+    env = {"WANDB_API_KEY": "", "NETRC": str(tmp_path / "no_netrc"), "COLUMNS": "1000"}
+    proc = torchrun(["ppo", *flags], env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "has no reward_mean" not in proc.stderr + proc.stdout  # the trained RM has them
     # vLLM sizes its memory when it starts: it must start before the four models load
@@ -429,6 +503,43 @@ def test_aiak_flag_set_with_trained_reward_model(tiny_qwen2, trained_rm, ppo_dat
     samples = [json.loads(line) for line in (save / "samples.jsonl").read_text().splitlines()]
     assert samples and {"prompt", "response", "score"} <= set(samples[0])
     _check_export(save)
+    _check_wandb_run(save, log, rows)
+    _check_ema_and_hf_checkpoints(save, log, tiny_qwen2)
+
+
+def _check_wandb_run(save: Path, log: str, rows: list[dict]) -> None:
+    """An offline W&B run (no key) under save_path, said so in one line, holding every step's
+    metrics under the metrics.jsonl names, the samples table and the run config."""
+    from fsdp_rlhf.testing.wandb_file import history, run_config
+
+    (run_file,) = save.glob("wandb/offline-run-*/run-*.wandb")
+    offline = run_file.parent
+    assert f"wandb sync {offline}" in log and "no API key" in log
+    logged = {r["_step"]: r for r in history(run_file) if "critic/score/mean" in r}
+    assert sorted(logged) == [1, 2]
+    for row in rows:
+        for key in ("critic/score/mean", "actor/pg_loss", "timing/all"):
+            assert logged[row["step"]][key] == pytest.approx(row[key]), key
+    assert list(offline.glob("files/media/table/samples_*.table.json"))
+    config = run_config(run_file)
+    assert config["logging"]["wandb_run_name"] == "seed_flags" and config["algo"]["enable_ema"]
+
+
+def _check_ema_and_hf_checkpoints(save: Path, log: str, base: str) -> None:
+    """--max_ckpt_mem below one checkpoint keeps only the newest, which holds the HF export of
+    the actor's EMA (and the critic); the final export is that same EMA."""
+    from safetensors.torch import load_file
+
+    assert "EMA of the actor (beta 0.5" in log
+    assert "removed checkpoint" in log and "--max_ckpt_mem" in log
+    assert sorted(p.name for p in (save / "ckpt").iterdir()) == ["step_2"]
+    hf = save / "ckpt" / "step_2" / "hf"
+    assert (hf / "config.json").is_file() and (hf / "critic" / "config.json").is_file()
+    final, in_ckpt = load_file(save / "model.safetensors"), load_file(hf / "model.safetensors")
+    initial = load_file(Path(base) / "model.safetensors")
+    assert final.keys() == in_ckpt.keys()
+    assert all(torch.equal(final[k], in_ckpt[k]) for k in final)
+    assert any(not torch.equal(final[k], initial[k].to(final[k].dtype)) for k in initial)
 
 
 @pytest.mark.parametrize(

@@ -78,3 +78,26 @@ def test_env_file_without_contract_is_one_line(tiny_qwen2, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "--env_file" in lines[0] and "bad_env.py" in lines[0], lines
     assert not (tmp_path / "bad").exists()
+
+
+OWN_EXECUTOR_AGENT = """
+from openrlhf.utils.agent import AgentExecutorBase
+
+
+class AgentExecutor(AgentExecutorBase):
+    async def execute(self, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine):
+        return await llm_engine.generate(prompt, sampling_params)
+"""
+
+
+def test_agent_driving_the_engine_itself_is_refused_in_one_line(tiny_qwen2, tmp_path):
+    agent = tmp_path / "server_agent.py"
+    agent.write_text(OWN_EXECUTOR_AGENT)
+    args = flags(tiny_qwen2, agent, tmp_path / "bad", 1)
+    args[args.index("--env_file")] = "--agent_func_path"
+    proc = run_cli(["ppo", *args], env={"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--agent_func_path" in lines[0], lines
+    assert "server_agent.py" in lines[0] and "overrides execute()" in lines[0], lines
+    assert not (tmp_path / "bad").exists()

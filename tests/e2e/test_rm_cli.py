@@ -60,14 +60,19 @@ LAUNCHERS = {
 @pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
 def test_aiak_launch_line_trains_and_saves(launcher, tiny_qwen2, tmp_path):
     dataset = write_jsonl(tmp_path / "pairs.jsonl", synthetic_pairs(40, seed=0))
+    # OpenRLHF's train_rm flags on one of the two runs: W&B (offline: no key here), a HF
+    # export in each checkpoint, one checkpoint kept
+    openrlhf = [
+        "--use_wandb", "True", "--save_steps", "2", "--ckpt_path", str(tmp_path / "ckpt"),
+        "--save_hf_ckpt", "--max_ckpt_num", "1", "--max_ckpt_mem", "1e8",
+    ] if launcher == "torchrun" else []  # fmt: skip
     cmd = [
         *LAUNCHERS[launcher], "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
         "--master_port", str(free_port()), "-m", "fsdp_rlhf.cli", "train-rm",
-        *_aiak_flags(tiny_qwen2, dataset, tmp_path),
+        *_aiak_flags(tiny_qwen2, dataset, tmp_path), *openrlhf,
     ]  # fmt: skip
-    proc = subprocess.run(
-        cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300
-    )
+    env = {**_env(), "WANDB_API_KEY": "", "NETRC": str(tmp_path / "no_netrc"), "COLUMNS": "1000"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     model = tmp_path / "model"
     cfg = json.loads((model / "config.json").read_text())
@@ -85,6 +90,27 @@ def test_aiak_launch_line_trains_and_saves(launcher, tiny_qwen2, tmp_path):
         # the ranks restarted themselves with tcmalloc (same PIDs: the launcher saw nothing)
         assert "host allocator: libtcmalloc preloaded by fsdp-rlhf" in proc.stdout
     assert "eta" in proc.stdout
+    if openrlhf:
+        _check_openrlhf_flags(tmp_path, model, rows, proc.stdout)
+
+
+def _check_openrlhf_flags(tmp_path: Path, model: Path, rows: list[dict], log: str) -> None:
+    from fsdp_rlhf.testing.wandb_file import history, run_config
+
+    (run_file,) = model.glob("wandb/offline-run-*/run-*.wandb")
+    assert f"wandb sync {run_file.parent}" in log
+    logged = {r["_step"]: r for r in history(run_file)}
+    for row in rows:  # every metrics.jsonl row, train steps and the final eval
+        for key, value in row.items():
+            if key != "step":
+                assert logged[row["step"]][key] == pytest.approx(value), (row["step"], key)
+    config = run_config(run_file)
+    assert config["logging"]["use_wandb"] == "True" and config["model"]["pretrain"]
+    # 4 steps, saved at 2 and 4, one kept: step_4 with its HF reward model
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_4"]
+    hf = tmp_path / "ckpt" / "step_4" / "hf"
+    assert json.loads((hf / "config.json").read_text())["value_head_prefix"] == "score"
+    assert (hf / "model.safetensors").is_file()
 
 
 # ---------------------------------------------------------------- bad input

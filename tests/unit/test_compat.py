@@ -296,3 +296,10 @@ def test_no_rule_renames_a_flag_to_itself():
                     "overlong_buffer_len",
                     "advantage_estimator",
                 ), name
+
+
+def test_the_wandb_key_never_shows_in_the_start_up_notes():
+    t = translate("ppo", ["--logger.wandb.key", "sk-secret-123", "--ds.zero_stage", "3"])
+    assert t.argv[:2] == ["--use_wandb", "sk-secret-123"]
+    assert not any("sk-secret-123" in note for note in t.notes)
+    assert "--logger.wandb.key *** -> --use_wandb ***" in t.notes

@@ -256,15 +256,19 @@ def test_sample_log_shows_env_turns(tok, tmp_path):
     out, trajs, _, _ = run(tok, write_env(tmp_path, TWO_TURN_ENV))
     exp = experience_from_rollout(out, torch.device("cpu"))
     exp.scores = trajectory_stats(trajs)["scores"]
-    texts = []
+    texts, tables = [], []
 
     class Logger:
         def text(self, tag, body, step):
             texts.append(body)
 
+        def table(self, tag, rows, step):  # the W&B samples table
+            tables.append(rows)
+
     prompts = [Prompt(ids=[5, 6, 7], text=f"p{i}", label="L") for i in range(2)]
     log_samples(Logger(), tok, exp, prompts, step=1, n_samples=2, save_path=str(tmp_path))
     assert "obs1" in texts[0] and "obs1" in (tmp_path / "samples.jsonl").read_text()
+    assert "obs1" in tables[0][0]["response"] and tables[0][0]["prompt"] == "p0"
 
 
 @pytest.mark.parametrize(

@@ -12,9 +12,16 @@ import torch
 
 from fsdp_rlhf.algorithms import FixedKLController
 from fsdp_rlhf.config import PPOAlgoConfig
+from fsdp_rlhf.config_base import ConfigError
 from fsdp_rlhf.errors import Fault, UserError
-from fsdp_rlhf.trainers.experience import Experience, truncated
-from fsdp_rlhf.trainers.ppo_rewards import add_overlong_penalty, compute_advantages, observe_kl
+from fsdp_rlhf.rollout.engine import RolloutOutput
+from fsdp_rlhf.trainers.experience import Experience, experience_from_rollout, truncated
+from fsdp_rlhf.trainers.ppo_rewards import (
+    add_overlong_penalty,
+    add_stop_properly_penalty,
+    compute_advantages,
+    observe_kl,
+)
 from fsdp_rlhf.trainers.ppo_update import reuse_update_logprobs
 from fsdp_rlhf.trainers.rule_reward import build_rule_reward, http_reward
 
@@ -123,6 +130,38 @@ def test_overlong_penalty_joins_the_scores_only_when_asked():
     add_overlong_penalty(exp, algo, max_len=8)
     # free up to 8 - 4 = 4 tokens, then -2 * (L - 4) / 4
     assert exp.scores.tolist() == pytest.approx([0.0, -0.5, -1.0, -2.0])
+
+
+def test_stop_properly_penalty_after_the_overlong_one_only_when_asked():
+    exp = _experience(n_prompts=1, n=4, T=8)
+    exp.response_mask = (torch.arange(8) < torch.tensor([[2], [5], [8], [8]])).float()
+    exp.truncated = torch.tensor([False, False, True, True])
+    exp.scores = torch.tensor([1.0, 1.0, 1.0, 0.0])
+    add_stop_properly_penalty(exp, PPOAlgoConfig())
+    assert exp.scores.tolist() == [1.0, 1.0, 1.0, 0.0]
+    algo = PPOAlgoConfig(overlong_buffer_len=4, stop_properly_penalty_coef=0.5)
+    add_overlong_penalty(exp, algo, max_len=8)
+    add_stop_properly_penalty(exp, algo)
+    # overlong first (-0.25, -1, -1 for 5, 8, 8 tokens), then truncated rows are halved
+    assert exp.scores.tolist() == pytest.approx([1.0, 0.75, 0.0, -0.5])
+    fixed = PPOAlgoConfig(stop_properly_penalty_coef=-1.0)
+    add_stop_properly_penalty(exp, fixed)
+    assert exp.scores.tolist() == pytest.approx([1.0, 0.75, -1.0, -1.0])
+
+
+def test_stop_properly_penalty_coef_range():
+    assert PPOAlgoConfig(stop_properly_penalty_coef=-0.5).stop_properly_penalty_coef == -0.5
+    with pytest.raises(ConfigError, match="stop_properly_penalty_coef"):
+        PPOAlgoConfig(stop_properly_penalty_coef=1.5)
+
+
+def test_experience_carries_the_truncation_flags():
+    out = RolloutOutput.from_lists(
+        [[1, 2], [3]], [[4, 5], [6]], ["length", "stop"], [[-0.1, -0.2], [-0.3]], pad_id=0, n=1
+    )
+    exp = experience_from_rollout(out, torch.device("cpu"))
+    assert exp.truncated.tolist() == [True, False]
+    assert exp.rows(torch.tensor([1])).truncated.tolist() == [False]
 
 
 def test_truncated_flags():

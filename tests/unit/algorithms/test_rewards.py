@@ -3,7 +3,13 @@ import statistics
 import pytest
 import torch
 
-from fsdp_rlhf.algorithms import RunningMeanStd, clip_scores, overlong_penalty, shape_rewards
+from fsdp_rlhf.algorithms import (
+    RunningMeanStd,
+    clip_scores,
+    overlong_penalty,
+    shape_rewards,
+    stop_properly_penalty,
+)
 from tests.unit.algorithms.helpers import SEEDS, make_gen, ragged_mask, randn, valid_positions
 
 
@@ -112,3 +118,27 @@ def test_overlong_penalty_from_a_ragged_mask_and_validation():
             overlong_penalty(lengths, *bad)
     with pytest.raises(ValueError):
         overlong_penalty(lengths, 12, 4, -1.0)
+
+
+@pytest.mark.parametrize(
+    "coef,expected",
+    [
+        (0.0, [0.0, 0.9, 0.0, 0.0]),  # ProRL's script: truncated responses score 0
+        (0.5, [0.5, 0.9, 0.0, -0.15]),  # a factor in [0, 1] scales them
+        (1.0, [1.0, 0.9, 0.0, -0.3]),  # 1: no penalty
+        (-0.5, [-0.5, 0.9, -0.5, -0.5]),  # below 0: a fixed score, whatever they earned
+    ],
+)
+def test_stop_properly_penalty_matches_openrlhfs_rule(coef, expected):
+    scores = torch.tensor([1.0, 0.9, 0.0, -0.3], dtype=torch.float64)
+    truncated = torch.tensor([True, False, True, True])
+    out = stop_properly_penalty(scores, truncated, coef)
+    assert out.dtype == torch.float64 and out.tolist() == pytest.approx(expected)
+    # 0/1 flags work as well, and the input is not modified
+    assert stop_properly_penalty(scores, truncated.float(), coef).tolist() == out.tolist()
+    assert scores.tolist() == [1.0, 0.9, 0.0, -0.3]
+
+
+def test_stop_properly_penalty_rejects_a_reward_for_truncation():
+    with pytest.raises(ValueError, match="coef"):
+        stop_properly_penalty(torch.zeros(2), torch.ones(2), 1.5)
