@@ -86,10 +86,14 @@ def lines_to_print(rank: int, world: int, failures: dict[int, Failure]) -> list[
     return out
 
 
+_connected = None
+
+
 def _store():
     """A client of torchrun's store, namespaced to this run and restart; None without one."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
+    global _connected
+    if _connected is not None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return _connected
     try:
         from torch.distributed import PrefixStore, TCPStore
 
@@ -104,7 +108,8 @@ def _store():
         return None
     run = os.environ.get("TORCHELASTIC_RUN_ID", "")
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return PrefixStore(f"fsdp_rlhf/exit/{run}/{attempt}", store)
+    _connected = PrefixStore(f"fsdp_rlhf/exit/{run}/{attempt}", store)
+    return _connected
 
 
 def _rank_world() -> tuple[int, int]:
