@@ -47,13 +47,14 @@ def _print_flags(config_cls: type, command: str, title: str) -> None:
 
 
 def _translate(command: str, argv: list[str]) -> list[str]:
-    """OpenRLHF spellings -> canonical flags; rank 0 prints what each became, once."""
+    """OpenRLHF spellings -> canonical flags; rank 0 prints what each became, once, with the
+    other start-up information (stdout; stderr is for errors)."""
     from fsdp_rlhf.compat import translate
 
     translation = translate(command, argv)
     if translation.notes and os.environ.get("RANK", "0") == "0":
         for note in translation.notes:
-            print(f"openrlhf flag: {note}", file=sys.stderr)
+            print(f"openrlhf flag: {note}", flush=True)
     return translation.argv
 
 

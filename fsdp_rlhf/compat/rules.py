@@ -168,6 +168,8 @@ def translate_with(table: Table, argv: Sequence[str]) -> Translation:
         except ConfigError as e:
             raise ConfigError(f"{flag.text()}: {e}") from None
         emitted.extend(out)
+        if out == [f"--{flag.name}", *flag.values]:
+            continue  # our spelling too (--advantage_estimator grpo): nothing to say
         arrow = " ".join(out) if out else "(nothing)"
         given = flag.text()
         if rule.secret:

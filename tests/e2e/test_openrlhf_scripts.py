@@ -64,7 +64,7 @@ def test_grpo_script_in_openrlhf_v010_flags(tiny_qwen2, data, tmp_path):
     save = tmp_path / "grpo"
     proc = run_script("grpo_v0.10_flat.sh", tiny_qwen2, data, save)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    notes = translated(proc.stderr)
+    notes = translated(proc.stdout)
     assert "openrlhf flag: --advantage_estimator group_norm -> --advantage_estimator grpo" in (
         " ".join(notes)
     ) or any("group_norm -> --advantage_estimator grpo" in n for n in notes), notes
@@ -85,7 +85,7 @@ def test_dapo_script_in_openrlhf_v011_flags(tiny_qwen2, data, tmp_path):
     save = tmp_path / "dapo"
     proc = run_script("dapo_v0.11_dotted.sh", tiny_qwen2, data, save)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    notes = translated(proc.stderr)
+    notes = translated(proc.stdout)
     assert any(n.startswith("openrlhf flag: --ds.zero_stage 3 -> --zero_stage 3") for n in notes)
     rows = read_metrics(save)
     assert [r["step"] for r in rows] == [1, 2]
@@ -108,7 +108,7 @@ def test_rm_script_in_openrlhf_v011_flags(tiny_qwen2, data, tmp_path):
     save = tmp_path / "rm"
     proc = run_script("rm_v0.11_dotted.sh", tiny_qwen2, data, save)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    notes = translated(proc.stderr)
+    notes = translated(proc.stdout)
     assert any("--model.model_name_or_path" in n and "--pretrain" in n for n in notes), notes
     rows = read_metrics(save)
     assert rows and rows[-1]["step"] >= 3

@@ -303,3 +303,8 @@ def test_the_wandb_key_never_shows_in_the_start_up_notes():
     assert t.argv[:2] == ["--use_wandb", "sk-secret-123"]
     assert not any("sk-secret-123" in note for note in t.notes)
     assert "--logger.wandb.key *** -> --use_wandb ***" in t.notes
+
+
+def test_a_value_our_spelling_shares_needs_no_note():
+    assert translate("ppo", ["--advantage_estimator", "grpo"]).notes == []
+    assert translate("ppo", ["--advantage_estimator", "group_norm"]).notes != []
