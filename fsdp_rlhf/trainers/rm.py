@@ -22,8 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
-import datasets
-
 from fsdp_rlhf.config import RMBatchPlan, RMConfig, plan_rm_batches
 from fsdp_rlhf.data.preference import PreferenceLoader, eval_batches
 from fsdp_rlhf.data.schedule import DataPosition, StepSchedule
@@ -50,6 +48,8 @@ def main(cfg: RMConfig, debug: bool = False) -> int:
 
 
 def prepare(cfg: RMConfig, world_size: int) -> tuple[RMBatchPlan, RMData]:
+    import datasets
+
     if os.environ.get("RANK", "0") != "0" or not sys.stderr.isatty():
         datasets.disable_progress_bars()  # tqdm bars would flood log files and other ranks
     plan = plan_rm_batches(cfg.batch, world_size)
