@@ -17,7 +17,7 @@ from .advantages import (
 from .correction import rollout_correction, rollout_mismatch_metrics
 from .filtering import dynamic_filter_groups, expand_group_mask
 from .kl import AdaptiveKLController, FixedKLController, kl_estimate, kl_mean, kl_mean_parts
-from .logprobs import entropy_from_logits, logprobs_from_logits
+from .logprobs import entropy_from_logits, gathered_logprobs, logprobs_from_logits
 from .losses import (
     aggregate_loss,
     entropy_bonus,
@@ -42,6 +42,7 @@ __all__ = [
     "dynamic_filter_groups",
     "entropy_bonus",
     "entropy_from_logits",
+    "gathered_logprobs",
     "estimate_advantages",
     "eval_pass_metrics",
     "expand_group_mask",
