@@ -99,12 +99,20 @@ class RunningAverages:
                 self.totals[k] = self.totals[k] + v
             self.counts[k] += 1
 
-    def reduce(self) -> dict[str, float]:
+    def reduce(self, sum_keys: tuple[str, ...] = (), steps: int = 1) -> dict[str, float]:
+        """Means over micro-batches and ranks; ``sum_keys`` are summed over micro-batches and
+        ranks and divided by ``steps`` instead (loss terms that are fractions of a step's
+        global mean: ranks may run different numbers of micro-batches)."""
         host = to_host(self.totals)
+        sums = {k: host.pop(k) / max(steps, 1) for k in sum_keys if k in host}
         means = {k: v / self.counts[k] for k, v in host.items() if not k.endswith("_max")}
         maxs = {k: v for k, v in host.items() if k.endswith("_max")}
-        # every rank has the same keys (they follow the config), so both collectives match
-        return {**all_reduce_scalars(means, "mean"), **all_reduce_scalars(maxs, "max")}
+        # every rank has the same keys (they follow the config), so the collectives match
+        return {
+            **all_reduce_scalars(means, "mean"),
+            **all_reduce_scalars(maxs, "max"),
+            **all_reduce_scalars(sums, "sum"),
+        }
 
 
 def throughput(
