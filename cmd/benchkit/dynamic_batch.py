@@ -21,7 +21,6 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -31,6 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "cmd"))
 
+from benchkit.rates import interleaved  # noqa: E402
 from benchkit.workload import FULL, SMOKE, Sizes, Workload, build_workload  # noqa: E402
 
 
@@ -108,20 +108,12 @@ def measure(
 ) -> dict:
     """Median seconds per step of each case over ``reps`` interleaved rounds, on one thread."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # the cases are built on one thread too
     try:
         calls, info = cases(w, s, rows, max_response)
-        for call in calls.values():
-            for _ in range(warmup):
-                call()
-        times: dict[str, list[float]] = {name: [] for name in calls}
-        for _ in range(reps):
-            for name, call in calls.items():
-                start = time.perf_counter()
-                call()
-                times[name].append(time.perf_counter() - start)
     finally:
         torch.set_num_threads(threads)
+    times = interleaved(calls, reps, warmup)
     out = {"info": info, "reps": reps}
     for name, t in times.items():
         out[name] = {
