@@ -149,13 +149,19 @@ def test_rule_reward_rises_and_sigterm_resume_reproduces(tiny_qwen2, ppo_data, t
 def test_gae_on_tied_odd_gqa_llama(tiny_llama, ppo_data, tmp_path):
     """Actor, reference and critic shaped like a published small Llama (9 query / 3 KV heads,
     tied embeddings: no lm_head.weight among the parameters): weight sync into vLLM, packed
-    forwards, a critic built from a causal checkpoint, and the HF export."""
+    forwards, a critic built from a causal checkpoint, and the HF export. The micro-batches
+    are token budgets (``--use_dynamic_batch``): the update's own log-probs, collected from
+    micro-batches cut to their own length, are still the engine's."""
     save = tmp_path / "llama"
     flags = grpo_flags(tiny_llama, ppo_data, save, 3)
     flags[flags.index("--advantage_estimator") + 1] = "gae"
     flags += ["--critic_pretrain", tiny_llama, "--critic_learning_rate", "1e-3"]
+    flags += ["--use_dynamic_batch", "--train_max_tokens_per_gpu", "300"]
+    flags += ["--rollout_max_tokens_per_gpu", "400"]
     proc = torchrun(["ppo", *flags])
     assert proc.returncode == 0, proc.stderr[-3000:]
+    console = " ".join(proc.stdout.split())
+    assert "dynamic batching: micro-batches of at most 300 tokens per rank" in console
     rows = read_metrics(save)
     assert [r["step"] for r in rows] == [1, 2, 3]
     # at lr 2e-3 a head left stale by the sync would move the engine far off the trainer
