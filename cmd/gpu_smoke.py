@@ -99,37 +99,45 @@ def versions_check():
     return line, None
 
 
-def unmet_requirements(dist: str) -> list[str]:
-    """``dist``'s own requirements (no extras) that the installed packages do not meet."""
+def unmet_requirements(dist: str, seen: set[str] | None = None) -> list[str]:
+    """``dist``'s requirements (no extras), and theirs, that the installed packages do not
+    meet: read from the packages' metadata, so nothing is imported."""
     from importlib import metadata
 
     from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
 
+    seen = set() if seen is None else seen
     bad = []
     for text in metadata.requires(dist) or []:
         req = Requirement(text)
         if req.marker is not None and not req.marker.evaluate({"extra": ""}):
             continue
+        name = canonicalize_name(req.name)
         try:
             have = metadata.version(req.name)
         except metadata.PackageNotFoundError:
-            bad.append(f"{req.name} missing")
+            bad.append(f"{req.name} missing (needed by {dist})")
             continue
         if req.specifier and not req.specifier.contains(have, prereleases=True):
-            bad.append(f"{req.name} {have} (needs {req.specifier})")
+            bad.append(f"{req.name} {have} (needs {req.specifier}, for {dist})")
+        elif name not in seen:
+            seen.add(name)
+            bad += unmet_requirements(req.name, seen)
     return bad
 
 
 def datasets_check():
-    """`datasets` travels as a wheel (docs/gpu.md): its pins against the box's pyarrow, fsspec..."""
+    """`datasets` travels as a wheel (docs/gpu.md): its pins, and its requirements' pins, against
+    what the box has (pyarrow, fsspec, pandas...), before it is imported."""
     from importlib import metadata
-
-    import datasets  # noqa: F401 - the data loaders import it where used
 
     bad = unmet_requirements("datasets")
     if bad:
         raise RuntimeError("unmet: " + "; ".join(bad))
-    have = {n: metadata.version(n) for n in ("datasets", "pyarrow", "fsspec", "dill")}
+    import datasets  # noqa: F401 - the data loaders import it where used
+
+    have = {n: metadata.version(n) for n in ("datasets", "pyarrow", "fsspec", "pandas")}
     return "requirements met: " + ", ".join(f"{k} {v}" for k, v in have.items()), None
 
 
