@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "cmd"))  # benchkit/ lives beside this script
 
-from benchkit import lora, machine, matrix, offline, peak, prefix, rl, rm  # noqa: E402
+from benchkit import dynamic_batch, lora, machine, matrix, offline, peak, prefix, rl, rm  # noqa: E402
 from benchkit.launch import use_tcmalloc  # noqa: E402
 from benchkit.memcpy import memcpy_reference  # noqa: E402
 from benchkit.render import console_table  # noqa: E402
@@ -137,6 +137,8 @@ def measure(
     if s.extra_runs and more:
         raw["shared_prefix"] = prefix.measure(w, s)
         clock.say("shared prompt prefix on/off: measured")
+        raw["dynamic_batch"] = dynamic_batch.measure(w, s)
+        clock.say("token-budget micro-batches against fixed ones: measured")
         raw["rm_single"] = run_rm_single(w, s, work, with_trl, clock)
         rm_dir = work / f"rm_ours_{matrix.tag(primary, 0)}"
         raw["extra"] = run_extra(w, s, work, rm_dir, clock)

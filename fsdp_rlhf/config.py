@@ -442,6 +442,37 @@ class PPOBatchConfig:
         "its samples in a micro-batch (same log-probs and gradients, fewer tokens). Not with "
         "--packing_samples or flash-attn; the log says when it is off.",
     )
+    use_dynamic_batch: bool = doc(
+        False,
+        "Form micro-batches by token count instead of row count: each rank's rows sorted by "
+        "length and bin-packed into micro-batches of at most --train_max_tokens_per_gpu "
+        "(updates) / --rollout_max_tokens_per_gpu (no-grad forwards) tokens, each cut to its "
+        "own longest row; --micro_train_batch_size / --micro_rollout_batch_size then do not "
+        "apply. Same loss and gradients.",
+    )
+    train_max_tokens_per_gpu: int = doc(
+        16192,
+        "With --use_dynamic_batch: tokens per micro-batch of the updates on one rank (padded: "
+        "rows x the longest; with --packing_samples: their sum).",
+    )
+    rollout_max_tokens_per_gpu: int | None = doc(
+        None,
+        "With --use_dynamic_batch: tokens per micro-batch of the no-grad forwards (old and "
+        "reference log-probs, values, rewards); default --train_max_tokens_per_gpu.",
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("train_max_tokens_per_gpu", "rollout_max_tokens_per_gpu"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}")
+
+    @property
+    def scoring_max_tokens(self) -> int | None:
+        """The no-grad forwards' token budget (None: fixed-size micro-batches)."""
+        if not self.use_dynamic_batch:
+            return None
+        return self.rollout_max_tokens_per_gpu or self.train_max_tokens_per_gpu
 
 
 GSPO_PAPER_CLIP = (3e-4, 4e-4)

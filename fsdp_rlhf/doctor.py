@@ -128,10 +128,13 @@ def job_flags(cfg: PPOConfig, world: int, device_bytes: int) -> JobFlags:
         micro_train_batch_size=cfg.batch.micro_train_batch_size,
         micro_rollout_batch_size=cfg.rollout.micro_rollout_batch_size,
         seq_len=cfg.total_len,
+        response_len=cfg.rollout.generate_max_len,
         gradient_checkpointing=cfg.backend.gradient_checkpointing,
         critic=cfg.algo.advantage_estimator in CRITIC_ESTIMATORS,
         reward=bool(cfg.models.reward_pretrain),
         lora=cfg.lora.enabled,
+        engine=cfg.rollout.rollout_engine,
+        rollout_seqs=max(1, cfg.batch.rollout_batch_size * cfg.batch.n_samples_per_prompt // world),
     )
 
 
@@ -146,7 +149,9 @@ def plan_job(cfg: PPOConfig, world: int, device_bytes: int, cuda: bool) -> list[
     actor = model_shape(cfg.models.pretrain)
     critic_src = cfg.models.critic_pretrain or cfg.models.reward_pretrain
     flags = job_flags(cfg, world, device_bytes)
-    if not cuda:  # vLLM-CPU: the weights of its TP slice + --vllm_kvcache_space_gib (floor 1)
+    if (
+        not cuda and cfg.rollout.rollout_engine == "vllm"
+    ):  # vLLM-CPU: the weights of its TP slice + --vllm_kvcache_space_gib (floor 1)
         weights = actor.params * (2 if cfg.backend.bf16 else 4)
         kv = cfg.rollout.vllm_kvcache_space_gib or 1.0
         pool = weights // cfg.rollout.vllm_tensor_parallel_size + int(kv * 2**30)

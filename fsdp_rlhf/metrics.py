@@ -57,6 +57,10 @@ class PhaseTimer:
         self.device = device
         self.times: dict[str, float] = {}
         self.memory: dict[str, float] = {}
+        # CUDA only: the caching allocator's peak reserve, and the device's used memory at the
+        # phase's end (mem_get_info: vLLM's pool and the CUDA context included)
+        self.reserved: dict[str, float] = {}
+        self.device_used: dict[str, float] = {}
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:
@@ -71,12 +75,18 @@ class PhaseTimer:
                 torch.cuda.synchronize(self.device)
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
             self.memory[name] = peak_memory_gib(self.device)
+            if self.device.type == "cuda":
+                self.reserved[name] = torch.cuda.max_memory_reserved(self.device) / 2**30
+                free, total = torch.cuda.mem_get_info(self.device)
+                self.device_used[name] = (total - free) / 2**30
 
     def pop(self) -> dict[str, float]:
         """All timings (``timing/<phase>``) and peak memory (``memory/<phase>_gib``), then reset."""
         out = {f"timing/{k}": v for k, v in self.times.items()}
         out.update({f"memory/{k}_gib": v for k, v in self.memory.items()})
-        self.times, self.memory = {}, {}
+        out.update({f"memory_reserved/{k}_gib": v for k, v in self.reserved.items()})
+        out.update({f"memory_device_used/{k}_gib": v for k, v in self.device_used.items()})
+        self.times, self.memory, self.reserved, self.device_used = {}, {}, {}, {}
         return out
 
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 import json
 import random
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from benchkit.rates import interleaved
 from benchkit.workload import Sizes, Workload
 from fsdp_rlhf.data.preference import collate_pairs
 from fsdp_rlhf.rollout.engine import pad_token_rows
@@ -111,20 +111,12 @@ def cases(w: Workload, s: Sizes, compile: bool = True) -> dict[str, Callable[[],
 def measure(w: Workload, s: Sizes, reps: int = 9, warmup: int = 3, compile: bool = True) -> dict:
     """Median seconds of each case over ``reps`` interleaved rounds, on one thread."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # the cases are built on one thread too
     try:
         calls = cases(w, s, compile)
-        for call in calls.values():
-            for _ in range(warmup):  # compile and settle both layouts
-                call()
-        times: dict[str, list[float]] = {name: [] for name in calls}
-        for _ in range(reps):
-            for name, call in calls.items():
-                start = time.perf_counter()
-                call()
-                times[name].append(time.perf_counter() - start)
     finally:
         torch.set_num_threads(threads)
+    times = interleaved(calls, reps, warmup)  # the warm-up compiles and settles both layouts
     return {name: {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t)}
             for name, t in times.items()}  # fmt: skip
 

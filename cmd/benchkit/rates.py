@@ -34,3 +34,27 @@ def spread(values: list[float], fmt: str = "{:.1f}") -> str:
         return "-"
     lo, mid, hi = (fmt.format(v) for v in (min(values), median(values), max(values)))
     return f"{mid} [{lo}-{hi}]"
+
+
+def interleaved(calls: dict, reps: int, warmup: int) -> dict[str, list[float]]:
+    """Seconds of each call over ``reps`` interleaved rounds (A B A B ...) after ``warmup``
+    calls of each, on one thread (the bench's in-process comparisons)."""
+    import time
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for call in calls.values():
+            for _ in range(warmup):
+                call()
+        times: dict[str, list[float]] = {name: [] for name in calls}
+        for _ in range(reps):
+            for name, call in calls.items():
+                start = time.perf_counter()
+                call()
+                times[name].append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return times

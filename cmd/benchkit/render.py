@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from benchkit import lora, offline, prefix
+from benchkit import dynamic_batch, lora, offline, prefix
 from benchkit.rates import spread
 from benchkit.report import headline, phase_table, targets
 
@@ -139,6 +139,8 @@ def console_table(raw: dict) -> str:
         text += "\n\n" + _console(*lora.table(raw["lora"]))
     if raw.get("shared_prefix"):
         text += "\n\n" + _console(*prefix.table(raw["shared_prefix"]))
+    if raw.get("dynamic_batch"):
+        text += "\n\n" + _console(*dynamic_batch.table(raw["dynamic_batch"]))
     return text
 
 

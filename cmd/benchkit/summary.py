@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchkit import lora, offline, prefix
+from benchkit import dynamic_batch, lora, offline, prefix
 from benchkit.notes import matrix_notes, notes
 from benchkit.render import (
     DIFFERS,
@@ -104,6 +104,7 @@ def summary_md(raw: dict) -> str:
         *_offline_md(raw),
         *_lora_md(raw),
         *_prefix_md(raw),
+        *_dynamic_md(raw),
         "## Phase breakdown of our steps",
         phases_md(raw),
         "## Peak memory",
@@ -162,4 +163,18 @@ def _prefix_md(raw: dict) -> list[str]:
         md_table(*prefix.table(raw["shared_prefix"])),
         "Ours only, in the bench process on one thread, fp32, compiled blocks; the same "
         "micro-batch without and with the prefix run once, rounds interleaved.",
+    ]
+
+
+def _dynamic_md(raw: dict) -> list[str]:
+    if not raw.get("dynamic_batch"):
+        return []
+    info = raw["dynamic_batch"]["info"]
+    return [
+        "## Token-budget micro-batches against fixed ones (`--more`, `--use_dynamic_batch`)",
+        md_table(*dynamic_batch.table(raw["dynamic_batch"])),
+        f"Ours only, in the bench process on one thread, fp32: one rank's old-log-prob pass and "
+        f"actor update (forward + backward) over {info['rows']} rows with responses of varied "
+        f"length ({info['real_tokens']} real tokens, padded width {info['width']}); dynamic "
+        "micro-batches hold at most as many tokens as a fixed one; rounds interleaved.",
     ]

@@ -38,6 +38,7 @@ _MODULE_OF = {
     "eval_pass_metrics": "passk",
     "expand_group_mask": "filtering",
     "gae": "advantages",
+    "gathered_logprobs": "logprobs",
     "grpo": "advantages",
     "ipo_loss": "preference",
     "gspo_loss": "losses",

@@ -13,11 +13,13 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import numpy as np
 import torch
+
+if TYPE_CHECKING:  # imported where used: the GPU box runs without `datasets`
+    import datasets
 
 from fsdp_rlhf.config import PreferenceDataConfig
 from fsdp_rlhf.data.schedule import DataPosition, StepSchedule, eval_shard
@@ -210,6 +212,8 @@ def tokenize_pairs(
         (with ``with_prompt_len``: :func:`prompt_length`), and the number of pairs dropped
         because chosen and rejected were identical (or empty) after truncation.
     """
+    import datasets
+
     if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
         raise UserError("the tokenizer has no EOS token: the reward is read at the EOS position")
     features = {

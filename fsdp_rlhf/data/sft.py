@@ -15,14 +15,16 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import torch
 
 from fsdp_rlhf.config import SFTDataConfig
 from fsdp_rlhf.data.preference import right_pad
 from fsdp_rlhf.errors import UserError
+
+if TYPE_CHECKING:  # imported where used: the GPU box runs without `datasets`
+    import datasets
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +195,8 @@ def tokenize_samples(
         raise UserError(
             "sft needs a fast (Rust) tokenizer: responses are located by character offsets"
         )
+    import datasets
+
     features = datasets.Features(
         {
             "input_ids": datasets.Sequence(datasets.Value("int32")),

@@ -14,8 +14,10 @@ import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import datasets
+if TYPE_CHECKING:  # imported where used: the GPU box runs without `datasets`
+    import datasets
 
 from fsdp_rlhf.errors import UserError
 
@@ -110,6 +112,8 @@ def validate_json_file(path: Path) -> None:
 
 
 def _pick_split(data, split: str, src: str, flag_name: str) -> datasets.Dataset:
+    import datasets
+
     if isinstance(data, datasets.Dataset):
         return data
     if split in data:
@@ -122,6 +126,8 @@ def _pick_split(data, split: str, src: str, flag_name: str) -> datasets.Dataset:
 
 
 def _load_local(path: Path, src: str, split: str, flag_name: str) -> datasets.Dataset:
+    import datasets
+
     if path.is_dir() and (
         (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
     ):
@@ -147,6 +153,8 @@ def _load_local(path: Path, src: str, split: str, flag_name: str) -> datasets.Da
 
 def load_source(src: str, *, split: str, flag_name: str) -> datasets.Dataset:
     """One source as a ``datasets.Dataset`` (see the module docstring for what a source is)."""
+    import datasets
+
     path = Path(src).expanduser()
     if not path.exists() and _looks_like_path(src):
         raise UserError(f"{flag_name} {src}: no such file or folder")
@@ -206,6 +214,8 @@ def check_rows(dataset: datasets.Dataset, check: RowCheck, where: str) -> None:
 
 
 def _mix(parts: list[datasets.Dataset], probs: list[float] | None, seed: int, flag_name: str):
+    import datasets
+
     if len(parts) == 1:
         return parts[0]
     try:

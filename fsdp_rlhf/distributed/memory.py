@@ -20,7 +20,13 @@ Bytes per element: fp32 master params/grads 4, Adam 2 x 4, bf16 compute copies 2
 about ``9 h + 3 I`` bf16 values (norm in/out, q/k/v, attention out, o_proj, residual; SwiGLU gate,
 up and product), flash/SDPA attention keeping no ``s x s`` matrix; with gradient checkpointing
 only each layer's input (``h`` values) is kept, plus one layer recomputed in backward.
-Logits: the actor keeps ``b s V`` bf16 logits, an fp32 copy, fp32 log-softmax and its grad.
+Logits: only the ``T`` positions that predict a response token (``logits_to_keep``), ``b T V``
+values in the compute dtype; the update keeps them and their gradient, and the log-probs are read
+in fp32 chunks of ``CHUNK_ELEMENTS`` (algorithms.logprobs: a few chunk-sized temporaries, never an
+fp32 copy of the whole).
+With ``--rollout_engine hf`` there is no vLLM pool: the engine is an unsharded copy of the actor
+in the compute dtype, resident in every phase, plus HF's KV cache and per-step scores while it
+generates.
 Constants marked ASSUMED are not measured here (no GPU yet); ``cmd/gpu_smoke.py`` prints the
 measured phase peaks to calibrate them.
 """
@@ -29,10 +35,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fsdp_rlhf.algorithms.logprobs import CHUNK_ELEMENTS
+
 GIB = 2**30
 CONTEXT_BYTES = int(1.5 * GIB)  # ASSUMED: CUDA context + NCCL buffers per process
 VLLM_ASLEEP_BYTES = 1 * GIB  # ASSUMED: what a sleeping vLLM keeps (CUDA graphs, buffers)
 SYNC_BUCKET_BYTES = 256 << 20  # fsdp.GATHER_BUCKET_BYTES["cuda"]; two live at once
+LOGPROB_CHUNK_BYTES = 4 * 4 * CHUNK_ELEMENTS  # fp32 temporaries of one log-prob chunk (<= 4)
 TRAIN_HEADROOM = 0.95  # fragmentation of the caching allocator
 
 
@@ -45,6 +54,7 @@ class ModelShape:
     hidden: int
     intermediate: int
     vocab: int
+    kv_dim: int = 0  # key/value heads x head dim (0: hidden, as without GQA)
 
     @property
     def layer_params(self) -> int:
@@ -64,7 +74,9 @@ class ModelShape:
             head_dim = config.get("head_dim", h // config["num_attention_heads"])
             attn = 2 * h * h + 2 * h * kv * head_dim
             params = n_layers * (attn + 3 * h * inter) + 2 * vocab * h
-        return ModelShape(params, n_layers, h, inter, vocab)
+        kv = config.get("num_key_value_heads", config["num_attention_heads"])
+        kv_dim = kv * config.get("head_dim", h // config["num_attention_heads"])
+        return ModelShape(params, n_layers, h, inter, vocab, kv_dim)
 
 
 @dataclass(frozen=True)
@@ -82,16 +94,32 @@ class JobFlags:
     micro_train_batch_size: int = 1
     micro_rollout_batch_size: int = 1
     seq_len: int = 2048
+    response_len: int = 1024  # generate_max_len: the positions whose logits are computed
     gradient_checkpointing: bool = False
     critic: bool = True
     reward: bool = True
     vllm_pool_bytes: int = 0  # vLLM on CPU sizes its pool in GiB, not as a fraction: 0 = GPU
     lora: bool = False  # --lora_rank: frozen bases, no reference model (adapters are ~0 bytes)
+    engine: str = "vllm"  # --rollout_engine: "hf" holds an unsharded actor copy, no pool
+    rollout_seqs: int = 1  # sequences one rank generates at once (the HF engine's KV cache)
 
     @property
     def pool(self) -> int:
-        """vLLM's weights + KV cache pool."""
+        """vLLM's weights + KV cache pool (none with the HF engine)."""
+        if self.engine == "hf":
+            return 0
         return self.vllm_pool_bytes or int(self.gpu_memory_utilization * self.device_bytes)
+
+    @property
+    def asleep(self) -> int:
+        """What the rollout engine keeps on the device while the trainer works."""
+        if self.engine == "hf":
+            return 0  # its copy is counted as resident
+        return VLLM_ASLEEP_BYTES if self.vllm_sleep else self.pool
+
+    @property
+    def dtype_bytes(self) -> int:
+        return 2 if self.bf16 else 4
 
 
 @dataclass
@@ -125,6 +153,8 @@ def resident_during_rollout(f: JobFlags, actor: ModelShape, frozen: list[ModelSh
     the actor's optimizer and the whole critic between their updates; with ``--adam_offload``
     the trainable shards live on the host anyway."""
     parts = {"cuda context + nccl": CONTEXT_BYTES}
+    if f.engine == "hf":
+        parts["hf engine copy"] = f.dtype_bytes * actor.params
     if not f.adam_offload:
         parts["actor fp32 shard"] = 4 * actor.params // f.world
     if not f.ref_reward_offload:
@@ -147,7 +177,14 @@ def _gathered(f: JobFlags, m: ModelShape) -> dict:
     return {"gathered params": 2 * m.params, "unsharded grads": 4 * m.params}
 
 
-def update_phase(f: JobFlags, name: str, m: ModelShape, logits: bool, frozen: list) -> Phase:
+def update_phase(
+    f: JobFlags,
+    name: str,
+    m: ModelShape,
+    logits: bool,
+    frozen: list,
+    actor: ModelShape | None = None,
+) -> Phase:
     per_param = 4 if f.lora else 4 + 4 + 8  # LoRA: fp32 base shards; no grads or Adam state
     states = 0 if f.adam_offload else per_param * m.params // f.world
     gathered = _gathered(f, m)
@@ -155,12 +192,15 @@ def update_phase(f: JobFlags, name: str, m: ModelShape, logits: bool, frozen: li
         gathered.pop("unsharded grads", None)
     parts = {"params+grads+adam shards": states, **gathered}
     parts["activations"] = _activations(f, m, f.micro_train_batch_size)
-    if logits:
-        parts["logits"] = 14 * f.micro_train_batch_size * f.seq_len * m.vocab
+    if logits:  # the kept logits, their gradient, one chunk's fp32 temporaries
+        kept = f.dtype_bytes * f.micro_train_batch_size * f.response_len * m.vocab
+        parts["logits"] = 2 * kept + LOGPROB_CHUNK_BYTES
     parts["cuda context + nccl"] = CONTEXT_BYTES
+    if f.engine == "hf":
+        parts["hf engine copy"] = f.dtype_bytes * (actor or m).params
     if not f.ref_reward_offload:
         parts["ref/reward shards"] = sum(_frozen_bytes(f) * x.params for x in frozen) // f.world
-    parts["vllm"] = VLLM_ASLEEP_BYTES if f.vllm_sleep else f.pool
+    parts["vllm"] = f.asleep
     if not f.vllm_sleep:
         fix = "--vllm_enable_sleep (vLLM keeps its pool while training)"
     elif f.adam_offload:
@@ -176,8 +216,9 @@ def scoring_phase(f: JobFlags, actor: ModelShape, frozen: list[ModelShape]) -> P
     if f.ref_reward_offload:  # the scored model is onloaded for its pass
         parts["scored model shard"] = _frozen_bytes(f) * biggest.params // f.world
     parts["gathered layer + root"] = 2 * (biggest.layer_params + biggest.root_params)
-    parts["logits"] = 10 * b * f.seq_len * actor.vocab  # bf16 + fp32 copy + log-softmax
-    parts["vllm"] = VLLM_ASLEEP_BYTES if f.vllm_sleep else 0
+    # the response positions' logits and one chunk's fp32 temporaries
+    parts["logits"] = f.dtype_bytes * b * f.response_len * actor.vocab + LOGPROB_CHUNK_BYTES
+    parts["vllm"] = f.asleep if f.vllm_sleep else 0
     fix = "--micro_rollout_batch_size (lower)"
     return Phase("scoring (no-grad)", parts, int(TRAIN_HEADROOM * f.device_bytes), fix)
 
@@ -189,13 +230,26 @@ def plan_phases(
     pool = f.pool
     resident = resident_during_rollout(f, actor, frozen)
     util_fix = "--vllm_gpu_memory_utilization (lower) or --adam_offload / --ref_reward_offload"
-    wake = Phase("vllm start-up/wake", {"vllm pool": pool, **resident}, f.device_bytes, util_fix)
-    rollout_parts = {"vllm pool": pool, **resident, "sync buckets": 2 * SYNC_BUCKET_BYTES}
-    phases = [wake, Phase("rollout", rollout_parts, f.device_bytes, util_fix)]
+    if f.engine == "hf":  # generate on the local copy: its KV cache and per-step scores
+        kv = 2 * actor.layers * (actor.kv_dim or actor.hidden) * f.dtype_bytes * f.seq_len
+        rollout_parts = {
+            **resident,
+            "sync buckets": 2 * SYNC_BUCKET_BYTES,
+            "hf kv cache": kv * f.rollout_seqs,
+            "hf scores": 4 * f.rollout_seqs * f.response_len * actor.vocab,
+        }
+        fix = "--micro_rollout_batch_size / --rollout_batch_size (lower)"
+        phases = [Phase("rollout", rollout_parts, f.device_bytes, fix)]
+    else:
+        wake = Phase(
+            "vllm start-up/wake", {"vllm pool": pool, **resident}, f.device_bytes, util_fix
+        )
+        rollout_parts = {"vllm pool": pool, **resident, "sync buckets": 2 * SYNC_BUCKET_BYTES}
+        phases = [wake, Phase("rollout", rollout_parts, f.device_bytes, util_fix)]
     phases.append(scoring_phase(f, actor, frozen))
     phases.append(update_phase(f, "actor update", actor, logits=True, frozen=frozen))
     if critic is not None:
-        phases.append(update_phase(f, "critic update", critic, logits=False, frozen=frozen))
+        phases.append(update_phase(f, "critic update", critic, False, frozen, actor=actor))
     return phases
 
 

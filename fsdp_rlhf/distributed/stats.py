@@ -147,3 +147,14 @@ def global_masked_whiten(
     centered = values - mean if shift_mean else values
     whitened = centered * torch.rsqrt(var + eps)
     return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
+
+
+def to_host(values: dict[str, float | torch.Tensor]) -> dict[str, float]:
+    """Python floats of a dict of numbers and 0-dim tensors, with one device-to-host copy for all
+    the tensors (each ``float(tensor)`` on a GPU is a synchronisation of its own)."""
+    keys = [k for k, v in values.items() if isinstance(v, torch.Tensor)]
+    out = {k: float(v) for k, v in values.items() if not isinstance(v, torch.Tensor)}
+    if keys:
+        stacked = torch.stack([values[k].detach().double().reshape(()) for k in keys])
+        out.update(zip(keys, stacked.cpu().tolist(), strict=True))
+    return out

@@ -7,10 +7,12 @@ position, not from the mask.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
-from fsdp_rlhf.algorithms import entropy_from_logits, logprobs_from_logits
+from fsdp_rlhf.algorithms import gathered_logprobs
 from fsdp_rlhf.models.packing import pack_rows
 from fsdp_rlhf.models.shared_prefix import (
     share_pair_prefixes,
@@ -123,11 +125,16 @@ def response_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the last ``response_len`` tokens of each row under a causal LM.
 
+    The model computes logits only where a response token is predicted when it takes
+    ``logits_to_keep`` (HF causal LMs do), and no full-size copy of them is made: the log-probs
+    and entropies are read chunk by chunk, each chunk upcast and divided by the temperature on
+    its own (``algorithms.gathered_logprobs``), in the no-grad forwards and the update alike.
+
     Args:
         input_ids, attention_mask: (B, P + T), prompt left-padded, response right-padded.
         response_len: T.
         entropy_grad: whether the entropy is differentiable; without it (entropy only as a
-            metric) no per-chunk softmax over the vocabulary is kept for backward.
+            metric) its backward costs nothing.
         packed: run the rows as one packed row (see :func:`token_values`).
         group_size: > 1 when each run of that many consecutive rows shares its prompt: the
             prompt then goes through the model once per run (models.shared_prefix).
@@ -135,28 +142,68 @@ def response_logprobs(
         logprobs (B, T) float32, and entropy (B, T) when ``with_entropy``; at response
         padding the values are meaningless (callers mask them with ``response_mask``).
     """
-    # logits at position i predict token i + 1: keep the T positions before each response token.
+    logits, index = response_logits(
+        model, input_ids, attention_mask, response_len, packed, group_size
+    )
+    return gathered_logprobs(
+        logits,
+        input_ids[:, -response_len:],
+        index,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+    )
+
+
+def response_logits(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_len: int,
+    packed: bool = False,
+    group_size: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The model's logits, as few rows as it allows, and the row predicting each response token.
+
+    Returns:
+        ``(logits, index)``: logits (..., V) exactly as the model returned them, and (B, T)
+        row of ``logits.reshape(-1, V)`` whose prediction is each of the T response tokens
+        (logits at position i predict token i + 1); None when the logits are (B, T, V)
+        already aligned with the response tokens.
+    """
+    T = response_len
     if group_size > 1:
-        rows = share_prompts(input_ids, attention_mask, response_len, group_size)
-        logits = shared_prompt_logits(model, rows).float()
-    elif packed:
+        return shared_prompt_logits(model, share_prompts(input_ids, attention_mask, T, group_size))
+    keep = _takes_logits_to_keep(model)
+    if packed:
         row = pack_rows(input_ids, attention_mask)
-        logits = model(**row.model_inputs()).logits[0]  # (T_packed, V)
-        index = padded_positions(attention_mask, row.cu_seqlens)[:, -response_len - 1 : -1]
-        logits = logits[index].float()
-    else:
-        logits = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask),
-            use_cache=False,
-        ).logits
-        logits = logits[:, -response_len - 1 : -1, :].float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    labels = input_ids[:, -response_len:]
-    logprobs = logprobs_from_logits(logits, labels)
-    entropy = None
-    if with_entropy:
-        entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
-    return logprobs, entropy
+        positions = padded_positions(attention_mask, row.cu_seqlens)[:, -T - 1 : -1]  # (B, T)
+        if not keep:
+            return model(**row.model_inputs()).logits, positions  # (1, T_packed, V)
+        # only the rows that predict a response token (padding repeats a neighbour's row)
+        rows, index = torch.unique(positions, return_inverse=True)
+        return model(**row.model_inputs(), logits_to_keep=rows).logits, index
+    inputs = dict(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    )
+    B, L = input_ids.shape
+    before = torch.arange(L - T - 1, L - 1, device=input_ids.device)  # positions predicting
+    if keep:  # (B, T, V), aligned with the response tokens: read without any index
+        return model(**inputs, logits_to_keep=before).logits, None
+    rows = torch.arange(B, device=input_ids.device).unsqueeze(1) * L
+    return model(**inputs).logits, rows + before  # (B, L, V)
+
+
+def _takes_logits_to_keep(model: nn.Module) -> bool:
+    """Whether ``model.forward`` computes logits only at chosen positions (``logits_to_keep``,
+    an int or an index tensor: every HF causal LM since transformers 4.50)."""
+    cls = type(model)
+    if cls not in _KEEPS_LOGITS:
+        _KEEPS_LOGITS[cls] = "logits_to_keep" in inspect.signature(model.forward).parameters
+    return _KEEPS_LOGITS[cls]
+
+
+_KEEPS_LOGITS: dict[type, bool] = {}

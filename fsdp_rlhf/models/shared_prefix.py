@@ -139,16 +139,25 @@ def share_prompts(
     )
 
 
-def shared_prompt_logits(model: nn.Module, rows: SharedPromptRows) -> torch.Tensor:
-    """Logits predicting each response token: (B, T, V), in the padded rows' order."""
+def shared_prompt_logits(
+    model: nn.Module, rows: SharedPromptRows
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of the shared rows and where each response token's prediction sits in them.
+
+    Returns:
+        ``(logits, index)``: (G, 1 + s*T, V) as the model returned them (no copy), and (B, T)
+        row of ``logits.reshape(-1, V)`` predicting each response token, in the padded rows'
+        order (``algorithms.gathered_logprobs`` reads it chunk by chunk).
+    """
     # A new prompt length per batch: compiled blocks (models.compile) take it as dynamic from
     # the first call instead of recompiling at the second length.
     torch._dynamo.maybe_mark_dynamic(rows.prompt_mask, 3)
     torch._dynamo.maybe_mark_dynamic(rows.response_mask, 3)
     logits = model(**rows.model_inputs()).logits  # (G, 1 + s*T, V)
-    G, s, T = logits.shape[0], rows.group_size, rows.response_len
-    picked = logits[:, rows.logit_index.flatten()]  # (G, s*T, V)
-    return picked.view(G * s, T, logits.shape[-1])
+    G, K = logits.shape[0], logits.shape[1]
+    offsets = torch.arange(G, device=logits.device).view(G, 1, 1) * K
+    index = offsets + rows.logit_index.unsqueeze(0)  # (G, s, T)
+    return logits, index.view(G * rows.group_size, rows.response_len)
 
 
 # ---------------------------------------------------------------- preference pairs

@@ -44,11 +44,15 @@ from fsdp_rlhf.rollout.engine import (  # noqa: E402
 from fsdp_rlhf.rollout.groups import RolloutGroups, gather_prompts, own_prompt_range  # noqa: E402
 from fsdp_rlhf.rollout.rng import GenerationRng  # noqa: E402
 from fsdp_rlhf.rollout.sleep import SleepTracker  # noqa: E402
-from fsdp_rlhf.rollout.vllm_api import signature_problems  # noqa: E402
+from fsdp_rlhf.rollout.vllm_api import ENGINE_CALLS, check_calls  # noqa: E402
 
 log = logging.getLogger(__name__)
 
-TESTED_VLLM_VERSIONS = ("0.32.0",)
+# The adapter's range: 0.26 is the torch 2.11 pairing (vLLM 0.20-0.26 pin torch 2.11, 0.27 on
+# 2.13, 0.33 2.14). Inside it, the versions whose engine ran the rollout and weight-sync tests
+# here (`make test` with 0.32, `make test-vllm-compat` with the oldest).
+SUPPORTED_VLLM = ((0, 26), (0, 33))
+TESTED_VLLM_VERSIONS = ("0.26.0", "0.32.0")
 GiB = 1 << 30
 # CPU KV-cache sizing when not configured: room for this many full-length sequences at once.
 CPU_KV_CONCURRENT_SEQS = 32
@@ -62,47 +66,38 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 def check_vllm_internals(lora: bool = False) -> str:
     """Raise if a vLLM API this adapter relies on is missing or changed; returns the version.
 
-    Checked: ``Worker.reload_weights`` forwarding to ``GPUModelRunner.reload_weights(
-    weights_iterator=...)`` (v1 and v2 runners; the CPU runners subclass them), the in-process
-    external-launcher executor and engine client (``close``), the ``LLM`` methods used here,
-    and with ``lora`` the adapter APIs of :mod:`fsdp_rlhf.rollout.vllm_lora`.
+    Checked (``vllm_api.ENGINE_CALLS``): ``Worker.reload_weights`` forwarding to
+    ``GPUModelRunner.reload_weights(weights_iterator=...)`` (v1 and v2 runners; the CPU runners
+    subclass them), the in-process external-launcher executor and engine client (``close``),
+    the ``LLM`` methods used here, and with ``lora`` the adapter APIs of
+    :mod:`fsdp_rlhf.rollout.vllm_lora`. A version outside ``SUPPORTED_VLLM`` is only warned
+    about: these checks, not the number, decide.
     """
-    from vllm.v1.engine.core_client import InprocClient
-    from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
-    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as RunnerV2
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    from vllm.v1.worker.gpu_worker import Worker
-
-    expected = {
-        "Worker.reload_weights": (Worker, "reload_weights", ()),
-        "GPUModelRunner.reload_weights": (GPUModelRunner, "reload_weights", ("weights_iterator",)),
-        "v2 GPUModelRunner.reload_weights": (RunnerV2, "reload_weights", ("weights_iterator",)),
-        "LLM.collective_rpc": (LLM, "collective_rpc", ("method", "kwargs")),
-        "LLM.reset_prefix_cache": (LLM, "reset_prefix_cache", ()),
-        "LLM.sleep": (LLM, "sleep", ("level",)),
-        "LLM.wake_up": (LLM, "wake_up", ("tags",)),
-        "ExecutorWithExternalLauncher._init_executor": (
-            ExecutorWithExternalLauncher,
-            "_init_executor",
-            (),
-        ),
-        "InprocClient.shutdown": (InprocClient, "shutdown", ()),
-    }
-    problems = signature_problems(expected)
+    problems = check_calls(ENGINE_CALLS)
     if lora:
         problems += vllm_lora.check_lora_internals()
+    low, high = SUPPORTED_VLLM
+    supported = f"{low[0]}.{low[1]} to {high[0]}.{high[1]}"
     if problems:
         raise RuntimeError(
-            f"vLLM {vllm.__version__} breaks the fsdp_rlhf vLLM adapter (tested with "
-            f"{', '.join(TESTED_VLLM_VERSIONS)}): " + "; ".join(problems)
+            f"vLLM {vllm.__version__} breaks the fsdp_rlhf vLLM adapter (supported: "
+            f"{supported}): " + "; ".join(problems)
         )
-    if vllm.__version__ not in TESTED_VLLM_VERSIONS:
+    if not low <= release(vllm.__version__) <= high:
+        log.warning("vLLM %s is outside the supported range %s", vllm.__version__, supported)
+    elif vllm.__version__ not in TESTED_VLLM_VERSIONS:
         log.warning(
-            "vLLM %s has not been tested with fsdp_rlhf (tested: %s)",
+            "vLLM %s is in the supported range but its engine was not run by the tests (%s)",
             vllm.__version__,
             ", ".join(TESTED_VLLM_VERSIONS),
         )
     return vllm.__version__
+
+
+def release(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string: ``"0.26.0+cpu"`` -> (0, 26)."""
+    major, minor = (version.split("+")[0].split(".") + ["0"])[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
 def _reload_weights_inplace(llm: LLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

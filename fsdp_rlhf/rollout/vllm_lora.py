@@ -26,7 +26,7 @@ from vllm.lora.request import LoRARequest
 from vllm.lora.worker_manager import WorkerLoRAManager
 
 from fsdp_rlhf.errors import UserError
-from fsdp_rlhf.rollout.vllm_api import signature_problems
+from fsdp_rlhf.rollout.vllm_api import LORA_CALLS, check_calls
 
 # Never opened (see the module docstring); LoRARequest refuses an empty path.
 IN_MEMORY_PATH = "fsdp-rlhf://in-memory-adapter"
@@ -48,19 +48,7 @@ def lora_engine_kwargs(rank: int) -> dict[str, Any]:
 
 def check_lora_internals() -> list[str]:
     """Problems with the vLLM LoRA APIs used here (empty when all are as expected)."""
-    expected = {
-        "LoRAModel.from_lora_tensors": (
-            LoRAModel,
-            "from_lora_tensors",
-            ("lora_model_id", "tensors", "peft_helper", "device", "dtype", "model_vocab_size"),
-        ),
-        "PEFTHelper.from_dict": (PEFTHelper, "from_dict", ("config_dict",)),
-        "PEFTHelper.validate_legal": (PEFTHelper, "validate_legal", ("lora_config",)),
-        "LoRAModelManager.add_adapter": (LoRAModelManager, "add_adapter", ()),
-        "LoRAModelManager.remove_adapter": (LoRAModelManager, "remove_adapter", ("adapter_id",)),
-        "WorkerLoRAManager.list_adapters": (WorkerLoRAManager, "list_adapters", ()),
-    }
-    return signature_problems(expected)
+    return check_calls(LORA_CALLS)
 
 
 def request(lora_id: int) -> LoRARequest:

@@ -6,6 +6,7 @@ Shapes: N sequences on this rank, P prompt tokens (left-padded), T response toke
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -13,6 +14,7 @@ from torch import nn
 
 from fsdp_rlhf.models.forward import response_logprobs, sequence_scores, token_values
 from fsdp_rlhf.rollout.engine import RolloutOutput
+from fsdp_rlhf.trainers.micro_batches import MicroBatching
 
 
 @dataclass
@@ -47,60 +49,111 @@ class Experience:
         }
         return replace(self, **picked)
 
+    @property
+    def lengths(self) -> torch.Tensor:
+        """(N,) tokens of each sequence (prompt + response)."""
+        return self.attention_mask.sum(-1)
+
+    def trimmed(self) -> Experience:
+        """The same rows cut to their own longest prompt and response: the left padding every
+        prompt has and the right padding every response has are dropped (the (N, T) fields
+        keep their first T' columns)."""
+        T = self.response_len
+        P = self.input_ids.shape[1] - T
+        attended = self.attention_mask.bool().any(0)
+        start = int(attended[:P].int().argmax()) if bool(attended[:P].any()) else P
+        response = attended[P:].nonzero()
+        keep = int(response[-1]) + 1 if len(response) else 1
+        cut = {"input_ids": self.input_ids[:, start : P + keep]}
+        cut["attention_mask"] = self.attention_mask[:, start : P + keep]
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name not in cut and value is not None and value.ndim == 2:
+                cut[f.name] = value[:, :keep]
+        return replace(self, **cut)
+
 
 def chunks(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def micro_batches(
+    exp: Experience, batching: MicroBatching
+) -> Iterator[tuple[torch.Tensor | None, Experience]]:
+    """``(rows, micro-batch)`` pairs covering ``exp``; ``rows`` is None for a padding
+    micro-batch (one row, its result to be dropped: see ``trainers.micro_batches``). Dynamic
+    micro-batches are cut to their own longest prompt and response."""
+    for rows in batching.split(exp.lengths):
+        if not batching.dynamic:
+            yield rows, exp.rows(rows)
+        elif len(rows):
+            yield rows, exp.rows(rows).trimmed()
+        else:
+            shortest = exp.lengths.argmin().reshape(1)
+            if batching.group > 1:  # a whole group: its rows share one prompt pass
+                first = int(shortest) // batching.group * batching.group
+                shortest = torch.arange(first, first + batching.group)
+            yield None, exp.rows(shortest).trimmed()
+
+
+def _batching(micro: int | MicroBatching, packed: bool, group: int = 1) -> MicroBatching:
+    if isinstance(micro, MicroBatching):
+        return replace(micro, packed=packed, group=group)
+    return MicroBatching(micro, None, packed, group)
 
 
 @torch.no_grad()
 def batched_logprobs(
     model: nn.Module,
     exp: Experience,
-    micro: int,
+    micro: int | MicroBatching,
     temperature: float,
     packed: bool = False,
     group_size: int = 1,
 ) -> torch.Tensor:
-    """(N, T) log-probs of the response tokens, computed ``micro`` sequences at a time
-    (``group_size``: rows sharing one pass of their prompt, a divisor of ``micro``)."""
-    out = []
-    for sl in chunks(exp.num_sequences, micro):
+    """(N, T) log-probs of the response tokens, computed ``micro`` sequences at a time or by
+    token budget (``group_size``: rows sharing one pass of their prompt, kept together)."""
+    out = torch.zeros_like(exp.response_mask)
+    for rows, mb in micro_batches(exp, _batching(micro, packed, group_size)):
         lp, _ = response_logprobs(
             model,
-            exp.input_ids[sl],
-            exp.attention_mask[sl],
-            exp.response_len,
+            mb.input_ids,
+            mb.attention_mask,
+            mb.response_len,
             temperature=temperature,
             packed=packed,
             group_size=group_size,
         )
-        out.append(lp)
-    return torch.cat(out) * exp.response_mask
+        if rows is not None:
+            out[rows, : mb.response_len] = lp
+    return out * exp.response_mask
 
 
 @torch.no_grad()
 def batched_values(
-    model: nn.Module, exp: Experience, micro: int, packed: bool = False
+    model: nn.Module, exp: Experience, micro: int | MicroBatching, packed: bool = False
 ) -> torch.Tensor:
     """(N, T) critic values at the positions that predict each response token."""
-    out = []
-    T = exp.response_len
-    for sl in chunks(exp.num_sequences, micro):
-        v = token_values(model, exp.input_ids[sl], exp.attention_mask[sl], packed)
-        out.append(v[:, -T - 1 : -1])
-    return torch.cat(out) * exp.response_mask
+    out = torch.zeros_like(exp.response_mask)
+    for rows, mb in micro_batches(exp, _batching(micro, packed)):
+        T = mb.response_len
+        v = token_values(model, mb.input_ids, mb.attention_mask, packed)
+        if rows is not None:
+            out[rows, :T] = v[:, -T - 1 : -1]
+    return out * exp.response_mask
 
 
 @torch.no_grad()
 def batched_scores(
-    model: nn.Module, exp: Experience, micro: int, packed: bool = False
+    model: nn.Module, exp: Experience, micro: int | MicroBatching, packed: bool = False
 ) -> torch.Tensor:
     """(N,) reward-model scores of prompt + response, read at the last real token."""
-    out = [
-        sequence_scores(model, exp.input_ids[sl], exp.attention_mask[sl], packed)
-        for sl in chunks(exp.num_sequences, micro)
-    ]
-    return torch.cat(out)
+    out = torch.zeros(exp.num_sequences, device=exp.input_ids.device)
+    for rows, mb in micro_batches(exp, _batching(micro, packed)):
+        scores = sequence_scores(model, mb.input_ids, mb.attention_mask, packed)
+        if rows is not None:
+            out[rows] = scores.float()
+    return out
 
 
 def minibatches(

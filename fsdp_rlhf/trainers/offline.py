@@ -23,9 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 from torch import nn
 
 from fsdp_rlhf.config import plan_rm_batches
@@ -40,6 +39,9 @@ from fsdp_rlhf.models.save import save_model
 from fsdp_rlhf.optim import build_optimizer, build_scheduler
 from fsdp_rlhf.trainers import common
 from fsdp_rlhf.trainers.guards import BadStepGuard, guarded_step
+
+if TYPE_CHECKING:  # imported where used: the GPU box runs without `datasets`
+    import datasets
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,8 @@ class TrainData:
 def quiet_progress_bars() -> None:
     """tqdm bars of ``datasets`` would flood log files and other ranks' output."""
     if os.environ.get("RANK", "0") != "0" or not sys.stderr.isatty():
+        import datasets
+
         datasets.disable_progress_bars()
 
 

@@ -42,6 +42,7 @@ from fsdp_rlhf.trainers.experience import (
     truncated,
 )
 from fsdp_rlhf.trainers.guards import BadStepGuard, check_finite_scores
+from fsdp_rlhf.trainers.micro_batches import MicroBatching
 from fsdp_rlhf.trainers.ppo_eval import Evaluator, build_evaluator
 from fsdp_rlhf.trainers.ppo_metrics import (
     StatCollector,
@@ -126,6 +127,21 @@ class PPOTrainer:
         self.ema = build_ema(cfg, self.models.actor, self.optimizers["actor"])  # None: off
         self.group_size = prompt_group_size(cfg, self.plan, self.models.actor)
         self.update_plan = UpdatePlan.from_config(cfg, self.plan, self.group_size)
+        # the no-grad forwards' micro-batches: rows, or a token budget (--use_dynamic_batch)
+        self.scoring_batching = MicroBatching(
+            self.plan.micro_rollout_batch_size, cfg.batch.scoring_max_tokens, self.packed
+        )
+        if cfg.batch.use_dynamic_batch:
+            log.info(
+                "dynamic batching: micro-batches of at most %d tokens per rank in the updates, "
+                "%d in the no-grad forwards (%s)%s",
+                cfg.batch.train_max_tokens_per_gpu,
+                cfg.batch.scoring_max_tokens,
+                "the sum of lengths, packed" if self.packed else "rows x the longest, padded",
+                f"; groups of {self.group_size} rows sharing a prompt stay whole"
+                if self.group_size > 1
+                else "",
+            )
         self.kl_ctl = build_kl_controller(cfg.algo)
         self.evaluator = build_evaluator(cfg, env, tokenizer)
         self.timer = PhaseTimer(env.device)
@@ -288,7 +304,7 @@ class PPOTrainer:
 
     def score(self, exp: Experience, prompts: list[Prompt], n: int | None = None) -> None:
         """``exp.scores``; prompt i owns rows i*n .. i*n+n-1 (n: the training group size)."""
-        micro = self.plan.micro_rollout_batch_size
+        micro = self.scoring_batching
         scores = torch.zeros(exp.num_sequences, device=exp.input_ids.device)
         if self.multiturn is not None:  # set by the rollout; --env_file excludes the others
             scores = exp.scores
@@ -308,7 +324,7 @@ class PPOTrainer:
         exp.scores = clip_scores(scores, self.cfg.algo.reward_clip_range)
 
     def forward_old_ref_values(self, exp: Experience, old_logprobs: bool) -> None:
-        micro, temp = self.plan.micro_rollout_batch_size, self.cfg.rollout.temperature
+        micro, temp = self.scoring_batching, self.cfg.rollout.temperature
         if self.bypass:  # --use_rollout_logprobs_as_old: no trainer recomputation
             exp.old_logprobs = exp.engine_logprobs * exp.response_mask
         elif old_logprobs:

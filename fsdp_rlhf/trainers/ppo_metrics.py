@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from pathlib import Path
 
@@ -11,50 +12,59 @@ import torch
 from fsdp_rlhf.algorithms import rollout_mismatch_metrics
 from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.distributed.env import all_reduce_scalars
+from fsdp_rlhf.distributed.stats import to_host
 from fsdp_rlhf.errors import writing
 from fsdp_rlhf.metrics import MetricLogger
 from fsdp_rlhf.trainers.experience import Experience
+
+Number = float | torch.Tensor
 
 
 class StatCollector:
     """Global mean / max / min of per-sequence or per-token quantities.
 
     ``add("critic/values", values, mask)`` yields ``critic/values/{mean,max,min}`` over the valid
-    entries of every rank: sums and counts are all-reduced (not means of means).
+    entries of every rank: sums and counts are all-reduced (not means of means). Everything
+    stays on the device until :meth:`reduce` (one host copy, three collectives).
     """
 
     def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
-        self.maxs: dict[str, float] = {}
-        self.mins: dict[str, float] = {}
+        self.sums: dict[str, Number] = {}
+        self.maxs: dict[str, Number] = {}
+        self.mins: dict[str, Number] = {}
         self.means: list[str] = []
 
     def add(self, name: str, values: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         values = values.detach().float()
-        picked = values[mask.bool()] if mask is not None else values.reshape(-1)
-        self.sums[f"{name}/sum"] = float(picked.sum()) if picked.numel() else 0.0
-        self.sums[f"{name}/count"] = float(picked.numel())
-        self.maxs[name] = float(picked.max()) if picked.numel() else float("-inf")
-        self.mins[name] = float(picked.min()) if picked.numel() else float("inf")
+        valid = mask.bool() if mask is not None else torch.ones_like(values, dtype=torch.bool)
+        self.sums[f"{name}/sum"] = values.where(valid, 0.0).sum()
+        self.sums[f"{name}/count"] = valid.sum()
+        # an empty selection gives -inf / inf, which the max / min over ranks ignore
+        self.maxs[name] = values.where(valid, float("-inf")).amax() if values.numel() else -math.inf
+        self.mins[name] = values.where(valid, float("inf")).amin() if values.numel() else math.inf
 
     def add_mean(self, name: str, values: torch.Tensor) -> None:
         """Only ``name`` itself: the global mean of ``values``. Repeated calls accumulate (the
         rounds of dynamic sampling each report their responses)."""
-        total, count = float(values.detach().float().sum()), float(values.numel())
-        self.add_weighted_mean(name, total / count if count else 0.0, count)
+        self._accumulate(name, values.detach().float().sum(), float(values.numel()))
 
-    def add_weighted_mean(self, name: str, local_mean: float, weight: float) -> None:
+    def add_weighted_mean(self, name: str, local_mean: Number, weight: Number) -> None:
         """Only ``name``: the global mean of per-rank means weighted by ``weight`` (their
         token counts, say), i.e. the mean over every rank's entries."""
-        self.sums[f"{name}/sum"] = self.sums.get(f"{name}/sum", 0.0) + local_mean * weight
-        self.sums[f"{name}/count"] = self.sums.get(f"{name}/count", 0.0) + weight
+        self._accumulate(name, local_mean * weight, weight)
+
+    def _accumulate(self, name: str, total: Number, count: Number) -> None:
+        self.sums[f"{name}/sum"] = self.sums.get(f"{name}/sum", 0.0) + total
+        self.sums[f"{name}/count"] = self.sums.get(f"{name}/count", 0.0) + count
         if name not in self.means:
             self.means.append(name)
 
     def reduce(self) -> dict[str, float]:
-        sums = all_reduce_scalars(self.sums, "sum")
-        maxs = all_reduce_scalars(self.maxs, "max")
-        mins = all_reduce_scalars(self.mins, "min")
+        host = to_host({**self.sums, **{f"max:{k}": v for k, v in self.maxs.items()}})
+        host.update(to_host({f"min:{k}": v for k, v in self.mins.items()}))
+        sums = all_reduce_scalars({k: host[k] for k in self.sums}, "sum")
+        maxs = all_reduce_scalars({k: host[f"max:{k}"] for k in self.maxs}, "max")
+        mins = all_reduce_scalars({k: host[f"min:{k}"] for k in self.mins}, "min")
 
         def mean(name: str) -> float:
             count = sums[f"{name}/count"]
@@ -70,20 +80,40 @@ class StatCollector:
 
 class RunningAverages:
     """Averages of loss statistics over micro-batches, then over ranks; names ending in
-    ``_max`` are maxima instead (a mean of maxima would hide the outlier they exist to show)."""
+    ``_max`` are maxima instead (a mean of maxima would hide the outlier they exist to show).
+
+    Statistics stay on the device (summed, or maxed, as they arrive): they come to the host
+    once per :meth:`reduce`, not once per micro-batch."""
 
     def __init__(self) -> None:
-        self.values: dict[str, list[float]] = defaultdict(list)
+        self.totals: dict[str, Number] = {}
+        self.counts: dict[str, int] = defaultdict(int)
 
-    def add(self, stats: dict[str, float | torch.Tensor]) -> None:
+    def add(self, stats: dict[str, Number]) -> None:
         for k, v in stats.items():
-            self.values[k].append(float(v))
+            v = v.detach() if isinstance(v, torch.Tensor) else float(v)
+            if k not in self.totals:
+                self.totals[k] = v
+            elif k.endswith("_max"):
+                self.totals[k] = torch.maximum(torch.as_tensor(self.totals[k]), torch.as_tensor(v))
+            else:
+                self.totals[k] = self.totals[k] + v
+            self.counts[k] += 1
 
-    def reduce(self) -> dict[str, float]:
-        means = {k: sum(v) / len(v) for k, v in self.values.items() if v and not k.endswith("_max")}
-        maxs = {k: max(v) for k, v in self.values.items() if v and k.endswith("_max")}
-        # every rank has the same keys (they follow the config), so both collectives match
-        return {**all_reduce_scalars(means, "mean"), **all_reduce_scalars(maxs, "max")}
+    def reduce(self, sum_keys: tuple[str, ...] = (), steps: int = 1) -> dict[str, float]:
+        """Means over micro-batches and ranks; ``sum_keys`` are summed over micro-batches and
+        ranks and divided by ``steps`` instead (loss terms that are fractions of a step's
+        global mean: ranks may run different numbers of micro-batches)."""
+        host = to_host(self.totals)
+        sums = {k: host.pop(k) / max(steps, 1) for k in sum_keys if k in host}
+        means = {k: v / self.counts[k] for k, v in host.items() if not k.endswith("_max")}
+        maxs = {k: v for k, v in host.items() if k.endswith("_max")}
+        # every rank has the same keys (they follow the config), so the collectives match
+        return {
+            **all_reduce_scalars(means, "mean"),
+            **all_reduce_scalars(maxs, "max"),
+            **all_reduce_scalars(sums, "sum"),
+        }
 
 
 def throughput(
@@ -101,14 +131,10 @@ def explained_variance(
 ) -> dict[str, float]:
     """Local sums for 1 - Var[returns - values] / Var[returns], reduced by the caller."""
     m = mask.bool()
-    r, d = returns[m].double(), (returns - values)[m].double()
-    return {
-        "n": float(m.sum()),
-        "r": float(r.sum()),
-        "r2": float((r * r).sum()),
-        "d": float(d.sum()),
-        "d2": float((d * d).sum()),
-    }
+    r, d = returns.double().where(m, 0.0), (returns - values).double().where(m, 0.0)
+    return to_host(
+        {"n": m.sum(), "r": r.sum(), "r2": (r * r).sum(), "d": d.sum(), "d2": (d * d).sum()}
+    )
 
 
 def reduce_explained_variance(local: dict[str, float]) -> float:
@@ -136,9 +162,9 @@ def collect_batch_stats(
         diff = (exp.engine_logprobs - exp.old_logprobs).abs()
         stats.add("rollout/logprob_diff", diff, mask)
         mismatch = rollout_mismatch_metrics(exp.old_logprobs, exp.engine_logprobs, mask)
-        tokens = float(mask.sum())
+        tokens = mask.sum()
         for name in ("mismatch_kl", "mismatch_k1", "mismatch_abs_diff"):
-            stats.add_weighted_mean(f"rollout/{name}", float(mismatch[name]), tokens)
+            stats.add_weighted_mean(f"rollout/{name}", mismatch[name], tokens)
 
 
 def throughput_metrics(

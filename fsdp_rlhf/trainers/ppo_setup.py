@@ -261,10 +261,16 @@ def prompt_group_size(cfg: PPOConfig, plan: PPOBatchPlan, actor: nn.Module) -> i
     if not cfg.batch.share_prompt_prefix or n == 1:
         return 1
     blocker = sharing_blocker(actor, cfg.batch.packing_samples)
+    # --use_dynamic_batch packs whole groups into its micro-batches: only the minibatch counts
     batches = (plan.micro_rollout_batch_size, plan.micro_train_batch_size)
+    if cfg.batch.use_dynamic_batch:
+        batches = ()
     size = shared_group_size(n, *batches, plan.train_batch_size_per_rank)
     if blocker is None and size == 1:
-        blocker = f"n_samples_per_prompt ({n}) shares no factor with the micro-batches {batches}"
+        blocker = (
+            f"n_samples_per_prompt ({n}) shares no factor with the batches "
+            f"{(*batches, plan.train_batch_size_per_rank)}"
+        )
     if blocker is not None:
         log.info("shared prompt prefix: off, %s", blocker)
         return 1

@@ -9,7 +9,6 @@ mean however the batch is sharded and split into micro-batches.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,8 +28,9 @@ from fsdp_rlhf.config import PPOAlgoConfig, PPOBatchPlan, PPOConfig
 from fsdp_rlhf.distributed.fsdp import accumulate
 from fsdp_rlhf.distributed.stats import global_token_count
 from fsdp_rlhf.models.forward import response_logprobs, token_values
-from fsdp_rlhf.trainers.experience import Experience, chunks, minibatches
+from fsdp_rlhf.trainers.experience import Experience, micro_batches, minibatches
 from fsdp_rlhf.trainers.guards import BadStepGuard, finite_mean, guarded_step
+from fsdp_rlhf.trainers.micro_batches import MicroBatching
 from fsdp_rlhf.trainers.ppo_metrics import (
     RunningAverages,
     explained_variance,
@@ -56,9 +56,16 @@ class UpdatePlan:
     # consecutive rows sharing one pass of their prompt (models.shared_prefix); minibatches
     # and micro-batches keep them together
     group_size: int = 1
+    # --use_dynamic_batch: micro-batches of at most this many tokens (trainers.micro_batches)
+    max_tokens: int | None = None
+
+    @property
+    def batching(self) -> MicroBatching:
+        return MicroBatching(self.micro_batch_size, self.max_tokens, self.packed, self.group_size)
 
     @classmethod
     def from_config(cls, cfg: PPOConfig, plan: PPOBatchPlan, group_size: int = 1) -> UpdatePlan:
+        dynamic = cfg.batch.use_dynamic_batch
         return cls(
             ppo_epochs=cfg.algo.ppo_epochs,
             global_batch_size=cfg.batch.train_batch_size,
@@ -69,12 +76,8 @@ class UpdatePlan:
             packed=cfg.batch.packing_samples,
             norm_len=cfg.rollout.generate_max_len,
             group_size=group_size,
+            max_tokens=cfg.batch.train_max_tokens_per_gpu if dynamic else None,
         )
-
-    @property
-    def micro_steps(self) -> int:
-        """Micro-batches per optimizer step on one rank."""
-        return math.ceil(self.batch_size_per_rank / self.micro_batch_size)
 
 
 @dataclass(frozen=True)
@@ -123,28 +126,35 @@ def _update_loop(
     generator: torch.Generator,
     loss_fn: LossFn,
     on_micro: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    sum_keys: tuple[str, ...] = (),
 ) -> tuple[dict[str, float], float]:
     """Run the epochs; returns the rank-averaged loss statistics and the mean grad norm of
     the optimizer steps taken (a non-finite norm skips its step, see ``guarded_step``).
 
-    ``on_micro(rows, loss_stats)`` sees each micro-batch's row indices in ``exp`` after its
-    backward (the actor collects its log-probs through it).
+    ``sum_keys`` are loss terms that are fractions of the step's global mean: their sum over
+    micro-batches and ranks, averaged over the optimizer steps, is the value.
+    ``on_micro(rows, logprobs)`` sees each micro-batch's row indices in ``exp`` after its
+    backward (the actor collects its log-probs through it; dynamic micro-batches give them
+    cut to their own response length).
     """
     stats, norms = RunningAverages(), []
     for _ in range(plan.ppo_epochs):
         for idx in minibatches(
             exp.num_sequences, plan.batch_size_per_rank, generator, plan.group_size
         ):
-            num_tokens = global_token_count(exp.response_mask[idx])
-            micros = chunks(len(idx), plan.micro_batch_size)
-            for i, sl in enumerate(micros):
+            minibatch = exp.rows(idx)
+            num_tokens = global_token_count(minibatch.response_mask)
+            micros = list(micro_batches(minibatch, plan.batching))
+            for i, (rows, mb) in enumerate(micros):
                 accumulate(opt.model, i == len(micros) - 1, plan.zero_stage)
-                rows = idx[sl]
-                loss, step_stats = loss_fn(exp.rows(rows), num_tokens, plan.global_batch_size)
-                loss.backward()
+                loss, step_stats = loss_fn(mb, num_tokens, plan.global_batch_size)
                 logprobs = step_stats.pop("logprobs", None)
+                if rows is None:  # padding: the collectives run, nothing is learned
+                    (loss * 0.0).backward()
+                    continue
+                loss.backward()
                 if on_micro is not None:
-                    on_micro(rows, logprobs)
+                    on_micro(idx[rows], logprobs)
                 stats.add(step_stats)
             norms.append(
                 guarded_step(
@@ -156,18 +166,7 @@ def _update_loop(
                     opt.step,
                 )
             )
-    return stats.reduce(), finite_mean(norms)
-
-
-def _as_global_sum(out: dict[str, float], keys: tuple[str, ...], plan: UpdatePlan) -> None:
-    """Loss terms are fractions of a global mean: their sum over micro-batches and ranks is the
-    value, and RunningAverages averaged them, so scale back to the sum."""
-    for key in keys:
-        out[key] *= plan.micro_steps * plan.world_size
-
-
-def _local_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (values * mask).sum() / mask.sum().clamp(min=1)
+    return stats.reduce(sum_keys=sum_keys, steps=len(norms)), finite_mean(norms)
 
 
 def _correction(
@@ -261,7 +260,9 @@ def _actor_loss_fn(
             "actor/pg_loss": loss.detach(),
             **pg_stats,
             "actor/kl_loss": kl_loss.detach(),
-            "actor/entropy": _local_mean(entropy.detach(), mb.response_mask),
+            # a fraction of the step's global token mean, like the losses: the same whatever
+            # the split into micro-batches (summed over them, see _update_loop)
+            "actor/entropy": (entropy.detach() * mb.response_mask).sum() / max(num_tokens, 1),
             **corr_stats,
             "logprobs": old_logprobs,
         }
@@ -306,10 +307,10 @@ def update_actor(
 
     def keep(rows: torch.Tensor, logprobs: torch.Tensor) -> None:
         if collected is not None:
-            collected[rows] = logprobs
+            collected[rows, : logprobs.shape[1]] = logprobs
 
-    out, grad_norm = _update_loop(actor, exp, plan, generator, loss_fn, on_micro=keep)
-    _as_global_sum(out, ("actor/pg_loss", "actor/kl_loss"), plan)
+    sums = ("actor/pg_loss", "actor/kl_loss", "actor/entropy")
+    out, grad_norm = _update_loop(actor, exp, plan, generator, loss_fn, keep, sums)
     out["actor/grad_norm"] = grad_norm
     out.update(actor.guard.metrics("actor/"))
     out["grad_norm"] = grad_norm  # MindSpeed RL's name for the actor's norm, kept as an alias
@@ -324,9 +325,9 @@ def update_critic(
     generator: torch.Generator,
 ) -> dict[str, float]:
     """Value-function updates on one rollout batch (``exp.values`` and ``exp.returns`` set)."""
-    T = exp.response_len
 
     def loss_fn(mb: Experience, num_tokens: int, num_seqs: int):
+        T = mb.response_len
         values = token_values(critic.model, mb.input_ids, mb.attention_mask, plan.packed)
         loss, st = value_loss(
             values[:, -T - 1 : -1],
@@ -341,8 +342,7 @@ def update_critic(
         )
         return loss, {"critic/vf_loss": loss.detach(), "critic/vf_clipfrac": st["vf_clipfrac"]}
 
-    out, grad_norm = _update_loop(critic, exp, plan, generator, loss_fn)
-    _as_global_sum(out, ("critic/vf_loss",), plan)
+    out, grad_norm = _update_loop(critic, exp, plan, generator, loss_fn, None, ("critic/vf_loss",))
     out["critic/grad_norm"] = grad_norm
     out.update(critic.guard.metrics("critic/"))
     out["critic/lr"] = critic.scheduler.get_last_lr()[0]

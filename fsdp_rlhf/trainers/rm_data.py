@@ -10,9 +10,10 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
+if TYPE_CHECKING:  # imported where used: the GPU box runs without `datasets`
+    import datasets
 
 from fsdp_rlhf.config import RMBatchPlan, RMConfig
 from fsdp_rlhf.data.preference import hold_out, tokenize_pairs

@@ -15,6 +15,7 @@ from fsdp_rlhf.config import RMBatchConfig, RMConfig, RMLossConfig
 from fsdp_rlhf.data.preference import PairBatch
 from fsdp_rlhf.distributed.env import all_reduce_scalars
 from fsdp_rlhf.distributed.fsdp import accumulate
+from fsdp_rlhf.distributed.stats import to_host
 from fsdp_rlhf.models.attention import VARLEN_ATTENTION
 from fsdp_rlhf.models.forward import sequence_scores, shared_pair_scores
 from fsdp_rlhf.trainers.guards import BadStepGuard, guarded_step
@@ -92,7 +93,9 @@ def train_step(
         This rank's means of ``loss acc chosen_reward reject_reward margin``, plus the
         global ``grad_norm`` and the ``lr`` this step used.
     """
-    sums = dict.fromkeys(("loss", "acc", "chosen_reward", "reject_reward", "margin"), 0.0)
+    sums: dict[str, float | torch.Tensor] = dict.fromkeys(
+        ("loss", "acc", "chosen_reward", "reject_reward", "margin"), 0.0
+    )
     for i, batch in enumerate(batches):
         accumulate(model, i == len(batches) - 1, cfg.fsdp.zero_stage)
         chosen, rejected = score_pairs(model, batch, device, layout)
@@ -100,11 +103,13 @@ def train_step(
         loss = objective(chosen, rejected, margin, cfg.loss)
         (loss / len(batches)).backward()
         chosen, rejected = chosen.detach(), rejected.detach()
-        sums["loss"] += loss.item()
-        sums["acc"] += (chosen > rejected).float().mean().item()
-        sums["chosen_reward"] += chosen.mean().item()
-        sums["reject_reward"] += rejected.mean().item()
-        sums["margin"] += (chosen - rejected).mean().item()
+        # on the device: one host copy per step below, not a synchronisation per micro-batch
+        sums["loss"] += loss.detach()
+        sums["acc"] += (chosen > rejected).float().mean()
+        sums["chosen_reward"] += chosen.mean()
+        sums["reject_reward"] += rejected.mean()
+        sums["margin"] += (chosen - rejected).mean()
+    sums = to_host(sums)
     lr = scheduler.get_last_lr()[0]
     grad_norm = guarded_step(
         model.parameters(), optimizer, scheduler, cfg.optim.max_norm, guard, step

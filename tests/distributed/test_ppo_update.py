@@ -1,7 +1,8 @@
 """The actor update on 2 gloo ranks: taking ``old_logprobs`` from the update's own forward
-(``reuse_update_logprobs``), packing the micro-batches and running each shared prompt once
-(``--share_prompt_prefix``) all give the same step as the plain path. The update runs on its
-explicit arguments: no trainer is built."""
+(``reuse_update_logprobs``), packing the micro-batches, running each shared prompt once
+(``--share_prompt_prefix``) and token-budget micro-batches (``--use_dynamic_batch``, with a
+different number of micro-batches on each rank) all give the same step as the plain path. The
+update runs on its explicit arguments: no trainer is built."""
 
 from __future__ import annotations
 
@@ -20,13 +21,21 @@ ARGV = (
 )
 
 
+# rank 1's responses are shorter: under a token budget it needs fewer micro-batches
+RESPONSE_LENGTHS = {0: [5, 1, 3, 4], 1: [2, 1, 1, 2]}
+# --use_dynamic_batch budgets: a few rows per micro-batch at these lengths
+DYNAMIC = ["--use_dynamic_batch", "--train_max_tokens_per_gpu", "20"]
+DYNAMIC += ["--rollout_max_tokens_per_gpu", "24"]
+
+
 def _experience(vocab: int, rank: int, P: int = 6, T: int = 5):
     """4 sequences per rank in the PPO layout (left-padded prompt, right-padded response):
     2 prompts with 2 samples each, as ``--n_samples_per_prompt 2`` rolls them out."""
     from fsdp_rlhf.trainers.experience import Experience
 
     g = torch.Generator().manual_seed(100 + rank)
-    ids, mask, rmask = ppo_layout_batch(g, vocab, [6, 6, 3, 3], [5, 1, 3, 4], P, T)
+    responses = RESPONSE_LENGTHS[rank]
+    ids, mask, rmask = ppo_layout_batch(g, vocab, [6, 6, 3, 3], responses, P, T)
     ids[1, :P], ids[3, :P] = ids[0, :P], ids[2, :P]
     return Experience(
         input_ids=ids,
@@ -38,7 +47,15 @@ def _experience(vocab: int, rank: int, P: int = 6, T: int = 5):
     )
 
 
-def _one_update(rank: int, world: int, model_path: str, reuse: bool, packed: bool, shared: bool):
+def _one_update(
+    rank: int,
+    world: int,
+    model_path: str,
+    reuse: bool,
+    packed: bool,
+    shared: bool,
+    dynamic: bool = False,
+):
     from fsdp_rlhf.config import PPOConfig, plan_ppo_batches
     from fsdp_rlhf.config_base import build_config
     from fsdp_rlhf.distributed.env import current_env
@@ -55,7 +72,7 @@ def _one_update(rank: int, world: int, model_path: str, reuse: bool, packed: boo
         update_generator,
     )
 
-    argv = ARGV.split() + (["--packing_samples"] if packed else [])
+    argv = ARGV.split() + (["--packing_samples"] if packed else []) + (DYNAMIC if dynamic else [])
     cfg, _ = build_config(PPOConfig, argv)
     plan = plan_ppo_batches(cfg, world)
     env = current_env()
@@ -72,13 +89,16 @@ def _one_update(rank: int, world: int, model_path: str, reuse: bool, packed: boo
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
     exp = _experience(actor.config.vocab_size, rank)
     assert reuse_update_logprobs(cfg.algo, plan.optimizer_steps_per_epoch, actor_updates=True)
+    update_plan = UpdatePlan.from_config(cfg, plan, group)
+    assert (update_plan.max_tokens is not None) == dynamic
     if not reuse:
-        exp.old_logprobs = batched_logprobs(actor, exp, 2, 1.0, packed=packed, group_size=group)
+        micro = update_plan.batching if dynamic else 2
+        exp.old_logprobs = batched_logprobs(actor, exp, micro, 1.0, packed=packed, group_size=group)
     metrics, reused = update_actor(
         Optimization(actor, opt, sched, cfg.actor_optim.max_norm, BadStepGuard(0, "actor"), 1),
         exp,
         cfg.algo,
-        UpdatePlan.from_config(cfg, plan, group),
+        update_plan,
         update_generator(cfg.seed, 1, env.rank),
         kl_coef=cfg.algo.init_kl_coef,
         temperature=1.0,
@@ -92,6 +112,9 @@ def _one_update(rank: int, world: int, model_path: str, reuse: bool, packed: boo
 def test_reused_packed_and_shared_prompt_updates_match_the_plain_update(tiny_qwen2):
     variants = [(False, False, False), (True, False, False), (True, True, False)]
     variants += [(False, False, True), (True, False, True)]
+    # token budgets: padded, packed, shared prompts (whole groups per micro-batch), reused
+    variants += [(False, False, False, True), (False, True, False, True)]
+    variants += [(False, False, True, True), (True, False, True, True)]
     runs = {key: run_distributed(_one_update, 2, tiny_qwen2, *key) for key in variants}
     plain = runs[variants[0]]
     for key in variants[1:]:
@@ -109,3 +132,16 @@ def test_reused_packed_and_shared_prompt_updates_match_the_plain_update(tiny_qwe
     initial = load_causal_lm(tiny_qwen2, BackendConfig(), torch.device("cpu")).state_dict()
     delta = max((p - initial[n]).abs().max().item() for n, p in plain[0][2].items())
     assert delta > 1e-4
+
+
+def test_the_dynamic_budget_gives_the_ranks_different_micro_batch_counts():
+    """The equality above covers the padding micro-batches: at the test's budget, rank 0 needs
+    more micro-batches per step than rank 1 (4 rows per rank in one minibatch)."""
+    from fsdp_rlhf.trainers.micro_batches import token_bins
+
+    budget = int(DYNAMIC[2])
+    counts = []
+    for rank in (0, 1):
+        lengths = [p + r for p, r in zip([6, 6, 3, 3], RESPONSE_LENGTHS[rank], strict=True)]
+        counts.append(len(token_bins(lengths, budget, packed=False)))
+    assert counts[0] > counts[1] > 1, counts

@@ -187,7 +187,9 @@ def test_gae_on_tied_odd_gqa_llama_with_an_openrlhf_agent(tiny_llama, ppo_data, 
     tied embeddings: no lm_head.weight among the parameters): weight sync into vLLM, packed
     forwards, a critic built from a causal checkpoint, and the HF export. Rewards come from an
     OpenRLHF agent file over two turns (GAE over the holes the feedback leaves in the response
-    mask), with ProRL's stop-properly penalty on truncated answers."""
+    mask), with ProRL's stop-properly penalty on truncated answers. The micro-batches are token
+    budgets (``--use_dynamic_batch``): the update's own log-probs, collected from micro-batches
+    cut to their own length, are still the engine's."""
     save = tmp_path / "llama"
     agent = tmp_path / "agent_func.py"
     agent.write_text(SHORTER_PLEASE_AGENT)
@@ -200,8 +202,12 @@ def test_gae_on_tied_odd_gqa_llama_with_an_openrlhf_agent(tiny_llama, ppo_data, 
     flags += ["--critic_pretrain", tiny_llama, "--critic_learning_rate", "1e-3"]
     # room for the feedback: every trajectory takes both turns
     flags += ["--max_turns", "2", "--max_total_len", "128", "--stop_properly_penalty_coef", "-0.5"]
+    flags += ["--use_dynamic_batch", "--train_max_tokens_per_gpu", "300"]
+    flags += ["--rollout_max_tokens_per_gpu", "400"]
     proc = torchrun(["ppo", *flags])
     assert proc.returncode == 0, proc.stderr[-3000:]
+    console = " ".join(proc.stdout.split())
+    assert "dynamic batching: micro-batches of at most 300 tokens per rank" in console
     rows = read_metrics(save)
     assert [r["step"] for r in rows] == [1, 2, 3]
     # at lr 2e-3 a head left stale by the sync would move the engine far off the trainer

@@ -61,20 +61,22 @@ def test_shape_from_config_counts_llama_7b():
             True,
             None,
         ),
-        # activations of 32 layers x 8 x 2048 tokens without recomputation
-        (dict(gradient_checkpointing=False), False, "--micro_train_batch_size"),
+        # activations of 32 layers x 16 x 2048 tokens without recomputation (at 8, 68 GiB fit
+        # since the logits are read chunk by chunk: no fp32 copy of them)
+        (dict(gradient_checkpointing=False, micro_train_batch_size=16), False, "--micro_train"),
         (dict(gradient_checkpointing=False, micro_train_batch_size=4), True, None),
         # ZeRO-2 without offload: full bf16 params + unsharded fp32 grads (38 GiB) still fit
-        (dict(zero_stage=2, adam_offload=False), True, None),
+        (dict(zero_stage=2, adam_offload=False, micro_train_batch_size=16), True, None),
         # ... but not with twice the micro-batch
         (
-            dict(zero_stage=2, adam_offload=False, micro_train_batch_size=16),
+            dict(zero_stage=2, adam_offload=False, micro_train_batch_size=32),
             False,
             "--adam_offload",
         ),
         # vLLM kept awake while training
         (dict(vllm_sleep=False), False, "--vllm_enable_sleep"),
-        (dict(micro_rollout_batch_size=128), False, "--micro_rollout_batch_size"),
+        # scoring keeps b x 1024 x 32000 bf16 logits (plus one fp32 chunk)
+        (dict(micro_rollout_batch_size=2048), False, "--micro_rollout_batch_size"),
     ],
 )
 def test_7b_ppo_on_8x80gb_table(changes, fits, flag):
@@ -119,13 +121,13 @@ def test_device_budget_reads_the_device_it_is_given(monkeypatch):
 
 
 def test_lora_drops_the_reference_and_the_base_adam_state():
-    """ZeRO-2 without offload at micro-batch 16 does not fit full fine-tuning (see the table);
+    """ZeRO-2 without offload at micro-batch 32 does not fit full fine-tuning (see the table);
     with LoRA the base has no grads or Adam state and there is no reference copy."""
     from fsdp_rlhf.distributed.memory import lora_reference_savings
 
     m = ModelShape.from_hf_config(LLAMA_7B)
     flags = dataclasses.replace(
-        LAUNCHER, zero_stage=2, adam_offload=False, micro_train_batch_size=16, lora=True
+        LAUNCHER, zero_stage=2, adam_offload=False, micro_train_batch_size=32, lora=True
     )
     full = plan_phases(dataclasses.replace(flags, lora=False), m, m, [m, m])
     lora = plan_phases(flags, m, m, [m])  # reward only: no reference model
@@ -134,3 +136,18 @@ def test_lora_drops_the_reference_and_the_base_adam_state():
     assert update.parts["params+grads+adam shards"] == 4 * m.params // 8
     assert "unsharded grads" not in update.parts
     assert lora_reference_savings(flags, m) == 2 * m.params // 8  # bf16 reference shards
+
+
+def test_the_hf_engine_has_no_pool_and_a_resident_copy():
+    """--rollout_engine hf (the GPU box without vLLM): no start-up/wake phase, the unsharded bf16
+    copy of the actor in every phase, HF's KV cache and per-step scores while it generates."""
+    m = ModelShape.from_hf_config(LLAMA_7B)
+    flags = dataclasses.replace(LAUNCHER, engine="hf", rollout_seqs=4, world=1)
+    phases = {p.name: p for p in plan_phases(flags, m, m, [m, m])}
+    assert "vllm start-up/wake" not in phases
+    assert "vllm pool" not in phases["rollout"].parts
+    for name in ("rollout", "scoring (no-grad)", "actor update", "critic update"):
+        assert phases[name].parts["hf engine copy"] == 2 * m.params, name
+    # 2 (k, v) x 32 layers x 4096 x bf16 per token, 4 sequences of 2048 tokens
+    assert phases["rollout"].parts["hf kv cache"] == 2 * 32 * 4096 * 2 * 2048 * 4
+    assert phases["actor update"].parts["vllm"] == 0

