@@ -52,6 +52,7 @@ def base_env(**extra: str) -> dict[str, str]:
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONUNBUFFERED": "1",
+        "COLUMNS": "400",  # rank 0's log lines unwrapped, for the tests to read
     }
     env.update(extra)
     return env
