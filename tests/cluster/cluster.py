@@ -223,8 +223,8 @@ class Cluster:
             _run("ip", "netns", "add", ns)
             _run("ip", "-n", ns, "link", "set", "lo", "up")
             # the node's end is called eth0, the interface name the launchers default to
-            _run("ip", "-n", ctl_ns, "link", "add", f"frlc-v{i}", "type", "veth", "peer", "name",
-                 "eth0", "netns", ns)  # fmt: skip
+            veth = ("link", "add", f"frlc-v{i}", "type", "veth", "peer", "name", "eth0")
+            _run("ip", "-n", ctl_ns, *veth, "netns", ns)
             _run("ip", "-n", ctl_ns, "link", "set", f"frlc-v{i}", "master", "frlc-br", "up")
             _run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
             _run("ip", "-n", ns, "link", "set", "eth0", "up")
@@ -246,21 +246,9 @@ class Cluster:
             f"mount --bind {resolv} /etc/resolv.conf && "
             "echo ready && exec sleep infinity"
         )
+        argv = ["ip", "netns", "exec", host.netns, "unshare", "--uts", "--mount"]
         proc = subprocess.Popen(
-            [
-                "ip",
-                "netns",
-                "exec",
-                host.netns,
-                "unshare",
-                "--uts",
-                "--mount",
-                "--propagation",
-                "private",
-                "sh",
-                "-c",
-                script,
-            ],  # fmt: skip
+            [*argv, "--propagation", "private", "sh", "-c", script],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -384,20 +372,10 @@ PartitionName=debug Nodes={",".join(self.node_names)} Default=YES MaxTime=INFINI
             if parent.stat().st_mode & 0o002 and not parent.stat().st_mode & 0o1000:
                 raise RuntimeError(f"{parent} is world-writable without the sticky bit")
         self.root.chmod(0o755)
+        files = [f"--key-file={key}", f"--socket={d}/munge.socket"]
+        files += [f"--{kind}-file={d}/munged.{kind}" for kind in ("pid", "log", "seed")]
         proc = self.ctl.popen(
-            [
-                "runuser",
-                "-u",
-                "munge",
-                "--",
-                "munged",
-                "-F",
-                f"--key-file={key}",
-                f"--socket={d}/munge.socket",
-                f"--pid-file={d}/munged.pid",
-                f"--log-file={d}/munged.log",
-                f"--seed-file={d}/munged.seed",
-            ],  # fmt: skip
+            ["runuser", "-u", "munge", "--", "munged", "--foreground", *files],
             log=self.root / "logs" / "munged.out",
         )
         self._daemons.append(proc)
@@ -446,7 +424,7 @@ PartitionName=debug Nodes={",".join(self.node_names)} Default=YES MaxTime=INFINI
 
 
 def _up(args: argparse.Namespace) -> int:
-    root = Path(args.root or tempfile.mkdtemp(prefix="frlc-"))
+    root = Path(args.root or tempfile.mkdtemp(prefix="frlc-run-", dir="/tmp"))
     with Cluster(root, nodes=args.nodes, slurm=args.slurm) as cluster:
         pid = {n: h.holder.pid for n, h in cluster.hosts.items()}
         print(f"test cluster up under {root}: hosts {', '.join(cluster.hosts)}")
