@@ -1,8 +1,12 @@
-"""The Kubernetes launch scripts (k8s/*-pytorchjob.yaml) and the Slurm ones (slurm/*.sbatch)
+"""Multi-node launch settings that need no cluster to check.
+
+The Kubernetes launch scripts (k8s/*-pytorchjob.yaml) and the Slurm ones (slurm/*.sbatch)
 read the same environment: the same variables, and, given the same values, the same training
 flags and ranks per node. Only where the scheduler states the topology differs (SLURM_* there;
 MASTER_ADDR, WORLD_SIZE and RANK from the training operator here). The Slurm path runs for
-real in tests/cluster; a PyTorchJob cannot run here, so this is what keeps the two together."""
+real in tests/cluster; a PyTorchJob cannot run here, so this is what keeps the two together.
+And a vLLM engine's tensor-parallel ranks stay inside one node.
+"""
 
 from __future__ import annotations
 
@@ -105,3 +109,24 @@ def test_same_values_give_the_same_run(cmd: str, tmp_path: Path):
         assert _opt(s_launch, name) == _opt(k_launch, name)
     assert _opt(s_launch, "--rdzv_endpoint") == "n1:31337"
     assert _opt(k_launch, "--master_port") == "31337"
+
+
+@pytest.mark.parametrize(
+    ("local", "tp", "ok"), [(8, 2, True), (8, 8, True), (4, 8, True), (6, 4, False), (1, 1, True)]
+)
+def test_tp_engines_stay_inside_a_node(monkeypatch, local: int, tp: int, ok: bool):
+    """torchrun gives each node a contiguous block of ranks and vLLM makes contiguous TP
+    blocks: a TP size that neither divides nor is a multiple of the ranks per node would put
+    one engine on parts of two nodes."""
+    from fsdp_rlhf.config import PPOConfig
+    from fsdp_rlhf.config_base import build_config
+    from fsdp_rlhf.errors import UserError
+    from fsdp_rlhf.trainers.ppo_setup import _check_world
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
+    cfg, _ = build_config(PPOConfig, ["--vllm_tensor_parallel_size", str(tp)])
+    if ok:
+        _check_world(cfg, 2 * max(local, tp))
+    else:
+        with pytest.raises(UserError, match="span parts of two nodes"):
+            _check_world(cfg, 24)
