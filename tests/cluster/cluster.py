@@ -439,6 +439,7 @@ def _up(args: argparse.Namespace) -> int:
         with contextlib.suppress(KeyboardInterrupt):
             while True:
                 time.sleep(3600)
+    print(f"test cluster down; its configs and logs stay in {root}")
     return 0
 
 
