@@ -269,9 +269,11 @@ class Cluster:
         i = self.node_names.index(name) + 1
         _run("ip", "-n", PREFIX + "ctl", "link", "set", f"frlc-v{i}", "up")
 
-    def crash(self, name: str, keep: tuple[int, ...] = ()) -> list[int]:
-        """SIGKILL every process on ``name`` (its whole process tree, launchers included),
-        except the pids in ``keep``; returns the pids killed."""
+    def crash(self, name: str) -> list[int]:
+        """SIGKILL every process on ``name`` (whole process trees, launchers included) but the
+        cluster's own daemons (slurmd), as a crash of the job's side of the host; returns the
+        pids killed."""
+        keep = {p.pid for p in self._daemons}
         pids = [p for p in self.hosts[name].pids() if p not in keep]
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):

@@ -1,7 +1,7 @@
 """A lost node under plain torchrun (2 hosts, one rank each, train-rm), three ways:
 
 - ``kill_rank``: node2's rank is SIGKILLed (as by the OOM killer); its torchrun agent lives;
-- ``crash_host``: every process on node2 is SIGKILLed, torchrun agent included;
+- ``crash_host``: every process of the job on node2 is SIGKILLed, torchrun agent included;
 - ``cut_host``: node2's port on the bridge goes down: no packet passes, nobody gets an error.
 
 The rank on node1 must end within seconds in the first two cases (its collective fails at

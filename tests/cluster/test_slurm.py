@@ -22,6 +22,7 @@ CPU_OPTIONS = ["--gpus-per-node=0", "--cpus-per-task=1"]
 def sbatch(setup, script: Path, env: dict[str, str], workdir: Path, extra: list[str]) -> str:
     (workdir / "logs").mkdir(parents=True, exist_ok=True)  # the scripts' --output folder
     cluster = setup.cluster
+    cluster.wait_nodes_idle(timeout=30)  # both slurmd up (earlier tests must leave them)
     argv = ["sbatch", "--parsable", f"--chdir={workdir}", *CPU_OPTIONS, str(script), *extra]
     out = cluster.ctl.run(argv, env=cluster.slurm_env(runs.base_env(**env))).stdout
     return out.strip().split(";")[0]

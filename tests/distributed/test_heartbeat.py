@@ -1,7 +1,8 @@
 """Peer heartbeats between two real processes on a real TCPStore: a rank that stops (SIGSTOP,
 as a host that vanishes looks to its peers) ends the other within the bound, with one line
 naming it; when it runs again it finds the verdict in the store and ends too. The two
-processes pose as two nodes (LOCAL_WORLD_SIZE=1); the multi-host runs are in tests/cluster."""
+processes pose as two nodes (LOCAL_WORLD_SIZE=1) and keep their main thread busy, as
+training does; the multi-host runs are in tests/cluster."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ rank = int(sys.argv[1])
 hb = start_heartbeat({timeout}, rank, 2, 1)
 assert hb is not None
 print("beating", flush=True)
-time.sleep(60)
+end = time.monotonic() + 60
+while time.monotonic() < end:  # a busy main thread (training) does not silence the beats
+    sum(i * i for i in range(10_000))
 """
 
 
