@@ -11,7 +11,7 @@ TCPStore (``MASTER_ADDR:MASTER_PORT``, the one torchrun serves), never in a coll
 
 - the *beater* adds 1 to ``beat/<rank>`` every ``interval`` and reads the counter of one
   watched peer: the same local rank on the next node, so every node is watched from another
-  node and the store sees about three small requests per rank per interval;
+  node and the store sees four small requests per rank per interval;
 - the *judge* ends the rank (one line on stderr, exit code :data:`EXIT_CODE`) when the watched
   counter has not moved for ``timeout_s``, or when no store request has completed for that long
   (the store's host is gone: a request to a vanished host blocks, it does not fail), or when
@@ -23,8 +23,9 @@ peer for time it could not watch itself (its own thread held off the interpreter
 a rank that finished announces it, so that its exit is not taken for a loss.
 
 Bound: a peer lost at time t ends the ranks watching it by ``t + timeout_s + 2 * interval``
-(:func:`detection_bound_s`), ``interval = clamp(timeout_s / 10, 0.2, 10)``; the others follow
-through the abort key or, when the lost host served the store, by the same bound.
+(:func:`detection_bound_s`), ``interval = clamp(timeout_s / 10, 0.2, 10)``; the other ranks
+follow one interval later through the abort key or, when the lost host served the store, by
+the same bound.
 """
 
 from __future__ import annotations
