@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cu
 MAX_JOBS ?= 8
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: install test test-fast test-vllm-compat demo bench lint fmt clean gpu-smoke tcmalloc
+.PHONY: install test test-fast test-vllm-compat test-cluster demo bench lint fmt clean gpu-smoke tcmalloc
 
 install: $(STAMP)
 
@@ -46,6 +46,13 @@ tcmalloc:
 
 test: install
 	$(BIN)/python -m pytest -q tests
+
+# Multi-host tests (tests/cluster): hosts as network namespaces, a real 2-node Slurm. Needs root;
+# installs slurm and munge with apt-get when missing; elsewhere it says why and skips.
+test-cluster: install
+	@rc=0; $(BIN)/python -m tests.cluster.prereqs || rc=$$?; \
+	if [ $$rc -eq 10 ]; then exit 0; elif [ $$rc -ne 0 ]; then exit $$rc; fi; \
+	FSDP_RLHF_CLUSTER_TESTS=1 $(BIN)/python -m pytest -q tests/cluster
 
 test-fast: install
 	$(BIN)/python -m pytest -q tests/unit

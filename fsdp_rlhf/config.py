@@ -165,12 +165,21 @@ class GuardConfig:
     dist_timeout_min: int = doc(
         60, "Minutes a collective may wait for the other ranks before the job fails."
     )
+    heartbeat_timeout_s: float = doc(
+        120.0,
+        "Multi-node jobs: end every rank, naming the lost one, when a rank on another node "
+        "sends no heartbeat (or the job's store no answer) for this many seconds; 0: off.",
+    )
 
     def __post_init__(self) -> None:
         if self.max_bad_steps < 0:
             raise ConfigError(f"max_bad_steps must be >= 0, got {self.max_bad_steps}")
         if self.dist_timeout_min < 1:
             raise ConfigError(f"dist_timeout_min must be >= 1, got {self.dist_timeout_min}")
+        if self.heartbeat_timeout_s != 0 and not 1 <= self.heartbeat_timeout_s:
+            raise ConfigError(
+                f"heartbeat_timeout_s must be 0 (off) or >= 1, got {self.heartbeat_timeout_s}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -31,6 +31,7 @@ from fsdp_rlhf.distributed import checkpoint as ckpt
 from fsdp_rlhf.distributed.env import DistEnv, init_distributed, launched_world_size, teardown
 from fsdp_rlhf.distributed.exit_report import note_failing, note_prepared
 from fsdp_rlhf.distributed.fsdp import build_mesh, describe_zero_stage, shard_model
+from fsdp_rlhf.distributed.heartbeat import start_heartbeat
 from fsdp_rlhf.distributed.signals import GracefulStop, SaveTimer
 from fsdp_rlhf.errors import UserError, WriteFault, writing
 from fsdp_rlhf.metrics import MetricLogger, setup_logging, truncate_metrics
@@ -81,16 +82,28 @@ def launch(
     env = init_distributed(cfg.guard.dist_timeout_min)
     if env.world_size != world_size:
         raise RuntimeError(f"world size {env.world_size} != WORLD_SIZE {world_size}")
+    # Multi-node: a host that vanishes ends every rank within a bound, not the collective timeout.
+    heartbeat = start_heartbeat(
+        cfg.guard.heartbeat_timeout_s, env.rank, env.world_size, env.local_world_size
+    )
     trainer = None
     try:
         trainer = build(cfg, env, prepared)
-        return fit(trainer, cfg.ckpt.save_steps)
+        code = fit(trainer, cfg.ckpt.save_steps)
+        if heartbeat is not None:
+            heartbeat.stop(finished=True)
+        return code
     except BaseException as e:
         note_failing()  # before the teardown below breaks the other ranks' collectives
         if isinstance(e, WriteFault):  # a checkpoint or the export: name what the user has
             e.naming_checkpoint(ckpt.latest_checkpoint(cfg.ckpt.ckpt_path))
+        lost = heartbeat is not None and isinstance(e, Exception) and heartbeat.explain(e)
+        if lost and not debug:
+            heartbeat.fail(lost)  # a peer's host is gone: one line, exit now
         raise
     finally:
+        if heartbeat is not None:
+            heartbeat.stop()
         if trainer is not None:
             trainer.close()  # a vLLM engine destroys the process group with it
         if owns_group:

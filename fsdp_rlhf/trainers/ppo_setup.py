@@ -70,6 +70,13 @@ def _check_world(cfg: PPOConfig, world_size: int) -> None:
             f"--num_nodes {p.num_nodes} x {local} ranks per node != torchrun world size "
             f"{world_size} (--nnodes)"
         )
+    tp = cfg.rollout.vllm_tensor_parallel_size
+    if tp > 1 and local % tp and tp % local:  # vLLM's TP blocks are contiguous global ranks
+        raise UserError(
+            f"--vllm_tensor_parallel_size {tp} with {local} ranks per node: an engine would "
+            f"span parts of two nodes (an all-reduce over the network every decoded token); "
+            f"use a divisor of the ranks per node"
+        )
     if not p.colocate_all:  # AIAK-RLHF's scripts pass it; there is no other placement
         raise UserError("--no_colocate_all: every rank holds every model (the only placement)")
 
