@@ -412,6 +412,10 @@ def start_heartbeat(
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if timeout_s <= 0 or world_size <= local_world_size or not addr or not port:
         return None
+    # Imported here, not by the beater's first connect: importing torch takes seconds, which
+    # the judge would count as silence of the store.
+    import torch.distributed  # noqa: F401
+
     interval = heartbeat_interval(timeout_s)
     hb = Heartbeat(
         lambda: tcp_store_client(addr, int(port), timeout_s=max(1.0, interval)),

@@ -63,7 +63,8 @@ def test_a_stopped_rank_ends_its_peer_within_the_bound(tmp_path):
         for p in procs:
             assert p.stdout.readline().strip() == "beating"
         time.sleep(3 * TIMEOUT_S)  # healthy ranks for longer than the timeout: no verdict
-        assert [p.poll() for p in procs] == [None, None]
+        ended = [(p.poll(), p.stderr.read() if p.poll() is not None else "") for p in procs]
+        assert [rc for rc, _ in ended] == [None, None], ended
         procs[1].send_signal(signal.SIGSTOP)
         t0 = time.monotonic()
         rc = procs[0].wait(timeout=30)
