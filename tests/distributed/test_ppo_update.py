@@ -109,13 +109,19 @@ def _one_update(
     return reused if reuse else exp.old_logprobs, metrics, params
 
 
+def _all_updates(rank: int, world: int, model_path: str, variants: list[tuple]) -> dict:
+    """Every variant in one pair of processes (one process group): a fresh model each."""
+    return {key: _one_update(rank, world, model_path, *key) for key in variants}
+
+
 def test_reused_packed_and_shared_prompt_updates_match_the_plain_update(tiny_qwen2):
     variants = [(False, False, False), (True, False, False), (True, True, False)]
     variants += [(False, False, True), (True, False, True)]
     # token budgets: padded, packed, shared prompts (whole groups per micro-batch), reused
     variants += [(False, False, False, True), (False, True, False, True)]
     variants += [(False, False, True, True), (True, False, True, True)]
-    runs = {key: run_distributed(_one_update, 2, tiny_qwen2, *key) for key in variants}
+    per_rank = run_distributed(_all_updates, 2, tiny_qwen2, variants)
+    runs = {key: [per_rank[rank][key] for rank in range(2)] for key in variants}
     plain = runs[variants[0]]
     for key in variants[1:]:
         for rank in range(2):
