@@ -14,11 +14,11 @@ fsdp_rlhf.distributed.exit_report).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
 import traceback
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import typer
@@ -58,16 +58,18 @@ def _translate(command: str, argv: list[str]) -> list[str]:
     return translation.argv
 
 
-def _run(argv: list[str], config_cls: type, command: str, title: str, main: Callable) -> None:
+def _run(argv: list[str], config_cls: type, command: str, module: str, title: str = "") -> None:
+    """Parse ``argv`` into ``config_cls`` and run ``module.main`` on it (imported only now:
+    ``--help`` stays fast); every failure ends in the job's error report."""
     if "--help" in argv or "-h" in argv:
-        _print_flags(config_cls, command, title)
+        _print_flags(config_cls, command, title or f"fsdp-rlhf {command} flags")
         raise typer.Exit(0)
     debug = "--debug" in argv
     try:
         from fsdp_rlhf.config_base import build_config
 
         cfg, debug = build_config(config_cls, _translate(command, argv))
-        code = main(cfg, debug=debug) or 0
+        code = importlib.import_module(module).main(cfg, debug=debug) or 0
         failure = None
     except Exception as e:  # noqa: BLE001 - every failure ends in the job's error report
         failure = describe_failure(e, debug)
@@ -110,12 +112,7 @@ def train_rm(ctx: typer.Context) -> None:
     """Train a pairwise (Bradley-Terry) reward model. --help lists every flag."""
     from fsdp_rlhf.config import RMConfig
 
-    def main(cfg, debug):
-        from fsdp_rlhf.trainers.rm import main as rm_main
-
-        return rm_main(cfg, debug=debug)
-
-    _run(list(ctx.args), RMConfig, "train-rm", "fsdp-rlhf train-rm flags", main)
+    _run(list(ctx.args), RMConfig, "train-rm", "fsdp_rlhf.trainers.rm")
 
 
 @app.command("sft", context_settings=_RAW)
@@ -123,12 +120,7 @@ def sft(ctx: typer.Context) -> None:
     """Supervised fine-tuning of a causal LM (OpenRLHF train_sft). --help lists every flag."""
     from fsdp_rlhf.config import SFTConfig
 
-    def main(cfg, debug):
-        from fsdp_rlhf.trainers.sft import main as sft_main
-
-        return sft_main(cfg, debug=debug)
-
-    _run(list(ctx.args), SFTConfig, "sft", "fsdp-rlhf sft flags", main)
+    _run(list(ctx.args), SFTConfig, "sft", "fsdp_rlhf.trainers.sft")
 
 
 @app.command("dpo", context_settings=_RAW)
@@ -136,12 +128,7 @@ def dpo(ctx: typer.Context) -> None:
     """DPO, IPO or cDPO on preference pairs (OpenRLHF train_dpo). --help lists every flag."""
     from fsdp_rlhf.config import DPOConfig
 
-    def main(cfg, debug):
-        from fsdp_rlhf.trainers.dpo import main as dpo_main
-
-        return dpo_main(cfg, debug=debug)
-
-    _run(list(ctx.args), DPOConfig, "dpo", "fsdp-rlhf dpo flags", main)
+    _run(list(ctx.args), DPOConfig, "dpo", "fsdp_rlhf.trainers.dpo")
 
 
 @app.command("ppo", context_settings=_RAW)
@@ -149,12 +136,7 @@ def ppo(ctx: typer.Context) -> None:
     """PPO / GRPO / RLOO / REINFORCE++ with in-process vLLM rollouts. --help lists every flag."""
     from fsdp_rlhf.config import PPOConfig
 
-    def main(cfg, debug):
-        from fsdp_rlhf.trainers.ppo import main as ppo_main
-
-        return ppo_main(cfg, debug=debug)
-
-    _run(list(ctx.args), PPOConfig, "ppo", "fsdp-rlhf ppo flags", main)
+    _run(list(ctx.args), PPOConfig, "ppo", "fsdp_rlhf.trainers.ppo")
 
 
 @app.command("doctor", context_settings=_RAW)
@@ -162,12 +144,13 @@ def doctor(ctx: typer.Context) -> None:
     """Preflight checks under the same launcher: versions, devices, all-reduce, vLLM, memory."""
     from fsdp_rlhf.config import PPOConfig
 
-    def main(cfg, debug):
-        from fsdp_rlhf.doctor import main as doctor_main
-
-        return doctor_main(cfg, debug=debug)
-
-    _run(list(ctx.args), PPOConfig, "doctor", "fsdp-rlhf doctor flags (same as ppo)", main)
+    _run(
+        list(ctx.args),
+        PPOConfig,
+        "doctor",
+        "fsdp_rlhf.doctor",
+        "fsdp-rlhf doctor flags (same as ppo)",
+    )
 
 
 def strip_launcher_args(argv: list[str]) -> list[str]:

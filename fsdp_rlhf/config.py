@@ -283,15 +283,19 @@ class RMLossConfig:
     center_rewards_coefficient: float = doc(0.0, "Weight of the (c + r)^2 centering penalty.")
 
 
+# The seed's flat optimiser flags of the one-model commands (train-rm, sft, dpo).
+OPTIM_FLAT_NAMES: dict[str, str] = {
+    "learning_rate": "optim.lr",
+    "max_norm": "optim.max_norm",
+    "adam_betas": "optim.adam_betas",
+}
+
+
 @dataclass(frozen=True, kw_only=True)
 class RMConfig:
     """`fsdp-rlhf train-rm`."""
 
-    FLAT_NAMES: ClassVar[dict[str, str]] = {
-        "learning_rate": "optim.lr",
-        "max_norm": "optim.max_norm",
-        "adam_betas": "optim.adam_betas",
-    }
+    FLAT_NAMES: ClassVar[dict[str, str]] = OPTIM_FLAT_NAMES
 
     model: RMModelConfig = section(RMModelConfig)
     backend: BackendConfig = section(BackendConfig)
@@ -959,11 +963,7 @@ class SFTBatchConfig:
 class SFTConfig:
     """`fsdp-rlhf sft`."""
 
-    FLAT_NAMES: ClassVar[dict[str, str]] = {
-        "learning_rate": "optim.lr",
-        "max_norm": "optim.max_norm",
-        "adam_betas": "optim.adam_betas",
-    }
+    FLAT_NAMES: ClassVar[dict[str, str]] = OPTIM_FLAT_NAMES
 
     model: PolicyModelConfig = section(PolicyModelConfig)
     backend: BackendConfig = section(BackendConfig)
@@ -1019,11 +1019,7 @@ class DPOLossConfig:
 class DPOConfig:
     """`fsdp-rlhf dpo`."""
 
-    FLAT_NAMES: ClassVar[dict[str, str]] = {
-        "learning_rate": "optim.lr",
-        "max_norm": "optim.max_norm",
-        "adam_betas": "optim.adam_betas",
-    }
+    FLAT_NAMES: ClassVar[dict[str, str]] = OPTIM_FLAT_NAMES
 
     model: DPOModelConfig = section(DPOModelConfig)
     backend: BackendConfig = section(BackendConfig)
