@@ -30,6 +30,7 @@ from fsdp_rlhf.data.preference import PairBatch
 from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars
 from fsdp_rlhf.distributed.fsdp import accumulate
 from fsdp_rlhf.distributed.offload import offload_model, onload_model
+from fsdp_rlhf.distributed.stats import to_host
 from fsdp_rlhf.models.label_logprobs import Layout, sequence_logprobs
 from fsdp_rlhf.models.lora import adapters_disabled
 from fsdp_rlhf.trainers import common
@@ -145,17 +146,18 @@ class DPOTrainer(OfflineTrainer):
         """Reference log-probs, then forward/backward per micro-batch (each loss divided by
         their count: the update uses the step's mean), clip, optimizer and scheduler step."""
         refs = self.reference_logps(batches)
-        sums = dict.fromkeys(PAIR_METRICS, 0.0)
+        sums: dict[str, float | torch.Tensor] = dict.fromkeys(PAIR_METRICS, 0.0)
         for i, (batch, ref) in enumerate(zip(batches, refs, strict=True)):
             accumulate(self.model, i == len(batches) - 1, self.cfg.fsdp.zero_stage)
             logps = pair_logps(self.model, batch, self.env.device, self.layout)
             loss, stats = self._pair_stats(logps, ref, batch)
             (loss.mean() / len(batches)).backward()
+            # on the device: one host copy per step below, not one per metric and micro-batch
             for k, v in stats.items():
-                sums[k] += v.mean().item() / len(batches)
+                sums[k] += v.double().mean() / len(batches)
         if not self.cfg.loss.nll_loss_coef:
             sums.pop("nll_loss")
-        return {**sums, **self.optimizer_step()}
+        return {**to_host(sums), **self.optimizer_step()}
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float] | None:
@@ -165,14 +167,14 @@ class DPOTrainer(OfflineTrainer):
         batches = self.eval_batches()
         refs = self.reference_logps(batches)
         self.model.eval()
-        sums = dict.fromkeys(PAIR_METRICS, 0.0) | {"pairs": 0.0}
+        sums: dict[str, float | torch.Tensor] = dict.fromkeys(PAIR_METRICS, 0.0) | {"pairs": 0.0}
         for batch, ref in zip(batches, refs, strict=True):
             logps = pair_logps(self.model, batch, self.env.device, self.layout)
             _, stats = self._pair_stats(logps, ref, batch)
             n = batch.num_valid
             for k, v in stats.items():
-                sums[k] += v[:n].sum().item()
+                sums[k] += v[:n].double().sum()
             sums["pairs"] += n
         self.model.train()
-        tot = all_reduce_scalars(sums, op="sum")
+        tot = all_reduce_scalars(to_host(sums), op="sum")
         return {f"eval/{k}": tot[k] / max(tot["pairs"], 1.0) for k in PAIR_METRICS}

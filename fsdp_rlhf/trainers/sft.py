@@ -26,7 +26,7 @@ from fsdp_rlhf.config import RMBatchPlan, SFTConfig
 from fsdp_rlhf.data.sft import SFTBatch, collate_samples
 from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars
 from fsdp_rlhf.distributed.fsdp import accumulate
-from fsdp_rlhf.distributed.stats import global_token_count
+from fsdp_rlhf.distributed.stats import global_token_count, to_host
 from fsdp_rlhf.models.label_logprobs import Layout, label_logprobs
 from fsdp_rlhf.trainers import common
 from fsdp_rlhf.trainers.lm_setup import build_policy
@@ -59,14 +59,15 @@ def sft_evaluate(
 ) -> dict[str, float]:
     """Token-mean NLL over every learned token of the eval set (a collective)."""
     model.eval()
-    sums = {"nll": 0.0, "tokens": 0.0}
+    sums: dict[str, float | torch.Tensor] = {"nll": 0.0, "tokens": 0.0}
     for batch in batches:
         logprobs, learned = _forward(model, batch, device, layout)
         learned[batch.num_valid :] = False  # rows padding an uneven shard
-        sums["nll"] -= logprobs[learned].sum().item()
-        sums["tokens"] += learned.sum().item()
+        # on the device: one host copy below, not a synchronisation per batch
+        sums["nll"] -= logprobs[learned].double().sum()
+        sums["tokens"] += learned.sum()
     model.train()
-    tot = all_reduce_scalars(sums, op="sum")
+    tot = all_reduce_scalars(to_host(sums), op="sum")
     return {"eval/loss": tot["nll"] / max(tot["tokens"], 1.0)}
 
 
@@ -92,15 +93,15 @@ class SFTTrainer(OfflineTrainer):
         ``tokens``, the global ``grad_norm`` and the ``lr`` this step used.
         """
         n_global = global_token_count([b.loss_mask for b in batches])  # one all-reduce
-        nll = 0.0
+        nll: float | torch.Tensor = 0.0
         for i, batch in enumerate(batches):
             accumulate(self.model, i == len(batches) - 1, self.cfg.fsdp.zero_stage)
             logprobs, _ = _forward(self.model, batch, self.env.device, self.layout)
             loss = -logprobs.sum() / n_global
             loss.backward()
-            nll += loss.item()
-        tokens = sum(int(b.loss_mask.sum()) for b in batches)
-        stats = {"loss": nll * self.env.world_size, "tokens": float(tokens)}
+            nll += loss.detach().double()  # on the device: one host copy per step
+        tokens = float(sum(int(b.loss_mask.sum()) for b in batches))  # host masks: no copy
+        stats = {"loss": to_host({"loss": nll})["loss"] * self.env.world_size, "tokens": tokens}
         return {**stats, **self.optimizer_step()}
 
     def evaluate(self) -> dict[str, float] | None:
