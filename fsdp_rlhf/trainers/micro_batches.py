@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+
+from fsdp_rlhf.distributed.env import all_reduce_scalars
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,8 @@ class MicroBatching:
         if not self.dynamic:
             return [torch.arange(i, min(i + self.size, n)) for i in range(0, n, self.size)]
         bins = token_bins(lengths.tolist(), self.max_tokens, self.packed, self.group)
-        count = agreed_count(len(bins), lengths.device)
+        # every rank runs the largest count of all ranks (one all-reduce)
+        count = int(all_reduce_scalars({"n": len(bins)}, op="max")["n"])
         empty = torch.zeros(0, dtype=torch.long)
         return [torch.tensor(b, dtype=torch.long) for b in bins] + [empty] * (count - len(bins))
 
@@ -85,15 +87,6 @@ def token_bins(
             bins.append(list(rows))
             costs.append((tokens, 0) if packed else (len(rows), size))
     return [sorted(b) for b in bins]  # units stay contiguous: their rows are consecutive
-
-
-def agreed_count(local: int, device: torch.device) -> int:
-    """The largest micro-batch count of all ranks (every rank must run that many)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return local
-    t = torch.tensor([local], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
 
 
 def padded_tokens(lengths: torch.Tensor, micros: list[torch.Tensor], width: int | None) -> int:
