@@ -21,7 +21,7 @@ from fsdp_rlhf.trainers.ppo_eval import (
     pass_budgets,
     shard,
 )
-from fsdp_rlhf.trainers.ppo_sampling import (
+from fsdp_rlhf.trainers.ppo_dynamic_filtering import (
     MAX_ROUNDS_WHEN_UNLIMITED,
     GroupPool,
     concat_experiences,

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from fsdp_rlhf.config import plan_rm_batches
+from fsdp_rlhf.config import plan_offline_batches
 from fsdp_rlhf.data.preference import PreferenceLoader, collate_pairs, eval_batches
 from fsdp_rlhf.data.schedule import DataPosition, StepSchedule
 from fsdp_rlhf.distributed import checkpoint as ckpt
@@ -110,7 +110,7 @@ def prepare_command(
     """``prepare`` of train-rm, sft and dpo (before the process group, no communication):
     batch plan, ``prepare_data(cfg, plan)`` (checks --pretrain first), LoRA targets."""
     quiet_progress_bars()
-    plan = plan_rm_batches(cfg.batch, world_size)
+    plan = plan_offline_batches(cfg.batch, world_size)
     data = prepare_data(cfg, plan)
     if cfg.lora.enabled:
         check_target_modules(cfg.model.pretrain, cfg.lora, cfg.backend.trust_remote_code)
