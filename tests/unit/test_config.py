@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from fsdp_rlhf.config import PPOConfig, RMConfig, plan_ppo_batches, plan_offline_batches
+from fsdp_rlhf.config import PPOConfig, RMConfig, plan_offline_batches, plan_ppo_batches
 from fsdp_rlhf.config_base import ConfigError, build_config, dump_yaml, from_dict, iter_leaves
 
 # Flags of AIAK-RLHF's RM and PPO scripts (its guide's sections 1.3/1.4 and 2.3/2.4), verbatim.

@@ -1,5 +1,5 @@
 """Token-budget micro-batches (``--use_dynamic_batch``) against fixed-size ones, on responses of
-varied length (``bench.py --more``, or on its own: ``python cmd/benchkit/dynamic_batch.py``).
+varied length (``bench.py --more``, or on its own: ``python -m scripts.benchkit.dynamic_batch``).
 
 The work is one rank's training-side forwards of a PPO step, through the trainer's own code
 (``trainers.experience.micro_batches`` and ``batched_logprobs``): the no-grad old-log-prob pass
@@ -26,12 +26,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "cmd"))
+from scripts.benchkit.rates import interleaved
+from scripts.benchkit.workload import FULL, SMOKE, Sizes, Workload, build_workload
 
-from benchkit.rates import interleaved  # noqa: E402
-from benchkit.workload import FULL, SMOKE, Sizes, Workload, build_workload  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 def varied_batch(tokenizer, prompts: list[str], rows: int, max_response: int, seed: int = 0):

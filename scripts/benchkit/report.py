@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-from benchkit.rates import median, ratio
+from scripts.benchkit.rates import median, ratio
 
 # Issue #8's targets.
 RM_TARGET, RL_TARGET, OVERHEAD_TARGET, SYNC_TARGET = 1.5, 2.0, 0.05, 0.5

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from benchkit.launch import Job
+from scripts.benchkit.launch import Job
 
 
 def steady_window(job: Job, warmup: int, key: str | None = None) -> tuple[list[dict], float]:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from benchkit import dynamic_batch, lora, offline, prefix
-from benchkit.notes import matrix_notes, notes
-from benchkit.render import (
+from scripts.benchkit import dynamic_batch, lora, offline, prefix
+from scripts.benchkit.notes import matrix_notes, notes
+from scripts.benchkit.render import (
     DIFFERS,
     HEADER,
     MATRIX_HEADER,

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from benchkit.rates import median
-from benchkit.report import headline, phase_table
-from benchkit.rl import COMPUTE_PHASES
+from scripts.benchkit.rates import median
+from scripts.benchkit.report import headline, phase_table
+from scripts.benchkit.rl import COMPUTE_PHASES
 
 
 def rl_notes(raw: dict, h: dict) -> list[str]:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 
-from benchkit import dynamic_batch, lora, offline, prefix
-from benchkit.rates import spread
-from benchkit.report import headline, phase_table, targets
+from scripts.benchkit import dynamic_batch, lora, offline, prefix
+from scripts.benchkit.rates import spread
+from scripts.benchkit.report import headline, phase_table, targets
 
 SAME = (
     "Same for both sides: model and tokenizer files, data files, chat template, pairs or "

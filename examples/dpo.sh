@@ -1,23 +1,23 @@
 #!/usr/bin/env bash
-# Pairwise reward-model training with the flags of the AIAK-RLHF RM example (section 1.3).
+# DPO with the flags of OpenRLHF's train_dpo example (Llama 3 8B).
 #
 # Run the same script on every node. Multi-node settings come from the environment, as on
 # platforms that inject one pod/host per node (Kubeflow PyTorchJob without nprocPerNode):
 #   WORLD_SIZE = number of nodes, RANK = this node's index, MASTER_ADDR/MASTER_PORT = node 0.
 # Every path and GPUS_PER_NODE can be overridden from the environment; extra
-# `fsdp-rlhf train-rm` flags can be appended on the command line (later flags win).
+# `fsdp-rlhf dpo` flags can be appended on the command line (later flags win).
 #
-#   cmd/train_rm.sh                                  # one node, 8 GPUs
-#   GPUS_PER_NODE=2 cmd/train_rm.sh --max_len 1024   # fewer GPUs, one flag changed
-#   DRY_RUN=1 cmd/train_rm.sh                        # print the torchrun command only
+#   examples/dpo.sh                                 # one node, 8 GPUs
+#   GPUS_PER_NODE=2 examples/dpo.sh --max_len 1024  # fewer GPUs, one flag changed
+#   DRY_RUN=1 examples/dpo.sh                       # print the torchrun command only
 set -eu
 
-# Where the trained reward model is written.
-SAVE_PATH=${SAVE_PATH:-/mnt/cluster/models/Llama-2-7b-rm-model-ocra-500k/}
-# The SFT model the reward model starts from.
+# Where the trained policy is written.
+SAVE_PATH=${SAVE_PATH:-/mnt/cluster/models/Llama-2-7b-dpo-model/}
+# The SFT model to train; also the frozen reference.
 SFT_MODEL_PATH=${SFT_MODEL_PATH:-/mnt/cluster/test/models/Llama-2-7b-sft-model-ocra-500k/}
-# Pairwise preference data.
-DATASET_PATH=${DATASET_PATH:-/mnt/cluster/test/dataset/openai/webgpt_comparisons}
+# Pairwise preference data (chat-message lists under chosen/rejected).
+DATASET_PATH=${DATASET_PATH:-/mnt/cluster/test/dataset/OpenRLHF/preference_dataset_mixture2_and_safe_pku}
 # Resumable checkpoint every SAVE_STEPS steps, so a crash or a missed stop signal loses at most
 # that many steps (-1: only when stopped by a signal).
 SAVE_STEPS=${SAVE_STEPS:-20}
@@ -55,23 +55,26 @@ TRAINING_ARGS=(
     --save_steps "$SAVE_STEPS"
     --logging_steps 1
     --eval_steps -1
-    --train_batch_size 128
+    --train_batch_size 256
     --micro_train_batch_size 1
     --pretrain "$SFT_MODEL_PATH"
     --bf16
     --max_epochs 1
-    --max_len 2048
+    --max_len 8192
     --zero_stage 3
-    --learning_rate 9e-6
+    --learning_rate 5e-7
+    --beta 0.1
     --dataset "$DATASET_PATH"
-    --dataset_probs 1
+    --apply_chat_template
+    --chosen_key chosen
+    --rejected_key rejected
     --flash_attn
     --tensorboard "$TENSORBOARD_PATH"
     --gradient_checkpointing
     --ckpt_path "$CKPT_PATH"
 )
 
-CMD=(torchrun "${DISTRIBUTED_ARGS[@]}" -m fsdp_rlhf.cli train-rm "${TRAINING_ARGS[@]}" "$@")
+CMD=(torchrun "${DISTRIBUTED_ARGS[@]}" -m fsdp_rlhf.cli dpo "${TRAINING_ARGS[@]}" "$@")
 
 # Print a command so that it can be pasted back into a shell.
 print_cmd() {

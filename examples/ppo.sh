@@ -9,9 +9,9 @@
 # Every path, GPUS_PER_NODE and VLLM_TENSOR_PARALLEL_SIZE can be overridden from the
 # environment; extra `fsdp-rlhf ppo` flags can be appended on the command line (later flags win).
 #
-#   cmd/ppo.sh                                   # one node, 8 GPUs
-#   VLLM_TENSOR_PARALLEL_SIZE=2 cmd/ppo.sh       # 14B/33B-class models: shard vLLM engines
-#   DRY_RUN=1 cmd/ppo.sh                         # print the torchrun command only
+#   examples/ppo.sh                              # one node, 8 GPUs
+#   VLLM_TENSOR_PARALLEL_SIZE=2 examples/ppo.sh  # 14B/33B-class models: shard vLLM engines
+#   DRY_RUN=1 examples/ppo.sh                    # print the torchrun command only
 set -eu
 
 # vLLM tensor parallel size: 1 for 7B models; 14B, 33B, ... may need more (1 to 8).

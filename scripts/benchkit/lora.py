@@ -9,7 +9,7 @@ still run at full size (the backward still needs the activation gradients of eve
 
 from __future__ import annotations
 
-from benchkit.rates import median, ratio
+from scripts.benchkit.rates import median, ratio
 
 SYNC_PHASE = "resharding_to_infer"
 # (label, key in our run summary or phases_s, format); seconds per step unless named

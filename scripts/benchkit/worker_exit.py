@@ -4,7 +4,7 @@ teardown.
 Their step rows are on disk by then. The teardown itself sometimes aborts on this machine
 ("terminate called without an active exception", exit 134) after a run that completed, which
 would fail a whole bench over a finished measurement. Imported by the worker scripts, which run
-with this folder on ``sys.path``.
+with the repository on ``PYTHONPATH`` (``launch.bench_env``).
 """
 
 from __future__ import annotations

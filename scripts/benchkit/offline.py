@@ -17,11 +17,11 @@ import json
 import random
 from pathlib import Path
 
-from benchkit.launch import REPO, Job, bench_env, cli, run_job
-from benchkit.rates import median, ratio, spread, steady_window
-from benchkit.workload import Sizes, Workload, _words
 from fsdp_rlhf.testing.launch import local_torchrun
 from fsdp_rlhf.testing.synthetic import NEGATIVE, NEUTRAL, POSITIVE, write_jsonl
+from scripts.benchkit.launch import REPO, Job, bench_env, cli, run_job
+from scripts.benchkit.rates import median, ratio, spread, steady_window
+from scripts.benchkit.workload import Sizes, Workload, _words
 
 MAX_LEN = 512  # longer than any generated text: neither side truncates
 LR = 1e-5
@@ -89,7 +89,7 @@ def trl_cmd(kind: str, w: Workload, s: Sizes, data: Path, out: Path, bf16: bool)
         kind=kind, model=str(w.model), data=str(data), out=str(out), micro=s.rm_micro,
         grad_accum=per_rank, steps=s.rm_steps, lr=LR, bf16=bf16, max_length=MAX_LEN, seed=SEED,
     )  # fmt: skip
-    worker = REPO / "cmd" / "benchkit" / "trl_offline_worker.py"
+    worker = REPO / "scripts" / "benchkit" / "trl_offline_worker.py"
     return local_torchrun(s.nproc, [str(worker), json.dumps(cfg)])
 
 

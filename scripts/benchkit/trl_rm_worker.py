@@ -1,10 +1,11 @@
-"""TRL ``RewardTrainer`` on the benchmark model and pairs; run under torchrun by cmd/benchkit/rm.py.
+"""TRL ``RewardTrainer`` on the benchmark model and pairs; run under torchrun by
+``scripts/benchkit/rm.py``.
 
-Usage: ``torchrun --nproc_per_node N cmd/benchkit/trl_rm_worker.py '<json settings>'``. Settings are
-the ones ours gets (batch, micro-batch, steps, precision, max length, seed) and whether to
-``torch_compile``; everything else is TRL's default, except gradient checkpointing, which is off
-as in ours (TRL turns it on by default). Rank 0 appends one line per optimizer step to
-``<out>/steps.jsonl``.
+Usage: ``torchrun --nproc_per_node N scripts/benchkit/trl_rm_worker.py '<json settings>'``.
+Settings are the ones ours gets (batch, micro-batch, steps, precision, max length, seed) and
+whether to ``torch_compile``; everything else is TRL's default, except gradient checkpointing,
+which is off as in ours (TRL turns it on by default). Rank 0 appends one line per optimizer step
+to ``<out>/steps.jsonl``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from worker_exit import exit_after_training
+from scripts.benchkit.worker_exit import exit_after_training
 
 
 def step_logger(path: Path):

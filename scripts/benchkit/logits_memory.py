@@ -17,8 +17,8 @@ tensors, not of what the heap kept (its default threshold adapts and keeps freed
 The model is a tiny Qwen2 built in memory (config without ``head_dim``, 151,936-token
 vocabulary, random weights): its logits dwarf its activations, as at scale.
 
-    python cmd/benchkit/logits_memory.py                # all cases, prints a table and JSON
-    python cmd/benchkit/logits_memory.py --case update --dtype bf16   # one case, one line
+    python -m scripts.benchkit.logits_memory                # all cases, prints a table and JSON
+    python -m scripts.benchkit.logits_memory --case update --dtype bf16   # one case, one line
 """
 
 from __future__ import annotations

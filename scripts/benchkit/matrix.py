@@ -14,11 +14,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from benchkit import peak, rl, rm
-from benchkit.launch import glibc_env
-from benchkit.rates import median, ratio
-from benchkit.report import RL_TARGET, RM_TARGET
-from benchkit.workload import Sizes, Workload
+from scripts.benchkit import peak, rl, rm
+from scripts.benchkit.launch import glibc_env
+from scripts.benchkit.rates import median, ratio
+from scripts.benchkit.report import RL_TARGET, RM_TARGET
+from scripts.benchkit.workload import Sizes, Workload
 
 NO_TCMALLOC = "no tcmalloc installed (`make tcmalloc`)"
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchkit.launch import REPO, Job, bench_env, cli, run_job
-from benchkit.rates import median, steady_window
-from benchkit.workload import Sizes, Workload
 from fsdp_rlhf.testing.launch import local_torchrun
+from scripts.benchkit.launch import REPO, Job, bench_env, cli, run_job
+from scripts.benchkit.rates import median, steady_window
+from scripts.benchkit.workload import Sizes, Workload
 
 LR = 1e-6
 BETA = 0.001  # KL coefficient; > 0 so that TRL also runs its reference model, as ours always does
@@ -86,7 +86,7 @@ def trl_cmd(w: Workload, s: Sizes, out: Path, nproc: int, bf16: bool = True) -> 
         seed=SEED,
     )
     return local_torchrun(
-        nproc, [str(REPO / "cmd" / "benchkit" / "trl_grpo_worker.py"), json.dumps(cfg)]
+        nproc, [str(REPO / "scripts" / "benchkit" / "trl_grpo_worker.py"), json.dumps(cfg)]
     )
 
 

@@ -12,7 +12,7 @@ PY=${PY:-python3.11}
 VENV=${VENV:-.venv-vllm-compat}
 VLLM=${VLLM_COMPAT:-0.26.0}
 TORCH=${TORCH_COMPAT:-2.11.0}
-STAMP="$VENV/.installed-$VLLM-$TORCH-$(cat pyproject.toml cmd/vllm_compat.sh | sha1sum | cut -c1-12)"
+STAMP="$VENV/.installed-$VLLM-$TORCH-$(cat pyproject.toml scripts/vllm_compat.sh | sha1sum | cut -c1-12)"
 
 if [ ! -f "$STAMP" ]; then
   test -x "$VENV/bin/python" || "$PY" -m venv "$VENV"

@@ -1,8 +1,8 @@
 """TRL ``SFTTrainer`` or ``DPOTrainer`` on the benchmark model and data; run under torchrun by
-cmd/benchkit/offline.py.
+scripts/benchkit/offline.py.
 
-Usage: ``torchrun --nproc_per_node N cmd/benchkit/trl_offline_worker.py '<json settings>'``, with
-``kind`` ``sft`` or ``dpo``. Settings are the ones ours gets (batch, micro-batch, steps,
+Usage: ``torchrun --nproc_per_node N scripts/benchkit/trl_offline_worker.py '<json settings>'``,
+with ``kind`` ``sft`` or ``dpo``. Settings are the ones ours gets (batch, micro-batch, steps,
 precision, max length, seed); everything else is TRL's default, except gradient checkpointing,
 which is off as in ours (TRL turns it on by default). Rank 0 appends one line per optimizer
 step to ``<out>/steps.jsonl``.
@@ -14,8 +14,8 @@ import json
 import sys
 from pathlib import Path
 
-from trl_rm_worker import step_logger, trainer_args
-from worker_exit import exit_after_training
+from scripts.benchkit.trl_rm_worker import step_logger, trainer_args
+from scripts.benchkit.worker_exit import exit_after_training
 
 
 def main() -> None:

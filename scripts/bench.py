@@ -13,9 +13,9 @@ DPOTrainer (`--offline`: those rows alone). Writes
 ``bench/results/bench-<time>.json`` (+ ``latest.json``) and ``bench/results/summary.md``, and
 prints the tables.
 
-    .venv/bin/python cmd/bench.py                     # full run, about 31 minutes on 2 cores
-    .venv/bin/python cmd/bench.py --cells fp32+glibc  # one cell of the matrix
-    .venv/bin/python cmd/bench.py --smoke             # tiny sizes, one repetition, 2 cells
+    .venv/bin/python -m scripts.bench                     # full run, about 31 minutes on 2 cores
+    .venv/bin/python -m scripts.bench --cells fp32+glibc  # one cell of the matrix
+    .venv/bin/python -m scripts.bench --smoke             # tiny sizes, one repetition, 2 cells
 
 Installs nothing: `make bench` installs TRL first. Without TRL, --smoke runs our side only.
 """
@@ -33,17 +33,15 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "cmd"))  # benchkit/ lives beside this script
+from scripts.benchkit import dynamic_batch, lora, machine, matrix, offline, peak, prefix, rl, rm
+from scripts.benchkit.launch import use_tcmalloc
+from scripts.benchkit.memcpy import memcpy_reference
+from scripts.benchkit.render import console_table
+from scripts.benchkit.report import headline, targets, write_json
+from scripts.benchkit.summary import summary_md
+from scripts.benchkit.workload import FULL, SMOKE, Sizes, Workload, build_workload
 
-from benchkit import dynamic_batch, lora, machine, matrix, offline, peak, prefix, rl, rm  # noqa: E402
-from benchkit.launch import use_tcmalloc  # noqa: E402
-from benchkit.memcpy import memcpy_reference  # noqa: E402
-from benchkit.render import console_table  # noqa: E402
-from benchkit.report import headline, targets, write_json  # noqa: E402
-from benchkit.summary import summary_md  # noqa: E402
-from benchkit.workload import FULL, SMOKE, Sizes, Workload, build_workload  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 TRL_MISSING = "trl is not installed: run `make bench` (it installs trl==1.16.0 first)"
 
@@ -171,7 +169,7 @@ def run_offline_only(s: Sizes, work: Path, with_trl: bool, clock: Clock, args) -
     clock.say(f"workload built: {w.params_m:.1f}M parameters; cell {cell}; {allocator}")
     raw = {
         "machine": machine.describe(),
-        "command": " ".join(["cmd/bench.py", *sys.argv[1:]]),
+        "command": " ".join(["python -m scripts.bench", *sys.argv[1:]]),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "sizes": s.to_dict(),
         "params_m": w.params_m,
@@ -249,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_offline_only(sizes, work, with_trl, clock, args)
     raw = {
         "machine": machine.describe(),
-        "command": " ".join(["cmd/bench.py", *sys.argv[1:]]),
+        "command": " ".join(["python -m scripts.bench", *sys.argv[1:]]),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         **measure(sizes, work, with_trl, use_tcmalloc(True), clock, args.more, args.out),
     }

@@ -14,10 +14,10 @@ import json
 import statistics
 from pathlib import Path
 
-from benchkit.launch import REPO, Job, bench_env, cli, run_job
-from benchkit.rates import steady_window
-from benchkit.workload import Sizes, Workload
 from fsdp_rlhf.testing.launch import local_torchrun
+from scripts.benchkit.launch import REPO, Job, bench_env, cli, run_job
+from scripts.benchkit.rates import steady_window
+from scripts.benchkit.workload import Sizes, Workload
 
 MAX_LEN = 512  # longer than any generated text: neither side truncates or filters
 LR = 1e-5
@@ -69,7 +69,7 @@ def trl_cmd(
         torch_compile=compile,
     )
     return local_torchrun(
-        nproc, [str(REPO / "cmd" / "benchkit" / "trl_rm_worker.py"), json.dumps(cfg)]
+        nproc, [str(REPO / "scripts" / "benchkit" / "trl_rm_worker.py"), json.dumps(cfg)]
     )
 
 
