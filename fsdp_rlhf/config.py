@@ -361,15 +361,55 @@ class PPOModelsConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class PlacementConfig:
-    """Where models live. Everything is colocated on every rank; the flags are kept for
-    AIAK-RLHF's scripts."""
+    """Where models live. By default everything is colocated on every rank (--async_train
+    gives the vLLM engines ranks of their own); the flags are kept for AIAK-RLHF's scripts."""
 
     colocate_all: bool = doc(
-        True, "All models and the vLLM engine share every GPU (the only mode)."
+        True,
+        "All models and the vLLM engine share every GPU (with --async_train: the training "
+        "models share the training ranks).",
     )
-    num_nodes: int | None = doc(None, "Expected nodes; checked against the torchrun world.")
+    num_nodes: int | None = doc(
+        None, "Expected nodes; checked against the torchrun world (--async_train: training ranks)."
+    )
     num_gpus_per_node: int | None = doc(None, "Expected ranks per node; checked likewise.")
     ref_reward_offload: bool = doc(False, "Keep reference and reward models in host memory.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AsyncConfig:
+    """Asynchronous training (docs/async.md): rollout ranks generate the next batches while the
+    training ranks train on the current one."""
+
+    async_train: bool = doc(
+        False,
+        "Split the world: the last vllm_num_engines x vllm_tensor_parallel_size ranks hold only "
+        "vLLM engines and generate while the other ranks hold the models and train.",
+    )
+    async_queue_size: int = doc(
+        1,
+        "With --async_train: the most weight versions a batch's tokens may lag behind the policy "
+        "trained on them (1: one-step-off-policy).",
+    )
+    partial_rollout: bool = doc(
+        False,
+        "With --async_train: generations in flight when new weights arrive are paused, the "
+        "weights loaded, and continue under them; each token keeps the version that sampled it "
+        "and its log-prob.",
+    )
+    vllm_generate_batch_size: int | None = doc(
+        None,
+        "With --async_train: prompts generated per step, global; above rollout_batch_size the "
+        "first rollout_batch_size groups to finish are kept and the stragglers dropped.",
+    )
+
+    def __post_init__(self) -> None:
+        if self.async_queue_size < 1:
+            raise ConfigError(f"async_queue_size must be >= 1, got {self.async_queue_size}")
+        if self.vllm_generate_batch_size is not None and self.vllm_generate_batch_size < 1:
+            raise ConfigError(
+                f"vllm_generate_batch_size must be >= 1, got {self.vllm_generate_batch_size}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -767,6 +807,7 @@ class PPOConfig:
 
     models: PPOModelsConfig = section(PPOModelsConfig)
     placement: PlacementConfig = section(PlacementConfig)
+    asynchronous: AsyncConfig = section(AsyncConfig)
     backend: BackendConfig = section(BackendConfig)
     fsdp: FSDPConfig = section(FSDPConfig)
     data: PromptDataConfig = section(PromptDataConfig)
@@ -798,6 +839,19 @@ class PPOConfig:
                 f"({self.rollout.generate_max_len})"
             )
         self._check_multiturn()
+        self._check_async()
+
+    def _check_async(self) -> None:
+        a = self.asynchronous
+        if a.async_train:
+            return
+        for flag, value in (
+            ("--partial_rollout", a.partial_rollout),
+            ("--vllm_generate_batch_size", a.vllm_generate_batch_size is not None),
+            ("--async_queue_size", a.async_queue_size != 1),
+        ):
+            if value:
+                raise ConfigError(f"{flag} applies to asynchronous training: add --async_train")
 
     def _check_multiturn(self) -> None:
         mt = self.multiturn
@@ -840,17 +894,61 @@ class PPOBatchPlan:
     train_batch_size_per_rank: int
     micro_train_batch_size: int
     optimizer_steps_per_epoch: int
+    # --async_train: the ranks that only generate (world_size above counts the others); 0
+    # when every rank trains and holds an engine slice
+    rollout_ranks: int = 0
+
+
+def async_rollout_ranks(cfg: PPOConfig, world_size: int) -> int:
+    """With ``--async_train``: the ranks that only generate (the world's last ones), checked
+    against the world and the batch sizes they generate; raises ``ConfigError``."""
+    b, r, a = cfg.batch, cfg.rollout, cfg.asynchronous
+    tp = r.vllm_tensor_parallel_size
+    if r.vllm_num_engines is None:
+        raise ConfigError(
+            "--async_train needs --vllm_num_engines: the rollout ranks are vllm_num_engines x "
+            "vllm_tensor_parallel_size, the other ranks train"
+        )
+    rollout = r.vllm_num_engines * tp
+    if tp < 1 or rollout < 1 or rollout >= world_size:
+        raise ConfigError(
+            f"--async_train: vllm_num_engines ({r.vllm_num_engines}) x vllm_tensor_parallel_size "
+            f"({tp}) = {rollout} rollout ranks leave no training rank in a world of {world_size}"
+        )
+    generated = a.vllm_generate_batch_size or b.rollout_batch_size
+    if generated < b.rollout_batch_size:
+        raise ConfigError(
+            f"vllm_generate_batch_size ({generated}) must be >= rollout_batch_size "
+            f"({b.rollout_batch_size}): it is the prompts generated to fill one batch"
+        )
+    for name, value in (
+        ("rollout_batch_size", b.rollout_batch_size),
+        ("vllm_generate_batch_size", generated),
+    ):
+        if value % rollout:
+            raise ConfigError(
+                f"{name} ({value}) must be divisible by the {rollout} rollout ranks "
+                f"(vllm_num_engines x vllm_tensor_parallel_size)"
+            )
+    return rollout
 
 
 def plan_ppo_batches(cfg: PPOConfig, world_size: int) -> PPOBatchPlan:
-    """Check divisibility and derive per-rank sizes; raises ``ConfigError`` naming the flags."""
+    """Check divisibility and derive per-rank sizes; raises ``ConfigError`` naming the flags.
+
+    With ``--async_train`` the per-rank sizes are the training ranks' (``world_size`` minus
+    the rollout ranks)."""
     b, r = cfg.batch, cfg.rollout
     tp = r.vllm_tensor_parallel_size
-    if tp < 1 or world_size % tp:
+    rollout = 0
+    if cfg.asynchronous.async_train:
+        rollout = async_rollout_ranks(cfg, world_size)
+        world_size -= rollout
+    elif tp < 1 or world_size % tp:
         raise ConfigError(
             f"vllm_tensor_parallel_size ({tp}) must divide the world size ({world_size})"
         )
-    if r.vllm_num_engines is not None and r.vllm_num_engines * tp != world_size:
+    elif r.vllm_num_engines is not None and r.vllm_num_engines * tp != world_size:
         raise ConfigError(
             f"vllm_num_engines ({r.vllm_num_engines}) x vllm_tensor_parallel_size ({tp}) must "
             f"equal the world size ({world_size}): every rank holds one engine slice"
@@ -884,7 +982,8 @@ def plan_ppo_batches(cfg: PPOConfig, world_size: int) -> PPOBatchPlan:
     return PPOBatchPlan(
         world_size=world_size,
         tp_size=tp,
-        num_engines=world_size // tp,
+        num_engines=(rollout or world_size) // tp,
+        rollout_ranks=rollout,
         micro_rollout_batch_size=r.micro_rollout_batch_size,
         train_batch_size_per_rank=b.train_batch_size // world_size,
         micro_train_batch_size=b.micro_train_batch_size,

@@ -28,12 +28,17 @@ from fsdp_rlhf.compat.rules import (
     switch,
     when_default,
 )
+from fsdp_rlhf.config import PPOBatchConfig
 from fsdp_rlhf.config_base import ConfigError
 
 # ------------------------------------------------------------------ shared pieces
 
 NO_RAY = "one torchrun world runs every model and the vLLM engine in-process; there is no Ray"
 FULL_COLOCATION = "every rank holds its shard of every model and a vLLM slice (full colocation)"
+COLOCATED = (
+    "every training rank holds its shard of every model, and a vLLM slice unless "
+    "--async_train gives the engines ranks of their own"
+)
 SLEEP = "idle models leave the GPU between phases, and vLLM sleeps outside the rollout"
 TRAIN_TP = (
     "training-side tensor parallelism is not implemented: FSDP2 shards over all ranks",
@@ -344,9 +349,9 @@ PPO_RULES: dict[str, Rule] = {
     **_per_model("critic", "critic_optim"),
     **_pairs(
         # placement
-        ("colocate_actor_ref", "train.colocate_actor_ref", Accept(FULL_COLOCATION)),
-        ("colocate_critic_reward", "train.colocate_critic_reward", Accept(FULL_COLOCATION)),
-        ("colocate_all_models", "train.colocate_all", Accept(FULL_COLOCATION)),
+        ("colocate_actor_ref", "train.colocate_actor_ref", Accept(COLOCATED)),
+        ("colocate_critic_reward", "train.colocate_critic_reward", Accept(COLOCATED)),
+        ("colocate_all_models", "train.colocate_all", Accept(COLOCATED)),
         ("actor_init_on_gpu", None, Accept("models are sharded onto the GPU layer by layer")),
         # vLLM
         (
@@ -377,7 +382,11 @@ PPO_RULES: dict[str, Rule] = {
         (
             "vllm_generate_batch_size",
             "rollout.vllm_generate_batch_size",
-            Accept("each rank hands its whole rollout batch to vLLM's scheduler at once"),
+            Gather(
+                "async.generate",
+                "--vllm_generate_batch_size",
+                "with --async_train; without it, up to --rollout_batch_size changes nothing",
+            ),
         ),
         # rollout correction (OpenRLHF: a switch, a type and a threshold)
         (
@@ -398,26 +407,10 @@ PPO_RULES: dict[str, Rule] = {
         # earlier names of truncated IS (this trainer's own, before --is_correction)
         ("use_tis", None, Gather("tis.use", "--is_correction tis")),
         ("tis_cap", None, Gather("tis.cap", "--is_truncated_threshold 0 CAP")),
-        # async training
-        (
-            "async_train",
-            "train.async_enable",
-            Refuse(
-                "asynchronous (off-policy) training is not implemented: each step generates "
-                "with the current weights",
-                "drop the flag for on-policy training",
-            ),
-        ),
-        (
-            "async_queue_size",
-            "train.async_queue_size",
-            Accept("it only applies to async training, which is off"),
-        ),
-        (
-            "partial_rollout",
-            "train.partial_rollout_enable",
-            Refuse("partial rollouts belong to async training, which is not implemented"),
-        ),
+        # async training (the flat names are ours too)
+        (None, "train.async_enable", switch("async_train")),
+        (None, "train.async_queue_size", rename("async_queue_size")),
+        (None, "train.partial_rollout_enable", switch("partial_rollout")),
         # lengths: OpenRLHF's --max_len is prompt + response
         ("max_len", "data.max_len", Gather("len.max_len", "--max_len")),
         ("max_new_tokens", "rollout.max_new_tokens", Gather("len.max_new", "--generate_max_len")),
@@ -612,8 +605,37 @@ def _best_metric(
     out += ["--save_best_metric", f"pass@{match[1]}"]
 
 
+def _switched_on(flags: list[Flag], names: tuple[str, ...]) -> bool:
+    on = [f for f in flags if f.name in names]
+    return bool(on) and (not on[-1].values or on[-1].values[0].lower() in ("true", "1", "yes"))
+
+
+def _generate_batch(
+    gathered: dict[str, tuple[Flag, Values]], flags: list[Flag], out: list[str]
+) -> None:
+    """``--vllm_generate_batch_size``: over-sampling, which needs async training (as in
+    OpenRLHF); without it a value up to the rollout batch describes what happens anyway."""
+    given = gathered.get("async.generate")
+    if given is None:
+        return
+    flag, values = given
+    if _switched_on(flags, ("async_train", "train.async_enable")):
+        out += ["--vllm_generate_batch_size", *values]
+        return
+    batch = [f for f in flags if f.name in ("rollout_batch_size", "rollout.batch_size")]
+    default = PPOBatchConfig().rollout_batch_size
+    rollout = int(batch[-1].values[0]) if batch and batch[-1].values else default
+    if int(values[0]) > rollout:
+        raise refusal(
+            flag,
+            f"over-sampling (more than --rollout_batch_size {rollout}) needs async training",
+            "add --async_train",
+        )
+
+
 def _finish_ppo(gathered: dict[str, tuple[Flag, Values]], flags: list[Flag]) -> list[str]:
     out: list[str] = []
+    _generate_batch(gathered, flags, out)
     _placement(gathered, out)
     _lengths(gathered, out)
     _is_correction(gathered, out)

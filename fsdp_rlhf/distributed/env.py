@@ -89,6 +89,18 @@ def current_env() -> DistEnv:
     return DistEnv(rank, world, local_rank, local_world, device, dist.get_backend())
 
 
+def job_position() -> tuple[int, int, int]:
+    """``(rank, world size, ranks per node)`` of this process in the whole job, from the
+    launcher's environment (set by :func:`init_distributed` for a lone process). With
+    ``--async_train`` a rank's default group is only its side of the job; these are not."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return (
+        int(os.environ.get("RANK", "0")),
+        world,
+        int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+    )
+
+
 def launched_world_size() -> int:
     """The world size torchrun (or srun) announced, readable before the process group exists."""
     return int(os.environ.get("WORLD_SIZE", "1"))

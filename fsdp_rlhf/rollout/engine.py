@@ -111,6 +111,9 @@ class RolloutOutput:
             when that is ``response_mask``. Multi-turn rollouts set it: environment tokens
             inside a response are attended to (1 here) but not trained on (0 in
             ``response_mask``).
+        token_versions: (N, T) long, the weight version that sampled each token (-1 at pads
+            and environment tokens), or None when one version sampled everything (set by
+            asynchronous training's rollouts, where weights may change mid-response).
     """
 
     prompt_ids: torch.Tensor
@@ -121,6 +124,7 @@ class RolloutOutput:
     engine_logprobs: torch.Tensor | None
     n: int
     response_attention_mask: torch.Tensor | None = None
+    token_versions: torch.Tensor | None = None
 
     @classmethod
     def from_lists(
@@ -192,7 +196,7 @@ class RolloutOutput:
         """Rows of prompts ``start .. stop - 1`` (all their n samples); padding width is kept."""
         rows = slice(start * self.n, stop * self.n)
         lp = self.engine_logprobs[rows] if self.engine_logprobs is not None else None
-        attn = self.response_attention_mask
+        attn, versions = self.response_attention_mask, self.token_versions
         return replace(
             self,
             prompt_ids=self.prompt_ids[rows],
@@ -202,7 +206,25 @@ class RolloutOutput:
             finish_reasons=self.finish_reasons[rows],
             engine_logprobs=lp,
             response_attention_mask=attn[rows] if attn is not None else None,
+            token_versions=versions[rows] if versions is not None else None,
         )
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """What one engine step added to one request of a step-by-step rollout.
+
+    Attributes:
+        key: ``(prompt index, sample index)`` of the request among those submitted together.
+        token_ids: the tokens sampled in this step (possibly none).
+        logprobs: their log-probs under the engine, one per token.
+        finish_reason: ``"stop"`` / ``"length"`` once the request finished, else None.
+    """
+
+    key: tuple[int, int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
 
 
 class CountingWeights:

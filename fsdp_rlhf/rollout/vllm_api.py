@@ -45,6 +45,26 @@ ENGINE_CALLS: Calls = {
     "InprocClient.shutdown": ("vllm.v1.engine.core_client", "InprocClient", "shutdown", ()),
 }
 
+# Asynchronous training: requests driven one engine step at a time, and new weights loaded
+# while requests are in flight (their KV cache recomputed: reset_running_requests).
+STREAMING_CALLS: Calls = {
+    "LLMEngine.add_request": ("vllm.v1.engine.llm_engine", "LLMEngine", "add_request", ()),
+    "LLMEngine.step": ("vllm.v1.engine.llm_engine", "LLMEngine", "step", ()),
+    "LLMEngine.abort_request": ("vllm.v1.engine.llm_engine", "LLMEngine", "abort_request", ()),
+    "LLMEngine.has_unfinished_requests": (
+        "vllm.v1.engine.llm_engine",
+        "LLMEngine",
+        "has_unfinished_requests",
+        (),
+    ),
+    "LLM.reset_prefix_cache(reset_running_requests)": (
+        "vllm",
+        "LLM",
+        "reset_prefix_cache",
+        ("reset_running_requests",),
+    ),
+}
+
 # rollout/vllm_lora.py: adapters built from tensors in memory.
 LORA_CALLS: Calls = {
     "LoRAModel.from_lora_tensors": (

@@ -22,6 +22,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 import logging  # noqa: E402
 from collections.abc import Iterable, Sequence  # noqa: E402
+from dataclasses import replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -31,6 +32,7 @@ import vllm  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
+from vllm.sampling_params import RequestOutputKind  # noqa: E402
 
 from fsdp_rlhf.config import RolloutConfig  # noqa: E402
 from fsdp_rlhf.models.attention import head_dim  # noqa: E402
@@ -40,11 +42,12 @@ from fsdp_rlhf.rollout.engine import (  # noqa: E402
     CountingWeights,
     RolloutOutput,
     SamplingConfig,
+    TokenDelta,
 )
 from fsdp_rlhf.rollout.groups import RolloutGroups, gather_prompts, own_prompt_range  # noqa: E402
 from fsdp_rlhf.rollout.rng import GenerationRng  # noqa: E402
 from fsdp_rlhf.rollout.sleep import SleepTracker  # noqa: E402
-from fsdp_rlhf.rollout.vllm_api import ENGINE_CALLS, check_calls  # noqa: E402
+from fsdp_rlhf.rollout.vllm_api import ENGINE_CALLS, STREAMING_CALLS, check_calls  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -63,19 +66,22 @@ CPU_STEP_TOKENS = 2048
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def check_vllm_internals(lora: bool = False) -> str:
+def check_vllm_internals(lora: bool = False, streaming: bool = False) -> str:
     """Raise if a vLLM API this adapter relies on is missing or changed; returns the version.
 
     Checked (``vllm_api.ENGINE_CALLS``): ``Worker.reload_weights`` forwarding to
     ``GPUModelRunner.reload_weights(weights_iterator=...)`` (v1 and v2 runners; the CPU runners
     subclass them), the in-process external-launcher executor and engine client (``close``),
-    the ``LLM`` methods used here, and with ``lora`` the adapter APIs of
-    :mod:`fsdp_rlhf.rollout.vllm_lora`. A version outside ``SUPPORTED_VLLM`` is only warned
-    about: these checks, not the number, decide.
+    the ``LLM`` methods used here, with ``lora`` the adapter APIs of
+    :mod:`fsdp_rlhf.rollout.vllm_lora`, and with ``streaming`` (asynchronous training) the
+    step-by-step engine calls (``vllm_api.STREAMING_CALLS``). A version outside
+    ``SUPPORTED_VLLM`` is only warned about: these checks, not the number, decide.
     """
     problems = check_calls(ENGINE_CALLS)
     if lora:
         problems += vllm_lora.check_lora_internals()
+    if streaming:
+        problems += check_calls(STREAMING_CALLS)
     low, high = SUPPORTED_VLLM
     supported = f"{low[0]}.{low[1]} to {high[0]}.{high[1]}"
     if problems:
@@ -307,6 +313,8 @@ class VLLMEngine:
         lora_rank: > 0: the actor trains LoRA adapters of this rank; the engine keeps the base
             weights it loaded and takes only adapters (``update_adapter``). Asleep on CUDA it
             then keeps the base in host memory (level 1): level 2 would discard it.
+        streaming: the engine is driven step by step (``submit`` / ``step``: asynchronous
+            training); checks those vLLM calls at start-up.
     """
 
     def __init__(
@@ -321,8 +329,9 @@ class VLLMEngine:
         pad_token_id: int,
         trust_remote_code: bool = False,
         lora_rank: int = 0,
+        streaming: bool = False,
     ) -> None:
-        self.version = check_vllm_internals(lora=lora_rank > 0)
+        self.version = check_vllm_internals(lora=lora_rank > 0, streaming=streaming)
         _check_layout(cfg, groups)
         self.groups = groups
         self.dtype = dtype
@@ -350,6 +359,8 @@ class VLLMEngine:
             self.llm = LLM(**kwargs)
         _check_tp_layout(groups)
         self._shm_segment = _cpu_shm_segment()
+        self._submissions = 0  # batches submitted step-wise (request ids stay unique)
+        self._running: set[str] = set()  # their ids, until finished or aborted
 
     def generate(
         self, prompt_token_ids: list[list[int]], sampling: SamplingConfig
@@ -380,14 +391,84 @@ class VLLMEngine:
                 )
         return to_rollout_output(outputs[start:stop], sampling, self.pad_token_id)
 
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Load a full set of HF-named weights (``self.dtype``); returns the bytes received."""
+    def update_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], in_flight: bool = False
+    ) -> int:
+        """Load a full set of HF-named weights (``self.dtype``); returns the bytes received.
+
+        ``in_flight``: requests submitted with :meth:`submit` are running. They are preempted
+        and resume under the new weights with their KV cache recomputed from their tokens
+        (vLLM's ``reset_running_requests``); the tokens they already have stay as sampled.
+        """
         self._sleep.on_weight_update()
         counted = CountingWeights(weights)
         _reload_weights_inplace(self.llm, counted)
         # cached prefixes hold KV computed with the old weights
-        self.llm.reset_prefix_cache()
+        if in_flight:
+            self.llm.reset_prefix_cache(reset_running_requests=True)
+        else:
+            self.llm.reset_prefix_cache()
         return counted.nbytes
+
+    # ------------------------------------------------------------ step by step
+
+    def submit(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[int]:
+        """Queue ``sampling.n`` samples of each of this rank's prompts, one request each
+        (sample j of prompt i seeded like ``generate``'s: the prompt's seed + j), then drive
+        them with :meth:`step`. Collective over the TP block, like ``generate``: the block
+        queues every rank's prompts. Returns how many prompts each rank of the block sent
+        (keys of the deltas index the block's prompts in rank order)."""
+        self._sleep.check_ready()
+        prompts, counts = gather_prompts(self.groups, prompt_token_ids, sampling)
+        seeded = sampling.seed is not None and not sampling.is_greedy
+        self._submissions += 1
+        for i, p in enumerate(prompts):
+            seed = request_seed(sampling.seed, self.groups.engine_index, i) if seeded else None
+            for j in range(sampling.n):
+                params = sampling_params(
+                    replace(sampling, n=1),
+                    None if seed is None else seed + j,
+                    sampling.budget(len(p)),
+                )
+                params.output_kind = RequestOutputKind.DELTA
+                request_id = f"{self._submissions}:{i}:{j}"
+                self.llm.llm_engine.add_request(
+                    request_id,
+                    TokensPrompt(prompt_token_ids=p),
+                    params,
+                    lora_request=self._lora_request(),
+                )
+                self._running.add(request_id)
+        return counts
+
+    def step(self) -> list[TokenDelta]:
+        """One engine step of the submitted requests: the tokens each request gained, with
+        their log-probs, and its finish reason once done."""
+        deltas = []
+        with self._rng.active():
+            outputs = self.llm.llm_engine.step()
+        for out in outputs:
+            comp = out.outputs[0]
+            request_id = out.request_id.split("-")[0]  # vLLM may append a suffix of its own
+            _, i, j = request_id.split(":")
+            ids = list(comp.token_ids)
+            lps = list(comp.logprobs.logprobs) if comp.logprobs is not None else []
+            if len(lps) != len(ids):
+                raise RuntimeError("vLLM logprobs do not line up with the sampled tokens")
+            reason = comp.finish_reason if out.finished else None
+            if out.finished:
+                self._running.discard(request_id)
+            deltas.append(TokenDelta((int(i), int(j)), ids, lps, reason))
+        return deltas
+
+    def has_unfinished(self) -> bool:
+        return bool(self._running) and self.llm.llm_engine.has_unfinished_requests()
+
+    def abort_unfinished(self) -> None:
+        """Drop every submitted request still running (over-sampling's stragglers, a stop)."""
+        if self._running:
+            self.llm.llm_engine.abort_request(sorted(self._running))
+            self._running.clear()
 
     def update_adapter(self, weights: Iterable[tuple[str, torch.Tensor]], spec: AdapterSpec) -> int:
         """Serve a new adapter under a new id (the old one is dropped); returns bytes received.

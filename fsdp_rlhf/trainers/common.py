@@ -28,7 +28,13 @@ from fsdp_rlhf.config import BackendConfig, CheckpointConfig, FSDPConfig
 from fsdp_rlhf.config_base import dump_yaml, redacted_dict
 from fsdp_rlhf.cpu_bf16 import bf16_warning
 from fsdp_rlhf.distributed import checkpoint as ckpt
-from fsdp_rlhf.distributed.env import DistEnv, init_distributed, launched_world_size, teardown
+from fsdp_rlhf.distributed.env import (
+    DistEnv,
+    init_distributed,
+    job_position,
+    launched_world_size,
+    teardown,
+)
 from fsdp_rlhf.distributed.exit_report import note_failing, note_prepared
 from fsdp_rlhf.distributed.fsdp import build_mesh, describe_zero_stage, shard_model
 from fsdp_rlhf.distributed.heartbeat import start_heartbeat
@@ -62,11 +68,16 @@ def launch(
     debug: bool,
     prepare: Callable[[Any, int], Any],
     build: Callable[[Any, DistEnv, Any], Trainer],
+    *,
+    init: Callable[[int], DistEnv] | None = None,
+    run: Callable[[Any], int] | None = None,
 ) -> int:
-    """``main()`` of both commands; returns the exit code (0, also after a graceful stop).
+    """``main()`` of every command; returns the exit code (0, also after a graceful stop).
 
     ``prepare(cfg, world_size)`` runs before the process group, so bad input fails in seconds
-    with one line; ``build(cfg, env, prepared)`` loads the models.
+    with one line; ``build(cfg, env, prepared)`` loads the models. ``init(timeout_min)``
+    replaces the one process group over all ranks (asynchronous PPO splits the world) and
+    ``run(trainer)`` the step loop (default :func:`fit`).
     """
     setup_logging(int(os.environ.get("RANK", "0")), debug)
     if cfg.backend.full_determinism:
@@ -79,17 +90,18 @@ def launch(
     prepared = prepare(cfg, world_size)
     note_prepared()  # a rank that failed validation need not wait for this one's message
     owns_group = not dist.is_initialized()  # a test may have made the group already
-    env = init_distributed(cfg.guard.dist_timeout_min)
-    if env.world_size != world_size:
-        raise RuntimeError(f"world size {env.world_size} != WORLD_SIZE {world_size}")
+    if init is None:
+        env = init_distributed(cfg.guard.dist_timeout_min)
+        if env.world_size != world_size:
+            raise RuntimeError(f"world size {env.world_size} != WORLD_SIZE {world_size}")
+    else:
+        env = init(cfg.guard.dist_timeout_min)
     # Multi-node: a host that vanishes ends every rank within a bound, not the collective timeout.
-    heartbeat = start_heartbeat(
-        cfg.guard.heartbeat_timeout_s, env.rank, env.world_size, env.local_world_size
-    )
+    heartbeat = start_heartbeat(cfg.guard.heartbeat_timeout_s, *job_position())
     trainer = None
     try:
         trainer = build(cfg, env, prepared)
-        code = fit(trainer, cfg.ckpt.save_steps)
+        code = fit(trainer, cfg.ckpt.save_steps) if run is None else run(trainer)
         if heartbeat is not None:
             heartbeat.stop(finished=True)
         return code

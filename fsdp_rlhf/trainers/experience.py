@@ -24,6 +24,8 @@ class Experience:
     response_mask: torch.Tensor  # (N, T) float, 1 on generated tokens
     engine_logprobs: torch.Tensor  # (N, T) log-probs reported by the rollout engine
     truncated: torch.Tensor | None = None  # (N,) bool: the response hit generate_max_len
+    # (N, T) long: the weight version that sampled each token (asynchronous training only)
+    token_versions: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None  # (N, T) actor before this step's updates
     ref_logprobs: torch.Tensor | None = None  # (N, T) reference model
     values: torch.Tensor | None = None  # (N, T) critic before this step's updates
@@ -175,6 +177,7 @@ def experience_from_rollout(out: RolloutOutput, device: torch.device) -> Experie
         response_mask=out.response_mask.float().to(device),
         engine_logprobs=out.engine_logprobs.float().to(device),
         truncated=truncated(out.finish_reasons).bool().to(device),
+        token_versions=None if out.token_versions is None else out.token_versions.to(device),
     )
 
 

@@ -32,6 +32,7 @@ from fsdp_rlhf.metrics import PhaseTimer
 from fsdp_rlhf.models.load import load_tokenizer
 from fsdp_rlhf.models.lora import adapters_disabled
 from fsdp_rlhf.models.save import save_model
+from fsdp_rlhf.rollout import RolloutEngine
 from fsdp_rlhf.trainers import common
 from fsdp_rlhf.trainers.experience import (
     Experience,
@@ -39,7 +40,6 @@ from fsdp_rlhf.trainers.experience import (
     batched_scores,
     batched_values,
     experience_from_rollout,
-    truncated,
 )
 from fsdp_rlhf.trainers.guards import BadStepGuard, check_finite_scores
 from fsdp_rlhf.trainers.micro_batches import MicroBatching
@@ -47,6 +47,7 @@ from fsdp_rlhf.trainers.ppo_dynamic_filtering import dynamic_sample
 from fsdp_rlhf.trainers.ppo_eval import Evaluator, build_evaluator
 from fsdp_rlhf.trainers.ppo_metrics import (
     StatCollector,
+    add_rollout_stats,
     collect_batch_stats,
     log_samples,
     throughput_metrics,
@@ -100,6 +101,10 @@ CONSOLE_KEYS = [
 
 
 def main(cfg: PPOConfig, debug: bool = False) -> int:
+    if cfg.asynchronous.async_train:
+        from fsdp_rlhf.trainers import ppo_async
+
+        return ppo_async.main(cfg, debug)
     return common.launch(cfg, debug, prepare, PPOTrainer)
 
 
@@ -109,11 +114,7 @@ class PPOTrainer:
         self.plan, rows = prepared
         common.write_run_config(cfg, env)
         tokenizer = load_tokenizer(cfg.models.pretrain, cfg.backend)
-        # The engine first, then to sleep: vLLM sizes its memory from what is free when it
-        # starts, so with four resident models it would refuse to start (TRL's colocate order).
-        engine = build_engine(cfg, env, tokenizer)
-        engine.sleep()
-        log.info("rollout engine started and asleep; loading the models")
+        engine = self.start_engine(tokenizer)
         # after the engine, which seeds torch per engine: fresh heads must match on all ranks
         torch.manual_seed(cfg.seed)
         self.models = build_models(cfg, env, tokenizer)
@@ -145,17 +146,7 @@ class PPOTrainer:
         self.kl_ctl = build_kl_controller(cfg.algo)
         self.evaluator = build_evaluator(cfg, env, tokenizer)
         self.timer = PhaseTimer(env.device)
-        self.rollout_session = RolloutSession(
-            engine,
-            self.models.actor,
-            self.optimizers["actor"],
-            self.timer,
-            device=env.device,
-            dtype=engine_dtype(cfg),
-            sleep_drops_weights=sleep_drops_weights(cfg, env.device),
-            adapter=adapter_spec(cfg, self.models.actor),
-            lora_scaling=merged_lora_scaling(cfg),
-        )
+        self.rollout_session = None if engine is None else self._session(engine)
         self.multiturn = build_multiturn(cfg, tokenizer, self.timer)  # None: single turn
         self.trained = self._trained_models()
         self.guards = {
@@ -173,6 +164,31 @@ class PPOTrainer:
             env.world_size,
             self.plan.num_engines,
             self.plan.tp_size,
+        )
+
+    def start_engine(self, tokenizer) -> RolloutEngine | None:
+        """This rank's rollout engine, asleep (None: the rank generates nothing, as the
+        training ranks of ``--async_train``).
+
+        The engine first, then to sleep: vLLM sizes its memory from what is free when it
+        starts, so with four resident models it would refuse to start (TRL's colocate order).
+        """
+        engine = build_engine(self.cfg, self.env, tokenizer)
+        engine.sleep()
+        log.info("rollout engine started and asleep; loading the models")
+        return engine
+
+    def _session(self, engine: RolloutEngine) -> RolloutSession:
+        return RolloutSession(
+            engine,
+            self.models.actor,
+            self.optimizers["actor"],
+            self.timer,
+            device=self.env.device,
+            dtype=engine_dtype(self.cfg),
+            sleep_drops_weights=sleep_drops_weights(self.cfg, self.env.device),
+            adapter=adapter_spec(self.cfg, self.models.actor),
+            lora_scaling=merged_lora_scaling(self.cfg),
         )
 
     def _trained_models(self) -> common.TrainedModels:
@@ -245,18 +261,15 @@ class PPOTrainer:
                 kl_metrics = observe_kl(exp, self.cfg.algo, self.kl_ctl)
         collect_batch_stats(stats, exp, trainer_old_logprobs=not self.rollout_logprobs_as_old)
         metrics = {**rollout_metrics, **kl_metrics, **update_metrics, **stats.reduce()}
-        metrics.update(
-            throughput_metrics(
-                metrics,
-                self.timer.times,
-                self.cfg,
-                self.env.world_size,
-                engine_name=self.engine_name,
-            )
-        )
+        metrics.update(self.throughput(metrics))
         metrics.update(self.timer.pop())
         self.maybe_log_samples(exp, prompts)
         return metrics
+
+    def throughput(self, metrics: dict[str, float]) -> dict[str, float]:
+        return throughput_metrics(
+            metrics, self.timer.times, self.cfg, self.env.world_size, engine_name=self.engine_name
+        )
 
     # ------------------------------------------------------------------ phases
 
@@ -296,10 +309,7 @@ class PPOTrainer:
         exp.scores = env_scores.to(self.env.device) if env_scores is not None else None
         # reduced with the step's other statistics: a collective here would make each rank
         # wait for the slowest one's generation before scoring
-        stats.add_mean("response_length/clip_ratio", truncated(out.finish_reasons))
-        # every round's sequences, for rollout_tps (the batch stats see only the kept ones)
-        lengths = out.prompt_mask.sum(-1) + out.response_tokens_mask.sum(-1)
-        stats.add_mean("rollout/generated_length", lengths.float())
+        add_rollout_stats(stats, out)
         return exp, metrics
 
     def score(self, exp: Experience, prompts: list[Prompt], n: int | None = None) -> None:
@@ -366,10 +376,14 @@ class PPOTrainer:
             metrics.update(actor_metrics)
             if reuse_logprobs:
                 exp.old_logprobs = old_logprobs
-            self.rollout_session.actor_updated()
+            self.actor_updated()
         metrics["actor/lr"] = self.schedulers["actor"].get_last_lr()[0]
         metrics["actor/kl_coef"] = self.kl_ctl.value
         return metrics
+
+    def actor_updated(self) -> None:
+        """The actor's weights changed: the engine syncs them before its next rollout."""
+        self.rollout_session.actor_updated()
 
     def _trained_model(self, name: str) -> TrainedModel:
         optim_cfg = self.cfg.actor_optim if name == "actor" else self.cfg.critic_optim
@@ -435,17 +449,24 @@ class PPOTrainer:
             )
 
     def save_checkpoint(self) -> None:
-        trainer_state = {
-            **data_settings(self.cfg, len(self.prompts)),
+        common.save(self.cfg.ckpt, self.step, self.trained, self.trainer_state(), self._export_all)
+
+    def data_settings(self) -> dict[str, int]:
+        """What the checkpointed prompt order depends on (a resume must match them)."""
+        return data_settings(self.cfg, len(self.prompts))
+
+    def trainer_state(self) -> dict:
+        """What a checkpoint holds besides the models, optimizers and schedules."""
+        return {
+            **self.data_settings(),
             "sampler": self.sampler.state_dict(),
             "kl_ctl": self.kl_ctl.state_dict(),
             "guards": {name: g.state_dict() for name, g in self.guards.items()},
             "enable_ema": self.ema is not None,
         }
-        common.save(self.cfg.ckpt, self.step, self.trained, trainer_state, self._export_all)
 
     def _resume(self) -> None:
-        current = data_settings(self.cfg, len(self.prompts))
+        current = self.data_settings()
 
         def check(path: Path) -> None:
             ckpt.check_resumable(path, current=current, keys=list(current))
@@ -454,6 +475,10 @@ class PPOTrainer:
         saved = common.resume(self.cfg.ckpt, self.trained, check)
         if saved is None:
             return
+        self.load_trainer_state(saved)
+
+    def load_trainer_state(self, saved: dict) -> None:
+        """The counterpart of :meth:`trainer_state`, after a resume."""
         self.step = int(saved["step"])
         self.sampler.load_state_dict(saved["sampler"])
         self.kl_ctl.load_state_dict(saved["kl_ctl"])
@@ -485,7 +510,8 @@ class PPOTrainer:
 
     def close(self) -> None:
         self.logger.close()
-        self.rollout_session.close()
+        if self.rollout_session is not None:
+            self.rollout_session.close()
 
     # ------------------------------------------------------------------ properties
 

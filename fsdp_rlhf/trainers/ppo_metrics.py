@@ -15,7 +15,8 @@ from fsdp_rlhf.distributed.env import all_reduce_scalars
 from fsdp_rlhf.distributed.stats import to_host
 from fsdp_rlhf.errors import writing
 from fsdp_rlhf.metrics import MetricLogger
-from fsdp_rlhf.trainers.experience import Experience
+from fsdp_rlhf.rollout.engine import RolloutOutput
+from fsdp_rlhf.trainers.experience import Experience, truncated
 
 Number = float | torch.Tensor
 
@@ -32,6 +33,7 @@ class StatCollector:
         self.sums: dict[str, Number] = {}
         self.maxs: dict[str, Number] = {}
         self.mins: dict[str, Number] = {}
+        self.only_maxs: dict[str, Number] = {}
         self.means: list[str] = []
 
     def add(self, name: str, values: torch.Tensor, mask: torch.Tensor | None = None) -> None:
@@ -59,12 +61,42 @@ class StatCollector:
         if name not in self.means:
             self.means.append(name)
 
+    def add_max(self, name: str, value: Number) -> None:
+        """Only ``name``: the global max of ``value`` (a 0-d tensor or a number)."""
+        self.only_maxs[name] = value
+
+    def export(self) -> dict:
+        """This rank's unreduced statistics as plain numbers, for :meth:`merge` on another
+        process (asynchronous training's rollout ranks send theirs to a training rank)."""
+        return {
+            "sums": to_host(self.sums),
+            "maxs": to_host(self.maxs),
+            "mins": to_host(self.mins),
+            "only_maxs": to_host(self.only_maxs),
+            "means": list(self.means),
+        }
+
+    def merge(self, part: dict) -> None:
+        """Add another collector's :meth:`export` to this rank's statistics."""
+        for k, v in part["sums"].items():
+            self.sums[k] = self.sums.get(k, 0.0) + v
+        for mine, theirs, pick in (
+            (self.maxs, part["maxs"], max),
+            (self.only_maxs, part["only_maxs"], max),
+            (self.mins, part["mins"], min),
+        ):
+            for k, v in theirs.items():
+                mine[k] = pick(float(mine[k]), v) if k in mine else v
+        self.means += [m for m in part["means"] if m not in self.means]
+
     def reduce(self) -> dict[str, float]:
         host = to_host({**self.sums, **{f"max:{k}": v for k, v in self.maxs.items()}})
+        host.update(to_host({f"only_max:{k}": v for k, v in self.only_maxs.items()}))
         host.update(to_host({f"min:{k}": v for k, v in self.mins.items()}))
         sums = all_reduce_scalars({k: host[k] for k in self.sums}, "sum")
         maxs = all_reduce_scalars({k: host[f"max:{k}"] for k in self.maxs}, "max")
         mins = all_reduce_scalars({k: host[f"min:{k}"] for k in self.mins}, "min")
+        maxs.update(all_reduce_scalars({k: host[f"only_max:{k}"] for k in self.only_maxs}, "max"))
 
         def mean(name: str) -> float:
             count = sums[f"{name}/count"]
@@ -75,6 +107,7 @@ class StatCollector:
             out[f"{name}/mean"] = mean(name)
             out[f"{name}/max"] = maxs[name]
             out[f"{name}/min"] = mins[name]
+        out.update({name: maxs[name] for name in self.only_maxs})
         return out
 
 
@@ -143,6 +176,15 @@ def reduce_explained_variance(local: dict[str, float]) -> float:
     var_r = s["r2"] / n - (s["r"] / n) ** 2
     var_d = s["d2"] / n - (s["d"] / n) ** 2
     return 1.0 - var_d / var_r if var_r > 1e-12 else 0.0
+
+
+def add_rollout_stats(stats: StatCollector, out: RolloutOutput) -> None:
+    """One generation round's statistics: the share of responses cut by generate_max_len,
+    and every generated sequence's length (for rollout_tps; with --dynamic_filtering also the
+    rounds' dropped groups, which the batch statistics never see)."""
+    stats.add_mean("response_length/clip_ratio", truncated(out.finish_reasons))
+    lengths = out.prompt_mask.sum(-1) + out.response_tokens_mask.sum(-1)
+    stats.add_mean("rollout/generated_length", lengths.float())
 
 
 def collect_batch_stats(

@@ -84,13 +84,16 @@ class ObservationTokens:
 @dataclass
 class Trajectory:
     """One sample's conversation as token lists; ``response`` holds every turn after the
-    prompt, ``mask`` 1 on model tokens and ``logprobs`` the engine's (0 on env tokens)."""
+    prompt, ``mask`` 1 on model tokens, ``logprobs`` the engine's (0 on env tokens) and
+    ``versions`` the weight version of each model token when the engine reports them
+    (asynchronous training; -1 on env tokens)."""
 
     prompt_ids: list[int]
     history: list[dict]
     response: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
     score: float = 0.0
     turns: int = 0
     env_tokens: int = 0
@@ -103,10 +106,13 @@ class Trajectory:
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.response)
 
-    def add_model_turn(self, ids: list[int], logprobs: list[float], finish: str) -> None:
+    def add_model_turn(
+        self, ids: list[int], logprobs: list[float], finish: str, versions: list[int] | None = None
+    ) -> None:
         self.response += ids
         self.mask += [1] * len(ids)
         self.logprobs += logprobs
+        self.versions += versions if versions is not None else [0] * len(ids)
         self.turns += 1
         self.finish = finish
 
@@ -114,6 +120,7 @@ class Trajectory:
         self.response += ids
         self.mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
         self.env_tokens += len(ids)
 
 
@@ -141,6 +148,7 @@ class MultiTurnRollout:
     def __init__(self, env: Environment, tokenizer, budget: TurnBudget, timer: PhaseTimer) -> None:
         self.env, self.tokenizer, self.budget, self.timer = env, tokenizer, budget, timer
         self.observations = ObservationTokens(tokenizer)
+        self._versioned = False  # the engine reported token versions (asynchronous training)
 
     def run(
         self, generate: Generate, prompts: Sequence[Prompt], sampling: SamplingConfig
@@ -190,11 +198,13 @@ class MultiTurnRollout:
 
     def _add_model_turns(self, live: list[Trajectory], out: RolloutOutput) -> list[str]:
         actions = []
+        self._versioned = out.token_versions is not None
         for i, t in enumerate(live):
             keep = out.response_mask[i].bool()
             ids = out.response_ids[i][keep].tolist()
             lps = out.engine_logprobs[i][keep].tolist()
-            t.add_model_turn(ids, lps, out.finish_reasons[i])
+            versions = out.token_versions[i][keep].tolist() if self._versioned else None
+            t.add_model_turn(ids, lps, out.finish_reasons[i], versions)
             action = self.tokenizer.decode(ids, skip_special_tokens=True)
             t.history.append({"role": "assistant", "content": action})
             actions.append(action)
@@ -236,10 +246,15 @@ class MultiTurnRollout:
             n=n,
         )
         loss_mask, _ = pad_token_rows([t.mask for t in trajs], 0, left=False)
+        versions = None
+        if self._versioned:
+            versions, _ = pad_token_rows([t.versions for t in trajs], -1, left=False)
+            versions = versions.reshape(out.response_ids.shape)
         return replace(
             out,
             response_mask=loss_mask.reshape(out.response_ids.shape),
             response_attention_mask=out.response_mask,
+            token_versions=versions,
         )
 
 
@@ -265,7 +280,18 @@ def multiturn_rollout(
     and the (N,) summed environment rewards. ``stats`` gets ``multiturn/*`` (reduced with the
     step's other statistics). Collective: one scalar all-reduce per turn."""
     with session.awake(metrics) as engine:
-        out, trajs = runner.run(engine.generate, prompts, sampling)
+        return run_multiturn(runner, engine.generate, prompts, sampling, stats)
+
+
+def run_multiturn(
+    runner: MultiTurnRollout,
+    generate: Generate,
+    prompts: Sequence[Prompt],
+    sampling: SamplingConfig,
+    stats: StatCollector,
+) -> tuple[RolloutOutput, torch.Tensor]:
+    """All turns with ``generate``; the batch, the (N,) summed rewards and ``multiturn/*``."""
+    out, trajs = runner.run(generate, prompts, sampling)
     s = trajectory_stats(trajs)
     logs = runner.env.trajectory_logs()
     if logs is not None:  # the same on every rank: it depends on the environment's kind

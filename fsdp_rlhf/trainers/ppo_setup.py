@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from fsdp_rlhf.algorithms.names import CRITIC_ESTIMATORS
-from fsdp_rlhf.config import PPOBatchPlan, PPOConfig, plan_ppo_batches
+from fsdp_rlhf.config import PPOBatchPlan, PPOConfig, async_rollout_ranks, plan_ppo_batches
 from fsdp_rlhf.data.prompts import Prompt, check_chat_template, tokenize_prompts
 from fsdp_rlhf.distributed.ema import ShardedEMA
 from fsdp_rlhf.distributed.env import DistEnv
@@ -60,6 +60,9 @@ def critic_path(cfg: PPOConfig) -> str | None:
 def _check_world(cfg: PPOConfig, world_size: int) -> None:
     p = cfg.placement
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if cfg.asynchronous.async_train:
+        _check_async_world(cfg, world_size, local)
+        return
     if p.num_gpus_per_node is not None and p.num_gpus_per_node != local:
         raise UserError(
             f"--num_gpus_per_node {p.num_gpus_per_node} but torchrun started {local} ranks per "
@@ -79,6 +82,77 @@ def _check_world(cfg: PPOConfig, world_size: int) -> None:
         )
     if not p.colocate_all:  # AIAK-RLHF's scripts pass it; there is no other placement
         raise UserError("--no_colocate_all: every rank holds every model (the only placement)")
+
+
+def _check_async_world(cfg: PPOConfig, world_size: int, local: int) -> None:
+    """--async_train: the last vllm_num_engines x TP ranks generate, the others train; the
+    per-model node and GPU counts (OpenRLHF's actor pool) describe the training ranks."""
+    from fsdp_rlhf.distributed.split_world import SplitWorld
+
+    split = SplitWorld(
+        world_size, async_rollout_ranks(cfg, world_size), cfg.rollout.vllm_tensor_parallel_size
+    )
+    p, training = cfg.placement, split.training_ranks
+    nodes, per_node = p.num_nodes, p.num_gpus_per_node
+    if (
+        per_node is not None
+        and training % per_node
+        or (nodes is not None and per_node is not None and nodes * per_node != training)
+    ):
+        raise UserError(
+            f"--async_train: --num_nodes {nodes} x --num_gpus_per_node {per_node} describe the "
+            f"training ranks, but {world_size} ranks minus {split.rollout_ranks} rollout ranks "
+            f"leave {training}"
+        )
+    crossing = split.blocks_crossing_nodes(local)
+    if crossing:
+        raise UserError(
+            f"--async_train: vLLM engine {crossing[0]} (ranks {split.engine_ranks(crossing[0])}) "
+            f"would span two nodes of {local} ranks: the rollout ranks are the world's last "
+            f"{split.rollout_ranks}; choose sizes whose engines fit within a node"
+        )
+    if not torch.cuda.is_available() and split.tp_size > 1 and split.engines_per_node(local) > 1:
+        raise UserError(
+            "--async_train on CPU: at most one vLLM engine with --vllm_tensor_parallel_size > 1 "
+            "per host (vLLM names its CPU shared-memory segments per host and engine world); "
+            "use fewer engines per host or TP 1"
+        )
+    if not p.colocate_all:
+        raise UserError(
+            "--no_colocate_all: the training models share the training ranks (the only "
+            "placement beside the rollout ranks)"
+        )
+
+
+def _check_async(cfg: PPOConfig) -> None:
+    """Features asynchronous training does not combine with, refused before any model loads."""
+    if not cfg.asynchronous.async_train:
+        return
+    a, m = cfg.asynchronous, cfg.models
+    if cfg.rollout.rollout_engine != "vllm":
+        raise UserError("--async_train needs --rollout_engine vllm (it drives vLLM step by step)")
+    if cfg.eval.eval_dataset:
+        raise UserError(
+            "--eval_dataset with --async_train: evaluation needs an engine on the training "
+            "ranks; evaluate the saved checkpoints instead"
+        )
+    if cfg.algo.dynamic_filtering and m.reward_pretrain:
+        raise UserError(
+            "--dynamic_filtering with --async_train filters on the rollout ranks, which hold no "
+            "reward model: use a rule reward (--remote_rm_url) or an environment"
+        )
+    oversampling = (a.vllm_generate_batch_size or 0) > cfg.batch.rollout_batch_size
+    if oversampling and (cfg.multiturn.source is not None or cfg.algo.dynamic_filtering):
+        flag = cfg.multiturn.source[0] if cfg.multiturn.source else "--dynamic_filtering"
+        raise UserError(
+            f"--vllm_generate_batch_size > --rollout_batch_size (over-sampling) with {flag}: "
+            "over-sampling keeps the first single-turn groups to finish; drop one of them"
+        )
+    if a.partial_rollout and adapter_sync(cfg):
+        raise UserError(
+            "--partial_rollout with --lora_sync adapter: requests in flight keep the adapter "
+            "they started with; use --lora_sync merged"
+        )
 
 
 def _check_lora(cfg: PPOConfig) -> None:
@@ -155,6 +229,7 @@ def prepare(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any]:
 
     _check_world(cfg, world_size)
     plan = plan_ppo_batches(cfg, world_size)
+    _check_async(cfg)
     m = cfg.models
     check_model_path(m.pretrain, "--pretrain")
     _check_lora(cfg)
@@ -350,12 +425,21 @@ def eos_token_ids(tokenizer, model_path: str) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def build_engine(cfg: PPOConfig, env: DistEnv, tokenizer) -> RolloutEngine:
+def build_engine(
+    cfg: PPOConfig, env: DistEnv, tokenizer, *, streaming: bool = False, engine_id: int = 0
+) -> RolloutEngine:
     """The rollout engine of this rank (collective: all ranks build theirs together).
+
+    ``streaming``: asynchronous training's engine, alone in its default group (so it is
+    engine 0 of its world; ``engine_id`` is its place in the job, for its seed), driven step
+    by step and never asleep.
 
     NOTE: the process group must already exist; vLLM reuses it (see distributed.env).
     """
     groups = build_rollout_groups(cfg.rollout.vllm_tensor_parallel_size)
+    rollout = cfg.rollout
+    if streaming:  # its world holds this engine only, and nothing else shares its device
+        rollout = dataclasses.replace(rollout, vllm_num_engines=None, vllm_enable_sleep=False)
     if cfg.rollout.rollout_engine == "vllm":
         from fsdp_rlhf.rollout.vllm_engine import VLLMEngine
 
@@ -366,15 +450,16 @@ def build_engine(cfg: PPOConfig, env: DistEnv, tokenizer) -> RolloutEngine:
 
         return VLLMEngine(
             cfg.models.pretrain,
-            cfg.rollout,
+            rollout,
             groups=groups,
             # multi-turn histories grow past the prompt: max_model_len = --max_total_len
             prompt_max_len=cfg.total_len - cfg.rollout.generate_max_len,
             dtype=engine_dtype(cfg),
-            seed=cfg.seed,
+            seed=cfg.seed + engine_id,
             pad_token_id=tokenizer.pad_token_id,
             trust_remote_code=cfg.backend.trust_remote_code,
             lora_rank=cfg.lora.lora_rank if adapter_sync(cfg) else 0,
+            streaming=streaming,
         )
     # In the engine dtype, like vLLM: an fp32 copy under --bf16 sampled from other logits than
     # the trainer computes, and generated slower on a bf16-capable CPU (benchmarks/).

@@ -93,7 +93,7 @@ def test_the_walk_covers_both_versions_of_both_parsers():
 def test_refused_flags_say_why_and_what_instead():
     for argv, words in (
         (["--vllm.sync_with_ray"], "no Ray"),
-        (["--async_train"], "async"),
+        (["--vllm_generate_batch_size", "64", "--rollout_batch_size", "32"], "async"),
         (["--data.image_key", "images"], "vision-language"),
         (["--ring_attn_size", "2"], "ring attention"),
         (["--ds.zpg", "8"], "HSDP"),
@@ -251,6 +251,30 @@ def test_small_mappings():
         translate("ppo", ["--reward_clip_range", "-1", "5"])
     # our own spelling of the same flag still works
     assert _cfg("ppo", "--reward_clip_range", "3").algo.reward_clip_range == 3.0
+
+
+def test_async_flags_in_both_spellings():
+    flat = _cfg(
+        "ppo",
+        *("--async_train", "--partial_rollout", "--async_queue_size", "2"),
+        *("--rollout_batch_size", "8", "--vllm_generate_batch_size", "12"),
+    )
+    dotted = _cfg(
+        "ppo",
+        *("--train.async_enable", "--train.partial_rollout_enable"),
+        *("--train.async_queue_size", "2", "--rollout.batch_size", "8"),
+        *("--rollout.vllm_generate_batch_size", "12"),
+    )
+    assert flat == dotted
+    a = flat.asynchronous
+    assert (a.async_train, a.partial_rollout, a.async_queue_size) == (True, True, 2)
+    assert a.vllm_generate_batch_size == 12
+    # without async training, OpenRLHF's generate batch up to the rollout batch changes nothing
+    assert _cfg("ppo", "--vllm_generate_batch_size", "8", "--rollout_batch_size", "8") == _cfg(
+        "ppo", "--rollout_batch_size", "8"
+    )
+    with pytest.raises(ConfigError, match="add --async_train"):
+        _cfg("ppo", "--partial_rollout")
 
 
 def test_canonical_flags_typed_by_the_user_win_over_translated_ones():

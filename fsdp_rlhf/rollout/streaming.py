@@ -1,0 +1,132 @@
+"""A rollout driven one engine step at a time (asynchronous training's rollout ranks).
+
+Between two engine steps the caller's ``poll`` runs: it may load new weights into the engine
+(partial rollouts) and returns the weight version that samples from then on, so every token
+carries the version that sampled it, beside its log-prob under that version. With ``keep``
+(over-sampling) the rollout ends as soon as every rank of the engine has ``keep`` prompts
+whose samples have all finished, and the stragglers are aborted.
+
+The ranks of one tensor-parallel engine see the same tokens in the same steps (vLLM's
+external launcher schedules identically on each), so each decides alone, and alike, when the
+rollout is over. Engine-independent: anything with ``submit`` / ``step`` works (tests use a
+scripted engine).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+from fsdp_rlhf.rollout.engine import RolloutOutput, SamplingConfig, TokenDelta, pad_token_rows
+from fsdp_rlhf.rollout.groups import own_prompt_range
+
+
+class StreamingEngine(Protocol):
+    def submit(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[int]:
+        """Queue the prompts (collective over the engine's ranks); how many each rank sent."""
+        ...
+
+    def step(self) -> list[TokenDelta]: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def abort_unfinished(self) -> None: ...
+
+
+@dataclass
+class _Sample:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish: str | None = None
+
+
+@dataclass
+class StreamedRollout:
+    """This rank's result.
+
+    Attributes:
+        output: the kept prompts' samples, prompt-major, ``token_versions`` set.
+        kept: positions (in this rank's prompt list) of the kept prompts, ascending.
+        steps: engine steps taken.
+    """
+
+    output: RolloutOutput
+    kept: list[int]
+    steps: int
+
+
+def stream_rollout(
+    engine: StreamingEngine,
+    prompt_ids: Sequence[Sequence[int]],
+    sampling: SamplingConfig,
+    *,
+    rank_in_engine: int,
+    pad_id: int,
+    poll: Callable[[], int],
+    keep: int | None = None,
+) -> StreamedRollout:
+    """Generate ``sampling.n`` samples of each prompt; see the module docstring.
+
+    Args:
+        rank_in_engine: this rank's place in its engine (its prompts' range in the block).
+        poll: called before the first step and after every step; returns the weight version
+            sampling the next tokens.
+        keep: prompts to keep per rank (over-sampling); None keeps all.
+    """
+    counts = engine.submit([list(p) for p in prompt_ids], sampling)
+    ranges = [own_prompt_range(counts, b) for b in range(len(counts))]
+    wanted = [(stop - start) if keep is None else min(keep, stop - start) for start, stop in ranges]
+    owner = {i: b for b, (start, stop) in enumerate(ranges) for i in range(start, stop)}
+    n = sampling.n
+    samples: dict[tuple[int, int], _Sample] = {}
+    finished_per_prompt: dict[int, int] = {}
+    done = [[] for _ in ranges]  # per block rank: its prompts whose samples all finished
+    version, steps = poll(), 0
+
+    def satisfied() -> bool:
+        return all(len(d) >= w for d, w in zip(done, wanted, strict=True))
+
+    while not satisfied() and engine.has_unfinished():
+        for d in engine.step():
+            s = samples.setdefault(d.key, _Sample())
+            s.tokens += d.token_ids
+            s.logprobs += d.logprobs
+            s.versions += [version] * len(d.token_ids)
+            if d.finish_reason is not None:
+                s.finish = d.finish_reason
+                i = d.key[0]
+                finished_per_prompt[i] = finished_per_prompt.get(i, 0) + 1
+                if finished_per_prompt[i] == n:
+                    done[owner[i]].append(i)
+        steps += 1
+        if not satisfied():
+            version = poll()
+    engine.abort_unfinished()
+    if not satisfied():
+        raise RuntimeError(f"the engine stopped with prompts unfinished: {done} of {wanted}")
+    start, _ = ranges[rank_in_engine]
+    kept = sorted(i - start for i in done[rank_in_engine][: wanted[rank_in_engine]])
+    return StreamedRollout(_output(samples, prompt_ids, kept, n, pad_id, start), kept, steps)
+
+
+def _output(
+    samples: dict[tuple[int, int], _Sample],
+    prompt_ids: Sequence[Sequence[int]],
+    kept: list[int],
+    n: int,
+    pad_id: int,
+    start: int,
+) -> RolloutOutput:
+    rows = [samples[(start + i, j)] for i in kept for j in range(n)]
+    out = RolloutOutput.from_lists(
+        [list(prompt_ids[i]) for i in kept for _ in range(n)],
+        [s.tokens for s in rows],
+        [s.finish for s in rows],
+        [s.logprobs for s in rows],
+        pad_id=pad_id,
+        n=n,
+    )
+    versions, _ = pad_token_rows([s.versions for s in rows], -1, left=False)
+    return replace(out, token_versions=versions.reshape(out.response_ids.shape))

@@ -1,0 +1,330 @@
+"""A rollout rank of `fsdp-rlhf ppo --async_train`: generate batches ahead of the training
+ranks, within the staleness bound (the schedule is in ``ppo_async_queue``).
+
+Loop, for each batch ``j`` from the step resumed from::
+
+    boundary   take the weights that arrived meanwhile (timing/weight_load)
+    wait       until the weights are at least version j - 1 - K (timing/rollout_wait)
+    generate   step by step; between engine steps poll for new weights: loaded at once
+               with --partial_rollout (requests in flight continue under them), else left
+               for the next boundary; over-sampling stops at the first groups to finish
+    score      rule rewards and environments here (the reward model lives on the training
+               ranks); --dynamic_filtering generates more rounds until the groups carry signal
+    send       each training rank its prompts' rows, this rank's statistics and timings
+
+then it takes the remaining weight versions until training rank 0 says ``end`` (also how a
+stopping job ends it, in the middle of a batch). The engine never sleeps: nothing else shares
+its device. A stop signal here is passed on through the job's store to the training ranks'
+vote, which checkpoints and ends the job.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from fsdp_rlhf.algorithms import clip_scores
+from fsdp_rlhf.config import PPOConfig
+from fsdp_rlhf.data.prompts import Prompt, PromptSampler
+from fsdp_rlhf.distributed import weight_broadcast
+from fsdp_rlhf.distributed.bridge import Channel
+from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars
+from fsdp_rlhf.distributed.signals import GracefulStop
+from fsdp_rlhf.distributed.split_world import group_environment
+from fsdp_rlhf.metrics import PhaseTimer
+from fsdp_rlhf.models.load import load_tokenizer
+from fsdp_rlhf.rollout import AdapterSpec, SamplingConfig
+from fsdp_rlhf.rollout.streaming import stream_rollout
+from fsdp_rlhf.trainers.experience import Experience, experience_from_rollout
+from fsdp_rlhf.trainers.ppo_async_queue import (
+    END,
+    START,
+    WEIGHTS,
+    BatchPart,
+    needed_version,
+    reports_to,
+    routes,
+    stop_key,
+)
+from fsdp_rlhf.trainers.ppo_dynamic_filtering import dynamic_sample
+from fsdp_rlhf.trainers.ppo_metrics import StatCollector, add_rollout_stats
+from fsdp_rlhf.trainers.ppo_multiturn import build_multiturn, run_multiturn
+from fsdp_rlhf.trainers.ppo_rewards import (
+    add_overlong_penalty,
+    add_stop_properly_penalty,
+    rule_scores,
+)
+from fsdp_rlhf.trainers.ppo_rollout import sampling_config
+from fsdp_rlhf.trainers.ppo_setup import build_engine, build_prompts
+from fsdp_rlhf.trainers.rule_reward import build_rule_reward
+
+log = logging.getLogger("fsdp_rlhf")
+
+
+class RolloutEnded(Exception):
+    """Training rank 0 said ``end``: the run is over or stopping."""
+
+
+def engine_seed(seed: int | None, engine: int) -> int | None:
+    """A sampling seed of one engine's own (engines must not draw the same random numbers)."""
+    if seed is None:
+        return None
+    return int(np.random.SeedSequence([seed, engine]).generate_state(1)[0])
+
+
+class RolloutWorker:
+    """One rollout rank (see the module docstring). ``run()`` is its whole life."""
+
+    def __init__(self, cfg: PPOConfig, env: DistEnv, job, rows) -> None:
+        self.cfg, self.env, self.job = cfg, env, job
+        split = job.split
+        self.index = split.rollout_index(job.rank)
+        self.engine_id = split.engine(job.rank)
+        b = cfg.batch
+        generated = cfg.asynchronous.vllm_generate_batch_size or b.rollout_batch_size
+        self.keep = (
+            b.rollout_batch_size // split.rollout_ranks
+            if generated > b.rollout_batch_size
+            else None
+        )
+        self.n = b.n_samples_per_prompt
+        self.tokenizer = load_tokenizer(cfg.models.pretrain, cfg.backend)
+        self.prompts = build_prompts(cfg, rows, self.tokenizer)
+        self.prompt_index = {id(p): i for i, p in enumerate(self.prompts)}
+        self.sampler = PromptSampler(
+            len(self.prompts), generated, self.index, split.rollout_ranks, cfg.seed
+        )
+        self.timer = PhaseTimer(env.device)
+        with group_environment(env):  # vLLM reads the rank of its world from the environment
+            self.engine = build_engine(
+                cfg, env, self.tokenizer, streaming=True, engine_id=self.engine_id
+            )
+        # the reward model lives on the training ranks: then they score everything
+        self.scores_here = not cfg.models.reward_pretrain
+        url = cfg.models.remote_rm_url
+        self.rule = (
+            build_rule_reward(url, cfg.models.remote_rm_auth_env)
+            if self.scores_here and url
+            else None
+        )
+        self.multiturn = build_multiturn(cfg, self.tokenizer, self.timer)
+        self.table = routes(b.rollout_batch_size, split.rollout_ranks, split.training_ranks)
+        self.my_routes = [r for r in self.table if r.source == self.index]
+        self.reports_to = reports_to(self.index, self.table)
+        self.per_rank = b.rollout_batch_size // split.rollout_ranks
+        self.version: int | None = None  # the weights in the engine (None: the pretrained)
+        self.adapter: AdapterSpec | None = None
+        self.stop: GracefulStop | None = None
+        self._stop_told = False
+        self.header = self._expect_header()
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> int:
+        with GracefulStop() as self.stop:
+            try:
+                start = self.header.result()
+                if start["kind"] != START:
+                    raise RuntimeError(f"expected the start message, got {start['kind']}")
+                self.header = self._expect_header()
+                first, total = int(start["step"]) + 1, int(start["total_steps"])
+                if start["samplers"] is not None:
+                    self.sampler.load_state_dict(start["samplers"][self.index])
+                if start.get("adapter") is not None:
+                    self.adapter = AdapterSpec(**start["adapter"])
+                queue = self.cfg.asynchronous.async_queue_size
+                for batch in range(first, total + 1):
+                    self._poll(boundary=True)
+                    self._wait_for(max(needed_version(batch, queue), first - 1))
+                    self._send(self.produce(batch))
+                    self.job.bridge.flush(keep=2 * len(self.my_routes) * (queue + 1))
+                while True:  # the training ranks publish versions until their last step
+                    self._take(self.header.result(), in_flight=False, load=False)
+            except RolloutEnded:
+                self.engine.abort_unfinished()
+        return 0
+
+    def produce(self, batch: int) -> list[tuple[int, dict]]:
+        """Batch ``batch``'s messages, one per route: ``(training rank, message)``."""
+        t0 = time.perf_counter()
+        stats = StatCollector()
+        first = self._draw()
+        if self.cfg.algo.dynamic_filtering:
+
+            def generate_and_score(prompts: list[Prompt], round_: int):
+                exp, _ = self._generate(prompts, batch, round_, stats, keep=None)
+                return exp, {}
+
+            pad = self.tokenizer.pad_token_id
+            exp, prompts, metrics = dynamic_sample(
+                first, self._draw, generate_and_score, self.cfg.algo, self.n, pad
+            )
+        else:
+            exp, prompts = self._generate(first, batch, 0, stats, keep=self.keep)
+            metrics = {}
+            if self.keep is not None:
+                metrics["async/dropped_groups"] = float(len(first) - len(prompts))
+        seconds = time.perf_counter() - t0
+        times = {k: v for k, v in self.timer.pop().items() if k.startswith("timing/")}
+        times.pop("timing/rollout", None)  # the multi-turn runner's generation share
+        report = {
+            "stats": stats.export(),
+            "metrics": {**metrics, **times, "timing/rollout": seconds},
+        }
+        return self._messages(batch, exp, prompts, report)
+
+    # ------------------------------------------------------------------ generation
+
+    def _draw(self) -> list[Prompt]:
+        return [self.prompts[i] for i in self.sampler.next_indices()]
+
+    def _sampling(self, batch: int, round_: int) -> SamplingConfig:
+        sampling = sampling_config(self.cfg, batch, round_)
+        return replace(sampling, seed=engine_seed(sampling.seed, self.engine_id))
+
+    def _generate(
+        self,
+        prompts: list[Prompt],
+        batch: int,
+        round_: int,
+        stats: StatCollector,
+        keep: int | None,
+    ) -> tuple[Experience, list[Prompt]]:
+        """One round: generate (step by step), then score here unless a reward model does.
+        Returns the experience on the host and its prompts (fewer with ``keep``)."""
+        sampling = self._sampling(batch, round_)
+        env_scores = None
+        if self.multiturn is not None:
+            out, env_scores = run_multiturn(
+                self.multiturn, self._generate_turn, prompts, sampling, stats
+            )
+        else:
+            streamed = stream_rollout(
+                self.engine,
+                [p.ids for p in prompts],
+                sampling,
+                rank_in_engine=self.env.rank,
+                pad_id=self.tokenizer.pad_token_id,
+                poll=self._poll,
+                keep=keep,
+            )
+            out, prompts = streamed.output, [prompts[i] for i in streamed.kept]
+        exp = experience_from_rollout(out, torch.device("cpu"))
+        exp.scores = env_scores
+        add_rollout_stats(stats, out)
+        if self.scores_here:
+            self._score(exp, prompts)
+        return exp, prompts
+
+    def _generate_turn(self, prompt_ids: list[list[int]], sampling: SamplingConfig):
+        """One turn of a multi-turn rollout (the runner's ``generate``)."""
+        return stream_rollout(
+            self.engine,
+            prompt_ids,
+            sampling,
+            rank_in_engine=self.env.rank,
+            pad_id=self.tokenizer.pad_token_id,
+            poll=self._poll,
+        ).output
+
+    def _score(self, exp: Experience, prompts: Sequence[Prompt]) -> None:
+        """Rule reward (and the environment's rewards), clipped, then the length penalties:
+        what the colocated step's scoring does without a reward model."""
+        scores = exp.scores if exp.scores is not None else torch.zeros(exp.num_sequences)
+        if self.rule is not None:
+            with self.timer("rule_reward"):
+                rule = rule_scores(self.rule, exp, prompts, self.tokenizer, self.n)
+            scores = scores + rule.to(scores.device)
+        exp.scores = clip_scores(scores, self.cfg.algo.reward_clip_range)
+        add_overlong_penalty(exp, self.cfg.algo, self.cfg.rollout.generate_max_len)
+        add_stop_properly_penalty(exp, self.cfg.algo)
+
+    def _messages(
+        self, batch: int, exp: Experience, prompts: list[Prompt], report: dict
+    ) -> list[tuple[int, dict]]:
+        if len(prompts) != self.per_rank:
+            raise RuntimeError(f"batch {batch}: {len(prompts)} prompts, {self.per_rank} expected")
+        out = []
+        base = self.index * self.per_rank
+        for route in self.my_routes:
+            lo, hi = route.start - base, route.stop - base
+            part = BatchPart(
+                batch,
+                exp.rows(torch.arange(lo * self.n, hi * self.n)),
+                [self.prompt_index[id(p)] for p in prompts[lo:hi]],
+                self.sampler.state_dict(),
+                report if route.dest == self.reports_to else None,
+            )
+            out.append((route.dest, part.to_message()))
+        return out
+
+    def _send(self, messages: list[tuple[int, dict]]) -> None:
+        for dest, msg in messages:
+            self.job.bridge.send_object(msg, dest, Channel.EXPERIENCE, wait=False)
+
+    # ------------------------------------------------------------------ weights and control
+
+    def _expect_header(self):
+        return self.job.bridge.expect_object(0, Channel.CONTROL, "waiting for the training ranks")
+
+    def _poll(self, boundary: bool = False) -> int:
+        """Between engine steps (and at batch boundaries): take what training rank 0 sent.
+        New weights are loaded mid-batch only with --partial_rollout. Returns the version
+        sampling from now on. Collective over the engine's ranks (they must agree)."""
+        self._tell_stop()
+        while self._header_ready():
+            header = self.header.result()
+            if header["kind"] == WEIGHTS and not (
+                boundary or self.cfg.asynchronous.partial_rollout
+            ):
+                break
+            self._take(header, in_flight=not boundary)
+        return -1 if self.version is None else self.version
+
+    def _header_ready(self) -> bool:
+        ready = self.header.ready()
+        if self.env.world_size > 1:  # the engine's ranks take it at the same step, or none
+            ready = all_reduce_scalars({"ready": float(ready)}, "min")["ready"] > 0
+        return ready
+
+    def _wait_for(self, version: int) -> None:
+        with self.timer("rollout_wait"):
+            while self.version is None or self.version < version:
+                self._tell_stop()
+                self._take(self.header.result(), in_flight=False)
+
+    def _take(self, header: dict, *, in_flight: bool, load: bool = True) -> None:
+        """Act on one message from training rank 0, then wait for the next."""
+        if header["kind"] == END:
+            raise RolloutEnded
+        if header["kind"] != WEIGHTS:
+            raise RuntimeError(f"unexpected message {header['kind']!r} from training rank 0")
+        with self.timer("weight_load"):
+            weights = weight_broadcast.receive(self.job.link)
+            if not load:
+                for _ in weights:
+                    pass
+            elif self.adapter is not None:
+                self.engine.update_adapter(weights, self.adapter)
+            else:
+                self.engine.update_weights(weights, in_flight=in_flight)
+        self.version = int(header["version"])
+        self.header = self._expect_header()
+
+    def _tell_stop(self) -> None:
+        """A stop signal here reaches the training ranks' vote through the job's store."""
+        if self.stop is not None and self.stop.requested and not self._stop_told:
+            self._stop_told = True
+            self.job.store.set(stop_key(), str(self.job.rank))
+            log.warning(
+                "stop signal on %s: passed to the training ranks",
+                self.job.split.describe(self.job.rank),
+            )
+
+    def close(self) -> None:
+        self.engine.close()
