@@ -88,9 +88,12 @@ def describe_failure(e: Exception, debug: bool) -> Failure:
     (and the user's own frames), their traceback only with ``--debug``; anything else is
     unexpected and shows its traceback, unless another rank failed first (then it is most
     likely a collective that rank broke)."""
+    from fsdp_rlhf.distributed.bridge import PeerLost
     from fsdp_rlhf.distributed.env import PeerFailure
     from fsdp_rlhf.distributed.exit_report import Failure, first_to_fail
 
+    if isinstance(e, PeerLost) and not first_to_fail():  # the peer failed first and says why
+        return Failure(1, str(e), secondary=True)
     if isinstance(e, UserError | Fault | PeerFailure):
         if debug:
             traceback.print_exc()

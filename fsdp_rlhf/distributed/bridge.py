@@ -104,11 +104,17 @@ class Bridge:
             raise self._lost(src, what, e) from e
         return tensor
 
-    def isend(self, tensors: list[torch.Tensor], dst: int, channel: Channel) -> None:
+    def isend(
+        self, tensors: list[torch.Tensor], dst: int, channel: Channel, what: str = "sending"
+    ) -> None:
         """Send without waiting; the tensors stay alive until :meth:`flush` (gloo's transport
         moves them meanwhile)."""
         for t in tensors:
-            self._sends.append((self.backend.send([t], dst, int(channel)), t, dst))
+            try:
+                work = self.backend.send([t], dst, int(channel))
+            except RuntimeError as e:
+                raise self._lost(dst, what, e) from e
+            self._sends.append((work, t, dst))
 
     def flush(self, keep: int = 0, what: str = "sending") -> None:
         """Wait for the oldest sends until at most ``keep`` are outstanding."""
@@ -121,14 +127,16 @@ class Bridge:
 
     # ------------------------------------------------------------ objects
 
-    def send_object(self, obj: Any, dst: int, channel: Channel, wait: bool = True) -> None:
+    def send_object(
+        self, obj: Any, dst: int, channel: Channel, wait: bool = True, what: str = "sending"
+    ) -> None:
         data = to_bytes(obj)
         size = torch.tensor([data.numel()], dtype=torch.int64)
         if wait:
-            self.send(size, dst, channel)
-            self.send(data, dst, channel)
+            self.send(size, dst, channel, what)
+            self.send(data, dst, channel, what)
         else:
-            self.isend([size, data], dst, channel)
+            self.isend([size, data], dst, channel, what)
 
     def recv_object(self, src: int, channel: Channel, what: str = "receiving") -> Any:
         size = self.recv(torch.zeros(1, dtype=torch.int64), src, channel, what)

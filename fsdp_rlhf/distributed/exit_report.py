@@ -161,6 +161,22 @@ def _raise_terminated(signum, frame) -> None:
     raise _Terminated
 
 
+_held_sigterm = False
+
+
+def hold_termination() -> None:
+    """This rank is failing: a SIGTERM from now on (torchrun stopping every rank because
+    another one ended first) must not kill it before :func:`report` has printed its line, so
+    it is only noted; ``report`` then prints at once instead of waiting for the others."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _note_sigterm)
+
+
+def _note_sigterm(signum, frame) -> None:
+    global _held_sigterm
+    _held_sigterm = True
+
+
 def _wait(store, until, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while not until(store) and time.monotonic() < deadline:
@@ -194,6 +210,8 @@ def report(failure: Failure, *, file: TextIO | None = None, wait_s: float = WAIT
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main else None
     printed = False
     try:
+        if _held_sigterm:
+            raise _Terminated
         store = _store() if world > 1 else None
         if store is None:
             _print(lines_to_print(rank, world, alone), file)

@@ -27,6 +27,7 @@ from fsdp_rlhf.distributed.bridge import Bridge, Channel
 from fsdp_rlhf.distributed.fsdp import GATHER_BUCKET_BYTES
 
 Entry = tuple  # (name, dtype name, shape) or (name, "alias", other name)
+WHAT = "sending new weights"
 ALIGN = 16  # bytes: every tensor starts at a multiple, so its view has an aligned start
 
 
@@ -36,10 +37,13 @@ def _aligned(nbytes: int) -> int:
 
 @dataclass(frozen=True)
 class PublishStats:
-    """One publication: bytes sent to each rollout rank and wall time (gathers included)."""
+    """One publication: bytes sent to each rollout rank, wall time (gathers included), and
+    how much of it went to waiting for the rollout ranks to start receiving (they take new
+    weights between two engine steps, or when a batch that needs them starts)."""
 
     bytes: int
     seconds: float
+    waited: float = 0.0
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -158,8 +162,8 @@ class WeightLink:
             return
         payload = payload.cpu()
         for r in self.receivers:
-            self.bridge.isend([payload], r, Channel.WEIGHTS)
-        self.bridge.flush(what="sending new weights")
+            self.bridge.isend([payload], r, Channel.WEIGHTS, WHAT)
+        self.bridge.flush(what=WHAT)
 
     def recv(self, payload: torch.Tensor) -> torch.Tensor:
         if self.nccl is not None:
@@ -188,21 +192,24 @@ def publish(
     t0 = time.perf_counter()
     device_type = "cuda" if link.nccl is not None else "cpu"
     size = bucket_bytes or GATHER_BUCKET_BYTES[device_type]
-    sent = 0
-    for bucket in buckets(stream, size):
+    sent, waited = 0, 0.0
+    for i, bucket in enumerate(buckets(stream, size)):
         if not sender:
             continue
         manifest, payload = pack(bucket)
+        t_wait = time.perf_counter()
         for r in link.receivers:
-            link.bridge.send_object(manifest, r, Channel.WEIGHTS, wait=False)
-        link.bridge.flush(what="sending new weights")
+            link.bridge.send_object(manifest, r, Channel.WEIGHTS, wait=False, what=WHAT)
+        link.bridge.flush(what=WHAT)
+        if i == 0:  # the first manifest is taken when the rollout ranks start receiving
+            waited = time.perf_counter() - t_wait
         link.send(payload.to(link.device))
         sent += payload.numel()
     if sender:
         for r in link.receivers:
-            link.bridge.send_object({"end": True}, r, Channel.WEIGHTS, wait=False)
-        link.bridge.flush(what="sending new weights")
-    return PublishStats(sent, time.perf_counter() - t0)
+            link.bridge.send_object({"end": True}, r, Channel.WEIGHTS, wait=False, what=WHAT)
+        link.bridge.flush(what=WHAT)
+    return PublishStats(sent, time.perf_counter() - t0, waited)
 
 
 def receive(link: WeightLink) -> Iterator[tuple[str, torch.Tensor]]:

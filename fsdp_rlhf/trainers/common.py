@@ -35,7 +35,7 @@ from fsdp_rlhf.distributed.env import (
     launched_world_size,
     teardown,
 )
-from fsdp_rlhf.distributed.exit_report import note_failing, note_prepared
+from fsdp_rlhf.distributed.exit_report import hold_termination, note_failing, note_prepared
 from fsdp_rlhf.distributed.fsdp import build_mesh, describe_zero_stage, shard_model
 from fsdp_rlhf.distributed.heartbeat import start_heartbeat
 from fsdp_rlhf.distributed.signals import GracefulStop, SaveTimer
@@ -106,6 +106,7 @@ def launch(
             heartbeat.stop(finished=True)
         return code
     except BaseException as e:
+        hold_termination()  # torchrun may stop us any moment now: print the line first
         note_failing()  # before the teardown below breaks the other ranks' collectives
         if isinstance(e, WriteFault):  # a checkpoint or the export: name what the user has
             e.naming_checkpoint(ckpt.latest_checkpoint(cfg.ckpt.ckpt_path))

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from fsdp_rlhf.config import PPOConfig, async_rollout_ranks
 from fsdp_rlhf.data.prompts import Prompt
 from fsdp_rlhf.distributed import weight_broadcast
-from fsdp_rlhf.distributed.bridge import Bridge, Channel
+from fsdp_rlhf.distributed.bridge import Bridge, Channel, PeerLost
 from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars, job_position
 from fsdp_rlhf.distributed.split_world import SplitWorld, init_split_world
 from fsdp_rlhf.distributed.weight_broadcast import WeightLink
@@ -161,9 +161,14 @@ class AsyncLearner(PPOTrainer):
     def update(self, exp: Experience, reuse_logprobs: bool) -> dict[str, float]:
         metrics = super().update(exp, reuse_logprobs)
         if self.step < self.total_steps:  # the rollout ranks generate with it
-            with self.timer("weight_sync"):
-                sent = self.publish(self.step)
-            metrics["async/weight_sync_gbps"] = sent.bytes / max(sent.seconds, 1e-9) / 1e9
+            sent = self.publish(self.step)
+            # waiting for the rollout ranks to take the weights is waiting for the rollout
+            waited = all_reduce_scalars({"w": sent.waited}, "max")["w"]
+            times = self.timer.times
+            times["train_wait"] = times.get("train_wait", 0.0) + waited
+            times["weight_sync"] = sent.seconds - waited
+            moving = max(sent.seconds - waited, 1e-9)
+            metrics["async/weight_sync_gbps"] = sent.bytes / moving / 1e9
         return metrics
 
     def throughput(self, metrics: dict[str, float]) -> dict[str, float]:
@@ -231,10 +236,10 @@ class AsyncLearner(PPOTrainer):
     def _tell_rollout_ranks(self, header: dict) -> None:
         if not self.sender:
             return
-        bridge = self.job.bridge
+        bridge, what = self.job.bridge, f"sending the rollout ranks '{header['kind']}'"
         for r in self.job.link.receivers:
-            bridge.send_object(header, r, Channel.CONTROL, wait=False)
-        bridge.flush(what=f"telling the rollout ranks {header['kind']}")
+            bridge.send_object(header, r, Channel.CONTROL, wait=False, what=what)
+        bridge.flush(what=what)
 
     def _start_rollouts(self) -> None:
         """Where the rollout ranks start (the resumed step and sampler states), then the
@@ -344,10 +349,13 @@ class AsyncLearner(PPOTrainer):
         return all_reduce_scalars({"stop": float(seen)}, "max")["stop"] > 0
 
     def close(self) -> None:
-        """Tell the rollout ranks to end (their last batches, if any, are not trained on)."""
+        """Tell the rollout ranks to end (their last batches, if any, are not trained on);
+        nothing to tell when they are gone already (the error that ends the job says so)."""
         try:
             if not self._ended:
                 self._ended = True
                 self._tell_rollout_ranks({"kind": END, "step": self.step})
+        except PeerLost:
+            pass
         finally:
             super().close()

@@ -3,19 +3,21 @@ ranks, within the staleness bound (the schedule is in ``ppo_async_queue``).
 
 Loop, for each batch ``j`` from the step resumed from::
 
-    boundary   take the weights that arrived meanwhile (timing/weight_load)
-    wait       until the weights are at least version j - 1 - K (timing/rollout_wait)
-    generate   step by step; between engine steps poll for new weights: loaded at once
-               with --partial_rollout (requests in flight continue under them), else left
-               for the next boundary; over-sampling stops at the first groups to finish
+    wait       for the weights of version j - 1 - K (timing/rollout_wait, timing/weight_load)
+    generate   step by step; with --partial_rollout, new weights are loaded between engine
+               steps as they arrive (requests in flight continue under them) and at the next
+               boundary; over-sampling stops at the first groups to finish
     score      rule rewards and environments here (the reward model lives on the training
                ranks); --dynamic_filtering generates more rounds until the groups carry signal
     send       each training rank its prompts' rows, this rank's statistics and timings
 
 then it takes the remaining weight versions until training rank 0 says ``end`` (also how a
-stopping job ends it, in the middle of a batch). The engine never sleeps: nothing else shares
-its device. A stop signal here is passed on through the job's store to the training ranks'
-vote, which checkpoints and ends the job.
+stopping job ends it, in the middle of a batch). Without partial rollouts batch ``j`` is
+sampled by exactly version ``j - 1 - K`` (after a resume at step ``s``, by version ``s`` until
+``j - 1 - K`` passes it): a run samples the same batches from the same weights every time.
+
+The engine never sleeps: nothing else shares its device. A stop signal here is passed on
+through the job's store to the training ranks' vote, which checkpoints and ends the job.
 """
 
 from __future__ import annotations
@@ -138,11 +140,15 @@ class RolloutWorker:
                 if start.get("adapter") is not None:
                     self.adapter = AdapterSpec(**start["adapter"])
                 queue = self.cfg.asynchronous.async_queue_size
+                partial = self.cfg.asynchronous.partial_rollout
                 for batch in range(first, total + 1):
-                    self._poll(boundary=True)
+                    if partial:  # the newest weights that arrived
+                        self._poll(boundary=True)
                     self._wait_for(max(needed_version(batch, queue), first - 1))
                     self._send(self.produce(batch))
-                    self.job.bridge.flush(keep=2 * len(self.my_routes) * (queue + 1))
+                    self.job.bridge.flush(
+                        keep=2 * len(self.my_routes) * (queue + 1), what="sending batches"
+                    )
                 while True:  # the training ranks publish versions until their last step
                     self._take(self.header.result(), in_flight=False, load=False)
             except RolloutEnded:
@@ -264,8 +270,10 @@ class RolloutWorker:
         return out
 
     def _send(self, messages: list[tuple[int, dict]]) -> None:
+        self._tell_stop()  # before the batch: the training ranks' vote on it sees the stop
         for dest, msg in messages:
-            self.job.bridge.send_object(msg, dest, Channel.EXPERIENCE, wait=False)
+            what = f"sending batch {msg['batch']}"
+            self.job.bridge.send_object(msg, dest, Channel.EXPERIENCE, wait=False, what=what)
 
     # ------------------------------------------------------------------ weights and control
 
@@ -273,16 +281,14 @@ class RolloutWorker:
         return self.job.bridge.expect_object(0, Channel.CONTROL, "waiting for the training ranks")
 
     def _poll(self, boundary: bool = False) -> int:
-        """Between engine steps (and at batch boundaries): take what training rank 0 sent.
-        New weights are loaded mid-batch only with --partial_rollout. Returns the version
+        """Between engine steps (and at batch boundaries with --partial_rollout): take what
+        training rank 0 sent; new weights only with --partial_rollout. Returns the version
         sampling from now on. Collective over the engine's ranks (they must agree)."""
         self._tell_stop()
         while self._header_ready():
             header = self.header.result()
-            if header["kind"] == WEIGHTS and not (
-                boundary or self.cfg.asynchronous.partial_rollout
-            ):
-                break
+            if header["kind"] == WEIGHTS and not self.cfg.asynchronous.partial_rollout:
+                break  # taken when the batch that needs it starts (_wait_for)
             self._take(header, in_flight=not boundary)
         return -1 if self.version is None else self.version
 

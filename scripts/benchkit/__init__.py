@@ -12,6 +12,8 @@ What is measured:
     logits_memory   peak host memory of one log-prob forward at a real vocabulary size
     memcpy          the weight-sync reference: a plain copy of the same bytes
     peak            the machine's matmul limit per dtype, and MFU against it
+    async_vs_sync   `ppo --async_train` against the colocated step on the same 2 ranks
+                    (a slow HTTP reward, responses of varied length); run on its own
 
 How:
     workload        sizes, the locally built model and the synthetic data both sides read

@@ -41,7 +41,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("trainers",),
     ("cli", "doctor", "testing"),
 )
-TRAINER_ENTRIES = tuple(f"fsdp_rlhf.trainers.{m}" for m in ("ppo", "rm", "sft", "dpo"))
+TRAINER_ENTRIES = tuple(f"fsdp_rlhf.trainers.{m}" for m in ("ppo", "ppo_async", "rm", "sft", "dpo"))
 _ENTRY_PREFIXES = tuple(f"{m}." for m in TRAINER_ENTRIES)
 
 

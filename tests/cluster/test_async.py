@@ -1,0 +1,64 @@
+"""`ppo --async_train` across the test cluster's hosts: torchrun on node1 and node2 (one rank
+each), the training rank on node1 and the rollout rank (a vLLM engine) on node2, the bridge
+between them over eth0. The shipped sbatch's PPO flags (GAE from the reward model on the
+training side) with the rollout rank overriding the placement: 1 training node of 1 rank,
+1 engine. Stopped by SIGTERM to both ranks (what a scheduler does) and started again with
+the same flags (they include --load_checkpoint), every step is trained once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from tests.cluster import runs
+from tests.cluster.test_lost_node import children, complete_checkpoints
+
+STEPS = 8
+ASYNC_FLAGS = [
+    *("--async_train", "--vllm_num_engines", "1", "--num_nodes", "1"),
+    *("--num_gpus_per_node", "1", "--max_steps", str(STEPS), "--save_steps", "-1"),
+]
+
+
+def test_async_rollout_host_and_training_host_stop_and_resume(setup, rm_reference, logs):
+    cluster, name = setup.cluster, "async_two_hosts"
+    save = setup.save(name)
+    flags = setup.ppo_flags(name, *runs.GAE_FLAGS, *ASYNC_FLAGS)
+    procs = runs.start_hosts(cluster, "ppo", flags, logs, port=29421, tag=name)
+    try:
+        deadline = time.monotonic() + 300
+        while runs.metric_rows(save) < 3:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs.values())
+            time.sleep(0.05)
+        for p in procs.values():  # nsenter exec'd torchrun: its child is the rank
+            for rank in children(p.pid):
+                os.kill(rank, signal.SIGTERM)
+        stopped = runs.wait_hosts(procs, logs, name, timeout=120)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    node1, node2 = stopped.logs["node1"], stopped.logs["node2"]
+    assert stopped.returncode == 0, {h: runs.tail(t) for h, t in stopped.logs.items()}
+    text = " ".join(node1.split())
+    # the placement: rank 0 trains on node1, rank 1 generates on node2
+    assert "asynchronous: ranks 0-0 train, 1-1 generate (1 engines x TP 1)" in text
+    assert "vLLM" in node2 and "Loading safetensors checkpoint shards" in node2
+    assert "stop signal:" in text
+    done = complete_checkpoints(save / "checkpoints")
+    assert done and done[-1] < STEPS, done
+    rows = runs.read_metrics(save)
+    assert [r["step"] for r in rows] == list(range(1, done[-1] + 1))
+    assert all(r["async/staleness_max"] <= 1 for r in rows)
+
+    resumed = runs.run_hosts(cluster, "ppo", flags, logs, tag=f"{name}_resume")
+    assert resumed.returncode == 0, {h: runs.tail(t) for h, t in resumed.logs.items()}
+    assert f"resumed from {save / 'checkpoints'}/step_{done[-1]}" in " ".join(
+        resumed.logs["node1"].split()
+    )
+    rows = runs.read_metrics(save)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # each step once
+    assert rows[done[-1]]["async/staleness_max"] == 0  # refilled from the checkpoint
+    assert all(r["async/staleness_max"] <= 1 and "critic/vf_loss" in r for r in rows)
+    runs.record(logs, "async_two_hosts_resume_s", resumed.seconds)

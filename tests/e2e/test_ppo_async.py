@@ -1,0 +1,290 @@
+"""`fsdp-rlhf ppo --async_train` end to end: 2 CPU ranks under torchrun (1 training rank, 1
+rollout rank with a real vLLM engine). `make test-async` runs these (marker ``asynchronous``);
+the two-host runs are in tests/cluster."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsdp_rlhf.config import PPOConfig
+from fsdp_rlhf.config_base import build_config
+from fsdp_rlhf.distributed.env import free_port
+from fsdp_rlhf.testing.launch import local_torchrun
+from fsdp_rlhf.testing.synthetic import prompt_rows, write_jsonl
+from fsdp_rlhf.trainers.experience import Experience
+from fsdp_rlhf.trainers.ppo_update import _correction
+from tests.e2e.helpers import REPO, _env, read_metrics, torchrun
+from tests.e2e.test_ppo_cli import SHORT_REWARD_WITH_PREEMPTION, grpo_flags
+
+pytestmark = [pytest.mark.slow, pytest.mark.asynchronous]
+
+ASYNC = ["--async_train", "--vllm_num_engines", "1"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("async_data")
+    write_jsonl(prompt_rows(256, chat=True), root / "prompts.jsonl")
+    (root / "reward.py").write_text(SHORT_REWARD_WITH_PREEMPTION)
+    return root
+
+
+def _mean(rows: list[dict], key: str) -> float:
+    return sum(r[key] for r in rows) / len(rows)
+
+
+def test_async_grpo_learns_like_sync_with_bounded_staleness_and_overlap(tiny_qwen2, data, tmp_path):
+    """The colocated test task (a rule reward for short answers, 14 steps, same seed) learns
+    about as well one step off policy; every batch is exactly one version old after the first
+    (the bound, --async_queue_size 1); the training rank waits for batches far less than a
+    rollout takes, so a step costs less than rollout + training; and a rollout rank's stop
+    signal checkpoints the run, whose resume trains every remaining step once."""
+    steps = 14
+    sync = torchrun(["ppo", *grpo_flags(tiny_qwen2, data, tmp_path / "sync", steps)])
+    assert sync.returncode == 0, sync.stderr[-3000:]
+    save = tmp_path / "async"
+    run = torchrun(["ppo", *grpo_flags(tiny_qwen2, data, save, steps), *ASYNC])
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows, base = read_metrics(save), read_metrics(tmp_path / "sync")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    gain = _mean(rows[-4:], "critic/score/mean") - _mean(rows[:4], "critic/score/mean")
+    base_gain = _mean(base[-4:], "critic/score/mean") - _mean(base[:4], "critic/score/mean")
+    assert gain > 0.05 and gain > 0.5 * base_gain, (gain, base_gain)
+    assert rows[0]["async/staleness_max"] == 0  # the first batch: the initial weights
+    for r in rows[1:]:
+        assert r["async/staleness_max"] == r["async/staleness_mean"] == 1, r["step"]
+        assert r["async/off_policy_token_frac"] == 1 and r["async/partial_response_frac"] == 0
+    # the overlap: after the first step the training rank hardly waits for batches, so a
+    # step (timing/all, waiting included) is shorter than a rollout plus the training phases
+    steady = rows[2:]
+    step = statistics.median(r["timing/all"] for r in steady)
+    training = statistics.median(r["timing/all"] - r["timing/train_wait"] for r in steady)
+    rollout = statistics.median(r["timing/rollout"] for r in steady)
+    assert step < rollout + training, (step, rollout, training)
+    assert statistics.median(r["timing/train_wait"] for r in steady) < 0.5 * rollout
+    for key in ("timing/rollout_wait", "timing/weight_sync", "rollout_tps", "e2e_tps"):
+        assert key in rows[-2], key
+
+
+def test_rollout_stop_signal_checkpoints_and_resume_does_no_step_twice(tiny_qwen2, data, tmp_path):
+    """SIGTERM on the rollout rank (its reward function sends it at the 6th batch): the
+    training rank learns it through the job's store, abandons step 6 before its update and
+    checkpoints step 5; the resumed run refills the queue from step 5's weights (batch 6 is
+    zero versions old) and trains steps 6-10 once each."""
+    steps, kill_at = 10, 6
+    save = tmp_path / "stopped"
+    flags = [*grpo_flags(tiny_qwen2, data, save, steps), *ASYNC]
+    cut = torchrun(["ppo", *flags], env={"TEST_SIGTERM_AT_CALL": str(kill_at)})
+    assert cut.returncode == 0, cut.stderr[-3000:]
+    log = " ".join((cut.stdout + cut.stderr).split())
+    assert "stop signal on rollout rank 1 (engine 0): passed to the training ranks" in log
+    assert "checkpoint at step 5 on disk" in log
+    assert [r["step"] for r in read_metrics(save)] == list(range(1, kill_at))
+    state = json.loads((save / "ckpt" / "step_5" / "trainer.json").read_text())
+    assert state["async"] == {"samplers": [{"epoch": 0, "index": 5}], "weight_version": 5}
+    resumed = torchrun(["ppo", *flags, "--load_checkpoint"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = read_metrics(save)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert rows[kill_at - 1]["async/staleness_max"] == 0  # from the checkpointed weights
+    assert rows[kill_at]["async/staleness_max"] == 1
+
+
+def test_partial_rollouts_and_over_sampling_in_one_run(tiny_qwen2, data, tmp_path):
+    """--partial_rollout with long responses and a fast update: weights arrive while
+    responses are being generated, some responses span two versions, and no token is more
+    than --async_queue_size 2 versions old. Over-sampling (20 prompts for 16) drops 4 groups
+    a step."""
+    save = tmp_path / "partial"
+    flags = grpo_flags(tiny_qwen2, data, save, 6)
+    for flag, value in (("--generate_max_len", "96"), ("--prompt_max_len", "32")):
+        flags[flags.index(flag) + 1] = value
+    flags += [*ASYNC, "--partial_rollout", "--async_queue_size", "2"]
+    flags += ["--vllm_generate_batch_size", "20", "--max_len", "128"]
+    run = torchrun(["ppo", *flags])
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = read_metrics(save)
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert all(r["async/staleness_max"] <= 2 for r in rows)
+    assert any(r["async/partial_response_frac"] > 0 for r in rows), [
+        r["async/partial_response_frac"] for r in rows
+    ]
+    assert all(r["async/dropped_groups"] == 4 for r in rows)
+
+
+def test_an_engine_of_two_tensor_parallel_ranks(tiny_qwen2, data, tmp_path):
+    """3 ranks: 1 training rank, 1 engine of TP 2 (its own default group of 2 ranks). With
+    partial rollouts the engine's two ranks must agree at which engine step new weights load
+    (they poll separately), or their TP all-reduces would mix two weight versions."""
+    save = tmp_path / "tp2"
+    flags = grpo_flags(tiny_qwen2, data, save, 4)
+    flags[flags.index("--generate_max_len") + 1] = "48"
+    flags += ["--async_train", "--vllm_num_engines", "1", "--vllm_tensor_parallel_size", "2"]
+    flags += ["--partial_rollout", "--max_len", "80"]
+    run = torchrun(["ppo", *flags], nproc=3)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "ranks 0-0 train, 1-2 generate (1 engines x TP 2)" in " ".join(run.stdout.split())
+    rows = read_metrics(save)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    # each rank of the engine sent its half of every batch (the training rank checks the
+    # prompt count of each part); a batch is never more than one version old
+    assert all(r["async/staleness_max"] <= 1 for r in rows)
+
+
+def test_a_response_spans_two_weight_versions_and_each_token_keeps_its_own(tiny_qwen2, tmp_path):
+    """One rollout whose weights change after 6 engine steps, requests in flight: the
+    responses' first tokens carry version 0 and the rest version 1; each token's log-prob
+    from the engine is its own version's (within 2e-3 of the trainer's computation, while
+    the two versions differ by far more); and the update's rollout correction weighs each
+    token against that log-prob: ~1 where the trainer's policy sampled it, the ratio of the
+    two versions where the older one did."""
+    out = tmp_path / "partial.pt"
+    cmd = local_torchrun(
+        2, [str(REPO / "tests" / "e2e" / "async_partial_worker.py"), tiny_qwen2, str(out)]
+    )
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(None), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    saved = torch.load(out, weights_only=False)
+    exp = Experience(**saved["rows"])
+    mask = exp.response_mask.bool()
+    versions = exp.token_versions
+    spans = [set(versions[i][mask[i]].tolist()) for i in range(exp.num_sequences)]
+    assert sum(s == {0, 1} for s in spans) >= 4, spans  # partial responses
+    for i in range(exp.num_sequences):
+        v = versions[i][mask[i]]
+        assert (v[:6] == 0).all() and (v[6:] == 1).all(), v  # switched after 6 tokens
+    lp0, lp1 = saved["logprobs"][0], saved["logprobs"][1]
+    engine = exp.engine_logprobs
+    old, new = mask & (versions == 0), mask & (versions == 1)
+    assert (engine - lp0)[old].abs().max() < 2e-3
+    assert (engine - lp1)[new].abs().max() < 2e-3
+    assert (lp1 - lp0)[mask].abs().max() > 0.1  # the versions are far apart
+    # the actor update's correction, with the trainer's policy (version 1) as the old one
+    cfg = build_config(
+        PPOConfig, ["--is_correction", "tis", "--is_truncated_threshold", "0", "100"]
+    )[0]
+    weights, _ = _correction(cfg.algo, lp1, lp1, exp)
+    assert torch.allclose(weights[new], torch.ones_like(weights[new]), atol=3e-3)
+    assert torch.allclose(weights[old], torch.exp(lp1 - lp0)[old], rtol=5e-3)
+
+
+SCRIPTS = Path(__file__).parent / "openrlhf_scripts"
+
+# OpenRLHF's examples/python/agent_func.py with a deterministic grade: an answer with an even
+# number of words is correct; one more try after a wrong one
+PARITY_AGENT = """
+import torch
+
+from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
+
+
+class AgentInstance(AgentInstanceBase):
+    def __init__(self, *args, **kwargs):
+        self.step_idx = 0
+
+    async def reset(self, states: dict, **kwargs):
+        return {"observation": states["observation"]}
+
+    async def step(self, states: dict, **kwargs):
+        correct = len(states["action_text"].split()) % 2 == 0
+        done = correct or self.step_idx >= 1
+        reward = torch.tensor(float(correct)) if done else torch.tensor(0.0)
+        feedback = (
+            "\\n\\nHuman: [CORRECT]\\n"
+            if done
+            else "\\n\\nHuman: [INCORRECT]\\nPlease try again.\\n\\nAssistant: "
+        )
+        self.step_idx += 1
+        return {
+            "rewards": reward,
+            "scores": reward,
+            "environment_feedback": feedback,
+            "done": done,
+            "sampling_params": states.get("sampling_params", None),
+            "extra_logs": {"tries": torch.tensor(float(self.step_idx))},
+        }
+
+
+class AgentExecutor(MultiTurnAgentExecutor):
+    def __init__(self):
+        super().__init__(AgentInstance)
+"""
+
+
+@pytest.mark.parametrize("script", ["agent_async_v0.10_flat.sh", "agent_async_v0.11_dotted.sh"])
+def test_openrlhf_async_agent_script(tiny_qwen2, tmp_path, script):
+    """OpenRLHF's train_reinforce_baseline_ray_agent_async.sh in both spellings, at test
+    sizes: async training with partial rollouts, an agent over two tries, dynamic filtering,
+    token-budget micro-batches, packing, icepop, bf16, HF checkpoints; run again it resumes
+    from its last checkpoint (--load_checkpoint) and has nothing left to do."""
+    data = tmp_path / "data"
+    rows = [{"prompt": r["input"], "label": r["label"]} for r in prompt_rows(64)]
+    write_jsonl(rows, data / "agent_prompts.jsonl")
+    (data / "agent_func.py").write_text(PARITY_AGENT)
+    save = tmp_path / "run"
+
+    def run() -> subprocess.CompletedProcess:
+        env = {"MODEL": tiny_qwen2, "DATA": str(data), "SAVE": str(save)}
+        env.update(PORT=str(free_port()), PYTHON=sys.executable)
+        return subprocess.run(
+            ["bash", str(SCRIPTS / script)],
+            capture_output=True,
+            text=True,
+            env=_env(env),
+            timeout=600,
+            cwd=REPO,
+        )
+
+    proc = run()
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = read_metrics(save)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # --max_samples 32 / rollout batch 8
+    for r in rows:
+        assert r["async/staleness_max"] <= 1 and r["dynamic_filter/gen_rounds"] >= 1
+        assert r["multiturn/turns/max"] <= 2 and "agent/tries" in r
+    config = (save / "config.yaml").read_text()
+    for line in (
+        "async_train: true",
+        "partial_rollout: true",
+        "advantage_estimator: reinforce_baseline",
+        "is_correction: icepop",
+        "use_dynamic_batch: true",
+        "dynamic_filtering: true",
+        "bf16: true",
+    ):
+        assert line in config, line
+    assert (save / "ckpt" / "step_4" / "hf" / "model.safetensors").is_file()
+    again = run()
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert "resumed from" in again.stdout and [r["step"] for r in read_metrics(save)] == [
+        1,
+        2,
+        3,
+        4,
+    ]
+
+
+def test_a_rollout_rank_that_dies_ends_the_job_naming_it(tiny_qwen2, data, tmp_path):
+    """The rollout rank is killed (SIGKILL, as the OOM killer would) in its reward function at
+    the 3rd batch: the training rank's next receive fails at once and the job ends with one
+    line naming the rollout rank, not a hang until the collective timeout."""
+    reward = tmp_path / "dying_reward.py"
+    reward.write_text(
+        "import os, signal\ncalls = 0\n\n\ndef reward_func(queries, prompts, labels):\n"
+        "    global calls\n    calls += 1\n    if calls == 3:\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n    return [0.0] * len(queries)\n"
+    )
+    save = tmp_path / "dying"
+    flags = grpo_flags(tiny_qwen2, data, save, 6)
+    flags[flags.index("--remote_rm_url") + 1] = str(reward)
+    proc = torchrun(["ppo", *flags, *ASYNC], timeout=300)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert any("rollout rank 1 (engine 0) is gone" in line for line in lines), proc.stderr[-3000:]
