@@ -983,15 +983,14 @@ def rendered_commands(tmp_path: Path, fakes) -> list[tuple[str, list[str]]]:
 
 def test_rendered_flags_parse_with_the_cli(tmp_path: Path, fakes):
     """Every launcher's flags are accepted by fsdp-rlhf's own config parser."""
-    from fsdp_rlhf.config import DPOConfig, PPOConfig, RMConfig, SFTConfig
+    from fsdp_rlhf.commands import BY_NAME
     from fsdp_rlhf.config_base import build_config
 
     rendered = rendered_commands(tmp_path, fakes)
     subs = sorted(sub for sub, _ in rendered)
     assert subs == ["dpo"] * 3 + ["ppo"] * 3 + ["sft"] * 3 + ["train-rm"] * 3
-    configs = {"ppo": PPOConfig, "train-rm": RMConfig, "sft": SFTConfig, "dpo": DPOConfig}
     for sub, flags in rendered:
-        cfg, _ = build_config(configs[sub], flags)
+        cfg, _ = build_config(BY_NAME[sub].config_class(), flags)
         assert cfg.ckpt.load_checkpoint == ("--load_checkpoint" in flags)
 
 
