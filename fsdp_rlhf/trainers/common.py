@@ -1,13 +1,18 @@
-"""The skeleton `train-rm` and `ppo` share, in the order a run meets it::
+"""The skeleton every command (`sft`, `train-rm`, `dpo`, `ppo`) shares, in the order a run
+meets it::
 
-    launch          prepare (validate, no communication) -> process group -> build -> fit
-    prepare_model   attention kernel, compile, FSDP2 shards, train or frozen mode
-    start_run       run folder and config.yaml, resume from a checkpoint, metrics opened
-    fit             step until done, vote on a stop signal, checkpoint every save_steps
-    save            a resumable checkpoint of the run's models, optimizers and schedules
+    launch            prepare (validate, no communication) -> process group -> build -> fit
+    prepare_model     attention kernel, compile, FSDP2 shards, train or frozen mode
+    write_run_config  <save_path>/config.yaml (credentials masked)
+    resume            the newest checkpoint's models, optimizers and schedules
+    open_metrics      console, metrics.jsonl, TensorBoard, W&B (a resumed run continues them)
+    fit               step until done, vote on a stop signal, checkpoint every save_steps
+    save              a resumable checkpoint of the run's models, optimizers and schedules
 
-A trainer is any object with ``step``, ``total_steps``, ``train_step(stop_agreed)``,
-``save_checkpoint()``, ``finish()`` and ``close()``.
+A trainer (``build``'s result) is any object with ``step``, ``total_steps``,
+``train_step(stop_agreed)``, ``save_checkpoint()``, ``finish()`` and ``close()``: the
+offline commands' :class:`~fsdp_rlhf.trainers.offline.trainer.OfflineTrainer` and
+:class:`~fsdp_rlhf.trainers.ppo.PPOTrainer`.
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ def launch(
     prepare: Callable[[Any, int], Any],
     build: Callable[[Any, DistEnv, Any], Trainer],
 ) -> int:
-    """``main()`` of both commands; returns the exit code (0, also after a graceful stop).
+    """``main()`` of every command; returns the exit code (0, also after a graceful stop).
 
     ``prepare(cfg, world_size)`` runs before the process group, so bad input fails in seconds
     with one line; ``build(cfg, env, prepared)`` loads the models.
