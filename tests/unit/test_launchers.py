@@ -663,29 +663,63 @@ def _mutate(path: str, value):
 
 
 POD = "1.spec.pytorchReplicaSpecs.Master.template.spec"
+POD_ERR = "spec/pytorchReplicaSpecs/Master/template/spec"
+# mutation -> the error it must raise (the check that catches it, by the path it names)
 BROKEN = {
-    "container-name": _mutate(f"{POD}.containers.0.name", "trainer"),
-    "restart-policy": _mutate("1.spec.pytorchReplicaSpecs.Worker.restartPolicy", "Sometimes"),
-    "replicas-string": _mutate("1.spec.pytorchReplicaSpecs.Worker.replicas", "1"),
-    "two-masters": _mutate("1.spec.pytorchReplicaSpecs.Master.replicas", 2),
-    "no-worker": _mutate("1.spec.pytorchReplicaSpecs.Worker", KeyError),
-    "env-number": _mutate(f"{POD}.containers.0.env.0.value", 0),
-    "no-gpu-limit": _mutate(f"{POD}.containers.0.resources.limits", {"cpu": 8}),
-    "missing-volume": _mutate(f"{POD}.volumes", []),
-    "foreign-configmap": _mutate(f"{POD}.volumes.1.configMap.name", "other-launch"),
-    "bad-subpath": _mutate(f"{POD}.containers.0.volumeMounts.1.subPath", "run.sh"),
-    "bad-api": _mutate("1.apiVersion", "kubeflow.org/v2"),
+    "container-name": (
+        _mutate(f"{POD}.containers.0.name", "trainer"),
+        f"{POD_ERR}/containers: [{{'name': 'trainer'",
+    ),
+    "restart-policy": (
+        _mutate("1.spec.pytorchReplicaSpecs.Worker.restartPolicy", "Sometimes"),
+        "spec/pytorchReplicaSpecs/Worker/restartPolicy: 'Sometimes' is not one of",
+    ),
+    "replicas-string": (
+        _mutate("1.spec.pytorchReplicaSpecs.Worker.replicas", "1"),
+        "spec/pytorchReplicaSpecs/Worker/replicas: '1' is not of type 'integer'",
+    ),
+    "two-masters": (
+        _mutate("1.spec.pytorchReplicaSpecs.Master.replicas", 2),
+        "spec/pytorchReplicaSpecs/Master/replicas: 1 was expected",
+    ),
+    "no-worker": (
+        _mutate("1.spec.pytorchReplicaSpecs.Worker", KeyError),
+        "spec/pytorchReplicaSpecs: 'Worker' is a required property",
+    ),
+    "env-number": (
+        _mutate(f"{POD}.containers.0.env.0.value", 0),
+        f"{POD_ERR}/containers/0/env/0/value: 0 is not of type 'string'",
+    ),
+    "no-gpu-limit": (
+        _mutate(f"{POD}.containers.0.resources.limits", {"cpu": 8}),
+        f"{POD_ERR}/containers/0/resources/limits: 'nvidia.com/gpu' is a required property",
+    ),
+    "missing-volume": (
+        _mutate(f"{POD}.volumes", []),
+        "Master: mount config-volume has no volume",
+    ),
+    "foreign-configmap": (
+        _mutate(f"{POD}.volumes.1.configMap.name", "other-launch"),
+        "Master: volume config-volume references a ConfigMap not in the file",
+    ),
+    "bad-subpath": (
+        _mutate(f"{POD}.containers.0.volumeMounts.1.subPath", "run.sh"),
+        "Master: subPath run.sh is no key of the ConfigMap",
+    ),
+    "bad-api": (
+        _mutate("1.apiVersion", "kubeflow.org/v2"),
+        "apiVersion: 'kubeflow.org/v1' was expected",
+    ),
 }
 
 
-@pytest.mark.parametrize("mutation", BROKEN.values(), ids=BROKEN.keys())
-def test_checks_reject_broken_manifest(mutation):
+@pytest.mark.parametrize("mutation,error", BROKEN.values(), ids=BROKEN.keys())
+def test_checks_reject_broken_manifest(mutation, error):
     docs = copy.deepcopy(load_manifest(MANIFESTS["ppo"]))
+    assert not [e for d in docs for e in schema_errors(d)] and not consistency_errors(docs)
     mutation(docs)
-    errors = [e for d in docs for e in schema_errors(d)]
-    if not errors:
-        errors = consistency_errors(docs)
-    assert errors
+    errors = [e for d in docs for e in schema_errors(d)] + consistency_errors(docs)
+    assert any(e.startswith(error) for e in errors), errors
 
 
 @pytest.mark.parametrize("cmd", MANIFESTS)
