@@ -40,12 +40,6 @@ app = typer.Typer(
 _RAW = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
 
 
-def _print_flags(config_cls: type, command: str, title: str) -> None:
-    from fsdp_rlhf.flag_help import render_help
-
-    sys.stdout.write(render_help(config_cls, command, title))
-
-
 def _translate(command: str, argv: list[str]) -> list[str]:
     """OpenRLHF spellings -> canonical flags; rank 0 prints what each became, once, with the
     other start-up information (stdout; stderr is for errors)."""
@@ -58,18 +52,24 @@ def _translate(command: str, argv: list[str]) -> list[str]:
     return translation.argv
 
 
-def _run(argv: list[str], config_cls: type, command: str, module: str, title: str = "") -> None:
-    """Parse ``argv`` into ``config_cls`` and run ``module.main`` on it (imported only now:
-    ``--help`` stays fast); every failure ends in the job's error report."""
+def _run(argv: list[str], command: Command) -> None:
+    """Parse ``argv`` into the command's config and run its module's ``main`` on it (both
+    imported only now: ``--help`` stays fast); every failure ends in the job's error report."""
+    config_cls = command.config_class()
     if "--help" in argv or "-h" in argv:
-        _print_flags(config_cls, command, title or f"fsdp-rlhf {command} flags")
+        from fsdp_rlhf.flag_help import render_help
+
+        title = f"fsdp-rlhf {command.name} flags"
+        if command.flags_of:
+            title += f" (same as {command.flags_of})"
+        sys.stdout.write(render_help(config_cls, command.name, title))
         raise typer.Exit(0)
     debug = "--debug" in argv
     try:
         from fsdp_rlhf.config_base import build_config
 
-        cfg, debug = build_config(config_cls, _translate(command, argv))
-        code = importlib.import_module(module).main(cfg, debug=debug) or 0
+        cfg, debug = build_config(config_cls, _translate(command.name, argv))
+        code = importlib.import_module(command.module).main(cfg, debug=debug) or 0
         failure = None
     except Exception as e:  # noqa: BLE001 - every failure ends in the job's error report
         failure = describe_failure(e, debug)
@@ -109,10 +109,7 @@ def describe_failure(e: Exception, debug: bool) -> Failure:
 
 def _register(command: Command) -> None:
     def run(ctx: typer.Context) -> None:
-        title = f"fsdp-rlhf {command.name} flags"
-        if command.flags_of:
-            title += f" (same as {command.flags_of})"
-        _run(list(ctx.args), command.config_class(), command.name, command.module, title)
+        _run(list(ctx.args), command)
 
     run.__doc__ = f"{command.summary} --help lists every flag."
     app.command(command.name, context_settings=_RAW)(run)
