@@ -1,4 +1,4 @@
-"""cmd/install_env.sh, the decisions `make install` takes before installing: which Python, and
+"""scripts/install_env.sh, the decisions `make install` takes before installing: which Python, and
 for the GPU install whether nvcc can build flash-attn and for which architectures. Run with fake
 python/nvcc/nvidia-smi on PATH (no GPU, no CUDA toolkit needed)."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "cmd" / "install_env.sh"
+SCRIPT = REPO / "scripts" / "install_env.sh"
 
 
 def _exe(folder: Path, name: str, body: str) -> None:

@@ -3,18 +3,18 @@
 # tools on PATH (tests/unit/test_install_env.py). Each mode prints its answer on stdout, or one
 # line on stderr saying what is wrong and exits 1.
 #
-#   cmd/install_env.sh python               a Python the package supports (pyproject.toml:
-#                                           >=3.11,<3.14), trying python3.11, 3.12, 3.13, python3
-#   cmd/install_env.sh flash-attn [PYTHON]  for the GPU install's flash-attn build: checks that
-#                                           nvcc is there (and, given the venv's PYTHON with torch
-#                                           installed, that its CUDA major version is torch's),
-#                                           then prints FLASH_ATTN_CUDA_ARCHS=... and
-#                                           TORCH_CUDA_ARCH_LIST=... for the GPUs nvidia-smi lists
+#   scripts/install_env.sh python
+#       a Python the package supports (pyproject.toml: >=3.11,<3.14), trying python3.11,
+#       python3.12, python3.13 and python3 in that order
+#   scripts/install_env.sh flash-attn [PYTHON]
+#       for the GPU install's flash-attn build: checks that nvcc is there (and, given the venv's
+#       PYTHON with torch installed, that nvcc's CUDA major version is torch's), then prints
+#       FLASH_ATTN_CUDA_ARCHS=... and TORCH_CUDA_ARCH_LIST=... for the GPUs nvidia-smi lists
 #
-# flash-attn compiles one kernel set per architecture (tens of minutes each), and by default for
-# sm_80, sm_90, sm_100 and sm_120; building only the GPUs present is several times faster. Set
-# FLASH_ATTN_CUDA_ARCHS (flash-attn's names: 80, 90, 100, 120) and/or TORCH_CUDA_ARCH_LIST (8.0,
-# 9.0, ...) to build for other GPUs; a value set is kept as it is.
+# flash-attn compiles every kernel once per architecture, by default for sm_80, sm_90, sm_100 and
+# sm_120: four times the compile a host with one kind of GPU needs. Set FLASH_ATTN_CUDA_ARCHS
+# (flash-attn's names: 80, 90, 100, 120) and/or TORCH_CUDA_ARCH_LIST (8.0, 9.0, ...) to build
+# for other GPUs; a value set is kept as it is.
 set -euo pipefail
 
 MIN=(3 11)  # pyproject.toml's requires-python, checked by tests/unit/test_install_env.py
