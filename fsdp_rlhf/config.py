@@ -23,7 +23,12 @@ from fsdp_rlhf.config_base import ConfigError, command_config, doc, section
 class BackendConfig:
     """How models are materialised: precision, attention kernel, recompute."""
 
-    bf16: bool = doc(False, "bf16 parameters with fp32 gradient reduction (MixedPrecisionPolicy).")
+    bf16: bool = doc(
+        False,
+        "bf16 parameters with fp32 gradient reduction (MixedPrecisionPolicy); also vLLM's dtype. "
+        "Off by default (fp32), as OpenRLHF's --bf16 up to v0.6; a CUDA run without it says so "
+        "at start.",
+    )
     flash_attn: bool = doc(
         False,
         "Use flash_attention_2 (needs --bf16) when flash-attn and CUDA are present, else sdpa "

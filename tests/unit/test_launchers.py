@@ -728,7 +728,7 @@ def test_pytorchjob_pod_setup(cmd: str):
     cm_name = next(iter(configmaps(docs)))
     job = pytorchjob(docs)
     spec = job["spec"]
-    # Static sizing: WORLD_SIZE must stay "number of pods" for launch.sh.
+    # Fixed size; nprocPerNode left to the operator ("auto"): WORLD_SIZE then counts pods.
     assert "elasticPolicy" not in spec and "nprocPerNode" not in spec
     for replica in spec["pytorchReplicaSpecs"].values():
         assert replica["restartPolicy"] == "OnFailure"
