@@ -80,15 +80,6 @@ def init_distributed(timeout_min: int = 60) -> DistEnv:
     return DistEnv(rank, world_size, local_rank, local_world_size, device, backend)
 
 
-def current_env() -> DistEnv:
-    """The environment of an already initialised process group (tests, helpers)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    device = device_for(local_rank)
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return DistEnv(rank, world, local_rank, local_world, device, dist.get_backend())
-
-
 def job_position() -> tuple[int, int, int]:
     """``(rank, world size, ranks per node)`` of this process in the whole job, from the
     launcher's environment (set by :func:`init_distributed` for a lone process). With

@@ -76,7 +76,7 @@ def test_over_sampling_keeps_the_first_groups_to_finish():
         engine, [[1], [2], [3]], sampling, rank_in_engine=0, pad_id=0, poll=lambda: 0, keep=2
     )
     assert streamed.kept == [1, 2] and engine.aborted
-    assert streamed.output.num_rows == 4 and streamed.steps == 3
+    assert streamed.output.response_ids.shape[0] == 4 and streamed.steps == 3
 
 
 def test_over_sampling_waits_for_every_rank_of_the_engine():
