@@ -366,7 +366,11 @@ PPO_RULES: dict[str, Rule] = {
         (
             "vllm_sync_backend",
             "vllm.sync_backend",
-            Accept("weights go into the in-process engine by DTensor gathers on every rank"),
+            Accept(
+                "weights go into the in-process engine by DTensor gathers on every rank (with "
+                "--async_train, gathered on the training ranks and sent in buckets: NCCL on GPU, "
+                "gloo on CPU)"
+            ),
         ),
         ("vllm_sync_with_ray", "vllm.sync_with_ray", Refuse(NO_RAY)),
         (

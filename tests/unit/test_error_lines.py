@@ -195,3 +195,35 @@ def test_metrics_that_cannot_be_written_are_one_line(tmp_path):
     with pytest.raises(WriteFault) as err:
         MetricLogger(0, str(blocker / "run"), None)
     assert str(err.value) == f"not a directory while writing {blocker}/run/metrics.jsonl"
+
+
+def test_a_lost_peer_is_the_line_unless_the_peer_failed_first(monkeypatch):
+    from fsdp_rlhf.distributed import exit_report
+    from fsdp_rlhf.distributed.bridge import PeerLost
+
+    lost = PeerLost("rollout rank 1 (engine 0) is gone: ...")
+    assert describe_failure(lost, debug=False) == Failure(1, str(lost))
+    monkeypatch.setattr(exit_report, "_failed_as", 2)  # another rank noted its failure first
+    assert describe_failure(lost, debug=False) == Failure(1, str(lost), secondary=True)
+
+
+def test_a_sigterm_while_failing_waits_for_the_line(monkeypatch, capsys):
+    """torchrun stops every rank once one ended; a rank that is failing at that moment still
+    prints its line (at once, without waiting for the others' reports)."""
+    import os
+    import signal
+
+    from fsdp_rlhf.distributed import exit_report
+
+    previous = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(exit_report, "_held_sigterm", False)
+    try:
+        exit_report.hold_termination()
+        os.kill(os.getpid(), signal.SIGTERM)  # noted, not fatal
+        assert exit_report._held_sigterm
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", "0")
+        exit_report.report(Failure(1, "rollout rank 1 is gone"), file=sys.stderr, wait_s=30)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert capsys.readouterr().err == "error [rank 0]: rollout rank 1 is gone\n"
