@@ -167,7 +167,8 @@ _held_sigterm = False
 def hold_termination() -> None:
     """This rank is failing: a SIGTERM from now on (torchrun stopping every rank because
     another one ended first) must not kill it before :func:`report` has printed its line, so
-    it is only noted; ``report`` then prints at once instead of waiting for the others."""
+    it is only noted; ``report`` then prints at once instead of waiting for the others, and
+    says nothing when its news is only that another rank failed first (that one speaks)."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _note_sigterm)
 
@@ -210,8 +211,11 @@ def report(failure: Failure, *, file: TextIO | None = None, wait_s: float = WAIT
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main else None
     printed = False
     try:
-        if _held_sigterm:
-            raise _Terminated
+        if _held_sigterm:  # torchrun is stopping the job: no time to meet the others
+            if not (failure.secondary and not first_to_fail()):  # else the first one speaks
+                _print(lines_to_print(rank, world, alone), file)
+            printed = True
+            return
         store = _store() if world > 1 else None
         if store is None:
             _print(lines_to_print(rank, world, alone), file)

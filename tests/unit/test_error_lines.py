@@ -227,3 +227,13 @@ def test_a_sigterm_while_failing_waits_for_the_line(monkeypatch, capsys):
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert capsys.readouterr().err == "error [rank 0]: rollout rank 1 is gone\n"
+
+
+def test_a_sigterm_while_failing_second_leaves_the_line_to_the_first(monkeypatch, capsys):
+    from fsdp_rlhf.distributed import exit_report
+
+    monkeypatch.setattr(exit_report, "_held_sigterm", True)
+    monkeypatch.setattr(exit_report, "_failed_as", 2)  # another rank noted its failure first
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    exit_report.report(Failure(1, "stopped after another rank failed", secondary=True))
+    assert capsys.readouterr().err == ""
