@@ -27,6 +27,7 @@ import torch.distributed as dist
 from fsdp_rlhf.algorithms.names import CRITIC_ESTIMATORS
 from fsdp_rlhf.allocator import preloaded_allocator
 from fsdp_rlhf.config import PPOConfig
+from fsdp_rlhf.distributed.collectives import collective_device
 from fsdp_rlhf.distributed.env import DistEnv, init_distributed, teardown
 from fsdp_rlhf.distributed.memory import (
     JobFlags,
@@ -79,7 +80,8 @@ def device_report(env: DistEnv) -> dict[str, object]:
 
 def all_reduce_check(env: DistEnv, mib: int = 64, iters: int = 5) -> dict[str, float]:
     """Correctness (sum of ranks) and bus bandwidth of a ``mib`` MiB all-reduce."""
-    t = torch.full((mib * 2**20 // 4,), float(env.rank + 1), device=env.device)
+    device = collective_device(prefer=env.device)  # measured where the group reduces
+    t = torch.full((mib * 2**20 // 4,), float(env.rank + 1), device=device)
     dist.all_reduce(t)
     expected = env.world_size * (env.world_size + 1) / 2
     ok = bool(torch.allclose(t[:16], torch.full_like(t[:16], expected)))
@@ -87,8 +89,8 @@ def all_reduce_check(env: DistEnv, mib: int = 64, iters: int = 5) -> dict[str, f
     start = time.perf_counter()
     for _ in range(iters):
         dist.all_reduce(t)
-    if env.device.type == "cuda":
-        torch.cuda.synchronize(env.device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     seconds = (time.perf_counter() - start) / iters
     n = env.world_size
     bus = (t.numel() * 4) * 2 * (n - 1) / n / seconds if n > 1 else 0.0

@@ -15,6 +15,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_rlhf.config import FSDPConfig
+from fsdp_rlhf.distributed.collectives import all_reduce, collective_device
 from fsdp_rlhf.distributed.gloo_comm import all_gather_into, use_p2p_reduce_scatter
 from fsdp_rlhf.models.compile import decoder_layers
 
@@ -160,14 +161,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def collective_device(backend: str) -> torch.device:
-    """Where a tensor must live to be all-reduced on a process group of ``backend``: NCCL only
-    takes CUDA tensors (of this rank's current device), gloo only CPU ones."""
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 @torch.no_grad()
 def clip_grad_norm_(
     params: Iterable[nn.Parameter], max_norm: float, group: dist.ProcessGroup | None = None
@@ -182,13 +175,11 @@ def clip_grad_norm_(
     """
     grads = [_local(p.grad) for p in params if p.grad is not None]
     # Also on one rank: a 1-rank all-reduce costs nothing and keeps the device path exercised.
-    distributed = dist.is_initialized()
-    device = collective_device(dist.get_backend(group)) if distributed else torch.device("cpu")
+    device = collective_device(group)
     sq = torch.zeros((), dtype=torch.float32, device=device)
     for g in grads:
         sq += g.detach().float().pow(2).sum().to(device)
-    if distributed:
-        dist.all_reduce(sq, group=group)
+    sq = all_reduce(sq, dist.ReduceOp.SUM, group)
     total = math.sqrt(float(sq))
     if max_norm > 0 and total > max_norm and math.isfinite(total):
         coef = max_norm / (total + 1e-6)

@@ -13,15 +13,15 @@ from tests.dist_utils import run_distributed
 
 
 def test_device_and_offload_decisions():
+    from fsdp_rlhf.distributed.collectives import collective_device
     from fsdp_rlhf.distributed.fsdp import (
-        collective_device,
         gradient_sync_every_micro_batch,
         reshard_after_forward,
         uses_cpu_offload_policy,
     )
     from fsdp_rlhf.distributed.offload import phase_moves
 
-    assert collective_device("gloo") == torch.device("cpu")
+    assert collective_device() == torch.device("cpu")  # no process group: the host
     assert uses_cpu_offload_policy(True, "cuda") and not uses_cpu_offload_policy(True, "cpu")
     assert not uses_cpu_offload_policy(False, "cuda")
     cuda = torch.device("cuda", 0)
