@@ -198,6 +198,16 @@ def clip_grad_norm_(
 GATHER_BUCKET_BYTES = {"cpu": 16 << 20, "cuda": 256 << 20}
 
 
+def gather_bucket_bytes(model: nn.Module) -> int:
+    """``GATHER_BUCKET_BYTES`` of the device the gathers run on: the mesh's (compute) device,
+    not where the shards live. Under ``--adam_offload`` (CPUOffloadPolicy) the shards are on
+    the host while the NCCL gathers run on the GPU: host-sized buckets there would cost about a
+    thousand all-gathers for a 7B model instead of a few dozen."""
+    p = next(model.parameters())
+    device_type = p.device_mesh.device_type if isinstance(p, DTensor) else p.device.type
+    return GATHER_BUCKET_BYTES.get(device_type, GATHER_BUCKET_BYTES["cuda"])
+
+
 def _dim0_shard_numel(p: torch.Tensor) -> int | None:
     """Elements per rank, padded to equal chunks, of an FSDP2-style shard; else None.
 
@@ -257,11 +267,10 @@ def iter_full_params(
     FSDP2 shards are gathered in buckets of up to ``bucket_bytes`` with one all-gather each, so
     peak extra memory is about two buckets (or one parameter, when larger), not the model.
     Every rank must consume the whole iterator: each bucket is a collective.
-    ``bucket_bytes`` defaults to ``GATHER_BUCKET_BYTES`` of the parameters' device type.
+    ``bucket_bytes`` defaults to ``GATHER_BUCKET_BYTES`` of the device the gathers run on.
     """
     if bucket_bytes is None:
-        device_type = next(model.parameters()).device.type
-        bucket_bytes = GATHER_BUCKET_BYTES.get(device_type, GATHER_BUCKET_BYTES["cuda"])
+        bucket_bytes = gather_bucket_bytes(model)
     bucket: list[tuple[str, DTensor, int]] = []
     size, key = 0, None
     for name, p in model.named_parameters():
