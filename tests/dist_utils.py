@@ -52,7 +52,9 @@ def run_distributed(
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, backend), daemon=False)
+        ctx.Process(
+            target=_worker, args=(r, world_size, port, fn, args, queue, backend), daemon=False
+        )
         for r in range(world_size)
     ]
     for p in procs:

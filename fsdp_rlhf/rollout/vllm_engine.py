@@ -60,6 +60,7 @@ CPU_MAX_NUM_SEQS = 256  # sequences per scheduler step on CPU (vLLM's default)
 # Token budget of a CPU scheduler step (at least one max_model_len). vLLM's compiled CPU engine
 # warms up with one forward of this many tokens, so the budget is paid at every engine start.
 CPU_STEP_TOKENS = 2048
+CPU_MEMORY_UTILIZATION = 0.9  # passed on CPU, where kv_cache_memory_bytes sizes the cache
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -178,7 +179,9 @@ def engine_kwargs(
         dtype=_DTYPE_NAMES[dtype],
         seed=seed,
         max_model_len=max_model_len,
-        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+        # on CUDA resolved from the memory plan before the engine is built (ppo_setup); on CPU
+        # the KV cache is sized in bytes below and the fraction is not used
+        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization or CPU_MEMORY_UTILIZATION,
         enforce_eager=cfg.enforce_eager,
         enable_prefix_caching=True,
         # logprobs after temperature/top-k/top-p: what the sampler actually drew from.
@@ -188,6 +191,8 @@ def engine_kwargs(
     if lora_rank > 0:
         kwargs.update(vllm_lora.lora_engine_kwargs(lora_rank))
     if torch.cuda.is_available():
+        if cfg.vllm_gpu_memory_utilization is None:
+            raise ValueError("vllm_gpu_memory_utilization unresolved (memory_plan chooses it)")
         kwargs.update(enable_sleep_mode=cfg.vllm_enable_sleep, disable_custom_all_reduce=True)
     else:
         kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(

@@ -23,6 +23,7 @@ from fsdp_rlhf.config import PPOBatchPlan, PPOConfig, plan_ppo_batches
 from fsdp_rlhf.data.prompts import Prompt, check_chat_template, tokenize_prompts
 from fsdp_rlhf.distributed.ema import ShardedEMA
 from fsdp_rlhf.distributed.env import DistEnv
+from fsdp_rlhf.distributed.memory_plan import resolve_vllm_utilization
 from fsdp_rlhf.distributed.offload import offload_model, offload_optimizer
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.models.compile import check_compile_toolchain
@@ -359,14 +360,12 @@ def build_engine(cfg: PPOConfig, env: DistEnv, tokenizer) -> RolloutEngine:
     if cfg.rollout.rollout_engine == "vllm":
         from fsdp_rlhf.rollout.vllm_engine import VLLMEngine
 
+        rollout = cfg.rollout
         if env.device.type == "cuda":
-            # vLLM sizes its pool as a fraction of the whole device and refuses to start when
-            # that much is not free (another process, a CUDA context): say so in one line.
-            log.info(check_device_budget(env.device, cfg.rollout.vllm_gpu_memory_utilization))
-
+            rollout = dataclasses.replace(rollout, vllm_gpu_memory_utilization=cuda_pool(cfg, env))
         return VLLMEngine(
             cfg.models.pretrain,
-            cfg.rollout,
+            rollout,
             groups=groups,
             # multi-turn histories grow past the prompt: max_model_len = --max_total_len
             prompt_max_len=cfg.total_len - cfg.rollout.generate_max_len,
@@ -387,6 +386,18 @@ def build_engine(cfg: PPOConfig, env: DistEnv, tokenizer) -> RolloutEngine:
         eos_token_ids=eos_token_ids(tokenizer, cfg.models.pretrain),
         seed=cfg.seed + groups.engine_index,
     )
+
+
+def cuda_pool(cfg: PPOConfig, env: DistEnv) -> float:
+    """The fraction of the device vLLM's pool takes, chosen or checked against the memory plan
+    (the pool comes back at that size on every wake, beside the resident shards), then against
+    what is free now (vLLM refuses to start without ``fraction x total`` free). One line each;
+    a UserError naming the flag when either does not fit. Before any model loads."""
+    total = torch.cuda.mem_get_info(env.device)[1]
+    util, line = resolve_vllm_utilization(cfg, env.world_size, total)
+    log.info(line)
+    log.info(check_device_budget(env.device, util))
+    return util
 
 
 def merged_lora_scaling(cfg: PPOConfig) -> float | None:

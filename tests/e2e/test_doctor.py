@@ -10,7 +10,7 @@ import pytest
 from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.config_base import build_config
 from fsdp_rlhf.distributed.memory import ModelShape, plan_phases, verdict
-from fsdp_rlhf.doctor import job_flags
+from fsdp_rlhf.distributed.memory_plan import job_flags
 from tests.e2e.helpers import torchrun
 from tests.unit.test_memory_model import LLAMA_7B
 
