@@ -113,30 +113,28 @@ def _try(name: str, fn) -> Check:
 def _check_models(cfg: PPOConfig, env: DistEnv, held: list) -> list[Check]:
     """Load and shard actor and reward model as the trainer does, beside the sleeping engine;
     the sharded models are kept in ``held`` for the wake check that follows."""
-    from fsdp_rlhf.models.load import load_causal_lm, load_scalar_model
-    from fsdp_rlhf.trainers.ppo_setup import prepare_ppo_model
+    from fsdp_rlhf.models.load import load_causal_lm
+    from fsdp_rlhf.trainers.ppo_setup import load_ppo_model, load_reward_model
 
-    frozen_dtype = torch.bfloat16 if cfg.backend.bf16 else torch.float32
-
-    def shard(model, trainable: bool) -> str:
-        n = sum(p.numel() for p in model.parameters())
-        held.append(prepare_ppo_model(model, cfg, env, trainable=trainable))
+    def shard(load, trainable: bool, what: str) -> str:
+        held.append(load_ppo_model(load, cfg, env, trainable=trainable, what=what))
+        n = sum(p.numel() for p in held[-1].parameters())
         return f"{n / 1e6:.1f}M params, sharded: {_local_mib(held[-1]):.0f} MiB on this rank"
 
     checks = []
     if cfg.models.pretrain:
-        load = lambda: load_causal_lm(cfg.models.pretrain, cfg.backend, env.device)  # noqa: E731
-        checks.append(_try("--pretrain loads", lambda: shard(load(), trainable=True)))
+
+        def actor(weights: bool):
+            return load_causal_lm(cfg.models.pretrain, cfg.backend, env.device, weights=weights)
+
+        checks.append(_try("--pretrain loads", lambda: shard(actor, True, "--pretrain")))
     if cfg.models.reward_pretrain:
-        load_rm = lambda: load_scalar_model(  # noqa: E731
-            cfg.models.reward_pretrain,
-            cfg.backend,
-            env.device,
-            value_head_prefix=cfg.models.value_head_prefix,
-            init_head_if_missing=False,
-            dtype=frozen_dtype,
-        )
-        checks.append(_try("--reward_pretrain loads", lambda: shard(load_rm(), trainable=False)))
+
+        def reward(weights: bool):
+            return load_reward_model(cfg, cfg.backend, env.device, weights=weights)
+
+        what = "--reward_pretrain"
+        checks.append(_try(f"{what} loads", lambda: shard(reward, False, what)))
     return checks
 
 

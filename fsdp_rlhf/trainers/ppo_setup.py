@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 from fsdp_rlhf.algorithms.names import CRITIC_ESTIMATORS
-from fsdp_rlhf.config import PPOBatchPlan, PPOConfig, plan_ppo_batches
+from fsdp_rlhf.config import BackendConfig, PPOBatchPlan, PPOConfig, plan_ppo_batches
 from fsdp_rlhf.data.prompts import Prompt, check_chat_template, tokenize_prompts
 from fsdp_rlhf.distributed.ema import ShardedEMA
 from fsdp_rlhf.distributed.env import DistEnv
@@ -43,7 +44,7 @@ from fsdp_rlhf.rollout import AdapterSpec, HFEngine, RolloutEngine, build_rollou
 from fsdp_rlhf.rollout.agent import load_agent_class
 from fsdp_rlhf.rollout.env import load_environment
 from fsdp_rlhf.rollout.memory_budget import check_device_budget
-from fsdp_rlhf.trainers.common import log_startup, prepare_model
+from fsdp_rlhf.trainers.common import load_and_prepare, log_startup
 from fsdp_rlhf.trainers.ppo_rollout import adapter_sync
 from fsdp_rlhf.trainers.rule_reward import RewardFn, auth_headers, build_rule_reward
 
@@ -208,14 +209,19 @@ class Models:
     rule_reward: RewardFn | None
 
 
-def prepare_ppo_model(model: nn.Module, cfg: PPOConfig, env: DistEnv, trainable: bool) -> nn.Module:
-    """``common.prepare_model`` with PPO's settings (also used by ``doctor``)."""
+def load_ppo_model(
+    load: Callable[[bool], nn.Module], cfg: PPOConfig, env: DistEnv, trainable: bool, what: str
+) -> nn.Module:
+    """``common.load_and_prepare`` with PPO's settings (also used by ``doctor``): ``load(True)``
+    the model with its weights (rank 0 only when there are several), ``load(False)`` the
+    meta-device skeleton every rank shards."""
     # Token-mean losses are normalised by the global token count, so ranks must sum grads.
-    return prepare_model(
-        model,
+    return load_and_prepare(
+        load,
         env,
         cfg.fsdp,
         cfg.backend,
+        what=what,
         packed=cfg.batch.packing_samples,
         trainable=trainable,
         grad_reduce="sum",
@@ -225,41 +231,72 @@ def prepare_ppo_model(model: nn.Module, cfg: PPOConfig, env: DistEnv, trainable:
 def build_models(cfg: PPOConfig, env: DistEnv, tokenizer) -> Models:
     m, backend = cfg.models, cfg.backend
     log_startup(env, cfg.fsdp.zero_stage, cfg.backend.bf16)
-    actor_model = load_causal_lm(m.pretrain, backend, env.device)
-    if cfg.lora.enabled:
-        add_lora(actor_model, cfg.lora)
-    actor = prepare_ppo_model(actor_model, cfg, env, trainable=True)
+
+    def actor_model(weights: bool) -> nn.Module:
+        model = load_causal_lm(m.pretrain, backend, env.device, weights=weights)
+        if cfg.lora.enabled:
+            add_lora(model, cfg.lora, quiet=not weights)
+        return model
+
+    actor = load_ppo_model(actor_model, cfg, env, trainable=True, what="--pretrain")
     # Frozen models never run backward: recomputation would only cost time.
     no_ckpt = dataclasses.replace(backend, gradient_checkpointing=False)
     # Frozen weights need no fp32 master copy: bf16 shards under --bf16 halve their memory.
     frozen_dtype = torch.bfloat16 if backend.bf16 else torch.float32
     ref = None
     if not cfg.lora.enabled:  # LoRA: the actor's frozen base is the reference
-        ref_model = load_causal_lm(m.pretrain, no_ckpt, env.device, dtype=frozen_dtype)
-        ref = prepare_ppo_model(ref_model, cfg, env, trainable=False)
+        ref = load_ppo_model(
+            lambda w: load_causal_lm(m.pretrain, no_ckpt, env.device, frozen_dtype, weights=w),
+            cfg,
+            env,
+            trainable=False,
+            what="the reference model",
+        )
     critic = reward = None
     norm = None
     if uses_critic(cfg):
-        critic_model = load_scalar_model(
-            critic_path(cfg), backend, env.device, value_head_prefix=m.value_head_prefix
-        )
-        if cfg.lora.enabled:
-            add_lora(critic_model, cfg.lora, head="score")
-        critic = prepare_ppo_model(critic_model, cfg, env, trainable=True)
+
+        def critic_model(weights: bool) -> nn.Module:
+            model = load_scalar_model(
+                critic_path(cfg),
+                backend,
+                env.device,
+                value_head_prefix=m.value_head_prefix,
+                weights=weights,
+            )
+            if cfg.lora.enabled:
+                add_lora(model, cfg.lora, head="score", quiet=not weights)
+            return model
+
+        critic = load_ppo_model(critic_model, cfg, env, trainable=True, what="the critic")
     if m.reward_pretrain:
-        reward_model = load_scalar_model(
-            m.reward_pretrain,
-            no_ckpt,
-            env.device,
-            value_head_prefix=m.value_head_prefix,
-            init_head_if_missing=False,
-            dtype=frozen_dtype,
+        reward = load_ppo_model(
+            lambda w: load_reward_model(cfg, no_ckpt, env.device, weights=w),
+            cfg,
+            env,
+            trainable=False,
+            what="--reward_pretrain",
         )
-        reward = prepare_ppo_model(reward_model, cfg, env, trainable=False)
         # preflight already refused --normalize_reward without the statistics
         norm = reward_normalization(m.reward_pretrain) if m.normalize_reward else None
     rule = build_rule_reward(m.remote_rm_url, m.remote_rm_auth_env) if m.remote_rm_url else None
     return Models(tokenizer, actor, ref, critic, reward, norm, rule)
+
+
+def load_reward_model(
+    cfg: PPOConfig, backend: BackendConfig, device: torch.device, *, weights: bool
+) -> nn.Module:
+    """``--reward_pretrain`` as a frozen scalar-head model (bf16 under --bf16; its head must be
+    in the checkpoint)."""
+    return load_scalar_model(
+        cfg.models.reward_pretrain,
+        backend,
+        device,
+        value_head_prefix=cfg.models.value_head_prefix,
+        init_head_if_missing=False,
+        dtype=torch.bfloat16 if backend.bf16 else torch.float32,
+        weights=weights,
+    )
 
 
 def prompt_group_size(cfg: PPOConfig, plan: PPOBatchPlan, actor: nn.Module) -> int:

@@ -88,7 +88,7 @@ def _offload_uneven(rank: int, world: int):
     from fsdp_rlhf.distributed.offload import move_module_
 
     torch.manual_seed(0)  # the same full weights on every rank
-    # first dimensions 7 and 5: shards of 4+3 and 3+2 rows on 2 ranks, 3+3+1 and 2+2+1 on 3
+    # first dimensions 7 and 5: shards of 3+3+1 and 2+2+1 rows on 3 ranks
     model = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Linear(7, 5))
     full = {n: p.detach().clone() for n, p in model.named_parameters()}
     mesh = init_device_mesh("cpu", (world,))
@@ -133,10 +133,9 @@ def _offload_uneven(rank: int, world: int):
 
 
 def test_offload_leaves_no_copy_in_flight_when_fsdp_repads_uneven_shards():
-    for world in (2, 3):
-        out = run_distributed(_offload_uneven, world)
-        # the last rank holds the short shards: FSDP re-padded them during the move
-        assert out[-1]["repadded"], out[-1]
-        for rank, r in enumerate(out):
-            assert not r["races"], (world, rank, r)
-            assert not r["wrong"] and r["forward_ok"], (world, rank, r)
+    out = run_distributed(_offload_uneven, 3)
+    # the last rank holds the short shards: FSDP re-padded them during the move
+    assert out[-1]["repadded"], out[-1]
+    for rank, r in enumerate(out):
+        assert not r["races"], (rank, r)
+        assert not r["wrong"] and r["forward_ok"], (rank, r)
