@@ -113,6 +113,31 @@ def _reload_weights_inplace(llm: LLM, weights: Iterable[tuple[str, torch.Tensor]
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
 
 
+# vLLM picks its model runner at start-up: V2 (vllm/v1/worker/gpu/) on CUDA when Triton is there
+# and no feature it lacks is asked for, V1 otherwise (every CPU engine). VLLM_USE_V2_MODEL_RUNNER=0
+# forces V1. What the adapter relies on is the same in both (vllm_api.ENGINE_CALLS; LoRA through
+# the same LoRAModelRunnerMixin); their seeded samplers differ (V1: a torch generator per
+# request; V2: Gumbel noise hashed from the request seed and the token position), so the same
+# seeds sample other tokens under the other runner.
+V2_RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
+
+
+def _runner_of(worker) -> tuple[str, bool]:
+    """Runs on the worker (``LLM.collective_rpc``): its model runner's class, and whether it is
+    the V2 runner."""
+    import importlib
+
+    v2 = importlib.import_module(V2_RUNNER_MODULE).GPUModelRunner
+    runner = worker.model_runner
+    return f"{type(runner).__module__}.{type(runner).__name__}", isinstance(runner, v2)
+
+
+def model_runner(llm: LLM) -> tuple[str, str]:
+    """("v1" or "v2", the runner's class) of an in-process engine."""
+    name, is_v2 = llm.collective_rpc(_runner_of)[0]
+    return ("v2" if is_v2 else "v1"), name
+
+
 def _check_tp_layout(groups: RolloutGroups) -> None:
     """vLLM's TP group of this rank must be the block our prompt exchange assumes."""
     from vllm.distributed.parallel_state import get_tp_group
@@ -337,6 +362,7 @@ class VLLMEngine:
             1 if lora_rank > 0 else cfg.vllm_sleep_level,
         )
         self._lora_id = 0  # the adapter served now (0: none yet, the base model)
+        self._adapter_dropped = False  # a weight reload dropped the adapter being served
         engine_seed = seed + groups.engine_index
         self._rng = GenerationRng(engine_seed)
         kwargs = engine_kwargs(
@@ -355,6 +381,14 @@ class VLLMEngine:
             self.llm = LLM(**kwargs)
         _check_tp_layout(groups)
         self._shm_segment = _cpu_shm_segment()
+        self.runner, runner_class = model_runner(self.llm)
+        log.info(
+            "vLLM %s: model runner %s (%s)%s",
+            self.version,
+            self.runner.upper(),
+            runner_class,
+            "; VLLM_USE_V2_MODEL_RUNNER=0 selects V1" if self.runner == "v2" else "",
+        )
 
     def generate(
         self, prompt_token_ids: list[list[int]], sampling: SamplingConfig
@@ -362,6 +396,11 @@ class VLLMEngine:
         """Responses for this rank's prompts. Collective over the TP block: the block generates
         for all its ranks' prompts and each rank keeps its own rows."""
         self._sleep.check_ready()
+        if self._adapter_dropped:
+            raise RuntimeError(
+                "update_weights dropped the LoRA adapter vLLM was serving: update_adapter must "
+                "follow before generate (else the base model would answer)"
+            )
         prompts, counts = gather_prompts(self.groups, prompt_token_ids, sampling)
         start, stop = own_prompt_range(counts, self.groups.rank_in_engine)
         seeded = sampling.seed is not None and not sampling.is_greedy
@@ -392,6 +431,10 @@ class VLLMEngine:
         _reload_weights_inplace(self.llm, counted)
         # cached prefixes hold KV computed with the old weights
         self.llm.reset_prefix_cache()
+        if self._lora_id:
+            # both runners' reload_weights drop every adapter (reset_lora_state): naming the
+            # old id would make the worker look for it at its placeholder path
+            self._lora_id, self._adapter_dropped = 0, True
         return counted.nbytes
 
     def update_adapter(self, weights: Iterable[tuple[str, torch.Tensor]], spec: AdapterSpec) -> int:
@@ -408,7 +451,7 @@ class VLLMEngine:
             vllm_lora.install_adapter,
             args=(new_id, tensors, spec.peft_config(), self._lora_id or None),
         )
-        self._lora_id = new_id
+        self._lora_id, self._adapter_dropped = new_id, False
         return counted.nbytes
 
     def _lora_request(self):

@@ -102,9 +102,9 @@ def _peak_host_memory(rank: int, world: int, path: str, rank0_only: bool):
 def test_only_rank0_holds_the_whole_model_in_host_memory(tmp_path):
     from fsdp_rlhf.testing.tiny import build_model
 
-    # 29M parameters: 111 MiB in fp32; its largest tensor 3 MiB
+    # 52M parameters: about 200 MiB in fp32; its largest tensor 3 MiB
     path = str(
-        build_model(tmp_path / "m", "qwen2", hidden_size=512, num_layers=8, num_heads=8,
+        build_model(tmp_path / "m", "qwen2", hidden_size=512, num_layers=16, num_heads=8,
                     intermediate_size=1536, vocab_size=2048)
     )  # fmt: skip
     every = run_distributed(_peak_host_memory, 2, path, False)
@@ -116,5 +116,5 @@ def test_only_rank0_holds_the_whole_model_in_host_memory(tmp_path):
             f"  {name}: " + ", ".join(f"rank {i} {r['peak_mib']:.0f}" for i, r in enumerate(runs))
         )
     assert every[1]["peak_mib"] > 0.9 * full, every  # the whole model, then its shard
-    assert rank0[1]["peak_mib"] < 0.7 * full, rank0  # its shard and one tensor in flight
+    assert rank0[1]["peak_mib"] < 0.75 * full, rank0  # its shard and one tensor in flight
     assert rank0[1]["peak_mib"] < 0.7 * every[1]["peak_mib"], (every, rank0)
