@@ -44,7 +44,8 @@ WHY = {
 }
 # CUDA: one GPU, one rank. CPU (the rehearsal): 2 gloo ranks, tiny sizes.
 WORLD = 1 if HAVE["cuda"] else 2
-# Shapes with first dimensions that do not divide 2 (or 3) ranks: a 509-token vocabulary and an
+# Shapes with first dimensions that do not divide 2 (or 3) ranks: a 499-token vocabulary (BPE
+# trained to at most 509) and an
 # MLP width of 333; heads of 64 (vLLM's CPU attention needs 64).
 SIZES = {
     "cuda": dict(hidden=576, heads=9, kv_heads=3, inter=1533, layers=4, vocab=509, micro=4,
@@ -104,6 +105,8 @@ def metrics(save_path: Path) -> list[dict]:
 
 
 def ppo_flags(model: str, root: Path, sizes: dict, steps: int = 2) -> list[str]:
+    """Flags of a small PPO job with a critic and a rule reward (``steps`` 0: no step limit,
+    for doctor)."""
     from fsdp_rlhf.testing.synthetic import prompt_rows, write_jsonl, write_reward_file
 
     root.mkdir(parents=True, exist_ok=True)
@@ -116,7 +119,8 @@ def ppo_flags(model: str, root: Path, sizes: dict, steps: int = 2) -> list[str]:
         "--train_batch_size", "16", "--micro_train_batch_size", str(sizes["micro"]),
         "--micro_rollout_batch_size", str(sizes["micro"]),
         "--prompt_max_len", str(sizes["prompt"]), "--generate_max_len", str(sizes["response"]),
-        "--max_steps", str(steps), "--save_path", str(root / "out"), *engine_flags(),
+        "--save_path", str(root / "out"), *engine_flags(),
+        *(["--max_steps", str(steps)] if steps else []),
     ]  # fmt: skip
 
 
