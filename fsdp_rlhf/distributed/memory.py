@@ -34,8 +34,8 @@ fp32 copy of the whole).
 With ``--rollout_engine hf`` there is no vLLM pool: the engine is an unsharded copy of the actor
 in the compute dtype, resident in every phase, plus HF's KV cache and per-step scores while it
 generates.
-Constants marked ASSUMED are not measured here (no GPU yet); ``cmd/gpu_smoke.py`` prints the
-measured phase peaks to calibrate them.
+Constants marked ASSUMED are not measured here (no GPU yet); the GPU suite (``tests/gpu``)
+prints the measured phase peaks beside this model's estimate to calibrate them.
 """
 
 from __future__ import annotations
