@@ -258,7 +258,7 @@ class PreferenceDataConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RMBatchConfig:
+class PairBatchConfig:
     """Batch sizes (global = summed over all ranks)."""
 
     train_batch_size: int = doc(128, "Pairs per optimizer step, global.")
@@ -301,7 +301,7 @@ class RMConfig:
     backend: BackendConfig = section(BackendConfig)
     fsdp: FSDPConfig = section(FSDPConfig)
     data: PreferenceDataConfig = section(PreferenceDataConfig)
-    batch: RMBatchConfig = section(RMBatchConfig)
+    batch: PairBatchConfig = section(PairBatchConfig)
     optim: OptimConfig = section(OptimConfig)
     loss: RMLossConfig = section(RMLossConfig)
     ckpt: CheckpointConfig = section(CheckpointConfig)
@@ -312,8 +312,8 @@ class RMConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RMBatchPlan:
-    """Sizes derived from the batch config and the world."""
+class OfflineBatchPlan:
+    """Sizes of `train-rm`, `sft` and `dpo` derived from the batch config and the world."""
 
     world_size: int
     micro_batch_size_per_rank: int
@@ -321,7 +321,9 @@ class RMBatchPlan:
     batch_size_per_rank: int
 
 
-def plan_rm_batches(batch: RMBatchConfig, world_size: int) -> RMBatchPlan:
+def plan_offline_batches(
+    batch: PairBatchConfig | SFTBatchConfig, world_size: int
+) -> OfflineBatchPlan:
     """Gradient accumulation so that ``world * micro * accum == train_batch_size``."""
     per_step = world_size * batch.micro_train_batch_size
     if batch.train_batch_size % per_step:
@@ -329,7 +331,7 @@ def plan_rm_batches(batch: RMBatchConfig, world_size: int) -> RMBatchPlan:
             f"train_batch_size ({batch.train_batch_size}) must be divisible by world size "
             f"({world_size}) x micro_train_batch_size ({batch.micro_train_batch_size})"
         )
-    return RMBatchPlan(
+    return OfflineBatchPlan(
         world_size=world_size,
         micro_batch_size_per_rank=batch.micro_train_batch_size,
         grad_accum_steps=batch.train_batch_size // per_step,
@@ -1033,9 +1035,9 @@ class DPOConfig:
     backend: BackendConfig = section(BackendConfig)
     fsdp: FSDPConfig = section(FSDPConfig)
     data: PreferenceDataConfig = section(PreferenceDataConfig)
-    batch: RMBatchConfig = doc(
+    batch: PairBatchConfig = doc(
         help="Batch sizes (global = summed over all ranks).",
-        factory=lambda: RMBatchConfig(packing_samples=True),
+        factory=lambda: PairBatchConfig(packing_samples=True),
     )
     optim: OptimConfig = section(OptimConfig)
     loss: DPOLossConfig = section(DPOLossConfig)
