@@ -42,9 +42,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 from fsdp_rlhf.algorithms.logprobs import CHUNK_ELEMENTS
+from fsdp_rlhf.hf_config import head_dim
 
 GIB = 2**30
 CONTEXT_BYTES = int(1.5 * GIB)  # ASSUMED: CUDA context + NCCL buffers per process
@@ -88,8 +88,6 @@ class ModelShape:
     ) -> ModelShape:
         """``embeddings``: the ``V x h`` matrices the checkpoint holds (None: 1 when
         ``tie_word_embeddings``, else 2)."""
-        from fsdp_rlhf.models.attention import head_dim
-
         h, n_layers = config["hidden_size"], config["num_hidden_layers"]
         inter, vocab = config.get("intermediate_size", 4 * h), config["vocab_size"]
         if embeddings is None:
@@ -97,7 +95,7 @@ class ModelShape:
         heads = config["num_attention_heads"]
         kv = config.get("num_key_value_heads") or heads
         # Qwen2/2.5 configs have no head_dim key, others set it to null: one rule for both
-        per_head = head_dim(SimpleNamespace(**{**config, "num_attention_heads": heads}))
+        per_head = head_dim({**config, "num_attention_heads": heads})
         if params is None:  # Llama-style: q,k,v,o + gate,up,down per layer
             attn = h * heads * per_head * 2 + 2 * h * kv * per_head
             params = n_layers * (attn + 3 * h * inter) + embeddings * vocab * h

@@ -33,7 +33,7 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
 from fsdp_rlhf.config import RolloutConfig  # noqa: E402
-from fsdp_rlhf.models.attention import head_dim  # noqa: E402
+from fsdp_rlhf.hf_config import head_dim  # noqa: E402
 from fsdp_rlhf.rollout import vllm_lora  # noqa: E402
 from fsdp_rlhf.rollout.engine import (  # noqa: E402
     AdapterSpec,
