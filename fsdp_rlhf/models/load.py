@@ -13,6 +13,7 @@ holds a full model in host memory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -93,11 +94,17 @@ def _from_config(auto_cls, path: str, dtype: torch.dtype, attn: str, trust: bool
     ``from_pretrained`` builds them, no storage."""
     from transformers import AutoConfig
 
+    from transformers import GenerationConfig
+
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust, **config_kw)
     with torch.device("meta"):
-        return auto_cls.from_config(
+        model = auto_cls.from_config(
             config, dtype=dtype, attn_implementation=attn, trust_remote_code=trust
         )
+    if model.can_generate():  # as from_pretrained: the checkpoint's, which an export writes
+        with contextlib.suppress(OSError):  # none in the folder: the config's defaults stay
+            model.generation_config = GenerationConfig.from_pretrained(path)
+    return model
 
 
 def load_causal_lm(

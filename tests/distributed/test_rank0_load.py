@@ -46,7 +46,11 @@ def _compare(rank: int, path: str, scalar: bool):
     tied = None
     if not scalar and new.config.tie_word_embeddings:
         tied = new.lm_head.weight is new.model.embed_tokens.weight
+    same_config = new.config.to_dict() == old.config.to_dict()
+    if not scalar:  # an export writes it: the checkpoint's EOS ids and sampling defaults
+        same_config &= new.generation_config.to_dict() == old.generation_config.to_dict()
     return dict(
+        same_config=same_config,
         diffs=diffs,
         buffers=buffers,
         forward=(out_new - out_old).abs().max().item(),
@@ -65,7 +69,7 @@ def test_rank0_load_matches_every_rank_loading(tiny_llama, tmp_path):
         for (path, _), r in zip(cases, per_rank, strict=True):
             assert r["diffs"] and max(r["diffs"].values()) == 0.0, (path, r["diffs"])
             assert r["buffers"] and all(r["buffers"].values()), r["buffers"]
-            assert r["forward"] == 0.0, r
+            assert r["forward"] == 0.0 and r["same_config"], r
             assert r["tied"] in (None, True), r
             assert r["devices"] == {"cpu"}, r
 
