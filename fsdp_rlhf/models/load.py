@@ -92,9 +92,7 @@ def load_tokenizer(
 def _from_config(auto_cls, path: str, dtype: torch.dtype, attn: str, trust: bool, **config_kw):
     """``auto_cls``'s model for ``path`` on the meta device: shapes, names and ties as
     ``from_pretrained`` builds them, no storage."""
-    from transformers import AutoConfig
-
-    from transformers import GenerationConfig
+    from transformers import AutoConfig, GenerationConfig
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust, **config_kw)
     with torch.device("meta"):
