@@ -19,9 +19,9 @@ def _shard_both_ways(rank: int, world: int, cases: list[tuple[str, bool]]):
 
 
 def _compare(rank: int, path: str, scalar: bool):
-    from fsdp_rlhf.distributed.env import current_env
     from fsdp_rlhf.models.load import load_causal_lm, load_scalar_model
     from fsdp_rlhf.trainers.common import load_and_prepare, prepare_model
+    from tests.dist_utils import current_env
 
     env = current_env()
     backend, fsdp = BackendConfig(), FSDPConfig(zero_stage=3)
@@ -84,9 +84,9 @@ def _status_kib(field: str) -> int:
 def _peak_host_memory(rank: int, world: int, path: str, rank0_only: bool):
     import gc
 
-    from fsdp_rlhf.distributed.env import current_env
     from fsdp_rlhf.models.load import load_causal_lm
     from fsdp_rlhf.trainers.common import load_and_prepare, prepare_model
+    from tests.dist_utils import current_env
 
     env = current_env()
     backend, fsdp = BackendConfig(), FSDPConfig(zero_stage=3)
