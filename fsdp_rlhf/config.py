@@ -372,7 +372,9 @@ def _dp_words(world_size: int, sequence_parallel_size: int) -> str:
     """How an error names the data-parallel degree."""
     if sequence_parallel_size == 1:
         return "world size"
-    return f"data-parallel size (world {world_size} / sequence_parallel_size {sequence_parallel_size})"
+    return (
+        f"data-parallel size (world {world_size} / sequence_parallel_size {sequence_parallel_size})"
+    )
 
 
 # ---------------------------------------------------------------- ppo

@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from fsdp_rlhf.algorithms import gathered_logprobs
-from fsdp_rlhf.distributed.sequence_parallel import SequenceParallel, all_to_all, gather_sequence
+from fsdp_rlhf.distributed.sequence_parallel import SequenceParallel, all_to_all
 from fsdp_rlhf.models.attention import (
     FLASH_ATTENTION,
     _explicit_wanted,
@@ -56,9 +56,7 @@ def head_problem(num_heads: int, kv_heads: int, n: int) -> str | None:
     if num_heads % n:
         return f"{num_heads} attention heads do not divide by sequence_parallel_size {n}"
     if kv_heads % n and n % kv_heads:
-        return (
-            f"{kv_heads} key/value heads neither divide by nor divide sequence_parallel_size {n}"
-        )
+        return f"{kv_heads} key/value heads neither divide by nor divide sequence_parallel_size {n}"
     return None
 
 
@@ -163,7 +161,9 @@ def _padded_attention(
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     explicit = _explicit_wanted(q, dropout, L)
     if padding_mask is None and not explicit:
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scale)
+        out = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout, is_causal=True, scale=scale
+        )
         return out.transpose(1, 2).contiguous()
     allowed = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
     if padding_mask is not None:

@@ -49,8 +49,11 @@ def _fresh(shape: str, scalar: bool, layout: str):
     """The same weights on every call (seeded init), with the attention the layout runs."""
     from transformers import Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
-    from fsdp_rlhf.models.attention import PADDED_ATTENTION, register_attention
-    from fsdp_rlhf.models.attention import use_varlen_attention
+    from fsdp_rlhf.models.attention import (
+        PADDED_ATTENTION,
+        register_attention,
+        use_varlen_attention,
+    )
 
     register_attention()
     torch.manual_seed(0)
@@ -191,7 +194,7 @@ def test_sp2_equals_the_unsplit_forward_and_backward(shape):
             assert _rel(got, ref) < 1e-5, (rank, kind, layout, _rel(got, ref))
             assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (rank, kind, layout)
             worst = 0.0
-            for name, (g, rg) in res[(kind, layout, "grads")].items():
+            for g, rg in res[(kind, layout, "grads")].values():
                 if rg.abs().max() == 0:  # e.g. the LM head of the scalar model is not used
                     continue
                 worst = max(worst, _rel(g, rg))
