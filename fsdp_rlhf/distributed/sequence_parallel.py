@@ -15,7 +15,7 @@ all-to-all turns sequence shards into head shards and back (``models.ulysses``).
 
 The layout is process-wide (like the default process group): :func:`init_sequence_parallel`
 sets it once after the process group exists, :func:`layout` reads it anywhere. Without it the
-layout is the trivial one (N = 1, every rank its own data shard).
+layout is the trivial one (N = 1: every rank of the world its own data shard).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class SequenceParallel:
         return list(items[start:stop])
 
 
-_LAYOUT = SequenceParallel()
+_LAYOUT: SequenceParallel | None = None  # None: the trivial layout of the current world
 
 
 def share_range(n: int, parts: int, index: int) -> tuple[int, int]:
@@ -85,13 +85,19 @@ def share_range(n: int, parts: int, index: int) -> tuple[int, int]:
 
 
 def layout() -> SequenceParallel:
-    """The process-wide layout (N = 1 until :func:`init_sequence_parallel`)."""
-    return _LAYOUT
+    """The process-wide layout; until :func:`init_sequence_parallel` (or with N = 1) the
+    trivial one: every rank of the world a data rank of its own."""
+    if _LAYOUT is not None:
+        return _LAYOUT
+    if dist.is_initialized():
+        world, rank = dist.get_world_size(), dist.get_rank()
+        return SequenceParallel(dp_size=world, dp_rank=rank)
+    return SequenceParallel()
 
 
 def data_group() -> ProcessGroup | None:
     """The group that statistics over the global batch reduce on (None: the world)."""
-    return _LAYOUT.data_group
+    return _LAYOUT.data_group if _LAYOUT is not None else None
 
 
 def init_sequence_parallel(size: int) -> SequenceParallel:
@@ -105,8 +111,8 @@ def init_sequence_parallel(size: int) -> SequenceParallel:
     if size == 1 or not dist.is_initialized():
         if size != 1:
             raise RuntimeError("sequence parallelism needs an initialised process group")
-        _LAYOUT = SequenceParallel()
-        return _LAYOUT
+        _LAYOUT = None
+        return layout()
     world, rank = dist.get_world_size(), dist.get_rank()
     if world % size:
         raise ValueError(f"sequence_parallel_size {size} does not divide the world size {world}")
@@ -138,7 +144,7 @@ def init_sequence_parallel(size: int) -> SequenceParallel:
 def reset_sequence_parallel() -> None:
     """Back to the trivial layout (tests that build several layouts in one process)."""
     global _LAYOUT
-    _LAYOUT = SequenceParallel()
+    _LAYOUT = None
 
 
 # ---------------------------------------------------------------- autograd collectives

@@ -35,6 +35,7 @@ from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.data.prompts import Prompt, tokenize_prompts
 from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars, barrier, broadcast_object
 from fsdp_rlhf.distributed.sequence_parallel import SequenceParallel, data_group
+from fsdp_rlhf.distributed.sequence_parallel import layout as sequence_parallel_layout
 from fsdp_rlhf.errors import UserError, reading, writing
 from fsdp_rlhf.rollout import RolloutOutput, SamplingConfig
 from fsdp_rlhf.trainers.experience import Experience, experience_from_rollout
@@ -126,7 +127,7 @@ class Evaluator:
         sp: SequenceParallel | None = None,
     ) -> None:
         self.cfg, self.env = cfg, env
-        sp = sp or SequenceParallel()  # a sequence-parallel group shares one data shard
+        sp = sp or sequence_parallel_layout()  # a sequence-parallel group shares a data shard
         idx, self.real = shard(len(prompts), sp.dp_rank, sp.dp_size)
         self.prompts = [prompts[i] for i in idx]
         self.n = cfg.eval.eval_n_samples_per_prompt

@@ -19,6 +19,7 @@ from fsdp_rlhf.distributed.sequence_parallel import data_group
 from fsdp_rlhf.distributed.stats import to_host
 from fsdp_rlhf.models.attention import VARLEN_ATTENTION
 from fsdp_rlhf.models.forward import sequence_scores, shared_pair_scores
+from fsdp_rlhf.models.ulysses import base_attention
 from fsdp_rlhf.trainers.guards import BadStepGuard, guarded_step
 
 log = logging.getLogger("fsdp_rlhf")
@@ -33,7 +34,7 @@ def pair_layout(model: nn.Module, batch: RMBatchConfig) -> PairLayout:
     ``--packing_samples``; flash-attn's kernels take no shared prefix)."""
     if not batch.packing_samples:
         return "padded"
-    impl = model.config._attn_implementation
+    impl = base_attention(model)  # inside Ulysses when the model is sequence-parallel
     if batch.share_prompt_prefix and impl == VARLEN_ATTENTION:
         log.info("shared prompt prefix: each pair's common prefix runs once")
         return "shared"
