@@ -506,7 +506,8 @@ class PPOBatchConfig:
     train_max_tokens_per_gpu: int = doc(
         16192,
         "With --use_dynamic_batch: tokens per micro-batch of the updates on one rank (padded: "
-        "rows x the longest; with --packing_samples: their sum).",
+        "rows x the longest; with --packing_samples: their sum); with --sequence_parallel_size "
+        "N a micro-batch holds N times this, 1/N on each rank of its group.",
     )
     rollout_max_tokens_per_gpu: int | None = doc(
         None,

@@ -137,19 +137,24 @@ class PPOTrainer:
         self.group_size = prompt_group_size(cfg, self.plan, self.models.actor)
         self.update_plan = UpdatePlan.from_config(cfg, self.plan, self.group_size)
         # the no-grad forwards' micro-batches: rows, or a token budget (--use_dynamic_batch)
+        # (a token budget per GPU: a sequence-parallel group's micro-batch holds N times it)
+        budget = cfg.batch.scoring_max_tokens
         self.scoring_batching = MicroBatching(
-            self.plan.micro_rollout_batch_size, cfg.batch.scoring_max_tokens, self.packed
+            self.plan.micro_rollout_batch_size,
+            budget * self.sp.size if budget is not None else None,
+            self.packed,
         )
         if cfg.batch.use_dynamic_batch:
             log.info(
                 "dynamic batching: micro-batches of at most %d tokens per rank in the updates, "
-                "%d in the no-grad forwards (%s)%s",
+                "%d in the no-grad forwards (%s)%s%s",
                 cfg.batch.train_max_tokens_per_gpu,
                 cfg.batch.scoring_max_tokens,
                 "the sum of lengths, packed" if self.packed else "rows x the longest, padded",
                 f"; groups of {self.group_size} rows sharing a prompt stay whole"
                 if self.group_size > 1
                 else "",
+                f"; x {self.sp.size} per sequence-parallel micro-batch" if self.sp.enabled else "",
             )
         self.kl_ctl = build_kl_controller(cfg.algo)
         self.evaluator = build_evaluator(cfg, env, tokenizer, self.sp)
