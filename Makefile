@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cu
 MAX_JOBS ?= 8
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: install test test-fast test-bench test-vllm-compat test-cluster demo bench lint fmt clean gpu-smoke tcmalloc
+.PHONY: install test test-fast test-bench test-sp test-vllm-compat test-cluster demo bench lint fmt clean gpu-smoke tcmalloc
 
 install: $(STAMP)
 
@@ -44,10 +44,16 @@ tcmalloc:
 	  echo "      (Debian/Ubuntu) or gperftools-libs (RHEL/Fedora) and runs pick it up by themselves"; \
 	fi
 
-# Everything but the multi-host tests (tests/cluster skip outside `make test-cluster`) and the
-# bench harness's smoke run (`make test-bench`): under 15 minutes on 2 cores.
+# Everything but the multi-host tests (tests/cluster skip outside `make test-cluster`), the
+# bench harness's smoke run (`make test-bench`) and the sequence-parallel cases (`make test-sp`):
+# under 15 minutes on 2 cores.
 test: install
-	$(BIN)/python -m pytest -q tests --ignore=tests/bench
+	$(BIN)/python -m pytest -q tests --ignore=tests/bench -m "not sp"
+
+# Sequence parallelism (pytest marker `sp`): SP=2 against SP=1 forwards and gradients on 2 gloo
+# ranks, GRPO/SFT/DPO/train-rm runs, OpenRLHF's ring-attention script with 32k responses.
+test-sp: install
+	$(BIN)/python -m pytest -q tests --ignore=tests/bench -m sp
 
 # cmd/bench.py --smoke: every measurement path of the bench runs and writes sane numbers
 # (tiny sizes, one repetition; not speed). About 2-3 minutes on 2 cores.

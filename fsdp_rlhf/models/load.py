@@ -89,6 +89,7 @@ def check_sequence_parallel(
     for flag, path in paths.items():
         if not path:
             continue
+        check_model_path(path, flag)
         cfg = text_config(path, trust_remote_code)
         heads = cfg.num_attention_heads
         kv = getattr(cfg, "num_key_value_heads", None) or heads
