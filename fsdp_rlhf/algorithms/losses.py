@@ -172,7 +172,7 @@ def gspo_loss(
     Args:
         logprobs: (B, T) log-probs under the current policy (with grad).
         old_logprobs: (B, T) log-probs under the policy that generated the rollout (or the
-            rollout engine's, in bypass mode).
+            rollout engine's, with ``--use_rollout_logprobs_as_old``).
         advantages: (B, T) advantages, normally constant along each row.
         response_mask: (B, T) valid response tokens.
         clip_eps_low: Lower clip range of ``s_i``.

@@ -1,7 +1,7 @@
 """OpenRLHF's flag spellings, v0.10 (flat, until April 2026) and v0.11 (dotted), per command.
 
 The flags each OpenRLHF parser defines are in ``data/openrlhf-<version>-<command>.json``
-(extracted by ``cmd/openrlhf_flags.py``); ``tests/unit/test_compat.py`` walks them and fails on
+(extracted by ``scripts/openrlhf_flags.py``); ``tests/unit/test_compat.py`` walks them and fails on
 any flag without one of the three outcomes here. A flag missing from a table is one our own
 config parser knows under the same name (``--pretrain``, ``--zero_stage``, ``--ckpt.save_steps``),
 which takes effect as it is.

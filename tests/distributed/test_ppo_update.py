@@ -65,7 +65,7 @@ def _one_update(
     from fsdp_rlhf.trainers.guards import BadStepGuard
     from fsdp_rlhf.trainers.ppo_setup import prompt_group_size
     from fsdp_rlhf.trainers.ppo_update import (
-        Optimization,
+        TrainedModel,
         UpdatePlan,
         reuse_update_logprobs,
         update_actor,
@@ -95,7 +95,7 @@ def _one_update(
         micro = update_plan.batching if dynamic else 2
         exp.old_logprobs = batched_logprobs(actor, exp, micro, 1.0, packed=packed, group_size=group)
     metrics, reused = update_actor(
-        Optimization(actor, opt, sched, cfg.actor_optim.max_norm, BadStepGuard(0, "actor"), 1),
+        TrainedModel(actor, opt, sched, cfg.actor_optim.max_norm, BadStepGuard(0, "actor"), 1),
         exp,
         cfg.algo,
         update_plan,

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from fsdp_rlhf.config import PPOConfig, RMConfig, plan_ppo_batches, plan_rm_batches
+from fsdp_rlhf.config import PPOConfig, RMConfig, plan_offline_batches, plan_ppo_batches
 from fsdp_rlhf.config_base import ConfigError, build_config, dump_yaml, from_dict, iter_leaves
 
 # Flags of AIAK-RLHF's RM and PPO scripts (its guide's sections 1.3/1.4 and 2.3/2.4), verbatim.
@@ -146,12 +146,12 @@ def test_validation_errors():
         build_config(PPOConfig, ["--dual_clip", "0.5"])
 
 
-def test_plan_rm_batches():
+def test_plan_offline_batches():
     cfg, _ = build_config(RMConfig, ["--train_batch_size", "128", "--micro_train_batch_size", "4"])
-    plan = plan_rm_batches(cfg.batch, world_size=8)
+    plan = plan_offline_batches(cfg.batch, world_size=8)
     assert (plan.grad_accum_steps, plan.batch_size_per_rank) == (4, 16)
     with pytest.raises(ConfigError, match="divisible"):
-        plan_rm_batches(cfg.batch, world_size=3)
+        plan_offline_batches(cfg.batch, world_size=3)
 
 
 def test_plan_ppo_batches():

@@ -14,7 +14,8 @@ LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 
 def test_generated_pages_are_current():
     proc = subprocess.run(
-        [sys.executable, str(REPO / "cmd" / "gen_docs.py"), "--check"],
+        [sys.executable, "-m", "scripts.gen_docs", "--check"],
+        cwd=REPO,
         capture_output=True,
         text=True,
     )

@@ -1,4 +1,4 @@
-"""Launchers: cmd/*.sh, slurm/*.sbatch and the k8s PyTorchJob manifests.
+"""Launchers: examples/*.sh, slurm/*.sbatch and the k8s PyTorchJob manifests.
 
 The shell scripts are run for real with ``DRY_RUN=1`` (they print the command they would run), and
 through their signal paths with stub ``srun``/``scontrol``/``torchrun`` executables on PATH, so no
@@ -25,10 +25,10 @@ from jsonschema import Draft202012Validator
 
 REPO = Path(__file__).resolve().parents[2]
 CMD_SCRIPTS = {
-    "train-rm": REPO / "cmd" / "train_rm.sh",
-    "ppo": REPO / "cmd" / "ppo.sh",
-    "sft": REPO / "cmd" / "sft.sh",
-    "dpo": REPO / "cmd" / "dpo.sh",
+    "train-rm": REPO / "examples" / "train_rm.sh",
+    "ppo": REPO / "examples" / "ppo.sh",
+    "sft": REPO / "examples" / "sft.sh",
+    "dpo": REPO / "examples" / "dpo.sh",
 }
 SBATCH = {
     "train-rm": REPO / "slurm" / "train_rm.sbatch",
@@ -381,13 +381,13 @@ needs_setsid = pytest.mark.skipif(shutil.which("setsid") is None, reason="needs 
 
 
 def all_shell_files() -> list[Path]:
-    return sorted([*REPO.glob("cmd/*.sh"), *REPO.glob("slurm/*.sbatch")])
+    return sorted([*REPO.glob("examples/*.sh"), *REPO.glob("slurm/*.sbatch")])
 
 
 def test_launcher_files_exist():
     files = {p.relative_to(REPO).as_posix() for p in all_shell_files()}
-    assert {"cmd/train_rm.sh", "cmd/ppo.sh", "slurm/train_rm.sbatch", "slurm/ppo.sbatch"} <= files
-    assert {"cmd/sft.sh", "cmd/dpo.sh", "slurm/sft.sbatch", "slurm/dpo.sbatch"} <= files
+    launchers = {f"examples/{c}.sh" for c in ("train_rm", "ppo", "sft", "dpo")}
+    assert launchers | {f"slurm/{c}.sbatch" for c in ("train_rm", "ppo", "sft", "dpo")} <= files
     for path in MANIFESTS.values():
         assert path.is_file()
 
@@ -871,7 +871,7 @@ def test_sbatch_finished_run_is_not_requeued(fakes):
     assert not (out / "scontrol.log").exists()
 
 
-# ---------------------------------------------------------------- cmd/*.sh
+# ---------------------------------------------------------------- examples/*.sh
 
 
 def test_cmd_train_rm_flags_match_aiak_script():
@@ -1000,7 +1000,7 @@ def test_rendered_flags_parse_with_the_cli(tmp_path: Path, fakes):
 
 def _all_rendered(tmp_path: Path, fakes, **env: str) -> dict[str, list[str]]:
     bin_dir, out = fakes
-    argvs = {f"cmd/{c}": dry_run(CMD_SCRIPTS[c], **env) for c in CMD_SCRIPTS}
+    argvs = {f"examples/{c}": dry_run(CMD_SCRIPTS[c], **env) for c in CMD_SCRIPTS}
     for c in MANIFESTS:
         argvs[f"k8s/{c}"] = dry_run(launch_script(MANIFESTS[c], tmp_path), **env)
     for c in SBATCH:

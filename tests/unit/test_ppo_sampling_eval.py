@@ -13,6 +13,13 @@ from fsdp_rlhf.config import CheckpointConfig, PPOAlgoConfig, PPOConfig, PPOEval
 from fsdp_rlhf.data.prompts import Prompt
 from fsdp_rlhf.distributed.env import DistEnv
 from fsdp_rlhf.trainers.experience import Experience
+from fsdp_rlhf.trainers.ppo_dynamic_filtering import (
+    MAX_ROUNDS_WHEN_UNLIMITED,
+    GroupPool,
+    concat_experiences,
+    dynamic_sample,
+    round_cap,
+)
 from fsdp_rlhf.trainers.ppo_eval import (
     BEST_FILE,
     Evaluator,
@@ -20,13 +27,6 @@ from fsdp_rlhf.trainers.ppo_eval import (
     local_eval_sums,
     pass_budgets,
     shard,
-)
-from fsdp_rlhf.trainers.ppo_sampling import (
-    MAX_ROUNDS_WHEN_UNLIMITED,
-    GroupPool,
-    concat_experiences,
-    dynamic_sample,
-    round_cap,
 )
 
 PAD = 9

@@ -16,8 +16,8 @@ from fsdp_rlhf.config_base import build_config
 from fsdp_rlhf.data.prompts import check_chat_template, tokenize_prompts
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.models.save import check_save_path, recover_interrupted_export
-from fsdp_rlhf.trainers.ppo_setup import preflight
-from fsdp_rlhf.trainers.rm_data import check_paths
+from fsdp_rlhf.trainers.offline.data import check_paths
+from fsdp_rlhf.trainers.ppo_setup import prepare
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +63,13 @@ def _one_process(monkeypatch):
 
 
 def test_preflight_accepts_a_good_config(models, tmp_path):
-    plan, rows = preflight(ppo_cfg(models, tmp_path / "out", "--apply_chat_template"), 1)
+    plan, rows = prepare(ppo_cfg(models, tmp_path / "out", "--apply_chat_template"), 1)
     assert len(rows) == 8 and not (tmp_path / "out").exists()
 
 
 def test_normalize_reward_without_statistics_is_an_error(models, tmp_path):
     with pytest.raises(UserError, match=r"--normalize_reward: .*rm/config.json has no reward_mean"):
-        preflight(ppo_cfg(models, tmp_path / "out", "--normalize_reward"), 1)
+        prepare(ppo_cfg(models, tmp_path / "out", "--normalize_reward"), 1)
 
 
 def test_missing_chat_template_is_one_line(models, tmp_path):
@@ -77,7 +77,7 @@ def test_missing_chat_template_is_one_line(models, tmp_path):
         models, tmp_path / "out", "--apply_chat_template", "--pretrain", str(models["plain"])
     )
     with pytest.raises(UserError, match="has no chat template"):
-        preflight(cfg, 1)
+        prepare(cfg, 1)
     from fsdp_rlhf.models.load import load_tokenizer
 
     with pytest.raises(UserError, match="--apply_chat_template"):
@@ -88,7 +88,7 @@ def test_auth_env_is_checked_in_preflight(models, tmp_path, monkeypatch):
     monkeypatch.delenv("RM_TOKEN_FOR_TEST", raising=False)
     extra = ["--remote_rm_url", "http://127.0.0.1:9/", "--remote_rm_auth_env", "RM_TOKEN_FOR_TEST"]
     with pytest.raises(UserError, match="RM_TOKEN_FOR_TEST"):
-        preflight(ppo_cfg(models, tmp_path / "out", *extra), 1)
+        prepare(ppo_cfg(models, tmp_path / "out", *extra), 1)
 
 
 @pytest.mark.parametrize("where", ["dot", "cwd_parent", "pretrain", "foreign", "file"])
@@ -103,7 +103,7 @@ def test_bad_save_path_fails_in_preflight(models, tmp_path, monkeypatch, where):
         save = tmp_path / "f"
         save.write_text("x")
     with pytest.raises(UserError, match="--save_path"):
-        preflight(ppo_cfg(models, save), 1)
+        prepare(ppo_cfg(models, save), 1)
     rm = build_config(RMConfig, ["--pretrain", str(models["chat"]), "--save_path", str(save)])[0]
     with pytest.raises(UserError, match="--save_path"):
         check_paths(rm)
@@ -169,10 +169,10 @@ def test_save_path_being_recovered_is_accepted(tmp_path):
 
 def test_no_colocate_all_is_refused_not_ignored(models, tmp_path):
     with pytest.raises(UserError, match="--no_colocate_all: every rank holds every model"):
-        preflight(ppo_cfg(models, tmp_path / "out", "--no_colocate_all"), 1)
+        prepare(ppo_cfg(models, tmp_path / "out", "--no_colocate_all"), 1)
 
 
 def test_lora_with_the_hf_engine_is_refused(models, tmp_path):
     cfg = ppo_cfg(models, tmp_path / "out", "--lora_rank", "8", "--rollout_engine", "hf")
     with pytest.raises(UserError, match="--lora_rank needs --rollout_engine vllm"):
-        preflight(cfg, 1)
+        prepare(cfg, 1)

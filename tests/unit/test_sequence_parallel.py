@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_rlhf.config import FSDPConfig, PPOConfig, RMBatchConfig, plan_ppo_batches, plan_rm_batches
+from fsdp_rlhf.config import (
+    FSDPConfig,
+    PairBatchConfig,
+    PPOConfig,
+    plan_offline_batches,
+    plan_ppo_batches,
+)
 from fsdp_rlhf.config_base import ConfigError, build_config
 from fsdp_rlhf.distributed.memory import (
     GIB,
@@ -50,14 +56,14 @@ def test_shares_are_contiguous_and_cover_everything():
 
 
 def test_batch_plans_count_data_parallel_ranks():
-    batch = RMBatchConfig(train_batch_size=16, micro_train_batch_size=2)
-    plan = plan_rm_batches(batch, 4, 2)
+    batch = PairBatchConfig(train_batch_size=16, micro_train_batch_size=2)
+    plan = plan_offline_batches(batch, 4, 2)
     assert (plan.world_size, plan.dp_size, plan.batch_size_per_rank) == (4, 2, 8)
     assert plan.grad_accum_steps == 4
     with pytest.raises(ConfigError, match=r"sequence_parallel_size \(3\) must divide the world"):
-        plan_rm_batches(batch, 4, 3)
+        plan_offline_batches(batch, 4, 3)
     with pytest.raises(ConfigError, match="data-parallel size"):
-        plan_rm_batches(RMBatchConfig(train_batch_size=6, micro_train_batch_size=2), 4, 2)
+        plan_offline_batches(PairBatchConfig(train_batch_size=6, micro_train_batch_size=2), 4, 2)
     argv = "--pretrain x --rollout_batch_size 4 --n_samples_per_prompt 4 --train_batch_size 16 "
     argv += "--micro_train_batch_size 2 --micro_rollout_batch_size 8 --sequence_parallel_size 2"
     cfg, _ = build_config(PPOConfig, argv.split())
