@@ -156,15 +156,16 @@ def _padded_attention(
     ``padding_mask`` (B, L) bool or None -> (B, L, H, D). A padding query attends to itself
     (never to nothing: a row of no keys is NaN in SDPA); real tokens are as in the unsplit
     forward."""
-    k, v = _repeat_kv(q, k, v)
     L = q.shape[-2]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     explicit = _explicit_wanted(q, dropout, L)
-    if padding_mask is None and not explicit:
+    if padding_mask is None and not explicit:  # as HF's SDPA: GQA inside the kernel, no copies
+        gqa = k.shape[1] != q.shape[1]
         out = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=dropout, is_causal=True, scale=scale
+            q, k, v, dropout_p=dropout, is_causal=True, scale=scale, enable_gqa=gqa
         )
         return out.transpose(1, 2).contiguous()
+    k, v = _repeat_kv(q, k, v)
     allowed = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
     if padding_mask is not None:
         eye = torch.eye(L, dtype=torch.bool, device=q.device)

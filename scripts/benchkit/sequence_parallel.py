@@ -26,6 +26,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -130,10 +131,13 @@ def run_case(length: int, sp_size: int, steps: int) -> list[dict]:
         "-m", "scripts.benchkit.sequence_parallel", "--worker",
         "--lengths", str(length), "--sp", str(sp_size), "--steps", str(steps),
     ]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
-    if out.returncode != 0:
-        raise RuntimeError(f"L={length} SP={sp_size} failed:\n{out.stderr[-3000:]}")
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    with tempfile.TemporaryDirectory() as rows_dir:  # one file per rank: no interleaved lines
+        out = subprocess.run(
+            [*cmd, "--rows", rows_dir], capture_output=True, text=True, env=env, cwd=REPO
+        )
+        if out.returncode != 0:
+            raise RuntimeError(f"L={length} SP={sp_size} failed:\n{out.stderr[-3000:]}")
+        rows = [json.loads(f.read_text()) for f in sorted(Path(rows_dir).glob("rank*.json"))]
     return sorted(rows, key=lambda r: r["rank"])
 
 
@@ -143,10 +147,12 @@ def main() -> int:
     p.add_argument("--sp", type=int, nargs="+", default=[1, 2])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--rows", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, help="also write the rows here")
     a = p.parse_args()
     if a.worker:
-        print(json.dumps(worker(a.lengths[0], a.sp[0], a.steps)), flush=True)
+        row = worker(a.lengths[0], a.sp[0], a.steps)
+        (a.rows / f"rank{row['rank']}.json").write_text(json.dumps(row))
         return 0
     rows = []
     for length in a.lengths:

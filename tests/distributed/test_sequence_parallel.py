@@ -35,7 +35,7 @@ def _config(shape: str, scalar: bool = False):
         vocab_size=VOCAB,
         intermediate_size=80,
         num_hidden_layers=2,
-        max_position_embeddings=256,
+        max_position_embeddings=1024,
         pad_token_id=0,
         tie_word_embeddings=False,
         **SHAPES[shape],
@@ -127,6 +127,12 @@ def _run(model, kind: str, layout: str):
         n = rmask.sum()
         loss = -(lp * adv).sum() / n - 0.01 * (ent * rmask).sum() / n
         return torch.stack([lp * rmask, ent * rmask]), loss
+    if kind == "long":  # no padding, over the explicit kernel's length: SDPA's causal kernel
+        g = torch.Generator().manual_seed(3)
+        ids = torch.randint(3, VOCAB, (2, 530), generator=g)
+        mask = torch.ones_like(ids)
+        lp, _ = response_logprobs(model, ids, mask, 500, packed=layout == "packed")
+        return lp, -lp.mean()
     if kind == "labels":  # sft/dpo: label log-probs of the responses of preference pairs
         ids, mask, labels = _pair_rows()
         lp = label_logprobs(model, ids, mask, labels, layout.replace("shared_pairs", "shared"))
@@ -148,6 +154,8 @@ CASES = [
     ("policy", "padded"),
     ("policy", "packed"),
     ("policy", "shared"),
+    ("long", "padded"),
+    ("long", "packed"),
     ("labels", "padded"),
     ("labels", "packed"),
     ("labels", "shared_pairs"),

@@ -93,6 +93,43 @@ def test_grpo_sp2_rolls_out_and_steps_like_sp1_and_learns(gqa_qwen2, tmp_path):
     assert sum(scores[-3:]) / 3 > sum(scores[:3]) / 3 + 0.05, scores
 
 
+def test_ppo_with_critic_and_reward_model_sp2_steps_like_sp1(tiny_qwen2, trained_rm, tmp_path):
+    """GAE with a critic and a reward model (both the trained RM), packed rows, the KL in the
+    reward (a separate old-log-prob forward): every model's forward split, step 1 as SP=1's;
+    the SP=2 run also evaluates (generation and scores of held-out prompts)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    write_jsonl(prompt_rows(64, chat=True), data / "prompts.jsonl")
+    write_jsonl(prompt_rows(4, seed=99, chat=True), data / "eval.jsonl")
+
+    def flags(save: Path, sp: int) -> list[str]:
+        return [
+            "ppo", "--pretrain", tiny_qwen2, "--reward_pretrain", trained_rm,
+            "--critic_pretrain", trained_rm, "--advantage_estimator", "gae",
+            "--prompt_data", str(data / "prompts.jsonl"), "--input_key", "input",
+            "--apply_chat_template", "--rollout_batch_size", "8", "--n_samples_per_prompt", "2",
+            "--train_batch_size", "16", "--micro_train_batch_size", "4",
+            "--micro_rollout_batch_size", "4", "--packing_samples", "--generate_max_len", "48",
+            "--prompt_max_len", "48", "--max_steps", "1", "--init_kl_coef", "0.01",
+            "--critic_learning_rate", "1e-3", "--save_path", str(save), "--ckpt_path",
+            str(save / "ckpt"), "--save_steps", "-1", "--seed", "3",
+            "--sequence_parallel_size", str(sp),
+        ]  # fmt: skip
+
+    one = torchrun(flags(tmp_path / "sp1", 1))
+    assert one.returncode == 0, one.stderr[-3000:]
+    evals = ["--eval_dataset", str(data / "eval.jsonl"), "--eval_n_samples_per_prompt", "2"]
+    two = torchrun([*flags(tmp_path / "sp2", 2), *evals])
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = read_metrics(tmp_path / "sp1")[0], read_metrics(tmp_path / "sp2")[0]
+    keys = ("critic/score/mean", "critic/values/mean", "critic/vf_loss", "critic/grad_norm")
+    keys += ("actor/pg_loss", "actor/grad_norm", "actor/kl", "response_length/mean")
+    for key in keys:
+        assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(a[key])), (key, a[key], b[key])
+    assert a["critic/vf_loss"] > 0 and "timing/old_log_p" in b
+    assert 0.0 <= b["eval/pass@1"] <= 1.0 and "eval/score_mean" in b
+
+
 def _offline(command: str, model: str, data: Path, save: Path, sp: int) -> list[str]:
     common = [
         command, "--pretrain", model, "--save_path", str(save), "--ckpt_path", str(save / "c"),
