@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from fsdp_rlhf.algorithms.names import ESTIMATORS_NEEDING_GROUPS, AdvantageEstimator, LossAgg
-from fsdp_rlhf.config_base import ConfigError, doc, section
+from fsdp_rlhf.config_base import ConfigError, command_config, doc, section
 
 # ---------------------------------------------------------------- shared sections
 
@@ -23,7 +23,12 @@ from fsdp_rlhf.config_base import ConfigError, doc, section
 class BackendConfig:
     """How models are materialised: precision, attention kernel, recompute."""
 
-    bf16: bool = doc(False, "bf16 parameters with fp32 gradient reduction (MixedPrecisionPolicy).")
+    bf16: bool = doc(
+        False,
+        "bf16 parameters with fp32 gradient reduction (MixedPrecisionPolicy); also vLLM's dtype. "
+        "Off by default (fp32), as OpenRLHF's --bf16 up to v0.6; a CUDA run without it says so "
+        "at start.",
+    )
     flash_attn: bool = doc(
         False,
         "Use flash_attention_2 (needs --bf16) when flash-attn and CUDA are present, else sdpa "
@@ -313,6 +318,7 @@ OPTIM_FLAT_NAMES: dict[str, str] = {
 }
 
 
+@command_config
 @dataclass(frozen=True, kw_only=True)
 class RMConfig:
     """`fsdp-rlhf train-rm`."""
@@ -558,7 +564,7 @@ class PPOAlgoConfig:
         "Divide batch-whitened advantages (gae, reinforce++, reinforce_plus_plus_baseline) by "
         "their std; --no_advantage_std_norm only subtracts the mean.",
     )
-    lam: float = doc(0.95, "GAE lambda.", flag="lambd")
+    lam: float = doc(0.95, "GAE lambda.")
     eps_clip: float = doc(0.2, "Policy ratio clip (lower side).")
     eps_clip_high: float | None = doc(None, "Upper-side clip (default: eps_clip).")
     eps_clip_low_high: tuple[float, ...] = doc(
@@ -789,6 +795,7 @@ class MultiTurnConfig:
         return None
 
 
+@command_config
 @dataclass(frozen=True, kw_only=True)
 class PPOConfig:
     """`fsdp-rlhf ppo`."""
@@ -803,6 +810,7 @@ class PPOConfig:
         "l2": ("actor_optim.l2", "critic_optim.l2"),
         "min_lr_ratio": ("actor_optim.min_lr_ratio", "critic_optim.min_lr_ratio"),
         "adam_eps": ("actor_optim.adam_eps", "critic_optim.adam_eps"),
+        "lambd": "algo.lam",  # OpenRLHF's and AIAK's name (lambda is a Python keyword)
     }
 
     models: PPOModelsConfig = section(PPOModelsConfig)
@@ -1013,6 +1021,7 @@ class SFTBatchConfig:
     )
 
 
+@command_config
 @dataclass(frozen=True, kw_only=True)
 class SFTConfig:
     """`fsdp-rlhf sft`."""
@@ -1069,6 +1078,7 @@ class DPOLossConfig:
             raise ConfigError(f"nll_loss_coef must be >= 0, got {self.nll_loss_coef}")
 
 
+@command_config
 @dataclass(frozen=True, kw_only=True)
 class DPOConfig:
     """`fsdp-rlhf dpo`."""

@@ -16,11 +16,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def pages() -> dict[Path, str]:
+    from fsdp_rlhf.commands import WITH_OWN_FLAGS
     from fsdp_rlhf.compat.migration import render
-    from fsdp_rlhf.config import DPOConfig, PPOConfig, RMConfig, SFTConfig
     from fsdp_rlhf.flag_help import render_markdown
 
-    commands = {"ppo": PPOConfig, "train-rm": RMConfig, "sft": SFTConfig, "dpo": DPOConfig}
     reference = [
         "# Configuration reference",
         "",
@@ -33,11 +32,11 @@ def pages() -> dict[Path, str]:
         "spellings: [migrating_from_openrlhf.md](migrating_from_openrlhf.md).",
         "",
     ]
-    for command, cls in commands.items():
-        reference.append(render_markdown(cls, command))
+    for command in WITH_OWN_FLAGS:
+        reference.append(render_markdown(command.config_class(), command.name))
     return {
         REPO / "docs" / "configuration.md": "\n".join(reference).rstrip() + "\n",
-        REPO / "docs" / "migrating_from_openrlhf.md": render(commands).rstrip() + "\n",
+        REPO / "docs" / "migrating_from_openrlhf.md": render().rstrip() + "\n",
     }
 
 

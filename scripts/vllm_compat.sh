@@ -8,7 +8,7 @@
 # and torchcodec are left out, as `make install` removes them (nothing here needs them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-python3.11}
+PY=${PY:-$(bash scripts/install_env.sh python)}
 VENV=${VENV:-.venv-vllm-compat}
 VLLM=${VLLM_COMPAT:-0.26.0}
 TORCH=${TORCH_COMPAT:-2.11.0}

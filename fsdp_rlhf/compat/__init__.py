@@ -12,13 +12,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from fsdp_rlhf.commands import BY_NAME
 from fsdp_rlhf.compat.openrlhf import TABLES
-from fsdp_rlhf.compat.rules import Accept, Gather, Refuse, To, Translation, translate_with
+from fsdp_rlhf.compat.rules import Accept, Gather, Refuse, Table, To, Translation, translate_with
+
+
+def table_of(command: str) -> Table | None:
+    """The foreign spellings ``command`` accepts (``doctor``: ppo's); None for none."""
+    known = BY_NAME.get(command)
+    return TABLES.get(known.flags_command if known else command)
 
 
 def translate(command: str, argv: Sequence[str]) -> Translation:
     """``argv`` with every foreign flag of ``command`` replaced by canonical flags."""
-    table = TABLES.get(command)
+    table = table_of(command)
     if table is None:
         return Translation(list(argv))
     return translate_with(table, argv)
@@ -26,7 +33,7 @@ def translate(command: str, argv: Sequence[str]) -> Translation:
 
 def aliases(command: str) -> list[tuple[str, str]]:
     """(foreign flag, what it becomes) for ``--help`` and the migration page."""
-    table = TABLES.get(command)
+    table = table_of(command)
     if table is None:
         return []
     rows = []

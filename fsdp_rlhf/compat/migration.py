@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fsdp_rlhf.compat.openrlhf import PARSERS, TABLES, VERSIONS
-from fsdp_rlhf.compat.rules import Accept, Gather, Refuse, To, normalise
-from fsdp_rlhf.config_base import MISSING, _flag_names
+from fsdp_rlhf.commands import WITH_OWN_FLAGS
+from fsdp_rlhf.compat.openrlhf import TABLES, VERSIONS
+from fsdp_rlhf.compat.rules import Accept, Gather, Refuse, To
+from fsdp_rlhf.config_base import MISSING, flag_names, normalise
 
 DATA = Path(__file__).parent / "data"
 
@@ -26,7 +27,7 @@ def describe(command: str, config_cls: type, name: str) -> tuple[str, str]:
     key = normalise(name)
     rule = TABLES[command].rules.get(key)
     if rule is None:
-        names = _flag_names(config_cls)
+        names = flag_names(config_cls)
         if key in names or key == "local_rank":
             return "takes effect", "same name"
         if key.startswith("no_") and key[3:] in names:
@@ -42,7 +43,7 @@ def describe(command: str, config_cls: type, name: str) -> tuple[str, str]:
 
 
 def _ours_default(config_cls: type, shown: str):
-    leaves = _flag_names(config_cls).get(shown.split()[0].lstrip("-"))
+    leaves = flag_names(config_cls).get(shown.split()[0].lstrip("-"))
     if not leaves or leaves[0].default is MISSING:
         return MISSING
     return leaves[0].default
@@ -99,8 +100,9 @@ def _cell(text) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def render(configs: dict[str, type]) -> str:
-    """The whole page; ``configs`` maps a command to its config class."""
+def render() -> str:
+    """The whole page: every command with flags of its own, each OpenRLHF parser it answers
+    for, both dialects."""
     out = [
         "# Migrating from OpenRLHF",
         "",
@@ -138,9 +140,9 @@ def render(configs: dict[str, type]) -> str:
         "keeps `max_len - N` tokens; without it each response may use what its prompt leaves.",
         "",
     ]
-    for command, parsers in PARSERS.items():
-        cls = configs[command]
-        for parser in parsers:
+    for c in WITH_OWN_FLAGS:
+        command, cls = c.name, c.config_class()
+        for parser in c.openrlhf:
             for version in VERSIONS:
                 dialect = "flat" if version.startswith("0.10") else "dotted"
                 out += [

@@ -15,7 +15,6 @@ import re
 
 from fsdp_rlhf.compat.rules import (
     Accept,
-    Flag,
     Gather,
     Refuse,
     Rule,
@@ -28,7 +27,7 @@ from fsdp_rlhf.compat.rules import (
     switch,
     when_default,
 )
-from fsdp_rlhf.config_base import ConfigError
+from fsdp_rlhf.config_base import ConfigError, Flag
 
 # ------------------------------------------------------------------ shared pieces
 
@@ -623,21 +622,14 @@ def _finish_ppo(gathered: dict[str, tuple[Flag, Values]], flags: list[Flag]) -> 
     return out
 
 
+# The foreign spellings of each command with flags of its own (fsdp_rlhf.commands; `doctor`
+# takes ppo's). The parsers each answers for are its ``Command.openrlhf``.
 TABLES: dict[str, Table] = {
     "ppo": Table("ppo", PPO_RULES, _finish_ppo),
-    "doctor": Table("doctor", PPO_RULES, _finish_ppo),
     "train-rm": Table("train-rm", RM_RULES),
     "sft": Table("sft", SFT_RULES),
     "dpo": Table("dpo", DPO_RULES),
 }
-
-# The parsers whose flags each command answers for (tests/unit/test_compat.py walks them).
-PARSERS: dict[str, tuple[str, ...]] = {
-    "ppo": ("ppo",),
-    "train-rm": ("rm",),
-    "sft": ("sft",),
-    "dpo": ("dpo",),
-}
 VERSIONS = ("0.10.1.post2", "0.11.0")
 
-__all__ = ["TABLES", "PARSERS", "VERSIONS", "To"]
+__all__ = ["TABLES", "VERSIONS", "To"]

@@ -58,7 +58,6 @@ def _one_update(
 ):
     from fsdp_rlhf.config import PPOConfig, plan_ppo_batches
     from fsdp_rlhf.config_base import build_config
-    from fsdp_rlhf.distributed.env import current_env
     from fsdp_rlhf.distributed.fsdp import build_mesh, shard_model
     from fsdp_rlhf.models.attention import use_varlen_attention
     from fsdp_rlhf.trainers.experience import batched_logprobs
@@ -71,6 +70,7 @@ def _one_update(
         update_actor,
         update_generator,
     )
+    from tests.dist_utils import current_env
 
     argv = ARGV.split() + (["--packing_samples"] if packed else []) + (DYNAMIC if dynamic else [])
     cfg, _ = build_config(PPOConfig, argv)

@@ -3,7 +3,8 @@
 The layers, lowest first (a module may import its own layer and the ones below it):
 
     errors, algorithms        pure tensor math (algorithms imports only itself)
-    config and its kin        config trees, flag translation and help, optimizer, metric sinks
+    config and its kin        config trees, the command table, flag translation and help,
+                              optimizer, metric sinks
     distributed               process group, FSDP2, checkpoints, offload, memory model
     data, models              datasets; loading, forwards, LoRA, compile, HF export
     rollout                   engines, weight sync, environments
@@ -27,6 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     (
         "config_base",
         "config",
+        "commands",
         "compat",
         "flag_help",
         "optim",

@@ -1,6 +1,7 @@
-"""Preflight checks that used to fail only at the end of training (or never): where the final
-model goes, --normalize_reward without statistics, a missing chat template, the reward token;
-recovery after a crash inside the export; prompt truncation counts."""
+"""The ``prepare`` step of every command (before the process group and any model): checks that
+used to fail only at the end of training (or never): where the final model goes,
+--normalize_reward without statistics, a missing chat template, the reward token; recovery after
+a crash inside the export; prompt truncation counts."""
 
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def _one_process(monkeypatch):
         monkeypatch.delenv(var, raising=False)
 
 
-def test_preflight_accepts_a_good_config(models, tmp_path):
+def test_prepare_accepts_a_good_config(models, tmp_path):
     plan, rows = prepare(ppo_cfg(models, tmp_path / "out", "--apply_chat_template"), 1)
     assert len(rows) == 8 and not (tmp_path / "out").exists()
 
@@ -84,7 +85,7 @@ def test_missing_chat_template_is_one_line(models, tmp_path):
         check_chat_template(load_tokenizer(str(models["plain"])), "plain")
 
 
-def test_auth_env_is_checked_in_preflight(models, tmp_path, monkeypatch):
+def test_auth_env_is_checked_in_prepare(models, tmp_path, monkeypatch):
     monkeypatch.delenv("RM_TOKEN_FOR_TEST", raising=False)
     extra = ["--remote_rm_url", "http://127.0.0.1:9/", "--remote_rm_auth_env", "RM_TOKEN_FOR_TEST"]
     with pytest.raises(UserError, match="RM_TOKEN_FOR_TEST"):
@@ -92,7 +93,7 @@ def test_auth_env_is_checked_in_preflight(models, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("where", ["dot", "cwd_parent", "pretrain", "foreign", "file"])
-def test_bad_save_path_fails_in_preflight(models, tmp_path, monkeypatch, where):
+def test_bad_save_path_fails_in_prepare(models, tmp_path, monkeypatch, where):
     monkeypatch.chdir(tmp_path)
     save = {"dot": Path("."), "cwd_parent": Path(".."), "pretrain": models["chat"]}.get(where)
     if where == "foreign":

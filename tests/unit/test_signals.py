@@ -1,4 +1,5 @@
-"""Stop-window helpers: when the stop signal came, how long saves take against the window."""
+"""``distributed/signals.py``: the graceful stop (a flag, handlers restored, repeats ignored),
+when the signal came, and how long saves take against the stop window."""
 
 from __future__ import annotations
 
@@ -40,3 +41,22 @@ def test_save_timer_warns_when_a_save_would_not_fit(caplog):
     with caplog.at_level(logging.WARNING, logger="fsdp_rlhf"), quiet():
         pass
     assert caplog.text == "" and quiet.max_s < 1
+
+
+def test_graceful_stop_sets_a_flag_and_restores_handlers():
+    seen = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    try:
+        with GracefulStop() as stop:
+            assert not stop.requested and not stop.agreed()
+            signal.raise_signal(signal.SIGUSR1)
+            assert stop.requested and stop.agreed()  # no process group: the local flag
+            assert stop.received == signal.SIGUSR1 and seen == []
+            # a repeat (Slurm and torchrun both forward SIGTERM) must not kill the process
+            signal.raise_signal(signal.SIGUSR1)
+            signal.raise_signal(signal.SIGTERM)
+            assert seen == [] and stop.received == signal.SIGUSR1
+        signal.raise_signal(signal.SIGUSR1)
+        assert seen == [signal.SIGUSR1]  # restored on exit
+    finally:
+        signal.signal(signal.SIGUSR1, previous)

@@ -1,15 +1,13 @@
-"""Optimizer / lr schedule builders and the graceful-stop signal helper."""
+"""``optim.py``: the AdamW parameter groups and the lr schedules, and their state in checkpoints."""
 
 from __future__ import annotations
 
 import math
-import signal
 
 import pytest
 import torch
 
 from fsdp_rlhf.config import OptimConfig
-from fsdp_rlhf.distributed.signals import GracefulStop
 from fsdp_rlhf.optim import build_optimizer, build_scheduler, lr_factor
 
 
@@ -43,22 +41,3 @@ def test_optimizer_groups_and_scheduler_state_round_trip():
     again.load_state_dict(state)
     assert again.get_last_lr() == sched.get_last_lr()
     assert lrs[0] == pytest.approx(0.5e-3) and lrs[1] == pytest.approx(1e-3)
-
-
-def test_graceful_stop_sets_a_flag_and_restores_handlers():
-    seen = []
-    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
-    try:
-        with GracefulStop() as stop:
-            assert not stop.requested and not stop.agreed()
-            signal.raise_signal(signal.SIGUSR1)
-            assert stop.requested and stop.agreed()  # no process group: the local flag
-            assert stop.received == signal.SIGUSR1 and seen == []
-            # a repeat (Slurm and torchrun both forward SIGTERM) must not kill the process
-            signal.raise_signal(signal.SIGUSR1)
-            signal.raise_signal(signal.SIGTERM)
-            assert seen == [] and stop.received == signal.SIGUSR1
-        signal.raise_signal(signal.SIGUSR1)
-        assert seen == [signal.SIGUSR1]  # restored on exit
-    finally:
-        signal.signal(signal.SIGUSR1, previous)
