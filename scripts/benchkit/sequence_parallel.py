@@ -15,7 +15,7 @@ model is built in memory with a small hidden size so that 16k tokens fit a lapto
 4-layer Qwen2, hidden 256, 4 query / 2 KV heads of 64, MLP 768, vocabulary 1024, fp32.
 
     python -m scripts.benchkit.sequence_parallel                  # 2k, 8k, 16k x SP 1, 2
-    python -m scripts.benchkit.sequence_parallel --lengths 4096 --steps 2 --json out.json
+    python -m scripts.benchkit.sequence_parallel --rounds 2 --json out.json  # A B, then B A
 """
 
 from __future__ import annotations
@@ -111,6 +111,9 @@ def worker(length: int, sp_size: int, steps: int) -> dict:
         "activation_mib": round((peak - base) / 1024, 1),
         "step_s": [round(t, 3) for t in times],
         "median_step_s": round(statistics.median(times), 3),
+        # other jobs only ever slow a step down: the fastest is the least disturbed
+        "min_step_s": round(min(times), 3),
+        "load_1min": round(os.getloadavg()[0], 2),
     }
 
 
@@ -146,6 +149,9 @@ def main() -> int:
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 16384])
     p.add_argument("--sp", type=int, nargs="+", default=[1, 2])
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument(
+        "--rounds", type=int, default=1, help="repeat every case, SP order reversed each round"
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rows", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, help="also write the rows here")
@@ -155,17 +161,20 @@ def main() -> int:
         (a.rows / f"rank{row['rank']}.json").write_text(json.dumps(row))
         return 0
     rows = []
-    for length in a.lengths:
-        for sp_size in a.sp:
-            case = run_case(length, sp_size, a.steps)
-            rows += case
-            for r in case:
-                print(
-                    f"L={length:6d} SP={sp_size} rank {r['rank']}: base {r['base_mib']:.0f} MiB, "
-                    f"peak {r['peak_mib']:.0f} MiB, activations +{r['activation_mib']:.0f} MiB, "
-                    f"step {r['median_step_s']:.2f} s (median of {a.steps})",
-                    flush=True,
-                )
+    for round_ in range(a.rounds):
+        for length in a.lengths:
+            for sp_size in a.sp if round_ % 2 == 0 else a.sp[::-1]:
+                case = run_case(length, sp_size, a.steps)
+                for r in case:
+                    r["round"] = round_
+                    print(
+                        f"round {round_} L={length:6d} SP={sp_size} rank {r['rank']}: base "
+                        f"{r['base_mib']:.0f} MiB, peak {r['peak_mib']:.0f} MiB, activations "
+                        f"+{r['activation_mib']:.0f} MiB, step {r['median_step_s']:.2f} s median "
+                        f"/ {r['min_step_s']:.2f} s min of {a.steps}, load {r['load_1min']}",
+                        flush=True,
+                    )
+                rows += case
     if a.json:
         a.json.write_text(json.dumps(rows, indent=2) + "\n")
     return 0
