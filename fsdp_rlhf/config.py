@@ -362,7 +362,7 @@ def plan_offline_batches(
     per_step = dp * batch.micro_train_batch_size
     if batch.train_batch_size % per_step:
         raise ConfigError(
-            f"train_batch_size ({batch.train_batch_size}) must be divisible by the "
+            f"train_batch_size ({batch.train_batch_size}) must be divisible by "
             f"{_dp_words(world_size, sequence_parallel_size)} ({dp}) x micro_train_batch_size "
             f"({batch.micro_train_batch_size})"
         )
@@ -924,7 +924,8 @@ def plan_ppo_batches(cfg: PPOConfig, world_size: int) -> PPOBatchPlan:
     if samples_per_rank % r.micro_rollout_batch_size:
         raise ConfigError(
             f"rollout samples per rank ({samples_per_rank} = rollout_batch_size x "
-            f"n_samples_per_prompt / {dp_words}) must be divisible by micro_rollout_batch_size "
+            f"n_samples_per_prompt / {dp_words if sp > 1 else 'world'}) must be divisible by "
+            f"micro_rollout_batch_size "
             f"({r.micro_rollout_batch_size})"
         )
     per_step = dp * b.micro_train_batch_size
