@@ -67,6 +67,41 @@ def check_model_path(path: str, flag: str) -> None:
         raise UserError(f"{flag} {path}: {what}")
 
 
+def text_config(path: str, trust_remote_code: bool = False):
+    """The text decoder's config of a model folder (or hub name), without loading weights."""
+    from transformers import AutoConfig
+
+    quiet_transformers()
+    cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return cfg.get_text_config()
+
+
+def check_sequence_parallel(
+    n: int, world_size: int, paths: dict[str, str | None], trust_remote_code: bool = False
+) -> None:
+    """``--sequence_parallel_size n`` against the world and each model's attention heads
+    (``paths``: flag -> model folder), before anything loads: one line naming the numbers."""
+    if n == 1:
+        return
+    if world_size % n:
+        raise UserError(
+            f"--sequence_parallel_size {n} must divide the world size {world_size} "
+            "(torchrun --nproc_per_node x --nnodes)"
+        )
+    from fsdp_rlhf.models.ulysses import head_problem
+
+    for flag, path in paths.items():
+        if not path:
+            continue
+        check_model_path(path, flag)
+        cfg = text_config(path, trust_remote_code)
+        heads = cfg.num_attention_heads
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        problem = head_problem(heads, kv, n)
+        if problem is not None:
+            raise UserError(f"--sequence_parallel_size {n}: {flag} {path}: {problem}")
+
+
 def load_tokenizer(
     path: str, backend: BackendConfig | None = None, chat_template: str | None = None
 ):

@@ -386,6 +386,14 @@ class VLLMEngine:
         )
         if not torch.cuda.is_available():
             _cpu_compile_cache()
+        kv = kwargs.get("kv_cache_memory_bytes")
+        log.info(
+            "vLLM engine: max_model_len %d (prompts up to %d + responses up to %d tokens)%s",
+            kwargs["max_model_len"],
+            prompt_max_len,
+            cfg.generate_max_len,
+            f", KV cache {kv / GiB:.2f} GiB" if kv else "",
+        )
         with self._rng.active():  # vLLM reseeds the global RNGs while it starts
             self.llm = LLM(**kwargs)
         _check_tp_layout(groups)

@@ -124,6 +124,7 @@ def test_async_batch_plan_is_the_training_ranks():
     )
     plan = plan_ppo_batches(cfg, 4)  # 2 rollout ranks, 2 training ranks
     assert (plan.world_size, plan.rollout_ranks, plan.num_engines) == (2, 2, 2)
+    assert plan.dp_size == 2  # the training ranks hold the data, not the world
     assert plan.train_batch_size_per_rank == 8 and plan.optimizer_steps_per_epoch == 2
 
 
@@ -152,3 +153,8 @@ def test_async_only_flags_need_async_train():
             _cfg(*flag)
     with pytest.raises(ConfigError, match="async_queue_size must be >= 1"):
         _cfg("--async_train", "--async_queue_size", "0")
+
+
+def test_sequence_parallelism_is_refused_with_async_train():
+    with pytest.raises(ConfigError, match="sequence_parallel_size > 1 with --async_train"):
+        _cfg("--async_train", "--vllm_num_engines", "1", "--sequence_parallel_size", "2")
