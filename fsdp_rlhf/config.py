@@ -902,8 +902,8 @@ class PPOConfig:
         if a.async_train:
             if self.fsdp.sequence_parallel_size > 1:
                 raise ConfigError(
-                    "--sequence_parallel_size > 1 with --async_train: not supported yet (the "
-                    "sequence-parallel groups are not split from the rollout ranks); drop one"
+                    "--sequence_parallel_size > 1 with --async_train: not supported yet "
+                    "(sequence parallelism is not combined with the split world); drop one"
                 )
             return
         for flag, value in (
