@@ -748,6 +748,24 @@ class MultiTurnConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """Mixture-of-experts actors (docs/models.md#mixture-of-experts)."""
+
+    router_replay: bool = doc(
+        False,
+        "Router replay (R3): the actor's training forwards route each token to the experts "
+        "the rollout engine chose; the reference and the critic route for themselves.",
+    )
+    aux_loss_coef: float = doc(
+        0.0, "Weight of the load-balancing loss (Switch Transformer's) in the actor loss."
+    )
+
+    def __post_init__(self) -> None:
+        if self.aux_loss_coef < 0:
+            raise ConfigError(f"aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class PPOConfig:
     """`fsdp-rlhf ppo`."""
 
@@ -773,6 +791,7 @@ class PPOConfig:
     algo: PPOAlgoConfig = section(PPOAlgoConfig)
     eval: PPOEvalConfig = section(PPOEvalConfig)
     multiturn: MultiTurnConfig = section(MultiTurnConfig)
+    moe: MoEConfig = section(MoEConfig)
     actor_optim: OptimConfig = doc(help="Actor optimizer.", factory=lambda: OptimConfig(lr=1e-6))
     critic_optim: OptimConfig = doc(help="Critic optimizer.", factory=lambda: OptimConfig(lr=9e-6))
     ckpt: CheckpointConfig = section(CheckpointConfig)
@@ -814,6 +833,10 @@ class PPOConfig:
             raise ConfigError(
                 f"--overlong_buffer_len is single-turn only; drop it with {mt.source[0]}"
             )
+        if self.moe.router_replay:
+            # the routing of one sample would span several engine calls, each turn's prompt
+            # reusing the previous turns from the prefix cache: not assembled here
+            raise ConfigError(f"--router_replay is single-turn only; drop it with {mt.source[0]}")
 
     @property
     def total_len(self) -> int:

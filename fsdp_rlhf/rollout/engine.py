@@ -111,6 +111,9 @@ class RolloutOutput:
             when that is ``response_mask``. Multi-turn rollouts set it: environment tokens
             inside a response are attended to (1 here) but not trained on (0 in
             ``response_mask``).
+        routed_experts: (N, P + T, Lm, k) the experts the engine routed each token of
+            ``sequences()`` to in each of the Lm MoE layers (router replay), uint8 or int16,
+            ``rollout.routing.no_expert`` where it did not route; None when not asked for.
     """
 
     prompt_ids: torch.Tensor
@@ -121,6 +124,7 @@ class RolloutOutput:
     engine_logprobs: torch.Tensor | None
     n: int
     response_attention_mask: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = None
 
     @classmethod
     def from_lists(
@@ -192,7 +196,7 @@ class RolloutOutput:
         """Rows of prompts ``start .. stop - 1`` (all their n samples); padding width is kept."""
         rows = slice(start * self.n, stop * self.n)
         lp = self.engine_logprobs[rows] if self.engine_logprobs is not None else None
-        attn = self.response_attention_mask
+        attn, routed = self.response_attention_mask, self.routed_experts
         return replace(
             self,
             prompt_ids=self.prompt_ids[rows],
@@ -202,6 +206,7 @@ class RolloutOutput:
             finish_reasons=self.finish_reasons[rows],
             engine_logprobs=lp,
             response_attention_mask=attn[rows] if attn is not None else None,
+            routed_experts=routed[rows] if routed is not None else None,
         )
 
 

@@ -21,7 +21,8 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
 import logging  # noqa: E402
-from collections.abc import Iterable, Sequence  # noqa: E402
+from collections.abc import Iterable, Iterator, Sequence  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -34,7 +35,8 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 
 from fsdp_rlhf.config import RolloutConfig  # noqa: E402
 from fsdp_rlhf.models.attention import head_dim  # noqa: E402
-from fsdp_rlhf.rollout import vllm_lora  # noqa: E402
+from fsdp_rlhf.models.moe import config_num_experts  # noqa: E402
+from fsdp_rlhf.rollout import vllm_lora, vllm_moe  # noqa: E402
 from fsdp_rlhf.rollout.engine import (  # noqa: E402
     AdapterSpec,
     CountingWeights,
@@ -43,6 +45,12 @@ from fsdp_rlhf.rollout.engine import (  # noqa: E402
 )
 from fsdp_rlhf.rollout.groups import RolloutGroups, gather_prompts, own_prompt_range  # noqa: E402
 from fsdp_rlhf.rollout.rng import GenerationRng  # noqa: E402
+from fsdp_rlhf.rollout.routing import (  # noqa: E402
+    assemble_routing,
+    no_expert,
+    pad_routing,
+    routing_dtype,
+)
 from fsdp_rlhf.rollout.sleep import SleepTracker  # noqa: E402
 from fsdp_rlhf.rollout.vllm_api import ENGINE_CALLS, check_calls  # noqa: E402
 
@@ -108,7 +116,13 @@ def _reload_weights_inplace(llm: LLM, weights: Iterable[tuple[str, torch.Tensor]
     layer by layer with post-load processing, on CPU and CUDA alike, and shards each tensor for
     this TP rank. The iterator is passed by reference: this works only because the
     external-launcher executor runs the worker in this process.
+
+    On CPU the MoE experts' kernels are dropped first, so the reload repacks the experts it
+    loads (``vllm_moe.repack_cpu_experts_on_reload``); without it every sync after the first
+    load scrambled them.
     """
+    if not torch.cuda.is_available():
+        llm.collective_rpc(vllm_moe.repack_cpu_experts_on_reload)
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
 
 
@@ -157,6 +171,41 @@ def cpu_kv_cache_bytes(
     return max(GiB, per_token * max_model_len * CPU_KV_CONCURRENT_SEQS)
 
 
+@contextmanager
+def private_decoder_class(model_path: str, trust_remote_code: bool) -> Iterator[None]:
+    """While the engine starts, transformers' ``AutoModel`` builds a private subclass of the
+    model's decoder class.
+
+    vLLM's Transformers backend (OLMo 2 and other architectures without a vLLM-native model)
+    decorates the decoder class it builds from in place (``support_torch_compile``: a new
+    ``__init__`` that needs vLLM's current config). That class is transformers' own, so the
+    trainer's model, loaded after the engine started, failed in its constructor with "Current
+    vLLM config is not set". Handing vLLM a subclass leaves transformers' class untouched.
+    """
+    from transformers import AutoModel
+
+    mapping = AutoModel._model_mapping
+    try:
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        decoder = mapping[type(config)]
+    except (KeyError, ValueError, OSError):
+        yield  # not a transformers auto class: vLLM cannot build it through transformers
+        return
+    private = type(
+        decoder.__name__, (decoder,), {"__module__": decoder.__module__, "__doc__": decoder.__doc__}
+    )
+    private.__qualname__ = decoder.__qualname__
+    before = mapping._extra_content.get(type(config))
+    mapping._extra_content[type(config)] = private
+    try:
+        yield
+    finally:
+        if before is None:
+            mapping._extra_content.pop(type(config), None)
+        else:
+            mapping._extra_content[type(config)] = before
+
+
 def engine_kwargs(
     model_path: str,
     cfg: RolloutConfig,
@@ -167,9 +216,11 @@ def engine_kwargs(
     seed: int,
     trust_remote_code: bool,
     lora_rank: int = 0,
+    router_replay: bool = False,
 ) -> dict:
     """Arguments of ``vllm.LLM`` for one colocated engine (serving adapters up to
-    ``lora_rank`` when > 0)."""
+    ``lora_rank`` when > 0; recording routed experts with ``router_replay``: vLLM's own capture
+    on CUDA, this adapter's hooks on CPU, which need the eager model)."""
     max_model_len = prompt_max_len + cfg.generate_max_len
     kwargs = dict(
         model=model_path,
@@ -187,6 +238,10 @@ def engine_kwargs(
     )
     if lora_rank > 0:
         kwargs.update(vllm_lora.lora_engine_kwargs(lora_rank))
+    if router_replay and torch.cuda.is_available():
+        kwargs["enable_return_routed_experts"] = True
+    elif router_replay:
+        kwargs["enforce_eager"] = True
     if torch.cuda.is_available():
         kwargs.update(enable_sleep_mode=cfg.vllm_enable_sleep, disable_custom_all_reduce=True)
     else:
@@ -258,8 +313,15 @@ def _sampled_logprobs(completion) -> list[float]:
     return list(flat.logprobs)
 
 
-def to_rollout_output(request_outputs, sampling: SamplingConfig, pad_id: int) -> RolloutOutput:
-    """vLLM ``RequestOutput``s (one per prompt) -> prompt-major RolloutOutput."""
+def to_rollout_output(
+    request_outputs,
+    sampling: SamplingConfig,
+    pad_id: int,
+    routing: list[np.ndarray] | None = None,
+    routing_store: torch.dtype = torch.uint8,
+) -> RolloutOutput:
+    """vLLM ``RequestOutput``s (one per prompt) -> prompt-major RolloutOutput; ``routing``
+    (one array per completion, in the same order) becomes its ``routed_experts``."""
     prompts, responses, reasons, logprobs = [], [], [], []
     for req in request_outputs:
         if len(req.outputs) != sampling.n:
@@ -270,7 +332,7 @@ def to_rollout_output(request_outputs, sampling: SamplingConfig, pad_id: int) ->
             reasons.append(comp.finish_reason)
             if sampling.return_logprobs:
                 logprobs.append(_sampled_logprobs(comp))
-    return RolloutOutput.from_lists(
+    out = RolloutOutput.from_lists(
         prompts,
         responses,
         reasons,
@@ -278,6 +340,19 @@ def to_rollout_output(request_outputs, sampling: SamplingConfig, pad_id: int) ->
         pad_id=pad_id,
         n=sampling.n,
     )
+    if routing is not None:
+        out.routed_experts = pad_routing(
+            routing,
+            [len(p) for p in prompts],
+            out.prompt_ids.shape[1],
+            out.response_ids.shape[1],
+            routing_store,
+        )
+    return out
+
+
+def _completions(request_outputs) -> list:
+    return [c for req in request_outputs for c in sorted(req.outputs, key=lambda c: c.index)]
 
 
 def _check_layout(cfg: RolloutConfig, groups: RolloutGroups) -> None:
@@ -307,6 +382,8 @@ class VLLMEngine:
         lora_rank: > 0: the actor trains LoRA adapters of this rank; the engine keeps the base
             weights it loaded and takes only adapters (``update_adapter``). Asleep on CUDA it
             then keeps the base in host memory (level 1): level 2 would discard it.
+        router_replay: return the experts every token was routed to (``routed_experts`` of
+            each output; an MoE model).
     """
 
     def __init__(
@@ -321,6 +398,7 @@ class VLLMEngine:
         pad_token_id: int,
         trust_remote_code: bool = False,
         lora_rank: int = 0,
+        router_replay: bool = False,
     ) -> None:
         self.version = check_vllm_internals(lora=lora_rank > 0)
         _check_layout(cfg, groups)
@@ -343,13 +421,32 @@ class VLLMEngine:
             seed=engine_seed,
             trust_remote_code=trust_remote_code,
             lora_rank=lora_rank,
+            router_replay=router_replay,
         )
         if not torch.cuda.is_available():
             _cpu_compile_cache()
-        with self._rng.active():  # vLLM reseeds the global RNGs while it starts
+        # vLLM reseeds the global RNGs while it starts
+        with self._rng.active(), private_decoder_class(model_path, trust_remote_code):
             self.llm = LLM(**kwargs)
         _check_tp_layout(groups)
         self._shm_segment = _cpu_shm_segment()
+        self._routing = None  # (MoE layer ids, store dtype, recorder or None on CUDA)
+        if router_replay:
+            self._routing = self._start_routing(model_path, trust_remote_code)
+
+    def _start_routing(self, model_path: str, trust_remote_code: bool):
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        store = routing_dtype(config_num_experts(config))
+        np_store = np.uint8 if store == torch.uint8 else np.int16
+        if torch.cuda.is_available():
+            layers = self.llm.collective_rpc(vllm_moe.moe_layer_ids)[0]
+            return layers, store, np_store, None
+        recorder = self.llm.collective_rpc(vllm_moe.install_recorder, args=(np_store,))[0]
+        log.info(
+            "router replay: the engine records the experts of %d MoE layers (eager vLLM on CPU)",
+            len(recorder.layers),
+        )
+        return recorder.layers, store, np_store, recorder
 
     def generate(
         self, prompt_token_ids: list[list[int]], sampling: SamplingConfig
@@ -373,12 +470,44 @@ class VLLMEngine:
             ]
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         outputs = []
-        if requests:
-            with self._rng.active():
-                outputs = self.llm.generate(
-                    requests, params, use_tqdm=False, lora_request=self._lora_request()
-                )
-        return to_rollout_output(outputs[start:stop], sampling, self.pad_token_id)
+        recorder = self._routing[3] if self._routing is not None else None
+        if recorder is not None:
+            # every prefix the outputs reuse from the cache is then computed in this call,
+            # where the recorder sees it
+            self.llm.reset_prefix_cache()
+            recorder.armed = True
+        try:
+            if requests:
+                with self._rng.active():
+                    outputs = self.llm.generate(
+                        requests, params, use_tqdm=False, lora_request=self._lora_request()
+                    )
+        finally:
+            if recorder is not None:
+                recorder.armed = False
+        if self._routing is None:
+            return to_rollout_output(outputs[start:stop], sampling, self.pad_token_id)
+        routing = self._routed_experts(outputs)
+        n = sampling.n
+        return to_rollout_output(
+            outputs[start:stop],
+            sampling,
+            self.pad_token_id,
+            routing=routing[start * n : stop * n],
+            routing_store=self._routing[1],
+        )
+
+    def _routed_experts(self, outputs) -> list[np.ndarray]:
+        """(L - 1, Lm, k) routing of every completion of ``outputs``, in output order."""
+        layers, store, np_store, recorder = self._routing
+        completions = _completions(outputs)
+        if recorder is None:
+            return vllm_moe.routing_from_outputs(completions, layers, np_store)
+        sequences = []
+        for req in outputs:
+            for comp in sorted(req.outputs, key=lambda c: c.index):
+                sequences.append([*req.prompt_token_ids, *comp.token_ids])
+        return assemble_routing(recorder.take(), sequences, no_expert(store))
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load a full set of HF-named weights (``self.dtype``); returns the bytes received."""

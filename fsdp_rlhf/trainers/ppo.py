@@ -31,6 +31,7 @@ from fsdp_rlhf.distributed.offload import (
 from fsdp_rlhf.metrics import PhaseTimer
 from fsdp_rlhf.models.load import load_tokenizer
 from fsdp_rlhf.models.lora import adapters_disabled
+from fsdp_rlhf.models.moe import MoEHooks
 from fsdp_rlhf.models.save import save_model
 from fsdp_rlhf.trainers import common
 from fsdp_rlhf.trainers.experience import (
@@ -117,6 +118,8 @@ class PPOTrainer:
         # after the engine, which seeds torch per engine: fresh heads must match on all ranks
         torch.manual_seed(cfg.seed)
         self.models = build_models(cfg, env, tokenizer)
+        # an MoE actor: router replay, routing statistics, the load-balancing loss
+        self.moe = MoEHooks.attach(self.models.actor)
         self.prompts = build_prompts(cfg, rows, tokenizer)
         self.sampler = PromptSampler(
             len(self.prompts), cfg.batch.rollout_batch_size, env.rank, env.world_size, cfg.seed
@@ -330,7 +333,7 @@ class PPOTrainer:
         elif old_logprobs:
             with self.timer("old_log_p"):
                 exp.old_logprobs = batched_logprobs(
-                    self.models.actor, exp, micro, temp, self.packed, self.group_size
+                    self.models.actor, exp, micro, temp, self.packed, self.group_size, self.moe
                 )
         with self.timer("reference_model"), self.reference() as ref:
             exp.ref_logprobs = batched_logprobs(ref, exp, micro, temp, self.packed, self.group_size)
@@ -362,8 +365,12 @@ class PPOTrainer:
                     kl_coef=self.kl_ctl.value,
                     temperature=cfg.rollout.temperature,
                     reuse_logprobs=reuse_logprobs,
+                    moe=self.moe,
+                    aux_loss_coef=cfg.moe.aux_loss_coef,
                 )
             metrics.update(actor_metrics)
+            if self.moe is not None:
+                metrics.update(self.moe.pop_metrics())
             if reuse_logprobs:
                 exp.old_logprobs = old_logprobs
             self.rollout_session.actor_updated()

@@ -92,6 +92,24 @@ def _check_lora(cfg: PPOConfig) -> None:
     check_target_modules(cfg.models.pretrain, cfg.lora, cfg.backend.trust_remote_code)
 
 
+def _check_moe(cfg: PPOConfig) -> None:
+    """--router_replay and --aux_loss_coef need an MoE actor whose router is supported."""
+    moe = cfg.moe
+    flags = [f for f, on in (("--router_replay", moe.router_replay),) if on]
+    if moe.aux_loss_coef > 0:
+        flags.append(f"--aux_loss_coef {moe.aux_loss_coef:g}")
+    if not flags:
+        return
+    if moe.router_replay and cfg.rollout.rollout_engine != "vllm":
+        raise UserError(
+            "--router_replay needs --rollout_engine vllm: the HF engine does not report the "
+            "experts it routed to"
+        )
+    from fsdp_rlhf.models.moe import check_moe_model
+
+    check_moe_model(cfg.models.pretrain, " and ".join(flags), cfg.backend.trust_remote_code)
+
+
 def _check_rewards(cfg: PPOConfig) -> None:
     """Reward sources: paths, normalisation statistics, the rule reward and its token."""
     m = cfg.models
@@ -158,6 +176,7 @@ def preflight(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any]:
     m = cfg.models
     check_model_path(m.pretrain, "--pretrain")
     _check_lora(cfg)
+    _check_moe(cfg)
     if cfg.backend.torch_compile:
         check_compile_toolchain()
     _check_rewards(cfg)
@@ -375,6 +394,7 @@ def build_engine(cfg: PPOConfig, env: DistEnv, tokenizer) -> RolloutEngine:
             pad_token_id=tokenizer.pad_token_id,
             trust_remote_code=cfg.backend.trust_remote_code,
             lora_rank=cfg.lora.lora_rank if adapter_sync(cfg) else 0,
+            router_replay=cfg.moe.router_replay,
         )
     # In the engine dtype, like vLLM: an fp32 copy under --bf16 sampled from other logits than
     # the trainer computes, and generated slower on a bf16-capable CPU (benchmarks/).
