@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cu
 MAX_JOBS ?= 8
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: install test test-fast test-bench test-vllm-compat test-cluster demo bench lint fmt clean gpu-smoke tcmalloc
+.PHONY: install test test-fast test-bench test-models test-vllm-compat test-cluster demo bench lint fmt clean gpu-smoke tcmalloc
 
 install: $(STAMP)
 
@@ -47,7 +47,12 @@ tcmalloc:
 # Everything but the multi-host tests (tests/cluster skip outside `make test-cluster`) and the
 # bench harness's smoke run (`make test-bench`): under 15 minutes on 2 cores.
 test: install
-	$(BIN)/python -m pytest -q tests --ignore=tests/bench
+	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/models
+
+# The family matrix: a tiny model of each family (Qwen2/3, Qwen3-MoE, Qwen2-MoE, Qwen3.5,
+# Llama 3, Gemma 3, Mistral, Phi-3, OLMo 2) runs GRPO with vLLM rollouts (docs/models.md).
+test-models: install
+	$(BIN)/python -m pytest -q tests/models
 
 # cmd/bench.py --smoke: every measurement path of the bench runs and writes sane numbers
 # (tiny sizes, one repetition; not speed). About 2-3 minutes on 2 cores.

@@ -183,14 +183,18 @@ def _check_models(cfg: PPOConfig, env: DistEnv, held: list) -> list[Check]:
     """Load and shard actor and reward model as the trainer does; the sharded models are kept
     in ``held`` so the engine check that follows starts vLLM beside them, like the job."""
     from fsdp_rlhf.models.load import load_causal_lm, load_scalar_model
+    from fsdp_rlhf.models.moe import active_parameters
     from fsdp_rlhf.trainers.ppo_setup import prepare_ppo_model
 
     frozen_dtype = torch.bfloat16 if cfg.backend.bf16 else torch.float32
 
     def shard(model, trainable: bool) -> str:
-        n = sum(p.numel() for p in model.parameters())
+        total, active = active_parameters(model)
+        count = f"{total / 1e6:.1f}M params"
+        if active != total:  # MoE: a token runs top_k of each layer's experts
+            count += f" ({active / 1e6:.1f}M active per token)"
         held.append(prepare_ppo_model(model, cfg, env, trainable=trainable))
-        return f"{n / 1e6:.1f}M params, sharded: {_local_mib(held[-1]):.0f} MiB on this rank"
+        return f"{count}, sharded: {_local_mib(held[-1]):.0f} MiB on this rank"
 
     checks = []
     if cfg.models.pretrain:

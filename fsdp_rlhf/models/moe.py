@@ -122,6 +122,17 @@ def expert_parameter_names(model: nn.Module) -> list[str]:
     return names
 
 
+def never_adapted(model: nn.Module) -> list[str]:
+    """Modules of an MoE model LoRA leaves alone: routed experts, routers, and a shared
+    expert's gate (Qwen2-MoE's ``shared_expert_gate``, an (1, H) ``nn.Linear``)."""
+    out = []
+    for name, module in model.named_modules():
+        routed = type(module).__name__.endswith("Experts") and hasattr(module, "num_experts")
+        if routed or _looks_like_router(module) or name.endswith("shared_expert_gate"):
+            out.append(name)
+    return out
+
+
 def active_parameters(model: nn.Module) -> tuple[int, int]:
     """(total, active per token) parameter counts: a token runs top_k of each block's
     ``num_experts`` routed experts, and every other parameter."""
@@ -251,7 +262,8 @@ class MoEHooks:
             replay: (B', L', Lm, k) expert ids in the forward's token layout
                 (:func:`to_forward_layout`), or None to route as the model does.
             valid: (B', L') real tokens in the same layout.
-            collect: count this forward in the step's statistics (and keep its aux-loss terms).
+            collect: count this forward in the step's statistics (its aux loss is there
+                either way).
         """
         if replay is not None:
             if replay.shape[-2:] != (self.num_layers, self.top_k):
@@ -304,23 +316,35 @@ class MoEHooks:
                 weights = weights / weights.sum(-1, keepdim=True)
             if kind.cast_back:
                 weights = weights.to(logits.dtype)
-        if first and fwd.collect:
-            self._count(slot, fwd, probs, experts)
+        # the same differentiable ops in a recomputation (activation checkpointing checks
+        # that the recomputed forward saves what the forward saved); kept only the first time
+        prob_sum = (probs * fwd.valid.to(probs.dtype).unsqueeze(-1)).sum(0)
+        if first:
+            self._count(slot, fwd, probs, prob_sum, experts)
         return logits, weights, experts
 
-    def _count(self, slot: int, fwd: _Forward, probs: torch.Tensor, experts: torch.Tensor):
+    def _count(
+        self,
+        slot: int,
+        fwd: _Forward,
+        probs: torch.Tensor,
+        prob_sum: torch.Tensor,
+        experts: torch.Tensor,
+    ) -> None:
         valid = fwd.valid
-        mask = valid.to(probs.dtype).unsqueeze(-1)
-        chosen = experts[valid].reshape(-1)
-        counts = torch.zeros(self.num_experts, dtype=torch.float32, device=probs.device)
-        counts.scatter_add_(0, chosen, torch.ones_like(chosen, dtype=torch.float32))
+        with torch.no_grad():
+            chosen = experts[valid].reshape(-1)
+            counts = torch.zeros(self.num_experts, dtype=torch.float32, device=probs.device)
+            counts.scatter_add_(0, chosen, torch.ones_like(chosen, dtype=torch.float32))
         fwd.counts.append(counts)
-        fwd.prob_sums.append((probs * mask).sum(0))
+        fwd.prob_sums.append(prob_sum)
+        if not fwd.collect:
+            return
         with torch.no_grad():
             t = self._totals
             t["counts"][slot] += counts.double()
             entropy = -(probs * torch.log(probs.clamp_min(1e-20))).sum(-1)
-            t["entropy"][slot] += (entropy * mask.squeeze(-1)).sum().double()
+            t["entropy"][slot] += entropy[valid].sum().double()
             t["tokens"][slot] += valid.sum().double()
 
     def aux_loss(self) -> torch.Tensor:
@@ -332,7 +356,7 @@ class MoEHooks:
         differentiable through ``P``. With router replay, ``f`` counts the replayed experts."""
         fwd = self._current
         if fwd is None or not fwd.counts:
-            raise RuntimeError("aux_loss: no forward recorded inside routing(collect=True)")
+            raise RuntimeError("aux_loss: no MoE forward inside routing()")
         rows = fwd.valid.sum().clamp(min=1).to(torch.float32) * len(fwd.counts)
         tokens_per_expert = torch.stack(fwd.counts).sum(0) / rows
         prob_per_expert = torch.stack(fwd.prob_sums).sum(0) / rows

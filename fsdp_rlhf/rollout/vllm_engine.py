@@ -171,6 +171,31 @@ def cpu_kv_cache_bytes(
     return max(GiB, per_token * max_model_len * CPU_KV_CONCURRENT_SEQS)
 
 
+def check_architecture(model_path: str, trust_remote_code: bool = False) -> None:
+    """Raise UserError, naming the architecture and the cause, when this vLLM cannot build the
+    model at ``model_path`` (e.g. a model module needing a package that is not installed).
+    Only vLLM-native architectures are checked: others go to vLLM's Transformers backend."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    from fsdp_rlhf.errors import UserError
+
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    for arch in getattr(config, "architectures", None) or []:
+        registered = ModelRegistry.models.get(arch)
+        if registered is None:
+            continue
+        try:
+            registered.load_model_cls()
+        except Exception as e:  # noqa: BLE001 - any failure to import the model's module
+            cause = e
+            while cause.__cause__ is not None:
+                cause = cause.__cause__
+            raise UserError(
+                f"{model_path}: vLLM {vllm.__version__} cannot load the architecture {arch} "
+                f"here: {type(cause).__name__}: {cause}"
+            ) from None
+
+
 @contextmanager
 def private_decoder_class(model_path: str, trust_remote_code: bool) -> Iterator[None]:
     """While the engine starts, transformers' ``AutoModel`` builds a private subclass of the

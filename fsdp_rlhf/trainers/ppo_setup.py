@@ -175,6 +175,10 @@ def preflight(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any]:
     plan = plan_ppo_batches(cfg, world_size)
     m = cfg.models
     check_model_path(m.pretrain, "--pretrain")
+    if cfg.rollout.rollout_engine == "vllm":
+        from fsdp_rlhf.rollout.vllm_engine import check_architecture
+
+        check_architecture(m.pretrain, cfg.backend.trust_remote_code)
     _check_lora(cfg)
     _check_moe(cfg)
     if cfg.backend.torch_compile:
