@@ -90,6 +90,20 @@ def _check_lora(cfg: PPOConfig) -> None:
             "adapters"
         )
     check_target_modules(cfg.models.pretrain, cfg.lora, cfg.backend.trust_remote_code)
+    if adapter_sync(cfg) and not torch.cuda.is_available():
+        from transformers import AutoConfig
+
+        from fsdp_rlhf.models.moe import config_num_experts
+
+        config = AutoConfig.from_pretrained(
+            cfg.models.pretrain, trust_remote_code=cfg.backend.trust_remote_code
+        )
+        if config_num_experts(config):
+            raise UserError(
+                "--lora_rank on an MoE model with --lora_sync adapter: vLLM serves adapters on "
+                "an MoE model through its LoRA MoE layers, whose kernels need Triton, which the "
+                "CPU build lacks; use --lora_sync merged"
+            )
 
 
 def _check_moe(cfg: PPOConfig) -> None:
