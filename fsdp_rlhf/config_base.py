@@ -1,9 +1,11 @@
 """Typed, frozen config trees: build from defaults < YAML < CLI flags, with strict checking.
 
-Every leaf field is documented by ``doc(...)`` (its help text) and may carry a ``flag``: the flat
-OpenRLHF/AIAK flag name users already type (``--train_batch_size``). Leaves without a flag are
-reachable by their dotted path (``--optim.betas``). Errors name the dotted path and raise
-``ConfigError``; the CLI turns them into one line and a non-zero exit.
+Every leaf field is documented by ``doc(...)`` (its help text). A leaf's flag is its own field
+name (``--train_batch_size``), or the name a command's ``FLAT_NAMES`` gives it: one way to name
+a flag, checked when the command's config class is defined (:func:`command_config`), so two
+settings can never silently share one name. Every leaf is also reachable by its dotted path
+(``--optim.adam_betas``). Errors name the dotted path and raise ``ConfigError``; the CLI turns
+them into one line and a non-zero exit.
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import functools
 import types
 import typing
 import urllib.parse
+from collections.abc import Sequence
 from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -27,17 +31,22 @@ class ConfigError(UserError, ValueError):
     """A user-facing configuration problem (bad key, bad type, bad value)."""
 
 
+class ConfigDefinitionError(Exception):
+    """A config tree whose flags cannot be named unambiguously (two settings claiming one flag
+    name, a ``FLAT_NAMES`` entry naming no setting): a programming error, raised when the
+    command's config class is defined, never at a user's command line."""
+
+
 def doc(
     default: Any = MISSING,
     help: str = "",
     *,
-    flag: str | None = None,
     factory=MISSING,
     secret: bool = False,
 ):
-    """A dataclass field with help text and an optional flat CLI flag name. A ``secret``
-    string (a credential) is masked in :func:`dump_yaml`."""
-    meta = {"help": help, "flag": flag, "secret": secret}
+    """A dataclass field with help text. A ``secret`` string (a credential) is masked in
+    :func:`dump_yaml`."""
+    meta = {"help": help, "secret": secret}
     if factory is not MISSING:
         return dataclasses.field(default_factory=factory, metadata=meta, repr=not secret)
     return dataclasses.field(default=default, metadata=meta, repr=not secret)
@@ -45,9 +54,7 @@ def doc(
 
 def section(cls: type):
     """A nested sub-config field, defaulting to the sub-config's own defaults."""
-    return dataclasses.field(
-        default_factory=cls, metadata={"help": cls.__doc__ or "", "flag": None}
-    )
+    return dataclasses.field(default_factory=cls, metadata={"help": cls.__doc__ or ""})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +65,6 @@ class Leaf:
     type: Any
     default: Any
     help: str
-    flag: str | None
     secret: bool = False
 
 
@@ -87,24 +93,8 @@ def iter_leaves(cls: type, prefix: str = "", defaults: Any = None) -> list[Leaf]
             out.extend(iter_leaves(tp, path + ".", section_default))
             continue
         meta = f.metadata
-        out.append(
-            Leaf(
-                path, tp, default, meta.get("help", ""), meta.get("flag"), meta.get("secret", False)
-            )
-        )
+        out.append(Leaf(path, tp, default, meta.get("help", ""), meta.get("secret", False)))
     return out
-
-
-def flag_table(cls: type) -> dict[str, Leaf]:
-    """Map every accepted flag name (flat flag and dotted path) to its leaf."""
-    table: dict[str, Leaf] = {}
-    for leaf in iter_leaves(cls):
-        names = [leaf.path] + ([leaf.flag] if leaf.flag else [])
-        for name in names:
-            if name in table and table[name].path != leaf.path:
-                raise AssertionError(f"flag {name!r} maps to {table[name].path} and {leaf.path}")
-            table[name] = leaf
-    return table
 
 
 # ---------------------------------------------------------------- type checking / coercion
@@ -314,67 +304,146 @@ def dump_yaml(cfg: Any) -> str:
 # ---------------------------------------------------------------- CLI flags
 
 
-def _flag_names(cls: type) -> dict[str, list[Leaf]]:
-    """Accepted flags -> the leaves they set. Each leaf has one canonical flat name: the root's
-    ``FLAT_NAMES`` entry that names it (for a leaf of a section used twice, or several leaves
-    at once: ``--max_norm`` sets actor and critic), else its ``flag=``, else its own name when
-    that is unique in the tree. Its dotted path (``--optim.adam_betas``) is accepted too.
-    Foreign spellings (OpenRLHF's) are translated before this table is consulted
-    (:mod:`fsdp_rlhf.compat`)."""
+@functools.cache
+def flag_names(cls: type) -> dict[str, tuple[Leaf, ...]]:
+    """Accepted flags -> the leaves they set. A leaf's flat name is the root's ``FLAT_NAMES``
+    entry that names it (a leaf of a section used twice, several leaves at once: ``--max_norm``
+    sets actor and critic, or a foreign-looking name: ``--lambd``), else its own field name.
+    Its dotted path (``--optim.adam_betas``) is accepted too. Foreign spellings (OpenRLHF's) are
+    translated before this table is consulted (:mod:`fsdp_rlhf.compat`).
+
+    Raises:
+        ConfigDefinitionError: two leaves outside ``FLAT_NAMES`` share a field name (the flag
+            would set one of them by chance, or neither), a ``FLAT_NAMES`` entry names no leaf,
+            or gives away a name that another leaf has as its own.
+    """
     leaves = iter_leaves(cls)
     by_path = {leaf.path: leaf for leaf in leaves}
-    table: dict[str, list[Leaf]] = {leaf.path: [leaf] for leaf in leaves}
+    table: dict[str, tuple[Leaf, ...]] = {leaf.path: (leaf,) for leaf in leaves}
     named: set[str] = set()
     for name, paths in getattr(cls, "FLAT_NAMES", {}).items():
-        paths = (paths,) if isinstance(paths, str) else paths
-        table[name] = [by_path[p] for p in paths]
+        paths = (paths,) if isinstance(paths, str) else tuple(paths)
+        unknown = [p for p in paths if p not in by_path]
+        if unknown or "." in name:
+            raise ConfigDefinitionError(
+                f"{cls.__name__}.FLAT_NAMES[{name!r}]: "
+                + (f"no setting {unknown[0]}" if unknown else "a flat name has no dots")
+            )
+        table[name] = tuple(by_path[p] for p in paths)
         named.update(paths)
     bare: dict[str, list[Leaf]] = {}
     for leaf in leaves:
-        if leaf.path in named:
-            continue
-        if leaf.flag:
-            if leaf.flag in table and table[leaf.flag] != [leaf]:
-                raise AssertionError(f"flag {leaf.flag!r} names two settings")
-            table[leaf.flag] = [leaf]
-            continue
-        bare.setdefault(leaf.path.rsplit(".", 1)[-1], []).append(leaf)
+        if leaf.path not in named:
+            bare.setdefault(leaf.path.rsplit(".", 1)[-1], []).append(leaf)
     for name, group in bare.items():
-        if len(group) == 1 and name not in table:
-            table[name] = group
+        paths = ", ".join(leaf.path for leaf in group)
+        if len(group) > 1:
+            raise ConfigDefinitionError(
+                f"{cls.__name__}: --{name} would name {paths}: give each its own flag in "
+                "FLAT_NAMES (or one entry that sets them all)"
+            )
+        if name in table and table[name] != tuple(group):
+            taken = ", ".join(leaf.path for leaf in table[name])
+            raise ConfigDefinitionError(
+                f"{cls.__name__}: --{name} is the flag of {paths} and FLAT_NAMES gives it to "
+                f"{taken}"
+            )
+        table[name] = tuple(group)
     return table
 
 
+def command_config(cls: type) -> type:
+    """Decorator of a command's root config class: its flag table is built (and checked, see
+    :func:`flag_names`) when the class is defined, so a clash fails at import."""
+    flag_names(cls)
+    cls.flags_checked = True  # a plain class attribute, not a field
+    return cls
+
+
+# ---------------------------------------------------------------- the argv grammar
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """One flag as typed: ``spelled`` is the name with its dashes, ``values`` the tokens up to
+    the next flag (or the one after ``=``)."""
+
+    spelled: str
+    values: tuple[str, ...]
+    inline: bool = False  # written --name=value
+
+    @property
+    def name(self) -> str:
+        return normalise(self.spelled)
+
+    def text(self) -> str:
+        if self.inline:
+            return f"{self.spelled}={self.values[0]}"
+        return " ".join((self.spelled, *self.values))
+
+
+def normalise(spelled: str) -> str:
+    """``--ds.zero-stage`` -> ``ds.zero_stage``."""
+    return spelled.lstrip("-").replace("-", "_")
+
+
+def split_flags(argv: Sequence[str]) -> list[Flag]:
+    """The one argv grammar (this parser and the translation layer's): ``--a 1 --b --c x y``
+    -> flags with the values that follow each one (``--a=1`` holds exactly one).
+
+    A token that is not a flag before the first flag is kept as a flag of its own with that
+    spelling, for :func:`parse_cli` to reject.
+    """
+    out: list[Flag] = []
+    for tok in argv:
+        if tok.startswith("--") and len(tok) > 2:
+            name, eq, inline = tok.partition("=")
+            out.append(Flag(name, (inline,), inline=True) if eq else Flag(name, ()))
+        elif out and not out[-1].inline and out[-1].spelled.startswith("--"):
+            last = out[-1]
+            out[-1] = Flag(last.spelled, (*last.values, tok))
+        else:
+            out.append(Flag(tok, ()))
+    return out
+
+
+def join_flags(flags: Sequence[Flag]) -> list[str]:
+    out: list[str] = []
+    for f in flags:
+        out.extend([f"{f.spelled}={f.values[0]}"] if f.inline else [f.spelled, *f.values])
+    return out
+
+
+def _one_value(flag: Flag, what: str) -> str:
+    if len(flag.values) != 1:
+        got = "none" if not flag.values else f"{len(flag.values)}: {' '.join(flag.values)}"
+        raise ConfigError(f"--{flag.name} needs {what}, got {got}")
+    return flag.values[0]
+
+
 def parse_cli(cls: type, argv: list[str]) -> tuple[str | None, dict[str, Any], bool]:
-    """Parse ``--flag value`` style args into dotted-path overrides.
+    """Parse ``--flag value`` style args (:func:`split_flags`) into dotted-path overrides.
 
     Returns ``(config_path, overrides, debug)``. Booleans are switches (``--bf16``), or take an
-    explicit ``--bf16=false``/``--no_bf16``. Tuple fields take one or more following values.
+    explicit ``--bf16=false``/``--no_bf16``. Tuple fields take one or more values, every other
+    flag exactly one.
     """
-    table = _flag_names(cls)
+    table = flag_names(cls)
     overrides: dict[str, Any] = {}
     config_path, debug = None, False
-    i = 0
-    while i < len(argv):
-        tok = argv[i]
-        i += 1
-        if not tok.startswith("--"):
-            raise ConfigError(f"unexpected argument {tok!r} (flags start with --)")
-        name, eq, inline = tok[2:].partition("=")
-        name = name.replace("-", "_")
+    for flag in split_flags(argv):
+        if not flag.spelled.startswith("--"):
+            raise ConfigError(f"unexpected argument {flag.spelled!r} (flags start with --)")
+        name = flag.name
         if name == "local_rank":  # torch.distributed.launch passes --local-rank=N / --local_rank N
-            if not eq and i < len(argv) and not argv[i].startswith("--"):
-                i += 1
             continue
         if name == "debug":
+            if flag.values:
+                raise ConfigError(f"--debug takes no value, got {' '.join(flag.values)}")
             debug = True
             continue
         if name == "config":
-            if not eq:
-                if i >= len(argv):
-                    raise ConfigError("--config needs a path")
-                inline, i = argv[i], i + 1
-            config_path = inline
+            config_path = _one_value(flag, "a path")
             continue
         negate = name.startswith("no_") and name not in table and name[3:] in table
         leaves = table.get(name[3:] if negate else name)
@@ -382,24 +451,21 @@ def parse_cli(cls: type, argv: list[str]) -> tuple[str | None, dict[str, Any], b
             raise ConfigError(f"unknown flag --{name}{_suggest(name, sorted(table))}")
         tp = leaves[0].type
         if tp is bool:
-            value = (not negate) if not eq else coerce(inline, bool, "--" + name)
-            overrides.update({leaf.path: value for leaf in leaves})
-            continue
-        if negate:
+            if flag.values and not flag.inline:
+                raise ConfigError(
+                    f"--{name} is a switch and takes no value (got {' '.join(flag.values)}); "
+                    f"write --{name}=false or --no_{name}"
+                )
+            value = (not negate) if not flag.values else coerce(flag.values[0], bool, "--" + name)
+        elif negate:
             raise ConfigError(f"--no_{name[3:]}: only boolean flags can be negated")
-        if eq:
-            values = [inline]
-        else:
-            values = []
-            while i < len(argv) and not (argv[i].startswith("--") and len(argv[i]) > 2):
-                values.append(argv[i])
-                i += 1
-                if get_origin(tp) is not tuple:
-                    break
-            if not values:
+        elif get_origin(tp) is tuple:
+            if not flag.values:
                 raise ConfigError(f"--{name} needs a value")
-        raw = values if get_origin(tp) is tuple and len(values) > 1 else values[0]
-        value = coerce(raw, tp, "--" + name)
+            raw = list(flag.values) if len(flag.values) > 1 else flag.values[0]
+            value = coerce(raw, tp, "--" + name)
+        else:
+            value = coerce(_one_value(flag, "one value"), tp, "--" + name)
         overrides.update({leaf.path: value for leaf in leaves})
     return config_path, overrides, debug
 
@@ -426,7 +492,7 @@ def flags_help(cls: type) -> list[tuple[str, str, str, str, str]]:
     order of the config tree: the canonical flat name, or the dotted path for a leaf without
     one. ``section`` is the top-level field the leaf lives in (``""`` for root leaves)."""
     rows, covered = [], set()
-    names = _flag_names(cls)
+    names = flag_names(cls)
     for leaf in iter_leaves(cls):
         if leaf.path in covered:
             continue

@@ -13,7 +13,15 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fsdp_rlhf.distributed.env import free_port
+from fsdp_rlhf.distributed.env import DistEnv, device_for, free_port
+
+
+def current_env() -> DistEnv:
+    """The environment of the process group ``run_distributed`` made (inside a test function)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return DistEnv(rank, world, local_rank, local_world, device_for(local_rank), dist.get_backend())
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:

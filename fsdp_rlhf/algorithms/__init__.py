@@ -26,7 +26,6 @@ _MODULE_OF = {
     "Advantages": "advantages",
     "FixedKLController": "kl",
     "PreferenceOutput": "preference",
-    "RunningMeanStd": "rewards",
     "aggregate_loss": "losses",
     "clip_scores": "rewards",
     "dpo_loss": "preference",
@@ -43,7 +42,6 @@ _MODULE_OF = {
     "ipo_loss": "preference",
     "gspo_loss": "losses",
     "kl_estimate": "kl",
-    "kl_mean": "kl",
     "kl_mean_parts": "kl",
     "logprobs_from_logits": "logprobs",
     "masked_mean": "masked",
@@ -65,7 +63,6 @@ _MODULE_OF = {
     "rollout_mismatch_metrics": "correction",
     "shape_rewards": "rewards",
     "stop_properly_penalty": "rewards",
-    "truncated_is_weights": "losses",
     "value_loss": "losses",
 }
 

@@ -8,9 +8,9 @@ weights that multiply the policy loss (``policy_loss(..., is_weights=w)``):
 
 * ``"tis"``: truncated importance sampling, ``w_t = clamp(ratio_t, low, high)`` (Yao et al.,
   2025, "Your efficient RL framework secretly brings you off-policy RL training"). With
-  ``low = 0`` this is ``min(ratio_t, high)``, verl's token TIS and this project's
-  ``--use_tis --tis_cap`` (:func:`~fsdp_rlhf.algorithms.losses.truncated_is_weights`);
-  OpenRLHF's ``tis`` also clamps from below (default ``[0.5, 5.0]``).
+  ``low = 0`` this is ``min(ratio_t, high)``, verl's token TIS and this trainer's earlier
+  ``--use_tis --tis_cap`` (``compat/`` translates them); OpenRLHF's ``tis`` also clamps from
+  below (default ``[0.5, 5.0]``).
 * ``"icepop"``: token masking, ``w_t = ratio_t`` where ``low <= ratio_t <= high`` and 0
   elsewhere: tokens the two engines disagree on too much do not train at all.
 * ``"seq_mask_tis"``: sequence rejection on the geometric-mean ratio

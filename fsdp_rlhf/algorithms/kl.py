@@ -124,16 +124,6 @@ def kl_mean_parts(
     raise ValueError(f"unknown KL mean {mode!r}; expected seq-mean-token-mean or token-mean")
 
 
-def kl_mean(
-    kl: torch.Tensor,
-    response_mask: torch.Tensor,
-    mode: Literal["seq-mean-token-mean", "token-mean"] = "seq-mean-token-mean",
-) -> torch.Tensor:
-    """Local batch-mean KL (see :func:`kl_mean_parts`); 0 for a batch without valid tokens."""
-    num, den = kl_mean_parts(kl, response_mask, mode)
-    return num / den.clamp(min=1)
-
-
 class FixedKLController:
     """Constant KL coefficient, with the same interface as :class:`AdaptiveKLController`.
 

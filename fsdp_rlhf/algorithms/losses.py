@@ -24,7 +24,6 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from .correction import rollout_correction
 from .masked import masked_mean, masked_sum
 from .names import LOSS_AGG_MODES, LossAgg
 
@@ -172,7 +171,7 @@ def gspo_loss(
     Args:
         logprobs: (B, T) log-probs under the current policy (with grad).
         old_logprobs: (B, T) log-probs under the policy that generated the rollout (or the
-            rollout engine's, in bypass mode).
+            rollout engine's, with ``--use_rollout_logprobs_as_old``).
         advantages: (B, T) advantages, normally constant along each row.
         response_mask: (B, T) valid response tokens.
         clip_eps_low: Lower clip range of ``s_i``.
@@ -315,46 +314,3 @@ def pairwise_loss(
     if kind == "logexp":
         return F.softplus(-diff).mean()
     raise ValueError(f"unknown pairwise loss {kind!r}; expected 'sigmoid' or 'logexp'")
-
-
-@torch.no_grad()
-def truncated_is_weights(
-    old_logprobs: torch.Tensor,
-    rollout_logprobs: torch.Tensor,
-    response_mask: torch.Tensor,
-    cap: float = 2.0,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Truncated importance weights correcting the rollout-engine / trainer mismatch.
-
-    Kept for ``--use_tis --tis_cap``: the same as
-    ``rollout_correction(..., mode="tis", low=0, high=cap)`` with the stats renamed.
-
-    The inference engine samples with slightly different numerics than the trainer, so the
-    rollout is off-policy for the trainer's "old" policy. Weighting each token's loss by
-    ``min(pi_old / pi_rollout, cap)`` corrects for it with bounded variance (truncated IS;
-    Ionides, 2008; applied to RL fine-tuning by Yao et al., 2025, "Your efficient RL
-    framework secretly brings you off-policy RL training").
-
-    Args:
-        old_logprobs: (B, T) log-probs of the sampled tokens under the trainer.
-        rollout_logprobs: (B, T) log-probs reported by the rollout engine.
-        response_mask: (B, T) valid response tokens.
-        cap: Upper bound of the weights (> 0).
-
-    Returns:
-        ``(weights, stats)``: detached (B, T) weights, 0 where masked; stats with local
-        means over valid tokens: ``tis_mean_weight``, ``tis_clipfrac``,
-        ``mismatch_abs_diff`` (mean |old - rollout|) and ``mismatch_kl`` (k3 estimate of
-        KL(rollout || trainer), the direction sampled from).
-    """
-    if cap <= 0:
-        raise ValueError(f"cap must be positive, got {cap}")
-    weights, stats = rollout_correction(
-        old_logprobs, rollout_logprobs, response_mask, "tis", low=0.0, high=cap
-    )
-    return weights, {
-        "tis_mean_weight": stats["is_weight_mean"],
-        "tis_clipfrac": stats["is_clipfrac"],
-        "mismatch_abs_diff": stats["mismatch_abs_diff"],
-        "mismatch_kl": stats["mismatch_kl"],
-    }

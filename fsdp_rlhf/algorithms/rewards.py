@@ -7,8 +7,6 @@ rewards: every token pays ``kl_coef * kl`` and the last token also receives the 
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 
@@ -127,71 +125,3 @@ def stop_properly_penalty(
     cut = truncated.to(device=scores.device).bool()
     penalised = torch.full_like(scores, coef) if coef < 0 else scores * coef
     return torch.where(cut, penalised, scores)
-
-
-class RunningMeanStd:
-    """Running mean and (population) variance of a stream of values.
-
-    Batches are merged with the parallel update of Chan, Golub and LeVeque (1979), which
-    stays accurate when a batch mean differs a lot from the running mean. State is kept as
-    Python floats (float64) so checkpoints are plain and the statistics never drift because
-    of low-precision tensors.
-    """
-
-    def __init__(self) -> None:
-        self.mean = 0.0
-        self.var = 1.0
-        self.count = 0.0
-
-    @torch.no_grad()
-    def update(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> None:
-        """Merge the (masked) entries of ``x``, any shape, into the running statistics."""
-        values = x.double() if mask is None else x.double()[mask.bool()]
-        if values.numel() == 0:
-            return
-        batch_mean = values.mean().item()
-        batch_var = values.var(unbiased=False).item()
-        self.update_from_moments(batch_mean, batch_var, float(values.numel()))
-
-    def update_from_moments(self, batch_mean: float, batch_var: float, batch_count: float) -> None:
-        """Merge precomputed batch moments, e.g. already all-reduced across ranks.
-
-        Args:
-            batch_mean: Mean of the batch.
-            batch_var: Population variance of the batch.
-            batch_count: Number of values in the batch.
-        """
-        if batch_count <= 0:
-            return
-        total = self.count + batch_count
-        delta = batch_mean - self.mean
-        m2 = self.var * self.count + batch_var * batch_count
-        m2 += delta * delta * self.count * batch_count / total
-        self.mean += delta * batch_count / total
-        self.var = m2 / total
-        self.count = total
-
-    @property
-    def std(self) -> float:
-        return math.sqrt(self.var)
-
-    def normalize(
-        self, x: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
-    ) -> torch.Tensor:
-        """Standardise ``x`` with the running statistics (about identity before any update).
-
-        Args:
-            x: Tensor of any shape, e.g. scores (B,).
-            shift_mean: Subtract the running mean; ``False`` only divides by the std.
-            eps: Added to the variance before the square root.
-        """
-        centered = x - self.mean if shift_mean else x
-        return centered / math.sqrt(self.var + eps)
-
-    def state_dict(self) -> dict[str, float]:
-        return {"mean": self.mean, "var": self.var, "count": self.count}
-
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        self.mean = float(state["mean"])
-        self.var = float(state["var"])
-        self.count = float(state["count"])

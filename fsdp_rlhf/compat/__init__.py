@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from fsdp_rlhf.commands import BY_NAME
 from fsdp_rlhf.compat.openrlhf import TABLES
 from fsdp_rlhf.compat.rules import (
     Accept,
     Gather,
     Refuse,
+    Table,
     To,
     Translation,
     refusal,
@@ -48,12 +50,18 @@ EXPERT_PARALLEL_FLAGS = (
 )
 
 
+def table_of(command: str) -> Table | None:
+    """The foreign spellings ``command`` accepts (``doctor``: ppo's); None for none."""
+    known = BY_NAME.get(command)
+    return TABLES.get(known.flags_command if known else command)
+
+
 def translate(command: str, argv: Sequence[str]) -> Translation:
     """``argv`` with every foreign flag of ``command`` replaced by canonical flags."""
     for flag in split_flags(argv):
         if flag.name in EXPERT_PARALLEL_FLAGS:
             raise refusal(flag, EXPERT_PARALLEL.why, EXPERT_PARALLEL.instead)
-    table = TABLES.get(command)
+    table = table_of(command)
     if table is None:
         return Translation(list(argv))
     return translate_with(table, argv)
@@ -61,7 +69,7 @@ def translate(command: str, argv: Sequence[str]) -> Translation:
 
 def aliases(command: str) -> list[tuple[str, str]]:
     """(foreign flag, what it becomes) for ``--help`` and the migration page."""
-    table = TABLES.get(command)
+    table = table_of(command)
     if table is None:
         return []
     rows = []

@@ -1,7 +1,7 @@
 """OpenRLHF's flag spellings, v0.10 (flat, until April 2026) and v0.11 (dotted), per command.
 
 The flags each OpenRLHF parser defines are in ``data/openrlhf-<version>-<command>.json``
-(extracted by ``cmd/openrlhf_flags.py``); ``tests/unit/test_compat.py`` walks them and fails on
+(extracted by ``scripts/openrlhf_flags.py``); ``tests/unit/test_compat.py`` walks them and fails on
 any flag without one of the three outcomes here. A flag missing from a table is one our own
 config parser knows under the same name (``--pretrain``, ``--zero_stage``, ``--ckpt.save_steps``),
 which takes effect as it is.
@@ -15,7 +15,6 @@ import re
 
 from fsdp_rlhf.compat.rules import (
     Accept,
-    Flag,
     Gather,
     Refuse,
     Rule,
@@ -28,7 +27,7 @@ from fsdp_rlhf.compat.rules import (
     switch,
     when_default,
 )
-from fsdp_rlhf.config_base import ConfigError
+from fsdp_rlhf.config_base import ConfigError, Flag
 
 # ------------------------------------------------------------------ shared pieces
 
@@ -611,21 +610,14 @@ def _finish_ppo(gathered: dict[str, tuple[Flag, Values]], flags: list[Flag]) -> 
     return out
 
 
+# The foreign spellings of each command with flags of its own (fsdp_rlhf.commands; `doctor`
+# takes ppo's). The parsers each answers for are its ``Command.openrlhf``.
 TABLES: dict[str, Table] = {
     "ppo": Table("ppo", PPO_RULES, _finish_ppo),
-    "doctor": Table("doctor", PPO_RULES, _finish_ppo),
     "train-rm": Table("train-rm", RM_RULES),
     "sft": Table("sft", SFT_RULES),
     "dpo": Table("dpo", DPO_RULES),
 }
-
-# The parsers whose flags each command answers for (tests/unit/test_compat.py walks them).
-PARSERS: dict[str, tuple[str, ...]] = {
-    "ppo": ("ppo",),
-    "train-rm": ("rm",),
-    "sft": ("sft",),
-    "dpo": ("dpo",),
-}
 VERSIONS = ("0.10.1.post2", "0.11.0")
 
-__all__ = ["TABLES", "PARSERS", "VERSIONS", "To"]
+__all__ = ["TABLES", "VERSIONS", "To"]

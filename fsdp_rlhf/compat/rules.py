@@ -1,7 +1,8 @@
 """How a foreign flag ends: it takes effect, is accepted as what we do anyway, or is refused.
 
-A command line is split into flags (``--name`` with the values up to the next ``--flag``); each
-flag that has a rule in the command's table is replaced by canonical flags, or dropped with a
+A command line is split into flags by the config parser's own grammar
+(:func:`fsdp_rlhf.config_base.split_flags`: ``--name`` with the values up to the next flag);
+each flag that has a rule in the command's table is replaced by canonical flags, or dropped with a
 note, or refused with a :class:`~fsdp_rlhf.config_base.ConfigError` naming it. Flags without a
 rule pass through untouched to the config parser, which knows only canonical names.
 
@@ -16,59 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from fsdp_rlhf.config_base import ConfigError
+from fsdp_rlhf.config_base import ConfigError, Flag, join_flags, split_flags
 
 Values = tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Flag:
-    """One flag as typed: ``spelled`` is the name with its dashes, ``name`` the normalised
-    name (underscores inside words, dots between levels kept)."""
-
-    spelled: str
-    values: Values
-    inline: bool = False  # written --name=value
-
-    @property
-    def name(self) -> str:
-        return normalise(self.spelled)
-
-    def text(self) -> str:
-        if self.inline:
-            return f"{self.spelled}={self.values[0]}"
-        return " ".join((self.spelled, *self.values))
-
-
-def normalise(spelled: str) -> str:
-    """``--ds.zero-stage`` -> ``ds.zero_stage``."""
-    return spelled.lstrip("-").replace("-", "_")
-
-
-def split_flags(argv: Sequence[str]) -> list[Flag]:
-    """``--a 1 --b --c x y`` -> flags with the values that follow each one.
-
-    A token that is not a flag before the first flag is kept as a flag of its own with an
-    empty name, for the config parser to reject with its own message.
-    """
-    out: list[Flag] = []
-    for tok in argv:
-        if tok.startswith("--") and len(tok) > 2:
-            name, eq, inline = tok.partition("=")
-            out.append(Flag(name, (inline,), inline=True) if eq else Flag(name, ()))
-        elif out and not out[-1].inline:
-            last = out[-1]
-            out[-1] = Flag(last.spelled, (*last.values, tok))
-        else:
-            out.append(Flag(tok, ()))
-    return out
-
-
-def join_flags(flags: Sequence[Flag]) -> list[str]:
-    out: list[str] = []
-    for f in flags:
-        out.extend([f"{f.spelled}={f.values[0]}"] if f.inline else [f.spelled, *f.values])
-    return out
 
 
 # ------------------------------------------------------------------ rule kinds

@@ -80,15 +80,6 @@ def init_distributed(timeout_min: int = 60) -> DistEnv:
     return DistEnv(rank, world_size, local_rank, local_world_size, device, backend)
 
 
-def current_env() -> DistEnv:
-    """The environment of an already initialised process group (tests, helpers)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    device = device_for(local_rank)
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return DistEnv(rank, world, local_rank, local_world, device, dist.get_backend())
-
-
 def launched_world_size() -> int:
     """The world size torchrun (or srun) announced, readable before the process group exists."""
     return int(os.environ.get("WORLD_SIZE", "1"))

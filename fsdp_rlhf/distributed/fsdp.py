@@ -16,9 +16,18 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_rlhf.config import FSDPConfig
 from fsdp_rlhf.distributed.gloo_comm import all_gather_into, use_p2p_reduce_scatter
-from fsdp_rlhf.models.compile import decoder_layers
 
 log = logging.getLogger(__name__)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of an HF model, found by the model's own ``_no_split_modules``:
+    the units FSDP shards one by one (and ``models.compile`` compiles part by part)."""
+    names: set[str] = set()
+    for m in model.modules():
+        if isinstance(m, nn.Module) and getattr(type(m), "_no_split_modules", None):
+            names.update(type(m)._no_split_modules)
+    return [m for m in model.modules() if type(m).__name__ in names]
 
 
 def build_mesh(device: torch.device, world_size: int) -> DeviceMesh:

@@ -1,4 +1,4 @@
-"""Transformer blocks of HF models, and ``--torch_compile`` of their parts.
+"""``--torch_compile`` of the parts of each transformer block.
 
 A decoder layer's norms, MLP and attention projections are chains of small elementwise ops
 (RMSNorm's square/mean/rsqrt/scale, rotary's rotate-half and multiply-adds, SiLU times the up
@@ -24,18 +24,10 @@ import shutil
 import torch
 from torch import nn
 
+from fsdp_rlhf.distributed.fsdp import decoder_layers
 from fsdp_rlhf.errors import UserError
 
 log = logging.getLogger(__name__)
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of an HF model, found by the model's own ``_no_split_modules``."""
-    names: set[str] = set()
-    for m in model.modules():
-        if isinstance(m, nn.Module) and getattr(type(m), "_no_split_modules", None):
-            names.update(type(m)._no_split_modules)
-    return [m for m in model.modules() if type(m).__name__ in names]
 
 
 def check_compile_toolchain() -> None:

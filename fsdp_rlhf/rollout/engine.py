@@ -8,7 +8,7 @@ Everything here is engine-independent, so trainers and tests never import vLLM. 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import torch
@@ -167,10 +167,6 @@ class RolloutOutput:
         )
 
     @property
-    def num_rows(self) -> int:
-        return self.response_ids.shape[0]
-
-    @property
     def response_lengths(self) -> torch.Tensor:
         """(N,) number of generated tokens per row."""
         return self.response_mask.sum(-1)
@@ -191,23 +187,6 @@ class RolloutOutput:
         if self.response_attention_mask is None:
             return self.response_mask
         return self.response_attention_mask
-
-    def select_prompts(self, start: int, stop: int) -> RolloutOutput:
-        """Rows of prompts ``start .. stop - 1`` (all their n samples); padding width is kept."""
-        rows = slice(start * self.n, stop * self.n)
-        lp = self.engine_logprobs[rows] if self.engine_logprobs is not None else None
-        attn, routed = self.response_attention_mask, self.routed_experts
-        return replace(
-            self,
-            prompt_ids=self.prompt_ids[rows],
-            prompt_mask=self.prompt_mask[rows],
-            response_ids=self.response_ids[rows],
-            response_mask=self.response_mask[rows],
-            finish_reasons=self.finish_reasons[rows],
-            engine_logprobs=lp,
-            response_attention_mask=attn[rows] if attn is not None else None,
-            routed_experts=routed[rows] if routed is not None else None,
-        )
 
 
 class CountingWeights:

@@ -1,8 +1,11 @@
-"""Stream the FSDP2 actor's weights into a rollout engine, one full tensor at a time.
+"""Stream the FSDP2 actor's weights into a rollout engine, bucket by bucket.
 
-Every rank gathers every parameter (``full_tensor()`` is a collective) and feeds it to its own
-engine slice, which keeps only its TP shard. No full state dict is ever materialised: peak extra
-memory is one parameter (the embedding or LM head). Must be called on every rank.
+Every rank gathers every parameter and feeds the full tensors to its own engine slice, which
+keeps only its TP shard. The shards are gathered in buckets (one all-gather per bucket of up to
+``GATHER_BUCKET_BYTES``, cast to the engine's dtype first: see
+:func:`fsdp_rlhf.distributed.fsdp.iter_full_params`), so no full state dict is ever
+materialised: peak extra memory is about two buckets, or one parameter larger than a bucket
+(the embedding or LM head). Must be called on every rank.
 """
 
 from __future__ import annotations
@@ -63,8 +66,9 @@ def tied_head_alias(actor: nn.Module) -> dict[str, str]:
 def stream_actor_weights(
     actor: nn.Module, dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, full tensor in dtype)`` for every actor parameter, one at a time; a
-    tied embedding is yielded a second time under the LM head's name (same tensor, no copy).
+    """Yield ``(hf_name, full tensor in dtype)`` for every actor parameter (gathered bucket by
+    bucket); a tied embedding is yielded a second time under the LM head's name (same tensor, no
+    copy).
 
     Collective: every rank must consume the whole iterator, in step.
     """

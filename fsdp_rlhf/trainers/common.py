@@ -1,13 +1,18 @@
-"""The skeleton `train-rm` and `ppo` share, in the order a run meets it::
+"""The skeleton every command (`sft`, `train-rm`, `dpo`, `ppo`) shares, in the order a run
+meets it::
 
-    launch          prepare (validate, no communication) -> process group -> build -> fit
-    prepare_model   attention kernel, compile, FSDP2 shards, train or frozen mode
-    start_run       run folder and config.yaml, resume from a checkpoint, metrics opened
-    fit             step until done, vote on a stop signal, checkpoint every save_steps
-    save            a resumable checkpoint of the run's models, optimizers and schedules
+    launch            prepare (validate, no communication) -> process group -> build -> fit
+    prepare_model     attention kernel, compile, FSDP2 shards, train or frozen mode
+    write_run_config  <save_path>/config.yaml (credentials masked)
+    resume            the newest checkpoint's models, optimizers and schedules
+    open_metrics      console, metrics.jsonl, TensorBoard, W&B (a resumed run continues them)
+    fit               step until done, vote on a stop signal, checkpoint every save_steps
+    save              a resumable checkpoint of the run's models, optimizers and schedules
 
-A trainer is any object with ``step``, ``total_steps``, ``train_step(stop_agreed)``,
-``save_checkpoint()``, ``finish()`` and ``close()``.
+A trainer (``build``'s result) is any object with ``step``, ``total_steps``,
+``train_step(stop_agreed)``, ``save_checkpoint()``, ``finish()`` and ``close()``: the
+offline commands' :class:`~fsdp_rlhf.trainers.offline.trainer.OfflineTrainer` and
+:class:`~fsdp_rlhf.trainers.ppo.PPOTrainer`.
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ def launch(
     prepare: Callable[[Any, int], Any],
     build: Callable[[Any, DistEnv, Any], Trainer],
 ) -> int:
-    """``main()`` of both commands; returns the exit code (0, also after a graceful stop).
+    """``main()`` of every command; returns the exit code (0, also after a graceful stop).
 
     ``prepare(cfg, world_size)`` runs before the process group, so bad input fails in seconds
     with one line; ``build(cfg, env, prepared)`` loads the models.
@@ -146,8 +151,27 @@ def fit(trainer: Trainer, save_steps: int) -> int:
     return 0
 
 
+def fp32_on_cuda_warning(device_type: str, bf16: bool) -> str | None:
+    """The start-up line of a CUDA run without ``--bf16``, else None.
+
+    ``--bf16`` stays off by default, as in OpenRLHF up to v0.6 and the AIAK scripts whose flag
+    it is (every launcher here passes it); OpenRLHF v0.10+ replaced it with ``--param_dtype``,
+    bf16 by default, so a script from there that leaves the dtype out would run in fp32 here
+    without this line. On CPU fp32 is the right default (docs/cpu_notes.md).
+    """
+    if device_type != "cuda" or bf16:
+        return None
+    return (
+        "no --bf16: this run trains in fp32 on the GPU (weights, activations and matmuls; PPO's "
+        "vLLM engine generates in float32 too), with twice bf16's memory for weights and far "
+        "below the GPU's bf16 speed; pass --bf16 (OpenRLHF v0.10+ is bf16 by default)"
+    )
+
+
 def log_startup(env: DistEnv, zero_stage: int, bf16: bool) -> None:
     log.info(describe_zero_stage(zero_stage))
+    if env.is_rank0 and (fp32 := fp32_on_cuda_warning(env.device.type, bf16)):
+        log.warning(fp32)
     if env.is_rank0 and (status := allocator_status()):
         log.info(status)
     if env.is_rank0 and (hint := allocator_hint(env.device.type)):

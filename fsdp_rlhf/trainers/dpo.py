@@ -1,7 +1,7 @@
 """`fsdp-rlhf dpo`: direct preference optimization (DPO, IPO, cDPO) of a causal LM on FSDP2.
 
 Table of contents, in call order (the loop is :func:`fsdp_rlhf.trainers.common.fit`, the step
-bookkeeping :class:`fsdp_rlhf.trainers.offline.OfflineTrainer`)::
+bookkeeping :class:`fsdp_rlhf.trainers.offline.trainer.OfflineTrainer`)::
 
     prepare         check every pair, tokenize with prompt lengths (no communication)
     DPOTrainer      policy (full or LoRA) and frozen reference -> fully_shard -> AdamW
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from fsdp_rlhf.algorithms import preference_loss
-from fsdp_rlhf.config import DPOConfig, RMBatchPlan
+from fsdp_rlhf.config import DPOConfig, OfflineBatchPlan
 from fsdp_rlhf.data.preference import PairBatch
 from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars
 from fsdp_rlhf.distributed.fsdp import accumulate
@@ -34,10 +34,9 @@ from fsdp_rlhf.distributed.stats import to_host
 from fsdp_rlhf.models.label_logprobs import Layout, sequence_logprobs
 from fsdp_rlhf.models.lora import adapters_disabled
 from fsdp_rlhf.trainers import common
-from fsdp_rlhf.trainers.dpo_data import prepare_dpo_data
-from fsdp_rlhf.trainers.lm_setup import build_policy, build_reference
-from fsdp_rlhf.trainers.offline import OfflineTrainer, TrainData, prepare_command
-from fsdp_rlhf.trainers.rm_steps import pair_layout
+from fsdp_rlhf.trainers.offline.data import prepare_dpo_data
+from fsdp_rlhf.trainers.offline.models import build_policy, build_reference, pair_layout
+from fsdp_rlhf.trainers.offline.trainer import OfflineTrainer, TrainData, prepare_command
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +58,7 @@ def main(cfg: DPOConfig, debug: bool = False) -> int:
     return common.launch(cfg, debug, prepare, DPOTrainer)
 
 
-def prepare(cfg: DPOConfig, world_size: int) -> tuple[RMBatchPlan, TrainData]:
+def prepare(cfg: DPOConfig, world_size: int) -> tuple[OfflineBatchPlan, TrainData]:
     return prepare_command(cfg, world_size, prepare_dpo_data)
 
 
@@ -85,7 +84,7 @@ class DPOTrainer(OfflineTrainer):
     model_name = "policy"
     train_keys = TRAIN_KEYS
 
-    def __init__(self, cfg: DPOConfig, env: DistEnv, prepared: tuple[RMBatchPlan, TrainData]):
+    def __init__(self, cfg: DPOConfig, env: DistEnv, prepared: tuple[OfflineBatchPlan, TrainData]):
         plan, data = prepared
         common.write_run_config(cfg, env)
         model = build_policy(cfg, env)

@@ -44,6 +44,7 @@ from fsdp_rlhf.trainers.experience import (
 )
 from fsdp_rlhf.trainers.guards import BadStepGuard, check_finite_scores
 from fsdp_rlhf.trainers.micro_batches import MicroBatching
+from fsdp_rlhf.trainers.ppo_dynamic_filtering import dynamic_sample
 from fsdp_rlhf.trainers.ppo_eval import Evaluator, build_evaluator
 from fsdp_rlhf.trainers.ppo_metrics import (
     StatCollector,
@@ -61,7 +62,6 @@ from fsdp_rlhf.trainers.ppo_rewards import (
     rule_scores,
 )
 from fsdp_rlhf.trainers.ppo_rollout import RolloutSession, sampling_config, sleep_drops_weights
-from fsdp_rlhf.trainers.ppo_sampling import dynamic_sample
 from fsdp_rlhf.trainers.ppo_setup import (
     adapter_spec,
     build_ema,
@@ -74,11 +74,11 @@ from fsdp_rlhf.trainers.ppo_setup import (
     engine_dtype,
     merged_lora_scaling,
     offload_idle,
-    preflight,
+    prepare,
     prompt_group_size,
 )
 from fsdp_rlhf.trainers.ppo_update import (
-    Optimization,
+    TrainedModel,
     UpdatePlan,
     reuse_update_logprobs,
     update_actor,
@@ -101,7 +101,7 @@ CONSOLE_KEYS = [
 
 
 def main(cfg: PPOConfig, debug: bool = False) -> int:
-    return common.launch(cfg, debug, preflight, PPOTrainer)
+    return common.launch(cfg, debug, prepare, PPOTrainer)
 
 
 class PPOTrainer:
@@ -246,7 +246,7 @@ class PPOTrainer:
             update_metrics = self.update(exp, reuse)
             if reuse:
                 kl_metrics = observe_kl(exp, self.cfg.algo, self.kl_ctl)
-        collect_batch_stats(stats, exp, trainer_old_logprobs=not self.bypass)
+        collect_batch_stats(stats, exp, trainer_old_logprobs=not self.rollout_logprobs_as_old)
         metrics = {**rollout_metrics, **kl_metrics, **update_metrics, **stats.reduce()}
         metrics.update(
             throughput_metrics(
@@ -328,7 +328,7 @@ class PPOTrainer:
 
     def forward_old_ref_values(self, exp: Experience, old_logprobs: bool) -> None:
         micro, temp = self.scoring_batching, self.cfg.rollout.temperature
-        if self.bypass:  # --use_rollout_logprobs_as_old: no trainer recomputation
+        if self.rollout_logprobs_as_old:  # no trainer recomputation
             exp.old_logprobs = exp.engine_logprobs * exp.response_mask
         elif old_logprobs:
             with self.timer("old_log_p"):
@@ -347,7 +347,7 @@ class PPOTrainer:
         cfg, device = self.cfg, self.env.device
         if self.models.critic is not None:
             with self.timer("update_critic"):
-                critic = self._optimization("critic")
+                critic = self._trained_model("critic")
                 onload_optimizer(critic.optimizer, device)
                 metrics.update(
                     update_critic(critic, exp, cfg.algo, self.update_plan, self._generator())
@@ -357,7 +357,7 @@ class PPOTrainer:
         if self.actor_updates:
             with self.timer("update"):
                 actor_metrics, old_logprobs = update_actor(
-                    self._optimization("actor"),
+                    self._trained_model("actor"),
                     exp,
                     cfg.algo,
                     self.update_plan,
@@ -378,9 +378,9 @@ class PPOTrainer:
         metrics["actor/kl_coef"] = self.kl_ctl.value
         return metrics
 
-    def _optimization(self, name: str) -> Optimization:
+    def _trained_model(self, name: str) -> TrainedModel:
         optim_cfg = self.cfg.actor_optim if name == "actor" else self.cfg.critic_optim
-        return Optimization(
+        return TrainedModel(
             self.trained.models[name],
             self.optimizers[name],
             self.schedulers[name],
@@ -502,7 +502,9 @@ class PPOTrainer:
         return self.step > self.cfg.algo.freezing_actor_steps
 
     @property
-    def bypass(self) -> bool:
+    def rollout_logprobs_as_old(self) -> bool:
+        """``--use_rollout_logprobs_as_old``: the engine's log-probs serve as the old ones
+        (no trainer forward; the IS correction then has nothing to correct)."""
         return self.cfg.algo.use_rollout_logprobs_as_old
 
     @property

@@ -158,7 +158,8 @@ def collect_batch_stats(
     stats.add("response_length", mask.sum(-1))
     prompt_mask = exp.attention_mask[:, : -exp.response_len]
     stats.add("prompt_length", prompt_mask.sum(-1).float())
-    if trainer_old_logprobs:  # in bypass mode old_logprobs are the engine's: nothing to compare
+    # without it (--use_rollout_logprobs_as_old) old_logprobs are the engine's: nothing to compare
+    if trainer_old_logprobs:
         diff = (exp.engine_logprobs - exp.old_logprobs).abs()
         stats.add("rollout/logprob_diff", diff, mask)
         mismatch = rollout_mismatch_metrics(exp.old_logprobs, exp.engine_logprobs, mask)

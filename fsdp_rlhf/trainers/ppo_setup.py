@@ -1,7 +1,7 @@
 """PPO setup: cheap checks before any heavy work, then building each component from its section.
 
-``preflight`` runs before the process group and before any model is loaded, so bad input fails
-in a second with one line naming the problem.
+``prepare`` runs before the process group and before any model is loaded, so bad input fails
+in a second with one line naming the problem (the same step as the other commands' ``prepare``).
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def _check_outputs(cfg: PPOConfig) -> None:
         recover_interrupted_export(cfg.ckpt.save_path)
 
 
-def preflight(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any]:
+def prepare(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any]:
     """Validate flags, paths, data and sizes. Returns the batch plan and the raw prompt rows."""
     from fsdp_rlhf.data.sources import check_keys, load_sources
 
@@ -292,7 +292,7 @@ def build_models(cfg: PPOConfig, env: DistEnv, tokenizer) -> Models:
             dtype=frozen_dtype,
         )
         reward = prepare_ppo_model(reward_model, cfg, env, trainable=False)
-        # preflight already refused --normalize_reward without the statistics
+        # prepare already refused --normalize_reward without the statistics
         norm = reward_normalization(m.reward_pretrain) if m.normalize_reward else None
     rule = build_rule_reward(m.remote_rm_url, m.remote_rm_auth_env) if m.remote_rm_url else None
     return Models(tokenizer, actor, ref, critic, reward, norm, rule)

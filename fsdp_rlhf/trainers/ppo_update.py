@@ -85,8 +85,9 @@ class UpdatePlan:
 
 
 @dataclass(frozen=True)
-class Optimization:
-    """A trainable model with its optimizer, schedule, clipping norm and the guard that skips
+class TrainedModel:
+    """One trained model (an entry of :class:`~fsdp_rlhf.trainers.common.TrainedModels`) with
+    what its optimizer steps need: optimizer, schedule, clipping norm and the guard that skips
     non-finite steps (``step`` is the PPO step, for its message)."""
 
     model: nn.Module
@@ -106,8 +107,8 @@ def reuse_update_logprobs(
     runs on the weights the batch was sampled with, so its detached log-probs are exactly the
     old ones (the ratio is 1, as verl and TRL also exploit). That holds only if nothing needs
     them before the update: not a KL penalty in the reward, nor an adaptive KL controller (it
-    sets the coefficient the update uses). Never in bypass mode
-    (``--use_rollout_logprobs_as_old``): the engine's log-probs are the old ones there.
+    sets the coefficient the update uses). Never with ``--use_rollout_logprobs_as_old``
+    (verl's bypass mode): the engine's log-probs are the old ones there.
     """
     return (
         actor_updates
@@ -124,7 +125,7 @@ def kl_in_reward(algo: PPOAlgoConfig) -> bool:
 
 
 def _update_loop(
-    opt: Optimization,
+    opt: TrainedModel,
     exp: Experience,
     plan: UpdatePlan,
     generator: torch.Generator,
@@ -182,9 +183,9 @@ def _correction(
 ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
     """Rollout/trainer mismatch weights (``--is_correction``) and their ``rollout_corr/*`` stats.
 
-    In bypass mode the old log-probs *are* the engine's, so the mismatch is measured against
-    the update's own (detached) log-probs instead: on the first minibatch of the first epoch
-    those are the trainer's old ones.
+    With ``--use_rollout_logprobs_as_old`` the old log-probs *are* the engine's, so the mismatch
+    is measured against the update's own (detached) log-probs instead: on the first minibatch of
+    the first epoch those are the trainer's old ones.
     """
     trainer = logprobs.detach() if algo.use_rollout_logprobs_as_old else old_logprobs
     low, high = algo.is_truncated_threshold
@@ -299,7 +300,7 @@ def _counts(agg: dict) -> dict:
 
 
 def update_actor(
-    actor: Optimization,
+    actor: TrainedModel,
     exp: Experience,
     algo: PPOAlgoConfig,
     plan: UpdatePlan,
@@ -357,7 +358,7 @@ def update_actor(
 
 
 def update_critic(
-    critic: Optimization,
+    critic: TrainedModel,
     exp: Experience,
     algo: PPOAlgoConfig,
     plan: UpdatePlan,

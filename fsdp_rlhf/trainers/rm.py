@@ -1,7 +1,7 @@
 """`fsdp-rlhf train-rm`: pairwise (Bradley-Terry) reward-model training on FSDP2.
 
 Table of contents, in call order (the loop itself is :func:`fsdp_rlhf.trainers.common.fit`,
-the step bookkeeping :class:`fsdp_rlhf.trainers.offline.OfflineTrainer`)::
+the step bookkeeping :class:`fsdp_rlhf.trainers.offline.trainer.OfflineTrainer`)::
 
     prepare         validate and tokenize (no communication), before the process group
     RMTrainer       model -> fully_shard -> AdamW + schedule -> resume from a checkpoint
@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import logging
 
-from fsdp_rlhf.config import RMBatchPlan, RMConfig
+from fsdp_rlhf.config import OfflineBatchPlan, RMConfig
 from fsdp_rlhf.data.preference import PairBatch
 from fsdp_rlhf.distributed.env import DistEnv
 from fsdp_rlhf.models.save import save_model
 from fsdp_rlhf.trainers import common
-from fsdp_rlhf.trainers.offline import OfflineTrainer, TrainData, prepare_command
-from fsdp_rlhf.trainers.rm_data import RMData, prepare_rm_data
-from fsdp_rlhf.trainers.rm_setup import build_model
-from fsdp_rlhf.trainers.rm_steps import evaluate, pair_layout, train_step
+from fsdp_rlhf.trainers.offline.data import prepare_rm_data
+from fsdp_rlhf.trainers.offline.models import build_reward_model, pair_layout
+from fsdp_rlhf.trainers.offline.trainer import OfflineTrainer, TrainData, prepare_command
+from fsdp_rlhf.trainers.rm_steps import evaluate, train_step
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def main(cfg: RMConfig, debug: bool = False) -> int:
     return common.launch(cfg, debug, prepare, RMTrainer)
 
 
-def prepare(cfg: RMConfig, world_size: int) -> tuple[RMBatchPlan, TrainData]:
+def prepare(cfg: RMConfig, world_size: int) -> tuple[OfflineBatchPlan, TrainData]:
     return prepare_command(cfg, world_size, prepare_rm_data)
 
 
@@ -48,10 +48,10 @@ class RMTrainer(OfflineTrainer):
     model_name = "rm"
     train_keys = TRAIN_KEYS
 
-    def __init__(self, cfg: RMConfig, env: DistEnv, prepared: tuple[RMBatchPlan, RMData]):
+    def __init__(self, cfg: RMConfig, env: DistEnv, prepared: tuple[OfflineBatchPlan, TrainData]):
         plan, data = prepared
         common.write_run_config(cfg, env)
-        model = build_model(cfg, env, data.tokenizer.pad_token_id)
+        model = build_reward_model(cfg, env, data.tokenizer.pad_token_id)
         self.layout = pair_layout(model, cfg.batch)
         super().__init__(cfg, env, plan, data, model, guard_name="reward model")
 

@@ -2,50 +2,29 @@
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Iterable
-from typing import Literal
 
 import torch
 from torch import nn
 
 from fsdp_rlhf.algorithms import pairwise_loss
-from fsdp_rlhf.config import RMBatchConfig, RMConfig, RMLossConfig
+from fsdp_rlhf.config import RMConfig, RMLossConfig
 from fsdp_rlhf.data.preference import PairBatch
 from fsdp_rlhf.distributed.env import all_reduce_scalars
 from fsdp_rlhf.distributed.fsdp import accumulate
 from fsdp_rlhf.distributed.stats import to_host
-from fsdp_rlhf.models.attention import VARLEN_ATTENTION
 from fsdp_rlhf.models.forward import sequence_scores, shared_pair_scores
 from fsdp_rlhf.trainers.guards import BadStepGuard, guarded_step
-
-log = logging.getLogger("fsdp_rlhf")
-
-
-PairLayout = Literal["padded", "packed", "shared"]
-
-
-def pair_layout(model: nn.Module, batch: RMBatchConfig) -> PairLayout:
-    """How the pairs go through ``model``: padded, packed into one row, or packed with each
-    pair's shared prefix once (``--share_prompt_prefix``, needs the varlen attention of
-    ``--packing_samples``; flash-attn's kernels take no shared prefix)."""
-    if not batch.packing_samples:
-        return "padded"
-    impl = model.config._attn_implementation
-    if batch.share_prompt_prefix and impl == VARLEN_ATTENTION:
-        log.info("shared prompt prefix: each pair's common prefix runs once")
-        return "shared"
-    if batch.share_prompt_prefix:
-        log.info("shared prompt prefix: off, the model's attention is %s", impl)
-    return "packed"
+from fsdp_rlhf.trainers.offline.models import PairLayout
 
 
 def score_pairs(
     model: nn.Module, batch: PairBatch, device: torch.device, layout: PairLayout = "padded"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward over the 2B sequences (see :func:`pair_layout`). Returns (B,) chosen and
-    (B,) rejected scores (fp32)."""
+    """One forward over the 2B sequences (``layout``: see
+    :func:`~fsdp_rlhf.trainers.offline.models.pair_layout`). Returns (B,) chosen and (B,)
+    rejected scores (fp32)."""
     ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
     if layout == "shared":
         scores = shared_pair_scores(model, ids, mask)
@@ -82,9 +61,9 @@ def train_step(
     step: int,
     layout: PairLayout,
 ) -> dict[str, float]:
-    """Forward/backward over this rank's micro-batches (``layout``: :func:`pair_layout`), clip,
-    optimizer and scheduler step (skipped by ``guard`` when the gradient norm is NaN/Inf;
-    ``step`` names it).
+    """Forward/backward over this rank's micro-batches (``layout``: see
+    :func:`~fsdp_rlhf.trainers.offline.models.pair_layout`), clip, optimizer and scheduler step
+    (skipped by ``guard`` when the gradient norm is NaN/Inf; ``step`` names it).
 
     Gradients are synchronised (reduce-scattered) only after the last micro-batch; each
     micro-batch loss is divided by their count so the update uses the mean over the step.

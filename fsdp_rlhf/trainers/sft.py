@@ -1,7 +1,7 @@
 """`fsdp-rlhf sft`: supervised fine-tuning of a causal LM on FSDP2.
 
 Table of contents, in call order (the loop is :func:`fsdp_rlhf.trainers.common.fit`, the step
-bookkeeping :class:`fsdp_rlhf.trainers.offline.OfflineTrainer`)::
+bookkeeping :class:`fsdp_rlhf.trainers.offline.trainer.OfflineTrainer`)::
 
     prepare         check every row, tokenize with the mask of learned tokens (no communication)
     SFTTrainer      policy (full or LoRA) -> fully_shard -> AdamW + schedule -> resume
@@ -22,16 +22,16 @@ import logging
 import torch
 from torch import nn
 
-from fsdp_rlhf.config import RMBatchPlan, SFTConfig
+from fsdp_rlhf.config import OfflineBatchPlan, SFTConfig
 from fsdp_rlhf.data.sft import SFTBatch, collate_samples
 from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars
 from fsdp_rlhf.distributed.fsdp import accumulate
 from fsdp_rlhf.distributed.stats import global_token_count, to_host
 from fsdp_rlhf.models.label_logprobs import Layout, label_logprobs
 from fsdp_rlhf.trainers import common
-from fsdp_rlhf.trainers.lm_setup import build_policy
-from fsdp_rlhf.trainers.offline import OfflineTrainer, TrainData, prepare_command
-from fsdp_rlhf.trainers.sft_data import prepare_sft_data
+from fsdp_rlhf.trainers.offline.data import prepare_sft_data
+from fsdp_rlhf.trainers.offline.models import build_policy
+from fsdp_rlhf.trainers.offline.trainer import OfflineTrainer, TrainData, prepare_command
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def main(cfg: SFTConfig, debug: bool = False) -> int:
     return common.launch(cfg, debug, prepare, SFTTrainer)
 
 
-def prepare(cfg: SFTConfig, world_size: int) -> tuple[RMBatchPlan, TrainData]:
+def prepare(cfg: SFTConfig, world_size: int) -> tuple[OfflineBatchPlan, TrainData]:
     return prepare_command(cfg, world_size, prepare_sft_data)
 
 
@@ -78,7 +78,7 @@ class SFTTrainer(OfflineTrainer):
     model_name = "policy"
     train_keys = TRAIN_KEYS
 
-    def __init__(self, cfg: SFTConfig, env: DistEnv, prepared: tuple[RMBatchPlan, TrainData]):
+    def __init__(self, cfg: SFTConfig, env: DistEnv, prepared: tuple[OfflineBatchPlan, TrainData]):
         plan, data = prepared
         common.write_run_config(cfg, env)
         model = build_policy(cfg, env, grad_reduce="sum")

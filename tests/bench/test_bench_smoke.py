@@ -1,4 +1,5 @@
-"""`cmd/bench.py --smoke`: every measurement path runs and writes sane numbers (not speed)."""
+"""`python -m scripts.bench --smoke`: every measurement path runs and writes sane numbers (not
+speed)."""
 
 from __future__ import annotations
 
@@ -12,20 +13,20 @@ import sys
 import pytest
 
 from fsdp_rlhf.allocator import find_tcmalloc, preloaded_allocator
+from scripts.benchkit.peak import bf16_blocker
 from tests.e2e.helpers import REPO, _env
 
 pytestmark = pytest.mark.slow
 
 HAS_TRL = importlib.util.find_spec("trl") is not None
-sys.path.insert(0, str(REPO / "cmd"))
-from benchkit.peak import bf16_blocker  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("bench")
     proc = subprocess.run(
-        [sys.executable, "cmd/bench.py", "--smoke", "--out", str(out), "--work", str(out / "w")],
+        [sys.executable, "-m", "scripts.bench", "--smoke", "--out", str(out), "--work",
+         str(out / "w")],
         capture_output=True, text=True, cwd=REPO, env=_env(None), timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

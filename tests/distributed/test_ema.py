@@ -13,9 +13,9 @@ BETA = 0.8
 
 
 def _sharded(model_path: str, world: int):
-    from fsdp_rlhf.distributed.env import current_env
     from fsdp_rlhf.distributed.fsdp import build_mesh, shard_model
     from fsdp_rlhf.models.load import load_causal_lm
+    from tests.dist_utils import current_env
 
     env = current_env()
     model = load_causal_lm(model_path, BackendConfig(), env.device)

@@ -29,7 +29,6 @@ def _loss(model, ids, mask):
 
 def _fsdp_checks(rank: int, world: int, model_path: str, ckpt_dir: str, zero_stage: int):
     from fsdp_rlhf.distributed.checkpoint import load_checkpoint, save_checkpoint
-    from fsdp_rlhf.distributed.env import current_env
     from fsdp_rlhf.distributed.fsdp import (
         build_mesh,
         clip_grad_norm_,
@@ -39,6 +38,7 @@ def _fsdp_checks(rank: int, world: int, model_path: str, ckpt_dir: str, zero_sta
     )
     from fsdp_rlhf.distributed.offload import move_module_, move_optimizer_
     from fsdp_rlhf.models.load import load_causal_lm
+    from tests.dist_utils import current_env
 
     env = current_env()
     torch.manual_seed(0)

@@ -10,9 +10,9 @@ from tests.dist_utils import run_distributed
 
 
 def _gather_checks(rank: int, world: int, model_path: str) -> dict[str, bool]:
-    from fsdp_rlhf.distributed.env import current_env
     from fsdp_rlhf.distributed.fsdp import build_mesh, iter_full_params, shard_model
     from fsdp_rlhf.models.load import load_causal_lm
+    from tests.dist_utils import current_env
 
     env = current_env()
     ref = load_causal_lm(model_path, BackendConfig(), env.device)
@@ -43,10 +43,10 @@ def test_bucketed_gather_is_exact(tiny_qwen2):
 
 
 def _tied_checks(rank: int, world: int, model_path: str) -> bool:
-    from fsdp_rlhf.distributed.env import current_env
     from fsdp_rlhf.distributed.fsdp import build_mesh, shard_model
     from fsdp_rlhf.models.load import load_causal_lm
     from fsdp_rlhf.rollout.weight_sync import stream_actor_weights
+    from tests.dist_utils import current_env
 
     env = current_env()
     ref = load_causal_lm(model_path, BackendConfig(), env.device)

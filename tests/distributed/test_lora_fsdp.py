@@ -10,10 +10,10 @@ from tests.dist_utils import run_distributed
 
 
 def _reference_first_then_update(rank: int, world: int, model_path: str) -> int:
-    from fsdp_rlhf.distributed.env import current_env
     from fsdp_rlhf.distributed.fsdp import build_mesh, shard_model
     from fsdp_rlhf.models import lora
     from fsdp_rlhf.models.load import load_causal_lm
+    from tests.dist_utils import current_env
 
     env = current_env()
     model = lora.add_lora(load_causal_lm(model_path, BackendConfig(), env.device),

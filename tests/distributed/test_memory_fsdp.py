@@ -99,9 +99,9 @@ def _local_numel(model) -> tuple[int, int]:
 
 
 def _no_grad_reshard(rank: int, world: int, model_path: str, zero_stage: int):
-    from fsdp_rlhf.distributed.env import current_env
     from fsdp_rlhf.distributed.fsdp import build_mesh, shard_model
     from fsdp_rlhf.models.load import load_causal_lm
+    from tests.dist_utils import current_env
 
     env = current_env()
     mesh = build_mesh(env.device, world)
@@ -142,9 +142,9 @@ def test_no_grad_forward_leaves_params_sharded_at_zero2(tiny_llama):
 def _accumulate_zero3(rank: int, world: int, model_path: str):
     from torch.distributed.tensor import DTensor
 
-    from fsdp_rlhf.distributed.env import current_env
     from fsdp_rlhf.distributed.fsdp import accumulate, build_mesh, shard_model
     from fsdp_rlhf.models.load import load_causal_lm
+    from tests.dist_utils import current_env
 
     env = current_env()
     ref = load_causal_lm(model_path, BackendConfig(), env.device)

@@ -58,19 +58,19 @@ def _one_update(
 ):
     from fsdp_rlhf.config import PPOConfig, plan_ppo_batches
     from fsdp_rlhf.config_base import build_config
-    from fsdp_rlhf.distributed.env import current_env
     from fsdp_rlhf.distributed.fsdp import build_mesh, shard_model
     from fsdp_rlhf.models.attention import use_varlen_attention
     from fsdp_rlhf.trainers.experience import batched_logprobs
     from fsdp_rlhf.trainers.guards import BadStepGuard
     from fsdp_rlhf.trainers.ppo_setup import prompt_group_size
     from fsdp_rlhf.trainers.ppo_update import (
-        Optimization,
+        TrainedModel,
         UpdatePlan,
         reuse_update_logprobs,
         update_actor,
         update_generator,
     )
+    from tests.dist_utils import current_env
 
     argv = ARGV.split() + (["--packing_samples"] if packed else []) + (DYNAMIC if dynamic else [])
     cfg, _ = build_config(PPOConfig, argv)
@@ -95,7 +95,7 @@ def _one_update(
         micro = update_plan.batching if dynamic else 2
         exp.old_logprobs = batched_logprobs(actor, exp, micro, 1.0, packed=packed, group_size=group)
     metrics, reused = update_actor(
-        Optimization(actor, opt, sched, cfg.actor_optim.max_norm, BadStepGuard(0, "actor"), 1),
+        TrainedModel(actor, opt, sched, cfg.actor_optim.max_norm, BadStepGuard(0, "actor"), 1),
         exp,
         cfg.algo,
         update_plan,

@@ -45,7 +45,7 @@ def _sampled_checks(actor, engine, prompts, n: int) -> dict:
         r[m.bool()].tolist() for r, m in zip(out.prompt_ids, out.prompt_mask, strict=True)
     ]
     return {
-        "sample_rows": out.num_rows,
+        "sample_rows": out.response_ids.shape[0],
         "prompt_major": prompt_rows == [p for p in prompts for _ in range(n)],
         "distinct_per_prompt": [
             len({tuple(r) for r in rows[i * n : (i + 1) * n]}) for i in range(len(prompts))
@@ -82,7 +82,6 @@ def _rollout_checks(rank: int, world: int, model_path: str, tp: int) -> dict:
     import copy
 
     from fsdp_rlhf.config import BackendConfig, FSDPConfig, RolloutConfig
-    from fsdp_rlhf.distributed.env import current_env
     from fsdp_rlhf.distributed.fsdp import build_mesh, shard_model
     from fsdp_rlhf.models.load import load_causal_lm, load_tokenizer
     from fsdp_rlhf.rollout import (
@@ -93,6 +92,7 @@ def _rollout_checks(rank: int, world: int, model_path: str, tp: int) -> dict:
         sync_weights,
     )
     from fsdp_rlhf.rollout.vllm_engine import VLLMEngine
+    from tests.dist_utils import current_env
 
     env = current_env()
     tok = load_tokenizer(model_path)
@@ -190,10 +190,10 @@ def test_vllm_tp2_one_engine_tied(tiny_qwen2_tied):
 def _sleep_wake_cuda(rank: int, world: int, model_path: str) -> dict:
     """Sleep level 2 on CUDA: memory released, generate refused until a full sync, same output."""
     from fsdp_rlhf.config import BackendConfig, RolloutConfig
-    from fsdp_rlhf.distributed.env import current_env
     from fsdp_rlhf.models.load import load_causal_lm, load_tokenizer
     from fsdp_rlhf.rollout import SamplingConfig, build_rollout_groups, sync_weights
     from fsdp_rlhf.rollout.vllm_engine import VLLMEngine
+    from tests.dist_utils import current_env
 
     env = current_env()
     tok = load_tokenizer(model_path)

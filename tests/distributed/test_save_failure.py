@@ -11,10 +11,11 @@ from tests.dist_utils import run_distributed
 
 def _export(rank: int, world: int, model_path: str, save_path: str) -> str:
     from fsdp_rlhf.config import BackendConfig
-    from fsdp_rlhf.distributed.env import PeerFailure, current_env
+    from fsdp_rlhf.distributed.env import PeerFailure
     from fsdp_rlhf.errors import WriteFault
     from fsdp_rlhf.models.load import load_causal_lm
     from fsdp_rlhf.models.save import save_hf_model
+    from tests.dist_utils import current_env
 
     model = load_causal_lm(model_path, BackendConfig(), current_env().device)
     started = time.monotonic()

@@ -70,9 +70,9 @@ def test_doctor_fails_loudly_on_a_model_without_value_head(tiny_qwen2):
 
 
 def _launcher_flags() -> list[str]:
-    """The TRAINING_ARGS of cmd/ppo.sh, shell variables replaced by placeholders (8 ranks on
+    """The TRAINING_ARGS of examples/ppo.sh, shell variables replaced by placeholders (8 ranks on
     one node; one vLLM engine per rank)."""
-    text = (Path(__file__).parents[2] / "cmd" / "ppo.sh").read_text()
+    text = (Path(__file__).parents[2] / "examples" / "ppo.sh").read_text()
     body = text.split("TRAINING_ARGS=(", 1)[1].split("\n)", 1)[0]
     args = shlex.split(body, comments=True)
     values = {"$NNODES": "1", "$GPUS_PER_NODE": "8", "$VLLM_NUM_ENGINES": "8"}

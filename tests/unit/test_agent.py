@@ -190,7 +190,7 @@ def test_unmappable_agent_files_are_refused_by_name(tmp_path, body, message):
     assert "openrlhf" not in sys.modules
 
 
-def test_agent_flag_in_config_and_preflight(tmp_path):
+def test_agent_flag_in_config_and_prepare(tmp_path):
     from fsdp_rlhf.config_base import ConfigError
     from fsdp_rlhf.trainers.ppo_setup import _check_rewards
 

@@ -3,13 +3,8 @@
 from __future__ import annotations
 
 import math
-import sys
 
-from tests.e2e.helpers import REPO
-
-sys.path.insert(0, str(REPO / "cmd"))
-
-from benchkit import lora  # noqa: E402
+from scripts.benchkit import lora
 
 
 def _run(step: float, update: float, sync_s: float, sync_bytes: float, tps: float) -> dict:

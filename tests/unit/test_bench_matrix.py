@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
-from tests.e2e.helpers import REPO
-
-sys.path.insert(0, str(REPO / "cmd"))
-
-from benchkit import matrix, peak  # noqa: E402
-from benchkit.render import matrix_rows  # noqa: E402
+from scripts.benchkit import matrix, peak
+from scripts.benchkit.render import matrix_rows
 
 
 def test_parse_cell():
@@ -110,8 +104,8 @@ def test_bf16_cells_are_skipped_where_bf16_matmuls_are_emulated():
 
 def test_shared_prefix_bench_times_each_case_and_tabulates_pairs(tmp_path):
     """bench.py --more: the on/off micro-benchmark runs every case and pairs them up."""
-    from benchkit import prefix
-    from benchkit.workload import SMOKE, build_workload
+    from scripts.benchkit import prefix
+    from scripts.benchkit.workload import SMOKE, build_workload
 
     w = build_workload(tmp_path, SMOKE)
     result = prefix.measure(w, SMOKE, reps=1, warmup=1, compile=False)

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from fsdp_rlhf.commands import WITH_OWN_FLAGS
 from fsdp_rlhf.compat import translate
-from fsdp_rlhf.compat.openrlhf import PARSERS, TABLES, VERSIONS
-from fsdp_rlhf.compat.rules import Accept, Refuse, split_flags
-from fsdp_rlhf.config import DPOConfig, PPOConfig, RMConfig, SFTConfig
-from fsdp_rlhf.config_base import ConfigError, build_config, parse_cli
+from fsdp_rlhf.compat.openrlhf import TABLES, VERSIONS
+from fsdp_rlhf.compat.rules import Accept, Refuse
+from fsdp_rlhf.config_base import ConfigError, build_config, parse_cli, split_flags
 
 DATA = Path(__file__).resolve().parents[2] / "fsdp_rlhf" / "compat" / "data"
-CONFIGS = {"ppo": PPOConfig, "train-rm": RMConfig, "sft": SFTConfig, "dpo": DPOConfig}
+CONFIGS = {c.name: c.config_class() for c in WITH_OWN_FLAGS}
 
 
 def _flags(parser: str, version: str) -> list[dict]:
@@ -41,9 +41,9 @@ def _sample(flag: dict) -> list[str]:
 
 
 CASES = [
-    (command, version, flag)
-    for command, parsers in PARSERS.items()
-    for parser in parsers
+    (command.name, version, flag)
+    for command in WITH_OWN_FLAGS
+    for parser in command.openrlhf
     for version in VERSIONS
     for flag in _flags(parser, version)
 ]

@@ -6,67 +6,138 @@ import dataclasses
 import re
 import subprocess
 import sys
+from typing import ClassVar
 
 import pytest
+import yaml
 
-from fsdp_rlhf.config import PPOConfig, RMConfig, plan_ppo_batches, plan_rm_batches
-from fsdp_rlhf.config_base import ConfigError, build_config, dump_yaml, from_dict, iter_leaves
+from fsdp_rlhf.config import (
+    PPOConfig,
+    RMConfig,
+    SFTConfig,
+    plan_offline_batches,
+    plan_ppo_batches,
+)
+from fsdp_rlhf.config_base import (
+    ConfigError,
+    build_config,
+    command_config,
+    doc,
+    dump_yaml,
+    from_dict,
+    iter_leaves,
+    section,
+)
 
-# Flags of AIAK-RLHF's RM and PPO scripts (its guide's sections 1.3/1.4 and 2.3/2.4), verbatim.
-AIAK_RM_FLAGS = """--pretrain --save_path --save_steps --logging_steps --eval_steps
---train_batch_size --micro_train_batch_size --bf16 --max_epochs --max_len --zero_stage
---learning_rate --dataset
---dataset_probs --prompt_key --chosen_key --rejected_key --apply_chat_template --flash_attn
---gradient_checkpointing --tensorboard --eval_dataset --seed --lr_warmup_ratio --lr_scheduler
---max_norm --margin_key --loss --center_rewards_coefficient --value_head_prefix --ckpt_path
---load_checkpoint --input_template --max_samples""".split()
-AIAK_PPO_FLAGS = """--pretrain --reward_pretrain --micro_train_batch_size --micro_rollout_batch_size
---rollout_batch_size --colocate_all --bf16 --max_samples --max_epochs --generate_max_len
---prompt_max_len --zero_stage --actor_learning_rate --critic_learning_rate --init_kl_coef
---normalize_reward --save_path --prompt_data --prompt_data_probs --input_key --input_template
---apply_chat_template --vllm_num_engines --vllm_tensor_parallel_size
---vllm_gpu_memory_utilization --ref_reward_offload --adam_offload --flash_attn
---gradient_checkpointing --save_steps --logging_steps --tensorboard --num_nodes
---num_gpus_per_node --critic_pretrain --n_samples_per_prompt --advantage_estimator --gamma
---lambd --eps_clip --value_clip --dual_clip --kl_estimator --use_kl_loss --kl_target
---entropy_loss_coef --max_norm --freezing_actor_steps --ppo_epochs --temperature --top_p --seed
---ckpt_path --load_checkpoint --label_key --remote_rm_url""".split()
+# Flags of AIAK-RLHF's RM and PPO scripts (its guide's sections 1.3/1.4 and 2.3/2.4), each with a
+# value its scripts could pass and the setting(s) it must land in. Values differ from our
+# defaults, so a flag that lands in the wrong setting (or nowhere) fails. A switch is given bare.
+SHARED = {
+    "--save_path": ("/out", {"ckpt.save_path": "/out"}),
+    "--save_steps": ("20", {"ckpt.save_steps": 20}),
+    "--logging_steps": ("5", {"logging.logging_steps": 5}),
+    "--micro_train_batch_size": ("4", {"batch.micro_train_batch_size": 4}),
+    "--bf16": (None, {"backend.bf16": True}),
+    "--max_epochs": ("3", {"batch.max_epochs": 3}),
+    "--zero_stage": ("3", {"fsdp.zero_stage": 3}),
+    "--apply_chat_template": (None, {"data.apply_chat_template": True}),
+    "--gradient_checkpointing": (None, {"backend.gradient_checkpointing": True}),
+    "--tensorboard": ("/tb", {"logging.tensorboard": "/tb"}),
+    "--seed": ("7", {"seed": 7}),
+    "--ckpt_path": ("/ck", {"ckpt.ckpt_path": "/ck"}),
+    "--load_checkpoint": (None, {"ckpt.load_checkpoint": True}),
+    "--input_template": ("Q: {} A:", {"data.input_template": "Q: {} A:"}),
+    "--max_samples": ("1000", {"data.max_samples": 1000}),
+}
+AIAK_RM_FLAGS = {
+    **SHARED,
+    "--pretrain": ("/sft", {"model.pretrain": "/sft"}),
+    "--eval_steps": ("50", {"logging.eval_steps": 50}),
+    "--train_batch_size": ("64", {"batch.train_batch_size": 64}),
+    "--max_len": ("2048", {"data.max_len": 2048}),
+    "--learning_rate": ("9e-6", {"optim.lr": 9e-6}),
+    "--dataset": ("a.jsonl,b.jsonl", {"data.dataset": "a.jsonl,b.jsonl"}),
+    "--dataset_probs": ("0.5,0.5", {"data.dataset_probs": "0.5,0.5"}),
+    "--prompt_key": ("prompt", {"data.prompt_key": "prompt"}),
+    "--chosen_key": ("good", {"data.chosen_key": "good"}),
+    "--rejected_key": ("bad", {"data.rejected_key": "bad"}),
+    "--eval_dataset": ("e.jsonl", {"data.eval_dataset": "e.jsonl"}),
+    "--lr_warmup_ratio": ("0.1", {"optim.lr_warmup_ratio": 0.1}),
+    "--lr_scheduler": ("linear", {"optim.lr_scheduler": "linear"}),
+    "--max_norm": ("0.5", {"optim.max_norm": 0.5}),
+    "--margin_key": ("margin", {"data.margin_key": "margin"}),
+    "--loss": ("logexp", {"loss.loss": "logexp"}),
+    "--center_rewards_coefficient": ("0.01", {"loss.center_rewards_coefficient": 0.01}),
+    "--value_head_prefix": ("value_head", {"model.value_head_prefix": "value_head"}),
+}
+AIAK_PPO_FLAGS = {
+    **SHARED,
+    "--pretrain": ("/sft", {"models.pretrain": "/sft"}),
+    "--reward_pretrain": ("/rm", {"models.reward_pretrain": "/rm"}),
+    "--micro_rollout_batch_size": ("16", {"rollout.micro_rollout_batch_size": 16}),
+    "--rollout_batch_size": ("1024", {"batch.rollout_batch_size": 1024}),
+    "--colocate_all": ("false", {"placement.colocate_all": False}),  # on by default
+    "--generate_max_len": ("512", {"rollout.generate_max_len": 512}),
+    "--prompt_max_len": ("512", {"data.prompt_max_len": 512}),
+    "--actor_learning_rate": ("5e-7", {"actor_optim.lr": 5e-7}),
+    "--critic_learning_rate": ("5e-6", {"critic_optim.lr": 5e-6}),
+    "--init_kl_coef": ("0.01", {"algo.init_kl_coef": 0.01}),
+    "--normalize_reward": (None, {"models.normalize_reward": True}),
+    "--prompt_data": ("p.jsonl", {"data.prompt_data": "p.jsonl"}),
+    "--prompt_data_probs": ("0.3,0.7", {"data.prompt_data_probs": "0.3,0.7"}),
+    "--input_key": ("question", {"data.input_key": "question"}),
+    "--vllm_num_engines": ("4", {"rollout.vllm_num_engines": 4}),
+    "--vllm_tensor_parallel_size": ("2", {"rollout.vllm_tensor_parallel_size": 2}),
+    "--vllm_gpu_memory_utilization": ("0.5", {"rollout.vllm_gpu_memory_utilization": 0.5}),
+    "--ref_reward_offload": (None, {"placement.ref_reward_offload": True}),
+    "--adam_offload": (None, {"fsdp.adam_offload": True}),
+    "--num_nodes": ("2", {"placement.num_nodes": 2}),
+    "--num_gpus_per_node": ("8", {"placement.num_gpus_per_node": 8}),
+    "--critic_pretrain": ("/critic", {"models.critic_pretrain": "/critic"}),
+    "--n_samples_per_prompt": ("4", {"batch.n_samples_per_prompt": 4}),
+    "--advantage_estimator": ("grpo", {"algo.advantage_estimator": "grpo"}),
+    "--gamma": ("0.99", {"algo.gamma": 0.99}),
+    "--lambd": ("0.9", {"algo.lam": 0.9}),
+    "--eps_clip": ("0.1", {"algo.eps_clip": 0.1}),
+    "--value_clip": ("0.3", {"algo.value_clip": 0.3}),
+    "--dual_clip": ("3.0", {"algo.dual_clip": 3.0}),
+    "--kl_estimator": ("k3", {"algo.kl_estimator": "k3"}),
+    "--use_kl_loss": (None, {"algo.use_kl_loss": True}),
+    "--kl_target": ("0.1", {"algo.kl_target": 0.1}),
+    "--entropy_loss_coef": ("0.001", {"algo.entropy_loss_coef": 0.001}),
+    "--max_norm": ("0.5", {"actor_optim.max_norm": 0.5, "critic_optim.max_norm": 0.5}),
+    "--freezing_actor_steps": ("5", {"algo.freezing_actor_steps": 5}),
+    "--ppo_epochs": ("2", {"algo.ppo_epochs": 2}),
+    "--temperature": ("0.7", {"rollout.temperature": 0.7}),
+    "--top_p": ("0.9", {"rollout.top_p": 0.9}),
+    "--label_key": ("answer", {"data.label_key": "answer"}),
+    "--remote_rm_url": ("reward.py", {"models.remote_rm_url": "reward.py"}),
+}
 
 
-def _value_for(cls, flag: str) -> list[str]:
-    from fsdp_rlhf.config_base import _flag_names
-
-    leaf = _flag_names(cls)[flag[2:]][0]
-    samples = {bool: [], int: ["2"], float: ["0.5"], str: ["x"]}
-    tp = leaf.type
-    if tp in samples:
-        return samples[tp]
-    text = str(tp)
-    if "Literal" in text:
-        return [re.findall(r"'([^']+)'", text)[-1]]
-    if "tuple" in text:
-        return ["0.9", "0.95"]
-    if "int" in text:
-        return ["2"]
-    return ["0.5"] if "float" in text else ["x"]
+def _at(cfg, path: str):
+    for part in path.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
 
 
-@pytest.mark.parametrize("cls,flags", [(RMConfig, AIAK_RM_FLAGS), (PPOConfig, AIAK_PPO_FLAGS)])
-def test_every_aiak_flag_is_accepted_with_underscores_and_dashes(cls, flags):
-    for flag in flags:
-        argv = [flag, *_value_for(cls, flag)]
-        if flag == "--dual_clip":
-            argv = [flag, "3.0"]
-        if flag == "--lambd":
-            argv = [flag, "0.9"]
-        if flag in ("--gamma",):
-            argv = [flag, "0.99"]
-        if flag == "--eps_clip":
-            argv = [flag, "0.1"]
-        if flag == "--flash_attn":  # flash-attn has no fp32 kernels; AIAK's scripts pass both
-            argv = [flag, "--bf16"]
-        build_config(cls, argv)
-        build_config(cls, [flag.replace("_", "-"), *argv[1:]])
+@pytest.mark.parametrize(
+    "cls,table", [(RMConfig, AIAK_RM_FLAGS), (PPOConfig, AIAK_PPO_FLAGS)], ids=["rm", "ppo"]
+)
+def test_every_aiak_flag_sets_its_setting_with_underscores_and_dashes(cls, table):
+    default, _ = build_config(cls, [])
+    for flag, (value, expected) in table.items():
+        for spelled in (flag, flag.replace("_", "-")):
+            argv = [spelled] if value is None else [spelled, value]
+            if flag == "--colocate_all":
+                argv = [f"{spelled}={value}"]
+            cfg, _ = build_config(cls, argv)
+            for path, want in expected.items():
+                assert _at(cfg, path) == want, f"{' '.join(argv)} -> {path}"
+                assert _at(default, path) != want, f"{flag}: pick a value that is not default"
+    # --flash_attn needs --bf16 (no fp32 kernels); AIAK's scripts pass both
+    cfg, _ = build_config(cls, ["--flash-attn", "--bf16"])
+    assert cfg.backend.flash_attn and cfg.backend.bf16
 
 
 def test_defaults_match_aiak_tables():
@@ -121,6 +192,78 @@ def test_booleans_switch_and_negate_and_aliases_fan_out():
     assert not cfg.backend.bf16 and debug and cfg.algo.lam == 0.9
 
 
+def test_the_argv_grammar_refuses_stray_and_extra_values():
+    with pytest.raises(ConfigError, match="--bf16 is a switch and takes no value"):
+        build_config(RMConfig, ["--bf16", "true"])
+    with pytest.raises(ConfigError, match="--train_batch_size needs one value, got 2: 32 64"):
+        build_config(RMConfig, ["--train_batch_size", "32", "64"])
+    with pytest.raises(ConfigError, match="--max_len needs one value, got none"):
+        build_config(RMConfig, ["--max_len"])
+    with pytest.raises(ConfigError, match="--config needs a path"):
+        build_config(RMConfig, ["--config"])
+    with pytest.raises(ConfigError, match="unexpected argument 'ppo'"):
+        build_config(PPOConfig, ["ppo", "--bf16"])
+    # the translation layer splits a line with the same grammar: nothing foreign, same argv
+    from fsdp_rlhf.compat import translate
+
+    argv = ["--adam_betas", "0.8", "0.9", "--bf16=false", "--lambd", "0.9"]
+    assert translate("ppo", argv).argv == argv
+    cfg, _ = build_config(PPOConfig, argv)
+    assert cfg.actor_optim.adam_betas == (0.8, 0.9) and cfg.algo.lam == 0.9
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Data:
+    seed: int = doc(1, "Shuffle seed.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Init:
+    seed: int = doc(2, "Init seed.")
+
+
+def _two_sections(flat_names: dict | None = None):
+    """A command config whose two sections both have a ``seed`` field."""
+
+    @command_config
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Twin:
+        FLAT_NAMES: ClassVar[dict] = flat_names or {}
+        data: Data = section(Data)
+        init: Init = section(Init)
+
+    return Twin
+
+
+def test_two_sections_sharing_a_flag_name_fail_when_the_class_is_defined():
+    from fsdp_rlhf.config_base import ConfigDefinitionError
+
+    with pytest.raises(ConfigDefinitionError, match=r"--seed would name data\.seed, init\.seed"):
+        _two_sections()
+    # FLAT_NAMES resolves it: one name each, or one name that sets both
+    twin = _two_sections({"data_seed": "data.seed", "init_seed": "init.seed"})
+    cfg, _ = build_config(twin, ["--data_seed", "5", "--init.seed", "6"])
+    assert (cfg.data.seed, cfg.init.seed) == (5, 6)
+    with pytest.raises(ConfigError, match="unknown flag --seed"):
+        build_config(twin, ["--seed", "5"])
+    both = _two_sections({"seed": ("data.seed", "init.seed")})
+    assert build_config(both, ["--seed", "9"])[0].init.seed == 9
+    with pytest.raises(ConfigDefinitionError, match="no setting data.sed"):
+        _two_sections({"seed": ("data.sed", "init.seed")})
+    with pytest.raises(ConfigDefinitionError, match="--seed is the flag of init.seed"):
+        _two_sections({"seed": "data.seed"})
+
+
+def test_every_command_config_is_checked_at_import():
+    from fsdp_rlhf.commands import COMMANDS
+    from fsdp_rlhf.config_base import flag_names
+
+    for command in COMMANDS:
+        cls = command.config_class()
+        assert cls.__dict__.get("flags_checked"), f"{cls.__name__} lacks @command_config"
+        assert "seed" in flag_names(cls), command.name
+
+
 def test_configs_are_frozen_and_round_trip_through_yaml():
     import yaml
 
@@ -146,12 +289,12 @@ def test_validation_errors():
         build_config(PPOConfig, ["--dual_clip", "0.5"])
 
 
-def test_plan_rm_batches():
+def test_plan_offline_batches():
     cfg, _ = build_config(RMConfig, ["--train_batch_size", "128", "--micro_train_batch_size", "4"])
-    plan = plan_rm_batches(cfg.batch, world_size=8)
+    plan = plan_offline_batches(cfg.batch, world_size=8)
     assert (plan.grad_accum_steps, plan.batch_size_per_rank) == (4, 16)
     with pytest.raises(ConfigError, match="divisible"):
-        plan_rm_batches(cfg.batch, world_size=3)
+        plan_offline_batches(cfg.batch, world_size=3)
 
 
 def test_plan_ppo_batches():
@@ -172,13 +315,22 @@ def test_plan_ppo_batches():
         plan_ppo_batches(grpo, world_size=1)
 
 
-def test_cli_help_lists_commands_and_flags():
+def test_cli_help_lists_every_command_of_the_table():
+    from fsdp_rlhf.commands import COMMANDS
+
     exe = [sys.executable, "-m", "fsdp_rlhf.cli"]
-    out = subprocess.run([*exe, "--help"], capture_output=True, text=True, check=True).stdout
-    assert "train-rm" in out and "ppo" in out and "doctor" in out
+    env = {"COLUMNS": "200", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([*exe, "--help"], capture_output=True, text=True, check=True, env=env)
+    listed = re.findall(r"^│ ([a-z][\w-]*) ", out.stdout, flags=re.M)  # the Commands box
+    assert listed == [c.name for c in COMMANDS]
+    doctor = subprocess.run([*exe, "doctor", "--help"], capture_output=True, text=True, check=True)
+    assert doctor.stdout.startswith("fsdp-rlhf doctor flags (same as ppo)")
+    assert "--advantage_estimator" in doctor.stdout
 
 
-@pytest.mark.parametrize("command,cls", [("ppo", PPOConfig), ("train-rm", RMConfig)])
+@pytest.mark.parametrize(
+    "command,cls", [("ppo", PPOConfig), ("train-rm", RMConfig), ("sft", SFTConfig)]
+)
 def test_piped_help_has_every_flag_on_one_line(command, cls):
     """Narrow terminal, piped: every flag's name, type, default and help on its own line,
     grouped by section, so `--help | grep -- --flag` finds it."""
@@ -197,7 +349,7 @@ def test_piped_help_has_every_flag_on_one_line(command, cls):
         hits = [line for line in lines if line.strip().startswith(f"{flag} ")]
         assert len(hits) == 1, flag
         assert f"[default: {default}]" in hits[0] and text.split(".")[0] in hits[0], hits[0]
-    for section in (
+    for title in (
         "Models:",
         "Data:",
         "Algorithm:",
@@ -207,7 +359,7 @@ def test_piped_help_has_every_flag_on_one_line(command, cls):
         "Logging:",
         "LoRA:",
     ):
-        assert section in lines or command == "train-rm", section
+        assert title in lines or command != "ppo", title
     assert any(line.startswith("OpenRLHF aliases") for line in lines)
     assert any(line.strip().startswith("--ds.zero_stage") for line in lines)
 
@@ -385,3 +537,30 @@ def test_vllm_sleep_level_defaults_to_discarding_weights():
     assert ppo.rollout.vllm_sleep_level == 1
     with pytest.raises(ConfigError, match="vllm_sleep_level"):
         build_config(PPOConfig, ["--vllm_sleep_level", "3"])
+
+
+@pytest.mark.parametrize("cls", [RMConfig, PPOConfig])
+def test_guard_flags(cls):
+    cfg, _ = build_config(cls, [])
+    assert (cfg.guard.max_bad_steps, cfg.guard.dist_timeout_min) == (5, 60)
+    cfg, _ = build_config(cls, ["--max_bad_steps", "0", "--dist_timeout_min", "15"])
+    assert (cfg.guard.max_bad_steps, cfg.guard.dist_timeout_min) == (0, 15)
+    with pytest.raises(ConfigError, match="max_bad_steps must be >= 0"):
+        build_config(cls, ["--max_bad_steps", "-1"])
+    with pytest.raises(ConfigError, match="dist_timeout_min must be >= 1"):
+        build_config(cls, ["--dist_timeout_min", "0"])
+
+
+def test_config_yaml_masks_reward_url_secrets():
+    url = "https://bob:hunter2@rm.example/score?api_key=K123"
+    cfg, _ = build_config(
+        PPOConfig, ["--remote_rm_url", url, "--remote_rm_auth_env", "RM_TOKEN", "--pretrain", "m"]
+    )
+    text = dump_yaml(cfg)
+    assert "hunter2" not in text and "K123" not in text and "bob" not in text
+    models = yaml.safe_load(text)["models"]
+    assert models["remote_rm_url"] == "https://***@rm.example/score?api_key=***"
+    assert models["remote_rm_auth_env"] == "RM_TOKEN"  # the name, never the value
+    assert models["pretrain"] == "m"
+    cfg, _ = build_config(PPOConfig, ["--remote_rm_url", "/data/r.py"])
+    assert yaml.safe_load(dump_yaml(cfg))["models"]["remote_rm_url"] == "/data/r.py"

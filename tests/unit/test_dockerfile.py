@@ -69,8 +69,34 @@ def test_flash_attn_build_is_bounded_and_follows_the_checks():
     dry = subprocess.run(
         ["make", "-n", "-B", "install", "HAS_GPU=1"], cwd=REPO, capture_output=True, text=True
     ).stdout
-    build_line = next(ln for ln in dry.splitlines() if "--no-build-isolation" in ln)
-    assert re.match(r"MAX_JOBS=[1-9]\d* ", build_line), build_line
+    lines = dry.splitlines()
+    build = next(i for i, ln in enumerate(lines) if "--no-build-isolation" in ln)
+    assert re.search(r" MAX_JOBS=[1-9]\d* ", lines[build]), lines[build]
+    # nvcc is checked before the vLLM download, and nvcc-vs-torch plus the GPUs' architectures
+    # right before the build, whose environment they set (tests/unit/test_install_env.py)
+    first = next(i for i, ln in enumerate(lines) if "install_env.sh flash-attn" in ln)
+    vllm = next(i for i, ln in enumerate(lines) if '"vllm==' in ln)
+    assert first < vllm < build
+    assert "install_env.sh flash-attn .venv/bin/python" in " ".join(lines[vllm : build + 1])
+    assert "env $ARCHS MAX_JOBS=" in lines[build]
+
+
+def test_python_check_accepts_the_package_range():
+    """The image's Python check accepts exactly pyproject's requires-python (3.11-3.13: the CUDA
+    13 PyTorch images ship 3.12), and passes on this interpreter."""
+    from packaging.specifiers import SpecifierSet
+
+    (check,) = [r for r in _runs() if "sys.version_info" in r]
+    m = re.search(r"\((\d+), (\d+)\) <= sys\.version_info\[:2\] < \((\d+), (\d+)\)", check)
+    assert m, check
+    low, high = (int(m[1]), int(m[2])), (int(m[3]), int(m[4]))
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    spec = SpecifierSet(project["requires-python"])
+    for minor in range(8, 16):
+        assert (low <= (3, minor) < high) == (f"3.{minor}" in spec), minor
+    snippet = re.search(r"python -c '([^']+)'", check)[1]
+    ran = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stderr
 
 
 def _check_snippets() -> list[str]:

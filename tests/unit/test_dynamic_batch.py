@@ -113,7 +113,7 @@ def test_critic_update_equals_fixed_micro_batches(tiny_qwen2, monkeypatch):
     from fsdp_rlhf.config import PPOAlgoConfig
     from fsdp_rlhf.models.load import load_scalar_model
     from fsdp_rlhf.trainers.guards import BadStepGuard
-    from fsdp_rlhf.trainers.ppo_update import Optimization, UpdatePlan, update_critic
+    from fsdp_rlhf.trainers.ppo_update import TrainedModel, UpdatePlan, update_critic
 
     exp = _experience()
     results = []
@@ -125,7 +125,7 @@ def test_critic_update_equals_fixed_micro_batches(tiny_qwen2, monkeypatch):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
         plan = UpdatePlan(1, 6, 6, 2, 1, 2, False, 7, max_tokens=max_tokens)
         metrics = update_critic(
-            Optimization(model, opt, sched, 1e9, BadStepGuard(0, "critic"), 1),
+            TrainedModel(model, opt, sched, 1e9, BadStepGuard(0, "critic"), 1),
             exp,
             PPOAlgoConfig(),
             plan,

@@ -1,4 +1,4 @@
-"""Launchers: cmd/*.sh, slurm/*.sbatch and the k8s PyTorchJob manifests.
+"""Launchers: examples/*.sh, slurm/*.sbatch and the k8s PyTorchJob manifests.
 
 The shell scripts are run for real with ``DRY_RUN=1`` (they print the command they would run), and
 through their signal paths with stub ``srun``/``scontrol``/``torchrun`` executables on PATH, so no
@@ -25,10 +25,10 @@ from jsonschema import Draft202012Validator
 
 REPO = Path(__file__).resolve().parents[2]
 CMD_SCRIPTS = {
-    "train-rm": REPO / "cmd" / "train_rm.sh",
-    "ppo": REPO / "cmd" / "ppo.sh",
-    "sft": REPO / "cmd" / "sft.sh",
-    "dpo": REPO / "cmd" / "dpo.sh",
+    "train-rm": REPO / "examples" / "train_rm.sh",
+    "ppo": REPO / "examples" / "ppo.sh",
+    "sft": REPO / "examples" / "sft.sh",
+    "dpo": REPO / "examples" / "dpo.sh",
 }
 SBATCH = {
     "train-rm": REPO / "slurm" / "train_rm.sbatch",
@@ -381,13 +381,13 @@ needs_setsid = pytest.mark.skipif(shutil.which("setsid") is None, reason="needs 
 
 
 def all_shell_files() -> list[Path]:
-    return sorted([*REPO.glob("cmd/*.sh"), *REPO.glob("slurm/*.sbatch")])
+    return sorted([*REPO.glob("examples/*.sh"), *REPO.glob("slurm/*.sbatch")])
 
 
 def test_launcher_files_exist():
     files = {p.relative_to(REPO).as_posix() for p in all_shell_files()}
-    assert {"cmd/train_rm.sh", "cmd/ppo.sh", "slurm/train_rm.sbatch", "slurm/ppo.sbatch"} <= files
-    assert {"cmd/sft.sh", "cmd/dpo.sh", "slurm/sft.sbatch", "slurm/dpo.sbatch"} <= files
+    launchers = {f"examples/{c}.sh" for c in ("train_rm", "ppo", "sft", "dpo")}
+    assert launchers | {f"slurm/{c}.sbatch" for c in ("train_rm", "ppo", "sft", "dpo")} <= files
     for path in MANIFESTS.values():
         assert path.is_file()
 
@@ -663,29 +663,63 @@ def _mutate(path: str, value):
 
 
 POD = "1.spec.pytorchReplicaSpecs.Master.template.spec"
+POD_ERR = "spec/pytorchReplicaSpecs/Master/template/spec"
+# mutation -> the error it must raise (the check that catches it, by the path it names)
 BROKEN = {
-    "container-name": _mutate(f"{POD}.containers.0.name", "trainer"),
-    "restart-policy": _mutate("1.spec.pytorchReplicaSpecs.Worker.restartPolicy", "Sometimes"),
-    "replicas-string": _mutate("1.spec.pytorchReplicaSpecs.Worker.replicas", "1"),
-    "two-masters": _mutate("1.spec.pytorchReplicaSpecs.Master.replicas", 2),
-    "no-worker": _mutate("1.spec.pytorchReplicaSpecs.Worker", KeyError),
-    "env-number": _mutate(f"{POD}.containers.0.env.0.value", 0),
-    "no-gpu-limit": _mutate(f"{POD}.containers.0.resources.limits", {"cpu": 8}),
-    "missing-volume": _mutate(f"{POD}.volumes", []),
-    "foreign-configmap": _mutate(f"{POD}.volumes.1.configMap.name", "other-launch"),
-    "bad-subpath": _mutate(f"{POD}.containers.0.volumeMounts.1.subPath", "run.sh"),
-    "bad-api": _mutate("1.apiVersion", "kubeflow.org/v2"),
+    "container-name": (
+        _mutate(f"{POD}.containers.0.name", "trainer"),
+        f"{POD_ERR}/containers: [{{'name': 'trainer'",
+    ),
+    "restart-policy": (
+        _mutate("1.spec.pytorchReplicaSpecs.Worker.restartPolicy", "Sometimes"),
+        "spec/pytorchReplicaSpecs/Worker/restartPolicy: 'Sometimes' is not one of",
+    ),
+    "replicas-string": (
+        _mutate("1.spec.pytorchReplicaSpecs.Worker.replicas", "1"),
+        "spec/pytorchReplicaSpecs/Worker/replicas: '1' is not of type 'integer'",
+    ),
+    "two-masters": (
+        _mutate("1.spec.pytorchReplicaSpecs.Master.replicas", 2),
+        "spec/pytorchReplicaSpecs/Master/replicas: 1 was expected",
+    ),
+    "no-worker": (
+        _mutate("1.spec.pytorchReplicaSpecs.Worker", KeyError),
+        "spec/pytorchReplicaSpecs: 'Worker' is a required property",
+    ),
+    "env-number": (
+        _mutate(f"{POD}.containers.0.env.0.value", 0),
+        f"{POD_ERR}/containers/0/env/0/value: 0 is not of type 'string'",
+    ),
+    "no-gpu-limit": (
+        _mutate(f"{POD}.containers.0.resources.limits", {"cpu": 8}),
+        f"{POD_ERR}/containers/0/resources/limits: 'nvidia.com/gpu' is a required property",
+    ),
+    "missing-volume": (
+        _mutate(f"{POD}.volumes", []),
+        "Master: mount config-volume has no volume",
+    ),
+    "foreign-configmap": (
+        _mutate(f"{POD}.volumes.1.configMap.name", "other-launch"),
+        "Master: volume config-volume references a ConfigMap not in the file",
+    ),
+    "bad-subpath": (
+        _mutate(f"{POD}.containers.0.volumeMounts.1.subPath", "run.sh"),
+        "Master: subPath run.sh is no key of the ConfigMap",
+    ),
+    "bad-api": (
+        _mutate("1.apiVersion", "kubeflow.org/v2"),
+        "apiVersion: 'kubeflow.org/v1' was expected",
+    ),
 }
 
 
-@pytest.mark.parametrize("mutation", BROKEN.values(), ids=BROKEN.keys())
-def test_checks_reject_broken_manifest(mutation):
+@pytest.mark.parametrize("mutation,error", BROKEN.values(), ids=BROKEN.keys())
+def test_checks_reject_broken_manifest(mutation, error):
     docs = copy.deepcopy(load_manifest(MANIFESTS["ppo"]))
+    assert not [e for d in docs for e in schema_errors(d)] and not consistency_errors(docs)
     mutation(docs)
-    errors = [e for d in docs for e in schema_errors(d)]
-    if not errors:
-        errors = consistency_errors(docs)
-    assert errors
+    errors = [e for d in docs for e in schema_errors(d)] + consistency_errors(docs)
+    assert any(e.startswith(error) for e in errors), errors
 
 
 @pytest.mark.parametrize("cmd", MANIFESTS)
@@ -694,7 +728,7 @@ def test_pytorchjob_pod_setup(cmd: str):
     cm_name = next(iter(configmaps(docs)))
     job = pytorchjob(docs)
     spec = job["spec"]
-    # Static sizing: WORLD_SIZE must stay "number of pods" for launch.sh.
+    # Fixed size; nprocPerNode left to the operator ("auto"): WORLD_SIZE then counts pods.
     assert "elasticPolicy" not in spec and "nprocPerNode" not in spec
     for replica in spec["pytorchReplicaSpecs"].values():
         assert replica["restartPolicy"] == "OnFailure"
@@ -871,7 +905,7 @@ def test_sbatch_finished_run_is_not_requeued(fakes):
     assert not (out / "scontrol.log").exists()
 
 
-# ---------------------------------------------------------------- cmd/*.sh
+# ---------------------------------------------------------------- examples/*.sh
 
 
 def test_cmd_train_rm_flags_match_aiak_script():
@@ -983,15 +1017,14 @@ def rendered_commands(tmp_path: Path, fakes) -> list[tuple[str, list[str]]]:
 
 def test_rendered_flags_parse_with_the_cli(tmp_path: Path, fakes):
     """Every launcher's flags are accepted by fsdp-rlhf's own config parser."""
-    from fsdp_rlhf.config import DPOConfig, PPOConfig, RMConfig, SFTConfig
+    from fsdp_rlhf.commands import BY_NAME
     from fsdp_rlhf.config_base import build_config
 
     rendered = rendered_commands(tmp_path, fakes)
     subs = sorted(sub for sub, _ in rendered)
     assert subs == ["dpo"] * 3 + ["ppo"] * 3 + ["sft"] * 3 + ["train-rm"] * 3
-    configs = {"ppo": PPOConfig, "train-rm": RMConfig, "sft": SFTConfig, "dpo": DPOConfig}
     for sub, flags in rendered:
-        cfg, _ = build_config(configs[sub], flags)
+        cfg, _ = build_config(BY_NAME[sub].config_class(), flags)
         assert cfg.ckpt.load_checkpoint == ("--load_checkpoint" in flags)
 
 
@@ -1000,7 +1033,7 @@ def test_rendered_flags_parse_with_the_cli(tmp_path: Path, fakes):
 
 def _all_rendered(tmp_path: Path, fakes, **env: str) -> dict[str, list[str]]:
     bin_dir, out = fakes
-    argvs = {f"cmd/{c}": dry_run(CMD_SCRIPTS[c], **env) for c in CMD_SCRIPTS}
+    argvs = {f"examples/{c}": dry_run(CMD_SCRIPTS[c], **env) for c in CMD_SCRIPTS}
     for c in MANIFESTS:
         argvs[f"k8s/{c}"] = dry_run(launch_script(MANIFESTS[c], tmp_path), **env)
     for c in SBATCH:

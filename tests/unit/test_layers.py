@@ -1,8 +1,18 @@
-"""The package's import graph: lower layers never import upward.
+"""The package's import graph: no import runs from a lower layer back up to a higher one.
 
-algorithms/ is pure tensor math (torch and itself); distributed/, rollout/, data/, models/
-never import trainers/ or the entry points; inside trainers/ nothing imports the command
-modules (ppo.py, rm.py, sft.py, dpo.py); the library never imports its test fixtures.
+The layers, lowest first (a module may import its own layer and the ones below it):
+
+    errors, algorithms        pure tensor math (algorithms imports only itself)
+    config and its kin        config trees, the command table, flag translation and help,
+                              optimizer, metric sinks
+    distributed               process group, FSDP2, checkpoints, offload, memory model
+    data, models              datasets; loading, forwards, LoRA, compile, HF export
+    rollout                   engines, weight sync, environments
+    trainers                  the only place that wires everything
+    cli, doctor, testing      entry points and the test fixtures
+
+Inside trainers/ nothing imports the command modules (ppo.py, rm.py, sft.py, dpo.py), and the
+library never imports its test fixtures.
 """
 
 from __future__ import annotations
@@ -13,8 +23,26 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[2] / "fsdp_rlhf"
-LOWER = ("algorithms", "distributed", "rollout", "data", "models")
-ENTRY_POINTS = ("fsdp_rlhf.cli", "fsdp_rlhf.doctor", "fsdp_rlhf.trainers")
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors", "algorithms"),
+    (
+        "config_base",
+        "config",
+        "commands",
+        "compat",
+        "flag_help",
+        "optim",
+        "metrics",
+        "metrics_wandb",
+        "allocator",
+        "cpu_bf16",
+    ),
+    ("distributed",),
+    ("data", "models"),
+    ("rollout",),
+    ("trainers",),
+    ("cli", "doctor", "testing"),
+)
 TRAINER_ENTRIES = tuple(f"fsdp_rlhf.trainers.{m}" for m in ("ppo", "rm", "sft", "dpo"))
 _ENTRY_PREFIXES = tuple(f"{m}." for m in TRAINER_ENTRIES)
 
@@ -42,15 +70,54 @@ def _imports(path: Path) -> set[str]:
     return {m for m in out if m.startswith("fsdp_rlhf")}
 
 
-def _files(sub: str) -> list[Path]:
+def _files(sub: str = "") -> list[Path]:
     return sorted((PKG / sub).rglob("*.py"))
 
 
-@pytest.mark.parametrize("layer", LOWER)
-def test_lower_layers_never_import_trainers_or_entry_points(layer):
-    for f in _files(layer):
-        bad = [m for m in _imports(f) if m.startswith(ENTRY_POINTS)]
-        assert not bad, f"{f.relative_to(PKG)} imports {bad}"
+def _layer(module: str) -> int | None:
+    """The layer index of ``fsdp_rlhf.<top>...`` (None for the package root itself)."""
+    parts = module.split(".")
+    if len(parts) < 2:
+        return None
+    for i, names in enumerate(LAYERS):
+        if parts[1] in names:
+            return i
+    raise AssertionError(f"{module}: its top-level name {parts[1]!r} is in no layer of LAYERS")
+
+
+def upward_imports(module: str, imports: set[str]) -> list[str]:
+    """The imports of ``module`` that belong to a higher layer than its own."""
+    own = _layer(module)
+    return sorted(m for m in imports if own is not None and (_layer(m) or 0) > own)
+
+
+def test_every_module_has_a_layer():
+    tops = {p.relative_to(PKG).parts[0].removesuffix(".py") for p in _files()}
+    tops.discard("__init__")
+    placed = {name for names in LAYERS for name in names}
+    assert tops <= placed, f"not in LAYERS: {sorted(tops - placed)}"
+
+
+@pytest.mark.parametrize("names", LAYERS, ids=lambda names: "+".join(names))
+def test_no_import_runs_up_a_layer(names):
+    bad = []
+    for f in _files():
+        module = _module_name(f)
+        if module.split(".")[1:2] and module.split(".")[1] in names:
+            if up := upward_imports(module, _imports(f)):
+                bad.append(f"{f.relative_to(PKG)} imports {up}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_layer_check_catches_an_upward_import():
+    # the import this test was written for: FSDP wrapping reaching up into models/
+    assert upward_imports("fsdp_rlhf.distributed.fsdp", {"fsdp_rlhf.models.compile"}) == [
+        "fsdp_rlhf.models.compile"
+    ]
+    assert upward_imports("fsdp_rlhf.models.save", {"fsdp_rlhf.distributed.fsdp"}) == []
+    assert upward_imports("fsdp_rlhf.rollout.env", {"fsdp_rlhf.trainers.ppo"}) == [
+        "fsdp_rlhf.trainers.ppo"
+    ]
 
 
 def test_algorithms_import_only_themselves():
@@ -68,13 +135,14 @@ def test_no_trainer_module_imports_an_entry_module():
 
 
 def test_the_library_never_imports_test_fixtures():
-    for f in sorted(PKG.rglob("*.py")):
+    for f in _files():
         if "testing" in f.relative_to(PKG).parts:
             continue
         bad = [m for m in _imports(f) if m.startswith("fsdp_rlhf.testing")]
         assert not bad, f"{f.relative_to(PKG)} imports {bad}"
 
 
-def test_the_import_scanner_sees_relative_and_absolute_imports(tmp_path):
+def test_the_import_scanner_sees_relative_and_absolute_imports():
     assert "fsdp_rlhf.algorithms.masked" in _imports(PKG / "algorithms" / "advantages.py")
     assert "fsdp_rlhf.trainers.common" in _imports(PKG / "trainers" / "rm.py")
+    assert "fsdp_rlhf.rollout.engine" in _imports(PKG / "rollout" / "__init__.py")

@@ -18,7 +18,7 @@ LLAMA_7B = dict(
     vocab_size=32000,
     num_attention_heads=32,
 )
-# cmd/ppo.sh and slurm/ppo.sbatch: 8 GPUs of 80 GB per node, vLLM TP 1
+# examples/ppo.sh and slurm/ppo.sbatch: 8 GPUs of 80 GB per node, vLLM TP 1
 LAUNCHER = JobFlags(
     world=8,
     device_bytes=80 * GIB,

@@ -3,9 +3,11 @@
 The Kubernetes launch scripts (k8s/*-pytorchjob.yaml) and the Slurm ones (slurm/*.sbatch)
 read the same environment: the same variables, and, given the same values, the same training
 flags and ranks per node. Only where the scheduler states the topology differs (SLURM_* there;
-MASTER_ADDR, WORLD_SIZE and RANK from the training operator here). The Slurm path runs for
-real in tests/cluster; a PyTorchJob cannot run here, so this is what keeps the two together.
-And a vLLM engine's tensor-parallel ranks stay inside one node.
+MASTER_ADDR, WORLD_SIZE, RANK and PET_* from the training operator here). Both run for real in
+tests/cluster (`make test-cluster`, root only); this keeps them together everywhere. The k8s
+launch.sh renders the right torchrun under every environment the operator can inject
+(tests/cluster/pytorchjob.py models it), and a vLLM engine's tensor-parallel ranks stay inside
+one node.
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ PAIRS = {
     "train-rm": (REPO / "slurm" / "train_rm.sbatch", REPO / "k8s" / "rm-pytorchjob.yaml"),
     "ppo": (REPO / "slurm" / "ppo.sbatch", REPO / "k8s" / "ppo-pytorchjob.yaml"),
 }
-SCHEDULER_VARS = {"MASTER_ADDR", "WORLD_SIZE", "RANK"}  # the operator's, not the user's
+# the operator's, not the user's
+SCHEDULER_VARS = {"MASTER_ADDR", "WORLD_SIZE", "RANK", "PET_NNODES", "PET_NODE_RANK"}
+SCHEDULER_VARS |= {"PET_NPROC_PER_NODE"}
+MANIFESTS = sorted((REPO / "k8s").glob("*-pytorchjob.yaml"))
 # Read with a default (or a required check): ${VAR:-...}, ${VAR:?...}, ${VAR-...}
 _READ = re.compile(r"\$\{([A-Z][A-Z0-9_]*):?[-?]")
 
@@ -130,3 +135,65 @@ def test_tp_engines_stay_inside_a_node(monkeypatch, local: int, tp: int, ok: boo
     else:
         with pytest.raises(UserError, match="span parts of two nodes"):
             _check_world(cfg, 24)
+
+
+# ---------------------------------------------------------------- the operator's environment
+
+
+def _operator_dry_run(
+    manifest: Path, tmp_path: Path, spec: dict, env: dict[str, str] | None = None
+):
+    """launch.sh of ``manifest`` (DRY_RUN) in the Worker pod's environment as the training
+    operator sets it for the job with ``spec`` merged into its spec."""
+    from tests.cluster import pytorchjob
+
+    job, _ = pytorchjob.load(manifest)
+    job["spec"].update(spec)
+    job = pytorchjob.with_defaults(job)
+    injected = dict(pytorchjob.operator_env(job, "Worker", 0))
+    script = tmp_path / "launch.sh"
+    script.write_text(launch_sh(manifest))
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PET_"))}
+    proc = subprocess.run(
+        ["bash", str(script)],
+        env={**base, **injected, **(env or {}), "DRY_RUN": "1"},
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
+    return job, injected, proc
+
+
+@pytest.mark.parametrize("manifest", MANIFESTS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("nproc", [None, "8"], ids=["as-shipped", "nprocPerNode-8"])
+def test_launch_sh_under_the_operators_environment(manifest: Path, tmp_path: Path, nproc):
+    """As shipped (no nprocPerNode: the operator defaults it to "auto", WORLD_SIZE counts pods)
+    and with nprocPerNode "8" (WORLD_SIZE then counts processes, 16): 2 nodes either way."""
+    spec = {} if nproc is None else {"nprocPerNode": nproc}
+    job, injected, proc = _operator_dry_run(manifest, tmp_path, spec)
+    assert injected["WORLD_SIZE"] == ("2" if nproc is None else "16")
+    assert injected["PET_NPROC_PER_NODE"] == (nproc or "auto")
+    assert injected["PET_NNODES"] == "2" and injected["RANK"] == injected["PET_NODE_RANK"] == "1"
+    assert proc.returncode == 0, proc.stderr
+    argv = shlex.split(proc.stdout)
+    launcher, _ = _split(argv)
+    name = job["metadata"]["name"]
+    assert _opt(launcher, "--nnodes") == "2" and _opt(launcher, "--node_rank") == "1"
+    assert _opt(launcher, "--master_addr") == f"{name}-master-0"
+    assert _opt(launcher, "--master_port") == "23456"
+    assert _opt(launcher, "--nproc_per_node") == "8"
+
+
+@pytest.mark.parametrize("manifest", MANIFESTS, ids=lambda p: p.stem)
+def test_launch_sh_refuses_what_it_cannot_run(manifest: Path, tmp_path: Path):
+    _, _, proc = _operator_dry_run(manifest, tmp_path, {"nprocPerNode": "4"})
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == (
+        "launch.sh: the PyTorchJob's nprocPerNode (4) is not GPUS_PER_NODE (8): set them equal, "
+        "or leave nprocPerNode out"
+    )
+    # an elasticPolicy makes PET_NNODES a range (and asks for c10d rendezvous via PET_RDZV_*)
+    _, _, proc = _operator_dry_run(manifest, tmp_path, {}, {"PET_NNODES": "1:2"})
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("launch.sh: PET_NNODES=1:2 is a range (an elasticPolicy)")
+    assert len(proc.stderr.strip().splitlines()) == 1

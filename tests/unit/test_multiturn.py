@@ -279,7 +279,7 @@ def test_sample_log_shows_env_turns(tok, tmp_path):
         (["--eval_dataset", "e.jsonl"], "--eval_dataset"),
     ],
 )
-def test_preflight_refuses_other_reward_sources(tmp_path, extra, message):
+def test_prepare_refuses_other_reward_sources(tmp_path, extra, message):
     from fsdp_rlhf.trainers.ppo_setup import _check_rewards
 
     env = write_env(tmp_path, TWO_TURN_ENV)

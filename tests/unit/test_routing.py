@@ -105,7 +105,7 @@ def test_routing_dtype_is_compact():
 
 def test_routing_travels_through_trimming_and_concatenation():
     from fsdp_rlhf.trainers.experience import Experience
-    from fsdp_rlhf.trainers.ppo_sampling import concat_experiences
+    from fsdp_rlhf.trainers.ppo_dynamic_filtering import concat_experiences
 
     def exp(P, T, fill):
         N = 2

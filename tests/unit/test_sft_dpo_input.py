@@ -152,9 +152,9 @@ def test_section_factory_defaults_survive_a_flag():
 
 
 def test_tokenizer_chat_template_replaces_the_tokenizers(tiny_qwen2, tmp_path):
-    from fsdp_rlhf.config import SFTConfig, plan_rm_batches
+    from fsdp_rlhf.config import SFTConfig, plan_offline_batches
     from fsdp_rlhf.config_base import build_config
-    from fsdp_rlhf.trainers.sft_data import prepare_sft_data
+    from fsdp_rlhf.trainers.offline.data import prepare_sft_data
 
     conv = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "one two"}]
     write_jsonl(tmp_path / "chat.jsonl", [{"messages": conv}] * 4)
@@ -167,7 +167,7 @@ def test_tokenizer_chat_template_replaces_the_tokenizers(tiny_qwen2, tmp_path):
             template, "--save_path", str(tmp_path / "out"), "--train_batch_size", "2",
             "--micro_train_batch_size", "1"]  # fmt: skip
     cfg, _ = build_config(SFTConfig, argv)
-    data = prepare_sft_data(cfg, plan_rm_batches(cfg.batch, 1))
+    data = prepare_sft_data(cfg, plan_offline_batches(cfg.batch, 1))
     ids, mask = data.train[0]["input_ids"], data.train[0]["loss_mask"]
     assert data.tokenizer.decode(ids) == "[user]hello[assistant]one two"
     assert data.tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m]) == "one two"

@@ -7,7 +7,6 @@ from fsdp_rlhf.algorithms import (
     policy_loss,
     rollout_correction,
     rollout_mismatch_metrics,
-    truncated_is_weights,
 )
 from tests.unit.algorithms.helpers import SEEDS, make_gen, ragged_mask, randn, valid_positions
 
@@ -106,16 +105,6 @@ def test_mismatch_metrics_match_reference(seed):
     assert set(stats) < set(with_weights)
 
 
-@pytest.mark.parametrize("seed", SEEDS[:6])
-def test_use_tis_alias_is_tis_with_no_lower_bound(seed):
-    old, rollout, mask = _inputs(seed)
-    w_old, st_old = truncated_is_weights(old, rollout, mask, cap=1.5)
-    w_new, st_new = rollout_correction(old, rollout, mask, "tis", low=0.0, high=1.5)
-    torch.testing.assert_close(w_old, w_new, rtol=0, atol=0)
-    assert st_old["tis_clipfrac"] == st_new["is_clipfrac"]
-    assert st_old["mismatch_kl"] == st_new["mismatch_kl"]
-
-
 @pytest.mark.parametrize("seed", SEEDS[:4])
 def test_weights_scale_the_policy_gradient(seed):
     old, rollout, mask = _inputs(seed)
@@ -135,5 +124,3 @@ def test_bad_thresholds_and_modes():
             rollout_correction(old, rollout, mask, "tis", low, high)
     with pytest.raises(ValueError):
         rollout_correction(old, rollout, mask, "seq-mask", 0.5, 2.0)
-    with pytest.raises(ValueError):
-        truncated_is_weights(old, rollout, mask, cap=0.0)

@@ -9,7 +9,6 @@ from fsdp_rlhf.algorithms import (
     gspo_loss,
     pairwise_loss,
     policy_loss,
-    truncated_is_weights,
     value_loss,
 )
 from tests.unit.algorithms.helpers import SEEDS, make_gen, ragged_mask, randn, valid_positions
@@ -186,35 +185,6 @@ def test_pairwise_loss_matches_reference(seed, kind):
     assert big.item() == pytest.approx(1000.0)
     with pytest.raises(ValueError):
         pairwise_loss(chosen, rejected, kind="hinge")
-
-
-@pytest.mark.parametrize("seed", SEEDS)
-def test_truncated_is_weights(seed):
-    gen = make_gen(seed)
-    mask = ragged_mask(B, T, gen)
-    rollout = -randn(B, T, gen=gen).abs()
-    old = (rollout + randn(B, T, gen=gen) * 0.5).requires_grad_(True)
-    weights, stats = truncated_is_weights(old, rollout, mask, cap=1.5)
-    assert not weights.requires_grad
-    diffs, kls, n_capped = [], [], 0
-    for b in range(B):
-        for t in range(T):
-            lr = (old[b, t] - rollout[b, t]).item()
-            expected = min(math.exp(lr), 1.5) if mask[b, t] else 0.0
-            assert weights[b, t].item() == pytest.approx(expected, rel=1e-12)
-            if mask[b, t]:
-                diffs.append(abs(lr))
-                kls.append(math.exp(lr) - 1 - lr)
-                n_capped += math.exp(lr) > 1.5
-    assert stats["mismatch_abs_diff"].item() == pytest.approx(sum(diffs) / len(diffs))
-    assert stats["mismatch_kl"].item() == pytest.approx(sum(kls) / len(kls))
-    assert stats["tis_clipfrac"].item() == pytest.approx(n_capped / len(diffs))
-    logprobs = old.detach().clone().requires_grad_(True)
-    adv = randn(B, T, gen=gen)
-    weighted, _ = policy_loss(logprobs, old.detach(), adv, mask, is_weights=weights)
-    weighted.backward()
-    n = mask.sum()
-    torch.testing.assert_close(logprobs.grad, -adv * weights / n)
 
 
 @pytest.mark.parametrize("seed", SEEDS[:6])

@@ -1,10 +1,7 @@
-import statistics
-
 import pytest
 import torch
 
 from fsdp_rlhf.algorithms import (
-    RunningMeanStd,
     clip_scores,
     overlong_penalty,
     shape_rewards,
@@ -47,41 +44,6 @@ def test_clip_scores():
     assert clip_scores(scores, None) is scores
     with pytest.raises(ValueError):
         clip_scores(scores, 0.0)
-
-
-@pytest.mark.parametrize("seed", SEEDS)
-def test_running_mean_std_matches_full_history(seed):
-    gen = make_gen(seed)
-    rms = RunningMeanStd()
-    history: list[float] = []
-    for step in range(5):
-        batch = randn(int(torch.randint(1, 9, (1,), generator=gen)), gen=gen) * (step + 1) + 50
-        mask = torch.rand(batch.shape, generator=gen) < 0.8
-        rms.update(batch, mask)
-        history += [x for x, m in zip(batch.tolist(), mask.tolist(), strict=True) if m]
-    assert rms.count == len(history)
-    assert rms.mean == pytest.approx(statistics.fmean(history), rel=1e-12)
-    assert rms.var == pytest.approx(statistics.pvariance(history), rel=1e-9)
-    x = randn(4, gen=gen)
-    expected = (x - statistics.fmean(history)) / (statistics.pvariance(history) + 1e-8) ** 0.5
-    torch.testing.assert_close(rms.normalize(x), expected)
-    torch.testing.assert_close(rms.normalize(x, shift_mean=False), x / (rms.var + 1e-8) ** 0.5)
-
-
-def test_running_mean_std_state_round_trip():
-    rms = RunningMeanStd()
-    rms.update(torch.tensor([1.0, 2.0, 4.0]))
-    restored = RunningMeanStd()
-    restored.load_state_dict(rms.state_dict())
-    assert (
-        restored.state_dict()
-        == rms.state_dict()
-        == {
-            "mean": pytest.approx(7 / 3),
-            "var": pytest.approx(statistics.pvariance([1.0, 2.0, 4.0])),
-            "count": 3.0,
-        }
-    )
 
 
 def _ref_overlong(length, max_len, buffer, factor):

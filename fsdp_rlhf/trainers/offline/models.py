@@ -1,0 +1,107 @@
+"""The models of `train-rm`, `sft` and `dpo`, built after the process group exists: the
+reward model (a scalar head on the SFT model), the trained policy (full or LoRA), DPO's frozen
+reference; and how a pair's two sequences go through a model (:func:`pair_layout`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from fsdp_rlhf.config import PairBatchConfig, RMConfig
+from fsdp_rlhf.distributed.env import DistEnv
+from fsdp_rlhf.models.attention import VARLEN_ATTENTION
+from fsdp_rlhf.models.load import load_causal_lm, load_scalar_model
+from fsdp_rlhf.models.lora import add_lora
+from fsdp_rlhf.trainers.common import log_startup, prepare_model
+
+log = logging.getLogger("fsdp_rlhf")
+
+PairLayout = Literal["padded", "packed", "shared"]
+
+
+def build_reward_model(cfg: RMConfig, env: DistEnv, pad_token_id: int) -> nn.Module:
+    """Load the SFT model with a scalar head and shard it over all ranks."""
+    log_startup(env, cfg.fsdp.zero_stage, cfg.backend.bf16)
+    # Same seed on every rank: a freshly initialised head must be identical everywhere,
+    # because each rank keeps its own shard of its own copy.
+    torch.manual_seed(cfg.seed)
+    model = load_scalar_model(
+        cfg.model.pretrain, cfg.backend, env.device, value_head_prefix=cfg.model.value_head_prefix
+    )
+    # HF (and vLLM) score the last token that is not pad_token_id: use the tokenizer's pad.
+    model.config.pad_token_id = pad_token_id
+    if cfg.lora.enabled:  # adapters on the decoder; the head is trained in full
+        add_lora(model, cfg.lora, head="score")
+    prepare_model(
+        model, env, cfg.fsdp, cfg.backend, packed=cfg.batch.packing_samples, trainable=True
+    )
+    # Different dropout masks per rank from here on.
+    torch.manual_seed(cfg.seed + env.rank)
+    return model
+
+
+def build_policy(cfg: Any, env: DistEnv, *, grad_reduce: str = "mean") -> nn.Module:
+    """Load ``--pretrain`` as a causal LM (with adapters under ``--lora_rank``) and shard it.
+
+    ``grad_reduce``: ``"sum"`` when the loss is normalised by a global token count (SFT).
+    """
+    log_startup(env, cfg.fsdp.zero_stage, cfg.backend.bf16)
+    torch.manual_seed(cfg.seed)  # identical adapter init on every rank
+    model = load_causal_lm(cfg.model.pretrain, cfg.backend, env.device)
+    if cfg.lora.enabled:
+        add_lora(model, cfg.lora)
+    prepare_model(
+        model,
+        env,
+        cfg.fsdp,
+        cfg.backend,
+        packed=cfg.batch.packing_samples,
+        trainable=True,
+        grad_reduce=grad_reduce,
+    )
+    torch.manual_seed(cfg.seed + env.rank)  # different dropout masks per rank from here on
+    return model
+
+
+def reference_path(cfg: Any) -> str | None:
+    """The folder of a separate frozen reference, or None when the policy's own base serves
+    (LoRA without another ``--ref_pretrain``: the actor with its adapters disabled)."""
+    path = cfg.model.ref_pretrain or cfg.model.pretrain
+    if cfg.lora.enabled and path == cfg.model.pretrain:
+        return None
+    return path
+
+
+def build_reference(cfg: Any, env: DistEnv) -> nn.Module | None:
+    """The frozen reference (bf16 weights under ``--bf16``: no master copy to keep), or None
+    (see :func:`reference_path`)."""
+    path = reference_path(cfg)
+    if path is None:
+        log.info("reference: the policy with its LoRA adapters disabled")
+        return None
+    # a frozen model never runs backward: recomputation would only cost time
+    backend = dataclasses.replace(cfg.backend, gradient_checkpointing=False)
+    dtype = torch.bfloat16 if backend.bf16 else torch.float32
+    model = load_causal_lm(path, backend, env.device, dtype=dtype)
+    return prepare_model(
+        model, env, cfg.fsdp, backend, packed=cfg.batch.packing_samples, trainable=False
+    )
+
+
+def pair_layout(model: nn.Module, batch: PairBatchConfig) -> PairLayout:
+    """How the pairs go through ``model``: padded, packed into one row, or packed with each
+    pair's shared prefix once (``--share_prompt_prefix``, needs the varlen attention of
+    ``--packing_samples``; flash-attn's kernels take no shared prefix)."""
+    if not batch.packing_samples:
+        return "padded"
+    impl = model.config._attn_implementation
+    if batch.share_prompt_prefix and impl == VARLEN_ATTENTION:
+        log.info("shared prompt prefix: each pair's common prefix runs once")
+        return "shared"
+    if batch.share_prompt_prefix:
+        log.info("shared prompt prefix: off, the model's attention is %s", impl)
+    return "packed"

