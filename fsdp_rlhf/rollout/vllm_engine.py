@@ -52,7 +52,7 @@ from fsdp_rlhf.rollout.routing import (  # noqa: E402
     routing_dtype,
 )
 from fsdp_rlhf.rollout.sleep import SleepTracker  # noqa: E402
-from fsdp_rlhf.rollout.vllm_api import ENGINE_CALLS, check_calls  # noqa: E402
+from fsdp_rlhf.rollout.vllm_api import ENGINE_CALLS, MOE_CALLS, check_calls  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -71,19 +71,22 @@ CPU_STEP_TOKENS = 2048
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def check_vllm_internals(lora: bool = False) -> str:
+def check_vllm_internals(lora: bool = False, router_replay: bool = False) -> str:
     """Raise if a vLLM API this adapter relies on is missing or changed; returns the version.
 
     Checked (``vllm_api.ENGINE_CALLS``): ``Worker.reload_weights`` forwarding to
     ``GPUModelRunner.reload_weights(weights_iterator=...)`` (v1 and v2 runners; the CPU runners
     subclass them), the in-process external-launcher executor and engine client (``close``),
     the ``LLM`` methods used here, and with ``lora`` the adapter APIs of
-    :mod:`fsdp_rlhf.rollout.vllm_lora`. A version outside ``SUPPORTED_VLLM`` is only warned
-    about: these checks, not the number, decide.
+    :mod:`fsdp_rlhf.rollout.vllm_lora`, with ``router_replay`` on CPU those of
+    :mod:`fsdp_rlhf.rollout.vllm_moe` (``vllm_api.MOE_CALLS``). A version outside
+    ``SUPPORTED_VLLM`` is only warned about: these checks, not the number, decide.
     """
     problems = check_calls(ENGINE_CALLS)
     if lora:
         problems += vllm_lora.check_lora_internals()
+    if router_replay and not torch.cuda.is_available():
+        problems += check_calls(MOE_CALLS)
     low, high = SUPPORTED_VLLM
     supported = f"{low[0]}.{low[1]} to {high[0]}.{high[1]}"
     if problems:
@@ -425,7 +428,7 @@ class VLLMEngine:
         lora_rank: int = 0,
         router_replay: bool = False,
     ) -> None:
-        self.version = check_vllm_internals(lora=lora_rank > 0)
+        self.version = check_vllm_internals(lora=lora_rank > 0, router_replay=router_replay)
         _check_layout(cfg, groups)
         self.groups = groups
         self.dtype = dtype

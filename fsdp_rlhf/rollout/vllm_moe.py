@@ -75,6 +75,12 @@ class RoutingRecorder:
     def __init__(self, runner, dtype: np.dtype) -> None:
         from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
+        missing = [a for a in ("input_batch", "query_start_loc", "model") if not hasattr(runner, a)]
+        if missing:
+            raise RuntimeError(
+                f"router replay: vLLM's {type(runner).__name__} has no {', '.join(missing)} "
+                "(the CPU recorder was written for the V1 model runner of vLLM 0.32)"
+            )
         self.runner = runner
         self.dtype = dtype
         self.armed = False
