@@ -379,10 +379,6 @@ def to_rollout_output(
     return out
 
 
-def _completions(request_outputs) -> list:
-    return [c for req in request_outputs for c in sorted(req.outputs, key=lambda c: c.index)]
-
-
 def _check_layout(cfg: RolloutConfig, groups: RolloutGroups) -> None:
     if not dist.is_initialized():
         raise RuntimeError("initialise torch.distributed (init_distributed) before vLLM")
@@ -528,9 +524,8 @@ class VLLMEngine:
     def _routed_experts(self, outputs) -> list[np.ndarray]:
         """(L - 1, Lm, k) routing of every completion of ``outputs``, in output order."""
         layers, store, np_store, recorder = self._routing
-        completions = _completions(outputs)
         if recorder is None:
-            return vllm_moe.routing_from_outputs(completions, layers, np_store)
+            return vllm_moe.routing_from_outputs(outputs, layers, np_store)
         sequences = []
         for req in outputs:
             for comp in sorted(req.outputs, key=lambda c: c.index):

@@ -31,7 +31,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from fsdp_rlhf.rollout.routing import StepRecord
+from fsdp_rlhf.rollout.routing import RoutingError, StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -142,14 +142,20 @@ def install_recorder(worker, dtype: np.dtype) -> RoutingRecorder:
     return RoutingRecorder(worker.model_runner, dtype)
 
 
-def routing_from_outputs(completions, layers: list[int], dtype: np.dtype) -> list[np.ndarray]:
+def routing_from_outputs(outputs, layers: list[int], dtype: np.dtype) -> list[np.ndarray]:
     """The engine's own routed experts (``enable_return_routed_experts``, CUDA), one
-    ``(L - 1, Lm, k)`` array per completion: vLLM returns every decoder layer, this keeps the
-    MoE ones."""
+    ``(L - 1, Lm, k)`` array per completion of ``outputs`` (``RequestOutput``s) in order: vLLM
+    returns every decoder layer for every position but the last; this keeps the MoE layers."""
     out = []
-    for comp in completions:
-        routed = getattr(comp, "routed_experts", None)
-        if routed is None:
-            raise RuntimeError("router replay: vLLM returned no routed experts for a completion")
-        out.append(np.ascontiguousarray(routed[:, layers]).astype(dtype))
+    for req in outputs:
+        for comp in sorted(req.outputs, key=lambda c: c.index):
+            routed = getattr(comp, "routed_experts", None)
+            rows = len(req.prompt_token_ids) + len(comp.token_ids) - 1
+            if routed is None or routed.shape[0] != rows:
+                got = "none" if routed is None else f"{routed.shape[0]} positions"
+                raise RoutingError(
+                    f"router replay: vLLM returned {got} of routed experts for a sequence of "
+                    f"{rows + 1} tokens (expected {rows})"
+                )
+            out.append(np.ascontiguousarray(routed[:, layers]).astype(dtype))
     return out

@@ -129,3 +129,21 @@ def test_routing_travels_through_trimming_and_concatenation():
     # each row's routed token stays on its token: the last prompt column
     assert (both.routed_experts[:2, 4] == 3).all() and (both.routed_experts[2:, 4] == 4).all()
     assert (both.routed_experts[2:, :2] == 255).all()  # the added left padding has none
+
+
+def test_vllms_own_routing_keeps_the_moe_layers_and_checks_its_length():
+    from types import SimpleNamespace
+
+    from fsdp_rlhf.rollout.vllm_moe import routing_from_outputs
+
+    all_layers = np.arange(5 * 4 * K).reshape(5, 4, K).astype(np.uint16)  # 4 decoder layers
+    comp = SimpleNamespace(index=0, token_ids=[7, 8], routed_experts=all_layers)
+    req = SimpleNamespace(prompt_token_ids=[1, 2, 3, 4], outputs=[comp])
+    (got,) = routing_from_outputs([req], layers=[1, 3], dtype=np.uint8)
+    assert got.dtype == np.uint8 and got.shape == (5, 2, K)
+    np.testing.assert_array_equal(got, all_layers[:, [1, 3]])
+    short = SimpleNamespace(index=0, token_ids=[7], routed_experts=all_layers)
+    with pytest.raises(RoutingError, match="5 positions of routed experts for a sequence of 5"):
+        routing_from_outputs(
+            [SimpleNamespace(prompt_token_ids=[1, 2, 3, 4], outputs=[short])], [1], np.uint8
+        )
