@@ -23,6 +23,15 @@ LOGPROB_TOLERANCE = 1e-4
 HYBRID = ("qwen3_5", "qwen3_5_moe")
 MATRIX = [f for f in FAMILIES if f not in HYBRID and f != "qwen3_moe"]  # qwen3_moe: below
 
+# Each family also exercises a forward layout: the shared prompt prefix is on by default (for
+# full-attention models); these pack instead, the MoE one with token-budget micro-batches too
+# (the routing travels through packing and dynamic batches).
+LAYOUT = {
+    "gemma3": ["--packing_samples"],  # sliding-window layers in packed forwards
+    "phi3": ["--packing_samples"],
+    "qwen2_moe": ["--packing_samples", "--use_dynamic_batch", "--train_max_tokens_per_gpu", "256"],
+}
+
 SHORT_REWARD = (
     "def reward_func(queries, prompts, labels):\n"
     "    return [max(0.0, 1.0 - len(q[len(p):]) / 100.0) for q, p in zip(queries, prompts)]\n"
