@@ -24,12 +24,16 @@ HYBRID = ("qwen3_5", "qwen3_5_moe")
 MATRIX = [f for f in FAMILIES if f not in HYBRID and f != "qwen3_moe"]  # qwen3_moe: below
 
 # Each family also exercises a forward layout: the shared prompt prefix is on by default (for
-# full-attention models); these pack instead, the MoE one with token-budget micro-batches too
-# (the routing travels through packing and dynamic batches).
+# full-attention models); these pack instead. Qwen2-MoE adds token-budget micro-batches (the
+# routing travels through packing and dynamic batches) and LoRA (on its attention and shared
+# expert, none on the routed experts or the gates; synced merged: see docs/models.md).
 LAYOUT = {
     "gemma3": ["--packing_samples"],  # sliding-window layers in packed forwards
     "phi3": ["--packing_samples"],
-    "qwen2_moe": ["--packing_samples", "--use_dynamic_batch", "--train_max_tokens_per_gpu", "256"],
+    "qwen2_moe": [
+        *("--packing_samples", "--use_dynamic_batch", "--train_max_tokens_per_gpu", "256"),
+        *("--lora_rank", "8", "--lora_sync", "merged"),
+    ],
 }
 
 SHORT_REWARD = (
@@ -91,13 +95,15 @@ def assert_engine_matches_trainer(rows: list[dict], steps: int) -> None:
 def test_family_runs_grpo_with_engine_and_trainer_agreeing(family, data, tmp_path):
     model = build_family(tmp_path / "model", family)
     moe = FAMILIES[family].moe
-    rows = ran(
-        grpo(model, data, tmp_path / "run", 3, *(["--router_replay"] if moe else [])),
-        tmp_path / "run",
-    )
+    flags = [*(["--router_replay"] if moe else []), *LAYOUT.get(family, [])]
+    rows = ran(grpo(model, data, tmp_path / "run", 3, *flags), tmp_path / "run")
     assert_engine_matches_trainer(rows, 3)
     if moe:
         assert all(r["moe/router_replay_agreement"] > 0.99 for r in rows)
+    if "--lora_rank" in flags:
+        adapter = (tmp_path / "run" / "adapter" / "adapter_config.json").read_text()
+        assert "q_proj" in adapter and "down_proj" in adapter  # attention, shared expert
+        assert "experts" not in adapter and "shared_expert_gate" not in adapter
 
 
 def test_tiny_moe_learns_with_router_replay_and_the_aux_loss_balances_its_experts(data, tmp_path):
@@ -123,21 +129,6 @@ def test_tiny_moe_learns_with_router_replay_and_the_aux_loss_balances_its_expert
     assert balanced[-1]["moe/aux_loss"] < plain[-1]["moe/aux_loss"]
 
 
-def test_lora_on_an_moe_model_adapts_attention_only(data, tmp_path):
-    """Adapters on the attention, none on the experts or the routers; synced merged (on CPU,
-    vLLM's LoRA MoE layers need Triton: adapter sync is refused by name)."""
-    model = build_family(tmp_path / "model", "qwen3_moe")
-    lora = ["--router_replay", "--lora_rank", "8", "--actor_learning_rate", "1e-2"]
-    refused = grpo(model, data, tmp_path / "refused", 1, *lora)
-    assert refused.returncode != 0 and "use --lora_sync merged" in refused.stderr
-    rows = ran(
-        grpo(model, data, tmp_path / "run", 2, *lora, "--lora_sync", "merged"), tmp_path / "run"
-    )
-    assert_engine_matches_trainer(rows, 2)
-    config = (tmp_path / "run" / "adapter" / "adapter_config.json").read_text()
-    assert "q_proj" in config and "experts" not in config and '"gate"' not in config
-
-
 @pytest.mark.parametrize("family", HYBRID)
 def test_hybrid_family_runs_or_is_refused_by_name(family, data, tmp_path):
     from fsdp_rlhf.rollout.vllm_engine import check_architecture
@@ -146,12 +137,18 @@ def test_hybrid_family_runs_or_is_refused_by_name(family, data, tmp_path):
     try:
         check_architecture(str(model))
     except UserError as e:
+        if family != HYBRID[0]:  # the CLI's refusal is the same check: shown once
+            pytest.skip(f"{family}: refused by name: {e}")
         proc = grpo(model, data, tmp_path / "run", 1)
         assert proc.returncode != 0
         arch = FAMILIES[family].model_class
-        assert f"cannot load the architecture {arch}" in proc.stderr, proc.stderr[-2000:]
-        assert "Traceback" not in proc.stderr
-        assert not (tmp_path / "run").exists()
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+        assert errors == [f"error: {e}"], proc.stderr[-2000:]
+        assert f"cannot load the architecture {arch}" in errors[0]
+        # torchrun prints its own ChildFailedError traceback; none passes through fsdp_rlhf
+        frames = [line for line in proc.stderr.splitlines() if line.strip().startswith('File "')]
+        assert not [f for f in frames if "fsdp_rlhf" in f], frames
+        assert not (tmp_path / "run").exists()  # refused before anything was written
         pytest.skip(f"{family}: refused by name: {e}")
     moe = ["--router_replay"] if FAMILIES[family].moe else []
     rows = ran(grpo(model, data, tmp_path / "run", 3, *moe), tmp_path / "run")

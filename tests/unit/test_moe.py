@@ -224,3 +224,19 @@ def test_lora_adapts_attention_and_dense_parts_never_experts_or_gates(family, tm
     assert "shared_expert_gate" not in targets and "gate" not in targets
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trained and not any(".experts." in n or ".gate." in n for n in trained)
+
+
+def test_lora_adapter_sync_of_an_moe_model_is_refused_on_cpu(tiny_qwen3_moe):
+    from fsdp_rlhf.config import PPOConfig
+    from fsdp_rlhf.config_base import build_config
+    from fsdp_rlhf.trainers.ppo_setup import _check_lora
+
+    if torch.cuda.is_available():
+        pytest.skip("vLLM's LoRA MoE layers run on CUDA")
+    cfg, _ = build_config(PPOConfig, ["--pretrain", tiny_qwen3_moe, "--lora_rank", "8"])
+    with pytest.raises(UserError, match="use --lora_sync merged"):
+        _check_lora(cfg)
+    merged, _ = build_config(
+        PPOConfig, ["--pretrain", tiny_qwen3_moe, "--lora_rank", "8", "--lora_sync", "merged"]
+    )
+    _check_lora(merged)
