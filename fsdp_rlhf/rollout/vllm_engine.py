@@ -23,6 +23,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 import logging  # noqa: E402
 from collections.abc import Iterable, Iterator, Sequence  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -379,6 +380,20 @@ def to_rollout_output(
     return out
 
 
+@dataclass(frozen=True)
+class _Routing:
+    """How an engine reports routed experts: ``layers`` the decoder-layer indices of the MoE
+    layers, ``store`` the compact dtype, ``recorder`` the CPU recorder (None: vLLM's own)."""
+
+    layers: list[int]
+    store: torch.dtype
+    recorder: vllm_moe.RoutingRecorder | None
+
+    @property
+    def np_store(self):
+        return np.uint8 if self.store == torch.uint8 else np.int16
+
+
 def _check_layout(cfg: RolloutConfig, groups: RolloutGroups) -> None:
     if not dist.is_initialized():
         raise RuntimeError("initialise torch.distributed (init_distributed) before vLLM")
@@ -454,23 +469,22 @@ class VLLMEngine:
             self.llm = LLM(**kwargs)
         _check_tp_layout(groups)
         self._shm_segment = _cpu_shm_segment()
-        self._routing = None  # (MoE layer ids, store dtype, recorder or None on CUDA)
+        self._routing: _Routing | None = None
         if router_replay:
             self._routing = self._start_routing(model_path, trust_remote_code)
 
-    def _start_routing(self, model_path: str, trust_remote_code: bool):
+    def _start_routing(self, model_path: str, trust_remote_code: bool) -> _Routing:
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         store = routing_dtype(config_num_experts(config))
-        np_store = np.uint8 if store == torch.uint8 else np.int16
         if torch.cuda.is_available():
-            layers = self.llm.collective_rpc(vllm_moe.moe_layer_ids)[0]
-            return layers, store, np_store, None
+            return _Routing(self.llm.collective_rpc(vllm_moe.moe_layer_ids)[0], store, None)
+        np_store = _Routing([], store, None).np_store
         recorder = self.llm.collective_rpc(vllm_moe.install_recorder, args=(np_store,))[0]
         log.info(
             "router replay: the engine records the experts of %d MoE layers (eager vLLM on CPU)",
             len(recorder.layers),
         )
-        return recorder.layers, store, np_store, recorder
+        return _Routing(recorder.layers, store, recorder)
 
     def generate(
         self, prompt_token_ids: list[list[int]], sampling: SamplingConfig
@@ -494,7 +508,7 @@ class VLLMEngine:
             ]
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         outputs = []
-        recorder = self._routing[3] if self._routing is not None else None
+        recorder = self._routing.recorder if self._routing is not None else None
         if recorder is not None:
             # every prefix the outputs reuse from the cache is then computed in this call,
             # where the recorder sees it
@@ -518,19 +532,19 @@ class VLLMEngine:
             sampling,
             self.pad_token_id,
             routing=routing[start * n : stop * n],
-            routing_store=self._routing[1],
+            routing_store=self._routing.store,
         )
 
     def _routed_experts(self, outputs) -> list[np.ndarray]:
         """(L - 1, Lm, k) routing of every completion of ``outputs``, in output order."""
-        layers, store, np_store, recorder = self._routing
-        if recorder is None:
-            return vllm_moe.routing_from_outputs(outputs, layers, np_store)
+        routing = self._routing
+        if routing.recorder is None:
+            return vllm_moe.routing_from_outputs(outputs, routing.layers, routing.np_store)
         sequences = []
         for req in outputs:
             for comp in sorted(req.outputs, key=lambda c: c.index):
                 sequences.append([*req.prompt_token_ids, *comp.token_ids])
-        return assemble_routing(recorder.take(), sequences, no_expert(store))
+        return assemble_routing(routing.recorder.take(), sequences, no_expert(routing.store))
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load a full set of HF-named weights (``self.dtype``); returns the bytes received."""
