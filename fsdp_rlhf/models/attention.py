@@ -324,6 +324,10 @@ def use_varlen_attention(model: nn.Module, device_type: str | None = None) -> No
         register_attention()
     if model.config._attn_implementation != impl:
         model.set_attn_implementation(impl)
+    # linear-attention layers (Qwen3.5) restart their recurrence at each sequence of the row
+    from fsdp_rlhf.models.linear_attention import split_packed_linear_attention
+
+    split_packed_linear_attention(model)
 
 
 def register_attention() -> None:

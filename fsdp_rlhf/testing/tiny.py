@@ -302,17 +302,18 @@ FAMILIES: dict[str, Family] = {
             "Qwen3_5TextConfig",
             "Qwen3_5ForCausalLM",
             "Qwen/Qwen3.5-9B (its text model)",
-            "hybrid: a gated-delta-net linear-attention layer and a gated full-attention layer, "
-            "q/k RMSNorm, partial rotary, GQA 2:1",
+            "hybrid: a gated-delta-net linear-attention layer (key/value heads of 128, as "
+            "published) and a gated full-attention layer (published: 3 linear to 1 full), q/k "
+            "RMSNorm, partial rotary, GQA 2:1",
             dict(
                 hidden_size=128,
                 num_attention_heads=4,
                 num_key_value_heads=2,
                 head_dim=64,
-                linear_num_key_heads=2,
-                linear_num_value_heads=4,
-                linear_key_head_dim=32,
-                linear_value_head_dim=32,
+                linear_num_key_heads=1,
+                linear_num_value_heads=2,
+                linear_key_head_dim=128,  # vLLM's CPU gated-delta-net kernel takes 128 only
+                linear_value_head_dim=128,
                 layer_types=["linear_attention", "full_attention"],
             ),
         ),
@@ -328,10 +329,10 @@ FAMILIES: dict[str, Family] = {
                 num_attention_heads=4,
                 num_key_value_heads=2,
                 head_dim=64,
-                linear_num_key_heads=2,
-                linear_num_value_heads=4,
-                linear_key_head_dim=32,
-                linear_value_head_dim=32,
+                linear_num_key_heads=1,
+                linear_num_value_heads=2,
+                linear_key_head_dim=128,  # vLLM's CPU gated-delta-net kernel takes 128 only
+                linear_value_head_dim=128,
                 layer_types=["linear_attention", "full_attention"],
                 num_experts=16,
                 num_experts_per_tok=4,

@@ -192,7 +192,7 @@ def prepare(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any]:
     if cfg.rollout.rollout_engine == "vllm":
         from fsdp_rlhf.rollout.vllm_engine import check_architecture
 
-        check_architecture(m.pretrain, cfg.backend.trust_remote_code)
+        check_architecture(m.pretrain, cfg.backend.trust_remote_code, engine_dtype(cfg))
     _check_lora(cfg)
     _check_moe(cfg)
     if cfg.backend.torch_compile:

