@@ -189,10 +189,6 @@ def prepare(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any]:
     plan = plan_ppo_batches(cfg, world_size)
     m = cfg.models
     check_model_path(m.pretrain, "--pretrain")
-    if cfg.rollout.rollout_engine == "vllm":
-        from fsdp_rlhf.rollout.vllm_engine import check_architecture
-
-        check_architecture(m.pretrain, cfg.backend.trust_remote_code, engine_dtype(cfg))
     _check_lora(cfg)
     _check_moe(cfg)
     if cfg.backend.torch_compile:
@@ -227,6 +223,10 @@ def prepare(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any]:
         from fsdp_rlhf.trainers.ppo_eval import load_eval_rows
 
         load_eval_rows(cfg)  # bad eval data fails here, not after the models are loaded
+    if cfg.rollout.rollout_engine == "vllm":  # last: importing vLLM prints lines of its own
+        from fsdp_rlhf.rollout.vllm_engine import check_architecture
+
+        check_architecture(m.pretrain, cfg.backend.trust_remote_code, engine_dtype(cfg))
     return plan, rows
 
 
