@@ -9,7 +9,7 @@ STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cu
 MAX_JOBS ?= 8
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: install test test-fast test-bench test-models test-vllm-compat test-cluster demo bench lint fmt clean gpu-smoke tcmalloc
+.PHONY: install test test-fast test-bench test-models test-gpu test-vllm-compat test-cluster demo bench lint fmt clean gpu-smoke tcmalloc
 
 install: $(STAMP)
 
@@ -51,10 +51,11 @@ tcmalloc:
 	  echo "      (Debian/Ubuntu) or gperftools-libs (RHEL/Fedora) and runs pick it up by themselves"; \
 	fi
 
-# Everything but the multi-host tests (tests/cluster skip outside `make test-cluster`) and the
-# bench harness's smoke run (`make test-bench`): under 15 minutes on 2 cores.
+# Everything but the multi-host tests (tests/cluster skip outside `make test-cluster`), the
+# bench harness's smoke run (`make test-bench`) and the GPU suite (`make test-gpu`,
+# `make gpu-smoke`): under 15 minutes on 2 cores.
 test: install
-	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/models
+	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu --ignore=tests/models
 
 # The family matrix: a tiny model of each family (Qwen2/3, Qwen3-MoE, Qwen2-MoE, Qwen3.5,
 # Llama 3, Gemma 3, Mistral, Phi-3, OLMo 2) runs GRPO with vLLM rollouts (docs/models.md).
@@ -73,6 +74,11 @@ test-cluster: install
 	if [ $$rc -eq 10 ]; then exit 0; elif [ $$rc -ne 0 ]; then exit $$rc; fi; \
 	FSDP_RLHF_CLUSTER_TESTS=1 $(BIN)/python -m pytest -q tests/cluster
 
+# The GPU suite (tests/gpu) as the bare GPU box runs it, vLLM hidden from every import: on CPU
+# every CUDA check SKIPs with its reason and the CLI steps run on 2 gloo ranks. 3-5 minutes.
+test-gpu: install
+	PYTHONPATH=$(CURDIR)/tests/gpu/without_vllm $(BIN)/python -m pytest -q tests/gpu
+
 test-fast: install
 	$(BIN)/python -m pytest -q tests/unit
 
@@ -84,9 +90,11 @@ test-vllm-compat:
 demo: install
 	$(BIN)/python examples/demo.py
 
-# CUDA paths the CPU suite cannot reach, on one GPU (<= 10 min, no downloads); SKIPs without CUDA.
+# The GPU suite on one GPU with what is installed (vLLM, flash-attn): the CUDA paths the CPU suite
+# cannot reach, one PASS/FAIL/SKIP line per check (<= 10 min, no downloads). docs/gpu.md has the
+# bare-box command (no `make install` there).
 gpu-smoke: install
-	$(BIN)/python cmd/gpu_smoke.py
+	$(BIN)/python -m pytest -q tests/gpu
 
 bench: install
 	@# TRL is only the peer the bench compares against, not a dependency of the trainer;

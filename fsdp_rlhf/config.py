@@ -412,7 +412,12 @@ class RolloutConfig:
     )
     vllm_num_engines: int | None = doc(None, "Engines = world / TP (checked when given).")
     vllm_tensor_parallel_size: int = doc(1, "TP size of each engine (contiguous ranks).")
-    vllm_gpu_memory_utilization: float = doc(0.9, "GPU memory fraction vLLM may use.")
+    vllm_gpu_memory_utilization: float | None = doc(
+        None,
+        "Fraction of the whole GPU vLLM's pool takes at start-up and again at every wake, beside "
+        "the resident shards (unset: the largest that the memory plan fits, at most 0.9; a value "
+        "that does not fit is refused before the models load).",
+    )
     vllm_enable_sleep: bool = doc(True, "Release vLLM memory between rollouts (GPU only).")
     # 2 by default: the actor's weights are streamed into the engine before every rollout, so
     # level 1's copy to host memory and back would be thrown away.
@@ -435,6 +440,9 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         if self.vllm_sleep_level not in (1, 2):
             raise ConfigError(f"vllm_sleep_level must be 1 or 2, got {self.vllm_sleep_level}")
+        util = self.vllm_gpu_memory_utilization
+        if util is not None and not 0 < util <= 1:
+            raise ConfigError(f"vllm_gpu_memory_utilization must be in (0, 1], got {util}")
         if self.temperature <= 0:
             raise ConfigError(f"temperature must be > 0, got {self.temperature}")
         if self.max_len is not None and self.max_len < 2:

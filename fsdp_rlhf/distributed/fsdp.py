@@ -15,6 +15,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_rlhf.config import FSDPConfig
+from fsdp_rlhf.distributed.collectives import all_reduce, collective_device
 from fsdp_rlhf.distributed.gloo_comm import all_gather_into, use_p2p_reduce_scatter
 
 log = logging.getLogger(__name__)
@@ -169,14 +170,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def collective_device(backend: str) -> torch.device:
-    """Where a tensor must live to be all-reduced on a process group of ``backend``: NCCL only
-    takes CUDA tensors (of this rank's current device), gloo only CPU ones."""
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 @torch.no_grad()
 def clip_grad_norm_(
     params: Iterable[nn.Parameter], max_norm: float, group: dist.ProcessGroup | None = None
@@ -191,13 +184,11 @@ def clip_grad_norm_(
     """
     grads = [_local(p.grad) for p in params if p.grad is not None]
     # Also on one rank: a 1-rank all-reduce costs nothing and keeps the device path exercised.
-    distributed = dist.is_initialized()
-    device = collective_device(dist.get_backend(group)) if distributed else torch.device("cpu")
+    device = collective_device(group)
     sq = torch.zeros((), dtype=torch.float32, device=device)
     for g in grads:
         sq += g.detach().float().pow(2).sum().to(device)
-    if distributed:
-        dist.all_reduce(sq, group=group)
+    sq = all_reduce(sq, dist.ReduceOp.SUM, group)
     total = math.sqrt(float(sq))
     if max_norm > 0 and total > max_norm and math.isfinite(total):
         coef = max_norm / (total + 1e-6)
@@ -214,6 +205,16 @@ def clip_grad_norm_(
 # overlapping with the transfer; timings in benchmarks/). The CUDA size follows verl/OpenRLHF
 # practice for NCCL (not measured here: no GPU).
 GATHER_BUCKET_BYTES = {"cpu": 16 << 20, "cuda": 256 << 20}
+
+
+def gather_bucket_bytes(model: nn.Module) -> int:
+    """``GATHER_BUCKET_BYTES`` of the device the gathers run on: the mesh's (compute) device,
+    not where the shards live. Under ``--adam_offload`` (CPUOffloadPolicy) the shards are on
+    the host while the NCCL gathers run on the GPU: host-sized buckets there would cost about a
+    thousand all-gathers for a 7B model instead of a few dozen."""
+    p = next(model.parameters())
+    device_type = p.device_mesh.device_type if isinstance(p, DTensor) else p.device.type
+    return GATHER_BUCKET_BYTES.get(device_type, GATHER_BUCKET_BYTES["cuda"])
 
 
 def _dim0_shard_numel(p: torch.Tensor) -> int | None:
@@ -275,11 +276,10 @@ def iter_full_params(
     FSDP2 shards are gathered in buckets of up to ``bucket_bytes`` with one all-gather each, so
     peak extra memory is about two buckets (or one parameter, when larger), not the model.
     Every rank must consume the whole iterator: each bucket is a collective.
-    ``bucket_bytes`` defaults to ``GATHER_BUCKET_BYTES`` of the parameters' device type.
+    ``bucket_bytes`` defaults to ``GATHER_BUCKET_BYTES`` of the device the gathers run on.
     """
     if bucket_bytes is None:
-        device_type = next(model.parameters()).device.type
-        bucket_bytes = GATHER_BUCKET_BYTES.get(device_type, GATHER_BUCKET_BYTES["cuda"])
+        bucket_bytes = gather_bucket_bytes(model)
     bucket: list[tuple[str, DTensor, int]] = []
     size, key = 0, None
     for name, p in model.named_parameters():

@@ -20,15 +20,12 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-
-def _is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
+from fsdp_rlhf.distributed.collectives import all_reduce
 
 
 def _all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    if _is_distributed():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-    return tensor
+    # on the group's device (an NCCL group cannot reduce host tensors), back on tensor's
+    return all_reduce(tensor, dist.ReduceOp.SUM, group)
 
 
 def global_token_count(
@@ -51,7 +48,7 @@ def global_token_count(
     if not masks:
         raise ValueError("global_token_count needs at least one mask")
     local = sum(int(m.bool().sum().item()) for m in masks)
-    # int64 keeps the count exact; the mask's device is the one the backend can reduce on.
+    # int64 keeps the count exact; host masks (SFT's) are reduced on the group's device.
     count = torch.tensor([local], dtype=torch.int64, device=masks[0].device)
     return int(_all_reduce_sum(count, group).item())
 

@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_rlhf.hf_config import config_num_experts
+
 
 @dataclass(frozen=True)
 class RouterKind:
@@ -75,16 +77,6 @@ def is_moe(model: nn.Module) -> bool:
 
 def is_router(module: nn.Module) -> bool:
     return type(module).__name__ in ROUTERS
-
-
-def config_num_experts(config) -> int:
-    """Routed experts per MoE layer of an HF config (0: a dense model)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
-        value = getattr(text, key, None)
-        if value:
-            return int(value)
-    return 0
 
 
 def check_moe_model(path: str, flags: str, trust_remote_code: bool = False) -> None:

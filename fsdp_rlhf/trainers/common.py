@@ -3,6 +3,7 @@ meets it::
 
     launch            prepare (validate, no communication) -> process group -> build -> fit
     prepare_model     attention kernel, compile, FSDP2 shards, train or frozen mode
+    load_and_prepare  rank 0 loads, every rank shards a skeleton filled from rank 0's copy
     write_run_config  <save_path>/config.yaml (credentials masked)
     resume            the newest checkpoint's models, optimizers and schedules
     open_metrics      console, metrics.jsonl, TensorBoard, W&B (a resumed run continues them)
@@ -33,10 +34,17 @@ from fsdp_rlhf.config import BackendConfig, CheckpointConfig, FSDPConfig
 from fsdp_rlhf.config_base import dump_yaml, redacted_dict
 from fsdp_rlhf.cpu_bf16 import bf16_warning
 from fsdp_rlhf.distributed import checkpoint as ckpt
-from fsdp_rlhf.distributed.env import DistEnv, init_distributed, launched_world_size, teardown
+from fsdp_rlhf.distributed.env import (
+    DistEnv,
+    init_distributed,
+    launched_world_size,
+    run_and_agree,
+    teardown,
+)
 from fsdp_rlhf.distributed.exit_report import note_failing, note_prepared
 from fsdp_rlhf.distributed.fsdp import build_mesh, describe_zero_stage, shard_model
 from fsdp_rlhf.distributed.heartbeat import start_heartbeat
+from fsdp_rlhf.distributed.rank0_load import fill_from_rank0
 from fsdp_rlhf.distributed.signals import GracefulStop, SaveTimer
 from fsdp_rlhf.errors import UserError, WriteFault, writing
 from fsdp_rlhf.metrics import MetricLogger, setup_logging, truncate_metrics
@@ -216,6 +224,38 @@ def prepare_model(
     else:
         model.requires_grad_(False)
         model.eval()
+    return model
+
+
+def load_and_prepare(
+    load: Callable[[bool], nn.Module],
+    env: DistEnv,
+    fsdp: FSDPConfig,
+    backend: BackendConfig,
+    *,
+    what: str,
+    packed: bool,
+    trainable: bool,
+    grad_reduce: str = "mean",
+) -> nn.Module:
+    """A model loaded and prepared (``prepare_model``) with one full copy in host memory per
+    job: ``load(True)`` builds it with its weights, ``load(False)`` the same model on the meta
+    device (adapters included). One rank loads and shards as it is. Several: rank 0 loads
+    (its failure reaches every rank at once), every rank shards a skeleton, and rank 0's tensors
+    fill the shards one at a time (``distributed.rank0_load``). ``what`` names the model in
+    the error the other ranks raise when rank 0's load fails."""
+    if env.world_size == 1:
+        return prepare_model(
+            load(True), env, fsdp, backend, packed=packed, trainable=trainable,
+            grad_reduce=grad_reduce,
+        )  # fmt: skip
+    full = run_and_agree(lambda: load(True), f"loading {what}", only_rank0=True)
+    model = prepare_model(
+        load(False), env, fsdp, backend, packed=packed, trainable=trainable,
+        grad_reduce=grad_reduce,
+    )  # fmt: skip
+    fill_from_rank0(model, full, env.device)
+    del full
     return model
 
 
