@@ -9,7 +9,7 @@ STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml Makefile scripts/vllm_r
 MAX_JOBS ?= 8
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: install test test-fast test-bench test-models test-gpu test-vllm-compat test-cluster demo bench lint fmt clean gpu-smoke tcmalloc
+.PHONY: install test test-fast test-bench test-models test-sp test-gpu test-vllm-compat test-cluster demo bench lint fmt clean gpu-smoke tcmalloc
 
 install: $(STAMP)
 
@@ -65,10 +65,15 @@ tcmalloc:
 	fi
 
 # Everything but the multi-host tests (tests/cluster skip outside `make test-cluster`), the
-# bench harness's smoke run (`make test-bench`) and the GPU suite (`make test-gpu`,
-# `make gpu-smoke`): under 15 minutes on 2 cores.
+# bench harness's smoke run (`make test-bench`), the GPU suite (`make test-gpu`,
+# `make gpu-smoke`) and the sequence-parallel cases (`make test-sp`): under 15 minutes on 2 cores.
 test: install
-	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu --ignore=tests/models
+	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu --ignore=tests/models -m "not sp"
+
+# Sequence parallelism (pytest marker `sp`): SP=2 against SP=1 forwards and gradients on 2 gloo
+# ranks, GRPO/SFT/DPO/train-rm runs, OpenRLHF's ring-attention script with 32k responses.
+test-sp: install
+	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu -m sp
 
 # The family matrix: a tiny model of each family (Qwen2/3, Qwen3-MoE, Qwen2-MoE, Qwen3.5,
 # Llama 3, Gemma 3, Mistral, Phi-3, OLMo 2) runs GRPO with vLLM rollouts (docs/models.md).

@@ -9,6 +9,7 @@ whether the PPO config's memory fits per device. Ends with one verdict line; exi
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import logging
@@ -18,6 +19,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -26,14 +28,22 @@ from fsdp_rlhf.allocator import preloaded_allocator
 from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.distributed.collectives import collective_device
 from fsdp_rlhf.distributed.env import DistEnv, init_distributed, teardown
-from fsdp_rlhf.distributed.memory import lora_reference_savings, verdict
+from fsdp_rlhf.distributed.memory import (
+    activation_bytes,
+    lora_reference_savings,
+    sequence_parallel_options,
+    verdict,
+)
 from fsdp_rlhf.distributed.memory_plan import (
     job_flags,
     model_shape,
     plan_job,
+    plan_job_at,
     resolve_vllm_utilization,
 )
+from fsdp_rlhf.distributed.sequence_parallel import init_sequence_parallel
 from fsdp_rlhf.metrics import setup_logging
+from fsdp_rlhf.models.load import check_sequence_parallel
 from fsdp_rlhf.rollout.memory_budget import check_device_budget
 
 log = logging.getLogger("fsdp_rlhf")
@@ -218,10 +228,58 @@ def _memory_check(cfg: PPOConfig, env: DistEnv, device_gib: float) -> Check:
         phases = plan_job(cfg, env.world_size, device_bytes, env.device.type == "cuda")
         fits, line = verdict(phases)
         if not fits:
+            n = sequence_parallel_fit(cfg, env.world_size, device_bytes, env.device.type)[0]
+            if n is not None and n != cfg.fsdp.sequence_parallel_size:
+                line += f" (or --sequence_parallel_size {n}: every phase fits)"
             raise RuntimeError("does not fit: " + line)
         return line
 
     return _try("memory estimate fits", run)
+
+
+def sequence_parallel_fit(
+    cfg: PPOConfig, world: int, device_bytes: int, device_type: str
+) -> tuple[int | None, dict[int, int]]:
+    """The smallest ``--sequence_parallel_size`` this world and the actor's heads allow with
+    which every phase fits (None: none does), and the actor update's activation bytes per rank
+    at each allowed size."""
+    actor = model_shape(cfg.models.pretrain)
+    config = json.loads((Path(cfg.models.pretrain) / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    options = sequence_parallel_options(world, heads, config.get("num_key_value_heads") or heads)
+    flags = job_flags(cfg, world, device_bytes)
+    acts = {
+        n: activation_bytes(
+            dataclasses.replace(flags, sequence_parallel=n), actor, flags.micro_train_batch_size
+        )
+        for n in options
+    }
+    cuda = device_type == "cuda"
+    for n in options:
+        if all(p.fits for p in plan_job_at(cfg, world, device_bytes, cuda, n)):
+            return n, acts
+    return None, acts
+
+
+def _sequence_parallel_check(cfg: PPOConfig, env: DistEnv, device_gib: float) -> Check:
+    """Activation memory per rank of the actor update at each sequence-parallel size this world
+    allows, and the smallest that fits the sequence length."""
+
+    def run() -> str:
+        device_bytes = int(device_gib * 2**30)
+        n, acts = sequence_parallel_fit(cfg, env.world_size, device_bytes, env.device.type)
+        per = ", ".join(f"N={k}: {v / 2**30:.2f} GiB" for k, v in acts.items())
+        seq = f"{cfg.total_len} tokens x micro_train_batch_size {cfg.batch.micro_train_batch_size}"
+        if n is None:
+            raise RuntimeError(
+                f"activations per rank at {seq}: {per}; no --sequence_parallel_size this world "
+                f"({env.world_size} ranks) allows makes every phase fit"
+            )
+        current = cfg.fsdp.sequence_parallel_size
+        need = f"needs --sequence_parallel_size >= {n}" if n > 1 else "fits without splitting"
+        return f"activations per rank at {seq}: {per}; this length {need} (set: {current})"
+
+    return _try("sequence parallelism", run)
 
 
 def _lora_check(cfg: PPOConfig, env: DistEnv, device_gib: float) -> Check:
@@ -242,16 +300,21 @@ def main(cfg: PPOConfig, debug: bool = False) -> int:
     reports = [None] * env.world_size
     dist.all_gather_object(reports, device_report(env))
     checks = [_try("all-reduce", lambda: _all_reduce_str(env))]
+    layout = _try("--sequence_parallel_size", lambda: _sequence_parallel_groups(cfg, env))
+    checks.append(layout)
     engines, held = [], []
     if cfg.models.pretrain:
         checks.append(_check_engine(cfg, env, engines))  # the job's order: the engine first
-        checks += _check_models(cfg, env, held)
+        if layout.ok:  # the models are prepared as the job prepares them, split or not
+            checks += _check_models(cfg, env, held)
         if engines and held:
             checks.append(_check_wake(cfg, env, engines[0], held[0]))
         held.clear()
-        checks.append(_memory_check(cfg, env, min(r["total_gib"] for r in reports)))
+        smallest = min(r["total_gib"] for r in reports)
+        checks.append(_memory_check(cfg, env, smallest))
+        checks.append(_sequence_parallel_check(cfg, env, smallest))
         if cfg.lora.enabled:
-            checks.append(_lora_check(cfg, env, min(r["total_gib"] for r in reports)))
+            checks.append(_lora_check(cfg, env, smallest))
     gathered = [None] * env.world_size
     dist.all_gather_object(gathered, [c.__dict__ for c in checks])
     if env.is_rank0:
@@ -263,6 +326,19 @@ def main(cfg: PPOConfig, debug: bool = False) -> int:
         engine.close()  # vLLM's shutdown also destroys the process group
     teardown()
     return 0 if ok else 1
+
+
+def _sequence_parallel_groups(cfg: PPOConfig, env: DistEnv) -> str:
+    """Build the job's sequence-parallel groups (collective) and say what they are."""
+    n = cfg.fsdp.sequence_parallel_size
+    if n > 1 and env.world_size % n:  # every rank fails alike before the collective
+        raise RuntimeError(f"{n} does not divide the world size {env.world_size}")
+    sp = init_sequence_parallel(n)
+    if not sp.enabled:
+        return "off (each rank holds whole sequences)"
+    if cfg.models.pretrain:
+        check_sequence_parallel(n, env.world_size, {"--pretrain": cfg.models.pretrain})
+    return f"{sp.dp_size} groups of {sp.size} ranks (data-parallel size {sp.dp_size})"
 
 
 def _all_reduce_str(env: DistEnv) -> str:

@@ -61,6 +61,7 @@ def shard_model(
     grad_reduce: Literal["mean", "sum"] = "mean",
     cpu_offload: bool = False,
     frozen: bool = False,
+    dp_size: int | None = None,
 ) -> nn.Module:
     """Apply ``fully_shard`` to each decoder layer, then to the root.
 
@@ -74,6 +75,9 @@ def shard_model(
         cpu_offload: keep sharded params, grads and optimizer states on CPU (GPU only); such a
             model is marked so that the phase offload/onload in ``offload`` leaves it alone.
         frozen: never trained (ref, reward): params are resharded after every forward.
+        dp_size: ranks holding different data, when fewer than the mesh's (sequence
+            parallelism: a group's ranks compute parts of one micro-batch's gradient, summed
+            over the world); ``"mean"`` then divides the sum by it, not by the world size.
     """
     mp = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if bf16 else torch.float32, reduce_dtype=torch.float32
@@ -100,6 +104,8 @@ def shard_model(
         m.register_forward_hook(_reshard_if_no_grad)
     if grad_reduce == "sum":
         set_sum_reduction(model)
+    elif dp_size is not None and dp_size != mesh.size():
+        set_sum_reduction(model, divide_by=dp_size)
     if dist.get_backend(mesh.get_group()) == "gloo":
         use_p2p_reduce_scatter(model)
     return model
@@ -154,15 +160,16 @@ def accumulate(model: FSDPModule, last: bool, zero_stage: int) -> None:
     model.set_reshard_after_backward(last)
 
 
-def set_sum_reduction(model: nn.Module) -> None:
-    """Make FSDP sum gradients across ranks instead of averaging them.
+def set_sum_reduction(model: nn.Module, divide_by: float = 1.0) -> None:
+    """Make FSDP sum gradients across ranks instead of averaging them, then divide the sum by
+    ``divide_by`` (1: a plain sum).
 
-    NOTE: gloo has no PREMUL_SUM, so a divide factor of 1 alone fails there; forcing plain SUM
-    reduction for the collectives is required too.
+    NOTE: gloo has no PREMUL_SUM, so a divide factor alone fails there; forcing plain SUM
+    reduction for the collectives is required too (FSDP then divides after the reduction).
     """
     for m in model.modules():
         if isinstance(m, FSDPModule):
-            m.set_gradient_divide_factor(1.0)
+            m.set_gradient_divide_factor(float(divide_by))
             m.set_force_sum_reduction_for_comms(True)
 
 

@@ -31,6 +31,11 @@ Logits: only the ``T`` positions that predict a response token (``logits_to_keep
 values in the compute dtype; the update keeps them and their gradient, and the log-probs are read
 in fp32 chunks of ``CHUNK_ELEMENTS`` (algorithms.logprobs: a few chunk-sized temporaries, never an
 fp32 copy of the whole).
+With ``--sequence_parallel_size N`` (Ulysses) each rank holds ``ceil(s / N)`` tokens of every
+sequence: activations and logits per rank divide by N, plus one layer's all-to-all buffers
+(q, k, v and the attention output, exchanged and received: ``4 b s/N (h + 2 kv)`` values); the
+micro-batch ``b`` is per sequence-parallel group. :func:`sequence_parallel_needed` finds the
+smallest N that makes every phase fit.
 With ``--rollout_engine hf`` there is no vLLM pool: the engine is an unsharded copy of the actor
 in the compute dtype, resident in every phase, plus HF's KV cache and per-step scores while it
 generates.
@@ -41,7 +46,7 @@ prints the measured phase peaks beside this model's estimate to calibrate them.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fsdp_rlhf.algorithms.logprobs import CHUNK_ELEMENTS
 from fsdp_rlhf.hf_config import head_dim
@@ -135,6 +140,8 @@ class JobFlags:
         (``ppo_setup.build_ema``)."""
         return self.ema and not (self.adam_offload or self.ref_reward_offload)
 
+    sequence_parallel: int = 1  # --sequence_parallel_size: ranks sharing each sequence
+
     @property
     def pool(self) -> int:
         """vLLM's weights + KV cache pool (none with the HF engine)."""
@@ -154,6 +161,16 @@ class JobFlags:
     @property
     def dtype_bytes(self) -> int:
         return 2 if self.bf16 else 4
+
+    @property
+    def local_seq_len(self) -> int:
+        """Tokens of each sequence one rank holds (the whole sequence without SP)."""
+        return -(-self.seq_len // self.sequence_parallel)
+
+    @property
+    def local_response_len(self) -> int:
+        """Response positions one rank computes logits for."""
+        return -(-self.response_len // self.sequence_parallel)
 
 
 @dataclass
@@ -212,12 +229,17 @@ def _with_slack(parts: dict) -> dict:
     return {**parts, "allocator slack": int(ALLOCATOR_SLACK * tensors)}
 
 
-def _activations(f: JobFlags, m: ModelShape, b: int) -> int:
-    per_layer = 2 * b * f.seq_len * (9 * m.hidden + 3 * m.intermediate)
+def activation_bytes(f: JobFlags, m: ModelShape, b: int) -> int:
+    """Activations one rank keeps for backward over ``b`` sequences (its 1/N of each)."""
+    s = f.local_seq_len
+    per_layer = 2 * b * s * (9 * m.hidden + 3 * m.intermediate)
     if not f.gradient_checkpointing:
-        return m.layers * per_layer
-    # layer inputs kept; one layer's activations and their grads live during its recompute
-    return m.layers * 2 * b * f.seq_len * m.hidden + 2 * per_layer
+        kept = m.layers * per_layer
+    else:  # layer inputs kept; one layer's activations and their grads live during its recompute
+        kept = m.layers * 2 * b * s * m.hidden + 2 * per_layer
+    if f.sequence_parallel > 1:  # one layer's q, k, v and output, sent and received (bf16)
+        kept += 2 * 2 * b * s * (2 * m.hidden + 2 * (m.kv_dim or m.hidden))
+    return kept
 
 
 def _gathered(f: JobFlags, m: ModelShape) -> dict:
@@ -258,9 +280,9 @@ def update_phase(
             if "grads" in k or "reduce-scatter" in k:
                 del gathered[k]
     parts = {"params+grads+adam shards": states, **gathered}
-    parts["activations"] = _activations(f, m, f.micro_train_batch_size)
+    parts["activations"] = activation_bytes(f, m, f.micro_train_batch_size)
     if logits:  # the kept logits, their gradient, one chunk's fp32 temporaries
-        kept = f.dtype_bytes * f.micro_train_batch_size * f.response_len * m.vocab
+        kept = f.dtype_bytes * f.micro_train_batch_size * f.local_response_len * m.vocab
         parts["logits"] = 2 * kept + LOGPROB_CHUNK_BYTES
     parts["cuda context + nccl"] = CONTEXT_BYTES
     if f.engine == "hf":
@@ -285,7 +307,8 @@ def scoring_phase(f: JobFlags, actor: ModelShape, frozen: list[ModelShape]) -> P
         parts["scored model shard"] = _frozen_bytes(f) * biggest.params // f.world
     parts["gathered layer + root"] = 2 * (biggest.layer_params + biggest.root_params)
     # the response positions' logits and one chunk's fp32 temporaries
-    parts["logits"] = f.dtype_bytes * b * f.response_len * actor.vocab + LOGPROB_CHUNK_BYTES
+    logits = f.dtype_bytes * b * f.local_response_len * actor.vocab
+    parts["logits"] = logits + LOGPROB_CHUNK_BYTES
     parts["vllm"] = f.asleep if f.vllm_sleep else 0
     fix = "--micro_rollout_batch_size (lower)"
     return Phase("scoring (no-grad)", parts, int(TRAIN_HEADROOM * f.device_bytes), fix)
@@ -357,3 +380,32 @@ def verdict(phases: list[Phase]) -> tuple[bool, str]:
     if not bad:
         return True, "every phase fits: " + "; ".join(p.line() for p in phases)
     return False, "; ".join(f"{p.line()} -> change {p.fix}" for p in bad)
+
+
+def sequence_parallel_options(world: int, heads: int, kv_heads: int) -> list[int]:
+    """The ``--sequence_parallel_size`` values a job can use: divisors of the world size that
+    split the attention heads (``models.ulysses.head_problem``), ascending."""
+    out = []
+    for n in range(1, world + 1):
+        if world % n:
+            continue
+        if n == 1 or (heads % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0)):
+            out.append(n)
+    return out
+
+
+def sequence_parallel_needed(
+    f: JobFlags,
+    actor: ModelShape,
+    critic: ModelShape | None,
+    frozen: list[ModelShape],
+    options: list[int],
+) -> tuple[int | None, list[Phase]]:
+    """The smallest of ``options`` (sequence-parallel sizes) with which every phase fits, and
+    its phases; ``(None, phases at the largest option)`` when none does."""
+    phases: list[Phase] = []
+    for n in options:
+        phases = plan_phases(replace(f, sequence_parallel=n), actor, critic, frozen)
+        if all(p.fits for p in phases):
+            return n, phases
+    return None, phases

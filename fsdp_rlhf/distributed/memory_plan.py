@@ -85,6 +85,7 @@ def job_flags(cfg: PPOConfig, world: int, device_bytes: int) -> JobFlags:
         ema=cfg.algo.enable_ema,
         cuda_graphs=not cfg.rollout.enforce_eager,
         vllm_tp=cfg.rollout.vllm_tensor_parallel_size,
+        sequence_parallel=cfg.fsdp.sequence_parallel_size,
     )
 
 
@@ -109,7 +110,16 @@ def job_models(cfg: PPOConfig, flags: JobFlags) -> JobModels:
 def plan_job(cfg: PPOConfig, world: int, device_bytes: int, cuda: bool) -> list[Phase]:
     """Every phase of a step on one device of this job (reads the model folders' headers).
     An unset ``--vllm_gpu_memory_utilization`` is planned at the value the job would choose."""
-    flags = job_flags(cfg, world, device_bytes)
+    return plan_job_at(cfg, world, device_bytes, cuda, cfg.fsdp.sequence_parallel_size)
+
+
+def plan_job_at(
+    cfg: PPOConfig, world: int, device_bytes: int, cuda: bool, sequence_parallel: int
+) -> list[Phase]:
+    """:func:`plan_job` with ``--sequence_parallel_size`` set to ``sequence_parallel``."""
+    flags = dataclasses.replace(
+        job_flags(cfg, world, device_bytes), sequence_parallel=sequence_parallel
+    )
     models = job_models(cfg, flags)
     if not cuda and cfg.rollout.rollout_engine == "vllm":
         # vLLM-CPU: the weights of its TP slice + --vllm_kvcache_space_gib (floor 1)

@@ -29,6 +29,7 @@ from torch import nn
 
 from fsdp_rlhf.models.attention import PADDED_ATTENTION
 from fsdp_rlhf.models.packing import PackedRow
+from fsdp_rlhf.models.ulysses import base_attention
 
 
 def shared_group_size(n_samples: int, *batch_sizes: int) -> int:
@@ -46,7 +47,7 @@ def sharing_blocker(model: nn.Module, packed: bool) -> str | None:
     """Why this model's forwards cannot share prompts, or None when they can."""
     if packed:
         return "--packing_samples packs sequences instead"
-    impl = model.config._attn_implementation
+    impl = base_attention(model)  # inside Ulysses when the model is sequence-parallel
     if impl != PADDED_ATTENTION:
         return f"the model's attention is {impl} (flash-attn's kernels take no shared prefix)"
     layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])

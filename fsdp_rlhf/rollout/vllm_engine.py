@@ -508,6 +508,14 @@ class VLLMEngine:
         )
         if not torch.cuda.is_available():
             _cpu_compile_cache()
+        kv = kwargs.get("kv_cache_memory_bytes")
+        log.info(
+            "vLLM engine: max_model_len %d (prompts up to %d + responses up to %d tokens)%s",
+            kwargs["max_model_len"],
+            prompt_max_len,
+            cfg.generate_max_len,
+            f", KV cache {kv / GiB:.2f} GiB" if kv else "",
+        )
         # vLLM reseeds the global RNGs while it starts
         with self._rng.active(), private_decoder_class(model_path, trust_remote_code):
             self.llm = LLM(**kwargs)

@@ -45,12 +45,18 @@ from fsdp_rlhf.distributed.exit_report import note_failing, note_prepared
 from fsdp_rlhf.distributed.fsdp import build_mesh, describe_zero_stage, shard_model
 from fsdp_rlhf.distributed.heartbeat import start_heartbeat
 from fsdp_rlhf.distributed.rank0_load import fill_from_rank0
+from fsdp_rlhf.distributed.sequence_parallel import (
+    init_sequence_parallel,
+    reset_sequence_parallel,
+)
+from fsdp_rlhf.distributed.sequence_parallel import layout as sequence_parallel_layout
 from fsdp_rlhf.distributed.signals import GracefulStop, SaveTimer
 from fsdp_rlhf.errors import UserError, WriteFault, writing
 from fsdp_rlhf.metrics import MetricLogger, setup_logging, truncate_metrics
 from fsdp_rlhf.metrics_wandb import check_wandb, open_wandb
 from fsdp_rlhf.models.attention import use_varlen_attention
 from fsdp_rlhf.models.compile import compile_blocks
+from fsdp_rlhf.models.ulysses import use_ulysses_attention
 
 log = logging.getLogger("fsdp_rlhf")
 
@@ -95,6 +101,15 @@ def launch(
     env = init_distributed(cfg.guard.dist_timeout_min)
     if env.world_size != world_size:
         raise RuntimeError(f"world size {env.world_size} != WORLD_SIZE {world_size}")
+    sp = init_sequence_parallel(cfg.fsdp.sequence_parallel_size)
+    if sp.enabled:
+        log.info(
+            "sequence parallelism: %d groups of %d ranks share their micro-batches "
+            "(Ulysses all-to-all around attention); data-parallel size %d",
+            sp.dp_size,
+            sp.size,
+            sp.dp_size,
+        )
     # Multi-node: a host that vanishes ends every rank within a bound, not the collective timeout.
     heartbeat = start_heartbeat(
         cfg.guard.heartbeat_timeout_s, env.rank, env.world_size, env.local_world_size
@@ -121,6 +136,7 @@ def launch(
             trainer.close()  # a vLLM engine destroys the process group with it
         if owns_group:
             teardown()
+        reset_sequence_parallel()
 
 
 def save_due(step: int, total_steps: int, save_steps: int) -> bool:
@@ -198,14 +214,24 @@ def prepare_model(
     trainable: bool,
     grad_reduce: str = "mean",
 ) -> nn.Module:
-    """Attention kernel, compiled blocks and FSDP2 shards over all ranks; train or frozen.
+    """Attention kernel (inside Ulysses with ``--sequence_parallel_size``), compiled blocks and
+    FSDP2 shards over all ranks; train or frozen.
 
     Args:
         packed: micro-batches arrive packed into one row (``--packing_samples``).
-        grad_reduce: ``"sum"`` when losses are normalised by a global count (PPO).
+        grad_reduce: ``"sum"`` when losses are normalised by a global count (PPO); ``"mean"``
+            averages over the data-parallel ranks.
     """
     if packed:
         use_varlen_attention(model, env.device.type)
+    sp = sequence_parallel_layout()
+    if sp.size != fsdp.sequence_parallel_size:
+        raise RuntimeError(
+            f"--sequence_parallel_size {fsdp.sequence_parallel_size} but the process-wide layout "
+            f"has {sp.size} (init_sequence_parallel)"
+        )
+    if sp.enabled:
+        use_ulysses_attention(model, sp)
     if backend.torch_compile:
         compile_blocks(model)
     # No model.to(env.device): fully_shard moves and shards one layer at a time, so the full
@@ -218,6 +244,7 @@ def prepare_model(
         grad_reduce=grad_reduce,
         cpu_offload=trainable and fsdp.adam_offload,
         frozen=not trainable,
+        dp_size=sp.dp_size,
     )
     if trainable:
         model.train()  # from_pretrained returns eval mode: no dropout, no grad checkpointing

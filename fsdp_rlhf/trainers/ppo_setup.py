@@ -30,10 +30,12 @@ from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.models.compile import check_compile_toolchain
 from fsdp_rlhf.models.load import (
     check_model_path,
+    check_sequence_parallel,
     load_causal_lm,
     load_scalar_model,
     load_tokenizer,
     reward_normalization,
+    text_config,
 )
 from fsdp_rlhf.models.lora import add_lora, check_target_modules, target_module_names
 from fsdp_rlhf.models.lora import scaling as lora_scaling
@@ -170,6 +172,35 @@ def _check_env(cfg: PPOConfig) -> None:
         load_agent_class(path)
 
 
+def check_context_length(cfg: PPOConfig) -> None:
+    """The engine's ``max_model_len`` (``cfg.total_len``: prompt + response, or the multi-turn
+    budget) against the actor's context, before anything starts: vLLM would refuse it at
+    start-up (a traceback), and nothing here lowers the user's lengths behind their back."""
+    if cfg.rollout.rollout_engine != "vllm":
+        return
+    text = text_config(cfg.models.pretrain, cfg.backend.trust_remote_code)
+    context = getattr(text, "max_position_embeddings", None)
+    if not context:
+        return
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if kind not in (None, "default") and rope.get("factor"):  # extended: vLLM allows at most this
+        context = int(context * float(rope["factor"]))
+    need = cfg.total_len
+    if need > context:
+        if cfg.multiturn.source is not None:
+            what = "--max_total_len"
+        elif cfg.rollout.max_len is not None and cfg.rollout.max_len == need:
+            what = "--max_len"
+        else:
+            what = "--prompt_max_len + --generate_max_len"
+        raise UserError(
+            f"{what} = {need} tokens per sequence, more than {cfg.models.pretrain}'s context "
+            f"of {context} (max_position_embeddings{' x rope factor' if kind else ''}): vLLM "
+            "would refuse that max_model_len; lower the lengths or use a longer-context model"
+        )
+
+
 def _check_outputs(cfg: PPOConfig) -> None:
     """The final export must be able to land in --save_path (it is renamed into place)."""
     m = cfg.models
@@ -200,6 +231,17 @@ def prepare(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any]:
         check_model_path(m.critic_pretrain, "--critic_pretrain")
     if uses_critic(cfg) and not critic_path(cfg):
         raise UserError("--advantage_estimator gae needs a critic: pass --critic_pretrain")
+    check_sequence_parallel(
+        cfg.fsdp.sequence_parallel_size,
+        world_size,
+        {
+            "--pretrain": m.pretrain,
+            "--reward_pretrain": m.reward_pretrain,
+            "--critic_pretrain": critic_path(cfg) if uses_critic(cfg) else None,
+        },
+        cfg.backend.trust_remote_code,
+    )
+    check_context_length(cfg)
     _check_outputs(cfg)
     if cfg.data.apply_chat_template:
         check_chat_template(load_tokenizer(m.pretrain, cfg.backend), m.pretrain)

@@ -29,6 +29,9 @@ def test_doctor_reports_every_check_on_two_ranks(tiny_qwen2, trained_rm):
         # the engine starts with LoRA slots; doctor says what the missing ref copy saves
         "--lora_rank",
         "8",
+        # the models are prepared split, as the job would; doctor prints activations per N
+        "--sequence_parallel_size",
+        "2",
     ]
     proc = torchrun(["doctor", *flags])
     out = proc.stdout
@@ -41,6 +44,8 @@ def test_doctor_reports_every_check_on_two_ranks(tiny_qwen2, trained_rm):
         "rollout engine wakes beside the sharded models",
         "memory estimate fits",
         "LoRA reference",
+        "--sequence_parallel_size",
+        "sequence parallelism",
     ):
         for rank in (0, 1):
             assert f"[rank {rank}] PASS {check}" in out, (check, out[-3000:])
@@ -52,6 +57,8 @@ def test_doctor_reports_every_check_on_two_ranks(tiny_qwen2, trained_rm):
     assert "bus bandwidth" in out and "torch" in out and "VERDICT: READY" in out
     assert "no reference copy" in out and "GiB less per device" in out
     assert "allocator" in out  # the devices table says which malloc each rank runs on
+    assert "1 groups of 2 ranks" in out and "activations per rank at 48 tokens" in out
+    assert "N=1: " in out and "N=2: " in out and "fits without splitting (set: 2)" in out
     assert "Traceback" not in proc.stderr
 
 

@@ -16,6 +16,7 @@ from fsdp_rlhf.distributed.env import DistEnv
 from fsdp_rlhf.models.attention import VARLEN_ATTENTION
 from fsdp_rlhf.models.load import load_causal_lm, load_scalar_model
 from fsdp_rlhf.models.lora import add_lora
+from fsdp_rlhf.models.ulysses import base_attention
 from fsdp_rlhf.trainers.common import load_and_prepare, log_startup
 
 log = logging.getLogger("fsdp_rlhf")
@@ -122,7 +123,7 @@ def pair_layout(model: nn.Module, batch: PairBatchConfig) -> PairLayout:
     ``--packing_samples``; flash-attn's kernels take no shared prefix)."""
     if not batch.packing_samples:
         return "padded"
-    impl = model.config._attn_implementation
+    impl = base_attention(model)  # inside Ulysses when the model is sequence-parallel
     if batch.share_prompt_prefix and impl == VARLEN_ATTENTION:
         log.info("shared prompt prefix: each pair's common prefix runs once")
         return "shared"
