@@ -353,11 +353,37 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+def _near_tied_routers(model: torch.nn.Module, spread: float) -> None:
+    from fsdp_rlhf.models.moe import moe_routers
+
+    routers = moe_routers(model)
+    if not routers:
+        raise ValueError(f"router_spread: {type(model).__name__} has no MoE router")
+    with torch.no_grad():
+        for router in routers:
+            w = router.weight  # (E, H)
+            row = torch.randn(1, w.shape[1]) * w.std()
+            w.copy_(row + spread * row.abs().mean() * torch.randn_like(w))
+
+
 def build_family(
-    out_dir: str | Path, family: str, *, num_layers: int = 2, vocab_size: int = 512, seed: int = 0
+    out_dir: str | Path,
+    family: str,
+    *,
+    num_layers: int = 2,
+    vocab_size: int = 512,
+    seed: int = 0,
+    router_spread: float | None = None,
 ) -> Path:
     """Save a randomly initialised model of ``FAMILIES[family]`` with its tokenizer and a
-    generation_config.json to ``out_dir``; returns the path."""
+    generation_config.json to ``out_dir``; returns the path.
+
+    ``router_spread`` (MoE families): every router's (E, H) weight becomes one shared random
+    row plus ``router_spread`` x that row's scale in per-expert noise, so the experts' logits
+    tie to within a few float32 roundings and the rollout engine and the trainer, which round
+    differently, route some tokens to different experts: the near-uniform routers of an
+    untrained or collapsed MoE, where router replay matters in fp32 too.
+    """
     import transformers
 
     fam = FAMILIES[family]
@@ -378,6 +404,8 @@ def build_family(
     }
     torch.manual_seed(seed)
     model = getattr(transformers, fam.model_class)(config_cls(**kwargs))
+    if router_spread is not None:
+        _near_tied_routers(model, router_spread)
     model.save_pretrained(str(out))
     if fam.drop_keys:
         _drop_config_keys(out, fam.drop_keys)
