@@ -77,6 +77,7 @@ test-sp: install
 
 # The family matrix: a tiny model of each family (Qwen2/3, Qwen3-MoE, Qwen2-MoE, Qwen3.5,
 # Llama 3, Gemma 3, Mistral, Phi-3, OLMo 2) runs GRPO with vLLM rollouts (docs/models.md).
+# About 10 minutes on 2 cores shared with other work (9.5 CPU-minutes).
 test-models: install
 	$(BIN)/python -m pytest -q tests/models
 
