@@ -9,7 +9,7 @@ STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml Makefile scripts/vllm_r
 MAX_JOBS ?= 8
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: install test test-async test-sp test-fast test-bench test-gpu test-vllm-compat test-cluster demo bench lint fmt clean gpu-smoke tcmalloc
+.PHONY: install test test-async test-fast test-bench test-models test-sp test-gpu test-vllm-compat test-cluster demo bench lint fmt clean gpu-smoke tcmalloc
 
 install: $(STAMP)
 
@@ -68,17 +68,24 @@ tcmalloc:
 # bench harness's smoke run (`make test-bench`), the GPU suite (`make test-gpu`,
 # `make gpu-smoke`) and the sequence-parallel cases (`make test-sp`): under 15 minutes on 2 cores.
 test: install
-	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu -m "not asynchronous and not sp"
+	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu --ignore=tests/models \
+	  -m "not asynchronous and not sp"
 
 # --async_train end to end (tests marked asynchronous): rollout and training ranks under
 # torchrun with real vLLM, partial rollouts, OpenRLHF's async agent script, a lost rollout rank.
 test-async: install
-	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu -m asynchronous
+	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu --ignore=tests/models -m asynchronous
 
 # Sequence parallelism (pytest marker `sp`): SP=2 against SP=1 forwards and gradients on 2 gloo
 # ranks, GRPO/SFT/DPO/train-rm runs, OpenRLHF's ring-attention script with 32k responses.
 test-sp: install
 	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu -m sp
+
+# The family matrix: a tiny model of each family (Qwen2/3, Qwen3-MoE, Qwen2-MoE, Qwen3.5,
+# Llama 3, Gemma 3, Mistral, Phi-3, OLMo 2) runs GRPO with vLLM rollouts (docs/models.md).
+# About 10 minutes on 2 cores shared with other work (9.5 CPU-minutes).
+test-models: install
+	$(BIN)/python -m pytest -q tests/models
 
 # python -m scripts.bench --smoke: every measurement path of the bench runs and writes sane numbers
 # (tiny sizes, one repetition; not speed). About 2-3 minutes on 2 cores.

@@ -843,6 +843,24 @@ class MultiTurnConfig:
         return None
 
 
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """Mixture-of-experts actors (docs/models.md#mixture-of-experts)."""
+
+    router_replay: bool = doc(
+        False,
+        "Router replay (R3): the actor's training forwards route each token to the experts "
+        "the rollout engine chose; the reference and the critic route for themselves.",
+    )
+    aux_loss_coef: float = doc(
+        0.0, "Weight of the load-balancing loss (Switch Transformer's) in the actor loss."
+    )
+
+    def __post_init__(self) -> None:
+        if self.aux_loss_coef < 0:
+            raise ConfigError(f"aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
+
+
 @command_config
 @dataclass(frozen=True, kw_only=True)
 class PPOConfig:
@@ -872,6 +890,7 @@ class PPOConfig:
     algo: PPOAlgoConfig = section(PPOAlgoConfig)
     eval: PPOEvalConfig = section(PPOEvalConfig)
     multiturn: MultiTurnConfig = section(MultiTurnConfig)
+    moe: MoEConfig = section(MoEConfig)
     actor_optim: OptimConfig = doc(help="Actor optimizer.", factory=lambda: OptimConfig(lr=1e-6))
     critic_optim: OptimConfig = doc(help="Critic optimizer.", factory=lambda: OptimConfig(lr=9e-6))
     ckpt: CheckpointConfig = section(CheckpointConfig)
@@ -895,6 +914,7 @@ class PPOConfig:
                 f"({self.rollout.generate_max_len})"
             )
         self._check_multiturn()
+        self._check_moe()
         self._check_async()
 
     def _check_async(self) -> None:
@@ -914,6 +934,24 @@ class PPOConfig:
             if value:
                 raise ConfigError(f"{flag} applies to asynchronous training: add --async_train")
 
+    def _check_moe(self) -> None:
+        sp = self.fsdp.sequence_parallel_size
+        if sp > 1 and (self.moe.router_replay or self.moe.aux_loss_coef > 0):
+            # each rank of a sequence-parallel group routes its own slice of every sequence:
+            # the replayed routing and the balancing loss's token counts are not split with it
+            flag = "--router_replay" if self.moe.router_replay else "--aux_loss_coef"
+            raise ConfigError(
+                f"{flag} with --sequence_parallel_size {sp}: router replay and the load-balancing "
+                "loss are not implemented for sequence-parallel forwards; use "
+                "--sequence_parallel_size 1"
+            )
+        if self.asynchronous.async_train and self.moe.router_replay:
+            # the step-by-step engine of asynchronous training does not record routing
+            raise ConfigError(
+                "--router_replay with --async_train: not supported yet (the step-by-step "
+                "rollout engine does not record routed experts); drop one"
+            )
+
     def _check_multiturn(self) -> None:
         mt = self.multiturn
         if mt.source is None:
@@ -931,6 +969,10 @@ class PPOConfig:
             raise ConfigError(
                 f"--overlong_buffer_len is single-turn only; drop it with {mt.source[0]}"
             )
+        if self.moe.router_replay:
+            # the routing of one sample would span several engine calls, each turn's prompt
+            # reusing the previous turns from the prefix cache: not assembled here
+            raise ConfigError(f"--router_replay is single-turn only; drop it with {mt.source[0]}")
 
     @property
     def total_len(self) -> int:

@@ -124,12 +124,16 @@ def _check_models(cfg: PPOConfig, env: DistEnv, held: list) -> list[Check]:
     """Load and shard actor and reward model as the trainer does, beside the sleeping engine;
     the sharded models are kept in ``held`` for the wake check that follows."""
     from fsdp_rlhf.models.load import load_causal_lm
+    from fsdp_rlhf.models.moe import active_parameters
     from fsdp_rlhf.trainers.ppo_setup import load_ppo_model, load_reward_model
 
     def shard(load, trainable: bool, what: str) -> str:
         held.append(load_ppo_model(load, cfg, env, trainable=trainable, what=what))
-        n = sum(p.numel() for p in held[-1].parameters())
-        return f"{n / 1e6:.1f}M params, sharded: {_local_mib(held[-1]):.0f} MiB on this rank"
+        total, active = active_parameters(held[-1])
+        count = f"{total / 1e6:.1f}M params"
+        if active != total:  # MoE: a token runs top_k of each layer's experts
+            count += f" ({active / 1e6:.1f}M active per token)"
+        return f"{count}, sharded: {_local_mib(held[-1]):.0f} MiB on this rank"
 
     checks = []
     if cfg.models.pretrain:

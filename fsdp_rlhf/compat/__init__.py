@@ -14,7 +14,40 @@ from collections.abc import Sequence
 
 from fsdp_rlhf.commands import BY_NAME
 from fsdp_rlhf.compat.openrlhf import TABLES
-from fsdp_rlhf.compat.rules import Accept, Gather, Refuse, Table, To, Translation, translate_with
+from fsdp_rlhf.compat.rules import (
+    Accept,
+    Gather,
+    Refuse,
+    Table,
+    To,
+    Translation,
+    refusal,
+    split_flags,
+    translate_with,
+)
+
+# Expert parallelism as other trainers and vLLM spell it (DeepSpeed-MoE's ep_size, Megatron's
+# expert model/tensor parallel sizes, vLLM's --enable-expert-parallel, verl's and NeMo-RL's
+# config keys written as flags). OpenRLHF has none. Refused for every command.
+EXPERT_PARALLEL = Refuse(
+    "expert parallelism is not implemented: FSDP2 shards each layer's fused expert tensors "
+    "along the expert dimension over all ranks and gathers them for the layer's forward, and "
+    "each vLLM engine holds every expert of its tensor-parallel slice",
+    "drop the flag (docs/models.md#mixture-of-experts)",
+)
+EXPERT_PARALLEL_FLAGS = (
+    "ep_size",
+    "moe_ep_size",
+    "expert_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "enable_expert_parallel",
+    "vllm_enable_expert_parallel",
+    "ds.ep_size",
+    "ds.expert_parallel_size",
+    "vllm.enable_expert_parallel",
+    "actor.expert_model_parallel_size",
+)
 
 
 def table_of(command: str) -> Table | None:
@@ -25,6 +58,9 @@ def table_of(command: str) -> Table | None:
 
 def translate(command: str, argv: Sequence[str]) -> Translation:
     """``argv`` with every foreign flag of ``command`` replaced by canonical flags."""
+    for flag in split_flags(argv):
+        if flag.name in EXPERT_PARALLEL_FLAGS:
+            raise refusal(flag, EXPERT_PARALLEL.why, EXPERT_PARALLEL.instead)
     table = table_of(command)
     if table is None:
         return Translation(list(argv))

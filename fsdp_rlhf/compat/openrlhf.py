@@ -216,13 +216,6 @@ COMMON: dict[str, Rule] = _pairs(
         "ds.experts_implementation",
         Refuse("MoE expert kernels are transformers' default here", "drop the flag"),
     ),
-    (
-        "aux_loss_coef",
-        None,
-        when_default(
-            "0", "no MoE load-balancing loss", "the MoE load-balancing loss is not implemented"
-        ),
-    ),
 )
 
 # ------------------------------------------------------------------ train-rm
@@ -241,10 +234,12 @@ OFFLINE: dict[str, Rule] = {
             Accept("activation checkpointing is non-reentrant here (same gradients)"),
         ),
         (
-            None,
+            "aux_loss_coef",
             "model.aux_loss_coef",
             when_default(
-                "0", "no MoE load-balancing loss", "the MoE load-balancing loss is not implemented"
+                "0",
+                "no MoE load-balancing loss",
+                "the MoE load-balancing loss is implemented for ppo's actor only",
             ),
         ),
         ("optim", None, Accept("the optimizer is AdamW", _optim)),
@@ -460,13 +455,7 @@ PPO_RULES: dict[str, Rule] = {
         (None, "actor.policy_loss_type", rename("policy_loss_type")),
         (None, "critic.value_clip", rename("value_clip")),
         (None, "actor.entropy_coef", rename("entropy_loss_coef")),
-        (
-            None,
-            "actor.aux_loss_coef",
-            when_default(
-                "0", "no MoE load-balancing loss", "the MoE load-balancing loss is not implemented"
-            ),
-        ),
+        (None, "actor.aux_loss_coef", rename("aux_loss_coef")),
         (None, "critic.freezing_steps", rename("freezing_actor_steps")),
         (None, "algo.advantage.lambd", rename("lambd")),
         (None, "algo.advantage.gamma", rename("gamma")),

@@ -196,10 +196,13 @@ def varlen_sdpa(
     scaling: float | None = None,
     cu_seq_lens_q: torch.Tensor | None = None,
     shared_prefix_lens: torch.Tensor | None = None,
+    sliding_window: int | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """HF attention interface: q (1, H, T, D), k/v (1, KV, T, D) -> (1, T, H, D), causal
-    attention within each ``cu_seq_lens_q`` segment.
+    attention within each ``cu_seq_lens_q`` segment; a sliding-window layer (Gemma 3's local
+    layers: transformers passes ``sliding_window``) attends to its last ``sliding_window``
+    keys, itself included, as transformers' padded mask does.
 
     With ``shared_prefix_lens`` (B,) the segments are preference pairs that share a prefix
     (models.shared_prefix.SharedPairRow): segment 2i is the chosen sequence, segment 2i + 1 the
@@ -222,16 +225,35 @@ def varlen_sdpa(
         if prefixes[i]:  # a rejected rest: the pair's prefix keys first (segment i - 1)
             k = torch.cat([ks[i - 1][:, : prefixes[i]], k], dim=1)
             v = torch.cat([vs[i - 1][:, : prefixes[i]], v], dim=1)
-        parts.append(_causal_attention(q, k, v, scale, dropout, explicit))
+        parts.append(_causal_attention(q, k, v, scale, dropout, explicit, sliding_window))
     return torch.cat(parts, dim=1).transpose(0, 1).unsqueeze(0).contiguous(), None
 
 
 def _causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout: float, explicit: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    dropout: float,
+    explicit: bool,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of one sequence whose last ``n`` tokens are the queries: q (H, n, D),
-    k/v (H, S >= n, D) -> (H, n, D)."""
+    k/v (H, S >= n, D) -> (H, n, D); with ``window`` each query sees its last ``window`` keys
+    (itself included) only."""
     n, S = q.shape[1], k.shape[1]
+    if window is not None and window < S:
+        allowed = torch.ones(n, S, dtype=torch.bool, device=q.device)
+        allowed = allowed.tril(S - n) & allowed.triu(S - n - window + 1)
+        if explicit:
+            bias = torch.zeros(n, S, dtype=q.dtype, device=q.device)
+            bias = bias.masked_fill(~allowed, float("-inf"))
+            return _attend(q, k, v, bias.expand(q.shape[0], n, S), scale)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=allowed, dropout_p=dropout,
+            scale=scale,
+        )  # fmt: skip
+        return out[0]
     if not explicit:
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)  # SDPA's CPU flash kernel: 4D
         with sdpa_kernel(_SDPA_BACKENDS):
@@ -293,6 +315,10 @@ def use_varlen_attention(model: nn.Module, device_type: str | None = None) -> No
         register_attention()
     if model.config._attn_implementation != impl:
         model.set_attn_implementation(impl)
+    # linear-attention layers (Qwen3.5) restart their recurrence at each sequence of the row
+    from fsdp_rlhf.models.linear_attention import split_packed_linear_attention
+
+    split_packed_linear_attention(model)
 
 
 def register_attention() -> None:

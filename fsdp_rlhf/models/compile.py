@@ -49,14 +49,26 @@ def compile_blocks(model: nn.Module) -> int:
     layers = decoder_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__}: no decoder layers found to compile")
-    count = 0
+    from fsdp_rlhf.models.moe import is_router
+
+    count = skipped = 0
     for layer in layers:
         for child in layer.children():
+            if any(is_router(m) for m in child.modules()):
+                # MoE blocks stay eager: their router hooks (models.moe) act per forward, which
+                # a graph traced once would not see; the expert loop is data-dependent anyway
+                skipped += 1
+                continue
             # the forward alone: the hook must run eagerly, before dynamo sees the inputs
             child.forward = torch.compile(child.forward)
             child.register_forward_pre_hook(_sequence_dim_dynamic, with_kwargs=True)
             count += 1
-    log.info("torch.compile: %d modules in %d decoder layers", count, len(layers))
+    log.info(
+        "torch.compile: %d modules in %d decoder layers%s",
+        count,
+        len(layers),
+        f" ({skipped} MoE blocks left eager)" if skipped else "",
+    )
     return count
 
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from fsdp_rlhf.config import BackendConfig
 from fsdp_rlhf.errors import UserError, reading
+from fsdp_rlhf.hf_config import has_linear_attention
 from fsdp_rlhf.models.attention import PADDED_ATTENTION, register_attention
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,13 @@ def check_sequence_parallel(
         heads = cfg.num_attention_heads
         kv = getattr(cfg, "num_key_value_heads", None) or heads
         problem = head_problem(heads, kv, n)
+        if problem is None and has_linear_attention(cfg):
+            # Ulysses exchanges shards around attention calls only: a linear-attention layer's
+            # recurrence would run over each rank's slice of the sequence on its own
+            problem = (
+                "its linear-attention (gated-delta-net) layers need the whole sequence on one "
+                "rank; sequence parallelism splits it"
+            )
         if problem is not None:
             raise UserError(f"--sequence_parallel_size {n}: {flag} {path}: {problem}")
 

@@ -7,6 +7,14 @@ Parameter names gain segments on the way (``q_proj.weight`` -> ``q_proj.base_lay
 ``base_model.model.<module>.lora_A.weight``. A scalar head (``score`` of reward model and
 critic) gets no adapter: it is trained in full and saved with the adapter
 (``modules_to_save``), as peft does for sequence classification.
+
+Mixture-of-experts models: adapters go on the attention and the dense parts (a shared expert's
+projections, dense MLP layers); the routed experts, the routers and a shared expert's gate stay
+frozen and unadapted (``models.moe.never_adapted``). peft 0.21 rewrites the targets of
+transformers-5 MoE models as if they named a transformers-4 adapter's modules (its
+``convert_peft_config_for_transformers``, for loading such adapters): ``all-linear`` and any
+``gate_proj``/``up_proj``/``down_proj`` then land on the fused (E, ...) expert tensors and the
+router weight instead of the Linear layers. Fresh adapters are injected without that rewrite.
 """
 
 from __future__ import annotations
@@ -53,8 +61,9 @@ def adapter_file_name(name: str) -> str:
     return PEFT_PREFIX + name.replace(f".{ADAPTER}.", ".")
 
 
-def peft_config(cfg: LoraConfig, head: str | None = None):
-    """peft's ``LoraConfig`` for ``cfg``; ``head`` (a scalar head) is excluded from adapters."""
+def peft_config(cfg: LoraConfig, head: str | None = None, exclude: tuple[str, ...] = ()):
+    """peft's ``LoraConfig`` for ``cfg``; ``head`` (a scalar head) and the modules named in
+    ``exclude`` get no adapters."""
     from peft import LoraConfig as PeftLoraConfig
 
     targets = list(cfg.target_modules)
@@ -63,7 +72,7 @@ def peft_config(cfg: LoraConfig, head: str | None = None):
         lora_alpha=cfg.lora_alpha,
         lora_dropout=cfg.lora_dropout,
         target_modules="all-linear" if targets == ["all-linear"] else targets,
-        exclude_modules=[head] if head else None,
+        exclude_modules=[*exclude, *([head] if head else [])] or None,
         bias="none",
     )
 
@@ -77,8 +86,12 @@ def add_lora(
     """
     from peft import inject_adapter_in_model
 
+    from fsdp_rlhf.models.moe import never_adapted
+
+    frozen = tuple(never_adapted(model))
     try:
-        inject_adapter_in_model(peft_config(cfg, head), model)
+        with _no_v4_target_rewrite(bool(frozen)):
+            inject_adapter_in_model(peft_config(cfg, head, frozen), model)
     except ValueError as e:  # peft: no module matched target_modules
         raise UserError(f"--target_modules {' '.join(cfg.target_modules)}: {e}") from None
     for name, p in model.named_parameters():
@@ -96,6 +109,22 @@ def add_lora(
         total / 1e6,
     )
     return model
+
+
+@contextmanager
+def _no_v4_target_rewrite(active: bool) -> Iterator[None]:
+    """peft's rewrite of MoE targets for transformers-4 adapters off (see the module doc)."""
+    if not active:
+        yield
+        return
+    from peft.utils import transformers_weight_conversion as conversion
+
+    saved = conversion.convert_peft_config_for_transformers
+    conversion.convert_peft_config_for_transformers = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        conversion.convert_peft_config_for_transformers = saved
 
 
 def check_target_modules(path: str, cfg: LoraConfig, trust_remote_code: bool = False) -> None:

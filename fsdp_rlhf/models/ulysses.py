@@ -141,7 +141,8 @@ def _inner_attention(module, q, k, v, attention_mask, dropout, scaling, sp, kwar
         return varlen_sdpa(module, q, k, v, None, dropout, scaling, **kwargs)[0]
     if kwargs.get("grouped_response_mask") is not None:  # shared-prompt rows
         return padded_sdpa(module, q, k, v, attention_mask, dropout, scaling, **kwargs)[0]
-    return _padded_attention(q, k, v, sp.padding_mask, dropout, scaling)
+    window = kwargs.get("sliding_window")
+    return _padded_attention(q, k, v, sp.padding_mask, dropout, scaling, window)
 
 
 def _padded_attention(
@@ -151,15 +152,19 @@ def _padded_attention(
     padding_mask: torch.Tensor | None,
     dropout: float,
     scaling: float | None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of padded rows, padding keys masked: q (B, H, L, D), k/v (B, KV, L, D),
     ``padding_mask`` (B, L) bool or None -> (B, L, H, D). A padding query attends to itself
     (never to nothing: a row of no keys is NaN in SDPA); real tokens are as in the unsplit
-    forward."""
+    forward. ``window``: a sliding-window layer's (Gemma 3's local layers), each query sees its
+    last ``window`` keys only, as transformers' padded mask does."""
     L = q.shape[-2]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     explicit = _explicit_wanted(q, dropout, L)
-    if padding_mask is None and not explicit:  # as HF's SDPA: GQA inside the kernel, no copies
+    windowed = window is not None and window < L
+    # as HF's SDPA: GQA inside the kernel, no copies
+    if padding_mask is None and not explicit and not windowed:
         gqa = k.shape[1] != q.shape[1]
         out = F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout, is_causal=True, scale=scale, enable_gqa=gqa
@@ -167,6 +172,8 @@ def _padded_attention(
         return out.transpose(1, 2).contiguous()
     k, v = _repeat_kv(q, k, v)
     allowed = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+    if windowed:
+        allowed = allowed.triu(-(window - 1))
     if padding_mask is not None:
         eye = torch.eye(L, dtype=torch.bool, device=q.device)
         allowed = (allowed & padding_mask[:, None, None, :]) | eye  # (B, 1, L, L)

@@ -114,6 +114,9 @@ class RolloutOutput:
         token_versions: (N, T) long, the weight version that sampled each token (-1 at pads
             and environment tokens), or None when one version sampled everything (set by
             asynchronous training's rollouts, where weights may change mid-response).
+        routed_experts: (N, P + T, Lm, k) the experts the engine routed each token of
+            ``sequences()`` to in each of the Lm MoE layers (router replay), uint8 or int16,
+            ``rollout.routing.no_expert`` where it did not route; None when not asked for.
     """
 
     prompt_ids: torch.Tensor
@@ -125,6 +128,7 @@ class RolloutOutput:
     n: int
     response_attention_mask: torch.Tensor | None = None
     token_versions: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = None
 
     @classmethod
     def from_lists(

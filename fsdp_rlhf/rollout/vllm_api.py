@@ -65,6 +65,24 @@ STREAMING_CALLS: Calls = {
     ),
 }
 
+# rollout/vllm_moe.py, recording routed experts on CPU (--router_replay; checked only then, and
+# only against the installed vLLM: the recorder runs on 0.32): the capture hook vLLM's own
+# recorder uses, and the V1 runner calling the model with the flat batch's ids and positions.
+MOE_CALLS: Calls = {
+    "BaseRouter.set_capture_fn": (
+        "vllm.model_executor.layers.fused_moe.router.base_router",
+        "BaseRouter",
+        "set_capture_fn",
+        (),
+    ),
+    "GPUModelRunner._model_forward": (
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner",
+        "_model_forward",
+        ("input_ids", "positions"),
+    ),
+}
+
 # rollout/vllm_lora.py: adapters built from tensors in memory.
 LORA_CALLS: Calls = {
     "LoRAModel.from_lora_tensors": (

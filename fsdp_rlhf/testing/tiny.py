@@ -1,13 +1,18 @@
-"""Build small Qwen2/Llama models and a BPE tokenizer locally (no downloads).
+"""Build small models and a BPE tokenizer locally (no downloads).
 
 Used by the tests, the demo and the benchmark. head_dim is 64 because vLLM's CPU attention
 rejects smaller heads ("Unsupported CPU attention configuration" at 16).
+
+:func:`build_model` makes the Qwen2/Llama shapes most tests use; :func:`build_family` makes one
+of :data:`FAMILIES`, each scaled down from a published checkpoint's config with its structure
+kept (the family matrix, ``make test-models``).
 """
 
 from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -145,3 +150,264 @@ def write_generation_config(model_dir: Path, tok) -> None:
         "repetition_penalty": 1.05,
     }
     (model_dir / "generation_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+# ---------------------------------------------------------------- the family matrix
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family as a published checkpoint configures it, scaled down.
+
+    ``config`` holds the transformers config arguments besides the vocabulary and special
+    tokens; ``published`` names the checkpoint whose config.json the structure follows, and
+    ``kept`` what of it the tiny model keeps (what the trainer and vLLM must handle).
+    """
+
+    name: str
+    config_class: str
+    model_class: str
+    published: str
+    kept: str
+    config: dict = field(default_factory=dict)
+    drop_keys: tuple[str, ...] = ()
+
+    @property
+    def moe(self) -> bool:
+        return "num_experts" in self.config or "num_local_experts" in self.config
+
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family(
+            "qwen2",
+            "Qwen2Config",
+            "Qwen2ForCausalLM",
+            "Qwen/Qwen2.5-7B-Instruct",
+            "no head_dim key in config.json, q/k/v biases, untied head",
+            dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=2),
+            drop_keys=("head_dim",),
+        ),
+        Family(
+            "qwen3",
+            "Qwen3Config",
+            "Qwen3ForCausalLM",
+            "Qwen/Qwen3-0.6B",
+            "explicit head_dim with heads x head_dim != hidden, q/k RMSNorm, GQA 2:1, tied",
+            dict(
+                hidden_size=128,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=64,
+                tie_word_embeddings=True,
+            ),
+        ),
+        Family(
+            "qwen3_moe",
+            "Qwen3MoeConfig",
+            "Qwen3MoeForCausalLM",
+            "Qwen/Qwen3-30B-A3B",
+            "every layer sparse: softmax top-k router with renormalised weights (16 experts, "
+            "top 4), fused expert tensors, GQA 4:1, q/k RMSNorm, untied",
+            dict(
+                hidden_size=128,
+                num_attention_heads=4,
+                num_key_value_heads=1,
+                head_dim=64,
+                num_experts=16,
+                num_experts_per_tok=4,
+                moe_intermediate_size=64,
+                norm_topk_prob=True,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+            ),
+        ),
+        Family(
+            "qwen2_moe",
+            "Qwen2MoeConfig",
+            "Qwen2MoeForCausalLM",
+            "Qwen/Qwen1.5-MoE-A2.7B",
+            "softmax top-k router without renormalisation (8 experts, top 2), a shared expert "
+            "behind a sigmoid gate, q/k/v biases, untied",
+            dict(
+                hidden_size=128,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                num_experts=8,
+                num_experts_per_tok=2,
+                moe_intermediate_size=64,
+                shared_expert_intermediate_size=128,
+                norm_topk_prob=False,
+            ),
+        ),
+        Family(
+            "llama3",
+            "LlamaConfig",
+            "LlamaForCausalLM",
+            "meta-llama/Llama-3.2-1B-Instruct",
+            "llama3 rope scaling, GQA at the odd ratio 9/3 (SmolLM's), tied",
+            dict(
+                hidden_size=576,
+                num_attention_heads=9,
+                num_key_value_heads=3,
+                intermediate_size=512,
+                tie_word_embeddings=True,
+                rope_parameters={
+                    "rope_type": "llama3",
+                    "rope_theta": 500000.0,
+                    "factor": 32.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192,
+                },
+            ),
+        ),
+        Family(
+            "gemma3",
+            "Gemma3TextConfig",
+            "Gemma3ForCausalLM",
+            "google/gemma-3-1b-it",
+            "a sliding-window layer (window cut to 16 tokens so rollouts exceed it) and a global "
+            "one with their own rope bases, q/k RMSNorm, scaled embeddings, GELU-tanh, tied",
+            dict(
+                hidden_size=128,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=64,
+                query_pre_attn_scalar=64,
+                sliding_window=16,
+                layer_types=["sliding_attention", "full_attention"],
+                tie_word_embeddings=True,
+            ),
+        ),
+        Family(
+            "mistral",
+            "MistralConfig",
+            "MistralForCausalLM",
+            "mistralai/Mistral-7B-Instruct-v0.3",
+            "GQA 4:1, no sliding window (v0.3), untied",
+            dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=1, head_dim=64),
+        ),
+        Family(
+            "phi3",
+            "Phi3Config",
+            "Phi3ForCausalLM",
+            "microsoft/Phi-3-mini-4k-instruct",
+            "fused qkv_proj and gate_up_proj weights, untied",
+            dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=2),
+        ),
+        Family(
+            "qwen3_5",
+            "Qwen3_5TextConfig",
+            "Qwen3_5ForCausalLM",
+            "Qwen/Qwen3.5-9B (its text model)",
+            "hybrid: a gated-delta-net linear-attention layer (key/value heads of 128, as "
+            "published) and a gated full-attention layer (published: 3 linear to 1 full), q/k "
+            "RMSNorm, partial rotary, GQA 2:1",
+            dict(
+                hidden_size=128,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=64,
+                linear_num_key_heads=1,
+                linear_num_value_heads=2,
+                linear_key_head_dim=128,  # vLLM's CPU gated-delta-net kernel takes 128 only
+                linear_value_head_dim=128,
+                layer_types=["linear_attention", "full_attention"],
+            ),
+        ),
+        Family(
+            "qwen3_5_moe",
+            "Qwen3_5MoeTextConfig",
+            "Qwen3_5MoeForCausalLM",
+            "Qwen/Qwen3.5-35B-A3B (its text model)",
+            "hybrid linear/full attention as qwen3_5, every layer sparse (16 experts, top 4) "
+            "with a gated shared expert",
+            dict(
+                hidden_size=128,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=64,
+                linear_num_key_heads=1,
+                linear_num_value_heads=2,
+                linear_key_head_dim=128,  # vLLM's CPU gated-delta-net kernel takes 128 only
+                linear_value_head_dim=128,
+                layer_types=["linear_attention", "full_attention"],
+                num_experts=16,
+                num_experts_per_tok=4,
+                moe_intermediate_size=64,
+                shared_expert_intermediate_size=64,
+            ),
+        ),
+        Family(
+            "olmo2",
+            "Olmo2Config",
+            "Olmo2ForCausalLM",
+            "allenai/OLMo-2-0425-1B-Instruct",
+            "norms after attention and MLP, q/k RMSNorm over all heads; vLLM serves it through "
+            "its Transformers backend",
+            dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=2),
+        ),
+    )
+}
+
+
+def _near_tied_routers(model: torch.nn.Module, spread: float) -> None:
+    from fsdp_rlhf.models.moe import moe_routers
+
+    routers = moe_routers(model)
+    if not routers:
+        raise ValueError(f"router_spread: {type(model).__name__} has no MoE router")
+    with torch.no_grad():
+        for router in routers:
+            w = router.weight  # (E, H)
+            row = torch.randn(1, w.shape[1]) * w.std()
+            w.copy_(row + spread * row.abs().mean() * torch.randn_like(w))
+
+
+def build_family(
+    out_dir: str | Path,
+    family: str,
+    *,
+    num_layers: int = 2,
+    vocab_size: int = 512,
+    seed: int = 0,
+    router_spread: float | None = None,
+) -> Path:
+    """Save a randomly initialised model of ``FAMILIES[family]`` with its tokenizer and a
+    generation_config.json to ``out_dir``; returns the path.
+
+    ``router_spread`` (MoE families): every router's (E, H) weight becomes one shared random
+    row plus ``router_spread`` x that row's scale in per-expert noise, so the experts' logits
+    tie to within a few float32 roundings and the rollout engine and the trainer, which round
+    differently, route some tokens to different experts: the near-uniform routers of an
+    untrained or collapsed MoE, where router replay matters in fp32 too.
+    """
+    import transformers
+
+    fam = FAMILIES[family]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(out, vocab_size=vocab_size)
+    config_cls = getattr(transformers, fam.config_class)
+    kwargs = {
+        "vocab_size": len(tok),
+        "intermediate_size": 4 * fam.config["hidden_size"],
+        "num_hidden_layers": num_layers,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": False,
+        "pad_token_id": tok.pad_token_id,
+        "eos_token_id": tok.eos_token_id,
+        "bos_token_id": None,
+        **fam.config,
+    }
+    torch.manual_seed(seed)
+    model = getattr(transformers, fam.model_class)(config_cls(**kwargs))
+    if router_spread is not None:
+        _near_tied_routers(model, router_spread)
+    model.save_pretrained(str(out))
+    if fam.drop_keys:
+        _drop_config_keys(out, fam.drop_keys)
+    write_generation_config(out, tok)
+    return out

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from fsdp_rlhf.models.forward import response_logprobs, sequence_scores, token_values
+from fsdp_rlhf.models.moe import MoEHooks, routing_scope
 from fsdp_rlhf.rollout.engine import RolloutOutput
 from fsdp_rlhf.trainers.micro_batches import MicroBatching
 
@@ -33,6 +34,8 @@ class Experience:
     rewards: torch.Tensor | None = None  # (N, T) shaped, KL included
     advantages: torch.Tensor | None = None  # (N, T)
     returns: torch.Tensor | None = None  # (N, T)
+    # (N, P+T, Lm, k) the engine's experts per token and MoE layer (--router_replay)
+    routed_experts: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -68,6 +71,8 @@ class Experience:
         keep = int(response[-1]) + 1 if len(response) else 1
         cut = {"input_ids": self.input_ids[:, start : P + keep]}
         cut["attention_mask"] = self.attention_mask[:, start : P + keep]
+        if self.routed_experts is not None:
+            cut["routed_experts"] = self.routed_experts[:, start : P + keep]
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name not in cut and value is not None and value.ndim == 2:
@@ -112,20 +117,31 @@ def batched_logprobs(
     temperature: float,
     packed: bool = False,
     group_size: int = 1,
+    moe: MoEHooks | None = None,
 ) -> torch.Tensor:
     """(N, T) log-probs of the response tokens, computed ``micro`` sequences at a time or by
-    token budget (``group_size``: rows sharing one pass of their prompt, kept together)."""
+    token budget (``group_size``: rows sharing one pass of their prompt, kept together).
+    ``moe``: the model's router hooks, to replay ``exp.routed_experts`` (router replay)."""
     out = torch.zeros_like(exp.response_mask)
     for rows, mb in micro_batches(exp, _batching(micro, packed, group_size)):
-        lp, _ = response_logprobs(
-            model,
-            mb.input_ids,
+        with routing_scope(
+            moe,
+            mb.routed_experts,
             mb.attention_mask,
             mb.response_len,
-            temperature=temperature,
             packed=packed,
             group_size=group_size,
-        )
+            collect=False,
+        ):
+            lp, _ = response_logprobs(
+                model,
+                mb.input_ids,
+                mb.attention_mask,
+                mb.response_len,
+                temperature=temperature,
+                packed=packed,
+                group_size=group_size,
+            )
         if rows is not None:
             out[rows, : mb.response_len] = lp
     return out * exp.response_mask
@@ -171,6 +187,7 @@ def minibatches(
 
 def experience_from_rollout(out: RolloutOutput, device: torch.device) -> Experience:
     input_ids, attention_mask = out.sequences()
+    routed = out.routed_experts
     return Experience(
         input_ids=input_ids.to(device),
         attention_mask=attention_mask.to(device),
@@ -178,6 +195,7 @@ def experience_from_rollout(out: RolloutOutput, device: torch.device) -> Experie
         engine_logprobs=out.engine_logprobs.float().to(device),
         truncated=truncated(out.finish_reasons).bool().to(device),
         token_versions=None if out.token_versions is None else out.token_versions.to(device),
+        routed_experts=routed.to(device) if routed is not None else None,
     )
 
 

@@ -32,6 +32,7 @@ from fsdp_rlhf.distributed.sequence_parallel import layout as sequence_parallel_
 from fsdp_rlhf.metrics import PhaseTimer
 from fsdp_rlhf.models.load import load_tokenizer
 from fsdp_rlhf.models.lora import adapters_disabled
+from fsdp_rlhf.models.moe import MoEHooks
 from fsdp_rlhf.models.save import save_model
 from fsdp_rlhf.rollout import RolloutEngine, RolloutOutput, SamplingConfig
 from fsdp_rlhf.rollout.groups import gather_rollouts
@@ -120,6 +121,8 @@ class PPOTrainer:
         # after the engine, which seeds torch per engine: fresh heads must match on all ranks
         torch.manual_seed(cfg.seed)
         self.models = build_models(cfg, env, tokenizer)
+        # an MoE actor: router replay, routing statistics, the load-balancing loss
+        self.moe = MoEHooks.attach(self.models.actor)
         self.prompts = build_prompts(cfg, rows, tokenizer)
         # the ranks of a sequence-parallel group draw the same prompts (their data shard)
         self.sp = sequence_parallel_layout()
@@ -379,7 +382,7 @@ class PPOTrainer:
         elif old_logprobs:
             with self.timer("old_log_p"):
                 exp.old_logprobs = batched_logprobs(
-                    self.models.actor, exp, micro, temp, self.packed, self.group_size
+                    self.models.actor, exp, micro, temp, self.packed, self.group_size, self.moe
                 )
         with self.timer("reference_model"), self.reference() as ref:
             exp.ref_logprobs = batched_logprobs(ref, exp, micro, temp, self.packed, self.group_size)
@@ -411,8 +414,12 @@ class PPOTrainer:
                     kl_coef=self.kl_ctl.value,
                     temperature=cfg.rollout.temperature,
                     reuse_logprobs=reuse_logprobs,
+                    moe=self.moe,
+                    aux_loss_coef=cfg.moe.aux_loss_coef,
                 )
             metrics.update(actor_metrics)
+            if self.moe is not None:
+                metrics.update(self.moe.pop_metrics())
             if reuse_logprobs:
                 exp.old_logprobs = old_logprobs
             self.actor_updated()

@@ -30,6 +30,7 @@ from fsdp_rlhf.config import PPOAlgoConfig
 from fsdp_rlhf.data.prompts import Prompt
 from fsdp_rlhf.distributed.env import all_reduce_scalars
 from fsdp_rlhf.distributed.sequence_parallel import data_group
+from fsdp_rlhf.rollout.routing import no_expert
 from fsdp_rlhf.trainers.experience import Experience
 
 log = logging.getLogger("fsdp_rlhf")
@@ -65,6 +66,8 @@ def concat_experiences(parts: list[Experience], pad_id: int) -> Experience:
             if f.name in ("input_ids", "attention_mask"):
                 pad = pad_id if f.name == "input_ids" else 0
                 value = F.pad(value, (left, right), value=pad)
+            elif f.name == "routed_experts":  # (N, P+T, Lm, k): no routing at the padding
+                value = F.pad(value, (0, 0, 0, 0, left, right), value=no_expert(value.dtype))
             elif value.dim() == 2:  # (N, T) per-token field
                 value = F.pad(value, (0, right), value=0)
             out.setdefault(f.name, []).append(value)

@@ -174,6 +174,38 @@ def _check_lora(cfg: PPOConfig) -> None:
             "adapters"
         )
     check_target_modules(cfg.models.pretrain, cfg.lora, cfg.backend.trust_remote_code)
+    if adapter_sync(cfg) and not torch.cuda.is_available():
+        from transformers import AutoConfig
+
+        from fsdp_rlhf.hf_config import config_num_experts
+
+        config = AutoConfig.from_pretrained(
+            cfg.models.pretrain, trust_remote_code=cfg.backend.trust_remote_code
+        )
+        if config_num_experts(config):
+            raise UserError(
+                "--lora_rank on an MoE model with --lora_sync adapter: vLLM serves adapters on "
+                "an MoE model through its LoRA MoE layers, whose kernels need Triton, which the "
+                "CPU build lacks; use --lora_sync merged"
+            )
+
+
+def _check_moe(cfg: PPOConfig) -> None:
+    """--router_replay and --aux_loss_coef need an MoE actor whose router is supported."""
+    moe = cfg.moe
+    flags = [f for f, on in (("--router_replay", moe.router_replay),) if on]
+    if moe.aux_loss_coef > 0:
+        flags.append(f"--aux_loss_coef {moe.aux_loss_coef:g}")
+    if not flags:
+        return
+    if moe.router_replay and cfg.rollout.rollout_engine != "vllm":
+        raise UserError(
+            "--router_replay needs --rollout_engine vllm: the HF engine does not report the "
+            "experts it routed to"
+        )
+    from fsdp_rlhf.models.moe import check_moe_model
+
+    check_moe_model(cfg.models.pretrain, " and ".join(flags), cfg.backend.trust_remote_code)
 
 
 def _check_rewards(cfg: PPOConfig) -> None:
@@ -272,6 +304,7 @@ def prepare(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any]:
     m = cfg.models
     check_model_path(m.pretrain, "--pretrain")
     _check_lora(cfg)
+    _check_moe(cfg)
     if cfg.backend.torch_compile:
         check_compile_toolchain()
     _check_rewards(cfg)
@@ -315,6 +348,10 @@ def prepare(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any]:
         from fsdp_rlhf.trainers.ppo_eval import load_eval_rows
 
         load_eval_rows(cfg)  # bad eval data fails here, not after the models are loaded
+    if cfg.rollout.rollout_engine == "vllm":  # last: importing vLLM prints lines of its own
+        from fsdp_rlhf.rollout.vllm_engine import check_architecture
+
+        check_architecture(m.pretrain, cfg.backend.trust_remote_code, engine_dtype(cfg))
     return plan, rows
 
 
@@ -544,6 +581,7 @@ def build_engine(
             trust_remote_code=cfg.backend.trust_remote_code,
             lora_rank=cfg.lora.lora_rank if adapter_sync(cfg) else 0,
             streaming=streaming,
+            router_replay=cfg.moe.router_replay,
         )
     # In the engine dtype, like vLLM: an fp32 copy under --bf16 sampled from other logits than
     # the trainer computes, and generated slower on a bf16-capable CPU (benchmarks/).

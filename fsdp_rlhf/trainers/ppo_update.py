@@ -10,6 +10,7 @@ mean however the batch is sharded and split into micro-batches.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ from fsdp_rlhf.config import PPOAlgoConfig, PPOBatchPlan, PPOConfig
 from fsdp_rlhf.distributed.fsdp import accumulate
 from fsdp_rlhf.distributed.stats import global_token_count
 from fsdp_rlhf.models.forward import response_logprobs, token_values
+from fsdp_rlhf.models.moe import MoEHooks, routing_scope
 from fsdp_rlhf.trainers.experience import Experience, micro_batches, minibatches
 from fsdp_rlhf.trainers.guards import BadStepGuard, finite_mean, guarded_step
 from fsdp_rlhf.trainers.micro_batches import MicroBatching
@@ -39,6 +41,8 @@ from fsdp_rlhf.trainers.ppo_metrics import (
 
 # loss_fn(micro_batch, num_tokens, num_seqs) -> (loss, detached stats)
 LossFn = Callable[[Experience, int, int], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# scope(micro_batch, counted) -> held over the micro-batch's forward and backward
+Scope = Callable[[Experience, bool], AbstractContextManager]
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,7 @@ def _update_loop(
     loss_fn: LossFn,
     on_micro: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     sum_keys: tuple[str, ...] = (),
+    scope: Scope | None = None,
 ) -> tuple[dict[str, float], float]:
     """Run the epochs; returns the rank-averaged loss statistics and the mean grad norm of
     the optimizer steps taken (a non-finite norm skips its step, see ``guarded_step``).
@@ -138,7 +143,9 @@ def _update_loop(
     micro-batches and ranks, averaged over the optimizer steps, is the value.
     ``on_micro(rows, logprobs)`` sees each micro-batch's row indices in ``exp`` after its
     backward (the actor collects its log-probs through it; dynamic micro-batches give them
-    cut to their own response length).
+    cut to their own response length). ``scope(mb, counted)`` is held over each micro-batch's
+    forward and backward (an MoE actor's router replay; ``counted`` False for a padding
+    micro-batch).
     """
     stats, norms = RunningAverages(), []
     for _ in range(plan.ppo_epochs):
@@ -150,12 +157,13 @@ def _update_loop(
             micros = list(micro_batches(minibatch, plan.batching))
             for i, (rows, mb) in enumerate(micros):
                 accumulate(opt.model, i == len(micros) - 1, plan.zero_stage)
-                loss, step_stats = loss_fn(mb, num_tokens, plan.global_batch_size)
-                logprobs = step_stats.pop("logprobs", None)
-                if rows is None:  # padding: the collectives run, nothing is learned
-                    (loss * 0.0).backward()
+                with scope(mb, rows is not None) if scope is not None else nullcontext():
+                    loss, step_stats = loss_fn(mb, num_tokens, plan.global_batch_size)
+                    logprobs = step_stats.pop("logprobs", None)
+                    # padding: the collectives run, nothing is learned
+                    (loss * 0.0 if rows is None else loss).backward()
+                if rows is None:
                     continue
-                loss.backward()
                 if on_micro is not None:
                     on_micro(idx[rows], logprobs)
                 stats.add(step_stats)
@@ -235,6 +243,8 @@ def _actor_loss_fn(
     temperature: float,
     plan: UpdatePlan,
     reuse_logprobs: bool,
+    moe: MoEHooks | None = None,
+    aux_loss_coef: float = 0.0,
 ) -> LossFn:
     def loss_fn(mb: Experience, num_tokens: int, num_seqs: int):
         logprobs, entropy = response_logprobs(
@@ -273,6 +283,14 @@ def _actor_loss_fn(
             loss = loss + kl_coef * kl_loss
         if algo.entropy_loss_coef > 0:
             loss = loss + entropy_bonus(entropy, mb.response_mask, algo.entropy_loss_coef, **agg)
+        if moe is not None:
+            # the micro-batch's share of the step's tokens: summed over micro-batches and
+            # ranks, the term is the token-weighted mean of the micro-batches' losses
+            share = mb.response_mask.sum() / max(num_tokens, 1)
+            aux = moe.aux_loss() * share
+            stats["moe/aux_loss"] = aux.detach()
+            if aux_loss_coef > 0:
+                loss = loss + aux_loss_coef * aux
         return loss, stats
 
     return loss_fn
@@ -293,6 +311,8 @@ def update_actor(
     kl_coef: float,
     temperature: float,
     reuse_logprobs: bool = False,
+    moe: MoEHooks | None = None,
+    aux_loss_coef: float = 0.0,
 ) -> tuple[dict[str, float], torch.Tensor | None]:
     """The actor's policy-gradient updates on one rollout batch.
 
@@ -300,20 +320,39 @@ def update_actor(
         exp: this rank's batch; ``old_logprobs`` may be None when ``reuse_logprobs``.
         reuse_logprobs: take the old log-probs from this update's own forward (see
             :func:`reuse_update_logprobs`); they are returned rather than written into ``exp``.
+        moe: an MoE actor's router hooks: its forwards replay ``exp.routed_experts`` when set,
+            count routing statistics, and add ``aux_loss_coef`` x the load-balancing loss.
 
     Returns:
         ``(metrics, old_logprobs)``: the (N, T) log-probs the update used as old ones when
         ``reuse_logprobs``, else None.
     """
-    loss_fn = _actor_loss_fn(actor.model, algo, kl_coef, temperature, plan, reuse_logprobs)
+    loss_fn = _actor_loss_fn(
+        actor.model, algo, kl_coef, temperature, plan, reuse_logprobs, moe, aux_loss_coef
+    )
     collected = torch.zeros_like(exp.response_mask) if reuse_logprobs else None
 
     def keep(rows: torch.Tensor, logprobs: torch.Tensor) -> None:
         if collected is not None:
             collected[rows, : logprobs.shape[1]] = logprobs
 
+    def scope(mb: Experience, counted: bool):
+        return routing_scope(
+            moe,
+            mb.routed_experts,
+            mb.attention_mask,
+            mb.response_len,
+            packed=plan.packed,
+            group_size=plan.group_size,
+            collect=counted,
+        )
+
     sums = ("actor/pg_loss", "actor/kl_loss", "actor/entropy")
-    out, grad_norm = _update_loop(actor, exp, plan, generator, loss_fn, keep, sums)
+    if moe is not None:
+        sums += ("moe/aux_loss",)
+    out, grad_norm = _update_loop(
+        actor, exp, plan, generator, loss_fn, keep, sums, scope if moe is not None else None
+    )
     out["actor/grad_norm"] = grad_norm
     out.update(actor.guard.metrics("actor/"))
     out["grad_norm"] = grad_norm  # MindSpeed RL's name for the actor's norm, kept as an alias

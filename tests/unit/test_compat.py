@@ -346,3 +346,22 @@ def test_the_wandb_key_never_shows_in_the_start_up_notes():
 def test_a_value_our_spelling_shares_needs_no_note():
     assert translate("ppo", ["--advantage_estimator", "grpo"]).notes == []
     assert translate("ppo", ["--advantage_estimator", "group_norm"]).notes != []
+
+
+def test_moe_load_balancing_loss_in_both_dialects():
+    assert _cfg("ppo", "--aux_loss_coef", "0.01").moe.aux_loss_coef == 0.01
+    assert _cfg("ppo", "--actor.aux_loss_coef", "0.02").moe.aux_loss_coef == 0.02
+    for command, flag in (("sft", "--aux_loss_coef"), ("dpo", "--model.aux_loss_coef")):
+        assert translate(command, [flag, "0"]).notes  # accepted: no loss, as here
+        with pytest.raises(ConfigError, match="ppo's actor only"):
+            translate(command, [flag, "0.01"])
+
+
+@pytest.mark.parametrize(
+    "flag",
+    ["--ep_size", "--expert-model-parallel-size", "--enable_expert_parallel", "--ds.ep_size"],
+)
+def test_expert_parallel_flags_are_refused_by_name(flag):
+    for command in ("ppo", "sft"):
+        with pytest.raises(ConfigError, match=rf"{flag}.*expert parallelism is not implemented"):
+            translate(command, ["--pretrain", "m", flag, "2"])

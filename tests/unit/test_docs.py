@@ -195,6 +195,7 @@ def test_every_path_a_page_names_exists():
 
 def _known_flags() -> set[str]:
     from fsdp_rlhf.commands import WITH_OWN_FLAGS
+    from fsdp_rlhf.compat import EXPERT_PARALLEL_FLAGS
     from fsdp_rlhf.compat.openrlhf import TABLES
     from fsdp_rlhf.config_base import flag_names
 
@@ -206,6 +207,7 @@ def _known_flags() -> set[str]:
                 known.add(f"no_{name}")
     for table in TABLES.values():  # foreign spellings we translate, accept or refuse
         known |= set(table.rules)
+    known |= set(EXPERT_PARALLEL_FLAGS)  # other trainers' spellings, refused by name
     for f in (PKG / "compat" / "data").glob("*.json"):
         for flag in json.loads(f.read_text())["flags"]:
             known |= {n.lstrip("-").replace("-", "_") for n in flag["names"]}

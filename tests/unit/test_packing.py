@@ -192,3 +192,44 @@ def test_entropy_keeps_no_graph_unless_its_gradient_is_wanted(tiny_qwen2):
     _, trained = response_logprobs(model, ids, mask, T, with_entropy=True)
     assert lp.requires_grad and not metric.requires_grad and trained.requires_grad
     torch.testing.assert_close(metric, trained.detach())
+
+
+@pytest.mark.parametrize("grad", [False, True])  # SDPA kernel, explicit kernel
+def test_packed_sliding_window_layers_match_the_padded_forward(tmp_path, grad):
+    """Gemma 3's local layers see their last ``sliding_window`` keys in packed forwards too
+    (sequences here are twice the window of the tiny model)."""
+    from fsdp_rlhf.models.forward import response_logprobs
+    from fsdp_rlhf.models.load import load_causal_lm
+    from fsdp_rlhf.testing.tiny import build_family
+
+    model = load_causal_lm(str(build_family(tmp_path, "gemma3")), BackendConfig(), "cpu")
+    assert model.config.sliding_window == 16
+    g = torch.Generator().manual_seed(0)
+    ids, mask, rmask = ppo_layout_batch(
+        g, model.config.vocab_size, [12, 20, 7], [20, 14, 25], 20, 25
+    )
+    with torch.set_grad_enabled(grad):
+        padded, _ = response_logprobs(model, ids, mask, 25)
+        use_varlen_attention(model, "cpu")
+        packed, _ = response_logprobs(model, ids, mask, 25, packed=True)
+    on = rmask.bool()
+    torch.testing.assert_close(packed[on], padded[on], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_packed_linear_attention_restarts_at_each_sequence(tmp_path, grad):
+    """Qwen3.5's gated-delta-net layers (transformers' PyTorch fallback, no kernel package)
+    carry no state from one packed sequence into the next: packed equals padded."""
+    from fsdp_rlhf.models.forward import response_logprobs
+    from fsdp_rlhf.models.load import load_causal_lm
+    from fsdp_rlhf.testing.tiny import build_family
+
+    model = load_causal_lm(str(build_family(tmp_path, "qwen3_5")), BackendConfig(), "cpu")
+    g = torch.Generator().manual_seed(1)
+    ids, mask, rmask = ppo_layout_batch(g, model.config.vocab_size, [12, 20, 7], [9, 14, 5], 20, 14)
+    with torch.set_grad_enabled(grad):
+        padded, _ = response_logprobs(model, ids, mask, 14)
+        use_varlen_attention(model, "cpu")
+        packed, _ = response_logprobs(model, ids, mask, 14, packed=True)
+    on = rmask.bool()
+    torch.testing.assert_close(packed[on], padded[on], rtol=1e-4, atol=1e-4)

