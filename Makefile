@@ -9,7 +9,7 @@ STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml Makefile scripts/vllm_r
 MAX_JOBS ?= 8
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: install test test-fast test-bench test-vllm-compat test-cluster demo bench lint fmt clean gpu-smoke tcmalloc
+.PHONY: install test test-fast test-bench test-vlm test-vllm-compat test-cluster demo bench lint fmt clean gpu-smoke tcmalloc
 
 install: $(STAMP)
 
@@ -64,10 +64,17 @@ tcmalloc:
 	  echo "      (Debian/Ubuntu) or gperftools-libs (RHEL/Fedora) and runs pick it up by themselves"; \
 	fi
 
-# Everything but the multi-host tests (tests/cluster skip outside `make test-cluster`) and the
-# bench harness's smoke run (`make test-bench`): under 15 minutes on 2 cores.
+# Everything but the multi-host tests (tests/cluster skip outside `make test-cluster`), the
+# bench harness's smoke run (`make test-bench`) and the VLM runs (`make test-vlm`): under 15
+# minutes on 2 cores.
 test: install
-	$(BIN)/python -m pytest -q tests --ignore=tests/bench
+	$(BIN)/python -m pytest -q tests --ignore=tests/bench -m "not vlm"
+
+# Vision-language models (pytest marker `vlm`): a tiny Qwen2.5-VL under FSDP2 on 2 gloo ranks,
+# vLLM rollouts with images, GRPO that must learn an image-dependent answer (and its control),
+# OpenRLHF's VLM script in both dialects, SFT and DPO. About 15 minutes on 2 cores.
+test-vlm: install
+	$(BIN)/python -m pytest -q tests --ignore=tests/bench -m vlm
 
 # python -m scripts.bench --smoke: every measurement path of the bench runs and writes sane numbers
 # (tiny sizes, one repetition; not speed). About 2-3 minutes on 2 cores.

@@ -124,7 +124,7 @@ def render() -> str:
         "- **accepted**: it describes what this trainer does anyway (full colocation, in-process",
         "  weight sync, vLLM sleep) and changes nothing;",
         "- **refused**: the run stops before any model loads, with the reason and what to use",
-        "  instead (Ray-only placement, async training, ring attention, vision-language models).",
+        "  instead (Ray-only placement, async training, ring attention).",
         "",
         "Placement flags (`--actor_num_nodes`, `--ref_num_gpus_per_node`, ...) are accepted when",
         "every model gets the same counts: they then describe the one torchrun world every model",

@@ -1,5 +1,11 @@
 """Load tokenizers, causal LMs (actor, reference) and scalar-head models (reward, critic).
 
+A vision-language checkpoint (its config has ``vision_config``) loads as
+``AutoModelForImageTextToText``: the same causal-LM contract (``logits``, ``logits_to_keep``,
+``get_output_embeddings``) plus the image inputs of ``models.vision``; its vision tower keeps
+HF's SDPA (non-causal attention over each image's patches) while the language model gets the
+trainer's attention.
+
 Scalar-head models are HF ``*ForSequenceClassification`` models with ``num_labels=1`` and the
 head named ``score``: the format ``AutoModelForSequenceClassification`` and vLLM load. Reward
 models written by OpenRLHF (head ``value_head``, or any ``--value_head_prefix``) are read too.
@@ -21,6 +27,7 @@ from torch import nn
 from fsdp_rlhf.config import BackendConfig
 from fsdp_rlhf.errors import UserError, reading
 from fsdp_rlhf.models.attention import PADDED_ATTENTION, register_attention
+from fsdp_rlhf.models.vision import is_vision_config
 
 log = logging.getLogger(__name__)
 
@@ -85,18 +92,43 @@ def load_tokenizer(
     return tok
 
 
+def is_vision_language(path: str, trust_remote_code: bool = False) -> bool:
+    """Whether ``path`` (a local folder or hub name) holds a vision-language model."""
+    from transformers import AutoConfig
+
+    with reading("model config", path):
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return is_vision_config(config)
+
+
 def load_causal_lm(
     path: str, backend: BackendConfig, device: torch.device, dtype: torch.dtype = torch.float32
 ) -> nn.Module:
-    """Load on the host in ``dtype``; ``device`` only picks the attention implementation."""
-    from transformers import AutoModelForCausalLM
+    """Load on the host in ``dtype``; ``device`` only picks the attention implementation. A
+    vision-language model loads whole (vision tower included)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     quiet_transformers()
     attn = attn_implementation(backend.flash_attn, device)
-    with reading("causal LM", path):
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=attn, trust_remote_code=backend.trust_remote_code
-        )
+    vision = is_vision_language(path, backend.trust_remote_code)
+    what = "vision-language model" if vision else "causal LM"
+    with reading(what, path):
+        if vision:
+            # the vision tower attends over each image's patches without a causal mask
+            impl = "flash_attention_2" if attn == "flash_attention_2" else "sdpa"
+            model = AutoModelForImageTextToText.from_pretrained(
+                path,
+                dtype=dtype,
+                attn_implementation={"text_config": attn, "vision_config": impl},
+                trust_remote_code=backend.trust_remote_code,
+            )
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                path,
+                dtype=dtype,
+                attn_implementation=attn,
+                trust_remote_code=backend.trust_remote_code,
+            )
     model.config.use_cache = False
     if backend.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

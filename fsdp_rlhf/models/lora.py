@@ -6,12 +6,14 @@ Parameter names gain segments on the way (``q_proj.weight`` -> ``q_proj.base_lay
 ``q_proj.lora_A.default.weight``); the adapter files peft and vLLM read name the adapter tensors
 ``base_model.model.<module>.lora_A.weight``. A scalar head (``score`` of reward model and
 critic) gets no adapter: it is trained in full and saved with the adapter
-(``modules_to_save``), as peft does for sequence classification.
+(``modules_to_save``), as peft does for sequence classification. A vision-language model's
+vision tower gets none either: adapters go on the language model, the tower stays frozen.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -53,17 +55,22 @@ def adapter_file_name(name: str) -> str:
     return PEFT_PREFIX + name.replace(f".{ADAPTER}.", ".")
 
 
-def peft_config(cfg: LoraConfig, head: str | None = None):
-    """peft's ``LoraConfig`` for ``cfg``; ``head`` (a scalar head) is excluded from adapters."""
+def peft_config(cfg: LoraConfig, head: str | None = None, skip_prefix: str | None = None):
+    """peft's ``LoraConfig`` for ``cfg``; ``head`` (a scalar head) and every module under
+    ``skip_prefix`` (a VLM's vision tower) are excluded from adapters."""
     from peft import LoraConfig as PeftLoraConfig
 
     targets = list(cfg.target_modules)
+    exclude = [head] if head else None
+    if skip_prefix:  # peft full-matches a string against each module's name
+        names = [re.escape(skip_prefix) + r"\..*"] + ([re.escape(head)] if head else [])
+        exclude = "|".join(f"(?:{n})" for n in names)
     return PeftLoraConfig(
         r=cfg.lora_rank,
         lora_alpha=cfg.lora_alpha,
         lora_dropout=cfg.lora_dropout,
         target_modules="all-linear" if targets == ["all-linear"] else targets,
-        exclude_modules=[head] if head else None,
+        exclude_modules=exclude,
         bias="none",
     )
 
@@ -77,8 +84,10 @@ def add_lora(
     """
     from peft import inject_adapter_in_model
 
+    from fsdp_rlhf.models.vision import vision_prefix
+
     try:
-        inject_adapter_in_model(peft_config(cfg, head), model)
+        inject_adapter_in_model(peft_config(cfg, head, vision_prefix(model)), model)
     except ValueError as e:  # peft: no module matched target_modules
         raise UserError(f"--target_modules {' '.join(cfg.target_modules)}: {e}") from None
     for name, p in model.named_parameters():
@@ -101,12 +110,15 @@ def add_lora(
 def check_target_modules(path: str, cfg: LoraConfig, trust_remote_code: bool = False) -> None:
     """Preflight: inject into an empty (meta-device) copy of the model at ``path``, so that a
     ``--target_modules`` matching nothing fails in a second, before anything is loaded."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from fsdp_rlhf.models.vision import is_vision_config
 
     with reading("model config", path):
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    auto = AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        model = auto.from_config(config, trust_remote_code=trust_remote_code)
     add_lora(model, cfg, quiet=True)
 
 
@@ -123,12 +135,17 @@ def target_module_names(model: nn.Module) -> list[str]:
 
 
 def adapter_config(model: nn.Module, cfg: LoraConfig, base_path: str, head: str | None) -> dict:
-    """The ``adapter_config.json`` of this model's adapters (peft's format, also vLLM's)."""
-    out = peft_config(cfg, head).to_dict()
+    """The ``adapter_config.json`` of this model's adapters (peft's format, also vLLM's). A
+    VLM's adapter names its vision tower in ``exclude_modules``: the short target names
+    (``up_proj``) also name modules there."""
+    from fsdp_rlhf.models.vision import vision_prefix
+
+    tower = vision_prefix(model)
+    out = peft_config(cfg, head, tower).to_dict()
     out.update(
         base_model_name_or_path=base_path,
         target_modules=target_module_names(model),
-        exclude_modules=None,
+        exclude_modules=out["exclude_modules"] if tower else None,
         modules_to_save=[head] if head else None,
         task_type="SEQ_CLS" if head else "CAUSAL_LM",
         inference_mode=True,

@@ -33,18 +33,21 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
 from fsdp_rlhf.config import RolloutConfig  # noqa: E402
+from fsdp_rlhf.data.vision import collapse_runs  # noqa: E402
 from fsdp_rlhf.models.attention import head_dim  # noqa: E402
 from fsdp_rlhf.rollout import vllm_lora  # noqa: E402
+from fsdp_rlhf.models.vision import VisionTokens  # noqa: E402
 from fsdp_rlhf.rollout.engine import (  # noqa: E402
     AdapterSpec,
     CountingWeights,
+    PromptImages,
     RolloutOutput,
     SamplingConfig,
 )
 from fsdp_rlhf.rollout.groups import RolloutGroups, gather_prompts, own_prompt_range  # noqa: E402
 from fsdp_rlhf.rollout.rng import GenerationRng  # noqa: E402
 from fsdp_rlhf.rollout.sleep import SleepTracker  # noqa: E402
-from fsdp_rlhf.rollout.vllm_api import ENGINE_CALLS, check_calls  # noqa: E402
+from fsdp_rlhf.rollout.vllm_api import ENGINE_CALLS, VISION_CALLS, check_calls  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,10 @@ log = logging.getLogger(__name__)
 SUPPORTED_VLLM = ((0, 26), (0, 33))
 TESTED_VLLM_VERSIONS = ("0.26.0", "0.32.0")
 GiB = 1 << 30
+# vLLM clamps logit biases to [-100, 100]: e^-100 relative to the other logits is below fp32's
+# smallest normal number, so a biased token's probability is 0, as under the trainer's floor
+# (models.vision.SUPPRESSED_LOGIT)
+SUPPRESS_BIAS = -100.0
 # CPU KV-cache sizing when not configured: room for this many full-length sequences at once.
 CPU_KV_CONCURRENT_SEQS = 32
 CPU_MAX_NUM_SEQS = 256  # sequences per scheduler step on CPU (vLLM's default)
@@ -63,19 +70,21 @@ CPU_STEP_TOKENS = 2048
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def check_vllm_internals(lora: bool = False) -> str:
+def check_vllm_internals(lora: bool = False, vision: bool = False) -> str:
     """Raise if a vLLM API this adapter relies on is missing or changed; returns the version.
 
     Checked (``vllm_api.ENGINE_CALLS``): ``Worker.reload_weights`` forwarding to
     ``GPUModelRunner.reload_weights(weights_iterator=...)`` (v1 and v2 runners; the CPU runners
     subclass them), the in-process external-launcher executor and engine client (``close``),
     the ``LLM`` methods used here, and with ``lora`` the adapter APIs of
-    :mod:`fsdp_rlhf.rollout.vllm_lora`. A version outside ``SUPPORTED_VLLM`` is only warned
-    about: these checks, not the number, decide.
+    :mod:`fsdp_rlhf.rollout.vllm_lora`, with ``vision`` the encoder-cache reset. A version
+    outside ``SUPPORTED_VLLM`` is only warned about: these checks, not the number, decide.
     """
     problems = check_calls(ENGINE_CALLS)
     if lora:
         problems += vllm_lora.check_lora_internals()
+    if vision:
+        problems += check_calls(VISION_CALLS)
     low, high = SUPPORTED_VLLM
     supported = f"{low[0]}.{low[1]} to {high[0]}.{high[1]}"
     if problems:
@@ -167,9 +176,10 @@ def engine_kwargs(
     seed: int,
     trust_remote_code: bool,
     lora_rank: int = 0,
+    max_images: int = 0,
 ) -> dict:
     """Arguments of ``vllm.LLM`` for one colocated engine (serving adapters up to
-    ``lora_rank`` when > 0)."""
+    ``lora_rank`` when > 0; taking up to ``max_images`` images per prompt when > 0)."""
     max_model_len = prompt_max_len + cfg.generate_max_len
     kwargs = dict(
         model=model_path,
@@ -187,6 +197,8 @@ def engine_kwargs(
     )
     if lora_rank > 0:
         kwargs.update(vllm_lora.lora_engine_kwargs(lora_rank))
+    if max_images > 0:
+        kwargs["limit_mm_per_prompt"] = {"image": max_images, "video": 0}
     if torch.cuda.is_available():
         kwargs.update(enable_sleep_mode=cfg.vllm_enable_sleep, disable_custom_all_reduce=True)
     else:
@@ -234,9 +246,14 @@ def request_seed(seed: int, engine_index: int, prompt_index: int) -> int:
 
 
 def sampling_params(
-    sampling: SamplingConfig, seed: int | None, max_tokens: int | None = None
+    sampling: SamplingConfig,
+    seed: int | None,
+    max_tokens: int | None = None,
+    suppressed: tuple[int, ...] = (),
 ) -> SamplingParams:
+    """``suppressed``: tokens the policy never samples (a VLM's image placeholders)."""
     return SamplingParams(
+        logit_bias={t: SUPPRESS_BIAS for t in suppressed} or None,
         n=sampling.n,
         max_tokens=max_tokens or sampling.max_new_tokens,
         temperature=0.0 if sampling.is_greedy else sampling.temperature,
@@ -258,10 +275,21 @@ def _sampled_logprobs(completion) -> list[float]:
     return list(flat.logprobs)
 
 
-def to_rollout_output(request_outputs, sampling: SamplingConfig, pad_id: int) -> RolloutOutput:
-    """vLLM ``RequestOutput``s (one per prompt) -> prompt-major RolloutOutput."""
+def to_rollout_output(
+    request_outputs, sampling: SamplingConfig, pad_id: int, expected: list[list[int]] | None = None
+) -> RolloutOutput:
+    """vLLM ``RequestOutput``s (one per prompt) -> prompt-major RolloutOutput.
+
+    ``expected``: the prompts as the trainer holds them; vLLM's must be the same (with images:
+    vLLM expanded each placeholder itself, with its own copy of the processor)."""
     prompts, responses, reasons, logprobs = [], [], [], []
-    for req in request_outputs:
+    for i, req in enumerate(request_outputs):
+        if expected is not None and list(req.prompt_token_ids) != expected[i]:
+            raise RuntimeError(
+                f"vLLM's prompt has {len(req.prompt_token_ids)} tokens where the trainer's has "
+                f"{len(expected[i])}: vLLM expanded the image placeholders differently from the "
+                "trainer's processor (are their image processor settings the same?)"
+            )
         if len(req.outputs) != sampling.n:
             raise RuntimeError(f"vLLM returned {len(req.outputs)} samples, asked {sampling.n}")
         for comp in sorted(req.outputs, key=lambda c: c.index):
@@ -321,8 +349,12 @@ class VLLMEngine:
         pad_token_id: int,
         trust_remote_code: bool = False,
         lora_rank: int = 0,
+        vision: VisionTokens | None = None,
+        max_images: int = 0,
     ) -> None:
-        self.version = check_vllm_internals(lora=lora_rank > 0)
+        self.version = check_vllm_internals(lora=lora_rank > 0, vision=vision is not None)
+        self.vision = vision  # a vision-language model's tokens: images go with the prompts
+        self.suppressed = vision.placeholders if vision is not None else ()
         _check_layout(cfg, groups)
         self.groups = groups
         self.dtype = dtype
@@ -343,6 +375,7 @@ class VLLMEngine:
             seed=engine_seed,
             trust_remote_code=trust_remote_code,
             lora_rank=lora_rank,
+            max_images=max_images if vision is not None else 0,
         )
         if not torch.cuda.is_available():
             _cpu_compile_cache()
@@ -352,41 +385,64 @@ class VLLMEngine:
         self._shm_segment = _cpu_shm_segment()
 
     def generate(
-        self, prompt_token_ids: list[list[int]], sampling: SamplingConfig
+        self,
+        prompt_token_ids: list[list[int]],
+        sampling: SamplingConfig,
+        images: list[PromptImages | None] | None = None,
     ) -> RolloutOutput:
         """Responses for this rank's prompts. Collective over the TP block: the block generates
-        for all its ranks' prompts and each rank keeps its own rows."""
+        for all its ranks' prompts and each rank keeps its own rows.
+
+        ``images`` (a vision-language model): each prompt's images; its ids are expanded (one
+        placeholder per image token) and each run of placeholders goes to vLLM as one, which
+        vLLM expands again with the model's processor."""
         self._sleep.check_ready()
-        prompts, counts = gather_prompts(self.groups, prompt_token_ids, sampling)
+        if images is not None and self.vision is None:
+            raise ValueError("images given to the engine of a text-only model")
+        items = list(zip(prompt_token_ids, images or [None] * len(prompt_token_ids), strict=True))
+        gathered, counts = gather_prompts(self.groups, items, sampling)
         start, stop = own_prompt_range(counts, self.groups.rank_in_engine)
         seeded = sampling.seed is not None and not sampling.is_greedy
         if not seeded and sampling.max_total_len is None:
-            params = sampling_params(sampling, None)
+            params = sampling_params(sampling, None, suppressed=self.suppressed)
         else:  # one request each: its own seed and/or its own token budget
             params = [
                 sampling_params(
                     sampling,
                     request_seed(sampling.seed, self.groups.engine_index, i) if seeded else None,
                     sampling.budget(len(p)),
+                    suppressed=self.suppressed,
                 )
-                for i, p in enumerate(prompts)
+                for i, (p, _) in enumerate(gathered)
             ]
-        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        requests = [self._request(ids, img) for ids, img in gathered]
         outputs = []
         if requests:
             with self._rng.active():
                 outputs = self.llm.generate(
                     requests, params, use_tqdm=False, lora_request=self._lora_request()
                 )
-        return to_rollout_output(outputs[start:stop], sampling, self.pad_token_id)
+        expected = [list(ids) for ids, _ in gathered[start:stop]] if self.vision else None
+        return to_rollout_output(outputs[start:stop], sampling, self.pad_token_id, expected)
+
+    def _request(self, ids: list[int], images: PromptImages | None) -> TokensPrompt:
+        if images is None:
+            return TokensPrompt(prompt_token_ids=ids)
+        return TokensPrompt(
+            prompt_token_ids=collapse_runs(ids, self.vision.image),
+            multi_modal_data={"image": list(images.images)},
+        )
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load a full set of HF-named weights (``self.dtype``); returns the bytes received."""
         self._sleep.on_weight_update()
         counted = CountingWeights(weights)
         _reload_weights_inplace(self.llm, counted)
-        # cached prefixes hold KV computed with the old weights
+        # cached prefixes hold KV computed with the old weights, and cached image encodings
+        # come from the old vision tower
         self.llm.reset_prefix_cache()
+        if self.vision is not None:
+            self.llm.llm_engine.reset_encoder_cache()
         return counted.nbytes
 
     def update_adapter(self, weights: Iterable[tuple[str, torch.Tensor]], spec: AdapterSpec) -> int:

@@ -1,7 +1,8 @@
 """The per-rank batch of one PPO step: built from the rollout, filled by no-grad forwards.
 
 Shapes: N sequences on this rank, P prompt tokens (left-padded), T response tokens
-(right-padded). ``input_ids = [prompt | response]`` is (N, P + T).
+(right-padded). ``input_ids = [prompt | response]`` is (N, P + T). With a vision-language
+model each row also carries its images (``images``), picked with the row by every split.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from fsdp_rlhf.models.forward import response_logprobs, sequence_scores, token_values
+from fsdp_rlhf.models.vision import ImageBatch
 from fsdp_rlhf.rollout.engine import RolloutOutput
 from fsdp_rlhf.trainers.micro_batches import MicroBatching
 
@@ -31,6 +33,7 @@ class Experience:
     rewards: torch.Tensor | None = None  # (N, T) shaped, KL included
     advantages: torch.Tensor | None = None  # (N, T)
     returns: torch.Tensor | None = None  # (N, T)
+    images: ImageBatch | None = None  # N rows' images (a vision-language model)
 
     @property
     def num_sequences(self) -> int:
@@ -68,7 +71,7 @@ class Experience:
         cut["attention_mask"] = self.attention_mask[:, start : P + keep]
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name not in cut and value is not None and value.ndim == 2:
+            if f.name not in cut and isinstance(value, torch.Tensor) and value.ndim == 2:
                 cut[f.name] = value[:, :keep]
         return replace(self, **cut)
 
@@ -123,6 +126,7 @@ def batched_logprobs(
             temperature=temperature,
             packed=packed,
             group_size=group_size,
+            images=mb.images,
         )
         if rows is not None:
             out[rows, : mb.response_len] = lp

@@ -29,7 +29,7 @@ from fsdp_rlhf.distributed.offload import (
     onload_optimizer,
 )
 from fsdp_rlhf.metrics import PhaseTimer
-from fsdp_rlhf.models.load import load_tokenizer
+from fsdp_rlhf.models.load import is_vision_language, load_tokenizer
 from fsdp_rlhf.models.lora import adapters_disabled
 from fsdp_rlhf.models.save import save_model
 from fsdp_rlhf.trainers import common
@@ -60,6 +60,7 @@ from fsdp_rlhf.trainers.ppo_rewards import (
     observe_kl,
     rule_scores,
 )
+from fsdp_rlhf.rollout import RolloutOutput, SamplingConfig
 from fsdp_rlhf.trainers.ppo_rollout import RolloutSession, sampling_config, sleep_drops_weights
 from fsdp_rlhf.trainers.ppo_setup import (
     adapter_spec,
@@ -75,7 +76,9 @@ from fsdp_rlhf.trainers.ppo_setup import (
     offload_idle,
     prepare,
     prompt_group_size,
+    unsynced_params,
 )
+from fsdp_rlhf.trainers.ppo_vision import StepImages, check_responses, image_limit
 from fsdp_rlhf.trainers.ppo_update import (
     TrainedModel,
     UpdatePlan,
@@ -109,15 +112,19 @@ class PPOTrainer:
         self.plan, rows = prepared
         common.write_run_config(cfg, env)
         tokenizer = load_tokenizer(cfg.models.pretrain, cfg.backend)
+        # a vision-language actor: its processor decodes each step's images (None: text)
+        self.images = None
+        if is_vision_language(cfg.models.pretrain, cfg.backend.trust_remote_code):
+            self.images = StepImages.from_pretrained(cfg.models.pretrain, cfg.backend)
         # The engine first, then to sleep: vLLM sizes its memory from what is free when it
         # starts, so with four resident models it would refuse to start (TRL's colocate order).
-        engine = build_engine(cfg, env, tokenizer)
+        engine = build_engine(cfg, env, tokenizer, image_limit(cfg.vision, rows))
         engine.sleep()
         log.info("rollout engine started and asleep; loading the models")
         # after the engine, which seeds torch per engine: fresh heads must match on all ranks
         torch.manual_seed(cfg.seed)
         self.models = build_models(cfg, env, tokenizer)
-        self.prompts = build_prompts(cfg, rows, tokenizer)
+        self.prompts = build_prompts(cfg, rows, tokenizer, self.images)
         self.sampler = PromptSampler(
             len(self.prompts), cfg.batch.rollout_batch_size, env.rank, env.world_size, cfg.seed
         )
@@ -143,7 +150,7 @@ class PPOTrainer:
                 else "",
             )
         self.kl_ctl = build_kl_controller(cfg.algo)
-        self.evaluator = build_evaluator(cfg, env, tokenizer)
+        self.evaluator = build_evaluator(cfg, env, tokenizer, self.images)
         self.timer = PhaseTimer(env.device)
         self.rollout_session = RolloutSession(
             engine,
@@ -155,6 +162,7 @@ class PPOTrainer:
             sleep_drops_weights=sleep_drops_weights(cfg, env.device),
             adapter=adapter_spec(cfg, self.models.actor),
             lora_scaling=merged_lora_scaling(cfg),
+            unsynced=unsynced_params(cfg, self.models.actor),
         )
         self.multiturn = build_multiturn(cfg, tokenizer, self.timer)  # None: single turn
         self.trained = self._trained_models()
@@ -285,14 +293,20 @@ class PPOTrainer:
     ) -> tuple[Experience, dict[str, float]]:
         metrics: dict[str, float] = {}
         sampling = sampling_config(self.cfg, self.step, round_)
-        env_scores = None
-        if self.multiturn is None:
+        env_scores = images = None
+        if self.images is not None:  # a VLM: each prompt's images, expanded prompt ids
+            ids, prompt_images = self.images.encode(prompts)
+            out = self.rollout_session.generate(ids, sampling, metrics, images=prompt_images)
+            images = StepImages.rows(prompt_images, sampling.n)
+            check_responses(out, self.images.vision.tokens)
+        elif self.multiturn is None:
             out = self.rollout_session.generate([p.ids for p in prompts], sampling, metrics)
         else:  # --env_file: the environment's rewards are the scores
             out, env_scores = multiturn_rollout(
                 self.multiturn, self.rollout_session, prompts, sampling, metrics, stats
             )
         exp = experience_from_rollout(out, self.env.device)
+        exp.images = images
         exp.scores = env_scores.to(self.env.device) if env_scores is not None else None
         # reduced with the step's other statistics: a collective here would make each rank
         # wait for the slowest one's generation before scoring
@@ -406,7 +420,7 @@ class PPOTrainer:
     def evaluate(self) -> dict[str, float]:
         """``eval/*`` on the held-out prompts; keeps the best actor (--save_best_metric)."""
         evaluator: Evaluator = self.evaluator
-        metrics = evaluator.run(self.rollout_session.generate, self.score)
+        metrics = evaluator.run(self.generate, self.score)
         # the phases eval ran (reward_model, resharding...) must not add to the next step's
         # timings; its total is timing/eval. (Eval also synced the new weights into the
         # engine, so the next step's rollout skips the sync and reports no weight_sync_gbps.)
@@ -418,6 +432,19 @@ class PPOTrainer:
                 lambda path: self._export(self.models.actor, path),
             )
         return metrics
+
+    def generate(
+        self,
+        prompts: list[Prompt],
+        sampling: SamplingConfig,
+        metrics: dict[str, float] | None = None,
+        phase: str = "rollout",
+    ) -> RolloutOutput:
+        """Responses to ``prompts`` (with their images, for a VLM) from the current actor."""
+        if self.images is None:
+            return self.rollout_session.generate([p.ids for p in prompts], sampling, metrics, phase)
+        ids, images = self.images.encode(prompts)
+        return self.rollout_session.generate(ids, sampling, metrics, phase, images=images)
 
     # ------------------------------------------------------------------ i/o
 

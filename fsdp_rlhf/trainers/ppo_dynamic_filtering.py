@@ -29,6 +29,7 @@ from fsdp_rlhf.algorithms import dynamic_filter_groups, expand_group_mask
 from fsdp_rlhf.config import PPOAlgoConfig
 from fsdp_rlhf.data.prompts import Prompt
 from fsdp_rlhf.distributed.env import all_reduce_scalars
+from fsdp_rlhf.models.vision import ImageBatch
 from fsdp_rlhf.trainers.experience import Experience
 
 log = logging.getLogger("fsdp_rlhf")
@@ -61,13 +62,19 @@ def concat_experiences(parts: list[Experience], pad_id: int) -> Experience:
             value = getattr(e, f.name)
             if value is None:
                 continue
+            if isinstance(value, ImageBatch):
+                out.setdefault(f.name, []).append(value)
+                continue
             if f.name in ("input_ids", "attention_mask"):
                 pad = pad_id if f.name == "input_ids" else 0
                 value = F.pad(value, (left, right), value=pad)
             elif value.dim() == 2:  # (N, T) per-token field
                 value = F.pad(value, (0, right), value=0)
             out.setdefault(f.name, []).append(value)
-    return replace(parts[0], **{name: torch.cat(values) for name, values in out.items()})
+    def cat(values: list) -> torch.Tensor | ImageBatch:
+        return ImageBatch.cat(values) if isinstance(values[0], ImageBatch) else torch.cat(values)
+
+    return replace(parts[0], **{name: cat(values) for name, values in out.items()})
 
 
 @dataclass

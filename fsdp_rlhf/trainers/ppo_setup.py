@@ -28,6 +28,7 @@ from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.models.compile import check_compile_toolchain
 from fsdp_rlhf.models.load import (
     check_model_path,
+    is_vision_language,
     load_causal_lm,
     load_scalar_model,
     load_tokenizer,
@@ -37,6 +38,7 @@ from fsdp_rlhf.models.lora import add_lora, check_target_modules, target_module_
 from fsdp_rlhf.models.lora import scaling as lora_scaling
 from fsdp_rlhf.models.save import check_save_path, recover_interrupted_export
 from fsdp_rlhf.models.shared_prefix import shared_group_size, sharing_blocker
+from fsdp_rlhf.models.vision import VisionTokens, is_vision_param, prepare_policy, vision_prefix
 from fsdp_rlhf.optim import build_optimizer, build_scheduler
 from fsdp_rlhf.rollout import AdapterSpec, HFEngine, RolloutEngine, build_rollout_groups
 from fsdp_rlhf.rollout.agent import load_agent_class
@@ -44,6 +46,7 @@ from fsdp_rlhf.rollout.env import load_environment
 from fsdp_rlhf.rollout.memory_budget import check_device_budget
 from fsdp_rlhf.trainers.common import log_startup, prepare_model
 from fsdp_rlhf.trainers.ppo_rollout import adapter_sync
+from fsdp_rlhf.trainers.ppo_vision import refuse_unsupported, row_check
 from fsdp_rlhf.trainers.rule_reward import RewardFn, auth_headers, build_rule_reward
 
 log = logging.getLogger("fsdp_rlhf")
@@ -152,6 +155,7 @@ def _check_outputs(cfg: PPOConfig) -> None:
 def prepare(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any]:
     """Validate flags, paths, data and sizes. Returns the batch plan and the raw prompt rows."""
     from fsdp_rlhf.data.sources import check_keys, load_sources
+    from fsdp_rlhf.data.vision import load_processor
 
     _check_world(cfg, world_size)
     plan = plan_ppo_batches(cfg, world_size)
@@ -166,10 +170,18 @@ def prepare(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any]:
     if uses_critic(cfg) and not critic_path(cfg):
         raise UserError("--advantage_estimator gae needs a critic: pass --critic_pretrain")
     _check_outputs(cfg)
+    vlm = is_vision_language(m.pretrain, cfg.backend.trust_remote_code)
+    if vlm:
+        refuse_unsupported(cfg, m.pretrain)
+        load_processor(m.pretrain, cfg.backend.trust_remote_code)  # torchvision, the processor
+    elif cfg.vision.freeze_visual_encoder:
+        raise UserError(f"--freeze_visual_encoder: --pretrain {m.pretrain} is text-only")
     if cfg.data.apply_chat_template:
         check_chat_template(load_tokenizer(m.pretrain, cfg.backend), m.pretrain)
     if not cfg.data.prompt_data:
         raise UserError("--prompt_data is required")
+    keys = [cfg.data.input_key] + ([cfg.data.label_key] if cfg.data.label_key else [])
+    flags = ["--input_key"] + (["--label_key"] if cfg.data.label_key else [])
     rows = load_sources(
         cfg.data.prompt_data,
         cfg.data.prompt_data_probs,
@@ -177,9 +189,9 @@ def prepare(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any]:
         seed=cfg.seed,
         flag_name="--prompt_data",
         split=cfg.data.prompt_split,
+        # every row's images against its placeholders (a text model: none at all), by row
+        check=row_check(cfg.vision, cfg.data.input_key, text_only=not vlm),
     )
-    keys = [cfg.data.input_key] + ([cfg.data.label_key] if cfg.data.label_key else [])
-    flags = ["--input_key"] + (["--label_key"] if cfg.data.label_key else [])
     check_keys(rows, keys, flags)
     if len(rows) < cfg.batch.rollout_batch_size:
         raise UserError(
@@ -225,6 +237,7 @@ def build_models(cfg: PPOConfig, env: DistEnv, tokenizer) -> Models:
     m, backend = cfg.models, cfg.backend
     log_startup(env, cfg.fsdp.zero_stage, cfg.backend.bf16)
     actor_model = load_causal_lm(m.pretrain, backend, env.device)
+    prepare_policy(actor_model, freeze_tower=cfg.vision.freeze_visual_encoder)
     if cfg.lora.enabled:
         add_lora(actor_model, cfg.lora)
     actor = prepare_ppo_model(actor_model, cfg, env, trainable=True)
@@ -235,6 +248,7 @@ def build_models(cfg: PPOConfig, env: DistEnv, tokenizer) -> Models:
     ref = None
     if not cfg.lora.enabled:  # LoRA: the actor's frozen base is the reference
         ref_model = load_causal_lm(m.pretrain, no_ckpt, env.device, dtype=frozen_dtype)
+        prepare_policy(ref_model)
         ref = prepare_ppo_model(ref_model, cfg, env, trainable=False)
     critic = reward = None
     norm = None
@@ -324,8 +338,10 @@ def check_ema_resumable(path: Path, enabled: bool) -> None:
         )
 
 
-def build_prompts(cfg: PPOConfig, rows, tokenizer) -> list[Prompt]:
-    prompts = tokenize_prompts(rows, tokenizer, cfg.data)
+def build_prompts(cfg: PPOConfig, rows, tokenizer, images=None) -> list[Prompt]:
+    """Every prompt, tokenized (``images``: a VLM's ``ppo_vision.StepImages``)."""
+    vision = images.vision if images is not None else None
+    prompts = tokenize_prompts(rows, tokenizer, cfg.data, vision, cfg.vision.image_key)
     if len(prompts) < cfg.batch.rollout_batch_size:
         raise UserError(
             f"only {len(prompts)} non-empty prompts, fewer than --rollout_batch_size "
@@ -350,12 +366,21 @@ def eos_token_ids(tokenizer, model_path: str) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def build_engine(cfg: PPOConfig, env: DistEnv, tokenizer) -> RolloutEngine:
+def build_engine(cfg: PPOConfig, env: DistEnv, tokenizer, max_images: int = 1) -> RolloutEngine:
     """The rollout engine of this rank (collective: all ranks build theirs together).
+    ``max_images``: images per prompt a vision-language model's engine accepts.
 
     NOTE: the process group must already exist; vLLM reuses it (see distributed.env).
     """
     groups = build_rollout_groups(cfg.rollout.vllm_tensor_parallel_size)
+    vision = None
+    if is_vision_language(cfg.models.pretrain, cfg.backend.trust_remote_code):
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(
+            cfg.models.pretrain, trust_remote_code=cfg.backend.trust_remote_code
+        )
+        vision = VisionTokens.from_config(config)
     if cfg.rollout.rollout_engine == "vllm":
         from fsdp_rlhf.rollout.vllm_engine import VLLMEngine
 
@@ -375,18 +400,32 @@ def build_engine(cfg: PPOConfig, env: DistEnv, tokenizer) -> RolloutEngine:
             pad_token_id=tokenizer.pad_token_id,
             trust_remote_code=cfg.backend.trust_remote_code,
             lora_rank=cfg.lora.lora_rank if adapter_sync(cfg) else 0,
+            vision=vision,
+            max_images=max_images,
         )
     # In the engine dtype, like vLLM: an fp32 copy under --bf16 sampled from other logits than
     # the trainer computes, and generated slower on a bf16-capable CPU (benchmarks/).
     model = load_causal_lm(cfg.models.pretrain, cfg.backend, env.device)
     model = model.to(device=env.device, dtype=engine_dtype(cfg))
     model.config.use_cache = True
+    prepare_policy(model)  # a VLM's placeholders suppressed, as in the actor
     return HFEngine(
         model,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_ids=eos_token_ids(tokenizer, cfg.models.pretrain),
         seed=cfg.seed + groups.engine_index,
+        vision=vision,
+        unsynced=unsynced_params(cfg, model),
     )
+
+
+def unsynced_params(cfg: PPOConfig, actor: nn.Module):
+    """Predicate on HF names of the parameters no weight sync sends: a VLM's vision tower
+    when it is frozen (--freeze_visual_encoder, or LoRA, whose adapters skip it). None: all."""
+    prefix = vision_prefix(actor)
+    if prefix is None or not (cfg.vision.freeze_visual_encoder or cfg.lora.enabled):
+        return None
+    return is_vision_param(prefix)
 
 
 def merged_lora_scaling(cfg: PPOConfig) -> float | None:

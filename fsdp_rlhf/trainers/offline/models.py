@@ -16,6 +16,7 @@ from fsdp_rlhf.distributed.env import DistEnv
 from fsdp_rlhf.models.attention import VARLEN_ATTENTION
 from fsdp_rlhf.models.load import load_causal_lm, load_scalar_model
 from fsdp_rlhf.models.lora import add_lora
+from fsdp_rlhf.models.vision import is_vision_config, prepare_policy
 from fsdp_rlhf.trainers.common import log_startup, prepare_model
 
 log = logging.getLogger("fsdp_rlhf")
@@ -44,14 +45,26 @@ def build_reward_model(cfg: RMConfig, env: DistEnv, pad_token_id: int) -> nn.Mod
     return model
 
 
+def packs(cfg: Any, model: nn.Module) -> bool:
+    """Whether the batches go through ``model`` packed: ``--packing_samples``, except for a
+    vision-language model (its M-RoPE positions and images are per padded row)."""
+    return cfg.batch.packing_samples and not is_vision_config(model.config)
+
+
 def build_policy(cfg: Any, env: DistEnv, *, grad_reduce: str = "mean") -> nn.Module:
     """Load ``--pretrain`` as a causal LM (with adapters under ``--lora_rank``) and shard it.
+    A VLM's placeholders are suppressed and, with ``--freeze_visual_encoder``, its vision
+    tower frozen.
 
     ``grad_reduce``: ``"sum"`` when the loss is normalised by a global token count (SFT).
     """
     log_startup(env, cfg.fsdp.zero_stage, cfg.backend.bf16)
     torch.manual_seed(cfg.seed)  # identical adapter init on every rank
     model = load_causal_lm(cfg.model.pretrain, cfg.backend, env.device)
+    vision = getattr(cfg, "vision", None)
+    prepare_policy(model, freeze_tower=vision is not None and vision.freeze_visual_encoder)
+    if cfg.batch.packing_samples and not packs(cfg, model):
+        log.info("--packing_samples: off for a vision-language model (its rows go padded)")
     if cfg.lora.enabled:
         add_lora(model, cfg.lora)
     prepare_model(
@@ -59,7 +72,7 @@ def build_policy(cfg: Any, env: DistEnv, *, grad_reduce: str = "mean") -> nn.Mod
         env,
         cfg.fsdp,
         cfg.backend,
-        packed=cfg.batch.packing_samples,
+        packed=packs(cfg, model),
         trainable=True,
         grad_reduce=grad_reduce,
     )
@@ -87,16 +100,15 @@ def build_reference(cfg: Any, env: DistEnv) -> nn.Module | None:
     backend = dataclasses.replace(cfg.backend, gradient_checkpointing=False)
     dtype = torch.bfloat16 if backend.bf16 else torch.float32
     model = load_causal_lm(path, backend, env.device, dtype=dtype)
-    return prepare_model(
-        model, env, cfg.fsdp, backend, packed=cfg.batch.packing_samples, trainable=False
-    )
+    prepare_policy(model)
+    return prepare_model(model, env, cfg.fsdp, backend, packed=packs(cfg, model), trainable=False)
 
 
 def pair_layout(model: nn.Module, batch: PairBatchConfig) -> PairLayout:
     """How the pairs go through ``model``: padded, packed into one row, or packed with each
     pair's shared prefix once (``--share_prompt_prefix``, needs the varlen attention of
     ``--packing_samples``; flash-attn's kernels take no shared prefix)."""
-    if not batch.packing_samples:
+    if not batch.packing_samples or is_vision_config(model.config):
         return "padded"
     impl = model.config._attn_implementation
     if batch.share_prompt_prefix and impl == VARLEN_ATTENTION:
