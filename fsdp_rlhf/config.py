@@ -56,16 +56,38 @@ class BackendConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class FSDPConfig:
-    """FSDP2 sharding. ``zero_stage`` keeps DeepSpeed's vocabulary for migrating users."""
+    """Parallelism: FSDP2 sharding over all ranks (``zero_stage`` keeps DeepSpeed's vocabulary
+    for migrating users) and sequence parallelism inside groups of ranks."""
 
     zero_stage: int = doc(
         2, "3: reshard params after forward (ZeRO-3); 0-2: keep them gathered until backward ends."
     )
     adam_offload: bool = doc(False, "Keep optimizer states on CPU (FSDP2 CPUOffloadPolicy).")
+    sequence_parallel_size: int = doc(
+        1,
+        "Ulysses sequence parallelism: groups of N consecutive ranks share each micro-batch, "
+        "each rank holding 1/N of every sequence (all-to-all around attention); N divides the "
+        "world size and the attention heads, batch sizes count world / N data-parallel ranks. "
+        "OpenRLHF's --ring_attn_size maps here.",
+    )
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if self.sequence_parallel_size < 1:
+            raise ConfigError(
+                f"sequence_parallel_size must be >= 1, got {self.sequence_parallel_size}"
+            )
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """Ranks holding different data: ``world / sequence_parallel_size``; raises a
+        ``ConfigError`` naming both numbers when N does not divide the world."""
+        n = self.sequence_parallel_size
+        if world_size % n:
+            raise ConfigError(
+                f"sequence_parallel_size ({n}) must divide the world size ({world_size})"
+            )
+        return world_size // n
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -347,29 +369,46 @@ class RMConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class OfflineBatchPlan:
-    """Sizes of `train-rm`, `sft` and `dpo` derived from the batch config and the world."""
+    """Sizes of `train-rm`, `sft` and `dpo` derived from the batch config and the world.
+    ``dp_size``: ranks holding different data (the world, or world / sequence_parallel_size);
+    per-rank sizes are per data rank."""
 
     world_size: int
+    dp_size: int
     micro_batch_size_per_rank: int
     grad_accum_steps: int
     batch_size_per_rank: int
 
 
 def plan_offline_batches(
-    batch: PairBatchConfig | SFTBatchConfig, world_size: int
+    batch: PairBatchConfig | SFTBatchConfig, world_size: int, sequence_parallel_size: int = 1
 ) -> OfflineBatchPlan:
-    """Gradient accumulation so that ``world * micro * accum == train_batch_size``."""
-    per_step = world_size * batch.micro_train_batch_size
+    """Gradient accumulation so that ``dp * micro * accum == train_batch_size``, with ``dp`` the
+    data-parallel ranks (``world / sequence_parallel_size``: the ranks of one sequence-parallel
+    group share their micro-batches)."""
+    dp = FSDPConfig(sequence_parallel_size=sequence_parallel_size).data_parallel_size(world_size)
+    per_step = dp * batch.micro_train_batch_size
     if batch.train_batch_size % per_step:
         raise ConfigError(
-            f"train_batch_size ({batch.train_batch_size}) must be divisible by world size "
-            f"({world_size}) x micro_train_batch_size ({batch.micro_train_batch_size})"
+            f"train_batch_size ({batch.train_batch_size}) must be divisible by "
+            f"{_dp_words(world_size, sequence_parallel_size)} ({dp}) x micro_train_batch_size "
+            f"({batch.micro_train_batch_size})"
         )
     return OfflineBatchPlan(
         world_size=world_size,
+        dp_size=dp,
         micro_batch_size_per_rank=batch.micro_train_batch_size,
         grad_accum_steps=batch.train_batch_size // per_step,
-        batch_size_per_rank=batch.train_batch_size // world_size,
+        batch_size_per_rank=batch.train_batch_size // dp,
+    )
+
+
+def _dp_words(world_size: int, sequence_parallel_size: int) -> str:
+    """How an error names the data-parallel degree."""
+    if sequence_parallel_size == 1:
+        return "world size"
+    return (
+        f"data-parallel size (world {world_size} / sequence_parallel_size {sequence_parallel_size})"
     )
 
 
@@ -440,7 +479,12 @@ class RolloutConfig:
     )
     vllm_num_engines: int | None = doc(None, "Engines = world / TP (checked when given).")
     vllm_tensor_parallel_size: int = doc(1, "TP size of each engine (contiguous ranks).")
-    vllm_gpu_memory_utilization: float = doc(0.9, "GPU memory fraction vLLM may use.")
+    vllm_gpu_memory_utilization: float | None = doc(
+        None,
+        "Fraction of the whole GPU vLLM's pool takes at start-up and again at every wake, beside "
+        "the resident shards (unset: the largest that the memory plan fits, at most 0.9; a value "
+        "that does not fit is refused before the models load).",
+    )
     vllm_enable_sleep: bool = doc(True, "Release vLLM memory between rollouts (GPU only).")
     # 2 by default: the actor's weights are streamed into the engine before every rollout, so
     # level 1's copy to host memory and back would be thrown away.
@@ -463,6 +507,9 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         if self.vllm_sleep_level not in (1, 2):
             raise ConfigError(f"vllm_sleep_level must be 1 or 2, got {self.vllm_sleep_level}")
+        util = self.vllm_gpu_memory_utilization
+        if util is not None and not 0 < util <= 1:
+            raise ConfigError(f"vllm_gpu_memory_utilization must be in (0, 1], got {util}")
         if self.temperature <= 0:
             raise ConfigError(f"temperature must be > 0, got {self.temperature}")
         if self.max_len is not None and self.max_len < 2:
@@ -502,7 +549,8 @@ class PPOBatchConfig:
     train_max_tokens_per_gpu: int = doc(
         16192,
         "With --use_dynamic_batch: tokens per micro-batch of the updates on one rank (padded: "
-        "rows x the longest; with --packing_samples: their sum).",
+        "rows x the longest; with --packing_samples: their sum); with --sequence_parallel_size "
+        "N a micro-batch holds N times this, 1/N on each rank of its group.",
     )
     rollout_max_tokens_per_gpu: int | None = doc(
         None,
@@ -868,9 +916,16 @@ class PPOConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class PPOBatchPlan:
-    """Sizes derived from the PPO config and the world (all per rank unless named global)."""
+    """Sizes derived from the PPO config and the world (all per rank unless named global).
+
+    ``dp_size``: ranks holding different rows (the world, or world / sequence_parallel_size:
+    the ranks of a sequence-parallel group hold the same rows); the experience, minibatch and
+    micro-batch sizes are per data rank. Generation stays per rank: each rank of a group
+    generates its share of the group's prompts.
+    """
 
     world_size: int
+    dp_size: int
     tp_size: int
     num_engines: int
     micro_rollout_batch_size: int
@@ -882,6 +937,9 @@ class PPOBatchPlan:
 def plan_ppo_batches(cfg: PPOConfig, world_size: int) -> PPOBatchPlan:
     """Check divisibility and derive per-rank sizes; raises ``ConfigError`` naming the flags."""
     b, r = cfg.batch, cfg.rollout
+    sp = cfg.fsdp.sequence_parallel_size
+    dp = cfg.fsdp.data_parallel_size(world_size)
+    dp_words = _dp_words(world_size, sp)
     tp = r.vllm_tensor_parallel_size
     if tp < 1 or world_size % tp:
         raise ConfigError(
@@ -892,23 +950,25 @@ def plan_ppo_batches(cfg: PPOConfig, world_size: int) -> PPOBatchPlan:
             f"vllm_num_engines ({r.vllm_num_engines}) x vllm_tensor_parallel_size ({tp}) must "
             f"equal the world size ({world_size}): every rank holds one engine slice"
         )
+    # every rank generates rollout_batch_size / world prompts (its share of its group's)
     if b.rollout_batch_size % world_size:
         raise ConfigError(
             f"rollout_batch_size ({b.rollout_batch_size}) must be divisible by the world size "
             f"({world_size})"
         )
     samples = b.rollout_batch_size * b.n_samples_per_prompt
-    samples_per_rank = samples // world_size
+    samples_per_rank = samples // dp
     if samples_per_rank % r.micro_rollout_batch_size:
         raise ConfigError(
             f"rollout samples per rank ({samples_per_rank} = rollout_batch_size x "
-            f"n_samples_per_prompt / world) must be divisible by micro_rollout_batch_size "
+            f"n_samples_per_prompt / {dp_words if sp > 1 else 'world'}) must be divisible by "
+            f"micro_rollout_batch_size "
             f"({r.micro_rollout_batch_size})"
         )
-    per_step = world_size * b.micro_train_batch_size
+    per_step = dp * b.micro_train_batch_size
     if b.train_batch_size % per_step or samples % b.train_batch_size:
         raise ConfigError(
-            f"train_batch_size ({b.train_batch_size}) must be divisible by world size x "
+            f"train_batch_size ({b.train_batch_size}) must be divisible by {dp_words} x "
             f"micro_train_batch_size ({per_step}) and divide rollout_batch_size x "
             f"n_samples_per_prompt ({samples})"
         )
@@ -920,10 +980,11 @@ def plan_ppo_batches(cfg: PPOConfig, world_size: int) -> PPOBatchPlan:
         raise ConfigError("dynamic_filtering needs n_samples_per_prompt >= 2 (it filters groups)")
     return PPOBatchPlan(
         world_size=world_size,
+        dp_size=dp,
         tp_size=tp,
         num_engines=world_size // tp,
         micro_rollout_batch_size=r.micro_rollout_batch_size,
-        train_batch_size_per_rank=b.train_batch_size // world_size,
+        train_batch_size_per_rank=b.train_batch_size // dp,
         micro_train_batch_size=b.micro_train_batch_size,
         optimizer_steps_per_epoch=samples // b.train_batch_size,
     )

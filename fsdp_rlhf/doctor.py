@@ -24,19 +24,26 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fsdp_rlhf.algorithms.names import CRITIC_ESTIMATORS
 from fsdp_rlhf.allocator import preloaded_allocator
 from fsdp_rlhf.config import PPOConfig
+from fsdp_rlhf.distributed.collectives import collective_device
 from fsdp_rlhf.distributed.env import DistEnv, init_distributed, teardown
 from fsdp_rlhf.distributed.memory import (
-    JobFlags,
-    ModelShape,
-    Phase,
+    activation_bytes,
     lora_reference_savings,
-    plan_phases,
+    sequence_parallel_options,
     verdict,
 )
+from fsdp_rlhf.distributed.memory_plan import (
+    job_flags,
+    model_shape,
+    plan_job,
+    plan_job_at,
+    resolve_vllm_utilization,
+)
+from fsdp_rlhf.distributed.sequence_parallel import init_sequence_parallel
 from fsdp_rlhf.metrics import setup_logging
+from fsdp_rlhf.models.load import check_sequence_parallel
 from fsdp_rlhf.rollout.memory_budget import check_device_budget
 
 log = logging.getLogger("fsdp_rlhf")
@@ -79,7 +86,8 @@ def device_report(env: DistEnv) -> dict[str, object]:
 
 def all_reduce_check(env: DistEnv, mib: int = 64, iters: int = 5) -> dict[str, float]:
     """Correctness (sum of ranks) and bus bandwidth of a ``mib`` MiB all-reduce."""
-    t = torch.full((mib * 2**20 // 4,), float(env.rank + 1), device=env.device)
+    device = collective_device(prefer=env.device)  # measured where the group reduces
+    t = torch.full((mib * 2**20 // 4,), float(env.rank + 1), device=device)
     dist.all_reduce(t)
     expected = env.world_size * (env.world_size + 1) / 2
     ok = bool(torch.allclose(t[:16], torch.full_like(t[:16], expected)))
@@ -87,79 +95,12 @@ def all_reduce_check(env: DistEnv, mib: int = 64, iters: int = 5) -> dict[str, f
     start = time.perf_counter()
     for _ in range(iters):
         dist.all_reduce(t)
-    if env.device.type == "cuda":
-        torch.cuda.synchronize(env.device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     seconds = (time.perf_counter() - start) / iters
     n = env.world_size
     bus = (t.numel() * 4) * 2 * (n - 1) / n / seconds if n > 1 else 0.0
     return {"ok": ok, "seconds": seconds, "busbw_gbps": bus / 1e9}
-
-
-def count_params(path: str) -> int:
-    """Parameters of a local safetensors checkpoint, read from headers only."""
-    from safetensors import safe_open
-
-    total = 0
-    for f in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            for key in st.keys():  # noqa: SIM118
-                total += _numel(st, key)
-    return total
-
-
-def _numel(st, key: str) -> int:
-    n = 1
-    for d in st.get_slice(key).get_shape():
-        n *= d
-    return n
-
-
-def job_flags(cfg: PPOConfig, world: int, device_bytes: int) -> JobFlags:
-    """The memory-relevant flags of a PPO config, for ``distributed.memory``."""
-    return JobFlags(
-        world=world,
-        device_bytes=device_bytes,
-        zero_stage=cfg.fsdp.zero_stage,
-        bf16=cfg.backend.bf16,
-        adam_offload=cfg.fsdp.adam_offload,
-        ref_reward_offload=cfg.placement.ref_reward_offload,
-        gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
-        vllm_sleep=cfg.rollout.vllm_enable_sleep,
-        micro_train_batch_size=cfg.batch.micro_train_batch_size,
-        micro_rollout_batch_size=cfg.rollout.micro_rollout_batch_size,
-        seq_len=cfg.total_len,
-        response_len=cfg.rollout.generate_max_len,
-        gradient_checkpointing=cfg.backend.gradient_checkpointing,
-        critic=cfg.algo.advantage_estimator in CRITIC_ESTIMATORS,
-        reward=bool(cfg.models.reward_pretrain),
-        lora=cfg.lora.enabled,
-        engine=cfg.rollout.rollout_engine,
-        rollout_seqs=max(1, cfg.batch.rollout_batch_size * cfg.batch.n_samples_per_prompt // world),
-    )
-
-
-def model_shape(path: str) -> ModelShape:
-    """Shape from config.json, parameter count from the safetensors headers when present."""
-    config = json.loads((Path(path) / "config.json").read_text())
-    return ModelShape.from_hf_config(config, count_params(path) or None)
-
-
-def plan_job(cfg: PPOConfig, world: int, device_bytes: int, cuda: bool) -> list[Phase]:
-    """Every phase of a step on one device of this job (reads the model folders' headers)."""
-    actor = model_shape(cfg.models.pretrain)
-    critic_src = cfg.models.critic_pretrain or cfg.models.reward_pretrain
-    flags = job_flags(cfg, world, device_bytes)
-    if (
-        not cuda and cfg.rollout.rollout_engine == "vllm"
-    ):  # vLLM-CPU: the weights of its TP slice + --vllm_kvcache_space_gib (floor 1)
-        weights = actor.params * (2 if cfg.backend.bf16 else 4)
-        kv = cfg.rollout.vllm_kvcache_space_gib or 1.0
-        pool = weights // cfg.rollout.vllm_tensor_parallel_size + int(kv * 2**30)
-        flags = dataclasses.replace(flags, vllm_pool_bytes=pool)
-    critic = model_shape(critic_src) if flags.critic and critic_src else None
-    reward = [model_shape(cfg.models.reward_pretrain)] if flags.reward else []
-    frozen = reward if flags.lora else [actor, *reward]  # LoRA: no reference model
-    return plan_phases(flags, actor, critic, frozen)
 
 
 # ---------------------------------------------------------------- the checks
@@ -180,32 +121,30 @@ def _try(name: str, fn) -> Check:
 
 
 def _check_models(cfg: PPOConfig, env: DistEnv, held: list) -> list[Check]:
-    """Load and shard actor and reward model as the trainer does; the sharded models are kept
-    in ``held`` so the engine check that follows starts vLLM beside them, like the job."""
-    from fsdp_rlhf.models.load import load_causal_lm, load_scalar_model
-    from fsdp_rlhf.trainers.ppo_setup import prepare_ppo_model
+    """Load and shard actor and reward model as the trainer does, beside the sleeping engine;
+    the sharded models are kept in ``held`` for the wake check that follows."""
+    from fsdp_rlhf.models.load import load_causal_lm
+    from fsdp_rlhf.trainers.ppo_setup import load_ppo_model, load_reward_model
 
-    frozen_dtype = torch.bfloat16 if cfg.backend.bf16 else torch.float32
-
-    def shard(model, trainable: bool) -> str:
-        n = sum(p.numel() for p in model.parameters())
-        held.append(prepare_ppo_model(model, cfg, env, trainable=trainable))
+    def shard(load, trainable: bool, what: str) -> str:
+        held.append(load_ppo_model(load, cfg, env, trainable=trainable, what=what))
+        n = sum(p.numel() for p in held[-1].parameters())
         return f"{n / 1e6:.1f}M params, sharded: {_local_mib(held[-1]):.0f} MiB on this rank"
 
     checks = []
     if cfg.models.pretrain:
-        load = lambda: load_causal_lm(cfg.models.pretrain, cfg.backend, env.device)  # noqa: E731
-        checks.append(_try("--pretrain loads", lambda: shard(load(), trainable=True)))
+
+        def actor(weights: bool):
+            return load_causal_lm(cfg.models.pretrain, cfg.backend, env.device, weights=weights)
+
+        checks.append(_try("--pretrain loads", lambda: shard(actor, True, "--pretrain")))
     if cfg.models.reward_pretrain:
-        load_rm = lambda: load_scalar_model(  # noqa: E731
-            cfg.models.reward_pretrain,
-            cfg.backend,
-            env.device,
-            value_head_prefix=cfg.models.value_head_prefix,
-            init_head_if_missing=False,
-            dtype=frozen_dtype,
-        )
-        checks.append(_try("--reward_pretrain loads", lambda: shard(load_rm(), trainable=False)))
+
+        def reward(weights: bool):
+            return load_reward_model(cfg, cfg.backend, env.device, weights=weights)
+
+        what = "--reward_pretrain"
+        checks.append(_try(f"{what} loads", lambda: shard(reward, False, what)))
     return checks
 
 
@@ -216,9 +155,14 @@ def _local_mib(model) -> float:
     return sum(t.numel() * t.element_size() for t in local) / 2**20
 
 
+def _prompt(tok) -> list[int]:
+    return tok("hello", add_special_tokens=False)["input_ids"] or [tok.eos_token_id]
+
+
 def _check_engine(cfg: PPOConfig, env: DistEnv, engines: list) -> Check:
-    """Build the engine and generate a few tokens; the engine is kept in ``engines`` so the
-    caller closes it after the last collective."""
+    """Build the engine, generate a few tokens and put it to sleep, before any model loads (the
+    job's order: vLLM sizes its pool from what is free when it starts). The engine is kept in
+    ``engines``: the wake check uses it, the caller closes it after the last collective."""
     from fsdp_rlhf.models.load import load_tokenizer
     from fsdp_rlhf.rollout import SamplingConfig
     from fsdp_rlhf.trainers.ppo_setup import build_engine
@@ -227,20 +171,49 @@ def _check_engine(cfg: PPOConfig, env: DistEnv, engines: list) -> Check:
         tok = load_tokenizer(cfg.models.pretrain, cfg.backend)
         budget = ""
         if env.device.type == "cuda" and cfg.rollout.rollout_engine == "vllm":
-            budget = "; " + check_device_budget(env.device, cfg.rollout.vllm_gpu_memory_utilization)
+            total = torch.cuda.mem_get_info(env.device)[1]
+            util, line = resolve_vllm_utilization(cfg, env.world_size, total)
+            budget = f"; {line}; {check_device_budget(env.device, util)}"
         start = time.perf_counter()
         engine = build_engine(cfg, env, tok)
         engines.append(engine)
         built = time.perf_counter() - start
-        ids = tok("hello", add_special_tokens=False)["input_ids"] or [tok.eos_token_id]
-        out = engine.generate([ids], SamplingConfig(max_new_tokens=4, greedy=True))
+        out = engine.generate([_prompt(tok)], SamplingConfig(max_new_tokens=4, greedy=True))
+        engine.sleep()
         return (
             f"{cfg.rollout.rollout_engine} TP={cfg.rollout.vllm_tensor_parallel_size} "
-            f"started in {built:.1f}s beside the sharded models, generated "
-            f"{int(out.response_lengths.sum())} tokens{budget}"
+            f"started in {built:.1f}s before the models load, generated "
+            f"{int(out.response_lengths.sum())} tokens, asleep{budget}"
         )
 
     return _try("rollout engine starts", run)
+
+
+def _check_wake(cfg: PPOConfig, env: DistEnv, engine, actor) -> Check:
+    """The first rollout's wake-up beside the sharded models: weights awake, the actor's
+    weights synced into them, KV cache awake (vLLM's pool back at full size), a few tokens."""
+    from fsdp_rlhf.models.load import load_tokenizer
+    from fsdp_rlhf.rollout import SamplingConfig, sync_weights
+    from fsdp_rlhf.trainers.ppo_rollout import adapter_sync
+    from fsdp_rlhf.trainers.ppo_setup import engine_dtype
+
+    def run() -> str:
+        tok = load_tokenizer(cfg.models.pretrain, cfg.backend)
+        engine.wake_up(["weights"])
+        synced = ""
+        if actor is not None and not adapter_sync(cfg):
+            stats = sync_weights(actor, engine, engine_dtype(cfg))
+            synced = f"synced {stats.bytes / 2**20:.0f} MiB, "
+        engine.wake_up(["kv_cache"])
+        out = engine.generate([_prompt(tok)], SamplingConfig(max_new_tokens=4, greedy=True))
+        free = ""
+        if env.device.type == "cuda":
+            free_b, total_b = torch.cuda.mem_get_info(env.device)
+            free = f"; awake: {free_b / 2**30:.1f} of {total_b / 2**30:.1f} GiB free"
+        engine.sleep()
+        return f"{synced}generated {int(out.response_lengths.sum())} tokens{free}"
+
+    return _try("rollout engine wakes beside the sharded models", run)
 
 
 def _memory_check(cfg: PPOConfig, env: DistEnv, device_gib: float) -> Check:
@@ -251,10 +224,58 @@ def _memory_check(cfg: PPOConfig, env: DistEnv, device_gib: float) -> Check:
         phases = plan_job(cfg, env.world_size, device_bytes, env.device.type == "cuda")
         fits, line = verdict(phases)
         if not fits:
+            n = sequence_parallel_fit(cfg, env.world_size, device_bytes, env.device.type)[0]
+            if n is not None and n != cfg.fsdp.sequence_parallel_size:
+                line += f" (or --sequence_parallel_size {n}: every phase fits)"
             raise RuntimeError("does not fit: " + line)
         return line
 
     return _try("memory estimate fits", run)
+
+
+def sequence_parallel_fit(
+    cfg: PPOConfig, world: int, device_bytes: int, device_type: str
+) -> tuple[int | None, dict[int, int]]:
+    """The smallest ``--sequence_parallel_size`` this world and the actor's heads allow with
+    which every phase fits (None: none does), and the actor update's activation bytes per rank
+    at each allowed size."""
+    actor = model_shape(cfg.models.pretrain)
+    config = json.loads((Path(cfg.models.pretrain) / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    options = sequence_parallel_options(world, heads, config.get("num_key_value_heads") or heads)
+    flags = job_flags(cfg, world, device_bytes)
+    acts = {
+        n: activation_bytes(
+            dataclasses.replace(flags, sequence_parallel=n), actor, flags.micro_train_batch_size
+        )
+        for n in options
+    }
+    cuda = device_type == "cuda"
+    for n in options:
+        if all(p.fits for p in plan_job_at(cfg, world, device_bytes, cuda, n)):
+            return n, acts
+    return None, acts
+
+
+def _sequence_parallel_check(cfg: PPOConfig, env: DistEnv, device_gib: float) -> Check:
+    """Activation memory per rank of the actor update at each sequence-parallel size this world
+    allows, and the smallest that fits the sequence length."""
+
+    def run() -> str:
+        device_bytes = int(device_gib * 2**30)
+        n, acts = sequence_parallel_fit(cfg, env.world_size, device_bytes, env.device.type)
+        per = ", ".join(f"N={k}: {v / 2**30:.2f} GiB" for k, v in acts.items())
+        seq = f"{cfg.total_len} tokens x micro_train_batch_size {cfg.batch.micro_train_batch_size}"
+        if n is None:
+            raise RuntimeError(
+                f"activations per rank at {seq}: {per}; no --sequence_parallel_size this world "
+                f"({env.world_size} ranks) allows makes every phase fit"
+            )
+        current = cfg.fsdp.sequence_parallel_size
+        need = f"needs --sequence_parallel_size >= {n}" if n > 1 else "fits without splitting"
+        return f"activations per rank at {seq}: {per}; this length {need} (set: {current})"
+
+    return _try("sequence parallelism", run)
 
 
 def _lora_check(cfg: PPOConfig, env: DistEnv, device_gib: float) -> Check:
@@ -275,14 +296,21 @@ def main(cfg: PPOConfig, debug: bool = False) -> int:
     reports = [None] * env.world_size
     dist.all_gather_object(reports, device_report(env))
     checks = [_try("all-reduce", lambda: _all_reduce_str(env))]
+    layout = _try("--sequence_parallel_size", lambda: _sequence_parallel_groups(cfg, env))
+    checks.append(layout)
     engines, held = [], []
     if cfg.models.pretrain:
-        checks += _check_models(cfg, env, held)
-        checks.append(_check_engine(cfg, env, engines))  # after the models are sharded
+        checks.append(_check_engine(cfg, env, engines))  # the job's order: the engine first
+        if layout.ok:  # the models are prepared as the job prepares them, split or not
+            checks += _check_models(cfg, env, held)
+        if engines and held:
+            checks.append(_check_wake(cfg, env, engines[0], held[0]))
         held.clear()
-        checks.append(_memory_check(cfg, env, min(r["total_gib"] for r in reports)))
+        smallest = min(r["total_gib"] for r in reports)
+        checks.append(_memory_check(cfg, env, smallest))
+        checks.append(_sequence_parallel_check(cfg, env, smallest))
         if cfg.lora.enabled:
-            checks.append(_lora_check(cfg, env, min(r["total_gib"] for r in reports)))
+            checks.append(_lora_check(cfg, env, smallest))
     gathered = [None] * env.world_size
     dist.all_gather_object(gathered, [c.__dict__ for c in checks])
     if env.is_rank0:
@@ -294,6 +322,19 @@ def main(cfg: PPOConfig, debug: bool = False) -> int:
         engine.close()  # vLLM's shutdown also destroys the process group
     teardown()
     return 0 if ok else 1
+
+
+def _sequence_parallel_groups(cfg: PPOConfig, env: DistEnv) -> str:
+    """Build the job's sequence-parallel groups (collective) and say what they are."""
+    n = cfg.fsdp.sequence_parallel_size
+    if n > 1 and env.world_size % n:  # every rank fails alike before the collective
+        raise RuntimeError(f"{n} does not divide the world size {env.world_size}")
+    sp = init_sequence_parallel(n)
+    if not sp.enabled:
+        return "off (each rank holds whole sequences)"
+    if cfg.models.pretrain:
+        check_sequence_parallel(n, env.world_size, {"--pretrain": cfg.models.pretrain})
+    return f"{sp.dp_size} groups of {sp.size} ranks (data-parallel size {sp.dp_size})"
 
 
 def _all_reduce_str(env: DistEnv) -> str:

@@ -24,7 +24,9 @@ def current_env() -> DistEnv:
     return DistEnv(rank, world, local_rank, local_world, device_for(local_rank), dist.get_backend())
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, backend: str
+) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -34,7 +36,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
         LOCAL_WORLD_SIZE=str(world_size),
     )
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         # Plain pickle copies tensors by value; torch's queue pickler would share them through
         # file descriptors that vanish when this process exits before the parent reads.
         queue.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
@@ -46,9 +48,10 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
 
 
 def run_distributed(
-    fn: Callable, world_size: int = 2, *args: Any, timeout: float = 600
+    fn: Callable, world_size: int = 2, *args: Any, timeout: float = 600, backend: str = "gloo"
 ) -> list[Any]:
-    """Spawn ``world_size`` processes running ``fn(rank, world_size, *args)`` under gloo.
+    """Spawn ``world_size`` processes running ``fn(rank, world_size, *args)`` under gloo
+    (``backend``: e.g. ``"cuda:gloo"``, a group that, like NCCL, has no host backend).
 
     ``fn`` must be a module-level function (picklable). Returns the per-rank return values
     (they must be picklable); a failure on any rank raises with that rank's traceback.
@@ -57,7 +60,9 @@ def run_distributed(
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=False)
+        ctx.Process(
+            target=_worker, args=(r, world_size, port, fn, args, queue, backend), daemon=False
+        )
         for r in range(world_size)
     ]
     for p in procs:

@@ -161,17 +161,18 @@ COMMON: dict[str, Rule] = _pairs(
     (
         "ring_attn_size",
         "ds.ring_attn_size",
-        when_default(
-            "1",
-            "no context parallelism",
-            "ring attention (context parallelism) is not implemented; use --packing_samples, "
-            "--gradient_checkpointing and --zero_stage 3 for long sequences",
+        rename(
+            "sequence_parallel_size",
+            "each sequence split over that many ranks by Ulysses all-to-all, not a ring",
         ),
     ),
     (
         "ring_head_stride",
         "ds.ring_attn_head_stride",
-        Accept("it only applies to ring attention, which stays off"),
+        Accept(
+            "the sequence split is Ulysses all-to-all (each rank attends over whole rows for "
+            "1/N of the heads), not a ring: there are no head strides to step through"
+        ),
     ),
     (
         "load_in_4bit",

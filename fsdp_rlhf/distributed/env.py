@@ -16,6 +16,8 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from fsdp_rlhf.distributed.collectives import all_reduce
+
 T = TypeVar("T")
 
 
@@ -106,18 +108,16 @@ def all_reduce_scalars(values: dict[str, float], op: str = "mean", group=None) -
         return dict(values)
     keys = sorted(values)
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
-    if dist.get_backend(group) == "nccl":
-        t = t.cuda()
     reduce_op = {
         "sum": dist.ReduceOp.SUM,
         "mean": dist.ReduceOp.SUM,
         "max": dist.ReduceOp.MAX,
         "min": dist.ReduceOp.MIN,
     }[op]
-    dist.all_reduce(t, op=reduce_op, group=group)
+    t = all_reduce(t, reduce_op, group)  # on the group's device (CUDA for NCCL)
     if op == "mean":
         t /= dist.get_world_size(group)
-    return dict(zip(keys, t.cpu().tolist(), strict=True))
+    return dict(zip(keys, t.tolist(), strict=True))
 
 
 def broadcast_object(obj, src: int = 0):

@@ -15,8 +15,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_rlhf.config import FSDPConfig
+from fsdp_rlhf.distributed.collectives import all_reduce, collective_device
 from fsdp_rlhf.distributed.gloo_comm import all_gather_into, use_p2p_reduce_scatter
-from fsdp_rlhf.models.vision import tower_in_every_forward, vision_tower
+from fsdp_rlhf.distributed.vision_units import tower_in_every_forward, vision_tower
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ def shard_model(
     grad_reduce: Literal["mean", "sum"] = "mean",
     cpu_offload: bool = False,
     frozen: bool = False,
+    dp_size: int | None = None,
 ) -> nn.Module:
     """Apply ``fully_shard`` to each decoder layer (a VLM's vision blocks included), to a
     VLM's vision tower as a whole (patch embedding and projector: its own unit, gathered only
@@ -76,6 +78,9 @@ def shard_model(
         cpu_offload: keep sharded params, grads and optimizer states on CPU (GPU only); such a
             model is marked so that the phase offload/onload in ``offload`` leaves it alone.
         frozen: never trained (ref, reward): params are resharded after every forward.
+        dp_size: ranks holding different data, when fewer than the mesh's (sequence
+            parallelism: a group's ranks compute parts of one micro-batch's gradient, summed
+            over the world); ``"mean"`` then divides the sum by it, not by the world size.
     """
     mp = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if bf16 else torch.float32, reduce_dtype=torch.float32
@@ -107,6 +112,8 @@ def shard_model(
         m.register_forward_hook(_reshard_if_no_grad)
     if grad_reduce == "sum":
         set_sum_reduction(model)
+    elif dp_size is not None and dp_size != mesh.size():
+        set_sum_reduction(model, divide_by=dp_size)
     if dist.get_backend(mesh.get_group()) == "gloo":
         use_p2p_reduce_scatter(model)
     return model
@@ -161,28 +168,21 @@ def accumulate(model: FSDPModule, last: bool, zero_stage: int) -> None:
     model.set_reshard_after_backward(last)
 
 
-def set_sum_reduction(model: nn.Module) -> None:
-    """Make FSDP sum gradients across ranks instead of averaging them.
+def set_sum_reduction(model: nn.Module, divide_by: float = 1.0) -> None:
+    """Make FSDP sum gradients across ranks instead of averaging them, then divide the sum by
+    ``divide_by`` (1: a plain sum).
 
-    NOTE: gloo has no PREMUL_SUM, so a divide factor of 1 alone fails there; forcing plain SUM
-    reduction for the collectives is required too.
+    NOTE: gloo has no PREMUL_SUM, so a divide factor alone fails there; forcing plain SUM
+    reduction for the collectives is required too (FSDP then divides after the reduction).
     """
     for m in model.modules():
         if isinstance(m, FSDPModule):
-            m.set_gradient_divide_factor(1.0)
+            m.set_gradient_divide_factor(float(divide_by))
             m.set_force_sum_reduction_for_comms(True)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def collective_device(backend: str) -> torch.device:
-    """Where a tensor must live to be all-reduced on a process group of ``backend``: NCCL only
-    takes CUDA tensors (of this rank's current device), gloo only CPU ones."""
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 @torch.no_grad()
@@ -199,13 +199,11 @@ def clip_grad_norm_(
     """
     grads = [_local(p.grad) for p in params if p.grad is not None]
     # Also on one rank: a 1-rank all-reduce costs nothing and keeps the device path exercised.
-    distributed = dist.is_initialized()
-    device = collective_device(dist.get_backend(group)) if distributed else torch.device("cpu")
+    device = collective_device(group)
     sq = torch.zeros((), dtype=torch.float32, device=device)
     for g in grads:
         sq += g.detach().float().pow(2).sum().to(device)
-    if distributed:
-        dist.all_reduce(sq, group=group)
+    sq = all_reduce(sq, dist.ReduceOp.SUM, group)
     total = math.sqrt(float(sq))
     if max_norm > 0 and total > max_norm and math.isfinite(total):
         coef = max_norm / (total + 1e-6)
@@ -222,6 +220,16 @@ def clip_grad_norm_(
 # overlapping with the transfer; timings in benchmarks/). The CUDA size follows verl/OpenRLHF
 # practice for NCCL (not measured here: no GPU).
 GATHER_BUCKET_BYTES = {"cpu": 16 << 20, "cuda": 256 << 20}
+
+
+def gather_bucket_bytes(model: nn.Module) -> int:
+    """``GATHER_BUCKET_BYTES`` of the device the gathers run on: the mesh's (compute) device,
+    not where the shards live. Under ``--adam_offload`` (CPUOffloadPolicy) the shards are on
+    the host while the NCCL gathers run on the GPU: host-sized buckets there would cost about a
+    thousand all-gathers for a 7B model instead of a few dozen."""
+    p = next(model.parameters())
+    device_type = p.device_mesh.device_type if isinstance(p, DTensor) else p.device.type
+    return GATHER_BUCKET_BYTES.get(device_type, GATHER_BUCKET_BYTES["cuda"])
 
 
 def _dim0_shard_numel(p: torch.Tensor) -> int | None:
@@ -283,11 +291,10 @@ def iter_full_params(
     FSDP2 shards are gathered in buckets of up to ``bucket_bytes`` with one all-gather each, so
     peak extra memory is about two buckets (or one parameter, when larger), not the model.
     Every rank must consume the whole iterator: each bucket is a collective.
-    ``bucket_bytes`` defaults to ``GATHER_BUCKET_BYTES`` of the parameters' device type.
+    ``bucket_bytes`` defaults to ``GATHER_BUCKET_BYTES`` of the device the gathers run on.
     """
     if bucket_bytes is None:
-        device_type = next(model.parameters()).device.type
-        bucket_bytes = GATHER_BUCKET_BYTES.get(device_type, GATHER_BUCKET_BYTES["cuda"])
+        bucket_bytes = gather_bucket_bytes(model)
     bucket: list[tuple[str, DTensor, int]] = []
     size, key = 0, None
     for name, p in model.named_parameters():

@@ -4,19 +4,26 @@ Every rank holds FSDP2 shards of actor, critic, reference and reward models plus
 The phases of one step do not overlap, so the job fits when each phase does:
 
 * ``start-up / wake``: vLLM insists on ``free >= util x total`` when it starts, and its sleep
-  mode hands the same pool back on every wake, so ``resident + util x total <= total`` must hold
-  with ``resident`` = everything the trainer keeps on the device during rollout.
-* ``rollout``: vLLM's pool (weights + KV cache, ``util x total``) + resident shards + the
-  weight-sync gather buckets + CUDA context/NCCL.
+  mode re-creates the same pool on every wake (``CuMemAllocator.wake_up``), beside whatever the
+  trainer holds then, so ``resident + util x total <= total`` must hold with ``resident`` =
+  everything the trainer keeps on the device during rollout, plus the caching allocator's slack
+  on those tensors (``ALLOCATOR_SLACK``). ``util`` is a fraction of the *whole* device: the
+  pool is as large at wake as at start-up, whatever else is resident by then.
+* ``rollout``: vLLM's pool (weights + KV cache + CUDA graphs + activations, ``util x total``) +
+  resident shards + the weight-sync gather buckets + CUDA context/NCCL.
 * ``scoring``: no-grad forwards (ref, reward, critic values, old log-probs) at
   ``micro_rollout_batch_size``: the scored model's shard, one gathered layer, the logits.
 * ``actor update`` / ``critic update``: sharded fp32 params, grads and Adam moments (on the host
   with ``--adam_offload``: FSDP's CPUOffloadPolicy), gathered bf16 layers, activations, logits,
-  plus frozen shards that stay (no ``--ref_reward_offload``) and what vLLM keeps asleep.
+  the unsharded gradients of the largest FSDP group and its fp32 reduce-scatter input (the root:
+  embeddings + LM head, reduced last), plus frozen shards that stay (no ``--ref_reward_offload``),
+  the actor's EMA (``--enable_ema`` without an offload flag) and what vLLM keeps asleep (buffers
+  and, unless ``--enforce_eager``, its CUDA-graph pool).
 
 Bytes per element: fp32 master params/grads 4, Adam 2 x 4, bf16 compute copies 2. Shapes:
 ``b`` micro-batch, ``s = prompt_max_len + generate_max_len``, ``h`` hidden, ``I`` MLP width,
-``V`` vocab, ``L`` layers, ``N`` parameters, ``W`` ranks. Activations per layer and token are
+``V`` vocab, ``L`` layers, ``N`` parameters, ``W`` ranks; the root holds ``V h`` embedding
+values once with tied embeddings, twice without. Activations per layer and token are
 about ``9 h + 3 I`` bf16 values (norm in/out, q/k/v, attention out, o_proj, residual; SwiGLU gate,
 up and product), flash/SDPA attention keeping no ``s x s`` matrix; with gradient checkpointing
 only each layer's input (``h`` values) is kept, plus one layer recomputed in backward.
@@ -24,30 +31,43 @@ Logits: only the ``T`` positions that predict a response token (``logits_to_keep
 values in the compute dtype; the update keeps them and their gradient, and the log-probs are read
 in fp32 chunks of ``CHUNK_ELEMENTS`` (algorithms.logprobs: a few chunk-sized temporaries, never an
 fp32 copy of the whole).
+With ``--sequence_parallel_size N`` (Ulysses) each rank holds ``ceil(s / N)`` tokens of every
+sequence: activations and logits per rank divide by N, plus one layer's all-to-all buffers
+(q, k, v and the attention output, exchanged and received: ``4 b s/N (h + 2 kv)`` values); the
+micro-batch ``b`` is per sequence-parallel group. :func:`sequence_parallel_needed` finds the
+smallest N that makes every phase fit.
 With ``--rollout_engine hf`` there is no vLLM pool: the engine is an unsharded copy of the actor
 in the compute dtype, resident in every phase, plus HF's KV cache and per-step scores while it
 generates.
-Constants marked ASSUMED are not measured here (no GPU yet); ``cmd/gpu_smoke.py`` prints the
-measured phase peaks to calibrate them.
+Constants marked ASSUMED are not measured here (no GPU yet); the GPU suite (``tests/gpu``)
+prints the measured phase peaks beside this model's estimate to calibrate them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass, field, replace
 
 from fsdp_rlhf.algorithms.logprobs import CHUNK_ELEMENTS
+from fsdp_rlhf.hf_config import head_dim
 
 GIB = 2**30
 CONTEXT_BYTES = int(1.5 * GIB)  # ASSUMED: CUDA context + NCCL buffers per process
-VLLM_ASLEEP_BYTES = 1 * GIB  # ASSUMED: what a sleeping vLLM keeps (CUDA graphs, buffers)
+VLLM_ASLEEP_BYTES = 1 * GIB  # ASSUMED: what a sleeping vLLM keeps (buffers, NCCL, workspaces)
+VLLM_CUDA_GRAPH_BYTES = 1 * GIB  # ASSUMED: its CUDA-graph pool, kept asleep (not --enforce_eager)
+VLLM_MIN_KV_BYTES = 1 * GIB  # ASSUMED: a pool smaller than the weights + this holds too few tokens
 SYNC_BUCKET_BYTES = 256 << 20  # fsdp.GATHER_BUCKET_BYTES["cuda"]; two live at once
 LOGPROB_CHUNK_BYTES = 4 * 4 * CHUNK_ELEMENTS  # fp32 temporaries of one log-prob chunk (<= 4)
 TRAIN_HEADROOM = 0.95  # fragmentation of the caching allocator
+# ASSUMED: reserved beyond allocated, as a fraction of the trainer's tensors resident at wake
+# and rollout (vLLM's pool is mapped outside the caching allocator)
+ALLOCATOR_SLACK = 0.05
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What memory depends on. ``params`` counts every parameter (N)."""
+    """What memory depends on. ``params`` counts every parameter (N); ``embeddings`` is the
+    number of ``V x h`` matrices (1 with tied embeddings or a scalar-head model, 2 otherwise)."""
 
     params: int
     layers: int
@@ -55,10 +75,12 @@ class ModelShape:
     intermediate: int
     vocab: int
     kv_dim: int = 0  # key/value heads x head dim (0: hidden, as without GQA)
+    embeddings: int = 2
 
     @property
     def layer_params(self) -> int:
-        return max(0, self.params - 2 * self.vocab * self.hidden) // max(1, self.layers)
+        embed = self.embeddings * self.vocab * self.hidden
+        return max(0, self.params - embed) // max(1, self.layers)
 
     @property
     def root_params(self) -> int:
@@ -66,17 +88,23 @@ class ModelShape:
         return self.params - self.layers * self.layer_params
 
     @staticmethod
-    def from_hf_config(config: dict, params: int | None = None) -> ModelShape:
+    def from_hf_config(
+        config: dict, params: int | None = None, embeddings: int | None = None
+    ) -> ModelShape:
+        """``embeddings``: the ``V x h`` matrices the checkpoint holds (None: 1 when
+        ``tie_word_embeddings``, else 2)."""
         h, n_layers = config["hidden_size"], config["num_hidden_layers"]
         inter, vocab = config.get("intermediate_size", 4 * h), config["vocab_size"]
-        if params is None:  # Llama-style: q,k,v,o + gate,up,down per layer, untied embeddings
-            kv = config.get("num_key_value_heads", config["num_attention_heads"])
-            head_dim = config.get("head_dim", h // config["num_attention_heads"])
-            attn = 2 * h * h + 2 * h * kv * head_dim
-            params = n_layers * (attn + 3 * h * inter) + 2 * vocab * h
-        kv = config.get("num_key_value_heads", config["num_attention_heads"])
-        kv_dim = kv * config.get("head_dim", h // config["num_attention_heads"])
-        return ModelShape(params, n_layers, h, inter, vocab, kv_dim)
+        if embeddings is None:
+            embeddings = 1 if config.get("tie_word_embeddings", False) else 2
+        heads = config["num_attention_heads"]
+        kv = config.get("num_key_value_heads") or heads
+        # Qwen2/2.5 configs have no head_dim key, others set it to null: one rule for both
+        per_head = head_dim({**config, "num_attention_heads": heads})
+        if params is None:  # Llama-style: q,k,v,o + gate,up,down per layer
+            attn = h * heads * per_head * 2 + 2 * h * kv * per_head
+            params = n_layers * (attn + 3 * h * inter) + embeddings * vocab * h
+        return ModelShape(params, n_layers, h, inter, vocab, kv * per_head, embeddings)
 
 
 @dataclass(frozen=True)
@@ -102,6 +130,17 @@ class JobFlags:
     lora: bool = False  # --lora_rank: frozen bases, no reference model (adapters are ~0 bytes)
     engine: str = "vllm"  # --rollout_engine: "hf" holds an unsharded actor copy, no pool
     rollout_seqs: int = 1  # sequences one rank generates at once (the HF engine's KV cache)
+    ema: bool = False  # --enable_ema: fp32 copy of the actor's trainable shards
+    cuda_graphs: bool = True  # not --enforce_eager: vLLM keeps a CUDA-graph pool asleep too
+    vllm_tp: int = 1  # --vllm_tensor_parallel_size: the engine holds 1/tp of the weights
+
+    @property
+    def ema_on_device(self) -> bool:
+        """The EMA stays beside the shards unless an offload flag sends it to the host
+        (``ppo_setup.build_ema``)."""
+        return self.ema and not (self.adam_offload or self.ref_reward_offload)
+
+    sequence_parallel: int = 1  # --sequence_parallel_size: ranks sharing each sequence
 
     @property
     def pool(self) -> int:
@@ -115,11 +154,23 @@ class JobFlags:
         """What the rollout engine keeps on the device while the trainer works."""
         if self.engine == "hf":
             return 0  # its copy is counted as resident
-        return VLLM_ASLEEP_BYTES if self.vllm_sleep else self.pool
+        if not self.vllm_sleep:
+            return self.pool
+        return VLLM_ASLEEP_BYTES + (VLLM_CUDA_GRAPH_BYTES if self.cuda_graphs else 0)
 
     @property
     def dtype_bytes(self) -> int:
         return 2 if self.bf16 else 4
+
+    @property
+    def local_seq_len(self) -> int:
+        """Tokens of each sequence one rank holds (the whole sequence without SP)."""
+        return -(-self.seq_len // self.sequence_parallel)
+
+    @property
+    def local_response_len(self) -> int:
+        """Response positions one rank computes logits for."""
+        return -(-self.response_len // self.sequence_parallel)
 
 
 @dataclass
@@ -159,22 +210,58 @@ def resident_during_rollout(f: JobFlags, actor: ModelShape, frozen: list[ModelSh
         parts["actor fp32 shard"] = 4 * actor.params // f.world
     if not f.ref_reward_offload:
         parts["ref/reward shards"] = sum(_frozen_bytes(f) * m.params for m in frozen) // f.world
+    parts.update(_ema(f, actor))
     return parts
 
 
-def _activations(f: JobFlags, m: ModelShape, b: int) -> int:
-    per_layer = 2 * b * f.seq_len * (9 * m.hidden + 3 * m.intermediate)
+def _ema(f: JobFlags, actor: ModelShape) -> dict:
+    """The actor's EMA (fp32 shards of its trainable params) when it stays on the device."""
+    if not f.ema_on_device or f.lora:  # LoRA: only the adapters are averaged (~0 bytes)
+        return {}
+    return {"actor EMA shard": 4 * actor.params // f.world}
+
+
+def _with_slack(parts: dict) -> dict:
+    """``parts`` plus the caching allocator's slack on the trainer's tensors among them (not on
+    vLLM's pool, mapped outside it, nor on the CUDA context)."""
+    outside = ("vllm pool", "cuda context + nccl")
+    tensors = sum(v for k, v in parts.items() if k not in outside)
+    return {**parts, "allocator slack": int(ALLOCATOR_SLACK * tensors)}
+
+
+def activation_bytes(f: JobFlags, m: ModelShape, b: int) -> int:
+    """Activations one rank keeps for backward over ``b`` sequences (its 1/N of each)."""
+    s = f.local_seq_len
+    per_layer = 2 * b * s * (9 * m.hidden + 3 * m.intermediate)
     if not f.gradient_checkpointing:
-        return m.layers * per_layer
-    # layer inputs kept; one layer's activations and their grads live during its recompute
-    return m.layers * 2 * b * f.seq_len * m.hidden + 2 * per_layer
+        kept = m.layers * per_layer
+    else:  # layer inputs kept; one layer's activations and their grads live during its recompute
+        kept = m.layers * 2 * b * s * m.hidden + 2 * per_layer
+    if f.sequence_parallel > 1:  # one layer's q, k, v and output, sent and received (bf16)
+        kept += 2 * 2 * b * s * (2 * m.hidden + 2 * (m.kv_dim or m.hidden))
+    return kept
 
 
 def _gathered(f: JobFlags, m: ModelShape) -> dict:
-    """Unsharded bf16 params (and, below ZeRO-3, accumulated unsharded fp32 grads)."""
-    if f.zero_stage >= 3:  # the current layer, the prefetched one and the root
-        return {"gathered layers": 2 * (2 * m.layer_params + m.root_params)}
-    return {"gathered params": 2 * m.params, "unsharded grads": 4 * m.params}
+    """Unsharded params and grads during the update.
+
+    ZeRO-3: the current layer, the prefetched one and the root (gathered through the whole
+    backward), plus the unsharded grads of the largest group and its fp32 reduce-scatter input
+    (FSDP2 reduces in fp32, ``MixedPrecisionPolicy(reduce_dtype=float32)``): the root's, whose
+    LM-head grad appears first in backward and is reduced last, with the embedding's. Below
+    ZeRO-3: every param gathered and the grads accumulated unsharded in fp32 until the last
+    micro-batch, then copied group by group into the reduce-scatter input."""
+    group = max(m.root_params, m.layer_params)
+    if f.zero_stage >= 3:
+        return {
+            "gathered layers": f.dtype_bytes * (2 * m.layer_params + m.root_params),
+            "root grads + fp32 reduce-scatter input": (f.dtype_bytes + 4) * group,
+        }
+    return {
+        "gathered params": f.dtype_bytes * m.params,
+        "unsharded grads": 4 * m.params,
+        "fp32 reduce-scatter input": 4 * group,
+    }
 
 
 def update_phase(
@@ -188,18 +275,21 @@ def update_phase(
     per_param = 4 if f.lora else 4 + 4 + 8  # LoRA: fp32 base shards; no grads or Adam state
     states = 0 if f.adam_offload else per_param * m.params // f.world
     gathered = _gathered(f, m)
-    if f.lora:
-        gathered.pop("unsharded grads", None)
+    if f.lora:  # frozen base: no grads to hold or reduce
+        for k in list(gathered):
+            if "grads" in k or "reduce-scatter" in k:
+                del gathered[k]
     parts = {"params+grads+adam shards": states, **gathered}
-    parts["activations"] = _activations(f, m, f.micro_train_batch_size)
+    parts["activations"] = activation_bytes(f, m, f.micro_train_batch_size)
     if logits:  # the kept logits, their gradient, one chunk's fp32 temporaries
-        kept = f.dtype_bytes * f.micro_train_batch_size * f.response_len * m.vocab
+        kept = f.dtype_bytes * f.micro_train_batch_size * f.local_response_len * m.vocab
         parts["logits"] = 2 * kept + LOGPROB_CHUNK_BYTES
     parts["cuda context + nccl"] = CONTEXT_BYTES
     if f.engine == "hf":
         parts["hf engine copy"] = f.dtype_bytes * (actor or m).params
     if not f.ref_reward_offload:
         parts["ref/reward shards"] = sum(_frozen_bytes(f) * x.params for x in frozen) // f.world
+    parts.update(_ema(f, actor or m))
     parts["vllm"] = f.asleep
     if not f.vllm_sleep:
         fix = "--vllm_enable_sleep (vLLM keeps its pool while training)"
@@ -217,7 +307,8 @@ def scoring_phase(f: JobFlags, actor: ModelShape, frozen: list[ModelShape]) -> P
         parts["scored model shard"] = _frozen_bytes(f) * biggest.params // f.world
     parts["gathered layer + root"] = 2 * (biggest.layer_params + biggest.root_params)
     # the response positions' logits and one chunk's fp32 temporaries
-    parts["logits"] = f.dtype_bytes * b * f.response_len * actor.vocab + LOGPROB_CHUNK_BYTES
+    logits = f.dtype_bytes * b * f.local_response_len * actor.vocab
+    parts["logits"] = logits + LOGPROB_CHUNK_BYTES
     parts["vllm"] = f.asleep if f.vllm_sleep else 0
     fix = "--micro_rollout_batch_size (lower)"
     return Phase("scoring (no-grad)", parts, int(TRAIN_HEADROOM * f.device_bytes), fix)
@@ -239,18 +330,42 @@ def plan_phases(
             "hf scores": 4 * f.rollout_seqs * f.response_len * actor.vocab,
         }
         fix = "--micro_rollout_batch_size / --rollout_batch_size (lower)"
-        phases = [Phase("rollout", rollout_parts, f.device_bytes, fix)]
+        phases = [Phase("rollout", _with_slack(rollout_parts), f.device_bytes, fix)]
     else:
-        wake = Phase(
-            "vllm start-up/wake", {"vllm pool": pool, **resident}, f.device_bytes, util_fix
-        )
+        wake_parts = _with_slack({"vllm pool": pool, **resident})
+        wake = Phase("vllm start-up/wake", wake_parts, f.device_bytes, util_fix)
         rollout_parts = {"vllm pool": pool, **resident, "sync buckets": 2 * SYNC_BUCKET_BYTES}
-        phases = [wake, Phase("rollout", rollout_parts, f.device_bytes, util_fix)]
+        phases = [wake, Phase("rollout", _with_slack(rollout_parts), f.device_bytes, util_fix)]
     phases.append(scoring_phase(f, actor, frozen))
     phases.append(update_phase(f, "actor update", actor, logits=True, frozen=frozen))
     if critic is not None:
         phases.append(update_phase(f, "critic update", critic, False, frozen, actor=actor))
     return phases
+
+
+def pool_fraction_limit(
+    f: JobFlags, actor: ModelShape, critic: ModelShape | None, frozen: list[ModelShape]
+) -> float:
+    """The largest ``--vllm_gpu_memory_utilization`` with which every phase that holds vLLM's
+    pool fits (wake and rollout; every phase when the engine does not sleep). 1.0 when no
+    phase holds it (the HF engine); below 0 when nothing fits even without a pool."""
+    empty = dataclasses.replace(f, gpu_memory_utilization=0.0, vllm_pool_bytes=0)
+    full = dataclasses.replace(f, gpu_memory_utilization=1.0, vllm_pool_bytes=0)
+    best = 1.0
+    for p0, p1 in zip(
+        plan_phases(empty, actor, critic, frozen),
+        plan_phases(full, actor, critic, frozen),
+        strict=True,
+    ):
+        per_unit = p1.total - p0.total  # bytes the phase grows by per unit of utilization
+        if per_unit > 0:
+            best = min(best, (p0.limit - p0.total) / per_unit)
+    return best
+
+
+def engine_weight_bytes(f: JobFlags, actor: ModelShape) -> int:
+    """The actor's weights in one engine's TP slice (vLLM loads them into its pool)."""
+    return f.dtype_bytes * actor.params // max(1, f.vllm_tp)
 
 
 def lora_reference_savings(f: JobFlags, actor: ModelShape) -> int:
@@ -265,3 +380,32 @@ def verdict(phases: list[Phase]) -> tuple[bool, str]:
     if not bad:
         return True, "every phase fits: " + "; ".join(p.line() for p in phases)
     return False, "; ".join(f"{p.line()} -> change {p.fix}" for p in bad)
+
+
+def sequence_parallel_options(world: int, heads: int, kv_heads: int) -> list[int]:
+    """The ``--sequence_parallel_size`` values a job can use: divisors of the world size that
+    split the attention heads (``models.ulysses.head_problem``), ascending."""
+    out = []
+    for n in range(1, world + 1):
+        if world % n:
+            continue
+        if n == 1 or (heads % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0)):
+            out.append(n)
+    return out
+
+
+def sequence_parallel_needed(
+    f: JobFlags,
+    actor: ModelShape,
+    critic: ModelShape | None,
+    frozen: list[ModelShape],
+    options: list[int],
+) -> tuple[int | None, list[Phase]]:
+    """The smallest of ``options`` (sequence-parallel sizes) with which every phase fits, and
+    its phases; ``(None, phases at the largest option)`` when none does."""
+    phases: list[Phase] = []
+    for n in options:
+        phases = plan_phases(replace(f, sequence_parallel=n), actor, critic, frozen)
+        if all(p.fits for p in phases):
+            return n, phases
+    return None, phases

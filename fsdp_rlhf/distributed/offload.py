@@ -14,13 +14,19 @@ from torch.distributed.tensor import DTensor
 from fsdp_rlhf.distributed.fsdp import is_cpu_offloaded
 
 
-def _move(t: torch.Tensor, device: torch.device, pin: bool, copy: bool) -> torch.Tensor:
+def _move(
+    t: torch.Tensor, device: torch.device, pin: bool, copy: bool, blocking: bool
+) -> torch.Tensor:
+    """``t`` on ``device``. A ``blocking`` move returns a complete tensor; a non-blocking one
+    to the host may still be filling when it returns (a synchronisation must come before
+    anything on the host reads it). Copies to a GPU are ordered on its stream either way."""
+    non_blocking = not blocking or device.type != "cpu"
     # Pinned host memory makes the later host-to-device copy asynchronous.
     if device.type == "cpu" and pin and t.device.type == "cuda":
         out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-        out.copy_(t, non_blocking=True)
+        out.copy_(t, non_blocking=non_blocking)
         return out
-    return t.to(device, non_blocking=True, copy=copy)
+    return t.to(device, non_blocking=non_blocking, copy=copy)
 
 
 def _move_any(
@@ -37,7 +43,11 @@ def _move_any(
     local = t.to_local() if isinstance(t, DTensor) else t
     if local.device == device and not copy:
         return t
-    new = _move(local, device, pin, copy)
+    # Blocking: FSDP2's _apply hook reads the new tensor on the host before _apply returns
+    # (reset_sharded_param re-pads a shard shorter than the padded size, e.g. the last rank's
+    # when a first dimension does not divide the world size): with a copy still in flight it
+    # would keep the pinned buffer's old bytes.
+    new = _move(local, device, pin, copy, blocking=True)
     if isinstance(t, DTensor):
         new = DTensor.from_local(
             new, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
@@ -53,7 +63,8 @@ def move_module_(
 
     Goes through ``nn.Module._apply`` (what ``.to()`` uses) because FSDP2 hooks it to re-point
     its sharded-parameter bookkeeping at the new storage. Parameter objects stay the same, so
-    optimizers keep their references. Returns the number of bytes moved.
+    optimizers keep their references. Copies to the host are blocking (see ``_move_any``).
+    Returns the number of bytes moved.
     """
     moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     module._apply(lambda t: _move_any(t, device, pin, copy, moved))
@@ -77,7 +88,8 @@ def move_optimizer_(
             local = value.to_local() if isinstance(value, DTensor) else value
             if local.device == device and not copy:
                 continue
-            new = _move(local, device, pin, copy)
+            # nothing reads optimizer state before offload_optimizer's synchronisation
+            new = _move(local, device, pin, copy, blocking=False)
             if isinstance(value, DTensor):
                 state[key] = DTensor.from_local(
                     new,

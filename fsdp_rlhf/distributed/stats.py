@@ -9,6 +9,10 @@ sums and counts (never means, which cannot be combined without their weights).
 All functions fall back to single-process behaviour when ``torch.distributed`` is unavailable
 or not initialised, so the same trainer code runs in unit tests and on one GPU.
 
+``group=None`` means the data-parallel group (``distributed.sequence_parallel.data_group``):
+the whole world, or with sequence parallelism one rank of each group, whose ranks all hold the
+same rows (counting every copy would count each token N times).
+
 The all-reduces are not differentiable: statistics are computed under ``no_grad`` and treated
 as constants, which is what advantage whitening and loss normalisation need.
 """
@@ -20,15 +24,20 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from fsdp_rlhf.distributed.collectives import all_reduce
+from fsdp_rlhf.distributed.sequence_parallel import data_group
+
 
 def _is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
 def _all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    if _is_distributed():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-    return tensor
+    # over the data-parallel ranks unless told otherwise (sequence-parallel peers hold the same
+    # samples), on the group's device (an NCCL group cannot reduce host tensors), back on tensor's
+    if _is_distributed() and group is None:
+        group = data_group()
+    return all_reduce(tensor, dist.ReduceOp.SUM, group)
 
 
 def global_token_count(
@@ -42,7 +51,7 @@ def global_token_count(
 
     Args:
         mask: A response mask (B, T), or a sequence of them (one per micro-batch).
-        group: Process group; ``None`` means the default (WORLD) group.
+        group: Process group; ``None``: the data-parallel group (see the module doc).
 
     Returns:
         The global count as a Python int (identical on every rank).
@@ -51,7 +60,7 @@ def global_token_count(
     if not masks:
         raise ValueError("global_token_count needs at least one mask")
     local = sum(int(m.bool().sum().item()) for m in masks)
-    # int64 keeps the count exact; the mask's device is the one the backend can reduce on.
+    # int64 keeps the count exact; host masks (SFT's) are reduced on the group's device.
     count = torch.tensor([local], dtype=torch.int64, device=masks[0].device)
     return int(_all_reduce_sum(count, group).item())
 
@@ -67,7 +76,7 @@ def global_masked_mean(
     Args:
         values: Tensor of any shape, e.g. (B, T); B may differ between ranks.
         mask: Same shape as ``values``.
-        group: Process group; ``None`` means WORLD.
+        group: Process group; ``None``: the data-parallel group.
 
     Returns:
         Scalar tensor in ``values.dtype`` (0 when no rank has a valid entry).
@@ -95,7 +104,7 @@ def global_masked_var(
         values: Tensor of any shape, e.g. (B, T).
         mask: Same shape as ``values``.
         unbiased: Apply Bessel's correction with the global count.
-        group: Process group; ``None`` means WORLD.
+        group: Process group; ``None``: the data-parallel group.
 
     Returns:
         Scalar tensor in ``values.dtype``.
@@ -137,7 +146,7 @@ def global_masked_whiten(
         mask: Same shape as ``values``.
         shift_mean: Subtract the global mean; ``False`` only rescales.
         eps: Added to the variance before the square root.
-        group: Process group; ``None`` means WORLD.
+        group: Process group; ``None``: the data-parallel group.
 
     Returns:
         Tensor shaped like ``values``, 0 where ``mask`` is 0. Carries no gradient.

@@ -33,15 +33,6 @@ CPU_EXPLICIT_ATTENTION_MAX_LEN = 512
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def head_dim(config) -> int:
-    """Per-head size of an HF text config, derived as transformers' models do: Qwen2/2.5 (and
-    other) config.json files have no ``head_dim`` key, or have it set to null."""
-    value = getattr(config, "head_dim", None)
-    if value is not None:
-        return int(value)
-    return config.hidden_size // config.num_attention_heads
-
-
 def _explicit_wanted(query: torch.Tensor, dropout: float, max_len: int) -> bool:
     return (
         query.device.type == "cpu"

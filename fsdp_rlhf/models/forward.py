@@ -4,6 +4,10 @@ Position ids are always passed explicitly (``cumsum(attention_mask) - 1``) so le
 prompts get the same positions as unpadded ones: HF decoders derive positions from the cache
 position, not from the mask. Vision-language models with images in the batch are the
 exception: they compute their M-RoPE positions themselves (``models.vision``).
+
+A model split by sequence parallelism (``models.ulysses``) runs every forward here on its
+rank's slice of the rows; the functions return the same whole-row results on every rank of the
+group.
 """
 
 from __future__ import annotations
@@ -14,12 +18,14 @@ import torch
 from torch import nn
 
 from fsdp_rlhf.algorithms import gathered_logprobs
+from fsdp_rlhf.distributed.sequence_parallel import gather_sequence
 from fsdp_rlhf.models.packing import pack_rows
 from fsdp_rlhf.models.shared_prefix import (
     share_pair_prefixes,
     share_prompts,
     shared_prompt_logits,
 )
+from fsdp_rlhf.models.ulysses import sequence_parallel_of, shard_inputs, sharded_logprobs
 from fsdp_rlhf.models.vision import ImageBatch, VisionTokens, vision_model_inputs
 
 
@@ -64,15 +70,29 @@ def token_values(
     """
     if packed:
         row = pack_rows(input_ids, attention_mask)
-        values = _head_values(model, **row.model_inputs())[0]
+        values = row_values(model, row.model_inputs())[0]
         return values[padded_positions(attention_mask, row.cu_seqlens)]
-    return _head_values(
-        model,
+    return row_values(model, _padded_inputs(input_ids, attention_mask))
+
+
+def _padded_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
+    return dict(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask),
         use_cache=False,
     )
+
+
+def row_values(model: nn.Module, inputs: dict) -> torch.Tensor:
+    """The scalar head at every position of the (B, L) rows of ``inputs``: (B, L) float32. A
+    sequence-parallel model computes its slice, gathered along the sequence."""
+    sp = sequence_parallel_of(model)
+    if sp is None:
+        return _head_values(model, **inputs)
+    L = inputs["input_ids"].shape[1]
+    local = _head_values(model, **shard_inputs(model, inputs, sp))  # (B, ceil(L / N))
+    return gather_sequence(local, 1, sp.group)[:, :L]
 
 
 def _head_values(model: nn.Module, **inputs) -> torch.Tensor:
@@ -97,7 +117,7 @@ def sequence_scores(
     """
     if packed:
         row = pack_rows(input_ids, attention_mask)
-        return _head_values(model, **row.model_inputs())[0, row.last_index]
+        return row_values(model, row.model_inputs())[0, row.last_index]
     values = token_values(model, input_ids, attention_mask)
     idx = last_token_index(attention_mask)
     return values.gather(1, idx.unsqueeze(1)).squeeze(1)
@@ -110,7 +130,7 @@ def shared_pair_scores(
     (2B,) in the same order, packed with each pair's common prefix run once
     (models.shared_prefix.share_pair_prefixes; the model must use varlen attention)."""
     row = share_pair_prefixes(input_ids, attention_mask)
-    return _head_values(model, **row.model_inputs())[0, row.last_index]
+    return row_values(model, row.model_inputs())[0, row.last_index]
 
 
 def response_logprobs(
@@ -146,6 +166,24 @@ def response_logprobs(
         logprobs (B, T) float32, and entropy (B, T) when ``with_entropy``; at response
         padding the values are meaningless (callers mask them with ``response_mask``).
     """
+    sp = sequence_parallel_of(model)
+    if sp is not None and images is not None:
+        raise ValueError("vision-language rows are not split by sequence parallelism")
+    if sp is not None:  # each rank the positions of its slice, combined once
+        inputs, index = response_positions(
+            input_ids, attention_mask, response_len, packed, group_size
+        )
+        return sharded_logprobs(
+            model,
+            inputs,
+            index,
+            input_ids[:, -response_len:],
+            sp,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
+            keep_logits=_takes_logits_to_keep(model),
+        )
     logits, index = response_logits(
         model, input_ids, attention_mask, response_len, packed, group_size, images
     )
@@ -157,6 +195,33 @@ def response_logprobs(
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
     )
+
+
+def response_positions(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_len: int,
+    packed: bool = False,
+    group_size: int = 1,
+) -> tuple[dict, torch.Tensor]:
+    """Whole-row model inputs of a batch (padded, packed or shared-prompt, as in
+    :func:`response_logits`) and the (B, T) flat position ``row * L + col`` in them whose
+    prediction is each response token."""
+    T = response_len
+    if group_size > 1:
+        rows = share_prompts(input_ids, attention_mask, T, group_size)
+        inputs = {k: v for k, v in rows.model_inputs().items() if k != "logits_to_keep"}
+        G, L = rows.input_ids.shape
+        first = L - rows.logits_to_keep  # the row position of logit_index 0: the last prompt
+        index = torch.arange(G, device=input_ids.device).view(G, 1, 1) * L + first
+        return inputs, (index + rows.logit_index).view(G * group_size, T)
+    if packed:
+        row = pack_rows(input_ids, attention_mask)
+        return row.model_inputs(), padded_positions(attention_mask, row.cu_seqlens)[:, -T - 1 : -1]
+    B, L = input_ids.shape
+    before = torch.arange(L - T - 1, L - 1, device=input_ids.device)
+    rows = torch.arange(B, device=input_ids.device).unsqueeze(1) * L
+    return _padded_inputs(input_ids, attention_mask), rows + before
 
 
 def response_logits(
@@ -194,12 +259,7 @@ def response_logits(
         tokens = VisionTokens.from_config(model.config)
         inputs = vision_model_inputs(tokens, input_ids, attention_mask, images)
     else:
-        inputs = dict(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask),
-            use_cache=False,
-        )
+        inputs = _padded_inputs(input_ids, attention_mask)
     B, L = input_ids.shape
     before = torch.arange(L - T - 1, L - 1, device=input_ids.device)  # positions predicting
     if keep:  # (B, T, V), aligned with the response tokens: read without any index

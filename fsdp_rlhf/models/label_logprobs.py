@@ -25,9 +25,10 @@ import torch
 from torch import nn
 
 from fsdp_rlhf.algorithms import logprobs_from_logits
-from fsdp_rlhf.models.forward import position_ids_from_mask
+from fsdp_rlhf.models.forward import _takes_logits_to_keep, position_ids_from_mask
 from fsdp_rlhf.models.packing import pack_rows
 from fsdp_rlhf.models.shared_prefix import share_pair_prefixes
+from fsdp_rlhf.models.ulysses import sequence_parallel_of, sharded_logprobs
 from fsdp_rlhf.models.vision import ImageBatch, VisionTokens, vision_model_inputs
 
 Layout = Literal["padded", "packed", "shared"]
@@ -54,8 +55,24 @@ def label_logprobs(
     label_mask[:, 0] = False
     rows, cols = label_mask.nonzero(as_tuple=True)  # row-major: the order of the output
     labels = input_ids[rows, cols]
-    if images is not None and layout != "padded":
-        raise ValueError("vision-language rows go through the model padded")
+    out = torch.zeros(label_mask.shape, dtype=torch.float32, device=input_ids.device)
+    sp = sequence_parallel_of(model)
+    if images is not None and (layout != "padded" or sp is not None):
+        raise ValueError("vision-language rows go through the model padded, whole")
+    if sp is not None:  # each rank the tokens of its slice (models.ulysses), combined once
+        if layout == "padded":
+            inputs = dict(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids_from_mask(attention_mask),
+                use_cache=False,
+            )
+            index = rows * input_ids.shape[1] + cols - 1
+        else:
+            inputs, index = _packed_inputs(input_ids, attention_mask, rows, cols - 1, layout)
+        keep = _takes_logits_to_keep(model)
+        out[rows, cols] = sharded_logprobs(model, inputs, index, labels, sp, keep_logits=keep)[0]
+        return out
     if images is not None:
         tokens = VisionTokens.from_config(model.config)
         logits = model(**vision_model_inputs(tokens, input_ids, attention_mask, images)).logits
@@ -71,7 +88,6 @@ def label_logprobs(
     else:
         inputs, positions = _packed_inputs(input_ids, attention_mask, rows, cols - 1, layout)
         picked = model(**inputs, logits_to_keep=positions).logits[0]
-    out = torch.zeros(label_mask.shape, dtype=torch.float32, device=input_ids.device)
     out[rows, cols] = logprobs_from_logits(picked, labels).float()
     return out
 

@@ -11,11 +11,15 @@ head named ``score``: the format ``AutoModelForSequenceClassification`` and vLLM
 models written by OpenRLHF (head ``value_head``, or any ``--value_head_prefix``) are read too.
 Trainable weights are loaded in fp32 (the master copy; bf16 compute comes from FSDP's mixed
 precision); frozen ones (ref, reward) may be loaded in bf16 via ``dtype``: they have no master
-copy to keep. Loading happens on the host; FSDP moves each layer's shard to the device.
+copy to keep. Loading happens on the host. With ``weights=False`` the same model is built on the
+meta device from its config (no memory, nothing read but config.json): the skeleton that
+``distributed.rank0_load`` shards and fills from rank 0's copy, so that only rank 0 of a job
+holds a full model in host memory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -70,6 +74,46 @@ def check_model_path(path: str, flag: str) -> None:
         raise UserError(f"{flag} {path}: {what}")
 
 
+def text_config(path: str, trust_remote_code: bool = False):
+    """The text decoder's config of a model folder (or hub name), without loading weights."""
+    from transformers import AutoConfig
+
+    quiet_transformers()
+    cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return cfg.get_text_config()
+
+
+def check_sequence_parallel(
+    n: int, world_size: int, paths: dict[str, str | None], trust_remote_code: bool = False
+) -> None:
+    """``--sequence_parallel_size n`` against the world and each model's attention heads
+    (``paths``: flag -> model folder), before anything loads: one line naming the numbers."""
+    if n == 1:
+        return
+    if world_size % n:
+        raise UserError(
+            f"--sequence_parallel_size {n} must divide the world size {world_size} "
+            "(torchrun --nproc_per_node x --nnodes)"
+        )
+    from fsdp_rlhf.models.ulysses import head_problem
+
+    for flag, path in paths.items():
+        if not path:
+            continue
+        check_model_path(path, flag)
+        if is_vision_language(path, trust_remote_code):
+            raise UserError(
+                f"--sequence_parallel_size {n}: {flag} {path} is a vision-language model: its "
+                "images and M-RoPE positions go through the model with whole rows (use 1)"
+            )
+        cfg = text_config(path, trust_remote_code)
+        heads = cfg.num_attention_heads
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        problem = head_problem(heads, kv, n)
+        if problem is not None:
+            raise UserError(f"--sequence_parallel_size {n}: {flag} {path}: {problem}")
+
+
 def load_tokenizer(
     path: str, backend: BackendConfig | None = None, chat_template: str | None = None
 ):
@@ -101,34 +145,51 @@ def is_vision_language(path: str, trust_remote_code: bool = False) -> bool:
     return is_vision_config(config)
 
 
+def _from_config(auto_cls, path: str, dtype: torch.dtype, attn: str, trust: bool, **config_kw):
+    """``auto_cls``'s model for ``path`` on the meta device: shapes, names and ties as
+    ``from_pretrained`` builds them, no storage."""
+    from transformers import AutoConfig, GenerationConfig
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust, **config_kw)
+    with torch.device("meta"):
+        model = auto_cls.from_config(
+            config, dtype=dtype, attn_implementation=attn, trust_remote_code=trust
+        )
+    if model.can_generate():  # as from_pretrained: the checkpoint's, which an export writes
+        with contextlib.suppress(OSError):  # none in the folder: the config's defaults stay
+            model.generation_config = GenerationConfig.from_pretrained(path)
+    return model
+
+
 def load_causal_lm(
-    path: str, backend: BackendConfig, device: torch.device, dtype: torch.dtype = torch.float32
+    path: str,
+    backend: BackendConfig,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    *,
+    weights: bool = True,
 ) -> nn.Module:
-    """Load on the host in ``dtype``; ``device`` only picks the attention implementation. A
-    vision-language model loads whole (vision tower included)."""
+    """Load on the host in ``dtype`` (``weights=False``: the meta-device skeleton); ``device``
+    only picks the attention implementation. A vision-language model loads whole (vision tower
+    included) as ``AutoModelForImageTextToText``."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     quiet_transformers()
     attn = attn_implementation(backend.flash_attn, device)
-    vision = is_vision_language(path, backend.trust_remote_code)
-    what = "vision-language model" if vision else "causal LM"
+    trust = backend.trust_remote_code
+    auto, what, impl = AutoModelForCausalLM, "causal LM", attn
+    if is_vision_language(path, trust):
+        # the vision tower attends over each image's patches without a causal mask
+        tower = "flash_attention_2" if attn == "flash_attention_2" else "sdpa"
+        auto, what = AutoModelForImageTextToText, "vision-language model"
+        impl = {"text_config": attn, "vision_config": tower}
     with reading(what, path):
-        if vision:
-            # the vision tower attends over each image's patches without a causal mask
-            impl = "flash_attention_2" if attn == "flash_attention_2" else "sdpa"
-            model = AutoModelForImageTextToText.from_pretrained(
-                path,
-                dtype=dtype,
-                attn_implementation={"text_config": attn, "vision_config": impl},
-                trust_remote_code=backend.trust_remote_code,
+        if weights:
+            model = auto.from_pretrained(
+                path, dtype=dtype, attn_implementation=impl, trust_remote_code=trust
             )
         else:
-            model = AutoModelForCausalLM.from_pretrained(
-                path,
-                dtype=dtype,
-                attn_implementation=attn,
-                trust_remote_code=backend.trust_remote_code,
-            )
+            model = _from_config(auto, path, dtype, impl, trust)
     model.config.use_cache = False
     if backend.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -154,8 +215,10 @@ def load_scalar_model(
     value_head_prefix: str = "score",
     init_head_if_missing: bool = True,
     dtype: torch.dtype = torch.float32,
+    weights: bool = True,
 ) -> nn.Module:
-    """A ``*ForSequenceClassification`` model with one output, head named ``score``.
+    """A ``*ForSequenceClassification`` model with one output, head named ``score``
+    (``weights=False``: the meta-device skeleton).
 
     The head comes from the checkpoint's ``score.weight``, else ``<value_head_prefix>.weight``
     (OpenRLHF layout), else it is initialised N(0, 1/(H+1)) when ``init_head_if_missing``.
@@ -164,15 +227,21 @@ def load_scalar_model(
 
     quiet_transformers()
     attn = attn_implementation(backend.flash_attn, device)
+    trust = backend.trust_remote_code
+    auto = AutoModelForSequenceClassification
+    info = {"missing_keys": []}
     with reading("scalar-head model", path):
-        model, info = AutoModelForSequenceClassification.from_pretrained(
-            path,
-            num_labels=1,
-            dtype=dtype,
-            attn_implementation=attn,
-            trust_remote_code=backend.trust_remote_code,
-            output_loading_info=True,
-        )
+        if weights:
+            model, info = auto.from_pretrained(
+                path,
+                num_labels=1,
+                dtype=dtype,
+                attn_implementation=attn,
+                trust_remote_code=trust,
+                output_loading_info=True,
+            )
+        else:
+            model = _from_config(auto, path, dtype, attn, trust, num_labels=1)
     if "score.weight" in info["missing_keys"]:
         weight = _read_head_weight(Path(path), value_head_prefix) if Path(path).is_dir() else None
         with torch.no_grad():

@@ -29,6 +29,7 @@ from torch import nn
 
 from fsdp_rlhf.models.attention import PADDED_ATTENTION
 from fsdp_rlhf.models.packing import PackedRow
+from fsdp_rlhf.models.ulysses import base_attention
 
 
 def shared_group_size(n_samples: int, *batch_sizes: int) -> int:
@@ -48,7 +49,7 @@ def sharing_blocker(model: nn.Module, packed: bool) -> str | None:
         return "--packing_samples packs sequences instead"
     if getattr(model.config, "vision_config", None) is not None:
         return "a vision-language model's prompts carry images the shared prompt pass lacks"
-    impl = model.config._attn_implementation
+    impl = base_attention(model)  # inside Ulysses when the model is sequence-parallel
     if impl != PADDED_ATTENTION:
         return f"the model's attention is {impl} (flash-attn's kernels take no shared prefix)"
     layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])

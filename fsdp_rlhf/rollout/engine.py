@@ -185,6 +185,44 @@ class RolloutOutput:
             return self.response_mask
         return self.response_attention_mask
 
+    @classmethod
+    def concat(cls, parts: Sequence[RolloutOutput], pad_id: int) -> RolloutOutput:
+        """The rows of ``parts`` in order, padded to the widest prompt (on the left) and
+        response (on the right); every part has the same ``n``."""
+        if len({p.n for p in parts}) != 1:
+            raise ValueError(
+                f"cannot concatenate rollouts of {sorted({p.n for p in parts})} samples"
+            )
+        if len(parts) == 1:
+            return parts[0]
+        P = max(p.prompt_ids.shape[1] for p in parts)
+        T = max(p.response_ids.shape[1] for p in parts)
+
+        def cat(get, width: int, left: bool, value: float = 0) -> torch.Tensor:
+            padded = []
+            for part in parts:
+                x = get(part)
+                pad = width - x.shape[1]
+                padded.append(
+                    torch.nn.functional.pad(x, (pad, 0) if left else (0, pad), value=value)
+                )
+            return torch.cat(padded)
+
+        with_logprobs = all(p.engine_logprobs is not None for p in parts)
+        attends = any(p.response_attention_mask is not None for p in parts)
+        return cls(
+            prompt_ids=cat(lambda p: p.prompt_ids, P, True, pad_id),
+            prompt_mask=cat(lambda p: p.prompt_mask, P, True),
+            response_ids=cat(lambda p: p.response_ids, T, False, pad_id),
+            response_mask=cat(lambda p: p.response_mask, T, False),
+            finish_reasons=[r for p in parts for r in p.finish_reasons],
+            engine_logprobs=cat(lambda p: p.engine_logprobs, T, False) if with_logprobs else None,
+            n=parts[0].n,
+            response_attention_mask=cat(lambda p: p.response_tokens_mask, T, False)
+            if attends
+            else None,
+        )
+
 
 @dataclass(frozen=True)
 class PromptImages:

@@ -1,4 +1,5 @@
-"""Tensor-parallel rollout groups: which ranks form one engine, and how prompts move inside it.
+"""Tensor-parallel rollout groups: which ranks form one engine, and how prompts move inside it;
+and how the ranks of a sequence-parallel group share their generation.
 
 With vLLM's ``external_launcher`` backend every rank runs its own copy of the engine loop and
 the ranks of one tensor-parallel engine must call ``generate`` with identical requests (they
@@ -6,6 +7,11 @@ all-reduce activations every step). vLLM forms its TP groups as contiguous rank 
 (``arange(world).view(-1, tp)`` in ``vllm.distributed.parallel_state``), so ranks
 ``[k * tp, (k + 1) * tp)`` are engine ``k``. Each rank all-gathers the prompts of its block,
 the block generates for all of them, and each rank keeps the rows of its own prompts.
+
+With sequence parallelism the N ranks of a group train on the same rows, so they need the same
+rollouts: each rank generates its share of the group's prompts (as many as it would generate
+without sequence parallelism, on its own engine slice) and the group all-gathers the outputs
+(:func:`gather_rollouts`), in prompt order.
 """
 
 from __future__ import annotations
@@ -13,10 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypeVar
 
+import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from fsdp_rlhf.rollout.engine import SamplingConfig
+from fsdp_rlhf.distributed.sequence_parallel import SequenceParallel, gather_objects
+from fsdp_rlhf.rollout.engine import RolloutOutput, SamplingConfig
 
 T = TypeVar("T")
 
@@ -109,3 +117,18 @@ def own_prompt_range(counts: list[int], rank_in_engine: int) -> tuple[int, int]:
     """[start, stop) of this rank's prompts within the gathered list."""
     start = sum(counts[:rank_in_engine])
     return start, start + counts[rank_in_engine]
+
+
+def gather_rollouts(
+    out: RolloutOutput, sp: SequenceParallel, pad_id: int, scores: torch.Tensor | None = None
+) -> tuple[RolloutOutput, torch.Tensor | None]:
+    """Every rank of the sequence-parallel group gets the group's rollouts, rank by rank (the
+    order of :meth:`SequenceParallel.share`), and the per-row ``scores`` that came with them
+    (a multi-turn environment's). Identity without sequence parallelism."""
+    if not sp.enabled:
+        return out, scores
+    parts = gather_objects((out, None if scores is None else scores.cpu()), sp)
+    merged = RolloutOutput.concat([p[0] for p in parts], pad_id)
+    if scores is None:
+        return merged, None
+    return merged, torch.cat([p[1] for p in parts]).to(scores.device)

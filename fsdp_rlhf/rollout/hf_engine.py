@@ -181,9 +181,7 @@ class HFEngine:
                 raise KeyError(f"update_weights: {name} is not a parameter of the HF engine model")
             params[name].copy_(tensor)
             seen.add(name)
-        missing = {
-            n for n, _ in self.model.named_parameters() if not self.unsynced(n)
-        } - seen
+        missing = {n for n, _ in self.model.named_parameters() if not self.unsynced(n)} - seen
         if missing:
             raise ValueError(
                 f"update_weights: no weights for {sorted(missing)[:5]} "

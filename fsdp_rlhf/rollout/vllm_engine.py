@@ -34,9 +34,9 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 
 from fsdp_rlhf.config import RolloutConfig  # noqa: E402
 from fsdp_rlhf.data.vision import collapse_runs  # noqa: E402
-from fsdp_rlhf.models.attention import head_dim  # noqa: E402
-from fsdp_rlhf.rollout import vllm_lora  # noqa: E402
+from fsdp_rlhf.hf_config import head_dim  # noqa: E402
 from fsdp_rlhf.models.vision import VisionTokens  # noqa: E402
+from fsdp_rlhf.rollout import vllm_lora  # noqa: E402
 from fsdp_rlhf.rollout.engine import (  # noqa: E402
     AdapterSpec,
     CountingWeights,
@@ -67,6 +67,7 @@ CPU_MAX_NUM_SEQS = 256  # sequences per scheduler step on CPU (vLLM's default)
 # Token budget of a CPU scheduler step (at least one max_model_len). vLLM's compiled CPU engine
 # warms up with one forward of this many tokens, so the budget is paid at every engine start.
 CPU_STEP_TOKENS = 2048
+CPU_MEMORY_UTILIZATION = 0.9  # passed on CPU, where kv_cache_memory_bytes sizes the cache
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -119,6 +120,31 @@ def _reload_weights_inplace(llm: LLM, weights: Iterable[tuple[str, torch.Tensor]
     external-launcher executor runs the worker in this process.
     """
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+
+
+# vLLM picks its model runner at start-up: V2 (vllm/v1/worker/gpu/) on CUDA when Triton is there
+# and no feature it lacks is asked for, V1 otherwise (every CPU engine). VLLM_USE_V2_MODEL_RUNNER=0
+# forces V1. What the adapter relies on is the same in both (vllm_api.ENGINE_CALLS; LoRA through
+# the same LoRAModelRunnerMixin); their seeded samplers differ (V1: a torch generator per
+# request; V2: Gumbel noise hashed from the request seed and the token position), so the same
+# seeds sample other tokens under the other runner.
+V2_RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
+
+
+def _runner_of(worker) -> tuple[str, bool]:
+    """Runs on the worker (``LLM.collective_rpc``): its model runner's class, and whether it is
+    the V2 runner."""
+    import importlib
+
+    v2 = importlib.import_module(V2_RUNNER_MODULE).GPUModelRunner
+    runner = worker.model_runner
+    return f"{type(runner).__module__}.{type(runner).__name__}", isinstance(runner, v2)
+
+
+def model_runner(llm: LLM) -> tuple[str, str]:
+    """("v1" or "v2", the runner's class) of an in-process engine."""
+    name, is_v2 = llm.collective_rpc(_runner_of)[0]
+    return ("v2" if is_v2 else "v1"), name
 
 
 def _check_tp_layout(groups: RolloutGroups) -> None:
@@ -188,7 +214,9 @@ def engine_kwargs(
         dtype=_DTYPE_NAMES[dtype],
         seed=seed,
         max_model_len=max_model_len,
-        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+        # on CUDA resolved from the memory plan before the engine is built (ppo_setup); on CPU
+        # the KV cache is sized in bytes below and the fraction is not used
+        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization or CPU_MEMORY_UTILIZATION,
         enforce_eager=cfg.enforce_eager,
         enable_prefix_caching=True,
         # logprobs after temperature/top-k/top-p: what the sampler actually drew from.
@@ -200,6 +228,8 @@ def engine_kwargs(
     if max_images > 0:
         kwargs["limit_mm_per_prompt"] = {"image": max_images, "video": 0}
     if torch.cuda.is_available():
+        if cfg.vllm_gpu_memory_utilization is None:
+            raise ValueError("vllm_gpu_memory_utilization unresolved (memory_plan chooses it)")
         kwargs.update(enable_sleep_mode=cfg.vllm_enable_sleep, disable_custom_all_reduce=True)
     else:
         kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
@@ -364,6 +394,7 @@ class VLLMEngine:
             1 if lora_rank > 0 else cfg.vllm_sleep_level,
         )
         self._lora_id = 0  # the adapter served now (0: none yet, the base model)
+        self._adapter_dropped = False  # a weight reload dropped the adapter being served
         engine_seed = seed + groups.engine_index
         self._rng = GenerationRng(engine_seed)
         kwargs = engine_kwargs(
@@ -379,10 +410,26 @@ class VLLMEngine:
         )
         if not torch.cuda.is_available():
             _cpu_compile_cache()
+        kv = kwargs.get("kv_cache_memory_bytes")
+        log.info(
+            "vLLM engine: max_model_len %d (prompts up to %d + responses up to %d tokens)%s",
+            kwargs["max_model_len"],
+            prompt_max_len,
+            cfg.generate_max_len,
+            f", KV cache {kv / GiB:.2f} GiB" if kv else "",
+        )
         with self._rng.active():  # vLLM reseeds the global RNGs while it starts
             self.llm = LLM(**kwargs)
         _check_tp_layout(groups)
         self._shm_segment = _cpu_shm_segment()
+        self.runner, runner_class = model_runner(self.llm)
+        log.info(
+            "vLLM %s: model runner %s (%s)%s",
+            self.version,
+            self.runner.upper(),
+            runner_class,
+            "; VLLM_USE_V2_MODEL_RUNNER=0 selects V1" if self.runner == "v2" else "",
+        )
 
     def generate(
         self,
@@ -397,6 +444,11 @@ class VLLMEngine:
         placeholder per image token) and each run of placeholders goes to vLLM as one, which
         vLLM expands again with the model's processor."""
         self._sleep.check_ready()
+        if self._adapter_dropped:
+            raise RuntimeError(
+                "update_weights dropped the LoRA adapter vLLM was serving: update_adapter must "
+                "follow before generate (else the base model would answer)"
+            )
         if images is not None and self.vision is None:
             raise ValueError("images given to the engine of a text-only model")
         items = list(zip(prompt_token_ids, images or [None] * len(prompt_token_ids), strict=True))
@@ -443,6 +495,10 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         if self.vision is not None:
             self.llm.llm_engine.reset_encoder_cache()
+        if self._lora_id:
+            # both runners' reload_weights drop every adapter (reset_lora_state): naming the
+            # old id would make the worker look for it at its placeholder path
+            self._lora_id, self._adapter_dropped = 0, True
         return counted.nbytes
 
     def update_adapter(self, weights: Iterable[tuple[str, torch.Tensor]], spec: AdapterSpec) -> int:
@@ -459,7 +515,7 @@ class VLLMEngine:
             vllm_lora.install_adapter,
             args=(new_id, tensors, spec.peft_config(), self._lora_id or None),
         )
-        self._lora_id = new_id
+        self._lora_id, self._adapter_dropped = new_id, False
         return counted.nbytes
 
     def _lora_request(self):

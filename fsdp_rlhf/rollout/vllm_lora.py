@@ -69,7 +69,9 @@ def install_adapter(
     Returns the number of adapted vLLM modules. Raises when a tensor names a module vLLM
     has no LoRA layer for (vLLM itself would ignore it silently).
     """
-    manager: WorkerLoRAManager = worker.model_runner.lora_manager
+    manager: WorkerLoRAManager | None = getattr(worker.model_runner, "lora_manager", None)
+    if manager is None:  # both runners (V1, V2) get it from LoRAModelRunnerMixin
+        raise RuntimeError(f"{type(worker.model_runner).__name__} has no LoRA manager")
     adapters: LoRAModelManager = manager._adapter_manager
     helper = PEFTHelper.from_dict(
         {**config, "vllm_max_position_embeddings": manager.max_position_embeddings}

@@ -189,7 +189,9 @@ def build_vl_model(
         tok = build_word_tokenizer(out, words)
     _processor(arch, tok).save_pretrained(str(out))
     torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(_config(arch, tok, num_layers, tie_word_embeddings))
+    model = AutoModelForImageTextToText.from_config(
+        _config(arch, tok, num_layers, tie_word_embeddings)
+    )
     model.to(torch.float32).save_pretrained(str(out))
     write_generation_config(out, tok)
     return out
@@ -253,7 +255,9 @@ def colour_rows(
         else:
             ref = data_uri(image)
         content = [{"type": "image"}, {"type": "text", "text": question}]
-        rows.append({"prompt": [{"role": "user", "content": content}], "images": [ref], "label": name})
+        rows.append(
+            {"prompt": [{"role": "user", "content": content}], "images": [ref], "label": name}
+        )
     return rows
 
 

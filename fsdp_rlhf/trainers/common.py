@@ -3,6 +3,7 @@ meets it::
 
     launch            prepare (validate, no communication) -> process group -> build -> fit
     prepare_model     attention kernel, compile, FSDP2 shards, train or frozen mode
+    load_and_prepare  rank 0 loads, every rank shards a skeleton filled from rank 0's copy
     write_run_config  <save_path>/config.yaml (credentials masked)
     resume            the newest checkpoint's models, optimizers and schedules
     open_metrics      console, metrics.jsonl, TensorBoard, W&B (a resumed run continues them)
@@ -33,16 +34,29 @@ from fsdp_rlhf.config import BackendConfig, CheckpointConfig, FSDPConfig
 from fsdp_rlhf.config_base import dump_yaml, redacted_dict
 from fsdp_rlhf.cpu_bf16 import bf16_warning
 from fsdp_rlhf.distributed import checkpoint as ckpt
-from fsdp_rlhf.distributed.env import DistEnv, init_distributed, launched_world_size, teardown
+from fsdp_rlhf.distributed.env import (
+    DistEnv,
+    init_distributed,
+    launched_world_size,
+    run_and_agree,
+    teardown,
+)
 from fsdp_rlhf.distributed.exit_report import note_failing, note_prepared
 from fsdp_rlhf.distributed.fsdp import build_mesh, describe_zero_stage, shard_model
 from fsdp_rlhf.distributed.heartbeat import start_heartbeat
+from fsdp_rlhf.distributed.rank0_load import fill_from_rank0
+from fsdp_rlhf.distributed.sequence_parallel import (
+    init_sequence_parallel,
+    reset_sequence_parallel,
+)
+from fsdp_rlhf.distributed.sequence_parallel import layout as sequence_parallel_layout
 from fsdp_rlhf.distributed.signals import GracefulStop, SaveTimer
 from fsdp_rlhf.errors import UserError, WriteFault, writing
 from fsdp_rlhf.metrics import MetricLogger, setup_logging, truncate_metrics
 from fsdp_rlhf.metrics_wandb import check_wandb, open_wandb
 from fsdp_rlhf.models.attention import use_varlen_attention
 from fsdp_rlhf.models.compile import compile_blocks
+from fsdp_rlhf.models.ulysses import use_ulysses_attention
 
 log = logging.getLogger("fsdp_rlhf")
 
@@ -87,6 +101,15 @@ def launch(
     env = init_distributed(cfg.guard.dist_timeout_min)
     if env.world_size != world_size:
         raise RuntimeError(f"world size {env.world_size} != WORLD_SIZE {world_size}")
+    sp = init_sequence_parallel(cfg.fsdp.sequence_parallel_size)
+    if sp.enabled:
+        log.info(
+            "sequence parallelism: %d groups of %d ranks share their micro-batches "
+            "(Ulysses all-to-all around attention); data-parallel size %d",
+            sp.dp_size,
+            sp.size,
+            sp.dp_size,
+        )
     # Multi-node: a host that vanishes ends every rank within a bound, not the collective timeout.
     heartbeat = start_heartbeat(
         cfg.guard.heartbeat_timeout_s, env.rank, env.world_size, env.local_world_size
@@ -113,6 +136,7 @@ def launch(
             trainer.close()  # a vLLM engine destroys the process group with it
         if owns_group:
             teardown()
+        reset_sequence_parallel()
 
 
 def save_due(step: int, total_steps: int, save_steps: int) -> bool:
@@ -190,14 +214,24 @@ def prepare_model(
     trainable: bool,
     grad_reduce: str = "mean",
 ) -> nn.Module:
-    """Attention kernel, compiled blocks and FSDP2 shards over all ranks; train or frozen.
+    """Attention kernel (inside Ulysses with ``--sequence_parallel_size``), compiled blocks and
+    FSDP2 shards over all ranks; train or frozen.
 
     Args:
         packed: micro-batches arrive packed into one row (``--packing_samples``).
-        grad_reduce: ``"sum"`` when losses are normalised by a global count (PPO).
+        grad_reduce: ``"sum"`` when losses are normalised by a global count (PPO); ``"mean"``
+            averages over the data-parallel ranks.
     """
     if packed:
         use_varlen_attention(model, env.device.type)
+    sp = sequence_parallel_layout()
+    if sp.size != fsdp.sequence_parallel_size:
+        raise RuntimeError(
+            f"--sequence_parallel_size {fsdp.sequence_parallel_size} but the process-wide layout "
+            f"has {sp.size} (init_sequence_parallel)"
+        )
+    if sp.enabled:
+        use_ulysses_attention(model, sp)
     if backend.torch_compile:
         compile_blocks(model)
     # No model.to(env.device): fully_shard moves and shards one layer at a time, so the full
@@ -210,12 +244,45 @@ def prepare_model(
         grad_reduce=grad_reduce,
         cpu_offload=trainable and fsdp.adam_offload,
         frozen=not trainable,
+        dp_size=sp.dp_size,
     )
     if trainable:
         model.train()  # from_pretrained returns eval mode: no dropout, no grad checkpointing
     else:
         model.requires_grad_(False)
         model.eval()
+    return model
+
+
+def load_and_prepare(
+    load: Callable[[bool], nn.Module],
+    env: DistEnv,
+    fsdp: FSDPConfig,
+    backend: BackendConfig,
+    *,
+    what: str,
+    packed: bool,
+    trainable: bool,
+    grad_reduce: str = "mean",
+) -> nn.Module:
+    """A model loaded and prepared (``prepare_model``) with one full copy in host memory per
+    job: ``load(True)`` builds it with its weights, ``load(False)`` the same model on the meta
+    device (adapters included). One rank loads and shards as it is. Several: rank 0 loads
+    (its failure reaches every rank at once), every rank shards a skeleton, and rank 0's tensors
+    fill the shards one at a time (``distributed.rank0_load``). ``what`` names the model in
+    the error the other ranks raise when rank 0's load fails."""
+    if env.world_size == 1:
+        return prepare_model(
+            load(True), env, fsdp, backend, packed=packed, trainable=trainable,
+            grad_reduce=grad_reduce,
+        )  # fmt: skip
+    full = run_and_agree(lambda: load(True), f"loading {what}", only_rank0=True)
+    model = prepare_model(
+        load(False), env, fsdp, backend, packed=packed, trainable=trainable,
+        grad_reduce=grad_reduce,
+    )  # fmt: skip
+    fill_from_rank0(model, full, env.device)
+    del full
     return model
 
 

@@ -31,6 +31,7 @@ from fsdp_rlhf.data.preference import PairBatch, collate_pairs
 from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars
 from fsdp_rlhf.distributed.fsdp import accumulate
 from fsdp_rlhf.distributed.offload import offload_model, onload_model
+from fsdp_rlhf.distributed.sequence_parallel import data_group
 from fsdp_rlhf.distributed.stats import to_host
 from fsdp_rlhf.models.label_logprobs import Layout, sequence_logprobs
 from fsdp_rlhf.models.lora import adapters_disabled
@@ -178,5 +179,5 @@ class DPOTrainer(OfflineTrainer):
                 sums[k] += v[:n].double().sum()
             sums["pairs"] += n
         self.model.train()
-        tot = all_reduce_scalars(to_host(sums), op="sum")
+        tot = all_reduce_scalars(to_host(sums), op="sum", group=data_group())
         return {f"eval/{k}": tot[k] / max(tot["pairs"], 1.0) for k in PAIR_METRICS}

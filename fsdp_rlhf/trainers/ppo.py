@@ -28,10 +28,13 @@ from fsdp_rlhf.distributed.offload import (
     onload_model,
     onload_optimizer,
 )
+from fsdp_rlhf.distributed.sequence_parallel import layout as sequence_parallel_layout
 from fsdp_rlhf.metrics import PhaseTimer
 from fsdp_rlhf.models.load import is_vision_language, load_tokenizer
 from fsdp_rlhf.models.lora import adapters_disabled
 from fsdp_rlhf.models.save import save_model
+from fsdp_rlhf.rollout import RolloutOutput, SamplingConfig
+from fsdp_rlhf.rollout.groups import gather_rollouts
 from fsdp_rlhf.trainers import common
 from fsdp_rlhf.trainers.experience import (
     Experience,
@@ -60,7 +63,6 @@ from fsdp_rlhf.trainers.ppo_rewards import (
     observe_kl,
     rule_scores,
 )
-from fsdp_rlhf.rollout import RolloutOutput, SamplingConfig
 from fsdp_rlhf.trainers.ppo_rollout import RolloutSession, sampling_config, sleep_drops_weights
 from fsdp_rlhf.trainers.ppo_setup import (
     adapter_spec,
@@ -78,7 +80,6 @@ from fsdp_rlhf.trainers.ppo_setup import (
     prompt_group_size,
     unsynced_params,
 )
-from fsdp_rlhf.trainers.ppo_vision import StepImages, check_responses, image_limit
 from fsdp_rlhf.trainers.ppo_update import (
     TrainedModel,
     UpdatePlan,
@@ -87,6 +88,7 @@ from fsdp_rlhf.trainers.ppo_update import (
     update_critic,
     update_generator,
 )
+from fsdp_rlhf.trainers.ppo_vision import StepImages, check_responses, image_limit
 
 log = logging.getLogger("fsdp_rlhf")
 
@@ -125,8 +127,14 @@ class PPOTrainer:
         torch.manual_seed(cfg.seed)
         self.models = build_models(cfg, env, tokenizer)
         self.prompts = build_prompts(cfg, rows, tokenizer, self.images)
+        # the ranks of a sequence-parallel group draw the same prompts (their data shard)
+        self.sp = sequence_parallel_layout()
         self.sampler = PromptSampler(
-            len(self.prompts), cfg.batch.rollout_batch_size, env.rank, env.world_size, cfg.seed
+            len(self.prompts),
+            cfg.batch.rollout_batch_size,
+            self.sp.dp_rank,
+            self.sp.dp_size,
+            cfg.seed,
         )
         self.total_steps = self._total_steps()
         updates = self.total_steps * cfg.algo.ppo_epochs * self.plan.optimizer_steps_per_epoch
@@ -135,22 +143,27 @@ class PPOTrainer:
         self.group_size = prompt_group_size(cfg, self.plan, self.models.actor)
         self.update_plan = UpdatePlan.from_config(cfg, self.plan, self.group_size)
         # the no-grad forwards' micro-batches: rows, or a token budget (--use_dynamic_batch)
+        # (a token budget per GPU: a sequence-parallel group's micro-batch holds N times it)
+        budget = cfg.batch.scoring_max_tokens
         self.scoring_batching = MicroBatching(
-            self.plan.micro_rollout_batch_size, cfg.batch.scoring_max_tokens, self.packed
+            self.plan.micro_rollout_batch_size,
+            budget * self.sp.size if budget is not None else None,
+            self.packed,
         )
         if cfg.batch.use_dynamic_batch:
             log.info(
                 "dynamic batching: micro-batches of at most %d tokens per rank in the updates, "
-                "%d in the no-grad forwards (%s)%s",
+                "%d in the no-grad forwards (%s)%s%s",
                 cfg.batch.train_max_tokens_per_gpu,
                 cfg.batch.scoring_max_tokens,
                 "the sum of lengths, packed" if self.packed else "rows x the longest, padded",
                 f"; groups of {self.group_size} rows sharing a prompt stay whole"
                 if self.group_size > 1
                 else "",
+                f"; x {self.sp.size} per sequence-parallel micro-batch" if self.sp.enabled else "",
             )
         self.kl_ctl = build_kl_controller(cfg.algo)
-        self.evaluator = build_evaluator(cfg, env, tokenizer, self.images)
+        self.evaluator = build_evaluator(cfg, env, tokenizer, self.sp, self.images)
         self.timer = PhaseTimer(env.device)
         self.rollout_session = RolloutSession(
             engine,
@@ -174,13 +187,16 @@ class PPOTrainer:
         offload_idle(self.models, self.optimizers, cfg.placement.ref_reward_offload, env.device)
         self.logger = common.open_metrics(cfg, env, self.step)
         log.info(
-            "PPO: %d steps, %d prompts/step x %d samples, world %d (%d engines x TP %d)",
+            "PPO: %d steps, %d prompts/step x %d samples, world %d (%d engines x TP %d, "
+            "%d data-parallel x %d sequence-parallel)",
             self.total_steps,
             cfg.batch.rollout_batch_size,
             cfg.batch.n_samples_per_prompt,
             env.world_size,
             self.plan.num_engines,
             self.plan.tp_size,
+            self.sp.dp_size,
+            self.sp.size,
         )
 
     def _trained_models(self) -> common.TrainedModels:
@@ -300,21 +316,32 @@ class PPOTrainer:
             images = StepImages.rows(prompt_images, sampling.n)
             check_responses(out, self.images.vision.tokens)
         elif self.multiturn is None:
-            out = self.rollout_session.generate([p.ids for p in prompts], sampling, metrics)
+            out = self.generate(prompts, sampling, metrics)
         else:  # --env_file: the environment's rewards are the scores
             out, env_scores = multiturn_rollout(
-                self.multiturn, self.rollout_session, prompts, sampling, metrics, stats
+                self.multiturn,
+                self.rollout_session,
+                self.sp.share(prompts),
+                sampling,
+                metrics,
+                stats,
             )
+            out, env_scores = gather_rollouts(out, self.sp, self.pad_id, env_scores)
         exp = experience_from_rollout(out, self.env.device)
         exp.images = images
         exp.scores = env_scores.to(self.env.device) if env_scores is not None else None
         # reduced with the step's other statistics: a collective here would make each rank
-        # wait for the slowest one's generation before scoring
+        # wait for the slowest one's generation before scoring (with sequence parallelism the
+        # group's ranks hold the same rows: the mean over copies is the same)
         stats.add_mean("response_length/clip_ratio", truncated(out.finish_reasons))
         # every round's sequences, for rollout_tps (the batch stats see only the kept ones)
         lengths = out.prompt_mask.sum(-1) + out.response_tokens_mask.sum(-1)
         stats.add_mean("rollout/generated_length", lengths.float())
         return exp, metrics
+
+    @property
+    def pad_id(self) -> int:
+        return self.models.tokenizer.pad_token_id
 
     def score(self, exp: Experience, prompts: list[Prompt], n: int | None = None) -> None:
         """``exp.scores``; prompt i owns rows i*n .. i*n+n-1 (n: the training group size)."""
@@ -397,7 +424,8 @@ class PPOTrainer:
         )
 
     def _generator(self) -> torch.Generator:
-        return update_generator(self.cfg.seed, self.step, self.env.rank)
+        # the same shuffle on the ranks of a sequence-parallel group (they hold the same rows)
+        return update_generator(self.cfg.seed, self.step, self.sp.dp_rank)
 
     @contextmanager
     def onloaded(self, model: nn.Module, name: str):
@@ -440,11 +468,15 @@ class PPOTrainer:
         metrics: dict[str, float] | None = None,
         phase: str = "rollout",
     ) -> RolloutOutput:
-        """Responses to ``prompts`` (with their images, for a VLM) from the current actor."""
-        if self.images is None:
-            return self.rollout_session.generate([p.ids for p in prompts], sampling, metrics, phase)
-        ids, images = self.images.encode(prompts)
-        return self.rollout_session.generate(ids, sampling, metrics, phase, images=images)
+        """Responses to this rank's data shard of ``prompts`` (with their images, for a VLM).
+        With sequence parallelism each rank of a group generates its share of the group's
+        prompts and every rank gets all the group's rows (VLMs refuse sequence parallelism)."""
+        if self.images is not None:
+            ids, images = self.images.encode(prompts)
+            return self.rollout_session.generate(ids, sampling, metrics, phase, images=images)
+        ids = [p.ids for p in prompts]
+        out = self.rollout_session.generate(self.sp.share(ids), sampling, metrics, phase)
+        return gather_rollouts(out, self.sp, self.pad_id)[0]
 
     # ------------------------------------------------------------------ i/o
 

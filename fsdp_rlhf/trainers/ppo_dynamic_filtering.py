@@ -29,6 +29,7 @@ from fsdp_rlhf.algorithms import dynamic_filter_groups, expand_group_mask
 from fsdp_rlhf.config import PPOAlgoConfig
 from fsdp_rlhf.data.prompts import Prompt
 from fsdp_rlhf.distributed.env import all_reduce_scalars
+from fsdp_rlhf.distributed.sequence_parallel import data_group
 from fsdp_rlhf.models.vision import ImageBatch
 from fsdp_rlhf.trainers.experience import Experience
 
@@ -71,6 +72,7 @@ def concat_experiences(parts: list[Experience], pad_id: int) -> Experience:
             elif value.dim() == 2:  # (N, T) per-token field
                 value = F.pad(value, (0, right), value=0)
             out.setdefault(f.name, []).append(value)
+
     def cat(values: list) -> torch.Tensor | ImageBatch:
         return ImageBatch.cat(values) if isinstance(values[0], ImageBatch) else torch.cat(values)
 
@@ -146,7 +148,7 @@ def dynamic_sample(
         prompts = draw()
     exp, prompts, filled = pool.take(pad_id)
     counts = all_reduce_scalars(
-        {"kept": pool.kept_groups, "seen": pool.seen_groups, "filled": filled}, "sum"
+        {"kept": pool.kept_groups, "seen": pool.seen_groups, "filled": filled}, "sum", data_group()
     )
     if counts["filled"] > 0:
         log.warning(

@@ -34,6 +34,8 @@ from fsdp_rlhf.algorithms import eval_pass_metrics
 from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.data.prompts import Prompt, tokenize_prompts
 from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars, barrier, broadcast_object
+from fsdp_rlhf.distributed.sequence_parallel import SequenceParallel, data_group
+from fsdp_rlhf.distributed.sequence_parallel import layout as sequence_parallel_layout
 from fsdp_rlhf.errors import UserError, reading, writing
 from fsdp_rlhf.rollout import RolloutOutput, SamplingConfig
 from fsdp_rlhf.trainers.experience import Experience, experience_from_rollout
@@ -117,9 +119,16 @@ def finish_eval(sums: dict[str, float]) -> dict[str, float]:
 
 
 class Evaluator:
-    def __init__(self, cfg: PPOConfig, env: DistEnv, prompts: list[Prompt]) -> None:
+    def __init__(
+        self,
+        cfg: PPOConfig,
+        env: DistEnv,
+        prompts: list[Prompt],
+        sp: SequenceParallel | None = None,
+    ) -> None:
         self.cfg, self.env = cfg, env
-        idx, self.real = shard(len(prompts), env.rank, env.world_size)
+        sp = sp or sequence_parallel_layout()  # a sequence-parallel group shares a data shard
+        idx, self.real = shard(len(prompts), sp.dp_rank, sp.dp_size)
         self.prompts = [prompts[i] for i in idx]
         self.n = cfg.eval.eval_n_samples_per_prompt
         self.ks = pass_budgets(self.n, cfg.eval.save_best_metric)
@@ -163,7 +172,8 @@ class Evaluator:
         start = time.perf_counter()
         greedy = self._scores(generate, score, greedy=True)[:, 0]
         sampled = self._scores(generate, score, greedy=False)
-        sums = all_reduce_scalars(local_eval_sums(greedy, sampled, self.real, self.ks), "sum")
+        local = local_eval_sums(greedy, sampled, self.real, self.ks)
+        sums = all_reduce_scalars(local, "sum", data_group())
         metrics = finish_eval(sums)
         metrics["timing/eval"] = time.perf_counter() - start
         return metrics
@@ -212,7 +222,9 @@ class Evaluator:
         log.info("best %s = %.4f at step %d: saved to %s", self.metric, value, step, self.best_dir)
 
 
-def build_evaluator(cfg: PPOConfig, env: DistEnv, tokenizer, images=None) -> Evaluator | None:
+def build_evaluator(
+    cfg: PPOConfig, env: DistEnv, tokenizer, sp: SequenceParallel | None = None, images=None
+) -> Evaluator | None:
     """``images``: a VLM's ``ppo_vision.StepImages`` (eval prompts may hold images)."""
     if cfg.eval.eval_dataset is None:
         return None
@@ -221,4 +233,4 @@ def build_evaluator(cfg: PPOConfig, env: DistEnv, tokenizer, images=None) -> Eva
     prompts = tokenize_prompts(rows, tokenizer, cfg.data, vision, cfg.vision.image_key)
     if not prompts:
         raise UserError(f"--eval_dataset {cfg.eval.eval_dataset}: no non-empty prompts")
-    return Evaluator(cfg, env, prompts)
+    return Evaluator(cfg, env, prompts, sp)

@@ -12,6 +12,7 @@ import torch
 from fsdp_rlhf.algorithms import rollout_mismatch_metrics
 from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.distributed.env import all_reduce_scalars
+from fsdp_rlhf.distributed.sequence_parallel import data_group
 from fsdp_rlhf.distributed.stats import to_host
 from fsdp_rlhf.errors import writing
 from fsdp_rlhf.metrics import MetricLogger
@@ -112,7 +113,7 @@ class RunningAverages:
         return {
             **all_reduce_scalars(means, "mean"),
             **all_reduce_scalars(maxs, "max"),
-            **all_reduce_scalars(sums, "sum"),
+            **all_reduce_scalars(sums, "sum", data_group()),
         }
 
 
@@ -138,7 +139,7 @@ def explained_variance(
 
 
 def reduce_explained_variance(local: dict[str, float]) -> float:
-    s = all_reduce_scalars(local, "sum")
+    s = all_reduce_scalars(local, "sum", data_group())
     n = max(s["n"], 1.0)
     var_r = s["r2"] / n - (s["r"] / n) ** 2
     var_d = s["d2"] / n - (s["d"] / n) ** 2

@@ -17,7 +17,9 @@ from fsdp_rlhf.algorithms import (
     stop_properly_penalty,
 )
 from fsdp_rlhf.config import PPOAlgoConfig
-from fsdp_rlhf.distributed.env import all_reduce_scalars, world_size
+from fsdp_rlhf.distributed.env import all_reduce_scalars
+from fsdp_rlhf.distributed.sequence_parallel import data_group
+from fsdp_rlhf.distributed.sequence_parallel import layout as sequence_parallel_layout
 from fsdp_rlhf.distributed.stats import global_masked_center, global_masked_whiten
 from fsdp_rlhf.trainers.experience import Experience
 from fsdp_rlhf.trainers.rule_reward import RewardFn, decode_responses
@@ -74,9 +76,9 @@ def observe_kl(exp: Experience, algo: PPOAlgoConfig, kl_ctl) -> dict[str, float]
     response counts once whatever its length; sequences without valid tokens are left out.
     """
     num, den = kl_mean_parts(_kl(exp, algo), exp.response_mask, mode="seq-mean-token-mean")
-    total = all_reduce_scalars({"num": float(num), "den": float(den)}, "sum")
+    total = all_reduce_scalars({"num": float(num), "den": float(den)}, "sum", data_group())
     mean_kl = total["num"] / max(total["den"], 1.0)
-    kl_ctl.update(mean_kl, exp.num_sequences * world_size())
+    kl_ctl.update(mean_kl, exp.num_sequences * sequence_parallel_layout().dp_size)
     return {"actor/kl": mean_kl}
 
 

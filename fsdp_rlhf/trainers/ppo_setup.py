@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,20 +20,23 @@ import torch
 from torch import nn
 
 from fsdp_rlhf.algorithms.names import CRITIC_ESTIMATORS
-from fsdp_rlhf.config import PPOBatchPlan, PPOConfig, plan_ppo_batches
+from fsdp_rlhf.config import BackendConfig, PPOBatchPlan, PPOConfig, plan_ppo_batches
 from fsdp_rlhf.data.prompts import Prompt, check_chat_template, tokenize_prompts
 from fsdp_rlhf.distributed.ema import ShardedEMA
 from fsdp_rlhf.distributed.env import DistEnv
+from fsdp_rlhf.distributed.memory_plan import resolve_vllm_utilization
 from fsdp_rlhf.distributed.offload import offload_model, offload_optimizer
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.models.compile import check_compile_toolchain
 from fsdp_rlhf.models.load import (
     check_model_path,
+    check_sequence_parallel,
     is_vision_language,
     load_causal_lm,
     load_scalar_model,
     load_tokenizer,
     reward_normalization,
+    text_config,
 )
 from fsdp_rlhf.models.lora import add_lora, check_target_modules, target_module_names
 from fsdp_rlhf.models.lora import scaling as lora_scaling
@@ -44,7 +48,7 @@ from fsdp_rlhf.rollout import AdapterSpec, HFEngine, RolloutEngine, build_rollou
 from fsdp_rlhf.rollout.agent import load_agent_class
 from fsdp_rlhf.rollout.env import load_environment
 from fsdp_rlhf.rollout.memory_budget import check_device_budget
-from fsdp_rlhf.trainers.common import log_startup, prepare_model
+from fsdp_rlhf.trainers.common import load_and_prepare, log_startup
 from fsdp_rlhf.trainers.ppo_rollout import adapter_sync
 from fsdp_rlhf.trainers.ppo_vision import refuse_unsupported, row_check
 from fsdp_rlhf.trainers.rule_reward import RewardFn, auth_headers, build_rule_reward
@@ -139,6 +143,35 @@ def _check_env(cfg: PPOConfig) -> None:
         load_agent_class(path)
 
 
+def check_context_length(cfg: PPOConfig) -> None:
+    """The engine's ``max_model_len`` (``cfg.total_len``: prompt + response, or the multi-turn
+    budget) against the actor's context, before anything starts: vLLM would refuse it at
+    start-up (a traceback), and nothing here lowers the user's lengths behind their back."""
+    if cfg.rollout.rollout_engine != "vllm":
+        return
+    text = text_config(cfg.models.pretrain, cfg.backend.trust_remote_code)
+    context = getattr(text, "max_position_embeddings", None)
+    if not context:
+        return
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if kind not in (None, "default") and rope.get("factor"):  # extended: vLLM allows at most this
+        context = int(context * float(rope["factor"]))
+    need = cfg.total_len
+    if need > context:
+        if cfg.multiturn.source is not None:
+            what = "--max_total_len"
+        elif cfg.rollout.max_len is not None and cfg.rollout.max_len == need:
+            what = "--max_len"
+        else:
+            what = "--prompt_max_len + --generate_max_len"
+        raise UserError(
+            f"{what} = {need} tokens per sequence, more than {cfg.models.pretrain}'s context "
+            f"of {context} (max_position_embeddings{' x rope factor' if kind else ''}): vLLM "
+            "would refuse that max_model_len; lower the lengths or use a longer-context model"
+        )
+
+
 def _check_outputs(cfg: PPOConfig) -> None:
     """The final export must be able to land in --save_path (it is renamed into place)."""
     m = cfg.models
@@ -169,6 +202,17 @@ def prepare(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any]:
         check_model_path(m.critic_pretrain, "--critic_pretrain")
     if uses_critic(cfg) and not critic_path(cfg):
         raise UserError("--advantage_estimator gae needs a critic: pass --critic_pretrain")
+    check_sequence_parallel(
+        cfg.fsdp.sequence_parallel_size,
+        world_size,
+        {
+            "--pretrain": m.pretrain,
+            "--reward_pretrain": m.reward_pretrain,
+            "--critic_pretrain": critic_path(cfg) if uses_critic(cfg) else None,
+        },
+        cfg.backend.trust_remote_code,
+    )
+    check_context_length(cfg)
     _check_outputs(cfg)
     vlm = is_vision_language(m.pretrain, cfg.backend.trust_remote_code)
     if vlm:
@@ -219,14 +263,19 @@ class Models:
     rule_reward: RewardFn | None
 
 
-def prepare_ppo_model(model: nn.Module, cfg: PPOConfig, env: DistEnv, trainable: bool) -> nn.Module:
-    """``common.prepare_model`` with PPO's settings (also used by ``doctor``)."""
+def load_ppo_model(
+    load: Callable[[bool], nn.Module], cfg: PPOConfig, env: DistEnv, trainable: bool, what: str
+) -> nn.Module:
+    """``common.load_and_prepare`` with PPO's settings (also used by ``doctor``): ``load(True)``
+    the model with its weights (rank 0 only when there are several), ``load(False)`` the
+    meta-device skeleton every rank shards."""
     # Token-mean losses are normalised by the global token count, so ranks must sum grads.
-    return prepare_model(
-        model,
+    return load_and_prepare(
+        load,
         env,
         cfg.fsdp,
         cfg.backend,
+        what=what,
         packed=cfg.batch.packing_samples,
         trainable=trainable,
         grad_reduce="sum",
@@ -236,43 +285,74 @@ def prepare_ppo_model(model: nn.Module, cfg: PPOConfig, env: DistEnv, trainable:
 def build_models(cfg: PPOConfig, env: DistEnv, tokenizer) -> Models:
     m, backend = cfg.models, cfg.backend
     log_startup(env, cfg.fsdp.zero_stage, cfg.backend.bf16)
-    actor_model = load_causal_lm(m.pretrain, backend, env.device)
-    prepare_policy(actor_model, freeze_tower=cfg.vision.freeze_visual_encoder)
-    if cfg.lora.enabled:
-        add_lora(actor_model, cfg.lora)
-    actor = prepare_ppo_model(actor_model, cfg, env, trainable=True)
+
+    def actor_model(weights: bool) -> nn.Module:
+        model = load_causal_lm(m.pretrain, backend, env.device, weights=weights)
+        # a VLM: placeholders suppressed, the tower frozen under --freeze_visual_encoder
+        prepare_policy(model, freeze_tower=cfg.vision.freeze_visual_encoder)
+        if cfg.lora.enabled:
+            add_lora(model, cfg.lora, quiet=not weights)
+        return model
+
+    actor = load_ppo_model(actor_model, cfg, env, trainable=True, what="--pretrain")
     # Frozen models never run backward: recomputation would only cost time.
     no_ckpt = dataclasses.replace(backend, gradient_checkpointing=False)
     # Frozen weights need no fp32 master copy: bf16 shards under --bf16 halve their memory.
     frozen_dtype = torch.bfloat16 if backend.bf16 else torch.float32
     ref = None
     if not cfg.lora.enabled:  # LoRA: the actor's frozen base is the reference
-        ref_model = load_causal_lm(m.pretrain, no_ckpt, env.device, dtype=frozen_dtype)
-        prepare_policy(ref_model)
-        ref = prepare_ppo_model(ref_model, cfg, env, trainable=False)
+
+        def ref_model(weights: bool) -> nn.Module:
+            model = load_causal_lm(m.pretrain, no_ckpt, env.device, frozen_dtype, weights=weights)
+            prepare_policy(model)
+            return model
+
+        ref = load_ppo_model(ref_model, cfg, env, trainable=False, what="the reference model")
     critic = reward = None
     norm = None
     if uses_critic(cfg):
-        critic_model = load_scalar_model(
-            critic_path(cfg), backend, env.device, value_head_prefix=m.value_head_prefix
-        )
-        if cfg.lora.enabled:
-            add_lora(critic_model, cfg.lora, head="score")
-        critic = prepare_ppo_model(critic_model, cfg, env, trainable=True)
+
+        def critic_model(weights: bool) -> nn.Module:
+            model = load_scalar_model(
+                critic_path(cfg),
+                backend,
+                env.device,
+                value_head_prefix=m.value_head_prefix,
+                weights=weights,
+            )
+            if cfg.lora.enabled:
+                add_lora(model, cfg.lora, head="score", quiet=not weights)
+            return model
+
+        critic = load_ppo_model(critic_model, cfg, env, trainable=True, what="the critic")
     if m.reward_pretrain:
-        reward_model = load_scalar_model(
-            m.reward_pretrain,
-            no_ckpt,
-            env.device,
-            value_head_prefix=m.value_head_prefix,
-            init_head_if_missing=False,
-            dtype=frozen_dtype,
+        reward = load_ppo_model(
+            lambda w: load_reward_model(cfg, no_ckpt, env.device, weights=w),
+            cfg,
+            env,
+            trainable=False,
+            what="--reward_pretrain",
         )
-        reward = prepare_ppo_model(reward_model, cfg, env, trainable=False)
         # prepare already refused --normalize_reward without the statistics
         norm = reward_normalization(m.reward_pretrain) if m.normalize_reward else None
     rule = build_rule_reward(m.remote_rm_url, m.remote_rm_auth_env) if m.remote_rm_url else None
     return Models(tokenizer, actor, ref, critic, reward, norm, rule)
+
+
+def load_reward_model(
+    cfg: PPOConfig, backend: BackendConfig, device: torch.device, *, weights: bool
+) -> nn.Module:
+    """``--reward_pretrain`` as a frozen scalar-head model (bf16 under --bf16; its head must be
+    in the checkpoint)."""
+    return load_scalar_model(
+        cfg.models.reward_pretrain,
+        backend,
+        device,
+        value_head_prefix=cfg.models.value_head_prefix,
+        init_head_if_missing=False,
+        dtype=torch.bfloat16 if backend.bf16 else torch.float32,
+        weights=weights,
+    )
 
 
 def prompt_group_size(cfg: PPOConfig, plan: PPOBatchPlan, actor: nn.Module) -> int:
@@ -384,14 +464,12 @@ def build_engine(cfg: PPOConfig, env: DistEnv, tokenizer, max_images: int = 1) -
     if cfg.rollout.rollout_engine == "vllm":
         from fsdp_rlhf.rollout.vllm_engine import VLLMEngine
 
+        rollout = cfg.rollout
         if env.device.type == "cuda":
-            # vLLM sizes its pool as a fraction of the whole device and refuses to start when
-            # that much is not free (another process, a CUDA context): say so in one line.
-            log.info(check_device_budget(env.device, cfg.rollout.vllm_gpu_memory_utilization))
-
+            rollout = dataclasses.replace(rollout, vllm_gpu_memory_utilization=cuda_pool(cfg, env))
         return VLLMEngine(
             cfg.models.pretrain,
-            cfg.rollout,
+            rollout,
             groups=groups,
             # multi-turn histories grow past the prompt: max_model_len = --max_total_len
             prompt_max_len=cfg.total_len - cfg.rollout.generate_max_len,
@@ -426,6 +504,18 @@ def unsynced_params(cfg: PPOConfig, actor: nn.Module):
     if prefix is None or not (cfg.vision.freeze_visual_encoder or cfg.lora.enabled):
         return None
     return is_vision_param(prefix)
+
+
+def cuda_pool(cfg: PPOConfig, env: DistEnv) -> float:
+    """The fraction of the device vLLM's pool takes, chosen or checked against the memory plan
+    (the pool comes back at that size on every wake, beside the resident shards), then against
+    what is free now (vLLM refuses to start without ``fraction x total`` free). One line each;
+    a UserError naming the flag when either does not fit. Before any model loads."""
+    total = torch.cuda.mem_get_info(env.device)[1]
+    util, line = resolve_vllm_utilization(cfg, env.world_size, total)
+    log.info(line)
+    log.info(check_device_budget(env.device, util))
+    return util
 
 
 def merged_lora_scaling(cfg: PPOConfig) -> float | None:

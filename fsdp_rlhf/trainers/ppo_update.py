@@ -56,7 +56,8 @@ class UpdatePlan:
     # consecutive rows sharing one pass of their prompt (models.shared_prefix); minibatches
     # and micro-batches keep them together
     group_size: int = 1
-    # --use_dynamic_batch: micro-batches of at most this many tokens (trainers.micro_batches)
+    # --use_dynamic_batch: micro-batches of at most this many tokens (trainers.micro_batches);
+    # per sequence-parallel group: --train_max_tokens_per_gpu x its ranks
     max_tokens: int | None = None
 
     @property
@@ -66,6 +67,7 @@ class UpdatePlan:
     @classmethod
     def from_config(cls, cfg: PPOConfig, plan: PPOBatchPlan, group_size: int = 1) -> UpdatePlan:
         dynamic = cfg.batch.use_dynamic_batch
+        sp = plan.world_size // plan.dp_size  # a group's ranks each hold 1/sp of its tokens
         return cls(
             ppo_epochs=cfg.algo.ppo_epochs,
             global_batch_size=cfg.batch.train_batch_size,
@@ -76,7 +78,7 @@ class UpdatePlan:
             packed=cfg.batch.packing_samples,
             norm_len=cfg.rollout.generate_max_len,
             group_size=group_size,
-            max_tokens=cfg.batch.train_max_tokens_per_gpu if dynamic else None,
+            max_tokens=cfg.batch.train_max_tokens_per_gpu * sp if dynamic else None,
         )
 
 

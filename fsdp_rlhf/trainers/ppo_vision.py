@@ -131,7 +131,6 @@ class StepImages:
         return ImageBatch.repeat(inputs, n)
 
 
-
 def check_responses(out: RolloutOutput, tokens: VisionTokens) -> None:
     """The engines never sample a placeholder token (suppressed in both); one in a response
     would make the next forward look for an image that does not exist, so it stops here."""

@@ -13,6 +13,7 @@ from fsdp_rlhf.config import RMConfig, RMLossConfig
 from fsdp_rlhf.data.preference import PairBatch
 from fsdp_rlhf.distributed.env import all_reduce_scalars
 from fsdp_rlhf.distributed.fsdp import accumulate
+from fsdp_rlhf.distributed.sequence_parallel import data_group
 from fsdp_rlhf.distributed.stats import to_host
 from fsdp_rlhf.models.forward import sequence_scores, shared_pair_scores
 from fsdp_rlhf.trainers.guards import BadStepGuard, guarded_step
@@ -126,7 +127,7 @@ def evaluate(
         sums["reward_sum"] += rewards.sum().item()
         sums["reward_sq"] += rewards.pow(2).sum().item()
     model.train()
-    tot = all_reduce_scalars(sums, op="sum")
+    tot = all_reduce_scalars(sums, op="sum", group=data_group())
     n_rewards = 2 * tot["pairs"]
     mean = tot["reward_sum"] / n_rewards
     var = (tot["reward_sq"] - n_rewards * mean**2) / (n_rewards - 1)

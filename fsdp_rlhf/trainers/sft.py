@@ -27,6 +27,7 @@ from fsdp_rlhf.config import OfflineBatchPlan, SFTConfig
 from fsdp_rlhf.data.sft import SFTBatch, collate_samples
 from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars
 from fsdp_rlhf.distributed.fsdp import accumulate
+from fsdp_rlhf.distributed.sequence_parallel import data_group
 from fsdp_rlhf.distributed.stats import global_token_count, to_host
 from fsdp_rlhf.models.label_logprobs import Layout, label_logprobs
 from fsdp_rlhf.trainers import common
@@ -68,7 +69,7 @@ def sft_evaluate(
         sums["nll"] -= logprobs[learned].double().sum()
         sums["tokens"] += learned.sum()
     model.train()
-    tot = all_reduce_scalars(to_host(sums), op="sum")
+    tot = all_reduce_scalars(to_host(sums), op="sum", group=data_group())
     return {"eval/loss": tot["nll"] / max(tot["tokens"], 1.0)}
 
 
@@ -92,7 +93,8 @@ class SFTTrainer(OfflineTrainer):
 
         The model sums gradients over ranks (``grad_reduce="sum"``). Returns this rank's share
         of the global token-mean ``loss`` (its mean over ranks is the global mean), its learned
-        ``tokens``, the global ``grad_norm`` and the ``lr`` this step used.
+        ``tokens``, the global ``grad_norm`` and the ``lr`` this step used. (The ranks of a
+        sequence-parallel group hold the same rows: the shares are per data-parallel rank.)
         """
         n_global = global_token_count([b.loss_mask for b in batches])  # one all-reduce
         nll: float | torch.Tensor = 0.0
@@ -103,7 +105,8 @@ class SFTTrainer(OfflineTrainer):
             loss.backward()
             nll += loss.detach().double()  # on the device: one host copy per step
         tokens = float(sum(int(b.loss_mask.sum()) for b in batches))  # host masks: no copy
-        stats = {"loss": to_host({"loss": nll})["loss"] * self.env.world_size, "tokens": tokens}
+        share = to_host({"loss": nll})["loss"]
+        stats = {"loss": share * self.sp.dp_size, "tokens": tokens}
         return {**stats, **self.optimizer_step()}
 
     def evaluate(self) -> dict[str, float] | None:

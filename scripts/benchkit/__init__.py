@@ -10,6 +10,8 @@ What is measured:
     prefix          the shared prompt prefix on and off, one micro-batch in this process
     dynamic_batch   token-budget micro-batches against fixed-size ones
     logits_memory   peak host memory of one log-prob forward at a real vocabulary size
+    sequence_parallel
+                    peak memory per rank and step time of one long sequence, SP=1 against SP=2
     memcpy          the weight-sync reference: a plain copy of the same bytes
     peak            the machine's matmul limit per dtype, and MFU against it
 

@@ -13,15 +13,15 @@ from tests.dist_utils import run_distributed
 
 
 def test_device_and_offload_decisions():
+    from fsdp_rlhf.distributed.collectives import collective_device
     from fsdp_rlhf.distributed.fsdp import (
-        collective_device,
         gradient_sync_every_micro_batch,
         reshard_after_forward,
         uses_cpu_offload_policy,
     )
     from fsdp_rlhf.distributed.offload import phase_moves
 
-    assert collective_device("gloo") == torch.device("cpu")
+    assert collective_device() == torch.device("cpu")  # no process group: the host
     assert uses_cpu_offload_policy(True, "cuda") and not uses_cpu_offload_policy(True, "cpu")
     assert not uses_cpu_offload_policy(False, "cuda")
     cuda = torch.device("cuda", 0)
@@ -182,3 +182,37 @@ def test_zero3_accumulates_sharded_grads_with_unchanged_result(tiny_qwen2):
     for r in run_distributed(_accumulate_zero3, 2, tiny_qwen2):
         assert r["sharded_after_first"], r
         assert r["diff"] < 1e-4, r
+
+
+def _offloaded_shard(mesh, rows: int):
+    """A DTensor parameter as CPUOffloadPolicy leaves it: a CUDA mesh, its shard on the host
+    (built like FSDP does, without moving the local tensor; no CUDA needed)."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    local = torch.zeros(rows, 1024)
+    meta = TensorMeta(local.shape, local.stride(), local.dtype)
+    return torch.nn.Parameter(DTensor(local, DTensorSpec(mesh, (Shard(0),), meta), False))
+
+
+def _buckets_under_adam_offload(rank: int, world: int):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from fsdp_rlhf.distributed import fsdp
+
+    mesh = DeviceMesh("cuda", list(range(world)), _init_backend=False)
+    model = torch.nn.Module()
+    for i in range(3):  # 8 MiB each in fp32
+        model.register_parameter(f"w{i}", _offloaded_shard(mesh, 2048))
+    buckets = []
+    fsdp._gather_bucket = lambda bucket, dtype: buckets.append([n for n, _, _ in bucket]) or []
+    list(fsdp.iter_full_params(model, torch.float32))
+    return dict(devices={p.device.type for p in model.parameters()}, buckets=buckets)
+
+
+def test_weight_sync_buckets_follow_the_compute_device_under_adam_offload():
+    """Shards on the host, gathers on the GPU: NCCL-sized buckets (256 MiB, one gather here),
+    not the host's 16 MiB (two)."""
+    (r,) = run_distributed(_buckets_under_adam_offload, 1)
+    assert r["devices"] == {"cpu"}, r
+    assert r["buckets"] == [["w0", "w1", "w2"]], r

@@ -10,7 +10,7 @@ import pytest
 from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.config_base import build_config
 from fsdp_rlhf.distributed.memory import ModelShape, plan_phases, verdict
-from fsdp_rlhf.doctor import job_flags
+from fsdp_rlhf.distributed.memory_plan import job_flags
 from tests.e2e.helpers import torchrun
 from tests.unit.test_memory_model import LLAMA_7B
 
@@ -29,6 +29,9 @@ def test_doctor_reports_every_check_on_two_ranks(tiny_qwen2, trained_rm):
         # the engine starts with LoRA slots; doctor says what the missing ref copy saves
         "--lora_rank",
         "8",
+        # the models are prepared split, as the job would; doctor prints activations per N
+        "--sequence_parallel_size",
+        "2",
     ]
     proc = torchrun(["doctor", *flags])
     out = proc.stdout
@@ -38,14 +41,24 @@ def test_doctor_reports_every_check_on_two_ranks(tiny_qwen2, trained_rm):
         "--pretrain loads",
         "--reward_pretrain loads",
         "rollout engine starts",
+        "rollout engine wakes beside the sharded models",
         "memory estimate fits",
         "LoRA reference",
+        "--sequence_parallel_size",
+        "sequence parallelism",
     ):
         for rank in (0, 1):
             assert f"[rank {rank}] PASS {check}" in out, (check, out[-3000:])
+    # the job's order: the engine starts (and sleeps) before the models load, then wakes
+    order = [out.index(f"[rank 0] PASS {c}") for c in (
+        "rollout engine starts", "--pretrain loads", "rollout engine wakes beside",
+    )]  # fmt: skip
+    assert order == sorted(order), out[-3000:]
     assert "bus bandwidth" in out and "torch" in out and "VERDICT: READY" in out
     assert "no reference copy" in out and "GiB less per device" in out
     assert "allocator" in out  # the devices table says which malloc each rank runs on
+    assert "1 groups of 2 ranks" in out and "activations per rank at 48 tokens" in out
+    assert "N=1: " in out and "N=2: " in out and "fits without splitting (set: 2)" in out
     assert "Traceback" not in proc.stderr
 
 

@@ -142,3 +142,39 @@ def test_scripts_are_bash_and_name_no_flag_of_ours_only(tmp_path):
         }
         assert flags and flags <= theirs, (script.name, sorted(flags - theirs))
     assert os.access(SCRIPTS / "grpo_v0.10_flat.sh", os.R_OK)
+
+
+@pytest.fixture(scope="module")
+def long_context_gqa(tmp_path_factory) -> str:
+    """A 2-layer Qwen2, 4 query / 2 KV heads of 64, with a 40k context (32k responses fit)."""
+    from fsdp_rlhf.testing.tiny import build_model
+
+    root = tmp_path_factory.mktemp("long_context_gqa")
+    shape = dict(hidden_size=256, num_heads=4, num_kv_heads=2, max_position_embeddings=40960)
+    return str(build_model(root, "qwen2", seed=3, **shape))
+
+
+@pytest.mark.sp
+def test_reinforce_baseline_script_with_ring_attention_and_32k_responses(
+    long_context_gqa, data, tmp_path
+):
+    """OpenRLHF's long-reasoning recipe: --ds.ring_attn_size 2 becomes Ulysses sequence
+    parallelism over both ranks, and --rollout.max_new_tokens 32768 reaches vLLM whole."""
+    save = tmp_path / "reinforce"
+    proc = run_script("reinforce_baseline_v0.11_dotted.sh", long_context_gqa, data, save)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    notes = translated(proc.stdout)
+    assert any(n.startswith("openrlhf flag: --ds.ring_attn_size 2 -> --sequence_parallel_size 2")
+               for n in notes), notes  # fmt: skip
+    assert any(n.startswith("openrlhf flag: --ds.ring_attn_head_stride 2: accepted") for n in notes)
+    log = " ".join((proc.stdout + proc.stderr).split())
+    assert "vLLM engine: max_model_len 33000 (prompts up to 232 + responses up to 32768" in log
+    assert "1 data-parallel x 2 sequence-parallel" in log
+    rows = read_metrics(save)
+    assert [r["step"] for r in rows] == [1, 2]  # --data.max_samples 8 / --rollout.batch_size 4
+    for r in rows:
+        assert r["response_length/max"] > 0 and 0 <= r["response_length/clip_ratio"] <= 1
+        assert r["rollout_corr/is_masked_frac"] < 0.05  # engine and split trainer agree
+    config = (save / "config.yaml").read_text()
+    for line in ("sequence_parallel_size: 2", "generate_max_len: 32768", "zero_stage: 3"):
+        assert line in config, line

@@ -94,7 +94,6 @@ def test_refused_flags_say_why_and_what_instead():
     for argv, words in (
         (["--vllm.sync_with_ray"], "no Ray"),
         (["--async_train"], "async"),
-        (["--ring_attn_size", "2"], "ring attention"),
         (["--ds.zpg", "8"], "HSDP"),
         (["--param_dtype", "fp16"], "bf16"),
         (["--actor.optim", "muon"], "Muon"),
@@ -105,8 +104,23 @@ def test_refused_flags_say_why_and_what_instead():
         assert argv[0] in str(e.value)
 
 
+def test_ring_attention_flags_become_sequence_parallelism():
+    """OpenRLHF's ring-attention size takes effect as Ulysses sequence parallelism (both
+    spellings, every command); the head stride is accepted with the note that there is no
+    ring to stride through."""
+    for command in ("ppo", "train-rm", "sft", "dpo"):
+        for size, stride in (
+            ("--ring_attn_size", "--ring_head_stride"),
+            ("--ds.ring_attn_size", "--ds.ring_attn_head_stride"),
+        ):
+            t = translate(command, [size, "2", stride, "2"])
+            assert t.argv == ["--sequence_parallel_size", "2"], (command, t.argv)
+            assert any("Ulysses all-to-all, not a ring" in n for n in t.notes), t.notes
+            assert any(n.startswith(f"{stride} 2: accepted") for n in t.notes), t.notes
+            assert _cfg(command, size, "2").fsdp.sequence_parallel_size == 2
+
+
 def test_values_of_accepted_flags_that_describe_something_else_are_refused():
-    assert translate("ppo", ["--ring_attn_size", "1"]).argv == []
     assert translate("ppo", ["--ds.zpg", "1"]).argv == []
 
 

@@ -4,7 +4,7 @@ The layers, lowest first (a module may import its own layer and the ones below i
 
     errors, algorithms        pure tensor math (algorithms imports only itself)
     config and its kin        config trees, the command table, flag translation and help,
-                              optimizer, metric sinks
+                              optimizer, metric sinks, facts of HF model configs
     distributed               process group, FSDP2, checkpoints, offload, memory model
     data, models              datasets; loading, forwards, LoRA, compile, HF export
     rollout                   engines, weight sync, environments
@@ -36,6 +36,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "metrics_wandb",
         "allocator",
         "cpu_bf16",
+        "hf_config",
     ),
     ("distributed",),
     ("data", "models"),

@@ -151,3 +151,142 @@ def test_the_hf_engine_has_no_pool_and_a_resident_copy():
     # 2 (k, v) x 32 layers x 4096 x bf16 per token, 4 sequences of 2048 tokens
     assert phases["rollout"].parts["hf kv cache"] == 2 * 32 * 4096 * 2 * 2048 * 4
     assert phases["actor update"].parts["vllm"] == 0
+
+
+# Qwen2.5-7B's config.json (no head_dim key), its published parameter count, an H100's memory
+QWEN25_7B = dict(
+    hidden_size=3584,
+    num_hidden_layers=28,
+    intermediate_size=18944,
+    vocab_size=152064,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    tie_word_embeddings=False,
+)
+QWEN25_7B_PARAMS = 7_615_616_512
+H100 = int(79.19 * GIB)  # torch.cuda.mem_get_info()[1] of an H100 80GB
+
+
+def test_default_flags_overflow_the_wake_for_7b_on_8_h100s():
+    """The review's number (79.9 of 79.2 GiB before this model counted the allocator's slack):
+    default flags (ZeRO-2, no offload, vLLM at 0.9) do not fit beside the resident shards."""
+    m = ModelShape.from_hf_config(QWEN25_7B, QWEN25_7B_PARAMS)
+    f = JobFlags(world=8, device_bytes=H100, zero_stage=2, bf16=True, seq_len=2048)
+    wake = plan_phases(f, m, m, [m, m])[0]
+    assert wake.name == "vllm start-up/wake" and not wake.fits, wake.line()
+    slack = wake.parts["allocator slack"]
+    assert (wake.total - slack) / GIB == pytest.approx(79.9, abs=0.05), wake.line()
+
+
+@pytest.mark.parametrize("head_dim", [None, 128])
+def test_head_dim_null_or_missing_follows_transformers(head_dim):
+    """Qwen2/2.5 configs have no head_dim; others carry "head_dim": null (doctor raised a
+    TypeError on those)."""
+    missing = ModelShape.from_hf_config(QWEN25_7B)
+    given = ModelShape.from_hf_config({**QWEN25_7B, "head_dim": head_dim})
+    assert given == missing and missing.kv_dim == 4 * 128
+
+
+def test_tied_embeddings_are_one_matrix_at_the_root():
+    tied = ModelShape.from_hf_config({**LLAMA_7B, "tie_word_embeddings": True})
+    untied = ModelShape.from_hf_config(LLAMA_7B)
+    vh = 32000 * 4096
+    assert tied.params == untied.params - vh
+    assert tied.root_params == vh and untied.root_params == 2 * vh
+    assert tied.layer_params == untied.layer_params  # the layers keep all of theirs
+    # a checkpoint's count with its LM head tied (no lm_head.weight): same split
+    counted = ModelShape.from_hf_config(LLAMA_7B, untied.params - vh, embeddings=1)
+    assert counted.layer_params == untied.layer_params
+
+
+def test_zero3_update_holds_the_roots_grads_and_fp32_reduce_scatter_input():
+    """The root group (embeddings + LM head) is reduced last: its bf16 grads and the fp32 copy
+    FSDP2 reduce-scatters, about 6.5 GB at 7B."""
+    m = ModelShape.from_hf_config(QWEN25_7B, QWEN25_7B_PARAMS)
+    phases = {p.name: p for p in plan_phases(LAUNCHER, m, m, [m, m])}
+    term = phases["actor update"].parts["root grads + fp32 reduce-scatter input"]
+    assert term == (2 + 4) * m.root_params
+    assert term / 1e9 == pytest.approx(6.5, abs=0.1)
+    zero2 = dataclasses.replace(LAUNCHER, zero_stage=2)
+    parts = {p.name: p for p in plan_phases(zero2, m, m, [m, m])}["actor update"].parts
+    assert parts["fp32 reduce-scatter input"] == 4 * m.root_params
+
+
+def test_ema_stays_on_the_device_unless_an_offload_flag_moves_it():
+    m = ModelShape.from_hf_config(LLAMA_7B)
+    on_device = dataclasses.replace(
+        LAUNCHER, adam_offload=False, ref_reward_offload=False, ema=True
+    )
+    for phase in plan_phases(on_device, m, m, [m, m]):
+        assert phase.parts["actor EMA shard"] == 4 * m.params // 8, phase.name
+    for phase in plan_phases(dataclasses.replace(LAUNCHER, ema=True), m, m, [m, m]):
+        assert "actor EMA shard" not in phase.parts, phase.name  # on the host
+
+
+def test_awake_phases_count_allocator_slack_and_asleep_vllm_its_cuda_graphs():
+    from fsdp_rlhf.distributed.memory import (
+        ALLOCATOR_SLACK,
+        VLLM_ASLEEP_BYTES,
+        VLLM_CUDA_GRAPH_BYTES,
+    )
+
+    m = ModelShape.from_hf_config(LLAMA_7B)
+    f = dataclasses.replace(LAUNCHER, adam_offload=False, ref_reward_offload=False)
+    phases = {p.name: p for p in plan_phases(f, m, m, [m, m])}
+    wake = phases["vllm start-up/wake"].parts
+    trainer = wake["actor fp32 shard"] + wake["ref/reward shards"]
+    assert wake["allocator slack"] == int(ALLOCATOR_SLACK * trainer)
+    assert phases["actor update"].parts["vllm"] == VLLM_ASLEEP_BYTES + VLLM_CUDA_GRAPH_BYTES
+    eager = dataclasses.replace(f, cuda_graphs=False)
+    parts = {p.name: p for p in plan_phases(eager, m, m, [m, m])}["actor update"].parts
+    assert parts["vllm"] == VLLM_ASLEEP_BYTES
+
+
+def _qwen7b_job(tmp_path, *flags: str):
+    import json
+
+    from fsdp_rlhf.config import PPOConfig
+    from fsdp_rlhf.config_base import build_config
+
+    folder = tmp_path / "qwen2.5-7b"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({**QWEN25_7B, "head_dim": None}))
+    base = ["--pretrain", str(folder), "--reward_pretrain", str(folder), "--bf16"]
+    return build_config(PPOConfig, [*base, *flags])[0]
+
+
+def test_vllm_fraction_is_chosen_or_refused_from_the_plan(tmp_path):
+    from fsdp_rlhf.distributed.memory_plan import resolve_vllm_utilization
+
+    util, line = resolve_vllm_utilization(_qwen7b_job(tmp_path), 8, H100)
+    assert util == 0.88 and "chosen" in line and "of 79.2 GiB" in line, line
+    cfg = _qwen7b_job(tmp_path, "--vllm_gpu_memory_utilization", "0.9")
+    with pytest.raises(UserError) as e:
+        resolve_vllm_utilization(cfg, 8, H100)
+    msg = str(e.value)
+    assert msg.startswith("--vllm_gpu_memory_utilization 0.9 does not fit") and "\n" not in msg
+    assert "vLLM pool 71.3 GiB (0.9 x 79.2)" in msg and "of 79.2 GiB" in msg, msg
+    assert "at most 0.88" in msg and "actor fp32 shard 3.5" in msg, msg
+    # the launchers' offloads leave the whole device but the context to vLLM: 0.9 fits
+    offload = ["--adam_offload", "--ref_reward_offload", "--zero_stage", "3"]
+    cfg = _qwen7b_job(tmp_path, *offload, "--vllm_gpu_memory_utilization", "0.9")
+    assert resolve_vllm_utilization(cfg, 8, H100)[0] == 0.9
+    # a pool too small for the weights of its TP slice and a KV cache
+    cfg = _qwen7b_job(tmp_path, *offload, "--vllm_gpu_memory_utilization", "0.15")
+    with pytest.raises(UserError, match="cannot hold the engine's weights"):
+        resolve_vllm_utilization(cfg, 8, H100)
+
+
+def test_the_job_refuses_the_fraction_before_any_model_loads(tmp_path, monkeypatch):
+    """ppo_setup.cuda_pool runs first in build_engine (the job builds the engine before the
+    models): a device as an H100 reports it, nothing resident yet."""
+    import torch
+
+    from fsdp_rlhf.distributed.env import DistEnv
+    from fsdp_rlhf.trainers.ppo_setup import cuda_pool
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (H100 - GIB // 2, H100))
+    env = DistEnv(0, 8, 0, 8, torch.device("cuda", 0), "nccl")
+    assert cuda_pool(_qwen7b_job(tmp_path), env) == 0.88
+    with pytest.raises(UserError, match="does not fit beside what stays resident"):
+        cuda_pool(_qwen7b_job(tmp_path, "--vllm_gpu_memory_utilization", "0.9"), env)

@@ -326,3 +326,53 @@ def test_cpu_engine_uses_the_compile_cache_that_loads_unless_the_user_chose(monk
     monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
     ve._cpu_compile_cache()
     assert os.environ["VLLM_USE_AOT_COMPILE"] == "1"
+
+
+def test_model_runner_is_named_v1_or_v2_from_the_worker():
+    """The runner vLLM picked (V2 on CUDA with Triton, V1 on CPU), read on the worker."""
+    pytest.importorskip("vllm")
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1
+
+    from fsdp_rlhf.rollout import vllm_engine as ve
+
+    class Worker:
+        def __init__(self, runner):
+            self.model_runner = runner
+
+    class FakeLLM:
+        def __init__(self, runner):
+            self.worker = Worker(runner)
+
+        def collective_rpc(self, fn):
+            return [fn(self.worker)]
+
+    xpu_v2 = type("XPUModelRunnerV2", (V2,), {})  # subclasses count (vLLM's XPU V2 runner)
+    assert ve.model_runner(FakeLLM(xpu_v2.__new__(xpu_v2)))[0] == "v2"
+    v1 = V1.__new__(V1)
+    assert ve.model_runner(FakeLLM(v1)) == ("v1", "vllm.v1.worker.gpu_model_runner.GPUModelRunner")
+
+
+def test_a_weight_reload_drops_the_served_adapter_until_the_next_sync(monkeypatch):
+    """Both runners' reload_weights remove every adapter (reset_lora_state): the engine must not
+    name the old one (the worker would look for it at its placeholder path), nor answer with the
+    base model silently."""
+    pytest.importorskip("vllm")
+    from fsdp_rlhf.rollout import vllm_engine as ve
+    from fsdp_rlhf.rollout.sleep import SleepTracker
+
+    class FakeLLM:
+        def collective_rpc(self, fn, args=(), kwargs=None):
+            return [None]
+
+        def reset_prefix_cache(self):
+            pass
+
+    engine = ve.VLLMEngine.__new__(ve.VLLMEngine)
+    engine.llm, engine._sleep = FakeLLM(), SleepTracker(False, 1)
+    engine._lora_id, engine._adapter_dropped = 3, False  # adapter 3 served
+    monkeypatch.setattr(ve, "_reload_weights_inplace", lambda llm, weights: list(weights))
+    engine.update_weights([("w", torch.zeros(2))])
+    assert engine._lora_request() is None
+    with pytest.raises(RuntimeError, match="update_adapter must follow"):
+        engine.generate([[1, 2]], SamplingConfig(max_new_tokens=2))

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fsdp_rlhf.models.attention import head_dim
+from fsdp_rlhf.hf_config import head_dim
 
 
 def test_qwen2_config_has_no_head_dim_and_it_is_derived(tiny_qwen2):

@@ -62,7 +62,11 @@ def _checks(rank: int, world: int, model_path: str, image_dir: str, tp: int) -> 
     hf_model = copy.deepcopy(base)
     hf_model.config.use_cache = True
     hf = HFEngine(
-        hf_model, pad_token_id=0, eos_token_ids=[3], seed=rank, vision=VisionTokens.from_config(base.config)
+        hf_model,
+        pad_token_id=0,
+        eos_token_ids=[3],
+        seed=rank,
+        vision=VisionTokens.from_config(base.config),
     )
     actor = shard_model(base, build_mesh(env.device, world), FSDPConfig(), bf16=False)
     opt = torch.optim.AdamW(actor.parameters(), lr=3e-2)
@@ -105,14 +109,18 @@ def _checks(rank: int, world: int, model_path: str, image_dir: str, tp: int) -> 
         "prompt_len_expanded": [len(x) for x in ids],
         "sampled_gap_before": _trainer_gap(actor, s0, rows_s0),
         "placeholders_sampled": int(
-            (torch.isin(s0.response_ids, torch.tensor(tokens.placeholders)) & s0.response_mask.bool())
-            .sum()
+            (
+                torch.isin(s0.response_ids, torch.tensor(tokens.placeholders))
+                & s0.response_mask.bool()
+            ).sum()
         ),
     }
     # the same prompt with another image: the pixels reach vLLM
     swapped = [prompt_images[1], prompt_images[0], *prompt_images[2:]]
     other = engine.generate([ids[1], ids[0], *ids[2:]], greedy, swapped)
-    res["image_changes_output"] = other.engine_logprobs[0, 0].item() != v0.engine_logprobs[0, 0].item()
+    res["image_changes_output"] = (
+        other.engine_logprobs[0, 0].item() != v0.engine_logprobs[0, 0].item()
+    )
 
     # one update on the sampled rows (images included), then a full sync
     from fsdp_rlhf.models.forward import response_logprobs
@@ -140,12 +148,16 @@ def _checks(rank: int, world: int, model_path: str, image_dir: str, tp: int) -> 
     # the engine's tower is still the loaded one: trainer with the loaded tower must agree
     with torch.no_grad():
         loaded = load_causal_lm(model_path, BackendConfig(), env.device).model.visual
-        for (n, p), (_, q) in zip(actor.model.visual.named_parameters(), loaded.named_parameters(), strict=True):
+        for (_, p), (_, q) in zip(
+            actor.model.visual.named_parameters(), loaded.named_parameters(), strict=True
+        ):
             from torch.distributed.tensor import distribute_tensor
 
             p.copy_(distribute_tensor(q.data, p.device_mesh, p.placements))
     s2 = engine.generate(ids, sampled, prompt_images)
-    res["sampled_gap_after_frozen_sync"] = _trainer_gap(actor, s2, StepImages.rows(prompt_images, 4))
+    res["sampled_gap_after_frozen_sync"] = _trainer_gap(
+        actor, s2, StepImages.rows(prompt_images, 4)
+    )
 
     # rank 1 runs a text-only micro-batch while rank 0 runs one with images (FSDP in step)
     text_ids = torch.tensor([[2, 9, 10, 11, 12]])
@@ -178,7 +190,11 @@ def _assert(results: list[dict]) -> None:
         assert r["greedy_vs_hf"] and r["greedy_gap_hf"] < LOGPROB_TOL, (rank, r)
         assert r["image_changes_output"], (rank, r)
         assert r["placeholders_sampled"] == 0, (rank, r)
-        for key in ("sampled_gap_before", "sampled_gap_after_sync", "sampled_gap_after_frozen_sync"):
+        for key in (
+            "sampled_gap_before",
+            "sampled_gap_after_sync",
+            "sampled_gap_after_frozen_sync",
+        ):
             assert r[key] < LOGPROB_TOL, (rank, key, r)
         assert r["sync_bytes"] == 4 * r["n_params"], (rank, r)
         assert r["frozen_sync_bytes"] == 4 * (r["n_params"] - r["tower_params"]), (rank, r)

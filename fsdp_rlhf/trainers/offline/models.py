@@ -14,10 +14,11 @@ from torch import nn
 from fsdp_rlhf.config import PairBatchConfig, RMConfig
 from fsdp_rlhf.distributed.env import DistEnv
 from fsdp_rlhf.models.attention import VARLEN_ATTENTION
-from fsdp_rlhf.models.load import load_causal_lm, load_scalar_model
+from fsdp_rlhf.models.load import is_vision_language, load_causal_lm, load_scalar_model
 from fsdp_rlhf.models.lora import add_lora
+from fsdp_rlhf.models.ulysses import base_attention
 from fsdp_rlhf.models.vision import is_vision_config, prepare_policy
-from fsdp_rlhf.trainers.common import log_startup, prepare_model
+from fsdp_rlhf.trainers.common import load_and_prepare, log_startup
 
 log = logging.getLogger("fsdp_rlhf")
 
@@ -27,18 +28,32 @@ PairLayout = Literal["padded", "packed", "shared"]
 def build_reward_model(cfg: RMConfig, env: DistEnv, pad_token_id: int) -> nn.Module:
     """Load the SFT model with a scalar head and shard it over all ranks."""
     log_startup(env, cfg.fsdp.zero_stage, cfg.backend.bf16)
-    # Same seed on every rank: a freshly initialised head must be identical everywhere,
-    # because each rank keeps its own shard of its own copy.
+    # A freshly initialised head is rank 0's (the others receive its values); the seed makes
+    # it the same from run to run.
     torch.manual_seed(cfg.seed)
-    model = load_scalar_model(
-        cfg.model.pretrain, cfg.backend, env.device, value_head_prefix=cfg.model.value_head_prefix
-    )
-    # HF (and vLLM) score the last token that is not pad_token_id: use the tokenizer's pad.
-    model.config.pad_token_id = pad_token_id
-    if cfg.lora.enabled:  # adapters on the decoder; the head is trained in full
-        add_lora(model, cfg.lora, head="score")
-    prepare_model(
-        model, env, cfg.fsdp, cfg.backend, packed=cfg.batch.packing_samples, trainable=True
+
+    def load(weights: bool) -> nn.Module:
+        model = load_scalar_model(
+            cfg.model.pretrain,
+            cfg.backend,
+            env.device,
+            value_head_prefix=cfg.model.value_head_prefix,
+            weights=weights,
+        )
+        # HF (and vLLM) score the last token that is not pad_token_id: use the tokenizer's pad.
+        model.config.pad_token_id = pad_token_id
+        if cfg.lora.enabled:  # adapters on the decoder; the head is trained in full
+            add_lora(model, cfg.lora, head="score", quiet=not weights)
+        return model
+
+    model = load_and_prepare(
+        load,
+        env,
+        cfg.fsdp,
+        cfg.backend,
+        what="--pretrain",
+        packed=cfg.batch.packing_samples,
+        trainable=True,
     )
     # Different dropout masks per rank from here on.
     torch.manual_seed(cfg.seed + env.rank)
@@ -59,20 +74,28 @@ def build_policy(cfg: Any, env: DistEnv, *, grad_reduce: str = "mean") -> nn.Mod
     ``grad_reduce``: ``"sum"`` when the loss is normalised by a global token count (SFT).
     """
     log_startup(env, cfg.fsdp.zero_stage, cfg.backend.bf16)
-    torch.manual_seed(cfg.seed)  # identical adapter init on every rank
-    model = load_causal_lm(cfg.model.pretrain, cfg.backend, env.device)
+    torch.manual_seed(cfg.seed)  # the adapters' init (rank 0's reaches every rank)
     vision = getattr(cfg, "vision", None)
-    prepare_policy(model, freeze_tower=vision is not None and vision.freeze_visual_encoder)
-    if cfg.batch.packing_samples and not packs(cfg, model):
+    freeze = vision is not None and vision.freeze_visual_encoder
+    packed = cfg.batch.packing_samples
+    if packed and is_vision_language(cfg.model.pretrain, cfg.backend.trust_remote_code):
         log.info("--packing_samples: off for a vision-language model (its rows go padded)")
-    if cfg.lora.enabled:
-        add_lora(model, cfg.lora)
-    prepare_model(
-        model,
+        packed = False
+
+    def load(weights: bool) -> nn.Module:
+        model = load_causal_lm(cfg.model.pretrain, cfg.backend, env.device, weights=weights)
+        prepare_policy(model, freeze_tower=freeze)  # a VLM: placeholders suppressed
+        if cfg.lora.enabled:
+            add_lora(model, cfg.lora, quiet=not weights)
+        return model
+
+    model = load_and_prepare(
+        load,
         env,
         cfg.fsdp,
         cfg.backend,
-        packed=packs(cfg, model),
+        what="--pretrain",
+        packed=packed,
         trainable=True,
         grad_reduce=grad_reduce,
     )
@@ -99,9 +122,22 @@ def build_reference(cfg: Any, env: DistEnv) -> nn.Module | None:
     # a frozen model never runs backward: recomputation would only cost time
     backend = dataclasses.replace(cfg.backend, gradient_checkpointing=False)
     dtype = torch.bfloat16 if backend.bf16 else torch.float32
-    model = load_causal_lm(path, backend, env.device, dtype=dtype)
-    prepare_policy(model)
-    return prepare_model(model, env, cfg.fsdp, backend, packed=packs(cfg, model), trainable=False)
+
+    def load(weights: bool) -> nn.Module:
+        model = load_causal_lm(path, backend, env.device, dtype=dtype, weights=weights)
+        prepare_policy(model)  # a VLM: placeholders suppressed, as in the policy
+        return model
+
+    vlm = is_vision_language(path, backend.trust_remote_code)
+    return load_and_prepare(
+        load,
+        env,
+        cfg.fsdp,
+        backend,
+        what="the reference model",
+        packed=cfg.batch.packing_samples and not vlm,
+        trainable=False,
+    )
 
 
 def pair_layout(model: nn.Module, batch: PairBatchConfig) -> PairLayout:
@@ -110,7 +146,7 @@ def pair_layout(model: nn.Module, batch: PairBatchConfig) -> PairLayout:
     ``--packing_samples``; flash-attn's kernels take no shared prefix)."""
     if not batch.packing_samples or is_vision_config(model.config):
         return "padded"
-    impl = model.config._attn_implementation
+    impl = base_attention(model)  # inside Ulysses when the model is sequence-parallel
     if batch.share_prompt_prefix and impl == VARLEN_ATTENTION:
         log.info("shared prompt prefix: each pair's common prefix runs once")
         return "shared"

@@ -32,8 +32,10 @@ from fsdp_rlhf.data.preference import PreferenceLoader, collate_pairs, eval_batc
 from fsdp_rlhf.data.schedule import DataPosition, StepSchedule
 from fsdp_rlhf.distributed import checkpoint as ckpt
 from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars
+from fsdp_rlhf.distributed.sequence_parallel import layout as sequence_parallel_layout
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.metrics import Progress
+from fsdp_rlhf.models.load import check_sequence_parallel
 from fsdp_rlhf.models.lora import check_target_modules
 from fsdp_rlhf.models.save import save_model
 from fsdp_rlhf.optim import build_optimizer, build_scheduler
@@ -111,13 +113,24 @@ def resume_state(cfg: Any, num_train: int, steps_per_epoch: int, step: int) -> d
     }
 
 
+def model_paths(cfg: Any) -> dict[str, str]:
+    """Flag -> model folder of every model a one-model command loads (dpo: and its reference)."""
+    paths = {"--pretrain": cfg.model.pretrain}
+    ref = getattr(cfg.model, "ref_pretrain", None)
+    if ref:
+        paths["--ref_pretrain"] = ref
+    return paths
+
+
 def prepare_command(
     cfg: Any, world_size: int, prepare_data: Callable[[Any, Any], TrainData]
 ) -> tuple[Any, TrainData]:
     """``prepare`` of train-rm, sft and dpo (before the process group, no communication):
-    batch plan, ``prepare_data(cfg, plan)`` (checks --pretrain first), LoRA targets."""
+    batch plan, the models' heads against --sequence_parallel_size, ``prepare_data(cfg,
+    plan)`` (checks --pretrain first), LoRA targets."""
     quiet_progress_bars()
-    plan = plan_offline_batches(cfg.batch, world_size)
+    plan = plan_offline_batches(cfg.batch, world_size, cfg.fsdp.sequence_parallel_size)
+    check_sequence_parallel(cfg.fsdp.sequence_parallel_size, world_size, model_paths(cfg))
     data = prepare_data(cfg, plan)
     if cfg.lora.enabled:
         check_target_modules(cfg.model.pretrain, cfg.lora, cfg.backend.trust_remote_code)
@@ -181,8 +194,10 @@ class OfflineTrainer:
         self.step = int(saved["step"]) if saved else 0
         if saved:
             self.guard.load_state_dict(saved.get("guard", {}))
+        # the ranks of a sequence-parallel group run the same rows: one data shard per group
+        self.sp = sequence_parallel_layout()
         schedule = StepSchedule(
-            len(data.train), cfg.batch.train_batch_size, env.world_size, env.rank, cfg.seed
+            len(data.train), cfg.batch.train_batch_size, self.sp.dp_size, self.sp.dp_rank, cfg.seed
         )
         self.pad_id = data.tokenizer.pad_token_id
         self.loader = PreferenceLoader(
@@ -253,13 +268,13 @@ class OfflineTrainer:
         return True
 
     def eval_batches(self) -> list:
-        """This rank's eval micro-batches (the same count on every rank)."""
-        env = self.env
+        """This rank's eval micro-batches (the same count on every rank; the same batches on
+        the ranks of a sequence-parallel group)."""
         return list(
             eval_batches(
                 self.data.eval,
-                env.world_size,
-                env.rank,
+                self.sp.dp_size,
+                self.sp.dp_rank,
                 self.plan.micro_batch_size_per_rank,
                 self.pad_id,
                 self.collate,

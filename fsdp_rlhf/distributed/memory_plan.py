@@ -1,0 +1,200 @@
+"""The memory model (``distributed.memory``) applied to one PPO job: its flags and its model
+folders (config.json and safetensors headers; no weights are read), and the vLLM pool fraction
+the job may use beside what the trainer keeps resident.
+
+Used by ``doctor`` (every phase, before a job) and by the job itself, which chooses or checks
+``--vllm_gpu_memory_utilization`` with it before any model or engine loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+from fsdp_rlhf.algorithms.names import CRITIC_ESTIMATORS
+from fsdp_rlhf.config import PPOConfig
+from fsdp_rlhf.distributed.memory import (
+    GIB,
+    VLLM_MIN_KV_BYTES,
+    JobFlags,
+    ModelShape,
+    Phase,
+    engine_weight_bytes,
+    plan_phases,
+    pool_fraction_limit,
+)
+from fsdp_rlhf.errors import UserError
+
+# --vllm_gpu_memory_utilization left unset: the largest fraction the plan fits, at most this
+# (vLLM's own default is 0.92 of a device it has to itself).
+AUTO_UTILIZATION_CAP = 0.9
+UTIL_FLAG = "--vllm_gpu_memory_utilization"
+
+
+def count_params(path: str) -> tuple[int, bool]:
+    """(parameters, has an ``lm_head.weight``) of a local safetensors checkpoint, from its
+    headers only. A checkpoint without ``lm_head.weight`` ties it to the embeddings (or has a
+    scalar head): one ``V x h`` matrix."""
+    from safetensors import safe_open
+
+    total, lm_head = 0, False
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():  # noqa: SIM118
+                total += math.prod(st.get_slice(key).get_shape())
+                lm_head |= key.endswith("lm_head.weight")
+    return total, lm_head
+
+
+def model_shape(path: str) -> ModelShape:
+    """Shape from config.json, parameter count (and whether the LM head is its own matrix)
+    from the safetensors headers when there are any."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    params, lm_head = count_params(path)
+    if not params:
+        return ModelShape.from_hf_config(config)
+    return ModelShape.from_hf_config(config, params, embeddings=2 if lm_head else 1)
+
+
+def job_flags(cfg: PPOConfig, world: int, device_bytes: int) -> JobFlags:
+    """The memory-relevant flags of a PPO config, for ``distributed.memory`` (an unset
+    ``--vllm_gpu_memory_utilization`` is planned at ``AUTO_UTILIZATION_CAP``; see
+    :func:`resolve_vllm_utilization` for the value the job uses)."""
+    util = cfg.rollout.vllm_gpu_memory_utilization
+    return JobFlags(
+        world=world,
+        device_bytes=device_bytes,
+        zero_stage=cfg.fsdp.zero_stage,
+        bf16=cfg.backend.bf16,
+        adam_offload=cfg.fsdp.adam_offload,
+        ref_reward_offload=cfg.placement.ref_reward_offload,
+        gpu_memory_utilization=AUTO_UTILIZATION_CAP if util is None else util,
+        vllm_sleep=cfg.rollout.vllm_enable_sleep,
+        micro_train_batch_size=cfg.batch.micro_train_batch_size,
+        micro_rollout_batch_size=cfg.rollout.micro_rollout_batch_size,
+        seq_len=cfg.total_len,
+        response_len=cfg.rollout.generate_max_len,
+        gradient_checkpointing=cfg.backend.gradient_checkpointing,
+        critic=cfg.algo.advantage_estimator in CRITIC_ESTIMATORS,
+        reward=bool(cfg.models.reward_pretrain),
+        lora=cfg.lora.enabled,
+        engine=cfg.rollout.rollout_engine,
+        rollout_seqs=max(1, cfg.batch.rollout_batch_size * cfg.batch.n_samples_per_prompt // world),
+        ema=cfg.algo.enable_ema,
+        cuda_graphs=not cfg.rollout.enforce_eager,
+        vllm_tp=cfg.rollout.vllm_tensor_parallel_size,
+        sequence_parallel=cfg.fsdp.sequence_parallel_size,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class JobModels:
+    """The job's model shapes as ``plan_phases`` takes them."""
+
+    actor: ModelShape
+    critic: ModelShape | None
+    frozen: list[ModelShape]
+
+
+def job_models(cfg: PPOConfig, flags: JobFlags) -> JobModels:
+    actor = model_shape(cfg.models.pretrain)
+    critic_src = cfg.models.critic_pretrain or cfg.models.reward_pretrain
+    critic = model_shape(critic_src) if flags.critic and critic_src else None
+    reward = [model_shape(cfg.models.reward_pretrain)] if flags.reward else []
+    frozen = reward if flags.lora else [actor, *reward]  # LoRA: no reference model
+    return JobModels(actor, critic, frozen)
+
+
+def plan_job(cfg: PPOConfig, world: int, device_bytes: int, cuda: bool) -> list[Phase]:
+    """Every phase of a step on one device of this job (reads the model folders' headers).
+    An unset ``--vllm_gpu_memory_utilization`` is planned at the value the job would choose."""
+    return plan_job_at(cfg, world, device_bytes, cuda, cfg.fsdp.sequence_parallel_size)
+
+
+def plan_job_at(
+    cfg: PPOConfig, world: int, device_bytes: int, cuda: bool, sequence_parallel: int
+) -> list[Phase]:
+    """:func:`plan_job` with ``--sequence_parallel_size`` set to ``sequence_parallel``."""
+    flags = dataclasses.replace(
+        job_flags(cfg, world, device_bytes), sequence_parallel=sequence_parallel
+    )
+    models = job_models(cfg, flags)
+    if not cuda and cfg.rollout.rollout_engine == "vllm":
+        # vLLM-CPU: the weights of its TP slice + --vllm_kvcache_space_gib (floor 1)
+        kv = cfg.rollout.vllm_kvcache_space_gib or 1.0
+        pool = engine_weight_bytes(flags, models.actor) + int(kv * GIB)
+        flags = dataclasses.replace(flags, vllm_pool_bytes=pool)
+    elif cfg.rollout.vllm_gpu_memory_utilization is None and flags.engine == "vllm":
+        util = _auto_fraction(pool_fraction_limit(flags, *_args(models)))
+        flags = dataclasses.replace(flags, gpu_memory_utilization=max(util, 0.01))
+    return plan_phases(flags, *_args(models))
+
+
+def _args(models: JobModels) -> tuple:
+    return models.actor, models.critic, models.frozen
+
+
+def _auto_fraction(limit: float) -> float:
+    """The fraction an unset flag gets: ``limit`` rounded down to 0.01, at most the cap."""
+    return min(AUTO_UTILIZATION_CAP, math.floor(limit * 100) / 100)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f}"
+
+
+def _worst_pool_phase(flags: JobFlags, models: JobModels) -> Phase:
+    """The phase holding vLLM's pool that overshoots its limit most (the wake, usually)."""
+    phases = [p for p in plan_phases(flags, *_args(models)) if p.parts.get("vllm pool")]
+    phases = phases or plan_phases(flags, *_args(models))
+    return max(phases, key=lambda p: p.total - p.limit)
+
+
+def resolve_vllm_utilization(cfg: PPOConfig, world: int, device_bytes: int) -> tuple[float, str]:
+    """The ``gpu_memory_utilization`` a CUDA job hands vLLM, and a log line with the numbers.
+
+    vLLM's pool is ``utilization x`` the whole device, re-created at that size on every wake
+    beside everything the trainer keeps resident then, so the fraction must leave room for it.
+    Unset: the largest fraction with which the plan's wake and rollout fit, at most
+    ``AUTO_UTILIZATION_CAP``. Set: checked against the same plan. Raises a one-line UserError
+    naming the flag and the numbers when the fraction does not fit, or when the pool that fits
+    cannot hold the engine's weights and some KV cache. Runs before any model loads.
+    """
+    flags = job_flags(cfg, world, device_bytes)
+    models = job_models(cfg, flags)
+    limit = pool_fraction_limit(flags, *_args(models))
+    requested = cfg.rollout.vllm_gpu_memory_utilization
+    util = _auto_fraction(limit) if requested is None else requested
+    if not 0 < util <= 1:
+        raise UserError(f"{UTIL_FLAG} {util:g}: must be in (0, 1]")
+    at = dataclasses.replace(flags, gpu_memory_utilization=util)
+    phase = _worst_pool_phase(at, models)
+    pool = phase.parts.get("vllm pool", 0)
+    resident = {k: v for k, v in phase.parts.items() if k != "vllm pool"}
+    top = ", ".join(f"{k} {_gib(v)}" for k, v in sorted(resident.items(), key=lambda kv: -kv[1]))
+    numbers = (
+        f"{phase.name}: vLLM pool {_gib(pool)} GiB ({util:g} x {_gib(device_bytes)}) + "
+        f"{_gib(sum(resident.values()))} GiB resident ({top}) = {_gib(phase.total)} of "
+        f"{_gib(phase.limit)} GiB"
+    )
+    offload = "--adam_offload / --ref_reward_offload"
+    if requested is not None and util > limit + 1e-9:
+        most = f"at most {math.floor(limit * 100) / 100:.2f}" if limit > 0 else "none fits"
+        raise UserError(
+            f"{UTIL_FLAG} {util:g} does not fit beside what stays resident while vLLM is "
+            f"awake (its pool comes back at full size on every wake): "
+            f"{numbers}; use {most}, or {offload}, or leave it unset to choose"
+        )
+    need = engine_weight_bytes(flags, models.actor) + VLLM_MIN_KV_BYTES
+    if pool < need:
+        why = "the largest pool that fits" if requested is None else "its pool"
+        raise UserError(
+            f"{UTIL_FLAG} {util:g}: {why} ({_gib(pool)} GiB) cannot hold the engine's weights "
+            f"and a KV cache ({_gib(need)} GiB: {_gib(need - VLLM_MIN_KV_BYTES)} GiB of weights "
+            f"per TP slice + {_gib(VLLM_MIN_KV_BYTES)}); {numbers}. Use {offload}, or a larger "
+            "--vllm_tensor_parallel_size"
+        )
+    how = "chosen" if requested is None else "requested"
+    return util, f"vLLM pool fraction {util:g} ({how}; fits up to {limit:.2f}): {numbers}"

@@ -1,0 +1,216 @@
+"""Sequence parallelism (Ulysses): the ranks that share one micro-batch, and their collectives.
+
+With ``--sequence_parallel_size N`` the world of W ranks is split into W / N sequence-parallel
+groups of N consecutive ranks. The ranks of one group hold the same rows (the same micro-batch)
+and each runs its 1/N slice of every sequence through the model; around each attention call an
+all-to-all turns sequence shards into head shards and back (``models.ulysses``). So:
+
+- the data-parallel degree is ``dp = W / N``: batch sizes, data shards, token counts and loss
+  normalisation count one rank per group (``data_group``: the ranks with the same position in
+  their group, one per group), never the N copies;
+- FSDP2 still shards every model over all W ranks; the gradients each rank computes from its
+  slice are summed over the world, so one group's sum is the gradient of its micro-batch;
+- outputs (log-probs, values) are gathered along the sequence once per forward
+  (:func:`gather_sequence`), and every rank of a group computes the same loss from them.
+
+The layout is process-wide (like the default process group): :func:`init_sequence_parallel`
+sets it once after the process group exists, :func:`layout` reads it anywhere. Without it the
+layout is the trivial one (N = 1: every rank of the world its own data shard).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class SequenceParallel:
+    """This rank's place in the (dp, sp) layout.
+
+    Attributes:
+        size: N, ranks per sequence-parallel group (1: off).
+        rank: this rank's position in its group (which 1/N slice of each sequence it holds).
+        dp_size: W / N data-parallel groups; dp_rank: this rank's group.
+        group: the N ranks of this rank's group (None when N == 1): the all-to-alls and the
+            output gathers run on it.
+        data_group: the ranks holding the same slice position in every group, one rank per
+            data shard (None when N == 1: the whole world is the data group). Statistics over
+            the global batch (token counts, advantage whitening, summed metrics) reduce on it.
+        cpu_group: a gloo group over ``group`` for small host-side exchanges (rollouts);
+            ``group`` itself on CPU.
+    """
+
+    size: int = 1
+    rank: int = 0
+    dp_size: int = 1
+    dp_rank: int = 0
+    group: ProcessGroup | None = None
+    data_group: ProcessGroup | None = None
+    cpu_group: ProcessGroup | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+    def share(self, items: Sequence[T]) -> list[T]:
+        """This rank's contiguous part of ``items`` (sizes differ by at most one): what it
+        generates of its group's prompts. With N = 1, all of them."""
+        if not self.enabled:
+            return list(items)
+        start, stop = share_range(len(items), self.size, self.rank)
+        return list(items[start:stop])
+
+
+_LAYOUT: SequenceParallel | None = None  # None: the trivial layout of the current world
+
+
+def share_range(n: int, parts: int, index: int) -> tuple[int, int]:
+    """``[start, stop)`` of part ``index`` when ``n`` items are cut into ``parts`` contiguous
+    parts, the first ``n % parts`` one item larger.
+
+    >>> [share_range(5, 2, i) for i in range(2)]
+    [(0, 3), (3, 5)]
+    """
+    base, extra = divmod(n, parts)
+    start = index * base + min(index, extra)
+    return start, start + base + (1 if index < extra else 0)
+
+
+def layout() -> SequenceParallel:
+    """The process-wide layout; until :func:`init_sequence_parallel` (or with N = 1) the
+    trivial one: every rank of the world a data rank of its own."""
+    if _LAYOUT is not None:
+        return _LAYOUT
+    if dist.is_initialized():
+        world, rank = dist.get_world_size(), dist.get_rank()
+        return SequenceParallel(dp_size=world, dp_rank=rank)
+    return SequenceParallel()
+
+
+def data_group() -> ProcessGroup | None:
+    """The group that statistics over the global batch reduce on (None: the world)."""
+    return _LAYOUT.data_group if _LAYOUT is not None else None
+
+
+def init_sequence_parallel(size: int) -> SequenceParallel:
+    """Build the groups of ``--sequence_parallel_size size`` (collective: every rank, once, after
+    the default process group exists) and make them the process-wide layout.
+
+    Groups are blocks of ``size`` consecutive ranks, like vLLM's tensor-parallel blocks: with
+    ``--vllm_tensor_parallel_size`` equal to N an engine serves exactly one group.
+    """
+    global _LAYOUT
+    if size == 1 or not dist.is_initialized():
+        if size != 1:
+            raise RuntimeError("sequence parallelism needs an initialised process group")
+        _LAYOUT = None
+        return layout()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % size:
+        raise ValueError(f"sequence_parallel_size {size} does not divide the world size {world}")
+    on_cpu = dist.get_backend() == "gloo"
+    group = data = cpu = None
+    # new_group is collective over the world: every rank creates every group in one order
+    for start in range(0, world, size):
+        ranks = list(range(start, start + size))
+        g = dist.new_group(ranks)
+        c = g if on_cpu else dist.new_group(ranks, backend="gloo")
+        if rank in ranks:
+            group, cpu = g, c
+    for offset in range(size):
+        g = dist.new_group(list(range(offset, world, size)))
+        if rank % size == offset:
+            data = g
+    _LAYOUT = SequenceParallel(
+        size=size,
+        rank=rank % size,
+        dp_size=world // size,
+        dp_rank=rank // size,
+        group=group,
+        data_group=data,
+        cpu_group=cpu,
+    )
+    return _LAYOUT
+
+
+def reset_sequence_parallel() -> None:
+    """Back to the trivial layout (tests that build several layouts in one process)."""
+    global _LAYOUT
+    _LAYOUT = None
+
+
+# ---------------------------------------------------------------- autograd collectives
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with equal splits along dim 0 (gloo implements only this form).
+    With equal splits the exchange is its own adjoint: the gradient goes back the same way."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _exchange(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _exchange(grad, ctx.group), None
+
+
+def _exchange(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+@torch.compiler.disable
+def all_to_all(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Chunk i of ``x``'s dim 0 (N equal chunks) goes to rank i of ``group``; the result's
+    chunk j came from rank j. Differentiable. Kept out of compiled graphs: collectives inside
+    dynamo-traced FSDP code deadlocked elsewhere (prime-rl #3195)."""
+    return _AllToAll.apply(x, group)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along ``dim``; the backward keeps this rank's slice of the gradient.
+
+    Every rank of the group computes the same loss from the gathered tensor, so each rank's
+    gradient with respect to the whole is the same, and its own slice of it is exactly the
+    gradient of its local part: no reduction (a sum over the N ranks would scale the
+    gradients by N)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+        n, rank = dist.get_world_size(group), dist.get_rank(group)
+        ctx.dim, ctx.rank, ctx.local = dim, rank, x.shape[dim]
+        parts = [torch.empty_like(x) for _ in range(n)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.narrow(ctx.dim, ctx.rank * ctx.local, ctx.local).contiguous(), None, None
+
+
+@torch.compiler.disable
+def gather_sequence(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    """The N equal slices of ``group``'s ranks concatenated along ``dim`` (rank order).
+    Differentiable, for a loss that every rank of the group computes alike."""
+    return _GatherSequence.apply(x, dim, group)
+
+
+def gather_objects(obj: T, sp: SequenceParallel) -> list[T]:
+    """Every rank's ``obj`` in the group, in rank order (host-side, picklable objects)."""
+    if not sp.enabled:
+        return [obj]
+    out: list = [None] * sp.size
+    dist.all_gather_object(out, obj, group=sp.cpu_group)
+    return out

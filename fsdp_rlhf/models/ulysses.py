@@ -1,0 +1,316 @@
+"""Ulysses sequence parallelism for any HF decoder: an attention function, and forwards on slices.
+
+With ``--sequence_parallel_size N`` the N ranks of a group (``distributed.sequence_parallel``)
+run the same rows, each on its 1/N slice of every row: inputs are padded to a multiple of N and
+sliced, position ids are each slice's global ones (rotary embeddings see the right positions),
+and every layer outside attention is per token, so it runs on the slice unchanged. Attention
+needs the whole sequence: :func:`ulysses_attention`, registered with HF's ``AttentionInterface``
+as ``fsdp_rlhf_ulysses``, exchanges q/k/v so that each rank holds all positions of H/N heads
+(an all-to-all), runs the model's own kernel on the whole row (padded, packed varlen with the
+whole row's ``cu_seqlens``, the shared-prompt layout, or flash-attn), and exchanges the output
+back. KV heads fewer than N are repeated first, so each rank gets the KV head its query heads
+share. Activations, logits and the attention's q/k/v per rank shrink N-fold; the weights are
+FSDP2's shards as before.
+
+Outputs are read on the slices and combined once per forward: log-probs and entropies of the
+positions each rank holds (chunked, ``algorithms.gathered_logprobs``) are summed over the group
+(each entry lives on one rank), values are all-gathered along the sequence. Both backward
+passes hand each rank the gradient of its own entries (every rank computes the same loss), so
+the gradients summed by FSDP equal the unsplit forward's.
+
+Shapes: B rows of L tokens; N ranks; ``Lr = ceil(L / N)`` tokens per rank; H query and KV
+key/value heads of D; V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from fsdp_rlhf.algorithms import gathered_logprobs
+from fsdp_rlhf.distributed.sequence_parallel import SequenceParallel, all_to_all
+from fsdp_rlhf.models.attention import (
+    FLASH_ATTENTION,
+    _explicit_wanted,
+    _masked_attention,
+    _repeat_kv,
+    padded_sdpa,
+    register_attention,
+    varlen_sdpa,
+)
+
+ULYSSES_ATTENTION = "fsdp_rlhf_ulysses"
+_SP_ATTR = "_fsdp_rlhf_sequence_parallel"
+_INNER_ATTR = "_fsdp_rlhf_inner_attention"
+
+
+def head_problem(num_heads: int, kv_heads: int, n: int) -> str | None:
+    """Why ``n``-way Ulysses cannot split these heads, or None. Query heads must divide by n;
+    KV heads must divide by n or divide n (then they are repeated up to n)."""
+    if num_heads % n:
+        return f"{num_heads} attention heads do not divide by sequence_parallel_size {n}"
+    if kv_heads % n and n % kv_heads:
+        return f"{kv_heads} key/value heads neither divide by nor divide sequence_parallel_size {n}"
+    return None
+
+
+@dataclass(frozen=True)
+class UlyssesContext:
+    """What the attention of one sharded forward needs besides q/k/v (passed to the model as
+    the ``sequence_parallel`` keyword, which HF hands to every attention call).
+
+    ``seq_len`` L: tokens of each whole row (before padding to N * Lr). ``inner``: the
+    attention the model runs without sequence parallelism. ``padding_mask`` (B, L) bool: for
+    padded rows with padding, True on attended tokens; None for packed rows, shared-prompt rows
+    (their 4D mask is the attention mask) and rows without padding.
+    """
+
+    group: ProcessGroup
+    size: int
+    seq_len: int
+    inner: str
+    padding_mask: torch.Tensor | None = None
+
+
+# ---------------------------------------------------------------- the attention function
+
+
+def _seq_to_heads(x: torch.Tensor, n: int, group: ProcessGroup) -> torch.Tensor:
+    """(B, H, Lr, D) sequence slice of all heads -> (B, H/n, n*Lr, D) all positions of this
+    rank's heads."""
+    B, H, Lr, D = x.shape
+    x = x.view(B, n, H // n, Lr, D).transpose(0, 1)  # chunk j: the heads rank j gets
+    y = all_to_all(x, group)  # chunk j: rank j's positions of my heads
+    return y.permute(1, 2, 0, 3, 4).reshape(B, H // n, n * Lr, D)
+
+
+def _heads_to_seq(x: torch.Tensor, n: int, group: ProcessGroup) -> torch.Tensor:
+    """(B, n*Lr, H/n, D) all positions of this rank's heads -> (B, Lr, H, D) this rank's
+    positions of all heads."""
+    B, L, Hn, D = x.shape
+    x = x.view(B, n, L // n, Hn, D).transpose(0, 1)  # chunk j: the positions rank j holds
+    y = all_to_all(x, group)  # chunk j: head group j of my positions
+    return y.permute(1, 2, 0, 3, 4).reshape(B, L // n, n * Hn, D)
+
+
+@torch.compiler.disable
+def ulysses_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sequence_parallel: UlyssesContext | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """HF attention interface: q (B, H, Lr, D), k/v (B, KV, Lr, D) of this rank's slice ->
+    (B, Lr, H, D), attending over the whole row through the model's own kernel."""
+    sp = sequence_parallel
+    if sp is None:
+        raise ValueError(
+            f"{ULYSSES_ATTENTION} needs the sequence_parallel keyword (models.ulysses.shard_inputs)"
+        )
+    n, L = sp.size, sp.seq_len
+    if key.shape[1] < n:  # GQA with fewer KV heads than ranks: one (repeated) KV head per rank
+        rep = n // key.shape[1]
+        key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    q, k, v = (_seq_to_heads(x, n, sp.group)[:, :, :L] for x in (query, key, value))
+    kwargs.pop("position_ids", None)  # this slice's: the kernels below see whole rows
+    out = _inner_attention(module, q, k, v, attention_mask, dropout, scaling, sp, kwargs)
+    out = F.pad(out, (0, 0, 0, 0, 0, query.shape[2] * n - L))  # (B, n*Lr, H/n, D)
+    return _heads_to_seq(out, n, sp.group), None
+
+
+def _inner_attention(module, q, k, v, attention_mask, dropout, scaling, sp, kwargs):
+    """The model's own kernel over whole rows: q (B, H/n, L, D) -> (B, L, H/n, D)."""
+    if sp.inner == FLASH_ATTENTION:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        flash = ALL_ATTENTION_FUNCTIONS[FLASH_ATTENTION]
+        mask = attention_mask if sp.padding_mask is None else sp.padding_mask.int()
+        return flash(module, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)[0]
+    if kwargs.get("cu_seq_lens_q") is not None:  # packed rows
+        return varlen_sdpa(module, q, k, v, None, dropout, scaling, **kwargs)[0]
+    if kwargs.get("grouped_response_mask") is not None:  # shared-prompt rows
+        return padded_sdpa(module, q, k, v, attention_mask, dropout, scaling, **kwargs)[0]
+    return _padded_attention(q, k, v, sp.padding_mask, dropout, scaling)
+
+
+def _padded_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    padding_mask: torch.Tensor | None,
+    dropout: float,
+    scaling: float | None,
+) -> torch.Tensor:
+    """Causal attention of padded rows, padding keys masked: q (B, H, L, D), k/v (B, KV, L, D),
+    ``padding_mask`` (B, L) bool or None -> (B, L, H, D). A padding query attends to itself
+    (never to nothing: a row of no keys is NaN in SDPA); real tokens are as in the unsplit
+    forward."""
+    L = q.shape[-2]
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    explicit = _explicit_wanted(q, dropout, L)
+    if padding_mask is None and not explicit:  # as HF's SDPA: GQA inside the kernel, no copies
+        gqa = k.shape[1] != q.shape[1]
+        out = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout, is_causal=True, scale=scale, enable_gqa=gqa
+        )
+        return out.transpose(1, 2).contiguous()
+    k, v = _repeat_kv(q, k, v)
+    allowed = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+    if padding_mask is not None:
+        eye = torch.eye(L, dtype=torch.bool, device=q.device)
+        allowed = (allowed & padding_mask[:, None, None, :]) | eye  # (B, 1, L, L)
+    else:
+        allowed = allowed.expand(q.shape[0], 1, L, L)
+    out = _masked_attention(q, k, v, allowed, scale, dropout, explicit)
+    return out.transpose(1, 2).contiguous()
+
+
+# ---------------------------------------------------------------- models and inputs
+
+
+def use_ulysses_attention(model: nn.Module, sp: SequenceParallel) -> None:
+    """Route ``model``'s attention through :func:`ulysses_attention` around the kernel it uses
+    now (call after the packed/padded choice); its forwards must then go through
+    :func:`shard_inputs` (``models.forward`` and ``models.label_logprobs`` do)."""
+    register_attention()
+    register_ulysses()
+    setattr(model, _INNER_ATTR, model.config._attn_implementation)
+    setattr(model, _SP_ATTR, sp)
+    model.set_attn_implementation(ULYSSES_ATTENTION)
+
+
+def register_ulysses() -> None:
+    """Make :func:`ulysses_attention` known to HF (idempotent). No mask function is registered:
+    HF then passes no mask (or a prepared 4D one unchanged), and the inner kernel gets the
+    whole row's padding from :class:`UlyssesContext`."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ULYSSES_ATTENTION, ulysses_attention)
+
+
+def sequence_parallel_of(model: nn.Module) -> SequenceParallel | None:
+    """The layout ``model``'s forwards are split over, or None (not split)."""
+    sp = getattr(model, _SP_ATTR, None)
+    return sp if sp is not None and sp.enabled else None
+
+
+def base_attention(model: nn.Module) -> str:
+    """The attention kernel ``model`` runs on whole rows (inside Ulysses, when split)."""
+    return getattr(model, _INNER_ATTR, None) or model.config._attn_implementation
+
+
+def shard_inputs(model: nn.Module, inputs: dict, sp: SequenceParallel) -> dict:
+    """Whole-row model inputs -> this rank's slice of them.
+
+    ``input_ids``/``position_ids`` (B, L) are padded to N * Lr and sliced; a 2D
+    ``attention_mask`` (padded rows) moves into the :class:`UlyssesContext` (HF gets none); a
+    4D mask (shared-prompt rows) and the packed-row keywords pass through, describing the
+    whole row as the inner kernel needs.
+    """
+    ids = inputs["input_ids"]
+    L = ids.shape[1]
+    Lr = math.ceil(L / sp.size)
+    local = slice(sp.rank * Lr, (sp.rank + 1) * Lr)
+    out = dict(inputs)
+    padding = None
+    mask = out.get("attention_mask")
+    if mask is not None and mask.dim() == 2:
+        out["attention_mask"] = None
+        if not bool(mask.bool().all()):
+            padding = mask.bool()
+    for name in ("input_ids", "position_ids"):
+        out[name] = F.pad(out[name], (0, Lr * sp.size - L))[:, local]
+    out["sequence_parallel"] = UlyssesContext(sp.group, sp.size, L, base_attention(model), padding)
+    return out
+
+
+def local_range(seq_len: int, sp: SequenceParallel) -> tuple[int, int]:
+    """``[start, stop)`` of the row positions this rank holds (the padding tail included)."""
+    Lr = math.ceil(seq_len / sp.size)
+    return sp.rank * Lr, (sp.rank + 1) * Lr
+
+
+@torch.compiler.disable
+def combine_disjoint(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Sum over the group of tensors whose entries are each computed on one rank (0 elsewhere);
+    differentiable, each rank's gradient being the result's (every rank computes the same
+    loss from it)."""
+    return _CombineDisjoint.apply(x, group)
+
+
+class _CombineDisjoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        out = x.detach().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def sharded_logprobs(
+    model: nn.Module,
+    inputs: dict,
+    index: torch.Tensor,
+    labels: torch.Tensor,
+    sp: SequenceParallel,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    keep_logits: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies) of ``labels`` predicted at row positions ``index``, with each
+    rank computing the entries whose position it holds.
+
+    Args:
+        inputs: whole-row model inputs, (B, L) rows (no ``logits_to_keep``).
+        index: (...) flat position ``b * L + l`` predicting each label; may repeat.
+        labels: (...) token ids, the shape of ``index``.
+        keep_logits: the model takes ``logits_to_keep`` (only the needed positions' logits).
+    Returns:
+        (...) log-probs and entropies (or None), the same on every rank of the group.
+    """
+    B, L = inputs["input_ids"].shape
+    start, stop = local_range(L, sp)
+    flat, target = index.reshape(-1), labels.reshape(-1)
+    b, col = flat // L, flat % L
+    mine = ((col >= start) & (col < stop)).nonzero().squeeze(1)
+    local_col = col[mine] - start
+    sharded = shard_inputs(model, inputs, sp)
+    if keep_logits:
+        cols, slot = torch.unique(local_col, return_inverse=True)
+        logits = model(**sharded, logits_to_keep=cols).logits  # (B, k, V)
+        rows = b[mine] * cols.numel() + slot
+    else:
+        logits = model(**sharded).logits  # (B, Lr, V)
+        rows = b[mine] * (stop - start) + local_col
+    lp, ent = gathered_logprobs(
+        logits,
+        target[mine],
+        rows,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+    )
+    dtype = lp.dtype
+    out_lp = torch.zeros(flat.shape, dtype=dtype, device=lp.device).index_put((mine,), lp)
+    logp = combine_disjoint(out_lp, sp.group).view(index.shape)
+    entropy = None
+    if ent is not None:
+        out_ent = torch.zeros(flat.shape, dtype=dtype, device=lp.device).index_put((mine,), ent)
+        entropy = combine_disjoint(out_ent, sp.group).view(index.shape)
+    return logp, entropy

@@ -1,0 +1,180 @@
+"""Sequence parallelism's pure parts: which head counts split, the data-parallel batch plans,
+the size checks before anything loads, rollouts merged in a group, the memory model per rank,
+and the context-length check of long generation. The forwards themselves run on 2 ranks in
+tests/distributed/test_sequence_parallel.py (``make test-sp``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fsdp_rlhf.config import (
+    FSDPConfig,
+    PairBatchConfig,
+    PPOConfig,
+    plan_offline_batches,
+    plan_ppo_batches,
+)
+from fsdp_rlhf.config_base import ConfigError, build_config
+from fsdp_rlhf.distributed.memory import (
+    GIB,
+    JobFlags,
+    ModelShape,
+    activation_bytes,
+    plan_phases,
+    sequence_parallel_needed,
+    sequence_parallel_options,
+)
+from fsdp_rlhf.distributed.sequence_parallel import SequenceParallel, layout, share_range
+from fsdp_rlhf.errors import UserError
+from fsdp_rlhf.models.load import check_sequence_parallel
+from fsdp_rlhf.models.ulysses import head_problem
+from fsdp_rlhf.rollout import RolloutOutput
+
+
+@pytest.mark.parametrize(
+    "heads,kv,n,ok",
+    [(6, 2, 2, True), (4, 1, 2, True), (8, 2, 4, True), (9, 3, 2, False), (8, 3, 4, False)],
+)
+def test_heads_split_when_queries_divide_and_kv_heads_divide_or_repeat(heads, kv, n, ok):
+    problem = head_problem(heads, kv, n)
+    assert (problem is None) == ok
+    if not ok:  # one line naming both numbers
+        assert str(n) in problem and (str(heads) in problem or str(kv) in problem)
+
+
+def test_shares_are_contiguous_and_cover_everything():
+    assert [share_range(5, 2, i) for i in range(2)] == [(0, 3), (3, 5)]
+    assert [share_range(4, 4, i) for i in range(4)] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    items = list(range(7))
+    parts = [SequenceParallel(size=3, rank=r).share(items) for r in range(3)]
+    assert sum(parts, []) == items and [len(p) for p in parts] == [3, 2, 2]
+    assert SequenceParallel().share(items) == items
+    assert layout().size == 1 and layout().dp_size == 1  # no process group: one data rank
+
+
+def test_batch_plans_count_data_parallel_ranks():
+    batch = PairBatchConfig(train_batch_size=16, micro_train_batch_size=2)
+    plan = plan_offline_batches(batch, 4, 2)
+    assert (plan.world_size, plan.dp_size, plan.batch_size_per_rank) == (4, 2, 8)
+    assert plan.grad_accum_steps == 4
+    with pytest.raises(ConfigError, match=r"sequence_parallel_size \(3\) must divide the world"):
+        plan_offline_batches(batch, 4, 3)
+    with pytest.raises(ConfigError, match="data-parallel size"):
+        plan_offline_batches(PairBatchConfig(train_batch_size=6, micro_train_batch_size=2), 4, 2)
+    argv = "--pretrain x --rollout_batch_size 4 --n_samples_per_prompt 4 --train_batch_size 16 "
+    argv += "--micro_train_batch_size 2 --micro_rollout_batch_size 8 --sequence_parallel_size 2"
+    cfg, _ = build_config(PPOConfig, argv.split())
+    plan = plan_ppo_batches(cfg, 4)
+    # the group's rows: 4 x 4 / 2 data ranks; each rank still generates 4 / 4 prompts
+    assert (plan.dp_size, plan.train_batch_size_per_rank) == (2, 8)
+    with pytest.raises(ConfigError, match="must be >= 1"):
+        FSDPConfig(sequence_parallel_size=0)
+
+
+def _config_only(root: Path, heads: int, kv: int, **extra) -> str:
+    root.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64 * heads,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "num_hidden_layers": 2,
+        "intermediate_size": 256, "vocab_size": 512, **extra,
+    }  # fmt: skip
+    (root / "config.json").write_text(json.dumps(config))
+    return str(root)
+
+
+def test_sizes_are_checked_against_every_model_before_loading(tmp_path):
+    ok = _config_only(tmp_path / "ok", 6, 2)
+    one_kv = _config_only(tmp_path / "kv1", 4, 1)
+    nine = _config_only(tmp_path / "nine", 9, 3)
+    check_sequence_parallel(2, 2, {"--pretrain": ok, "--reward_pretrain": one_kv})
+    check_sequence_parallel(1, 3, {"--pretrain": nine})  # off: nothing to check
+    with pytest.raises(UserError) as e:
+        check_sequence_parallel(2, 4, {"--pretrain": ok, "--reward_pretrain": nine})
+    assert "--reward_pretrain" in str(e.value) and "9 attention heads" in str(e.value)
+    assert "sequence_parallel_size 2" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(UserError, match="must divide the world size 3"):
+        check_sequence_parallel(2, 3, {"--pretrain": ok})
+    with pytest.raises(UserError, match="--pretrain .*does not exist"):
+        check_sequence_parallel(2, 2, {"--pretrain": str(tmp_path / "missing")})
+
+
+def test_rollouts_of_a_group_merge_in_rank_order():
+    a = RolloutOutput.from_lists(
+        [[5, 6], [5, 6]], [[1], [2, 3]], ["stop", "length"], [[-0.1], [-0.2, -0.3]], pad_id=0, n=2
+    )
+    b = RolloutOutput.from_lists(
+        [[7, 8, 9], [7, 8, 9]], [[4, 4, 4], [5]], ["length", "stop"], [[-1, -1, -1], [-2]],
+        pad_id=0, n=2,
+    )  # fmt: skip
+    out = RolloutOutput.concat([a, b], pad_id=0)
+    assert out.finish_reasons == ["stop", "length", "length", "stop"]
+    assert out.prompt_ids.tolist() == [[0, 5, 6], [0, 5, 6], [7, 8, 9], [7, 8, 9]]
+    assert out.prompt_mask[0].tolist() == [0, 1, 1]
+    assert out.response_ids.tolist() == [[1, 0, 0], [2, 3, 0], [4, 4, 4], [5, 0, 0]]
+    assert out.response_mask.sum(-1).tolist() == [1, 2, 3, 1]
+    assert out.engine_logprobs[1].tolist() == pytest.approx([-0.2, -0.3, 0.0])
+    assert out.response_attention_mask is None
+    assert RolloutOutput.concat([a], pad_id=0) is a
+
+
+SHAPE_7B = ModelShape.from_hf_config(
+    {
+        "hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 11008,
+        "vocab_size": 152064, "num_attention_heads": 32, "num_key_value_heads": 8,
+    }
+)  # fmt: skip
+
+
+def test_activations_per_rank_halve_with_two_ranks_per_sequence():
+    f = JobFlags(world=8, device_bytes=80 * GIB, seq_len=32768, response_len=30000)
+    one = activation_bytes(f, SHAPE_7B, 1)
+    two = activation_bytes(JobFlags(**{**f.__dict__, "sequence_parallel": 2}), SHAPE_7B, 1)
+    # half, plus one layer's all-to-all buffers (under 1% here)
+    assert 0.5 <= two / one < 0.51
+    assert sequence_parallel_options(8, 32, 8) == [1, 2, 4, 8]
+    assert sequence_parallel_options(8, 28, 4) == [1, 2, 4]  # 28 heads: not 8
+    assert sequence_parallel_options(6, 9, 3) == [1, 3]
+
+
+def test_the_model_names_the_smallest_split_that_fits():
+    f = JobFlags(
+        world=8, device_bytes=80 * GIB, seq_len=65536, response_len=64000, adam_offload=True,
+        gradient_checkpointing=True, critic=False,
+    )  # fmt: skip
+    frozen = [SHAPE_7B]
+    assert not all(p.fits for p in plan_phases(f, SHAPE_7B, None, frozen))
+    n, phases = sequence_parallel_needed(f, SHAPE_7B, None, frozen, [1, 2, 4, 8])
+    assert n is not None and n > 1 and all(p.fits for p in phases)
+    smaller = JobFlags(**{**f.__dict__, "sequence_parallel": n // 2})
+    assert not all(p.fits for p in plan_phases(smaller, SHAPE_7B, None, frozen))
+    tiny = JobFlags(**{**f.__dict__, "device_bytes": 8 * GIB})
+    assert sequence_parallel_needed(tiny, SHAPE_7B, None, frozen, [1, 2])[0] is None
+
+
+def _ppo(model: str, *argv: str) -> PPOConfig:
+    base = ["--pretrain", model, "--remote_rm_url", "r.py", "--prompt_data", "p.jsonl"]
+    return build_config(PPOConfig, [*base, *argv])[0]
+
+
+def test_long_generation_must_fit_the_model_context(tmp_path):
+    from fsdp_rlhf.trainers.ppo_setup import check_context_length
+
+    short = _config_only(tmp_path / "short", 2, 2, max_position_embeddings=4096)
+    long = _config_only(tmp_path / "long", 2, 2, max_position_embeddings=40960)
+    scaled = _config_only(
+        tmp_path / "yarn", 2, 2, max_position_embeddings=8192,
+        rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192},
+    )  # fmt: skip
+    lengths = ("--prompt_max_len", "1024", "--generate_max_len", "32768")
+    check_context_length(_ppo(long, *lengths))
+    check_context_length(_ppo(scaled, *lengths))
+    with pytest.raises(UserError) as e:
+        check_context_length(_ppo(short, *lengths))
+    assert "33792 tokens" in str(e.value) and "4096" in str(e.value)
+    assert "--prompt_max_len + --generate_max_len" in str(e.value)
+    with pytest.raises(UserError, match="--max_len = 5000 tokens"):
+        check_context_length(_ppo(short, *lengths, "--max_len", "5000"))
+    check_context_length(_ppo(short, *lengths, "--rollout_engine", "hf"))  # HF: no vLLM limit
