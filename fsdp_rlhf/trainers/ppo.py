@@ -537,10 +537,14 @@ class PPOTrainer:
             self._export(self.models.critic, path / "critic", head="score")
 
     def _export(self, model: nn.Module, path, head: str | None = None) -> None:
-        """The HF model, or with LoRA its adapter folder (and the merged model if asked)."""
+        """The HF model, or with LoRA its adapter folder (and the merged model if asked); a
+        VLM's processor (image processor, tokenizer, chat template) goes with the actor."""
         m = self.cfg.models
         base = m.pretrain if head is None else (m.critic_pretrain or m.reward_pretrain)
-        save_model(model, self.models.tokenizer, path, self.cfg.lora, base_path=base, head=head)
+        processor = self.models.tokenizer
+        if self.images is not None and head is None:
+            processor = self.images.vision.processor
+        save_model(model, processor, path, self.cfg.lora, base_path=base, head=head)
 
     def close(self) -> None:
         self.logger.close()

@@ -16,19 +16,11 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.helpers import read_metrics, torchrun
+from tests.vlm.conftest import COLOUR_REWARD
 
 pytestmark = [pytest.mark.vlm, pytest.mark.slow]
 
 WORDS = ["what", "colour", "is", "it", "the", "a", "red", "green", "blue", "user", "assistant"]
-COLOUR_REWARD = '''
-def reward_func(queries, prompts, labels):
-    """1 when the answer's first word is the image's colour, else 0."""
-    out = []
-    for q, p, label in zip(queries, prompts, labels):
-        words = q[len(p):].split()
-        out.append(float(bool(words) and words[0] == label))
-    return out
-'''
 STEPS = 30
 
 
@@ -87,7 +79,7 @@ def test_grpo_learns_the_colour_and_blank_images_do_not(colour_vl, colour_data, 
     runs = {}
     for name, prompts in (("images", "prompts.jsonl"), ("blank", "blank.jsonl")):
         save = tmp_path / name
-        proc = torchrun(grpo_flags(colour_vl, colour_data, prompts, save), timeout=900)
+        proc = torchrun(["ppo", *grpo_flags(colour_vl, colour_data, prompts, save)], timeout=900)
         assert proc.returncode == 0, proc.stderr[-4000:]
         runs[name] = _scores(save)
     first, last = (sum(s[:5]) / 5 for s in runs.values()), (sum(s[-5:]) / 5 for s in runs.values())

@@ -136,24 +136,24 @@ def _checks(rank: int, world: int, model_path: str, image_dir: str, tp: int) -> 
     res["sync_bytes"] = stats.bytes
     res["n_params"] = sum(p.numel() for p in actor.parameters())
 
-    # a frozen tower: only the language model is sent; the engine's tower stays as loaded
+    # a frozen tower: only the language model is sent; the engine keeps the tower it has (the
+    # one of the last full sync). Every parameter moves, the sync skips the tower, then the
+    # trainer's tower goes back to what the engine holds: they agree only if the skipped
+    # tower never reached the engine.
     frozen = is_vision_param(vision_prefix(actor))
     res["tower_params"] = sum(p.numel() for n, p in actor.named_parameters() if frozen(n))
-    with torch.no_grad():  # move the language model a little, keep the tower as the engine has it
-        for n, p in actor.named_parameters():
-            if not frozen(n):
-                p.mul_(1.01)
+    engine_tower = [p.detach().clone() for p in actor.model.visual.parameters()]
+    with torch.no_grad():
+        for p in actor.parameters():
+            p.mul_(1.01)
     stats = sync_weights(actor, engine, torch.float32, skip=frozen)
     res["frozen_sync_bytes"] = stats.bytes
-    # the engine's tower is still the loaded one: trainer with the loaded tower must agree
+    s_moved = engine.generate(ids, sampled, prompt_images)
+    # control: with the moved tower the trainer must disagree with the engine
+    res["gap_with_unsynced_tower"] = _trainer_gap(actor, s_moved, StepImages.rows(prompt_images, 4))
     with torch.no_grad():
-        loaded = load_causal_lm(model_path, BackendConfig(), env.device).model.visual
-        for (_, p), (_, q) in zip(
-            actor.model.visual.named_parameters(), loaded.named_parameters(), strict=True
-        ):
-            from torch.distributed.tensor import distribute_tensor
-
-            p.copy_(distribute_tensor(q.data, p.device_mesh, p.placements))
+        for p, q in zip(actor.model.visual.parameters(), engine_tower, strict=True):
+            p.copy_(q)
     s2 = engine.generate(ids, sampled, prompt_images)
     res["sampled_gap_after_frozen_sync"] = _trainer_gap(
         actor, s2, StepImages.rows(prompt_images, 4)
@@ -198,6 +198,7 @@ def _assert(results: list[dict]) -> None:
             assert r[key] < LOGPROB_TOL, (rank, key, r)
         assert r["sync_bytes"] == 4 * r["n_params"], (rank, r)
         assert r["frozen_sync_bytes"] == 4 * (r["n_params"] - r["tower_params"]), (rank, r)
+        assert r["gap_with_unsynced_tower"] > 100 * LOGPROB_TOL, (rank, r)
         assert r["mixed_step_ok"], (rank, r)
     print({k: v for k, v in results[0].items() if "gap" in k or "bytes" in k})
 
