@@ -10,7 +10,7 @@ sections sum to head_dim / 2 as in published configs.
 Two tokenizers: the byte-level BPE of ``testing.tiny`` (vocabulary 512, like the text models),
 or with ``words`` a word-level one whose vocabulary is those words and the special tokens. The
 second makes an answer from a small set likely enough for a randomly initialised policy to find
-by sampling (``tests/e2e/test_vlm_grpo.py``).
+by sampling (``tests/vlm/test_vlm_grpo.py``).
 """
 
 from __future__ import annotations

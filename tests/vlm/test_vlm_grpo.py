@@ -60,6 +60,7 @@ def grpo_flags(model: str, data: Path, prompts: str, save: Path, extra=()) -> li
         "--generate_max_len", "2",
         "--prompt_max_len", "24",
         "--max_steps", str(STEPS),
+        "--num_episodes", "6",  # 96 prompts / 16 per step: 6 steps an episode
         "--actor_learning_rate", "1e-2",
         "--lr_warmup_ratio", "0",
         "--init_kl_coef", "0",
