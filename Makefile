@@ -9,7 +9,7 @@ STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml Makefile scripts/vllm_r
 MAX_JOBS ?= 8
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: install test test-async test-fast test-bench test-models test-sp test-gpu test-vllm-compat test-cluster demo bench lint fmt clean gpu-smoke tcmalloc
+.PHONY: install test test-async test-fast test-bench test-models test-vlm test-sp test-gpu test-vllm-compat test-cluster demo bench lint fmt clean gpu-smoke tcmalloc
 
 install: $(STAMP)
 
@@ -66,10 +66,11 @@ tcmalloc:
 
 # Everything but the multi-host tests (tests/cluster skip outside `make test-cluster`), the
 # bench harness's smoke run (`make test-bench`), the GPU suite (`make test-gpu`,
-# `make gpu-smoke`) and the sequence-parallel cases (`make test-sp`): under 15 minutes on 2 cores.
+# `make gpu-smoke`), the sequence-parallel cases (`make test-sp`) and the vision-language model
+# runs (`make test-vlm`): under 15 minutes on 2 cores.
 test: install
 	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu --ignore=tests/models \
-	  -m "not asynchronous and not sp"
+	  -m "not asynchronous and not sp and not vlm"
 
 # --async_train end to end (tests marked asynchronous): rollout and training ranks under
 # torchrun with real vLLM, partial rollouts, OpenRLHF's async agent script, a lost rollout rank.
@@ -86,6 +87,12 @@ test-sp: install
 # About 10 minutes on 2 cores shared with other work (9.5 CPU-minutes).
 test-models: install
 	$(BIN)/python -m pytest -q tests/models
+
+# Vision-language models (pytest marker `vlm`): a tiny Qwen2.5-VL under FSDP2 on 2 gloo ranks,
+# vLLM rollouts with images, GRPO that must learn an image-dependent answer (and its control),
+# OpenRLHF's VLM script in both dialects, SFT. About 6-7 minutes on 2 cores.
+test-vlm: install
+	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu -m vlm
 
 # python -m scripts.bench --smoke: every measurement path of the bench runs and writes sane numbers
 # (tiny sizes, one repetition; not speed). About 2-3 minutes on 2 cores.

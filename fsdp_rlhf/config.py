@@ -210,6 +210,34 @@ class GuardConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class VisionConfig:
+    """Vision-language models (a checkpoint whose config has vision_config): where each row's
+    images are and what trains. Ignored for text-only models (a row with images is refused)."""
+
+    image_key: str = doc(
+        "images",
+        "Key of each row's images: a path, base64 string, data URI or http(s) URL, or a list "
+        "of them, one per {'type': 'image'} item of the chat prompt, in order.",
+    )
+    max_images_per_prompt: int = doc(
+        0,
+        "Most images one row may have (vLLM's limit_mm_per_prompt); a row with more is "
+        "refused. 0: the most any row of the data has.",
+    )
+    freeze_visual_encoder: bool = doc(
+        False,
+        "Train the language model only: the vision encoder and its projector stay frozen and "
+        "are not synced into vLLM.",
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_images_per_prompt < 0:
+            raise ConfigError(
+                f"max_images_per_prompt must be >= 0, got {self.max_images_per_prompt}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
 class LoraConfig:
     """LoRA adapters (peft) in place of full fine-tuning of the actor, critic or reward model:
     the base stays frozen, the optimizer holds only the adapters (and a scalar head)."""
@@ -891,6 +919,7 @@ class PPOConfig:
     eval: PPOEvalConfig = section(PPOEvalConfig)
     multiturn: MultiTurnConfig = section(MultiTurnConfig)
     moe: MoEConfig = section(MoEConfig)
+    vision: VisionConfig = section(VisionConfig)
     actor_optim: OptimConfig = doc(help="Actor optimizer.", factory=lambda: OptimConfig(lr=1e-6))
     critic_optim: OptimConfig = doc(help="Critic optimizer.", factory=lambda: OptimConfig(lr=9e-6))
     ckpt: CheckpointConfig = section(CheckpointConfig)
@@ -1187,6 +1216,7 @@ class SFTConfig:
     backend: BackendConfig = section(BackendConfig)
     fsdp: FSDPConfig = section(FSDPConfig)
     data: SFTDataConfig = section(SFTDataConfig)
+    vision: VisionConfig = section(VisionConfig)
     batch: SFTBatchConfig = section(SFTBatchConfig)
     optim: OptimConfig = doc(help="AdamW and schedule.", factory=lambda: OptimConfig(lr=5e-6))
     ckpt: CheckpointConfig = section(CheckpointConfig)
@@ -1244,6 +1274,7 @@ class DPOConfig:
     backend: BackendConfig = section(BackendConfig)
     fsdp: FSDPConfig = section(FSDPConfig)
     data: PreferenceDataConfig = section(PreferenceDataConfig)
+    vision: VisionConfig = section(VisionConfig)
     batch: PairBatchConfig = doc(
         help="Batch sizes (global = summed over all ranks).",
         factory=lambda: PairBatchConfig(packing_samples=True),

@@ -124,7 +124,7 @@ def render() -> str:
         "- **accepted**: it describes what this trainer does anyway (full colocation, in-process",
         "  weight sync, vLLM sleep) and changes nothing;",
         "- **refused**: the run stops before any model loads, with the reason and what to use",
-        "  instead (Ray-only placement, async training, vision-language models).",
+        "  instead (Ray-only placement, async training).",
         "",
         "Ring attention (`--ring_attn_size N`, `--ds.ring_attn_size N`) takes effect as",
         "`--sequence_parallel_size N`: each sequence is split over N ranks, with Ulysses",

@@ -332,11 +332,6 @@ def _per_model(model: str, optim: str) -> dict[str, Rule]:
     )
 
 
-VLM = Refuse(
-    "vision-language models are not supported yet (text-only models)",
-    "train a text-only model or use OpenRLHF for VLMs",
-)
-
 PPO_RULES: dict[str, Rule] = {
     **COMMON,
     **_placement_rules(),
@@ -494,13 +489,17 @@ PPO_RULES: dict[str, Rule] = {
         (None, "eval.temperature", rename("eval_temperature")),
         (None, "eval.n_samples_per_prompt", rename("eval_n_samples_per_prompt")),
         ("best_metric_key", "ckpt.best_metric_key", Gather("eval.best", "--save_best_metric")),
-        # VLM
-        ("image_key", "data.image_key", VLM),
-        ("freeze_visual_encoder", "actor.freeze_visual_encoder", VLM),
+        # vision-language models (v0.10's flat names are ours)
+        (None, "data.image_key", rename("image_key")),
+        (None, "actor.freeze_visual_encoder", switch("freeze_visual_encoder")),
         (
-            "max_images_per_prompt",
+            None,
             "data.max_images_per_prompt",
-            when_default("0", "text-only prompts", VLM.why),
+            rename(
+                "max_images_per_prompt",
+                "0 means the most images any row has (OpenRLHF: text-only); a VLM is "
+                "recognised by its config",
+            ),
         ),
     ),
 }

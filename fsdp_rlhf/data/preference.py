@@ -24,6 +24,10 @@ if TYPE_CHECKING:  # imported where used: the GPU box runs without `datasets`
 from fsdp_rlhf.config import PreferenceDataConfig
 from fsdp_rlhf.data.schedule import DataPosition, StepSchedule, eval_shard
 from fsdp_rlhf.errors import UserError
+from fsdp_rlhf.models.vision import ImageBatch
+
+if TYPE_CHECKING:
+    from fsdp_rlhf.data.vision import VisionProcessor
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +141,13 @@ def prompt_length(chosen: list[int], rejected: list[int], prompt: list[int] | No
 
 
 def _tokenize_batch(
-    batch: dict[str, list], *, cfg: PreferenceDataConfig, tokenizer, with_prompt_len: bool = False
+    batch: dict[str, list],
+    *,
+    cfg: PreferenceDataConfig,
+    tokenizer,
+    with_prompt_len: bool = False,
+    vision: VisionProcessor | None = None,
+    image_key: str | None = None,
 ) -> dict:
     n = len(batch[cfg.chosen_key])
     chosen, rejected, prompts = [], [], []
@@ -174,17 +184,31 @@ def _tokenize_batch(
         out["margin"] = []
     if with_prompt_len:
         out["prompt_len"] = []
+    if vision is not None:
+        out["images"] = []
     enc_c = tokenizer(chosen, add_special_tokens=special)["input_ids"]
     enc_r = tokenizer(rejected, add_special_tokens=special)["input_ids"]
     enc_p = tokenizer(prompts, add_special_tokens=special)["input_ids"] if prompts else None
     for i, (c, r) in enumerate(zip(enc_c, enc_r, strict=True)):
+        p = enc_p[i] if enc_p else None
+        refs: list[str] = []
+        if vision is not None:  # each image placeholder expanded to the image's tokens
+            value = batch.get(image_key, [None] * n)[i]
+            refs, c, _ = vision.expand_row(value, c)
+            _, r, _ = vision.expand_row(value, r)
+            if p is not None:
+                _, p, _ = vision.expand_row(value, p)
+            if refs and max(map(vision.last_image_token, (c, r))) >= cfg.max_len - 1:
+                continue  # truncation would cut an image: dropped, counted by the caller
         c, r = finish(c), finish(r)
         if not c or not r or c == r:
             continue  # counted as dropped by the caller
         out["chosen_ids"].append(c)
         out["rejected_ids"].append(r)
+        if vision is not None:
+            out["images"].append(refs)
         if with_prompt_len:
-            out["prompt_len"].append(prompt_length(c, r, enc_p[i] if enc_p else None))
+            out["prompt_len"].append(prompt_length(c, r, p))
         if cfg.margin_key is not None:
             out["margin"].append(_margin(batch[cfg.margin_key][i], cfg.margin_key))
     return out
@@ -203,8 +227,11 @@ def tokenize_pairs(
     *,
     what: str = "train",
     with_prompt_len: bool = False,
+    vision: VisionProcessor | None = None,
+    image_key: str | None = None,
 ) -> tuple[datasets.Dataset, int]:
-    """Render and tokenize every pair once.
+    """Render and tokenize every pair once (``vision``: a VLM's processor; each pair's images,
+    under ``image_key``, belong to its prompt and go with both sides).
 
     Returns:
         ``(pairs, dropped)``: a dataset with ``chosen_ids`` and ``rejected_ids`` (int32 lists,
@@ -224,8 +251,18 @@ def tokenize_pairs(
         features["margin"] = datasets.Value("float32")
     if with_prompt_len:
         features["prompt_len"] = datasets.Value("int32")
+    if vision is not None:
+        features["images"] = datasets.Sequence(datasets.Value("string"))
+    tokenize = partial(
+        _tokenize_batch,
+        cfg=cfg,
+        tokenizer=tokenizer,
+        with_prompt_len=with_prompt_len,
+        vision=vision,
+        image_key=image_key,
+    )
     pairs = dataset.map(
-        partial(_tokenize_batch, cfg=cfg, tokenizer=tokenizer, with_prompt_len=with_prompt_len),
+        tokenize,
         batched=True,
         remove_columns=dataset.column_names,
         features=datasets.Features(features),
@@ -259,6 +296,7 @@ class PairBatch:
         margin: (B,) float32, or None without ``--margin_key``.
         num_valid: pairs 0..num_valid-1 are real; the rest pad an uneven eval shard.
         prompt_lens: (B,) long prompt tokens of each pair (DPO), or None.
+        images: the 2B rows' images (a VLM: each pair's on both its rows), or None.
     """
 
     input_ids: torch.Tensor
@@ -266,6 +304,7 @@ class PairBatch:
     margin: torch.Tensor | None
     num_valid: int
     prompt_lens: torch.Tensor | None = None
+    images: ImageBatch | None = None
 
     @property
     def num_pairs(self) -> int:
@@ -284,13 +323,26 @@ def right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
     return ids, mask
 
 
-def collate_pairs(rows: dict[str, list], pad_id: int, num_valid: int | None = None) -> PairBatch:
-    """Columns of B pairs (``dataset[indices]``) -> a :class:`PairBatch` of 2B sequences."""
+def collate_pairs(
+    rows: dict[str, list],
+    pad_id: int,
+    num_valid: int | None = None,
+    vision: VisionProcessor | None = None,
+) -> PairBatch:
+    """Columns of B pairs (``dataset[indices]``) -> a :class:`PairBatch` of 2B sequences
+    (``vision``: the pairs' images decoded and processed, once per pair)."""
     ids, mask = right_pad(rows["chosen_ids"] + rows["rejected_ids"], pad_id)
     margin = torch.tensor(rows["margin"], dtype=torch.float32) if "margin" in rows else None
     prompt_lens = torch.tensor(rows["prompt_len"]) if "prompt_len" in rows else None
     n = len(rows["chosen_ids"])
-    return PairBatch(ids, mask, margin, n if num_valid is None else num_valid, prompt_lens)
+    images = None
+    if vision is not None and "images" in rows:
+        from fsdp_rlhf.data.images import load_images
+
+        per_pair = [vision.process(load_images(refs)) for refs in rows["images"]]
+        images = ImageBatch(per_pair + per_pair)
+    valid = n if num_valid is None else num_valid
+    return PairBatch(ids, mask, margin, valid, prompt_lens, images)
 
 
 class PreferenceLoader:

@@ -8,6 +8,12 @@ prompt/response boundary counts as response. The spans come from the tokenizer's
 offsets of the full text, so the ids are exactly what the model sees at inference time.
 Chat templates close each assistant turn with their own end-of-turn token, which is learned;
 plain text gets the tokenizer's EOS appended and learned.
+
+Vision-language rows (a VLM's ``--image_key`` column, ``{"type": "image"}`` items in the
+messages) are tokenized the same way, then each image placeholder is expanded to the image's
+token count (known from its size) and never learned; the image references travel with the
+sample and are decoded per micro-batch (:func:`collate_samples`). A row whose images would not
+fit ``max_len`` whole is dropped, not cut.
 """
 
 from __future__ import annotations
@@ -22,9 +28,12 @@ import torch
 from fsdp_rlhf.config import SFTDataConfig
 from fsdp_rlhf.data.preference import right_pad
 from fsdp_rlhf.errors import UserError
+from fsdp_rlhf.models.vision import ImageBatch
 
 if TYPE_CHECKING:  # imported where used: the GPU box runs without `datasets`
     import datasets
+
+    from fsdp_rlhf.data.vision import VisionProcessor
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +165,14 @@ def _overlaps(offset: tuple[int, int], spans: list[Span]) -> bool:
     return e > s and any(s < end and e > start for start, end in spans)
 
 
-def _tokenize_batch(batch: dict[str, list], *, cfg: SFTDataConfig, tokenizer) -> dict:
+def _tokenize_batch(
+    batch: dict[str, list],
+    *,
+    cfg: SFTDataConfig,
+    tokenizer,
+    vision: VisionProcessor | None = None,
+    image_key: str | None = None,
+) -> dict:
     n = len(batch[cfg.input_key])
     rendered = [
         render_sample({k: v[i] for k, v in batch.items()}, cfg, tokenizer) for i in range(n)
@@ -166,30 +182,46 @@ def _tokenize_batch(batch: dict[str, list], *, cfg: SFTDataConfig, tokenizer) ->
         [text for text, _ in rendered], add_special_tokens=special, return_offsets_mapping=True
     )
     out: dict[str, list] = {"input_ids": [], "loss_mask": []}
-    for ids, offsets, (_, spans) in zip(
-        enc["input_ids"], enc["offset_mapping"], rendered, strict=True
+    if vision is not None:
+        out["images"] = []
+    for i, (ids, offsets, (_, spans)) in enumerate(
+        zip(enc["input_ids"], enc["offset_mapping"], rendered, strict=True)
     ):
         mask = [int(_overlaps(o, spans)) for o in offsets]
         if not cfg.apply_chat_template and tokenizer.eos_token_id is not None:
             ids, mask = ids + [tokenizer.eos_token_id], mask + [1]
+        refs: list[str] = []
+        if vision is not None:
+            refs, ids, mask = vision.expand_row(batch.get(image_key, [None] * n)[i], ids, mask)
+            if refs and vision.last_image_token(ids) >= cfg.max_len:
+                continue  # an image would be cut: dropped, counted by the caller
         ids, mask = ids[: cfg.max_len], mask[: cfg.max_len]
         mask[0] = 0  # nothing predicts the first token
         if not any(mask):
             continue  # the response was truncated away: counted by the caller
         out["input_ids"].append(ids)
         out["loss_mask"].append(mask)
+        if vision is not None:
+            out["images"].append(refs)
     return out
 
 
 def tokenize_samples(
-    dataset: datasets.Dataset, tokenizer, cfg: SFTDataConfig, *, what: str = "train"
+    dataset: datasets.Dataset,
+    tokenizer,
+    cfg: SFTDataConfig,
+    *,
+    what: str = "train",
+    vision: VisionProcessor | None = None,
+    image_key: str | None = None,
 ) -> tuple[datasets.Dataset, int]:
     """Render and tokenize every (checked) row once.
 
     Returns:
         ``(samples, dropped)``: columns ``input_ids`` (int32 lists of at most ``max_len``) and
-        ``loss_mask`` (int8, 1 on learned tokens), and the number of rows dropped because
-        truncation to ``max_len`` left no learned token.
+        ``loss_mask`` (int8, 1 on learned tokens), with a VLM (``vision``) ``images`` (each
+        row's image references), and the number of rows dropped because truncation to
+        ``max_len`` left no learned token or would cut an image.
     """
     if not getattr(tokenizer, "is_fast", False):
         raise UserError(
@@ -197,14 +229,18 @@ def tokenize_samples(
         )
     import datasets
 
-    features = datasets.Features(
-        {
-            "input_ids": datasets.Sequence(datasets.Value("int32")),
-            "loss_mask": datasets.Sequence(datasets.Value("int8")),
-        }
+    columns = {
+        "input_ids": datasets.Sequence(datasets.Value("int32")),
+        "loss_mask": datasets.Sequence(datasets.Value("int8")),
+    }
+    if vision is not None:
+        columns["images"] = datasets.Sequence(datasets.Value("string"))
+    features = datasets.Features(columns)
+    tokenize = partial(
+        _tokenize_batch, cfg=cfg, tokenizer=tokenizer, vision=vision, image_key=image_key
     )
     samples = dataset.map(
-        partial(_tokenize_batch, cfg=cfg, tokenizer=tokenizer),
+        tokenize,
         batched=True,
         remove_columns=dataset.column_names,
         features=features,
@@ -234,17 +270,36 @@ class SFTBatch:
         input_ids, attention_mask: (N, L) long.
         loss_mask: (N, L) bool, True on learned tokens.
         num_valid: rows 0..num_valid-1 are real; the rest pad an uneven eval shard.
+        images: the rows' processed images (a VLM), or None.
     """
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     loss_mask: torch.Tensor
     num_valid: int
+    images: ImageBatch | None = None
 
 
-def collate_samples(rows: dict[str, list], pad_id: int, num_valid: int | None = None) -> SFTBatch:
-    """Columns of N samples (``dataset[indices]``) -> an :class:`SFTBatch`."""
+def collate_samples(
+    rows: dict[str, list],
+    pad_id: int,
+    num_valid: int | None = None,
+    vision: VisionProcessor | None = None,
+) -> SFTBatch:
+    """Columns of N samples (``dataset[indices]``) -> an :class:`SFTBatch` (``vision``: decode
+    and process the rows' images)."""
     seqs = rows["input_ids"]
     ids, attn = right_pad(seqs, pad_id)
     loss, _ = right_pad(rows["loss_mask"], 0)
-    return SFTBatch(ids, attn, loss.bool(), len(seqs) if num_valid is None else num_valid)
+    images = row_images(rows, vision)
+    valid = len(seqs) if num_valid is None else num_valid
+    return SFTBatch(ids, attn, loss.bool(), valid, images)
+
+
+def row_images(rows: dict[str, list], vision: VisionProcessor | None) -> ImageBatch | None:
+    """The ``images`` column of a micro-batch decoded and processed (None: no VLM)."""
+    if vision is None or "images" not in rows:
+        return None
+    from fsdp_rlhf.data.images import load_images
+
+    return ImageBatch([vision.process(load_images(refs)) for refs in rows["images"]])

@@ -239,6 +239,7 @@ def load_sources(
     columns: Mapping[str, str] | None = None,
     split: str = "train",
     check: RowCheck | None = None,
+    optional_columns: Sequence[str] = (),
 ) -> datasets.Dataset:
     """Load comma-separated sources and mix them into one dataset.
 
@@ -256,6 +257,8 @@ def load_sources(
         split: split to use when a source has several (single-split sources are used as is).
         check: row -> problem or None, run on every row of each source before mixing, so that
             a bad row is named by its source and position (:func:`check_rows`).
+        optional_columns: columns kept besides ``columns`` where a source has them (a VLM's
+            images: text-only sources have none).
 
     Returns:
         A ``datasets.Dataset`` with at most ``max_samples`` rows.
@@ -271,7 +274,8 @@ def load_sources(
         part = load_source(src, split=split, flag_name=flag_name)
         if columns is not None:
             check_keys(part, list(columns.values()), list(columns), where=f"{flag_name} {src}")
-            part = part.select_columns(list(dict.fromkeys(columns.values())))
+            extra = [c for c in optional_columns if c in part.column_names]
+            part = part.select_columns(list(dict.fromkeys([*columns.values(), *extra])))
         if check is not None:
             check_rows(part, check, f"{flag_name} {src}")
         log.info("%s %s: %d rows", flag_name, src, len(part))

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, Shard
 from fsdp_rlhf.config import FSDPConfig
 from fsdp_rlhf.distributed.collectives import all_reduce, collective_device
 from fsdp_rlhf.distributed.gloo_comm import all_gather_into, use_p2p_reduce_scatter
+from fsdp_rlhf.distributed.vision_units import tower_in_every_forward, vision_tower
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,9 @@ def shard_model(
     frozen: bool = False,
     dp_size: int | None = None,
 ) -> nn.Module:
-    """Apply ``fully_shard`` to each decoder layer, then to the root.
+    """Apply ``fully_shard`` to each decoder layer (a VLM's vision blocks included), to a
+    VLM's vision tower as a whole (patch embedding and projector: its own unit, gathered only
+    when images go through it), then to the root.
 
     The model may arrive on CPU: ``fully_shard`` moves one layer's params to the mesh device,
     shards them and drops the full copy before the next layer, so the whole unsharded model never
@@ -95,11 +98,16 @@ def shard_model(
         raise ValueError(f"{type(model).__name__}: no decoder layers found to shard")
     for layer in layers:
         fully_shard(layer, **kwargs)
+    tower = vision_tower(model)
+    units = [*layers, *([tower] if tower is not None else [])]
+    if tower is not None:
+        fully_shard(tower, **kwargs)
+        tower_in_every_forward(model)  # ranks without images still gather the tower
     fully_shard(model, **kwargs)
     if kwargs.get("offload_policy") is not None:
         for p in model.parameters():  # the optimizer only sees params: mark them too
             p._fsdp_rlhf_cpu_offload = True
-    for m in [*layers, model]:
+    for m in [*units, model]:
         # Registered after fully_shard, so it runs after FSDP's own post-forward hook.
         m.register_forward_hook(_reshard_if_no_grad)
     if grad_reduce == "sum":

@@ -2,7 +2,8 @@
 
 Position ids are always passed explicitly (``cumsum(attention_mask) - 1``) so left-padded
 prompts get the same positions as unpadded ones: HF decoders derive positions from the cache
-position, not from the mask.
+position, not from the mask. Vision-language models with images in the batch are the
+exception: they compute their M-RoPE positions themselves (``models.vision``).
 
 A model split by sequence parallelism (``models.ulysses``) runs every forward here on its
 rank's slice of the rows; the functions return the same whole-row results on every rank of the
@@ -25,6 +26,7 @@ from fsdp_rlhf.models.shared_prefix import (
     shared_prompt_logits,
 )
 from fsdp_rlhf.models.ulysses import sequence_parallel_of, shard_inputs, sharded_logprobs
+from fsdp_rlhf.models.vision import ImageBatch, VisionTokens, vision_model_inputs
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -142,6 +144,7 @@ def response_logprobs(
     entropy_grad: bool = True,
     packed: bool = False,
     group_size: int = 1,
+    images: ImageBatch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the last ``response_len`` tokens of each row under a causal LM.
 
@@ -158,11 +161,14 @@ def response_logprobs(
         packed: run the rows as one packed row (see :func:`token_values`).
         group_size: > 1 when each run of that many consecutive rows shares its prompt: the
             prompt then goes through the model once per run (models.shared_prefix).
+        images: a vision-language model's images of these rows (padded rows only).
     Returns:
         logprobs (B, T) float32, and entropy (B, T) when ``with_entropy``; at response
         padding the values are meaningless (callers mask them with ``response_mask``).
     """
     sp = sequence_parallel_of(model)
+    if sp is not None and images is not None:
+        raise ValueError("vision-language rows are not split by sequence parallelism")
     if sp is not None:  # each rank the positions of its slice, combined once
         inputs, index = response_positions(
             input_ids, attention_mask, response_len, packed, group_size
@@ -179,7 +185,7 @@ def response_logprobs(
             keep_logits=_takes_logits_to_keep(model),
         )
     logits, index = response_logits(
-        model, input_ids, attention_mask, response_len, packed, group_size
+        model, input_ids, attention_mask, response_len, packed, group_size, images
     )
     return gathered_logprobs(
         logits,
@@ -225,6 +231,7 @@ def response_logits(
     response_len: int,
     packed: bool = False,
     group_size: int = 1,
+    images: ImageBatch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The model's logits, as few rows as it allows, and the row predicting each response token.
 
@@ -235,6 +242,8 @@ def response_logits(
         already aligned with the response tokens.
     """
     T = response_len
+    if images is not None and (packed or group_size > 1):
+        raise ValueError("vision-language rows go through the model padded, one row each")
     if group_size > 1:
         return shared_prompt_logits(model, share_prompts(input_ids, attention_mask, T, group_size))
     keep = _takes_logits_to_keep(model)
@@ -246,7 +255,11 @@ def response_logits(
         # only the rows that predict a response token (padding repeats a neighbour's row)
         rows, index = torch.unique(positions, return_inverse=True)
         return model(**row.model_inputs(), logits_to_keep=rows).logits, index
-    inputs = _padded_inputs(input_ids, attention_mask)
+    if images is not None:
+        tokens = VisionTokens.from_config(model.config)
+        inputs = vision_model_inputs(tokens, input_ids, attention_mask, images)
+    else:
+        inputs = _padded_inputs(input_ids, attention_mask)
     B, L = input_ids.shape
     before = torch.arange(L - T - 1, L - 1, device=input_ids.device)  # positions predicting
     if keep:  # (B, T, V), aligned with the response tokens: read without any index

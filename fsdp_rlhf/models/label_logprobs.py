@@ -29,6 +29,7 @@ from fsdp_rlhf.models.forward import _takes_logits_to_keep, position_ids_from_ma
 from fsdp_rlhf.models.packing import pack_rows
 from fsdp_rlhf.models.shared_prefix import share_pair_prefixes
 from fsdp_rlhf.models.ulysses import sequence_parallel_of, sharded_logprobs
+from fsdp_rlhf.models.vision import ImageBatch, VisionTokens, vision_model_inputs
 
 Layout = Literal["padded", "packed", "shared"]
 
@@ -39,6 +40,7 @@ def label_logprobs(
     attention_mask: torch.Tensor,
     label_mask: torch.Tensor,
     layout: Layout = "padded",
+    images: ImageBatch | None = None,
 ) -> torch.Tensor:
     """(N, L) float32 log-probs of each marked token given the tokens before it; 0 elsewhere.
 
@@ -47,6 +49,7 @@ def label_logprobs(
         label_mask: (N, L) bool, True on tokens to score (within the attended tokens, col >= 1).
         layout: see the module docstring; ``shared`` needs N = 2B (B chosen, then B rejected)
             and, like ``packed``, a model using ``models.attention.use_varlen_attention``.
+        images: a vision-language model's images of the rows (``padded`` only).
     """
     label_mask = label_mask.bool() & attention_mask.bool()
     label_mask[:, 0] = False
@@ -54,6 +57,8 @@ def label_logprobs(
     labels = input_ids[rows, cols]
     out = torch.zeros(label_mask.shape, dtype=torch.float32, device=input_ids.device)
     sp = sequence_parallel_of(model)
+    if images is not None and (layout != "padded" or sp is not None):
+        raise ValueError("vision-language rows go through the model padded, whole")
     if sp is not None:  # each rank the tokens of its slice (models.ulysses), combined once
         if layout == "padded":
             inputs = dict(
@@ -68,7 +73,11 @@ def label_logprobs(
         keep = _takes_logits_to_keep(model)
         out[rows, cols] = sharded_logprobs(model, inputs, index, labels, sp, keep_logits=keep)[0]
         return out
-    if layout == "padded":
+    if images is not None:
+        tokens = VisionTokens.from_config(model.config)
+        logits = model(**vision_model_inputs(tokens, input_ids, attention_mask, images)).logits
+        picked = logits[rows, cols - 1]
+    elif layout == "padded":
         logits = model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -113,6 +122,7 @@ def sequence_logprobs(
     attention_mask: torch.Tensor,
     label_mask: torch.Tensor,
     layout: Layout = "padded",
+    images: ImageBatch | None = None,
 ) -> torch.Tensor:
     """(N,) summed log-probs of each row's marked tokens (see :func:`label_logprobs`)."""
-    return label_logprobs(model, input_ids, attention_mask, label_mask, layout).sum(-1)
+    return label_logprobs(model, input_ids, attention_mask, label_mask, layout, images).sum(-1)

@@ -1,5 +1,11 @@
 """Load tokenizers, causal LMs (actor, reference) and scalar-head models (reward, critic).
 
+A vision-language checkpoint (its config has ``vision_config``) loads as
+``AutoModelForImageTextToText``: the same causal-LM contract (``logits``, ``logits_to_keep``,
+``get_output_embeddings``) plus the image inputs of ``models.vision``; its vision tower keeps
+HF's SDPA (non-causal attention over each image's patches) while the language model gets the
+trainer's attention.
+
 Scalar-head models are HF ``*ForSequenceClassification`` models with ``num_labels=1`` and the
 head named ``score``: the format ``AutoModelForSequenceClassification`` and vLLM load. Reward
 models written by OpenRLHF (head ``value_head``, or any ``--value_head_prefix``) are read too.
@@ -26,6 +32,7 @@ from fsdp_rlhf.config import BackendConfig
 from fsdp_rlhf.errors import UserError, reading
 from fsdp_rlhf.hf_config import has_linear_attention
 from fsdp_rlhf.models.attention import PADDED_ATTENTION, register_attention
+from fsdp_rlhf.models.vision import is_vision_config
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +102,11 @@ def check_sequence_parallel(
         if not path:
             continue
         check_model_path(path, flag)
+        if is_vision_language(path, trust_remote_code):
+            raise UserError(
+                f"--sequence_parallel_size {n}: {flag} {path} is a vision-language model: its "
+                "images and M-RoPE positions go through the model with whole rows (use 1)"
+            )
         cfg = text_config(path, trust_remote_code)
         heads = cfg.num_attention_heads
         kv = getattr(cfg, "num_key_value_heads", None) or heads
@@ -132,6 +144,15 @@ def load_tokenizer(
     return tok
 
 
+def is_vision_language(path: str, trust_remote_code: bool = False) -> bool:
+    """Whether ``path`` (a local folder or hub name) holds a vision-language model."""
+    from transformers import AutoConfig
+
+    with reading("model config", path):
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return is_vision_config(config)
+
+
 def _from_config(auto_cls, path: str, dtype: torch.dtype, attn: str, trust: bool, **config_kw):
     """``auto_cls``'s model for ``path`` on the meta device: shapes, names and ties as
     ``from_pretrained`` builds them, no storage."""
@@ -157,19 +178,26 @@ def load_causal_lm(
     weights: bool = True,
 ) -> nn.Module:
     """Load on the host in ``dtype`` (``weights=False``: the meta-device skeleton); ``device``
-    only picks the attention implementation."""
-    from transformers import AutoModelForCausalLM
+    only picks the attention implementation. A vision-language model loads whole (vision tower
+    included) as ``AutoModelForImageTextToText``."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     quiet_transformers()
     attn = attn_implementation(backend.flash_attn, device)
     trust = backend.trust_remote_code
-    with reading("causal LM", path):
+    auto, what, impl = AutoModelForCausalLM, "causal LM", attn
+    if is_vision_language(path, trust):
+        # the vision tower attends over each image's patches without a causal mask
+        tower = "flash_attention_2" if attn == "flash_attention_2" else "sdpa"
+        auto, what = AutoModelForImageTextToText, "vision-language model"
+        impl = {"text_config": attn, "vision_config": tower}
+    with reading(what, path):
         if weights:
-            model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=dtype, attn_implementation=attn, trust_remote_code=trust
+            model = auto.from_pretrained(
+                path, dtype=dtype, attn_implementation=impl, trust_remote_code=trust
             )
         else:
-            model = _from_config(AutoModelForCausalLM, path, dtype, attn, trust)
+            model = _from_config(auto, path, dtype, impl, trust)
     model.config.use_cache = False
     if backend.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -15,11 +15,15 @@ transformers-5 MoE models as if they named a transformers-4 adapter's modules (i
 ``convert_peft_config_for_transformers``, for loading such adapters): ``all-linear`` and any
 ``gate_proj``/``up_proj``/``down_proj`` then land on the fused (E, ...) expert tensors and the
 router weight instead of the Linear layers. Fresh adapters are injected without that rewrite.
+
+Vision-language models: the vision tower gets no adapters either; they go on the language model
+and the tower stays frozen.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -61,18 +65,29 @@ def adapter_file_name(name: str) -> str:
     return PEFT_PREFIX + name.replace(f".{ADAPTER}.", ".")
 
 
-def peft_config(cfg: LoraConfig, head: str | None = None, exclude: tuple[str, ...] = ()):
-    """peft's ``LoraConfig`` for ``cfg``; ``head`` (a scalar head) and the modules named in
-    ``exclude`` get no adapters."""
+def peft_config(
+    cfg: LoraConfig,
+    head: str | None = None,
+    exclude: tuple[str, ...] = (),
+    skip_prefix: str | None = None,
+):
+    """peft's ``LoraConfig`` for ``cfg``; ``head`` (a scalar head), the modules named in
+    ``exclude`` and every module under ``skip_prefix`` (a VLM's vision tower) get no
+    adapters."""
     from peft import LoraConfig as PeftLoraConfig
 
     targets = list(cfg.target_modules)
+    names = [*exclude, *([head] if head else [])]
+    exclude_modules = names or None
+    if skip_prefix:  # peft full-matches a string against each module's name
+        patterns = [re.escape(skip_prefix) + r"\..*"] + [re.escape(n) for n in names]
+        exclude_modules = "|".join(f"(?:{p})" for p in patterns)
     return PeftLoraConfig(
         r=cfg.lora_rank,
         lora_alpha=cfg.lora_alpha,
         lora_dropout=cfg.lora_dropout,
         target_modules="all-linear" if targets == ["all-linear"] else targets,
-        exclude_modules=[*exclude, *([head] if head else [])] or None,
+        exclude_modules=exclude_modules,
         bias="none",
     )
 
@@ -87,11 +102,14 @@ def add_lora(
     from peft import inject_adapter_in_model
 
     from fsdp_rlhf.models.moe import never_adapted
+    from fsdp_rlhf.models.vision import vision_prefix
 
     frozen = tuple(never_adapted(model))
     try:
         with _no_v4_target_rewrite(bool(frozen)):
-            inject_adapter_in_model(peft_config(cfg, head, frozen), model)
+            inject_adapter_in_model(
+                peft_config(cfg, head, frozen, skip_prefix=vision_prefix(model)), model
+            )
     except ValueError as e:  # peft: no module matched target_modules
         raise UserError(f"--target_modules {' '.join(cfg.target_modules)}: {e}") from None
     for name, p in model.named_parameters():
@@ -130,12 +148,15 @@ def _no_v4_target_rewrite(active: bool) -> Iterator[None]:
 def check_target_modules(path: str, cfg: LoraConfig, trust_remote_code: bool = False) -> None:
     """Preflight: inject into an empty (meta-device) copy of the model at ``path``, so that a
     ``--target_modules`` matching nothing fails in a second, before anything is loaded."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from fsdp_rlhf.models.vision import is_vision_config
 
     with reading("model config", path):
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    auto = AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        model = auto.from_config(config, trust_remote_code=trust_remote_code)
     add_lora(model, cfg, quiet=True)
 
 
@@ -152,12 +173,17 @@ def target_module_names(model: nn.Module) -> list[str]:
 
 
 def adapter_config(model: nn.Module, cfg: LoraConfig, base_path: str, head: str | None) -> dict:
-    """The ``adapter_config.json`` of this model's adapters (peft's format, also vLLM's)."""
-    out = peft_config(cfg, head).to_dict()
+    """The ``adapter_config.json`` of this model's adapters (peft's format, also vLLM's). A
+    VLM's adapter names its vision tower in ``exclude_modules``: the short target names
+    (``up_proj``) also name modules there."""
+    from fsdp_rlhf.models.vision import vision_prefix
+
+    tower = vision_prefix(model)
+    out = peft_config(cfg, head, tower).to_dict()
     out.update(
         base_model_name_or_path=base_path,
         target_modules=target_module_names(model),
-        exclude_modules=None,
+        exclude_modules=out["exclude_modules"] if tower else None,
         modules_to_save=[head] if head else None,
         task_type="SEQ_CLS" if head else "CAUSAL_LM",
         inference_mode=True,

@@ -47,6 +47,8 @@ def sharing_blocker(model: nn.Module, packed: bool) -> str | None:
     """Why this model's forwards cannot share prompts, or None when they can."""
     if packed:
         return "--packing_samples packs sequences instead"
+    if getattr(model.config, "vision_config", None) is not None:
+        return "a vision-language model's prompts carry images the shared prompt pass lacks"
     impl = base_attention(model)  # inside Ulysses when the model is sequence-parallel
     if impl != PADDED_ATTENTION:
         return f"the model's attention is {impl} (flash-attn's kernels take no shared prefix)"

@@ -14,6 +14,7 @@ from typing import Literal, Protocol
 import torch
 
 from fsdp_rlhf.config import RolloutConfig
+from fsdp_rlhf.models.vision import ImageInputs
 
 FinishReason = Literal["stop", "length"]
 WAKE_TAGS = ("weights", "kv_cache")
@@ -248,6 +249,17 @@ class TokenDelta:
     finish_reason: str | None
 
 
+@dataclass(frozen=True)
+class PromptImages:
+    """One prompt's images, in placeholder order, in the two forms the engines take: decoded
+    RGB images (vLLM runs the model's processor on them itself) and the trainer processor's
+    tensors (HF generate). The prompt ids handed to an engine are expanded: each image's
+    placeholder repeated as many times as the image has tokens (``data.vision``)."""
+
+    images: tuple
+    inputs: ImageInputs
+
+
 class CountingWeights:
     """Wraps a ``(name, tensor)`` stream and counts the bytes that went through it."""
 
@@ -290,9 +302,13 @@ class RolloutEngine(Protocol):
     """What trainers need from a generation engine. Every method is called on every rank."""
 
     def generate(
-        self, prompt_token_ids: list[list[int]], sampling: SamplingConfig
+        self,
+        prompt_token_ids: list[list[int]],
+        sampling: SamplingConfig,
+        images: Sequence[PromptImages | None] | None = None,
     ) -> RolloutOutput:
-        """Generate ``sampling.n`` responses per prompt for this rank's prompts."""
+        """Generate ``sampling.n`` responses per prompt for this rank's prompts (with a
+        vision-language model, ``images``: each prompt's images, or None for a text prompt)."""
         ...
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:

@@ -17,6 +17,7 @@ without sequence parallelism, on its own engine slice) and the group all-gathers
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,8 @@ from torch.distributed import ProcessGroup
 
 from fsdp_rlhf.distributed.sequence_parallel import SequenceParallel, gather_objects
 from fsdp_rlhf.rollout.engine import RolloutOutput, SamplingConfig
+
+T = TypeVar("T")
 
 
 def tp_blocks(world_size: int, tp_size: int) -> list[list[int]]:
@@ -87,9 +90,10 @@ def build_rollout_groups(tp_size: int) -> RolloutGroups:
 
 
 def gather_prompts(
-    groups: RolloutGroups, prompts: list[list[int]], sampling: SamplingConfig
-) -> tuple[list[list[int]], list[int]]:
-    """All prompts of this rank's engine, in rank order, and how many each rank sent.
+    groups: RolloutGroups, prompts: list[T], sampling: SamplingConfig
+) -> tuple[list[T], list[int]]:
+    """All prompts of this rank's engine, in rank order, and how many each rank sent (a
+    prompt is its token ids, or what else the engine needs with them: its images).
 
     The ranks of one engine must also sample alike: different settings (a stop token, n)
     would give them different schedules and the TP all-reduces would mix unrelated batches
@@ -97,7 +101,7 @@ def gather_prompts(
     """
     if groups.group is None:
         return prompts, [len(prompts)]
-    parts: list[tuple[list[list[int]], SamplingConfig] | None] = [None] * groups.tp_size
+    parts: list[tuple[list[T], SamplingConfig] | None] = [None] * groups.tp_size
     dist.all_gather_object(parts, (prompts, sampling), group=groups.group)
     settings = {part[1] for part in parts}
     if len(settings) > 1:

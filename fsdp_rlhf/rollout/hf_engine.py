@@ -6,12 +6,19 @@ against. Slow (no paged KV cache, no continuous batching) but needs nothing beyo
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 
-from fsdp_rlhf.rollout.engine import CountingWeights, RolloutOutput, SamplingConfig, pad_token_rows
+from fsdp_rlhf.models.vision import ImageBatch, VisionTokens
+from fsdp_rlhf.rollout.engine import (
+    CountingWeights,
+    PromptImages,
+    RolloutOutput,
+    SamplingConfig,
+    pad_token_rows,
+)
 from fsdp_rlhf.rollout.rng import GenerationRng
 
 
@@ -93,19 +100,48 @@ class HFEngine:
         pad_token_id: pad id of inputs and outputs.
         eos_token_ids: tokens that end a response (the same the vLLM engine stops on).
         seed: seed of this engine's generation RNG (kept apart from the training RNG).
+        vision: a vision-language model's tokens (its prompts may come with images).
+        unsynced: names of parameters a weight sync never sends (a frozen vision tower): they
+            keep the values the copy was loaded with.
     """
 
     def __init__(
-        self, model: nn.Module, *, pad_token_id: int, eos_token_ids: Sequence[int], seed: int
+        self,
+        model: nn.Module,
+        *,
+        pad_token_id: int,
+        eos_token_ids: Sequence[int],
+        seed: int,
+        vision: VisionTokens | None = None,
+        unsynced: Callable[[str], bool] | None = None,
     ) -> None:
         self.model = model.eval()
         self.pad_token_id = pad_token_id
         self.eos_token_ids = tuple(eos_token_ids)
         self._rng = GenerationRng(seed)
+        self.vision = vision
+        self.unsynced = unsynced or (lambda name: False)
+
+    def _image_kwargs(
+        self, images: Sequence[PromptImages | None] | None, n: int, ids: torch.Tensor
+    ) -> dict:
+        """The images of the prompt-major rows as ``generate`` kwargs ({} for text)."""
+        if images is None:
+            return {}
+        if self.vision is None:
+            raise ValueError("images given to the engine of a text-only model")
+        batch = ImageBatch.repeat([im.inputs if im else None for im in images], n)
+        mm = batch.model_kwargs(ids.device)
+        if not mm:
+            return {}
+        return {**mm, "mm_token_type_ids": self.vision.token_types(ids)}
 
     @torch.no_grad()
     def generate(
-        self, prompt_token_ids: list[list[int]], sampling: SamplingConfig
+        self,
+        prompt_token_ids: list[list[int]],
+        sampling: SamplingConfig,
+        images: Sequence[PromptImages | None] | None = None,
     ) -> RolloutOutput:
         rows = [p for p in prompt_token_ids for _ in range(sampling.n)]  # prompt-major
         if not rows:
@@ -115,9 +151,11 @@ class HFEngine:
         ids, mask = pad_token_rows(rows, self.pad_token_id, left=True)
         stop_ids = self.eos_token_ids + tuple(sampling.stop_token_ids)
         cfg = generation_config(sampling, stop_ids, self.pad_token_id)
+        ids, mask = ids.to(device), mask.to(device)
+        extra = self._image_kwargs(images, sampling.n, ids)
         with self._rng.active():
             out = self.model.generate(
-                input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=cfg
+                input_ids=ids, attention_mask=mask, generation_config=cfg, **extra
             )
         tokens = out.sequences[:, ids.shape[1] :]
         responses, reasons = trim_at_stop(tokens, stop_ids)
@@ -143,7 +181,7 @@ class HFEngine:
                 raise KeyError(f"update_weights: {name} is not a parameter of the HF engine model")
             params[name].copy_(tensor)
             seen.add(name)
-        missing = {n for n, _ in self.model.named_parameters()} - seen
+        missing = {n for n, _ in self.model.named_parameters() if not self.unsynced(n)} - seen
         if missing:
             raise ValueError(
                 f"update_weights: no weights for {sorted(missing)[:5]} "

@@ -83,6 +83,17 @@ MOE_CALLS: Calls = {
     ),
 }
 
+# Vision-language models: after a weight update the encoder outputs cached per image are stale
+# (the scheduler's record of them and the runner's tensors both go).
+VISION_CALLS: Calls = {
+    "LLMEngine.reset_encoder_cache": (
+        "vllm.v1.engine.llm_engine",
+        "LLMEngine",
+        "reset_encoder_cache",
+        (),
+    ),
+}
+
 # rollout/vllm_lora.py: adapters built from tensors in memory.
 LORA_CALLS: Calls = {
     "LoRAModel.from_lora_tensors": (

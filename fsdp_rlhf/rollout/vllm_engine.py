@@ -36,11 +36,14 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 from vllm.sampling_params import RequestOutputKind  # noqa: E402
 
 from fsdp_rlhf.config import RolloutConfig  # noqa: E402
+from fsdp_rlhf.data.vision import collapse_runs  # noqa: E402
 from fsdp_rlhf.hf_config import config_num_experts, has_linear_attention, head_dim  # noqa: E402
+from fsdp_rlhf.models.vision import VisionTokens  # noqa: E402
 from fsdp_rlhf.rollout import vllm_lora, vllm_moe  # noqa: E402
 from fsdp_rlhf.rollout.engine import (  # noqa: E402
     AdapterSpec,
     CountingWeights,
+    PromptImages,
     RolloutOutput,
     SamplingConfig,
     TokenDelta,
@@ -58,6 +61,7 @@ from fsdp_rlhf.rollout.vllm_api import (  # noqa: E402
     ENGINE_CALLS,
     MOE_CALLS,
     STREAMING_CALLS,
+    VISION_CALLS,
     check_calls,
 )
 
@@ -69,6 +73,10 @@ log = logging.getLogger(__name__)
 SUPPORTED_VLLM = ((0, 26), (0, 33))
 TESTED_VLLM_VERSIONS = ("0.26.0", "0.32.0")
 GiB = 1 << 30
+# vLLM clamps logit biases to [-100, 100]: e^-100 relative to the other logits is below fp32's
+# smallest normal number, so a biased token's probability is 0, as under the trainer's floor
+# (models.vision.SUPPRESSED_LOGIT)
+SUPPRESS_BIAS = -100.0
 # CPU KV-cache sizing when not configured: room for this many full-length sequences at once.
 CPU_KV_CONCURRENT_SEQS = 32
 CPU_MAX_NUM_SEQS = 256  # sequences per scheduler step on CPU (vLLM's default)
@@ -80,7 +88,7 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 
 
 def check_vllm_internals(
-    lora: bool = False, streaming: bool = False, router_replay: bool = False
+    lora: bool = False, streaming: bool = False, router_replay: bool = False, vision: bool = False
 ) -> str:
     """Raise if a vLLM API this adapter relies on is missing or changed; returns the version.
 
@@ -89,9 +97,10 @@ def check_vllm_internals(
     subclass them), the in-process external-launcher executor and engine client (``close``),
     the ``LLM`` methods used here, with ``lora`` the adapter APIs of
     :mod:`fsdp_rlhf.rollout.vllm_lora`, with ``streaming`` (asynchronous training) the
-    step-by-step engine calls (``vllm_api.STREAMING_CALLS``), and with ``router_replay`` on CPU
-    those of :mod:`fsdp_rlhf.rollout.vllm_moe` (``vllm_api.MOE_CALLS``). A version outside
-    ``SUPPORTED_VLLM`` is only warned about: these checks, not the number, decide.
+    step-by-step engine calls (``vllm_api.STREAMING_CALLS``), with ``router_replay`` on CPU
+    those of :mod:`fsdp_rlhf.rollout.vllm_moe` (``vllm_api.MOE_CALLS``), and with ``vision``
+    the encoder-cache reset. A version outside ``SUPPORTED_VLLM`` is only warned about: these
+    checks, not the number, decide.
     """
     problems = check_calls(ENGINE_CALLS)
     if lora:
@@ -100,6 +109,8 @@ def check_vllm_internals(
         problems += check_calls(STREAMING_CALLS)
     if router_replay and not torch.cuda.is_available():
         problems += check_calls(MOE_CALLS)
+    if vision:
+        problems += check_calls(VISION_CALLS)
     low, high = SUPPORTED_VLLM
     supported = f"{low[0]}.{low[1]} to {high[0]}.{high[1]}"
     if problems:
@@ -292,10 +303,12 @@ def engine_kwargs(
     trust_remote_code: bool,
     lora_rank: int = 0,
     router_replay: bool = False,
+    max_images: int = 0,
 ) -> dict:
     """Arguments of ``vllm.LLM`` for one colocated engine (serving adapters up to
     ``lora_rank`` when > 0; recording routed experts with ``router_replay``: vLLM's own capture
-    on CUDA, this adapter's hooks on CPU, which need the eager model)."""
+    on CUDA, this adapter's hooks on CPU, which need the eager model; taking up to
+    ``max_images`` images per prompt when > 0)."""
     max_model_len = prompt_max_len + cfg.generate_max_len
     kwargs = dict(
         model=model_path,
@@ -319,6 +332,8 @@ def engine_kwargs(
         kwargs["enable_return_routed_experts"] = True
     elif router_replay:
         kwargs["enforce_eager"] = True
+    if max_images > 0:
+        kwargs["limit_mm_per_prompt"] = {"image": max_images, "video": 0}
     if torch.cuda.is_available():
         if cfg.vllm_gpu_memory_utilization is None:
             raise ValueError("vllm_gpu_memory_utilization unresolved (memory_plan chooses it)")
@@ -373,9 +388,14 @@ def request_seed(seed: int, engine_index: int, prompt_index: int) -> int:
 
 
 def sampling_params(
-    sampling: SamplingConfig, seed: int | None, max_tokens: int | None = None
+    sampling: SamplingConfig,
+    seed: int | None,
+    max_tokens: int | None = None,
+    suppressed: tuple[int, ...] = (),
 ) -> SamplingParams:
+    """``suppressed``: tokens the policy never samples (a VLM's image placeholders)."""
     return SamplingParams(
+        logit_bias={t: SUPPRESS_BIAS for t in suppressed} or None,
         n=sampling.n,
         max_tokens=max_tokens or sampling.max_new_tokens,
         temperature=0.0 if sampling.is_greedy else sampling.temperature,
@@ -401,13 +421,23 @@ def to_rollout_output(
     request_outputs,
     sampling: SamplingConfig,
     pad_id: int,
+    expected: list[list[int]] | None = None,
     routing: list[np.ndarray] | None = None,
     routing_store: torch.dtype = torch.uint8,
 ) -> RolloutOutput:
     """vLLM ``RequestOutput``s (one per prompt) -> prompt-major RolloutOutput; ``routing``
-    (one array per completion, in the same order) becomes its ``routed_experts``."""
+    (one array per completion, in the same order) becomes its ``routed_experts``.
+
+    ``expected``: the prompts as the trainer holds them; vLLM's must be the same (with images:
+    vLLM expanded each placeholder itself, with its own copy of the processor)."""
     prompts, responses, reasons, logprobs = [], [], [], []
-    for req in request_outputs:
+    for i, req in enumerate(request_outputs):
+        if expected is not None and list(req.prompt_token_ids) != expected[i]:
+            raise RuntimeError(
+                f"vLLM's prompt has {len(req.prompt_token_ids)} tokens where the trainer's has "
+                f"{len(expected[i])}: vLLM expanded the image placeholders differently from the "
+                "trainer's processor (are their image processor settings the same?)"
+            )
         if len(req.outputs) != sampling.n:
             raise RuntimeError(f"vLLM returned {len(req.outputs)} samples, asked {sampling.n}")
         for comp in sorted(req.outputs, key=lambda c: c.index):
@@ -496,10 +526,17 @@ class VLLMEngine:
         lora_rank: int = 0,
         streaming: bool = False,
         router_replay: bool = False,
+        vision: VisionTokens | None = None,
+        max_images: int = 0,
     ) -> None:
         self.version = check_vllm_internals(
-            lora=lora_rank > 0, streaming=streaming, router_replay=router_replay
+            lora=lora_rank > 0,
+            streaming=streaming,
+            router_replay=router_replay,
+            vision=vision is not None,
         )
+        self.vision = vision  # a vision-language model's tokens: images go with the prompts
+        self.suppressed = vision.placeholders if vision is not None else ()
         _check_layout(cfg, groups)
         self.groups = groups
         self.dtype = dtype
@@ -522,6 +559,7 @@ class VLLMEngine:
             trust_remote_code=trust_remote_code,
             lora_rank=lora_rank,
             router_replay=router_replay,
+            max_images=max_images if vision is not None else 0,
         )
         if not torch.cuda.is_available():
             _cpu_compile_cache()
@@ -566,31 +604,42 @@ class VLLMEngine:
         return _Routing(recorder.layers, store, recorder)
 
     def generate(
-        self, prompt_token_ids: list[list[int]], sampling: SamplingConfig
+        self,
+        prompt_token_ids: list[list[int]],
+        sampling: SamplingConfig,
+        images: list[PromptImages | None] | None = None,
     ) -> RolloutOutput:
         """Responses for this rank's prompts. Collective over the TP block: the block generates
-        for all its ranks' prompts and each rank keeps its own rows."""
+        for all its ranks' prompts and each rank keeps its own rows.
+
+        ``images`` (a vision-language model): each prompt's images; its ids are expanded (one
+        placeholder per image token) and each run of placeholders goes to vLLM as one, which
+        vLLM expands again with the model's processor."""
         self._sleep.check_ready()
         if self._adapter_dropped:
             raise RuntimeError(
                 "update_weights dropped the LoRA adapter vLLM was serving: update_adapter must "
                 "follow before generate (else the base model would answer)"
             )
-        prompts, counts = gather_prompts(self.groups, prompt_token_ids, sampling)
+        if images is not None and self.vision is None:
+            raise ValueError("images given to the engine of a text-only model")
+        items = list(zip(prompt_token_ids, images or [None] * len(prompt_token_ids), strict=True))
+        gathered, counts = gather_prompts(self.groups, items, sampling)
         start, stop = own_prompt_range(counts, self.groups.rank_in_engine)
         seeded = sampling.seed is not None and not sampling.is_greedy
         if not seeded and sampling.max_total_len is None:
-            params = sampling_params(sampling, None)
+            params = sampling_params(sampling, None, suppressed=self.suppressed)
         else:  # one request each: its own seed and/or its own token budget
             params = [
                 sampling_params(
                     sampling,
                     request_seed(sampling.seed, self.groups.engine_index, i) if seeded else None,
                     sampling.budget(len(p)),
+                    suppressed=self.suppressed,
                 )
-                for i, p in enumerate(prompts)
+                for i, (p, _) in enumerate(gathered)
             ]
-        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        requests = [self._request(ids, img) for ids, img in gathered]
         outputs = []
         recorder = self._routing.recorder if self._routing is not None else None
         if recorder is not None:
@@ -607,16 +656,26 @@ class VLLMEngine:
         finally:
             if recorder is not None:
                 recorder.armed = False
+        expected = [list(ids) for ids, _ in gathered[start:stop]] if self.vision else None
         if self._routing is None:
-            return to_rollout_output(outputs[start:stop], sampling, self.pad_token_id)
+            return to_rollout_output(outputs[start:stop], sampling, self.pad_token_id, expected)
         routing = self._routed_experts(outputs)
         n = sampling.n
         return to_rollout_output(
             outputs[start:stop],
             sampling,
             self.pad_token_id,
+            expected,
             routing=routing[start * n : stop * n],
             routing_store=self._routing.store,
+        )
+
+    def _request(self, ids: list[int], images: PromptImages | None) -> TokensPrompt:
+        if images is None:
+            return TokensPrompt(prompt_token_ids=ids)
+        return TokensPrompt(
+            prompt_token_ids=collapse_runs(ids, self.vision.image),
+            multi_modal_data={"image": list(images.images)},
         )
 
     def _routed_experts(self, outputs) -> list[np.ndarray]:
@@ -642,11 +701,14 @@ class VLLMEngine:
         self._sleep.on_weight_update()
         counted = CountingWeights(weights)
         _reload_weights_inplace(self.llm, counted)
-        # cached prefixes hold KV computed with the old weights
+        # cached prefixes hold KV computed with the old weights, and cached image encodings
+        # come from the old vision tower
         if in_flight:
             self.llm.reset_prefix_cache(reset_running_requests=True)
         else:
             self.llm.reset_prefix_cache()
+        if self.vision is not None:
+            self.llm.llm_engine.reset_encoder_cache()
         if self._lora_id:
             # both runners' reload_weights drop every adapter (reset_lora_state): naming the
             # old id would make the worker look for it at its placeholder path

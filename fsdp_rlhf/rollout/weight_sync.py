@@ -63,17 +63,25 @@ def tied_head_alias(actor: nn.Module) -> dict[str, str]:
     return {f"{embed}.weight": f"{head}.weight"}
 
 
+def _kept(skip: Callable[[str], bool] | None) -> Callable[[str], bool] | None:
+    """``iter_full_params``' filter from a predicate on HF names (None: every parameter)."""
+    if skip is None:
+        return None
+    return lambda name: not skip(hf_param_name(name))
+
+
 def stream_actor_weights(
-    actor: nn.Module, dtype: torch.dtype
+    actor: nn.Module, dtype: torch.dtype, skip: Callable[[str], bool] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full tensor in dtype)`` for every actor parameter (gathered bucket by
-    bucket); a tied embedding is yielded a second time under the LM head's name (same tensor, no
-    copy).
+    bucket), but those whose HF name ``skip`` accepts (a frozen vision tower: the engine keeps
+    the copy it loaded); a tied embedding is yielded a second time under the LM head's name
+    (same tensor, no copy).
 
     Collective: every rank must consume the whole iterator, in step.
     """
     alias = tied_head_alias(actor)
-    for name, tensor in iter_full_params(actor, dtype):
+    for name, tensor in iter_full_params(actor, dtype, include=_kept(skip)):
         hf_name = hf_param_name(name)
         yield hf_name, tensor
         if hf_name in alias:
@@ -81,7 +89,10 @@ def stream_actor_weights(
 
 
 def stream_merged_weights(
-    actor: nn.Module, dtype: torch.dtype, lora_scaling: float
+    actor: nn.Module,
+    dtype: torch.dtype,
+    lora_scaling: float,
+    skip: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``stream_actor_weights`` of a LoRA actor with its adapters merged in: each adapted weight
     is yielded once, as ``W + lora_scaling * B @ A`` (computed in fp32) under its HF name, and
@@ -91,7 +102,7 @@ def stream_merged_weights(
     """
     alias = tied_head_alias(actor)
     held: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in iter_full_params(actor, dtype):
+    for name, tensor in iter_full_params(actor, dtype, include=_kept(skip)):
         hf_name = hf_param_name(name)
         part = _lora_part(hf_name)
         if part is None:
@@ -124,18 +135,23 @@ def _lora_part(hf_name: str) -> tuple[str, str] | None:
 
 
 def sync_weights(
-    actor: nn.Module, engine: RolloutEngine, dtype: torch.dtype, lora_scaling: float | None = None
+    actor: nn.Module,
+    engine: RolloutEngine,
+    dtype: torch.dtype,
+    lora_scaling: float | None = None,
+    skip: Callable[[str], bool] | None = None,
 ) -> SyncStats:
     """Wake the engine's weights, stream the actor into it (with its LoRA adapters merged in
-    when ``lora_scaling`` is given), then wake its KV cache.
+    when ``lora_scaling`` is given; without the parameters ``skip`` names, which never
+    change), then wake its KV cache.
 
     The KV cache comes back only after the sync so it never coexists with the gathered tensors
     (the colocated OOM pattern). Returns bytes and seconds of the whole step.
     """
     if lora_scaling is None:
-        weights = stream_actor_weights(actor, dtype)
+        weights = stream_actor_weights(actor, dtype, skip)
     else:
-        weights = stream_merged_weights(actor, dtype, lora_scaling)
+        weights = stream_merged_weights(actor, dtype, lora_scaling, skip)
     return _timed_load(engine, lambda: engine.update_weights(weights))
 
 

@@ -32,13 +32,23 @@ WORDS = (
 ).split()
 
 
-def synthetic_corpus(n_lines: int = 2000, seed: int = 0) -> list[str]:
+def synthetic_corpus(
+    n_lines: int = 2000, seed: int = 0, words: tuple[str, ...] | list[str] = WORDS
+) -> list[str]:
     rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 16))) for _ in range(n_lines)]
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(4, 16))) for _ in range(n_lines)]
 
 
-def build_tokenizer(out_dir: str | Path, vocab_size: int = 512):
-    """Train a byte-level BPE tokenizer on synthetic text; save it with a chat template."""
+def build_tokenizer(
+    out_dir: str | Path,
+    vocab_size: int = 512,
+    *,
+    special_tokens: list[str] = SPECIAL_TOKENS,
+    words: tuple[str, ...] | list[str] = WORDS,
+    chat_template: str = CHAT_TEMPLATE,
+):
+    """Train a byte-level BPE tokenizer on synthetic text of ``words``; save it with a chat
+    template. ``special_tokens`` start with pad and EOS, as ``SPECIAL_TOKENS`` do."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -47,18 +57,18 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(synthetic_corpus(), trainer=trainer)
+    tok.train_from_iterator(synthetic_corpus(words=words), trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        pad_token="<pad>",
-        eos_token="<|endoftext|>",
+        pad_token=special_tokens[0],
+        eos_token=special_tokens[1],
         bos_token=None,
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        additional_special_tokens=special_tokens[2:],
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     fast.save_pretrained(str(out_dir))
     return fast
 

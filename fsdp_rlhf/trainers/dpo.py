@@ -20,13 +20,14 @@ Metric names are TRL's and OpenRLHF's: ``rewards/chosen`` ... ``logps/rejected``
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import torch
 from torch import nn
 
 from fsdp_rlhf.algorithms import preference_loss
 from fsdp_rlhf.config import DPOConfig, OfflineBatchPlan
-from fsdp_rlhf.data.preference import PairBatch
+from fsdp_rlhf.data.preference import PairBatch, collate_pairs
 from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars
 from fsdp_rlhf.distributed.fsdp import accumulate
 from fsdp_rlhf.distributed.offload import offload_model, onload_model
@@ -75,7 +76,8 @@ def pair_logps(
 ) -> torch.Tensor:
     """(2B,) summed response log-probs, B chosen then B rejected (fp32)."""
     ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
-    return sequence_logprobs(model, ids, mask, response_mask(batch).to(device), layout)
+    learned = response_mask(batch).to(device)
+    return sequence_logprobs(model, ids, mask, learned, layout, batch.images)
 
 
 class DPOTrainer(OfflineTrainer):
@@ -93,7 +95,8 @@ class DPOTrainer(OfflineTrainer):
         if self.ref is not None and cfg.model.ref_offload:
             offload_model(self.ref, env.device)
         self.layout: Layout = pair_layout(model, cfg.batch)
-        super().__init__(cfg, env, plan, data, model, guard_name="policy")
+        collate = partial(collate_pairs, vision=data.vision)
+        super().__init__(cfg, env, plan, data, model, collate=collate, guard_name="policy")
 
     @torch.no_grad()
     def reference_logps(self, batches: list[PairBatch]) -> list[torch.Tensor]:

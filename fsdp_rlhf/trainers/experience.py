@@ -1,7 +1,8 @@
 """The per-rank batch of one PPO step: built from the rollout, filled by no-grad forwards.
 
 Shapes: N sequences on this rank, P prompt tokens (left-padded), T response tokens
-(right-padded). ``input_ids = [prompt | response]`` is (N, P + T).
+(right-padded). ``input_ids = [prompt | response]`` is (N, P + T). With a vision-language
+model each row also carries its images (``images``), picked with the row by every split.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch import nn
 
 from fsdp_rlhf.models.forward import response_logprobs, sequence_scores, token_values
 from fsdp_rlhf.models.moe import MoEHooks, routing_scope
+from fsdp_rlhf.models.vision import ImageBatch
 from fsdp_rlhf.rollout.engine import RolloutOutput
 from fsdp_rlhf.trainers.micro_batches import MicroBatching
 
@@ -36,6 +38,7 @@ class Experience:
     returns: torch.Tensor | None = None  # (N, T)
     # (N, P+T, Lm, k) the engine's experts per token and MoE layer (--router_replay)
     routed_experts: torch.Tensor | None = None
+    images: ImageBatch | None = None  # N rows' images (a vision-language model)
 
     @property
     def num_sequences(self) -> int:
@@ -75,7 +78,7 @@ class Experience:
             cut["routed_experts"] = self.routed_experts[:, start : P + keep]
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name not in cut and value is not None and value.ndim == 2:
+            if f.name not in cut and isinstance(value, torch.Tensor) and value.ndim == 2:
                 cut[f.name] = value[:, :keep]
         return replace(self, **cut)
 
@@ -141,6 +144,7 @@ def batched_logprobs(
                 temperature=temperature,
                 packed=packed,
                 group_size=group_size,
+                images=mb.images,
             )
         if rows is not None:
             out[rows, : mb.response_len] = lp

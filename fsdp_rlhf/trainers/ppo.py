@@ -30,7 +30,7 @@ from fsdp_rlhf.distributed.offload import (
 )
 from fsdp_rlhf.distributed.sequence_parallel import layout as sequence_parallel_layout
 from fsdp_rlhf.metrics import PhaseTimer
-from fsdp_rlhf.models.load import load_tokenizer
+from fsdp_rlhf.models.load import is_vision_language, load_tokenizer
 from fsdp_rlhf.models.lora import adapters_disabled
 from fsdp_rlhf.models.moe import MoEHooks
 from fsdp_rlhf.models.save import save_model
@@ -79,6 +79,7 @@ from fsdp_rlhf.trainers.ppo_setup import (
     offload_idle,
     prepare,
     prompt_group_size,
+    unsynced_params,
 )
 from fsdp_rlhf.trainers.ppo_update import (
     TrainedModel,
@@ -88,6 +89,7 @@ from fsdp_rlhf.trainers.ppo_update import (
     update_critic,
     update_generator,
 )
+from fsdp_rlhf.trainers.ppo_vision import StepImages, check_responses, image_limit
 
 log = logging.getLogger("fsdp_rlhf")
 
@@ -117,13 +119,17 @@ class PPOTrainer:
         self.plan, rows = prepared
         common.write_run_config(cfg, env)
         tokenizer = load_tokenizer(cfg.models.pretrain, cfg.backend)
-        engine = self.start_engine(tokenizer)
+        # a vision-language actor: its processor decodes each step's images (None: text)
+        self.images = None
+        if is_vision_language(cfg.models.pretrain, cfg.backend.trust_remote_code):
+            self.images = StepImages.from_pretrained(cfg.models.pretrain, cfg.backend)
+        engine = self.start_engine(tokenizer, image_limit(cfg.vision, rows))
         # after the engine, which seeds torch per engine: fresh heads must match on all ranks
         torch.manual_seed(cfg.seed)
         self.models = build_models(cfg, env, tokenizer)
         # an MoE actor: router replay, routing statistics, the load-balancing loss
         self.moe = MoEHooks.attach(self.models.actor)
-        self.prompts = build_prompts(cfg, rows, tokenizer)
+        self.prompts = build_prompts(cfg, rows, tokenizer, self.images)
         # the ranks of a sequence-parallel group draw the same prompts (their data shard)
         self.sp = sequence_parallel_layout()
         self.sampler = PromptSampler(
@@ -160,7 +166,7 @@ class PPOTrainer:
                 f"; x {self.sp.size} per sequence-parallel micro-batch" if self.sp.enabled else "",
             )
         self.kl_ctl = build_kl_controller(cfg.algo)
-        self.evaluator = build_evaluator(cfg, env, tokenizer, self.sp)
+        self.evaluator = build_evaluator(cfg, env, tokenizer, self.sp, self.images)
         self.timer = PhaseTimer(env.device)
         self.rollout_session = None if engine is None else self._session(engine)
         self.multiturn = build_multiturn(cfg, tokenizer, self.timer)  # None: single turn
@@ -185,14 +191,14 @@ class PPOTrainer:
             self.sp.size,
         )
 
-    def start_engine(self, tokenizer) -> RolloutEngine | None:
+    def start_engine(self, tokenizer, max_images: int = 1) -> RolloutEngine | None:
         """This rank's rollout engine, asleep (None: the rank generates nothing, as the
-        training ranks of ``--async_train``).
+        training ranks of ``--async_train``); ``max_images`` per prompt (a VLM).
 
         The engine first, then to sleep: vLLM sizes its memory from what is free when it
         starts, so with four resident models it would refuse to start (TRL's colocate order).
         """
-        engine = build_engine(self.cfg, self.env, tokenizer)
+        engine = build_engine(self.cfg, self.env, tokenizer, max_images)
         engine.sleep()
         log.info("rollout engine started and asleep; loading the models")
         return engine
@@ -208,6 +214,7 @@ class PPOTrainer:
             sleep_drops_weights=sleep_drops_weights(self.cfg, self.env.device),
             adapter=adapter_spec(self.cfg, self.models.actor),
             lora_scaling=merged_lora_scaling(self.cfg),
+            unsynced=unsynced_params(self.cfg, self.models.actor),
         )
 
     def _trained_models(self) -> common.TrainedModels:
@@ -317,9 +324,14 @@ class PPOTrainer:
     ) -> tuple[Experience, dict[str, float]]:
         metrics: dict[str, float] = {}
         sampling = sampling_config(self.cfg, self.step, round_)
-        env_scores = None
-        if self.multiturn is None:
-            out = self.generate([p.ids for p in prompts], sampling, metrics)
+        env_scores = images = None
+        if self.images is not None:  # a VLM: each prompt's images, expanded prompt ids
+            ids, prompt_images = self.images.encode(prompts)
+            out = self.rollout_session.generate(ids, sampling, metrics, images=prompt_images)
+            images = StepImages.rows(prompt_images, sampling.n)
+            check_responses(out, self.images.vision.tokens)
+        elif self.multiturn is None:
+            out = self.generate(prompts, sampling, metrics)
         else:  # --env_file: the environment's rewards are the scores
             out, env_scores = multiturn_rollout(
                 self.multiturn,
@@ -331,24 +343,13 @@ class PPOTrainer:
             )
             out, env_scores = gather_rollouts(out, self.sp, self.pad_id, env_scores)
         exp = experience_from_rollout(out, self.env.device)
+        exp.images = images
         exp.scores = env_scores.to(self.env.device) if env_scores is not None else None
         # reduced with the step's other statistics: a collective here would make each rank
         # wait for the slowest one's generation before scoring (with sequence parallelism the
         # group's ranks hold the same rows: the mean over copies is the same)
         add_rollout_stats(stats, out)
         return exp, metrics
-
-    def generate(
-        self,
-        prompt_ids: list[list[int]],
-        sampling: SamplingConfig,
-        metrics: dict[str, float] | None = None,
-        phase: str = "rollout",
-    ) -> RolloutOutput:
-        """Responses for this rank's data shard. With sequence parallelism each rank of a group
-        generates its share of the group's prompts and every rank gets all the group's rows."""
-        out = self.rollout_session.generate(self.sp.share(prompt_ids), sampling, metrics, phase)
-        return gather_rollouts(out, self.sp, self.pad_id)[0]
 
     @property
     def pad_id(self) -> int:
@@ -480,6 +481,23 @@ class PPOTrainer:
             )
         return metrics
 
+    def generate(
+        self,
+        prompts: list[Prompt],
+        sampling: SamplingConfig,
+        metrics: dict[str, float] | None = None,
+        phase: str = "rollout",
+    ) -> RolloutOutput:
+        """Responses to this rank's data shard of ``prompts`` (with their images, for a VLM).
+        With sequence parallelism each rank of a group generates its share of the group's
+        prompts and every rank gets all the group's rows (VLMs refuse sequence parallelism)."""
+        if self.images is not None:
+            ids, images = self.images.encode(prompts)
+            return self.rollout_session.generate(ids, sampling, metrics, phase, images=images)
+        ids = [p.ids for p in prompts]
+        out = self.rollout_session.generate(self.sp.share(ids), sampling, metrics, phase)
+        return gather_rollouts(out, self.sp, self.pad_id)[0]
+
     # ------------------------------------------------------------------ i/o
 
     def maybe_log_samples(self, exp: Experience, prompts: list[Prompt]) -> None:
@@ -550,10 +568,14 @@ class PPOTrainer:
             self._export(self.models.critic, path / "critic", head="score")
 
     def _export(self, model: nn.Module, path, head: str | None = None) -> None:
-        """The HF model, or with LoRA its adapter folder (and the merged model if asked)."""
+        """The HF model, or with LoRA its adapter folder (and the merged model if asked); a
+        VLM's processor (image processor, tokenizer, chat template) goes with the actor."""
         m = self.cfg.models
         base = m.pretrain if head is None else (m.critic_pretrain or m.reward_pretrain)
-        save_model(model, self.models.tokenizer, path, self.cfg.lora, base_path=base, head=head)
+        processor = self.models.tokenizer
+        if self.images is not None and head is None:
+            processor = self.images.vision.processor
+        save_model(model, processor, path, self.cfg.lora, base_path=base, head=head)
 
     def close(self) -> None:
         self.logger.close()

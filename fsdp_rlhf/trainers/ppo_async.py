@@ -130,7 +130,7 @@ class AsyncLearner(PPOTrainer):
 
     # ------------------------------------------------------------------ the trainer's hooks
 
-    def start_engine(self, tokenizer) -> None:
+    def start_engine(self, tokenizer, max_images: int = 1) -> None:
         return None  # the rollout ranks hold the engines
 
     def draw_prompts(self) -> list[Prompt]:

@@ -30,6 +30,7 @@ from fsdp_rlhf.config import PPOAlgoConfig
 from fsdp_rlhf.data.prompts import Prompt
 from fsdp_rlhf.distributed.env import all_reduce_scalars
 from fsdp_rlhf.distributed.sequence_parallel import data_group
+from fsdp_rlhf.models.vision import ImageBatch
 from fsdp_rlhf.rollout.routing import no_expert
 from fsdp_rlhf.trainers.experience import Experience
 
@@ -63,6 +64,9 @@ def concat_experiences(parts: list[Experience], pad_id: int) -> Experience:
             value = getattr(e, f.name)
             if value is None:
                 continue
+            if isinstance(value, ImageBatch):
+                out.setdefault(f.name, []).append(value)
+                continue
             if f.name in ("input_ids", "attention_mask"):
                 pad = pad_id if f.name == "input_ids" else 0
                 value = F.pad(value, (left, right), value=pad)
@@ -71,7 +75,11 @@ def concat_experiences(parts: list[Experience], pad_id: int) -> Experience:
             elif value.dim() == 2:  # (N, T) per-token field
                 value = F.pad(value, (0, right), value=0)
             out.setdefault(f.name, []).append(value)
-    return replace(parts[0], **{name: torch.cat(values) for name, values in out.items()})
+
+    def cat(values: list) -> torch.Tensor | ImageBatch:
+        return ImageBatch.cat(values) if isinstance(values[0], ImageBatch) else torch.cat(values)
+
+    return replace(parts[0], **{name: cat(values) for name, values in out.items()})
 
 
 @dataclass

@@ -45,7 +45,7 @@ log = logging.getLogger("fsdp_rlhf")
 BEST_DIR, BEST_FILE = "best", "best_metric.json"
 EVAL_SEED = 20_251_122  # the same seed every evaluation: steps are compared on equal draws
 
-Generate = Callable[..., RolloutOutput]  # (prompt_ids, sampling, metrics, phase)
+Generate = Callable[..., RolloutOutput]  # (prompts, sampling, metrics, phase)
 Score = Callable[[Experience, list[Prompt], int], None]  # fills exp.scores
 
 
@@ -162,7 +162,7 @@ class Evaluator:
 
     def _scores(self, generate: Generate, score: Score, greedy: bool) -> torch.Tensor:
         sampling = self._sampling(greedy)
-        out = generate([p.ids for p in self.prompts], sampling, None, "eval")
+        out = generate(self.prompts, sampling, None, "eval")
         exp = experience_from_rollout(out, self.env.device)
         score(exp, self.prompts, sampling.n)
         return exp.scores.reshape(len(self.prompts), sampling.n)
@@ -223,11 +223,14 @@ class Evaluator:
 
 
 def build_evaluator(
-    cfg: PPOConfig, env: DistEnv, tokenizer, sp: SequenceParallel | None = None
+    cfg: PPOConfig, env: DistEnv, tokenizer, sp: SequenceParallel | None = None, images=None
 ) -> Evaluator | None:
+    """``images``: a VLM's ``ppo_vision.StepImages`` (eval prompts may hold images)."""
     if cfg.eval.eval_dataset is None:
         return None
-    prompts = tokenize_prompts(load_eval_rows(cfg), tokenizer, cfg.data)
+    vision = images.vision if images is not None else None
+    rows = load_eval_rows(cfg)
+    prompts = tokenize_prompts(rows, tokenizer, cfg.data, vision, cfg.vision.image_key)
     if not prompts:
         raise UserError(f"--eval_dataset {cfg.eval.eval_dataset}: no non-empty prompts")
     return Evaluator(cfg, env, prompts, sp)

@@ -7,7 +7,7 @@ and the actor's Adam state leaves the device while the engine is awake.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -24,6 +24,7 @@ from fsdp_rlhf.rollout import (
     sync_adapter,
     sync_weights,
 )
+from fsdp_rlhf.rollout.engine import PromptImages
 
 
 class RolloutSession:
@@ -33,7 +34,8 @@ class RolloutSession:
     ``generate`` syncs before sampling. At sleep level 2 on CUDA the engine drops its weights
     when it sleeps, so every wake-up syncs. With ``adapter`` (LoRA) a sync moves only the
     adapters; the engine keeps the base it loaded. With ``lora_scaling`` (LoRA synced merged)
-    it moves every weight, the adapted ones with their adapters merged in.
+    it moves every weight, the adapted ones with their adapters merged in. ``unsynced``
+    names the parameters no sync sends (a frozen vision tower).
     """
 
     def __init__(
@@ -48,12 +50,14 @@ class RolloutSession:
         sleep_drops_weights: bool,
         adapter: AdapterSpec | None = None,
         lora_scaling: float | None = None,
+        unsynced: Callable[[str], bool] | None = None,
     ) -> None:
         self.engine, self.actor, self.actor_optimizer = engine, actor, actor_optimizer
         self.timer, self.device, self.dtype = timer, device, dtype
         self.sleep_drops_weights = sleep_drops_weights
         self.adapter = adapter
         self.lora_scaling = lora_scaling  # LoRA synced merged into the base weights
+        self.unsynced = unsynced
         # the engine loaded the checkpoint the run started from; after a resume (or a first
         # sleep that dropped them) its weights are not the actor's: sync at the first rollout
         self.actor_version, self.engine_version = 0, -1
@@ -67,15 +71,18 @@ class RolloutSession:
         sampling: SamplingConfig,
         metrics: dict[str, float] | None = None,
         phase: str = "rollout",
+        images: Sequence[PromptImages | None] | None = None,
     ) -> RolloutOutput:
         """Sample ``sampling.n`` responses per prompt with the actor's current weights.
 
         ``phase`` names the generation timer (``rollout``, or ``eval``); a weight sync adds
-        ``rollout/weight_sync_gbps`` to ``metrics``.
+        ``rollout/weight_sync_gbps`` to ``metrics``. ``images``: each prompt's (a VLM).
         """
         with self.awake(metrics):
             with self.timer(phase):
-                return self.engine.generate(prompt_ids, sampling)
+                if images is None:
+                    return self.engine.generate(prompt_ids, sampling)
+                return self.engine.generate(prompt_ids, sampling, images)
 
     @contextmanager
     def awake(self, metrics: dict[str, float] | None = None) -> Iterator[RolloutEngine]:
@@ -99,7 +106,9 @@ class RolloutSession:
     def _sync(self):
         if self.adapter is not None:
             return sync_adapter(self.actor, self.engine, self.dtype, self.adapter)
-        return sync_weights(self.actor, self.engine, self.dtype, self.lora_scaling)
+        return sync_weights(
+            self.actor, self.engine, self.dtype, self.lora_scaling, skip=self.unsynced
+        )
 
     def close(self) -> None:
         self.engine.close()

@@ -37,6 +37,7 @@ from fsdp_rlhf.models.compile import check_compile_toolchain
 from fsdp_rlhf.models.load import (
     check_model_path,
     check_sequence_parallel,
+    is_vision_language,
     load_causal_lm,
     load_scalar_model,
     load_tokenizer,
@@ -47,6 +48,7 @@ from fsdp_rlhf.models.lora import add_lora, check_target_modules, target_module_
 from fsdp_rlhf.models.lora import scaling as lora_scaling
 from fsdp_rlhf.models.save import check_save_path, recover_interrupted_export
 from fsdp_rlhf.models.shared_prefix import shared_group_size, sharing_blocker
+from fsdp_rlhf.models.vision import VisionTokens, is_vision_param, prepare_policy, vision_prefix
 from fsdp_rlhf.optim import build_optimizer, build_scheduler
 from fsdp_rlhf.rollout import AdapterSpec, HFEngine, RolloutEngine, build_rollout_groups
 from fsdp_rlhf.rollout.agent import load_agent_class
@@ -54,6 +56,7 @@ from fsdp_rlhf.rollout.env import load_environment
 from fsdp_rlhf.rollout.memory_budget import check_device_budget
 from fsdp_rlhf.trainers.common import load_and_prepare, log_startup
 from fsdp_rlhf.trainers.ppo_rollout import adapter_sync
+from fsdp_rlhf.trainers.ppo_vision import refuse_unsupported, row_check
 from fsdp_rlhf.trainers.rule_reward import RewardFn, auth_headers, build_rule_reward
 
 log = logging.getLogger("fsdp_rlhf")
@@ -297,6 +300,7 @@ def _check_outputs(cfg: PPOConfig) -> None:
 def prepare(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any]:
     """Validate flags, paths, data and sizes. Returns the batch plan and the raw prompt rows."""
     from fsdp_rlhf.data.sources import check_keys, load_sources
+    from fsdp_rlhf.data.vision import load_processor
 
     _check_world(cfg, world_size)
     plan = plan_ppo_batches(cfg, world_size)
@@ -324,10 +328,18 @@ def prepare(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any]:
     )
     check_context_length(cfg)
     _check_outputs(cfg)
+    vlm = is_vision_language(m.pretrain, cfg.backend.trust_remote_code)
+    if vlm:
+        refuse_unsupported(cfg, m.pretrain)
+        load_processor(m.pretrain, cfg.backend.trust_remote_code)  # torchvision, the processor
+    elif cfg.vision.freeze_visual_encoder:
+        raise UserError(f"--freeze_visual_encoder: --pretrain {m.pretrain} is text-only")
     if cfg.data.apply_chat_template:
         check_chat_template(load_tokenizer(m.pretrain, cfg.backend), m.pretrain)
     if not cfg.data.prompt_data:
         raise UserError("--prompt_data is required")
+    keys = [cfg.data.input_key] + ([cfg.data.label_key] if cfg.data.label_key else [])
+    flags = ["--input_key"] + (["--label_key"] if cfg.data.label_key else [])
     rows = load_sources(
         cfg.data.prompt_data,
         cfg.data.prompt_data_probs,
@@ -335,9 +347,9 @@ def prepare(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any]:
         seed=cfg.seed,
         flag_name="--prompt_data",
         split=cfg.data.prompt_split,
+        # every row's images against its placeholders (a text model: none at all), by row
+        check=row_check(cfg.vision, cfg.data.input_key, text_only=not vlm),
     )
-    keys = [cfg.data.input_key] + ([cfg.data.label_key] if cfg.data.label_key else [])
-    flags = ["--input_key"] + (["--label_key"] if cfg.data.label_key else [])
     check_keys(rows, keys, flags)
     if len(rows) < cfg.batch.rollout_batch_size:
         raise UserError(
@@ -394,6 +406,8 @@ def build_models(cfg: PPOConfig, env: DistEnv, tokenizer) -> Models:
 
     def actor_model(weights: bool) -> nn.Module:
         model = load_causal_lm(m.pretrain, backend, env.device, weights=weights)
+        # a VLM: placeholders suppressed, the tower frozen under --freeze_visual_encoder
+        prepare_policy(model, freeze_tower=cfg.vision.freeze_visual_encoder)
         if cfg.lora.enabled:
             add_lora(model, cfg.lora, quiet=not weights)
         return model
@@ -405,13 +419,13 @@ def build_models(cfg: PPOConfig, env: DistEnv, tokenizer) -> Models:
     frozen_dtype = torch.bfloat16 if backend.bf16 else torch.float32
     ref = None
     if not cfg.lora.enabled:  # LoRA: the actor's frozen base is the reference
-        ref = load_ppo_model(
-            lambda w: load_causal_lm(m.pretrain, no_ckpt, env.device, frozen_dtype, weights=w),
-            cfg,
-            env,
-            trainable=False,
-            what="the reference model",
-        )
+
+        def ref_model(weights: bool) -> nn.Module:
+            model = load_causal_lm(m.pretrain, no_ckpt, env.device, frozen_dtype, weights=weights)
+            prepare_policy(model)
+            return model
+
+        ref = load_ppo_model(ref_model, cfg, env, trainable=False, what="the reference model")
     critic = reward = None
     norm = None
     if uses_critic(cfg):
@@ -522,8 +536,10 @@ def check_ema_resumable(path: Path, enabled: bool) -> None:
         )
 
 
-def build_prompts(cfg: PPOConfig, rows, tokenizer) -> list[Prompt]:
-    prompts = tokenize_prompts(rows, tokenizer, cfg.data)
+def build_prompts(cfg: PPOConfig, rows, tokenizer, images=None) -> list[Prompt]:
+    """Every prompt, tokenized (``images``: a VLM's ``ppo_vision.StepImages``)."""
+    vision = images.vision if images is not None else None
+    prompts = tokenize_prompts(rows, tokenizer, cfg.data, vision, cfg.vision.image_key)
     if len(prompts) < cfg.batch.rollout_batch_size:
         raise UserError(
             f"only {len(prompts)} non-empty prompts, fewer than --rollout_batch_size "
@@ -549,9 +565,16 @@ def eos_token_ids(tokenizer, model_path: str) -> list[int]:
 
 
 def build_engine(
-    cfg: PPOConfig, env: DistEnv, tokenizer, *, streaming: bool = False, engine_id: int = 0
+    cfg: PPOConfig,
+    env: DistEnv,
+    tokenizer,
+    max_images: int = 1,
+    *,
+    streaming: bool = False,
+    engine_id: int = 0,
 ) -> RolloutEngine:
     """The rollout engine of this rank (collective: all ranks build theirs together).
+    ``max_images``: images per prompt a vision-language model's engine accepts.
 
     ``streaming``: asynchronous training's engine, alone in its default group (so it is
     engine 0 of its world; ``engine_id`` is its place in the job, for its seed), driven step
@@ -563,6 +586,14 @@ def build_engine(
     rollout = cfg.rollout
     if streaming:  # its world holds this engine only, and nothing else shares its device
         rollout = dataclasses.replace(rollout, vllm_num_engines=None, vllm_enable_sleep=False)
+    vision = None
+    if is_vision_language(cfg.models.pretrain, cfg.backend.trust_remote_code):
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(
+            cfg.models.pretrain, trust_remote_code=cfg.backend.trust_remote_code
+        )
+        vision = VisionTokens.from_config(config)
     if cfg.rollout.rollout_engine == "vllm":
         from fsdp_rlhf.rollout.vllm_engine import VLLMEngine
 
@@ -582,18 +613,32 @@ def build_engine(
             lora_rank=cfg.lora.lora_rank if adapter_sync(cfg) else 0,
             streaming=streaming,
             router_replay=cfg.moe.router_replay,
+            vision=vision,
+            max_images=max_images,
         )
     # In the engine dtype, like vLLM: an fp32 copy under --bf16 sampled from other logits than
     # the trainer computes, and generated slower on a bf16-capable CPU (benchmarks/).
     model = load_causal_lm(cfg.models.pretrain, cfg.backend, env.device)
     model = model.to(device=env.device, dtype=engine_dtype(cfg))
     model.config.use_cache = True
+    prepare_policy(model)  # a VLM's placeholders suppressed, as in the actor
     return HFEngine(
         model,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_ids=eos_token_ids(tokenizer, cfg.models.pretrain),
         seed=cfg.seed + groups.engine_index,
+        vision=vision,
+        unsynced=unsynced_params(cfg, model),
     )
+
+
+def unsynced_params(cfg: PPOConfig, actor: nn.Module):
+    """Predicate on HF names of the parameters no weight sync sends: a VLM's vision tower
+    when it is frozen (--freeze_visual_encoder, or LoRA, whose adapters skip it). None: all."""
+    prefix = vision_prefix(actor)
+    if prefix is None or not (cfg.vision.freeze_visual_encoder or cfg.lora.enabled):
+        return None
+    return is_vision_param(prefix)
 
 
 def cuda_pool(cfg: PPOConfig, env: DistEnv) -> float:

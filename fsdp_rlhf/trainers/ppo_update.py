@@ -257,6 +257,7 @@ def _actor_loss_fn(
             entropy_grad=algo.entropy_loss_coef > 0,  # else a metric only
             packed=plan.packed,
             group_size=plan.group_size,
+            images=mb.images,
         )
         old_logprobs = logprobs.detach() * mb.response_mask if reuse_logprobs else mb.old_logprobs
         is_weights, corr_stats = _correction(algo, logprobs, old_logprobs, mb)

@@ -18,6 +18,7 @@ micro-batch it lands in.
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import torch
 from torch import nn
@@ -31,7 +32,7 @@ from fsdp_rlhf.distributed.stats import global_token_count, to_host
 from fsdp_rlhf.models.label_logprobs import Layout, label_logprobs
 from fsdp_rlhf.trainers import common
 from fsdp_rlhf.trainers.offline.data import prepare_sft_data
-from fsdp_rlhf.trainers.offline.models import build_policy
+from fsdp_rlhf.trainers.offline.models import build_policy, packs
 from fsdp_rlhf.trainers.offline.trainer import OfflineTrainer, TrainData, prepare_command
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ def prepare(cfg: SFTConfig, world_size: int) -> tuple[OfflineBatchPlan, TrainDat
 def _forward(model: nn.Module, batch: SFTBatch, device: torch.device, layout: Layout):
     ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
     learned = batch.loss_mask.to(device)
-    return label_logprobs(model, ids, mask, learned, layout), learned
+    return label_logprobs(model, ids, mask, learned, layout, batch.images), learned
 
 
 @torch.no_grad()
@@ -83,8 +84,9 @@ class SFTTrainer(OfflineTrainer):
         plan, data = prepared
         common.write_run_config(cfg, env)
         model = build_policy(cfg, env, grad_reduce="sum")
-        self.layout: Layout = "packed" if cfg.batch.packing_samples else "padded"
-        super().__init__(cfg, env, plan, data, model, collate=collate_samples, guard_name="policy")
+        self.layout: Layout = "packed" if packs(cfg, model) else "padded"
+        collate = partial(collate_samples, vision=data.vision)
+        super().__init__(cfg, env, plan, data, model, collate=collate, guard_name="policy")
 
     def update(self, batches: list[SFTBatch]) -> dict[str, float]:
         """Forward/backward over this rank's micro-batches, then the optimizer step.

@@ -94,7 +94,6 @@ def test_refused_flags_say_why_and_what_instead():
     for argv, words in (
         (["--vllm.sync_with_ray"], "no Ray"),
         (["--vllm_generate_batch_size", "64", "--rollout_batch_size", "32"], "async"),
-        (["--data.image_key", "images"], "vision-language"),
         (["--ds.zpg", "8"], "HSDP"),
         (["--param_dtype", "fp16"], "bf16"),
         (["--actor.optim", "muon"], "Muon"),
@@ -123,9 +122,19 @@ def test_ring_attention_flags_become_sequence_parallelism():
 
 def test_values_of_accepted_flags_that_describe_something_else_are_refused():
     assert translate("ppo", ["--ds.zpg", "1"]).argv == []
-    assert translate("train-rm", ["--data.max_images_per_prompt", "0"]).argv == [] or True
-    with pytest.raises(ConfigError, match="max_images_per_prompt"):
-        translate("ppo", ["--max_images_per_prompt", "2"])
+
+
+def test_vlm_flags_translate_in_both_dialects():
+    ours = ["--image_key", "images", "--max_images_per_prompt", "2", "--freeze_visual_encoder"]
+    dotted = ["--data.image_key", "images", "--data.max_images_per_prompt", "2"]
+    assert translate("ppo", [*dotted, "--actor.freeze_visual_encoder"]).argv == ours
+    assert translate("ppo", ours).argv == ours
+    cfg = _cfg("ppo", *dotted, "--actor.freeze_visual_encoder").vision
+    assert (cfg.image_key, cfg.max_images_per_prompt, cfg.freeze_visual_encoder) == (
+        "images",
+        2,
+        True,
+    )
 
 
 def _cfg(command: str, *argv: str):

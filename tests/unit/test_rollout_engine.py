@@ -381,6 +381,7 @@ def test_a_weight_reload_drops_the_served_adapter_until_the_next_sync(monkeypatc
     engine = ve.VLLMEngine.__new__(ve.VLLMEngine)
     engine.llm, engine._sleep = FakeLLM(), SleepTracker(False, 1)
     engine._lora_id, engine._adapter_dropped = 3, False  # adapter 3 served
+    engine.vision = None  # a text model
     monkeypatch.setattr(ve, "_reload_weights_inplace", lambda llm, weights: list(weights))
     engine.update_weights([("w", torch.zeros(2))])
     assert engine._lora_request() is None

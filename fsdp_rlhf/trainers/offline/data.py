@@ -24,7 +24,7 @@ from fsdp_rlhf.data.sft import row_problem, tokenize_samples
 from fsdp_rlhf.data.sources import RowCheck, load_sources
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.models.compile import check_compile_toolchain
-from fsdp_rlhf.models.load import check_model_path, load_tokenizer
+from fsdp_rlhf.models.load import check_model_path, is_vision_language, load_tokenizer
 from fsdp_rlhf.models.save import check_save_path, recover_interrupted_export
 from fsdp_rlhf.trainers.offline.trainer import TrainData, steps_per_epoch
 
@@ -60,14 +60,64 @@ def check_paths(cfg: RMConfig | SFTConfig | DPOConfig) -> None:
         raise UserError(f"--input_template {d.input_template!r}: must contain {{}} for the prompt")
 
 
+def vision_processor(cfg: SFTConfig | DPOConfig):
+    """A VLM's processor (None for a text model); ``--freeze_visual_encoder`` needs a VLM."""
+    from fsdp_rlhf.data.vision import VisionProcessor
+
+    path, trust = cfg.model.pretrain, cfg.backend.trust_remote_code
+    if not is_vision_language(path, trust):
+        if cfg.vision.freeze_visual_encoder:
+            raise UserError(f"--freeze_visual_encoder: --pretrain {path} is text-only")
+        return None
+    vision = VisionProcessor.from_pretrained(path, trust)
+    if cfg.data.tokenizer_chat_template is not None:
+        vision.processor.chat_template = cfg.data.tokenizer_chat_template
+    return vision
+
+
+def with_images(
+    check: RowCheck | None, cfg: SFTConfig | DPOConfig, prompt_key: str | None, vlm: bool
+) -> RowCheck:
+    """``check`` plus each row's images against the placeholders of its ``prompt_key``
+    messages (a text model: no images at all)."""
+    from fsdp_rlhf.data.images import image_problem
+
+    v = cfg.vision
+
+    def both(row: dict) -> str | None:
+        problem = check(row) if check is not None else None
+        if problem or prompt_key is None:
+            return problem
+        return image_problem(
+            row.get(prompt_key),
+            row.get(v.image_key),
+            v.image_key,
+            v.max_images_per_prompt,
+            text_only=not vlm,
+        )
+
+    return both
+
+
 def load_raw(
-    cfg: RMConfig | SFTConfig | DPOConfig, columns: dict[str, str], check: RowCheck | None = None
+    cfg: RMConfig | SFTConfig | DPOConfig,
+    columns: dict[str, str],
+    check: RowCheck | None = None,
+    vision=None,
+    optional: tuple[str, ...] = (),
 ) -> tuple[datasets.Dataset, datasets.Dataset | None, Any]:
     """The raw train rows (sources mixed by ``--dataset_probs``), the raw eval rows of
     ``--eval_dataset`` (None without it) and the tokenizer, chat template checked; every
-    source is checked for ``columns`` (flag -> key) and, with ``check``, row by row."""
+    source is checked for ``columns`` (flag -> key) and, with ``check``, row by row. A VLM's
+    tokenizer (``vision``) renders with the processor's chat template when it has none."""
     d = cfg.data
-    common = dict(max_samples=d.max_samples, seed=cfg.seed, columns=columns, check=check)
+    common = dict(
+        max_samples=d.max_samples,
+        seed=cfg.seed,
+        columns=columns,
+        check=check,
+        optional_columns=optional,
+    )
     train_raw = load_sources(
         d.dataset, d.dataset_probs, flag_name="--dataset", split=d.dataset_split, **common
     )
@@ -77,6 +127,8 @@ def load_raw(
             d.eval_dataset, None, flag_name="--eval_dataset", split=d.eval_split, **common
         )
     tokenizer = load_tokenizer(cfg.model.pretrain, cfg.backend, d.tokenizer_chat_template)
+    if vision is not None and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = vision.chat_template
     if d.apply_chat_template:
         check_chat_template(tokenizer, cfg.model.pretrain)
     return train_raw, eval_raw, tokenizer
@@ -90,6 +142,12 @@ def prepare_rm_data(cfg: RMConfig, plan: OfflineBatchPlan) -> TrainData:
     (1%, at least 8); its rewards also give the mean/std written next to the model.
     """
     check_paths(cfg)
+    if is_vision_language(cfg.model.pretrain, cfg.backend.trust_remote_code):
+        raise UserError(
+            f"--pretrain {cfg.model.pretrain} is a vision-language model: reward models on VLMs "
+            "are not implemented (transformers has no sequence-classification class for them "
+            "to load or save a scalar head); PPO on a VLM takes a rule reward (--remote_rm_url)"
+        )
     d = cfg.data
     train_raw, eval_raw, tokenizer = load_raw(cfg, pair_columns(cfg))
     train, _ = tokenize_pairs(train_raw, tokenizer, d, what="train")
@@ -108,17 +166,22 @@ def prepare_sft_data(cfg: SFTConfig, plan: OfflineBatchPlan) -> TrainData:
     """Validate flags and every row, then tokenize train (and eval) samples once."""
     check_paths(cfg)
     d = cfg.data
+    vision = vision_processor(cfg)
     columns = {"--input_key": d.input_key}
     if d.output_key is not None:
         columns["--output_key"] = d.output_key
-    train_raw, eval_raw, tokenizer = load_raw(cfg, columns, partial(row_problem, cfg=d))
-    train, _ = tokenize_samples(train_raw, tokenizer, d, what="train")
+    check = with_images(partial(row_problem, cfg=d), cfg, d.input_key, vision is not None)
+    train_raw, eval_raw, tokenizer = load_raw(
+        cfg, columns, check, vision, optional=(cfg.vision.image_key,)
+    )
+    images = dict(vision=vision, image_key=cfg.vision.image_key)
+    train, _ = tokenize_samples(train_raw, tokenizer, d, what="train", **images)
     eval_samples = None
     if eval_raw is not None:
-        eval_samples, _ = tokenize_samples(eval_raw, tokenizer, d, what="eval")
+        eval_samples, _ = tokenize_samples(eval_raw, tokenizer, d, what="eval", **images)
     n_eval = len(eval_samples) if eval_samples is not None else 0
     steps = steps_per_epoch(len(train), cfg, plan, n_eval, "samples")
-    return TrainData(tokenizer, train, eval_samples, steps)
+    return TrainData(tokenizer, train, eval_samples, steps, vision)
 
 
 def pair_problem(row: dict, chosen_key: str, rejected_key: str) -> str | None:
@@ -139,17 +202,29 @@ def prepare_dpo_data(cfg: DPOConfig, plan: OfflineBatchPlan) -> TrainData:
     if cfg.model.ref_pretrain:
         check_model_path(cfg.model.ref_pretrain, "--ref_pretrain")
     d = cfg.data
+    vision = vision_processor(cfg)
 
-    def check(row: dict) -> str | None:
+    def pair_check(row: dict) -> str | None:
         return pair_problem(row, d.chosen_key, d.rejected_key)
 
-    train_raw, eval_raw, tokenizer = load_raw(cfg, pair_columns(cfg), check)
-    train, _ = tokenize_pairs(train_raw, tokenizer, d, what="train", with_prompt_len=True)
+    # a pair's images belong to its prompt (or, without one, to the chosen conversation)
+    check = with_images(pair_check, cfg, d.prompt_key or d.chosen_key, vision is not None)
+    optional = (cfg.vision.image_key,)
+    train_raw, eval_raw, tokenizer = load_raw(cfg, pair_columns(cfg), check, vision, optional)
+    tokenize = partial(
+        tokenize_pairs,
+        tokenizer=tokenizer,
+        cfg=d,
+        with_prompt_len=True,
+        vision=vision,
+        image_key=cfg.vision.image_key,
+    )
+    train, _ = tokenize(train_raw, what="train")
     eval_pairs = None
     if eval_raw is not None:
-        eval_pairs, _ = tokenize_pairs(eval_raw, tokenizer, d, what="eval", with_prompt_len=True)
+        eval_pairs, _ = tokenize(eval_raw, what="eval")
         if len(eval_pairs) == 0:
             raise UserError("--eval_dataset: no pair left after truncation to --max_len")
     n_eval = len(eval_pairs) if eval_pairs is not None else 0
     steps = steps_per_epoch(len(train), cfg, plan, n_eval, "pairs")
-    return TrainData(tokenizer, train, eval_pairs, steps)
+    return TrainData(tokenizer, train, eval_pairs, steps, vision)

@@ -14,9 +14,10 @@ from torch import nn
 from fsdp_rlhf.config import PairBatchConfig, RMConfig
 from fsdp_rlhf.distributed.env import DistEnv
 from fsdp_rlhf.models.attention import VARLEN_ATTENTION
-from fsdp_rlhf.models.load import load_causal_lm, load_scalar_model
+from fsdp_rlhf.models.load import is_vision_language, load_causal_lm, load_scalar_model
 from fsdp_rlhf.models.lora import add_lora
 from fsdp_rlhf.models.ulysses import base_attention
+from fsdp_rlhf.models.vision import is_vision_config, prepare_policy
 from fsdp_rlhf.trainers.common import load_and_prepare, log_startup
 
 log = logging.getLogger("fsdp_rlhf")
@@ -59,16 +60,31 @@ def build_reward_model(cfg: RMConfig, env: DistEnv, pad_token_id: int) -> nn.Mod
     return model
 
 
+def packs(cfg: Any, model: nn.Module) -> bool:
+    """Whether the batches go through ``model`` packed: ``--packing_samples``, except for a
+    vision-language model (its M-RoPE positions and images are per padded row)."""
+    return cfg.batch.packing_samples and not is_vision_config(model.config)
+
+
 def build_policy(cfg: Any, env: DistEnv, *, grad_reduce: str = "mean") -> nn.Module:
     """Load ``--pretrain`` as a causal LM (with adapters under ``--lora_rank``) and shard it.
+    A VLM's placeholders are suppressed and, with ``--freeze_visual_encoder``, its vision
+    tower frozen.
 
     ``grad_reduce``: ``"sum"`` when the loss is normalised by a global token count (SFT).
     """
     log_startup(env, cfg.fsdp.zero_stage, cfg.backend.bf16)
     torch.manual_seed(cfg.seed)  # the adapters' init (rank 0's reaches every rank)
+    vision = getattr(cfg, "vision", None)
+    freeze = vision is not None and vision.freeze_visual_encoder
+    packed = cfg.batch.packing_samples
+    if packed and is_vision_language(cfg.model.pretrain, cfg.backend.trust_remote_code):
+        log.info("--packing_samples: off for a vision-language model (its rows go padded)")
+        packed = False
 
     def load(weights: bool) -> nn.Module:
         model = load_causal_lm(cfg.model.pretrain, cfg.backend, env.device, weights=weights)
+        prepare_policy(model, freeze_tower=freeze)  # a VLM: placeholders suppressed
         if cfg.lora.enabled:
             add_lora(model, cfg.lora, quiet=not weights)
         return model
@@ -79,7 +95,7 @@ def build_policy(cfg: Any, env: DistEnv, *, grad_reduce: str = "mean") -> nn.Mod
         cfg.fsdp,
         cfg.backend,
         what="--pretrain",
-        packed=cfg.batch.packing_samples,
+        packed=packed,
         trainable=True,
         grad_reduce=grad_reduce,
     )
@@ -106,13 +122,20 @@ def build_reference(cfg: Any, env: DistEnv) -> nn.Module | None:
     # a frozen model never runs backward: recomputation would only cost time
     backend = dataclasses.replace(cfg.backend, gradient_checkpointing=False)
     dtype = torch.bfloat16 if backend.bf16 else torch.float32
+
+    def load(weights: bool) -> nn.Module:
+        model = load_causal_lm(path, backend, env.device, dtype=dtype, weights=weights)
+        prepare_policy(model)  # a VLM: placeholders suppressed, as in the policy
+        return model
+
+    vlm = is_vision_language(path, backend.trust_remote_code)
     return load_and_prepare(
-        lambda weights: load_causal_lm(path, backend, env.device, dtype=dtype, weights=weights),
+        load,
         env,
         cfg.fsdp,
         backend,
         what="the reference model",
-        packed=cfg.batch.packing_samples,
+        packed=cfg.batch.packing_samples and not vlm,
         trainable=False,
     )
 
@@ -121,7 +144,7 @@ def pair_layout(model: nn.Module, batch: PairBatchConfig) -> PairLayout:
     """How the pairs go through ``model``: padded, packed into one row, or packed with each
     pair's shared prefix once (``--share_prompt_prefix``, needs the varlen attention of
     ``--packing_samples``; flash-attn's kernels take no shared prefix)."""
-    if not batch.packing_samples:
+    if not batch.packing_samples or is_vision_config(model.config):
         return "padded"
     impl = base_attention(model)  # inside Ulysses when the model is sequence-parallel
     if batch.share_prompt_prefix and impl == VARLEN_ATTENTION:

@@ -52,12 +52,19 @@ RESUME_KEYS = ("train_pairs", "train_batch_size", "seed")
 
 @dataclass(frozen=True)
 class TrainData:
-    """Tokenized train rows and eval rows (None: no evaluation), as ``prepare`` leaves them."""
+    """Tokenized train rows and eval rows (None: no evaluation), as ``prepare`` leaves them;
+    ``vision``: a vision-language model's ``data.vision.VisionProcessor`` (None: text)."""
 
     tokenizer: Any
     train: datasets.Dataset
     eval: datasets.Dataset | None
     steps_per_epoch: int
+    vision: Any = None
+
+    @property
+    def saved_processor(self) -> Any:
+        """What is saved beside the model: the processor of a VLM, else the tokenizer."""
+        return self.vision.processor if self.vision is not None else self.tokenizer
 
 
 def quiet_progress_bars() -> None:
@@ -221,7 +228,11 @@ class OfflineTrainer:
     def export(self, path) -> Path:
         """The HF model (collective): the final one, or a checkpoint's with --save_hf_ckpt."""
         return save_model(
-            self.model, self.data.tokenizer, path, self.cfg.lora, base_path=self.cfg.model.pretrain
+            self.model,
+            self.data.saved_processor,
+            path,
+            self.cfg.lora,
+            base_path=self.cfg.model.pretrain,
         )
 
     # ------------------------------------------------------------ shared

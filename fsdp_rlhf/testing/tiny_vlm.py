@@ -1,0 +1,268 @@
+"""Build small vision-language checkpoints (Qwen2.5-VL, Qwen3-VL), their processors and image
+data locally (no downloads).
+
+The processor is the real one (``Qwen2_5_VLProcessor`` / ``Qwen3VLProcessor`` with the Qwen2-VL
+image processor), configured for small images: one merged image token covers 28x28 px
+(Qwen2.5-VL; 32x32 for Qwen3-VL) and images are resized to 56..112 px a side, so an image costs
+4 to 16 tokens. Text head_dim stays 64 (vLLM's CPU attention rejects smaller heads); the M-RoPE
+sections sum to head_dim / 2 as in published configs.
+
+Two tokenizers: the byte-level BPE of ``testing.tiny`` (vocabulary 512, like the text models),
+or with ``words`` a word-level one whose vocabulary is those words and the special tokens. The
+second makes an answer from a small set likely enough for a randomly initialised policy to find
+by sampling (``tests/vlm/test_vlm_grpo.py``).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from fsdp_rlhf.testing.tiny import SPECIAL_TOKENS, WORDS, build_tokenizer, write_generation_config
+
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+VL_SPECIAL_TOKENS = SPECIAL_TOKENS + VISION_TOKENS
+# The Qwen-VL template shape: a message's content is a string or a list of typed items; an
+# image item renders as <|vision_start|><|image_pad|><|vision_end|> (one pad: the processor
+# expands it to the image's token count).
+VL_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+VL_WORDS = [*WORDS, *"what colour image picture square shape show".split()]
+COLOURS = {"red": (230, 20, 20), "green": (20, 200, 20), "blue": (20, 20, 230)}
+MIN_PIXELS, MAX_PIXELS = 56 * 56, 112 * 112
+
+Arch = Literal["qwen2_5_vl", "qwen3_vl"]
+
+
+def build_word_tokenizer(out_dir: str | Path, words: list[str] | tuple[str, ...]):
+    """A word-level tokenizer: the special tokens, ``words`` and an unknown token, split on
+    whitespace (decoding joins words with spaces); saved with the VL chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate([*VL_SPECIAL_TOKENS, "<unk>", *dict.fromkeys(words)])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=VL_SPECIAL_TOKENS[0],
+        eos_token=VL_SPECIAL_TOKENS[1],
+        unk_token="<unk>",
+        bos_token=None,
+        additional_special_tokens=VL_SPECIAL_TOKENS[2:],
+    )
+    fast.chat_template = VL_CHAT_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def _processor(arch: Arch, tokenizer):
+    from transformers import Qwen2VLImageProcessor
+
+    sizes = dict(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    if arch == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLProcessor, Qwen2VLVideoProcessor
+
+        image = Qwen2VLImageProcessor(**sizes)
+        video = Qwen2VLVideoProcessor(**sizes)
+        cls = Qwen2_5_VLProcessor
+    else:
+        from transformers import Qwen3VLProcessor
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+        image = Qwen2VLImageProcessor(patch_size=16, merge_size=2, **sizes)
+        video = Qwen3VLVideoProcessor(patch_size=16, merge_size=2)
+        cls = Qwen3VLProcessor
+    return cls(
+        image_processor=image,
+        tokenizer=tokenizer,
+        video_processor=video,
+        chat_template=VL_CHAT_TEMPLATE,
+    )
+
+
+def _config(arch: Arch, tok, num_layers: int, tie: bool):
+    ids = {t: tok.convert_tokens_to_ids(t) for t in VL_SPECIAL_TOKENS}
+    text = dict(
+        vocab_size=len(tok),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=num_layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=2048,
+        pad_token_id=ids["<pad>"],
+        eos_token_id=ids["<|im_end|>"],
+        bos_token_id=None,
+        tie_word_embeddings=tie,
+    )
+    special = dict(
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=tie,
+    )
+    if arch == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLConfig
+
+        # sections of the 32 rotary frequencies of a 64-wide head: time, height, width
+        text["rope_parameters"] = {
+            "rope_type": "default",
+            "rope_theta": 1e6,
+            "mrope_section": [8, 12, 12],
+        }
+        vision = dict(
+            depth=2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_heads=2,
+            out_hidden_size=128,
+            fullatt_block_indexes=[1],
+            window_size=56,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        )
+        return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **special)
+    from transformers import Qwen3VLConfig
+
+    text["head_dim"] = 64
+    text["rope_parameters"] = {
+        "rope_type": "default",
+        "rope_theta": 5e6,
+        "mrope_section": [8, 12, 12],
+        "mrope_interleaved": True,
+    }
+    vision = dict(
+        depth=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=2,
+        out_hidden_size=128,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=64,
+        deepstack_visual_indexes=[0],
+    )
+    return Qwen3VLConfig(text_config=text, vision_config=vision, **special)
+
+
+def build_vl_model(
+    out_dir: str | Path,
+    arch: Arch = "qwen2_5_vl",
+    *,
+    num_layers: int = 2,
+    words: list[str] | tuple[str, ...] | None = None,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+) -> Path:
+    """Save a randomly initialised VLM, its processor (tokenizer, image and video processors,
+    chat template) and a generation_config.json to ``out_dir``; returns the path.
+
+    ``words``: a word-level vocabulary (see the module docstring) instead of the 512-token BPE.
+    """
+    from transformers import AutoModelForImageTextToText
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if words is None:
+        tok = build_tokenizer(
+            out,
+            special_tokens=VL_SPECIAL_TOKENS,
+            words=VL_WORDS,
+            chat_template=VL_CHAT_TEMPLATE,
+        )
+    else:
+        tok = build_word_tokenizer(out, words)
+    _processor(arch, tok).save_pretrained(str(out))
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(
+        _config(arch, tok, num_layers, tie_word_embeddings)
+    )
+    model.to(torch.float32).save_pretrained(str(out))
+    write_generation_config(out, tok)
+    return out
+
+
+# ---------------------------------------------------------------- images
+
+
+def solid_image(rgb: tuple[int, int, int], size: tuple[int, int] = (56, 56)):
+    """A PIL image of one colour (width, height)."""
+    from PIL import Image
+
+    return Image.new("RGB", size, rgb)
+
+
+def png_bytes(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_uri(image) -> str:
+    return "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
+
+
+def colour_rows(
+    n: int,
+    image_dir: str | Path,
+    *,
+    seed: int = 0,
+    colours: dict[str, tuple[int, int, int]] = COLOURS,
+    blank: bool = False,
+    encoding: Literal["path", "base64", "data_uri"] = "path",
+    question: str = "what colour",
+    names: list[str] | None = None,
+) -> list[dict]:
+    """Prompt rows asking for the colour of a solid-colour image, OpenRLHF's layout:
+    ``prompt`` (a chat message with an image item and the question), ``images`` (one path,
+    base64 string or data URI) and ``label`` (the colour's name).
+
+    ``blank``: every image is the same grey whatever the label (the control: the pixels then
+    carry no information about the answer). ``names``: the rows' colours in order (default:
+    drawn with ``seed``).
+    """
+    import random
+
+    rng = random.Random(seed)
+    folder = Path(image_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    order, names = names, list(colours)
+    rows = []
+    for i in range(n):
+        name = order[i] if order is not None else names[rng.randrange(len(names))]
+        image = solid_image((128, 128, 128) if blank else colours[name])
+        if encoding == "path":
+            path = folder / f"{i:05d}.png"
+            image.save(path)
+            ref = str(path)
+        elif encoding == "base64":
+            ref = base64.b64encode(png_bytes(image)).decode()
+        else:
+            ref = data_uri(image)
+        content = [{"type": "image"}, {"type": "text", "text": question}]
+        rows.append(
+            {"prompt": [{"role": "user", "content": content}], "images": [ref], "label": name}
+        )
+    return rows
+
+
+def write_rows(rows: list[dict], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
