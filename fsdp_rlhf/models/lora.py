@@ -179,7 +179,7 @@ def adapter_config(model: nn.Module, cfg: LoraConfig, base_path: str, head: str 
     from fsdp_rlhf.models.vision import vision_prefix
 
     tower = vision_prefix(model)
-    out = peft_config(cfg, head, tower).to_dict()
+    out = peft_config(cfg, head, skip_prefix=tower).to_dict()
     out.update(
         base_model_name_or_path=base_path,
         target_modules=target_module_names(model),
