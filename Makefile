@@ -9,7 +9,7 @@ STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml Makefile scripts/vllm_r
 MAX_JOBS ?= 8
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: install test test-async test-fast test-bench test-models test-vlm test-sp test-gpu test-vllm-compat test-cluster demo bench lint fmt clean gpu-smoke tcmalloc
+.PHONY: install test test-async test-faults test-fast test-bench test-models test-vlm test-sp test-gpu test-vllm-compat test-cluster demo bench lint fmt clean gpu-smoke tcmalloc
 
 install: $(STAMP)
 
@@ -70,12 +70,18 @@ tcmalloc:
 # runs (`make test-vlm`): under 15 minutes on 2 cores.
 test: install
 	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu --ignore=tests/models \
-	  -m "not asynchronous and not sp and not vlm"
+	  -m "not asynchronous and not sp and not vlm and not faults"
 
 # --async_train end to end (tests marked asynchronous): rollout and training ranks under
 # torchrun with real vLLM, partial rollouts, OpenRLHF's async agent script, a lost rollout rank.
 test-async: install
 	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu --ignore=tests/models -m asynchronous
+
+# Fault injection (pytest marker `faults`): a failure on one rank reported every time (10
+# launches), the same failure on every rank as one line, a reward function raising on rank 1,
+# a full disk while checkpointing, a stop during dynamic sampling. About 4 minutes on 2 cores.
+test-faults: install
+	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu --ignore=tests/models -m faults
 
 # Sequence parallelism (pytest marker `sp`): SP=2 against SP=1 forwards and gradients on 2 gloo
 # ranks, GRPO/SFT/DPO/train-rm runs, OpenRLHF's ring-attention script with 32k responses.

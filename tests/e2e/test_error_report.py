@@ -13,7 +13,8 @@ from fsdp_rlhf.distributed.checkpoint import checkpoint_problem, list_checkpoint
 from fsdp_rlhf.testing.synthetic import preference_rows, prompt_rows, write_jsonl
 from tests.e2e.helpers import REPO, torchrun
 
-pytestmark = pytest.mark.slow
+# fault injection: `make test-faults` (not `make test`)
+pytestmark = [pytest.mark.slow, pytest.mark.faults]
 
 # An environment file that cannot start on one node (rank 1 here): the import raises there.
 ENV_FAILING_ON = """

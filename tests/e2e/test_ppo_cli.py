@@ -334,6 +334,7 @@ def test_dynamic_sampling_gspo_bypass_overlong_and_eval_in_one_run(tiny_qwen2, p
     assert (save / "best" / "model.safetensors").is_file()
 
 
+@pytest.mark.faults  # a stop mid-step: `make test-faults`
 def test_stop_during_dynamic_sampling_resumes_the_same_batches(tiny_qwen2, ppo_data, tmp_path):
     """A stop signal inside a dynamic-sampling step (possibly several prompt batches drawn)
     abandons it; the resumed run draws the same batches again and matches the uninterrupted
