@@ -187,6 +187,19 @@ class Family:
         return "num_experts" in self.config or "num_local_experts" in self.config
 
 
+# Qwen3.5's hybrid text model, shared by the dense and the MoE family
+_QWEN3_5_HYBRID = dict(
+    hidden_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    linear_num_key_heads=1,
+    linear_num_value_heads=2,
+    linear_key_head_dim=128,  # vLLM's CPU gated-delta-net kernel takes 128 only
+    linear_value_head_dim=128,
+    layer_types=["linear_attention", "full_attention"],
+)
+
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
@@ -315,17 +328,7 @@ FAMILIES: dict[str, Family] = {
             "hybrid: a gated-delta-net linear-attention layer (key/value heads of 128, as "
             "published) and a gated full-attention layer (published: 3 linear to 1 full), q/k "
             "RMSNorm, partial rotary, GQA 2:1",
-            dict(
-                hidden_size=128,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=64,
-                linear_num_key_heads=1,
-                linear_num_value_heads=2,
-                linear_key_head_dim=128,  # vLLM's CPU gated-delta-net kernel takes 128 only
-                linear_value_head_dim=128,
-                layer_types=["linear_attention", "full_attention"],
-            ),
+            _QWEN3_5_HYBRID,
         ),
         Family(
             "qwen3_5_moe",
@@ -335,15 +338,7 @@ FAMILIES: dict[str, Family] = {
             "hybrid linear/full attention as qwen3_5, every layer sparse (16 experts, top 4) "
             "with a gated shared expert",
             dict(
-                hidden_size=128,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=64,
-                linear_num_key_heads=1,
-                linear_num_value_heads=2,
-                linear_key_head_dim=128,  # vLLM's CPU gated-delta-net kernel takes 128 only
-                linear_value_head_dim=128,
-                layer_types=["linear_attention", "full_attention"],
+                **_QWEN3_5_HYBRID,
                 num_experts=16,
                 num_experts_per_tok=4,
                 moe_intermediate_size=64,
