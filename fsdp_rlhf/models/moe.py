@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_rlhf.distributed.collectives import all_reduce
 from fsdp_rlhf.hf_config import config_num_experts
 
 
@@ -221,7 +222,9 @@ class MoEHooks:
         self.top_k = int(routers[0].top_k)
         self._kinds = [ROUTERS[type(r).__name__] for r in routers]
         self._current: _Forward | None = None
-        self._totals = self._zero_totals(next(model.parameters()).device)
+        # Where the routers run, known at the first routed forward: not the parameters' device,
+        # which is the host under --adam_offload (CPUOffloadPolicy) while routers run on the GPU.
+        self._totals = self._zero_totals(torch.device("cpu"))
         for slot, router in enumerate(routers):
             router.register_forward_hook(self._hook(slot))
 
@@ -233,6 +236,12 @@ class MoEHooks:
     @property
     def num_layers(self) -> int:
         return len(self.routers)
+
+    def _totals_on(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The step's running totals, moved to ``device`` (where the routers run) if needed."""
+        if self._totals["counts"].device != device:
+            self._totals = {k: v.to(device) for k, v in self._totals.items()}
+        return self._totals
 
     def _zero_totals(self, device) -> dict[str, torch.Tensor]:
         Lm, E = len(self.routers), self.num_experts
@@ -295,7 +304,7 @@ class MoEHooks:
                 with torch.no_grad():
                     same = (experts.sort(-1).values == replay.sort(-1).values).all(-1)
                     counted = has.squeeze(-1) & fwd.valid
-                    t = self._totals
+                    t = self._totals_on(experts.device)
                     t["agree"] += (same & counted).sum()
                     t["replayed"] += counted.sum()
             experts = torch.where(has, replay, experts)
@@ -333,7 +342,7 @@ class MoEHooks:
         if not fwd.collect:
             return
         with torch.no_grad():
-            t = self._totals
+            t = self._totals_on(probs.device)
             t["counts"][slot] += counts.double()
             entropy = -(probs * torch.log(probs.clamp_min(1e-20))).sum(-1)
             t["entropy"][slot] += entropy[valid].sum().double()
@@ -358,15 +367,7 @@ class MoEHooks:
         """The step's ``moe/*`` metrics over all ranks (collective), then reset."""
         t = self._totals
         parts = [t["counts"].flatten(), t["entropy"], t["tokens"]]
-        flat = torch.cat([*parts, t["agree"][None], t["replayed"][None]])
-        if dist.is_available() and dist.is_initialized():
-            device = flat.device
-            if dist.get_backend(group) == "nccl" and device.type != "cuda":
-                flat = flat.cuda()
-            elif dist.get_backend(group) == "gloo":
-                flat = flat.cpu()
-            dist.all_reduce(flat, group=group)
-            flat = flat.to(device)
+        flat = all_reduce(torch.cat([*parts, t["agree"][None], t["replayed"][None]]), group=group)
         Lm, E = self.num_layers, self.num_experts
         counts = flat[: Lm * E].view(Lm, E)
         entropy, tokens = flat[Lm * E : Lm * E + Lm], flat[Lm * E + Lm : Lm * E + 2 * Lm]

@@ -132,17 +132,45 @@ def ulysses_attention(
 def _inner_attention(module, q, k, v, attention_mask, dropout, scaling, sp, kwargs):
     """The model's own kernel over whole rows: q (B, H/n, L, D) -> (B, L, H/n, D)."""
     if sp.inner == FLASH_ATTENTION:
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        flash = ALL_ATTENTION_FUNCTIONS[FLASH_ATTENTION]
         mask = attention_mask if sp.padding_mask is None else sp.padding_mask.int()
-        return flash(module, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)[0]
+        return _flash_whole_rows(module, q, k, v, mask, dropout, scaling, sp.inner, kwargs)
     if kwargs.get("cu_seq_lens_q") is not None:  # packed rows
         return varlen_sdpa(module, q, k, v, None, dropout, scaling, **kwargs)[0]
     if kwargs.get("grouped_response_mask") is not None:  # shared-prompt rows
         return padded_sdpa(module, q, k, v, attention_mask, dropout, scaling, **kwargs)[0]
     window = kwargs.get("sliding_window")
     return _padded_attention(q, k, v, sp.padding_mask, dropout, scaling, window)
+
+
+def _flash_whole_rows(module, q, k, v, mask, dropout, scaling, kernel: str, kwargs):
+    """transformers' flash-attention call with the kernel named: its ``flash_attention_forward``
+    wrapper looks the kernel up by ``module.config._attn_implementation``, which names this
+    module's Ulysses wrapper here, not a flash kernel. q (B, H/n, L, D) -> (B, L, H/n, D);
+    ``mask`` (B, L) int padding mask or None (packed rows: ``cu_seq_lens_*`` in ``kwargs``)."""
+    from transformers.integrations.flash_attention import get_target_dtype
+    from transformers.modeling_flash_attention_utils import _flash_attention_forward
+
+    kwargs = dict(kwargs)
+    is_causal = kwargs.pop("is_causal", None)
+    s_aux = kwargs.pop("s_aux", None)
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    return _flash_attention_forward(
+        q,
+        k,
+        v,
+        mask,
+        query_length=q.shape[1],
+        is_causal=is_causal if is_causal is not None else getattr(module, "is_causal", True),
+        dropout=dropout,
+        softmax_scale=scaling,
+        sliding_window=kwargs.pop("sliding_window", None),
+        softcap=kwargs.pop("softcap", None),
+        target_dtype=get_target_dtype(q, module),
+        attn_implementation=kernel,
+        layer_idx=getattr(module, "layer_idx", None),
+        s_aux=s_aux.to(q.dtype) if s_aux is not None else None,
+        **kwargs,
+    )
 
 
 def _padded_attention(

@@ -18,6 +18,7 @@ from fsdp_rlhf.models.moe import (
     active_parameters,
     check_moe_model,
     expert_parameter_names,
+    moe_routers,
     routing_scope,
     to_forward_layout,
 )
@@ -239,3 +240,24 @@ def test_sequence_parallelism_is_refused_with_router_replay_the_aux_loss_and_lin
     hybrid = str(build_family(tmp_path / "qwen3_5", "qwen3_5"))
     with pytest.raises(UserError, match="linear-attention .* sequence parallelism splits it"):
         check_sequence_parallel(2, 2, {"--pretrain": hybrid})
+
+
+def test_metrics_live_where_the_routers_run_not_where_the_parameters_are(moe_model):
+    """Issue #45, finding 4: under --adam_offload (CPUOffloadPolicy) the parameters' device is the
+    host while the routers run on the GPU; the step's totals must follow the routers. Here the
+    parameters' device is stood in for by a meta parameter (the routers run on the host)."""
+    model = moe_model
+
+    class Offloaded(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1, device="meta"))
+
+    hooks = MoEHooks(Offloaded(), moe_routers(model))
+    ids, mask, _ = grouped_batch(model.config.vocab_size, seed=6)
+    routing = own_routing(model, ids, mask)
+    with torch.no_grad(), routing_scope(hooks, routing, mask, T):
+        response_logprobs(model, ids, mask, T)
+    m = hooks.pop_metrics()
+    assert m["moe/router_replay_agreement"] == pytest.approx(1.0)
+    assert m["moe/expert_load_max_mean"] >= 1.0

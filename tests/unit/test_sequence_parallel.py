@@ -214,3 +214,92 @@ def test_the_inner_kernel_of_padded_rows_keeps_sliding_windows(tmp_path, grad):
         got = model(ids, position_ids=pos, sequence_parallel=ctx).logits
     on = mask.bool()
     torch.testing.assert_close(got[on], ref[on], rtol=1e-4, atol=1e-4)
+
+
+def _fake_flash_attn(monkeypatch) -> None:
+    """flash-attn's Python API (``flash_attn_func``, ``flash_attn_varlen_func``, ``bert_padding``)
+    computed per sequence with SDPA, installed where transformers looks for flash-attn 2: the
+    kernel transformers picks by name can then run on CPU."""
+    import sys
+    import types
+
+    import torch
+    import torch.nn.functional as F
+    import transformers.modeling_flash_attention_utils as fa
+
+    def attend(q, k, v, causal, scale):  # one sequence: (L, H, D), k/v (L, KV, D)
+        q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, scale=scale, enable_gqa=True
+        )
+        return out[0].transpose(0, 1)
+
+    def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                        window_size=(-1, -1), softcap=0.0, deterministic=False):  # fmt: skip
+        return torch.stack([attend(q[i], k[i], v[i], causal, softmax_scale) for i in range(len(q))])
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               dropout_p=0.0, softmax_scale=None, causal=False,
+                               window_size=(-1, -1), softcap=0.0, deterministic=False):  # fmt: skip
+        bounds = cu_seqlens_q.tolist()
+        return torch.cat([
+            attend(q[a:b], k[a:b], v[a:b], causal, softmax_scale)
+            for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+        ])  # fmt: skip
+
+    flash = types.ModuleType("flash_attn")
+    flash.flash_attn_func, flash.flash_attn_varlen_func = flash_attn_func, flash_attn_varlen_func
+    flash.flash_attn_with_kvcache = None
+    padding = types.ModuleType("flash_attn.bert_padding")
+    padding.pad_input, padding.unpad_input = fa._pad_input, fa._unpad_input
+    flash.bert_padding = padding
+    monkeypatch.setitem(sys.modules, "flash_attn", flash)
+    monkeypatch.setitem(sys.modules, "flash_attn.bert_padding", padding)
+    monkeypatch.setattr(fa, "is_flash_attn_2_available", lambda: True)
+    monkeypatch.setattr(fa, "_loaded_implementation", None)
+
+
+def test_the_flash_kernel_inside_ulysses_is_found_by_its_own_name(tmp_path, monkeypatch):
+    """Issue #45, finding 1: inside Ulysses the model's attention implementation is
+    ``fsdp_rlhf_ulysses``; transformers' flash wrapper looked its kernel up by that name and
+    raised "Could not find the currently requested flash attention implementation". The inner
+    kernel is set as ``models.load`` sets it on CUDA with --flash_attn (flash-attn emulated by
+    SDPA here); padded rows with left padding and rows without padding, with gradients."""
+    import torch
+    from transformers import AttentionInterface
+
+    from fsdp_rlhf.config import BackendConfig
+    from fsdp_rlhf.models.attention import FLASH_ATTENTION
+    from fsdp_rlhf.models.load import load_causal_lm
+    from fsdp_rlhf.models.ulysses import ULYSSES_ATTENTION, UlyssesContext, _inner_attention
+    from fsdp_rlhf.testing.tiny import build_model
+
+    _fake_flash_attn(monkeypatch)
+
+    def inner(module, q, k, v, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        sp = kwargs.pop("sequence_parallel")
+        return _inner_attention(module, q, k, v, None, dropout, scaling, sp, kwargs), None
+
+    # the name the wrapper used to look its kernel up by (restored after the test)
+    monkeypatch.setitem(AttentionInterface._global_mapping, ULYSSES_ATTENTION, inner)
+    path = build_model(tmp_path, "qwen2", hidden_size=96, num_heads=3, num_kv_heads=1,
+                       intermediate_size=64, num_layers=2, vocab_size=300)  # fmt: skip
+    model = load_causal_lm(str(path), BackendConfig(), "cpu")
+    torch.manual_seed(0)
+    ids = torch.randint(5, 200, (2, 24))
+    for padded in (True, False):
+        mask = torch.ones_like(ids)
+        if padded:
+            mask[1, :7] = 0
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        model.set_attn_implementation("sdpa")
+        ref = model(ids, attention_mask=mask, position_ids=pos).logits
+        model.set_attn_implementation(ULYSSES_ATTENTION)
+        padding = mask.bool() if padded else None
+        ctx = UlyssesContext(None, 1, ids.shape[1], FLASH_ATTENTION, padding)
+        got = model(ids, position_ids=pos, sequence_parallel=ctx).logits
+        on = mask.bool()
+        torch.testing.assert_close(got[on], ref[on], rtol=1e-4, atol=1e-4)
+        got[on].sum().backward()
+        assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+        model.zero_grad()
