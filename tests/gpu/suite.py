@@ -234,3 +234,46 @@ def require(*needs: str) -> None:
     missing = [n for n in needs if not HAVE[n]]
     if missing:
         pytest.skip(WHY[missing[0]])
+
+
+def build_big_model(out: Path) -> str:
+    """Qwen2.5-1.5B's shape (28 layers, hidden 1536, 12/2 heads, 151,936 vocabulary, tied
+    embeddings; no head_dim key), random bf16 weights, initialised on the GPU: big enough that
+    fixed costs do not dominate the phases' memory or the speed checks' timings."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from fsdp_rlhf.testing.tiny import _drop_config_keys, build_tokenizer, write_generation_config
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(out)
+    cfg = Qwen2Config(
+        vocab_size=151_936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+    )
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(str(out))
+    del model
+    torch.cuda.empty_cache()
+    _drop_config_keys(out, ("head_dim",))
+    write_generation_config(out, tok)
+    return str(out)
+
+
+def results_dir() -> Path:
+    """Where checks write their dated JSON (``FSDP_RLHF_GPU_SUITE_OUT``, e.g. the device
+    tool's ``$OUT``; else a temporary folder)."""
+    import tempfile
+
+    out = Path(os.environ.get("FSDP_RLHF_GPU_SUITE_OUT") or tempfile.gettempdir())
+    out.mkdir(parents=True, exist_ok=True)
+    return out

@@ -5,10 +5,7 @@ calibrates the model (its ASSUMED constants first) or says why the difference is
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-import torch
 
 from tests.gpu.suite import (
     HAVE,
@@ -24,45 +21,12 @@ from tests.gpu.suite import (
 pytestmark = pytest.mark.gpu
 
 
-def build_big_model(out: Path) -> str:
-    """Qwen2.5-1.5B's shape (28 layers, hidden 1536, 12/2 heads, 151,936 vocabulary, tied
-    embeddings; no head_dim key), random bf16 weights, initialised on the GPU: big enough that
-    fixed costs do not dominate the phases' memory."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from fsdp_rlhf.testing.tiny import _drop_config_keys, build_tokenizer, write_generation_config
-
-    out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(out)
-    cfg = Qwen2Config(
-        vocab_size=151_936,
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=None,
-    )
-    with torch.device("cuda"):
-        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(str(out))
-    del model
-    torch.cuda.empty_cache()
-    _drop_config_keys(out, ("head_dim",))
-    write_generation_config(out, tok)
-    return str(out)
-
-
-def test_estimate_beside_measured_peaks_1_5b(tmp_path, detail):
+def test_estimate_beside_measured_peaks_1_5b(big_model, tmp_path, detail):
     from fsdp_rlhf.config import PPOConfig
     from fsdp_rlhf.config_base import build_config
     from fsdp_rlhf.distributed.memory_plan import plan_job
 
-    model = build_big_model(tmp_path / "big")
+    model = big_model
     sizes = dict(micro=4, prompt=128, response=256)
     extra = ["--bf16", "--zero_stage", "3", "--gradient_checkpointing"]
     flags = [*ppo_flags(model, tmp_path / "run", sizes), *extra]
