@@ -94,8 +94,15 @@ def cli(args: list[str], nproc: int = WORLD, timeout: int = CLI_TIMEOUT):
     cmd = local_torchrun(nproc, ["-m", "fsdp_rlhf.cli", *args])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-12:]
-        raise AssertionError(f"{args[0]} exited {proc.returncode}:\n" + "\n".join(tail))
+        log = results_dir() / f"{args[0]}-{os.getpid()}-{time.monotonic_ns()}.log"
+        log.write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+        # the job's own last lines, not torchrun's summary of the failure that follows them
+        lines = (proc.stderr or proc.stdout).strip().splitlines()
+        cut = next((i for i, x in enumerate(lines) if "ChildFailedError" in x), len(lines))
+        tail = [x for x in lines[:cut] if x.strip() and not x.startswith("[W")][-12:]
+        raise AssertionError(
+            f"{args[0]} exited {proc.returncode} (whole log: {log}):\n" + "\n".join(tail)
+        )
     return proc
 
 

@@ -52,7 +52,7 @@ def _on_gpu(env) -> bool:
 
 def _sync() -> None:
     if torch.cuda.is_available():
-        _sync()
+        torch.cuda.synchronize()
 
 
 def _write(key: str, values: dict) -> None:
