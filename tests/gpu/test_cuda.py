@@ -193,3 +193,14 @@ def test_packed_vs_padded_training(model, detail):
         f"{kernel}: max |log-prob diff| {lp_gap:.2e}, grad rel diff {grad_gap:.2e}; fwd+bwd "
         f"padded {out[False][2] * 1e3:.1f} ms, packed {out[True][2] * 1e3:.1f} ms"
     )
+
+
+@pytest.mark.gpu
+def test_step_statistics_on_the_gpu_and_the_host_reach_the_host(detail):
+    """Seen on the first lent GPU (an H200): PPO's metric reduction stacked GPU and host
+    statistics in one ``torch.stack`` ("Expected all tensors to be on the same device")."""
+    from fsdp_rlhf.distributed.stats import to_host
+
+    values = {"a": torch.tensor(1.5, device="cuda"), "b": torch.tensor(2.0), "c": 3}
+    assert to_host(values) == {"a": 1.5, "b": 2.0, "c": 3.0}
+    detail("GPU and host 0-dim statistics, one copy per device")
