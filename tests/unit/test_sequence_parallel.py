@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from fsdp_rlhf.config import (
     FSDPConfig,
@@ -118,6 +119,23 @@ def test_rollouts_of_a_group_merge_in_rank_order():
     assert out.engine_logprobs[1].tolist() == pytest.approx([-0.2, -0.3, 0.0])
     assert out.response_attention_mask is None
     assert RolloutOutput.concat([a], pad_id=0) is a
+
+
+def test_merged_rollouts_keep_each_tokens_routed_experts():
+    """Router replay under sequence parallelism: the group's gathered rollouts carry the
+    engine's routing, each token's experts staying on their token through the new padding."""
+    from dataclasses import replace
+
+    a = RolloutOutput.from_lists([[5, 6]], [[1, 2]], ["stop"], None, pad_id=0, n=1)
+    b = RolloutOutput.from_lists([[7, 8, 9]], [[4, 4, 4]], ["length"], None, pad_id=0, n=1)
+    # (N, P + T, layers 2, k 3): each token's experts are its column index
+    a = replace(a, routed_experts=torch.arange(4).view(1, 4, 1, 1).expand(1, 4, 2, 3).byte())
+    b = replace(b, routed_experts=torch.arange(6).view(1, 6, 1, 1).expand(1, 6, 2, 3).byte())
+    out = RolloutOutput.concat([a, b], pad_id=0)
+    assert out.routed_experts is not None and out.routed_experts.shape == (2, 6, 2, 3)
+    assert out.routed_experts[:, :, 0, 0].tolist() == [[255, 0, 1, 2, 3, 255], [0, 1, 2, 3, 4, 5]]
+    with pytest.raises(ValueError, match="with and without routed experts"):
+        RolloutOutput.concat([a, replace(b, routed_experts=None)], pad_id=0)
 
 
 SHAPE_7B = ModelShape.from_hf_config(
