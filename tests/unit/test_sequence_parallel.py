@@ -24,6 +24,7 @@ from fsdp_rlhf.distributed.memory import (
     JobFlags,
     ModelShape,
     activation_bytes,
+    attention_mask_bytes,
     plan_phases,
     sequence_parallel_needed,
     sequence_parallel_options,
@@ -155,6 +156,35 @@ def test_activations_per_rank_halve_with_two_ranks_per_sequence():
     assert sequence_parallel_options(8, 32, 8) == [1, 2, 4, 8]
     assert sequence_parallel_options(8, 28, 4) == [1, 2, 4]  # 28 heads: not 8
     assert sequence_parallel_options(6, 9, 3) == [1, 3]
+
+
+def test_the_memory_model_counts_the_attention_masks_that_remain():
+    """SDPA keeps an explicit mask for backward (a bias in the compute dtype), whole on every
+    rank of a sequence-parallel group; Ulysses' padded rows, packed rows and flash-attn pass
+    none (tests/distributed/test_sequence_parallel.py measures what SDPA keeps)."""
+    from dataclasses import replace
+
+    s, T = 32768, 30000
+    f = JobFlags(
+        world=8, device_bytes=80 * GIB, seq_len=s, response_len=T, gradient_checkpointing=True
+    )
+    # without SP, HF's (1, 1, s, s) mask of padded rows: 2 GiB in bf16, the recomputed layer's
+    assert attention_mask_bytes(f, SHAPE_7B, 1, shared_prompts=False) == 2 * s * s == 2 * GIB
+    no_ckpt = replace(f, gradient_checkpointing=False)
+    assert attention_mask_bytes(no_ckpt, SHAPE_7B, 1, False) == 32 * 2 * GIB  # every layer's
+    sp2 = replace(f, sequence_parallel=2)
+    assert attention_mask_bytes(sp2, SHAPE_7B, 1, False) == 0  # causal kernels row by row
+    # shared-prompt rows (8 samples a prompt): the prompt's mask once, each response's whole
+    shared = replace(sp2, shared_prompts=8)
+    P = s - T
+    assert attention_mask_bytes(shared, SHAPE_7B, 8, True) == 2 * (P * P + 8 * T * s)
+    assert attention_mask_bytes(shared, SHAPE_7B, 8, False) == 0  # the critic's padded rows
+    assert attention_mask_bytes(replace(shared, packing=True), SHAPE_7B, 8, True) == 0
+    assert attention_mask_bytes(replace(shared, flash_attn=True), SHAPE_7B, 8, True) == 0
+    phases = {p.name: p for p in plan_phases(replace(shared, micro_train_batch_size=8),
+                                             SHAPE_7B, SHAPE_7B, [SHAPE_7B])}  # fmt: skip
+    assert phases["actor update"].parts["attention masks"] == 2 * (P * P + 8 * T * s)
+    assert "attention masks" not in phases["critic update"].parts
 
 
 def test_the_model_names_the_smallest_split_that_fits():
