@@ -238,3 +238,29 @@ def test_sequence_parallelism_takes_router_replay_and_the_aux_loss_not_linear_at
     hybrid = str(build_family(tmp_path / "qwen3_5", "qwen3_5"))
     with pytest.raises(UserError, match="linear-attention .* sequence parallelism splits it"):
         check_sequence_parallel(2, 2, {"--pretrain": hybrid})
+
+
+def test_router_replay_with_vllm_tensor_parallelism_is_refused_on_cuda_only(
+    tiny_qwen3_moe, monkeypatch
+):
+    """vLLM's own capture (CUDA) keeps the routed experts on its first TP rank; the other
+    ranks' schedulers fail without them. On CPU every rank records them itself (the TP=2
+    engine's routing is checked in tests/e2e/test_sequence_parallel_cli.py)."""
+    from fsdp_rlhf.config import PPOConfig
+    from fsdp_rlhf.config_base import build_config
+    from fsdp_rlhf.trainers.ppo_setup import _check_moe
+
+    def cfg(tp: int):
+        argv = ["--pretrain", tiny_qwen3_moe, "--router_replay"]
+        return build_config(PPOConfig, [*argv, "--vllm_tensor_parallel_size", str(tp)])[0]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _check_moe(cfg(2))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    _check_moe(cfg(1))
+    with pytest.raises(UserError) as e:
+        _check_moe(cfg(2))
+    line = str(e.value)
+    assert "--router_replay with --vllm_tensor_parallel_size 2 on CUDA" in line
+    assert "first tensor-parallel rank only" in line and "--vllm_tensor_parallel_size 1" in line
+    assert "\n" not in line
