@@ -228,16 +228,34 @@ def test_long_generation_must_fit_the_model_context(tmp_path):
     check_context_length(_ppo(short, *lengths, "--rollout_engine", "hf"))  # HF: no vLLM limit
 
 
-@pytest.mark.parametrize("grad", [False, True])  # SDPA with a mask, the explicit CPU kernel
-def test_the_inner_kernel_of_padded_rows_keeps_sliding_windows(tmp_path, grad):
+def test_row_spans_are_each_rows_run_of_tokens_or_none():
+    from fsdp_rlhf.models.attention import row_spans, span_attention
+
+    mask = torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
+    assert row_spans(mask) == ((1, 3), (0, 4), (0, 0))
+    assert row_spans(torch.tensor([[1, 0, 1, 1]])) is None  # a hole: the masked kernel
+    q = torch.randn(3, 2, 4, 8)
+    out = span_attention(q, q, q, row_spans(mask), 0.0, 0.5)
+    assert out.shape == q.shape and out[2].abs().sum() == 0 and out[0, :, 0].abs().sum() == 0
+    ref = torch.nn.functional.scaled_dot_product_attention(q[0:1, :, 1:3], q[0:1, :, 1:3],
+                                                           q[0:1, :, 1:3], is_causal=True,
+                                                           scale=0.5)  # fmt: skip
+    torch.testing.assert_close(out[0:1, :, 1:3], ref)
+
+
+@pytest.mark.parametrize("grad", [False, True])  # SDPA, the explicit CPU kernel
+@pytest.mark.parametrize("spans", [False, True])  # with each row's run of tokens: no mask
+def test_the_inner_kernel_of_padded_rows_keeps_sliding_windows(tmp_path, grad, spans):
     """Inside Ulysses a padded row's attention runs on the whole row (models.ulysses
     _inner_attention); Gemma 3's sliding-window layers (window 16) must see their last 16
-    keys there as in transformers' own padded forward. Run here on one rank: the kernel the
-    all-to-alls wrap, fed the whole row."""
+    keys there as in transformers' own padded forward, and its global layers take SDPA's
+    causal kernel row by row when the rows' runs are known. Run here on one rank: the kernel
+    the all-to-alls wrap, fed the whole row."""
     import torch
     from transformers import AttentionInterface
 
     from fsdp_rlhf.config import BackendConfig
+    from fsdp_rlhf.models.attention import row_spans
     from fsdp_rlhf.models.load import load_causal_lm
     from fsdp_rlhf.models.ulysses import UlyssesContext, _inner_attention
     from fsdp_rlhf.testing.tiny import build_family
@@ -253,12 +271,15 @@ def test_the_inner_kernel_of_padded_rows_keeps_sliding_windows(tmp_path, grad):
     ids = torch.randint(5, 200, (2, 40))
     mask = torch.ones_like(ids)
     mask[1, :9] = 0  # left padding
+    mask[0, 33:] = 0  # right padding
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.set_grad_enabled(grad):
         model.set_attn_implementation("sdpa")
         ref = model(ids, attention_mask=mask, position_ids=pos).logits
         model.set_attn_implementation("test_ulysses_inner")
-        ctx = UlyssesContext(None, 1, ids.shape[1], "sdpa", mask.bool())
+        runs = row_spans(mask) if spans else None
+        assert runs is None or runs == ((0, 33), (9, 40))
+        ctx = UlyssesContext(None, 1, ids.shape[1], "sdpa", mask.bool(), runs)
         got = model(ids, position_ids=pos, sequence_parallel=ctx).logits
     on = mask.bool()
     torch.testing.assert_close(got[on], ref[on], rtol=1e-4, atol=1e-4)
