@@ -213,8 +213,8 @@ def span_attention(
     Each row's run goes through SDPA with ``is_causal`` (rows without left padding together, in
     one call: a causal query never sees the right padding after it), so the kernel keeps
     nothing of size L x L for backward (an explicit mask would be kept, as an L x L bias per
-    row, by every layer). Real tokens attend as under the padding mask; the output at left
-    padding is 0."""
+    row, by every layer). Real tokens attend as under the padding mask; padding gets what the
+    causal kernel gives it (0 at left padding, and at right padding of a row cut out)."""
     gqa = k.shape[1] != q.shape[1]
 
     def causal(q, k, v):

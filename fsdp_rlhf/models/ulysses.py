@@ -163,11 +163,12 @@ def _padded_attention(
 ) -> torch.Tensor:
     """Causal attention of padded rows, padding keys masked: q (B, H, L, D), k/v (B, KV, L, D),
     ``padding_mask`` (B, L) bool or None -> (B, L, H, D). A padding query attends to itself
-    (never to nothing: a row of no keys is NaN in SDPA) or, without a mask (``spans``), gets 0;
-    real tokens are as in the unsplit forward. ``window``: a sliding-window layer's (Gemma 3's
-    local layers), each query sees its last ``window`` keys only, as transformers' padded mask
-    does. ``spans``: each row's run of attended tokens, for the mask-free path (SDPA's kernels
-    then keep nothing of size L x L for backward; :func:`models.attention.span_attention`)."""
+    (never to nothing: a row of no keys is NaN in SDPA), or without a mask (``spans``) gets what
+    the causal kernel gives it (0 at left padding); real tokens are as in the unsplit forward.
+    ``window``: a sliding-window layer's (Gemma 3's local layers), each query sees its last
+    ``window`` keys only, as transformers' padded mask does. ``spans``: each row's run of
+    attended tokens, for the mask-free path (SDPA's kernels then keep nothing of size L x L for
+    backward; :func:`models.attention.span_attention`)."""
     L = q.shape[-2]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     explicit = _explicit_wanted(q, dropout, L)
