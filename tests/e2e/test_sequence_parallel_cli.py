@@ -155,6 +155,8 @@ def test_moe_grpo_sp2_replays_the_tp2_engines_routing_with_the_aux_loss(tmp_path
         assert r["rollout/logprob_diff/max"] < 1e-4, r
         assert r["moe/aux_loss"] > 0 and r["moe/expert_load_max_mean"] >= 1.0, r
     assert rows[0]["moe/router_replay_agreement"] < 0.9, rows[0]  # the ties are real
+    keys = ("rollout/logprob_diff/max", "moe/router_replay_agreement", "moe/aux_loss")
+    print([{k: r[k] for k in keys} for r in rows])
 
 
 def _offline(command: str, model: str, data: Path, save: Path, sp: int) -> list[str]:
