@@ -964,16 +964,6 @@ class PPOConfig:
                 raise ConfigError(f"{flag} applies to asynchronous training: add --async_train")
 
     def _check_moe(self) -> None:
-        sp = self.fsdp.sequence_parallel_size
-        if sp > 1 and (self.moe.router_replay or self.moe.aux_loss_coef > 0):
-            # each rank of a sequence-parallel group routes its own slice of every sequence:
-            # the replayed routing and the balancing loss's token counts are not split with it
-            flag = "--router_replay" if self.moe.router_replay else "--aux_loss_coef"
-            raise ConfigError(
-                f"{flag} with --sequence_parallel_size {sp}: router replay and the load-balancing "
-                "loss are not implemented for sequence-parallel forwards; use "
-                "--sequence_parallel_size 1"
-            )
         if self.asynchronous.async_train and self.moe.router_replay:
             # the step-by-step engine of asynchronous training does not record routing
             raise ConfigError(

@@ -63,6 +63,11 @@ def job_flags(cfg: PPOConfig, world: int, device_bytes: int) -> JobFlags:
     ``--vllm_gpu_memory_utilization`` is planned at ``AUTO_UTILIZATION_CAP``; see
     :func:`resolve_vllm_utilization` for the value the job uses)."""
     util = cfg.rollout.vllm_gpu_memory_utilization
+    n = cfg.batch.n_samples_per_prompt
+    # the actor's rows share their prompt pass (ppo_setup.prompt_group_size: padded attention
+    # only); taken as n here, the batch sizes may let a smaller group share
+    sharing = cfg.batch.share_prompt_prefix and n > 1
+    sharing = sharing and not (cfg.batch.packing_samples or cfg.backend.flash_attn)
     return JobFlags(
         world=world,
         device_bytes=device_bytes,
@@ -86,6 +91,9 @@ def job_flags(cfg: PPOConfig, world: int, device_bytes: int) -> JobFlags:
         cuda_graphs=not cfg.rollout.enforce_eager,
         vllm_tp=cfg.rollout.vllm_tensor_parallel_size,
         sequence_parallel=cfg.fsdp.sequence_parallel_size,
+        packing=cfg.batch.packing_samples,
+        flash_attn=cfg.backend.flash_attn,
+        shared_prompts=n if sharing else 1,
     )
 
 

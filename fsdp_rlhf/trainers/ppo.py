@@ -127,11 +127,12 @@ class PPOTrainer:
         # after the engine, which seeds torch per engine: fresh heads must match on all ranks
         torch.manual_seed(cfg.seed)
         self.models = build_models(cfg, env, tokenizer)
-        # an MoE actor: router replay, routing statistics, the load-balancing loss
-        self.moe = MoEHooks.attach(self.models.actor)
-        self.prompts = build_prompts(cfg, rows, tokenizer, self.images)
         # the ranks of a sequence-parallel group draw the same prompts (their data shard)
         self.sp = sequence_parallel_layout()
+        # an MoE actor: router replay, routing statistics, the load-balancing loss (each rank
+        # routing its slice of every row under sequence parallelism)
+        self.moe = MoEHooks.attach(self.models.actor, self.sp)
+        self.prompts = build_prompts(cfg, rows, tokenizer, self.images)
         self.sampler = PromptSampler(
             len(self.prompts),
             cfg.batch.rollout_batch_size,

@@ -206,6 +206,18 @@ def _check_moe(cfg: PPOConfig) -> None:
             "--router_replay needs --rollout_engine vllm: the HF engine does not report the "
             "experts it routed to"
         )
+    tp = cfg.rollout.vllm_tensor_parallel_size
+    if moe.router_replay and tp > 1 and torch.cuda.is_available():
+        # vLLM's own capture (CUDA) hands the routed experts to its first TP rank only
+        # (distributed/aux_output_connector/worker.py); under the external launcher every
+        # rank runs a scheduler that expects them, and the others would fail on the first
+        # step. On CPU the adapter records them on every rank itself (rollout/vllm_moe.py).
+        raise UserError(
+            f"--router_replay with --vllm_tensor_parallel_size {tp} on CUDA: vLLM 0.32 returns "
+            "the routed experts on its first tensor-parallel rank only, and the other ranks' "
+            "schedulers (one per rank under the external launcher) fail without them; use "
+            "--vllm_tensor_parallel_size 1"
+        )
     from fsdp_rlhf.models.moe import check_moe_model
 
     check_moe_model(cfg.models.pretrain, " and ".join(flags), cfg.backend.trust_remote_code)
