@@ -138,6 +138,25 @@ def test_an_engine_of_two_tensor_parallel_ranks(tiny_qwen2, data, tmp_path):
     assert all(r["async/staleness_max"] <= 1 for r in rows)
 
 
+def _two_engines(tmp_path, data, model, steps: int) -> list[str]:
+    flags = grpo_flags(model, data, tmp_path, steps)
+    flags[flags.index("--generate_max_len") + 1] = "8"
+    return [*flags, "--async_train", "--vllm_num_engines", "2"]
+
+
+def test_two_engines_beside_one_training_rank(tiny_qwen2, data, tmp_path):
+    """3 ranks: 1 training rank, 2 engines of TP 1 (each its own default group of 1 rank).
+    Each rollout rank builds an engine of its own world (not the job's 2 engines) that never
+    sleeps; each sends its half of every batch to the training rank."""
+    run = torchrun(["ppo", *_two_engines(tmp_path, data, tiny_qwen2, 2)], nproc=3)
+    assert run.returncode == 0, run.stderr[-3000:]
+    log = " ".join(run.stdout.split())
+    assert "ranks 0-0 train, 1-2 generate (2 engines x TP 1)" in log
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["async/staleness_max"] <= 1 for r in rows)
+
+
 def test_a_response_spans_two_weight_versions_and_each_token_keeps_its_own(tiny_qwen2, tmp_path):
     """One rollout whose weights change after 6 engine steps, requests in flight: the
     responses' first tokens carry version 0 and the rest version 1; each token's log-prob
