@@ -5,6 +5,7 @@ the two-host runs are in tests/cluster."""
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -307,3 +308,32 @@ def test_a_rollout_rank_that_dies_ends_the_job_naming_it(tiny_qwen2, data, tmp_p
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error")]
     assert any("rollout rank 1 (engine 0) is gone" in line for line in lines), proc.stderr[-3000:]
+
+
+def test_a_live_but_slow_rollout_rank_is_named_alive_not_gone(tiny_qwen2, data, tmp_path):
+    """The rollout rank's reward function takes 75 s at the 2nd batch, longer than
+    --dist_timeout_min 1: the training rank, waiting for it to take step 1's weights, gives up
+    after a minute with one line saying who waited for what and that the rollout rank is
+    alive (its heartbeat moves), not "gone" as a lost rank is."""
+    reward = tmp_path / "slow_reward.py"
+    reward.write_text(
+        "import time\ncalls = 0\n\n\ndef reward_func(queries, prompts, labels):\n"
+        "    global calls\n    calls += 1\n    if calls == 2:\n        time.sleep(75)\n"
+        "    return [0.0] * len(queries)\n"
+    )
+    save = tmp_path / "slow"
+    flags = grpo_flags(tiny_qwen2, data, save, 4)
+    flags[flags.index("--remote_rm_url") + 1] = str(reward)
+    proc = torchrun(["ppo", *flags, *ASYNC, "--dist_timeout_min", "1"], timeout=400)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error [rank 0]")]
+    assert lines, proc.stderr[-3000:]
+    line = lines[0]
+    assert re.search(
+        r"training rank 0 waited 6\d s for rollout rank 1 \(engine 0\), sending new weights, "
+        r"and gave up \(--dist_timeout_min 1\); rollout rank 1 \(engine 0\) is alive \(its "
+        r"heartbeat moved \d+ s ago\), so it is slow, not gone",
+        line,
+    ), line
+    assert "is gone" not in line, line
+
