@@ -153,9 +153,7 @@ class Bridge:
 
     # ------------------------------------------------------------ waiting
 
-    def wait_for(
-        self, pending: Expected, peer: int, what: str, wait_s: float | None = None
-    ) -> Any:
+    def wait_for(self, pending: Expected, peer: int, what: str, wait_s: float | None = None) -> Any:
         """``pending``'s result, waiting as the module docstring says (``what``: what this
         rank is doing, for the lines: ``receiving batch 3``; ``wait_s``: a bound of its own
         instead of ``patience.wait_s``)."""

@@ -336,4 +336,3 @@ def test_a_live_but_slow_rollout_rank_is_named_alive_not_gone(tiny_qwen2, data, 
         line,
     ), line
     assert "is gone" not in line, line
-
