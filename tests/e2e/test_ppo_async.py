@@ -1,6 +1,6 @@
 """`fsdp-rlhf ppo --async_train` end to end: 2 CPU ranks under torchrun (1 training rank, 1
-rollout rank with a real vLLM engine). `make test-async` runs these (marker ``asynchronous``);
-the two-host runs are in tests/cluster."""
+rollout rank with a real vLLM engine), 3 for an engine of TP 2 or two engines. `make
+test-async` runs these (marker ``asynchronous``); the two-host runs are in tests/cluster."""
 
 from __future__ import annotations
 
