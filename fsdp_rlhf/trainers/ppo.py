@@ -405,6 +405,10 @@ class PPOTrainer:
                 offload_optimizer(critic.optimizer, device)
                 offload_model(critic.model, device)
         if self.actor_updates:
+            # the actor's Adam state left the device when the engine woke (RolloutSession.awake)
+            # and comes back for this update only: scoring and the critic update ran without it
+            with self.timer("actor_onload"):
+                onload_optimizer(self.optimizers["actor"], device)
             with self.timer("update"):
                 actor_metrics, old_logprobs = update_actor(
                     self._trained_model("actor"),
