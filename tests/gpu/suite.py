@@ -131,9 +131,10 @@ def ppo_flags(model: str, root: Path, sizes: dict, steps: int = 2) -> list[str]:
     ]  # fmt: skip
 
 
-# doctor's phases (distributed.memory) and the trainer's timed phases they cover
+# doctor's phases (distributed.memory) and the trainer's timed phases they cover (the rollout:
+# the weight sync, then generation)
 MEASURED_PHASES = {
-    "rollout": ("rollout",),
+    "rollout": ("resharding_to_infer", "rollout"),
     "scoring (no-grad)": ("old_log_p", "reference_model", "critic_model", "reward_model"),
     "actor update": ("update",),
     "critic update": ("update_critic",),
@@ -144,9 +145,10 @@ MEMORY_TOLERANCE = 0.10
 def compare_phases(phases, row: dict) -> list[dict]:
     """Doctor's per-phase estimate beside the measured peaks of one step's metrics.
 
-    The estimate's tensors (its total less the CUDA context, which the allocator does not see)
-    are compared with ``max_memory_allocated``; ``memory_reserved`` and the device's used memory
-    (``mem_get_info``, at the phase's end) are shown beside them."""
+    The estimate's tensors (its total less the CUDA context, which the allocator does not see,
+    and the allocator's slack, reserved but not allocated) are compared with
+    ``max_memory_allocated``; ``memory_reserved`` and the device's used memory (``mem_get_info``,
+    at the phase's end) are shown beside them."""
     rows = []
     for phase in phases:
         timers = [t for t in MEASURED_PHASES.get(phase.name, ()) if f"memory/{t}_gib" in row]
@@ -157,7 +159,8 @@ def compare_phases(phases, row: dict) -> list[dict]:
             vals = [row[f"{prefix}/{t}_gib"] for t in timers if f"{prefix}/{t}_gib" in row]
             return max(vals) if vals else None
 
-        tensors = (phase.total - phase.parts.get("cuda context + nccl", 0)) / GIB
+        outside = ("cuda context + nccl", "allocator slack")
+        tensors = (phase.total - sum(phase.parts.get(k, 0) for k in outside)) / GIB
         allocated = peak("memory")
         rows.append(
             dict(
