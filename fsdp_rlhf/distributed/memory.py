@@ -50,7 +50,8 @@ in the compute dtype, resident in every phase. Its rollout adds the larger of th
 (:func:`hf_sync_bytes`) and generation (:func:`hf_generation`: the KV cache, every step's fp32
 scores, a step's temporaries, one prefill layer), since the sync ends before generation starts.
 Constants marked ASSUMED are not measured yet; the GPU suite (``tests/gpu``) prints the measured
-phase peaks beside this model's estimate to calibrate them.
+phase peaks beside this model's estimate, and what the device holds by owner at each phase's
+end (``distributed.memory_census``), to calibrate them.
 """
 
 from __future__ import annotations

@@ -84,13 +84,14 @@ def first_dims(path: str) -> dict[str, int]:
     return {k: config[k] for k in ("vocab_size", "intermediate_size", "hidden_size")}
 
 
-def cli(args: list[str], nproc: int = WORLD, timeout: int = CLI_TIMEOUT):
+def cli(args: list[str], nproc: int = WORLD, timeout: int = CLI_TIMEOUT, env: dict | None = None):
     """``torchrun -m fsdp_rlhf.cli ARGS`` from the source tree; the child sees this tree first
-    on PYTHONPATH (and whatever the caller's PYTHONPATH carries: the box's wheels)."""
+    on PYTHONPATH (and whatever the caller's PYTHONPATH carries: the box's wheels), and
+    ``env`` on top of this process's environment."""
     from fsdp_rlhf.testing.launch import local_torchrun
 
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     cmd = local_torchrun(nproc, ["-m", "fsdp_rlhf.cli", *args])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     if proc.returncode != 0:
@@ -174,6 +175,44 @@ def compare_phases(phases, row: dict) -> list[dict]:
             )
         )
     return rows
+
+
+def census_env() -> dict[str, str]:
+    """A CLI run's environment that takes the memory census (``distributed.memory_census``) at
+    the end of every timed phase the estimate is compared with."""
+    timers = sorted({t for ts in MEASURED_PHASES.values() for t in ts})
+    return {"FSDP_RLHF_MEMORY_CENSUS": ",".join(timers)}
+
+
+def census_rows(row: dict) -> dict[str, dict[str, float]]:
+    """One step's census from its metrics: ``{timer: {owner: GiB}}``, in the estimate's phase
+    order (``memory_owner/<timer>/<owner>_gib``)."""
+    out: dict[str, dict[str, float]] = {}
+    for timers in MEASURED_PHASES.values():
+        for timer in timers:
+            prefix = f"memory_owner/{timer}/"
+            owners = {
+                k[len(prefix) : -len("_gib")].replace("_", " "): v
+                for k, v in row.items()
+                if k.startswith(prefix)
+            }
+            if owners:
+                out[timer] = owners
+    return out
+
+
+def format_census(census: dict[str, dict[str, float]]) -> list[str]:
+    """Lines of bytes by owner at each phase's end (GiB, or MiB below 0.1 GiB); owners holding
+    nothing there are left out."""
+
+    def size(gib: float) -> str:
+        return f"{gib:.2f} GiB" if abs(gib) >= 0.1 else f"{gib * 1024:.1f} MiB"
+
+    out = []
+    for timer, owners in census.items():
+        held = ", ".join(f"{k} {size(v)}" for k, v in owners.items() if v)
+        out.append(f"end of {timer}: {held or 'nothing'}")
+    return out
 
 
 def format_rows(rows: list[dict], measured: str = "max allocated") -> list[str]:
