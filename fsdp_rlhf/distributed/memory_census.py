@@ -46,7 +46,7 @@ def _storage(t: torch.Tensor) -> tuple[int, int] | None:
     try:
         s = t.untyped_storage()
         ptr, nbytes = s.data_ptr(), s.nbytes()
-    except (RuntimeError, NotImplementedError, TypeError):
+    except Exception:  # noqa: BLE001 (meta, fake and functional tensors have none)
         return None
     return (ptr, nbytes) if ptr and nbytes else None
 
@@ -126,14 +126,14 @@ def census(
         kind = type(obj)  # not isinstance: it reads __class__, which some proxies warn about
         if not issubclass(kind, torch.Tensor) or issubclass(kind, DTensor):
             continue
-        try:
+        try:  # some subclasses (fake, functional) answer neither device nor storage
             if obj.device != device:
                 continue
-        except RuntimeError:
+            key = _storage(obj)
+            if key is not None and (key not in seen or obj.numel() > seen[key].numel()):
+                seen[key] = obj
+        except Exception:  # noqa: BLE001
             continue
-        key = _storage(obj)
-        if key is not None and (key not in seen or obj.numel() > seen[key].numel()):
-            seen[key] = obj
     bytes_by = dict.fromkeys(owners, 0)
     bytes_by[OTHER] = 0
     groups: dict[str, list[int]] = {}
