@@ -93,22 +93,32 @@ def rollout_mismatch_metrics(
 
 
 def _token_probs(logprobs: torch.Tensor) -> torch.Tensor:
-    return logprobs.exp().clamp(_PROB_GUARD, 1.0 - _PROB_GUARD)
+    """Probabilities in float64, clamped away from 0 and 1 (finite logs)."""
+    return logprobs.detach().double().exp().clamp(_PROB_GUARD, 1.0 - _PROB_GUARD)
 
 
 @torch.no_grad()
 def binary_kl(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token KL(Bernoulli(p) || Bernoulli(q)) with ``p = pi_rollout(y_t)``, ``q =
-    pi_old(y_t)`` (each clamped into ``[1e-6, 1 - 1e-6]``); (B, T), >= 0, 0 where they agree."""
+    pi_old(y_t)`` (each clamped into ``[1e-6, 1 - 1e-6]``); (B, T) in the inputs' dtype, >= 0,
+    0 where they agree.
+
+    Computed in float64 and clamped at 0: for two policies that nearly agree the two terms
+    cancel to ~1e-9, below float32's rounding of each, and in float32 about a third of such
+    tokens come out slightly negative, outside a trust region ``[0, delta]``; a row of one such
+    token would be rejected although the policies agree.
+    """
     p, q = _token_probs(rollout_logprobs), _token_probs(old_logprobs)
-    return p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log()
+    kl = p * (p.log() - q.log()) + (1 - p) * (torch.log1p(-p) - torch.log1p(-q))
+    return kl.clamp(min=0).to(old_logprobs.dtype)
 
 
 @torch.no_grad()
 def total_variation(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token ``|pi_rollout(y_t) - pi_old(y_t)|`` (probabilities clamped as in
-    :func:`binary_kl`); (B, T)."""
-    return (_token_probs(rollout_logprobs) - _token_probs(old_logprobs)).abs()
+    :func:`binary_kl`, in float64); (B, T) in the inputs' dtype."""
+    tv = (_token_probs(rollout_logprobs) - _token_probs(old_logprobs)).abs()
+    return tv.to(old_logprobs.dtype)
 
 
 @torch.no_grad()

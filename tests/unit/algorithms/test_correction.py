@@ -198,3 +198,24 @@ def test_gatings_that_openrlhf_refuses_are_refused():
             rollout_correction(old, rollout, mask, mode, 0.0, 0.01, gating="tv")
     with pytest.raises(ValueError, match="unknown IS gating"):
         rollout_correction(old, rollout, mask, "icepop", 0.0, 0.01, gating="kl")
+
+
+def test_binary_kl_of_agreeing_policies_is_never_negative_in_float32():
+    """Seen in OpenRLHF's FlashREINFORCE script run here: engine and trainer agree to ~1e-3 in
+    log-prob at probabilities ~e^-6, the two terms of the binary KL cancel to ~1e-8, and the
+    formula in float32 comes out negative for about a third of the tokens: a one-token row
+    then fails ``stat >= 0`` and is rejected though the policies agree. Computed in float64
+    and clamped, every statistic is >= 0 and every such row is kept."""
+    g = torch.Generator().manual_seed(0)
+    rollout = -6 - torch.rand(64, 16, generator=g)
+    old = rollout + (torch.rand(64, 16, generator=g) - 0.5) * 0.008
+    p, q = rollout.exp(), old.exp()  # the formula as written, in float32
+    naive = p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log()
+    assert (naive < 0).float().mean() > 0.2
+    stat = binary_kl(old, rollout)
+    assert stat.dtype == torch.float32 and (stat >= 0).all()
+    torch.testing.assert_close(stat, binary_kl(old.double(), rollout.double()).float())
+    one_token = torch.zeros(64, 16, dtype=torch.bool)
+    one_token[:, 0] = True
+    w, stats = rollout_correction(old, rollout, one_token, "seq_mask", 0.0, 5e-3, "binary_kl")
+    assert stats["is_seq_masked_frac"].item() == 0.0 and (w[:, 0] > 0).all()
