@@ -517,6 +517,19 @@ class RolloutConfig:
         "(each adapted weight synced as W + (alpha/r) B A, like full fine-tuning: more bytes, "
         "base-model decode speed where vLLM's LoRA kernels are slow, as on CPU).",
     )
+    weight_sync: Literal["auto", "delta", "full"] = doc(
+        "auto",
+        "How the actor's weights reach the engines: delta (after a first full sync, each rank "
+        "sends only the elements that changed, checked by checksum; the engine side keeps a "
+        "copy of the synced weights in host memory), full (every weight every time), or auto "
+        "(delta except colocated on CUDA and with LoRA; docs/weight_sync.md).",
+    )
+    weight_sync_full_every: int = doc(
+        0, "With delta sync: every N-th sync is a full one (0: only the first after a start)."
+    )
+    weight_sync_overlap: bool = doc(
+        True, "Gather the next weight bucket while the engine loads the current one."
+    )
     vllm_num_engines: int | None = doc(None, "Engines = world / TP (checked when given).")
     vllm_tensor_parallel_size: int = doc(1, "TP size of each engine (contiguous ranks).")
     vllm_gpu_memory_utilization: float | None = doc(
@@ -554,6 +567,10 @@ class RolloutConfig:
             raise ConfigError(f"temperature must be > 0, got {self.temperature}")
         if self.max_len is not None and self.max_len < 2:
             raise ConfigError(f"max_len must be >= 2, got {self.max_len}")
+        if self.weight_sync_full_every < 0:
+            raise ConfigError(
+                f"weight_sync_full_every must be >= 0, got {self.weight_sync_full_every}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -945,6 +962,12 @@ class PPOConfig:
         self._check_multiturn()
         self._check_moe()
         self._check_async()
+        if self.rollout.weight_sync == "delta" and self.lora.enabled:
+            raise ConfigError(
+                "--weight_sync delta with --lora_rank: LoRA syncs only its adapters "
+                "(--lora_sync adapter) or its merged weights in full (--lora_sync merged); "
+                "drop --weight_sync delta"
+            )
 
     def _check_async(self) -> None:
         a = self.asynchronous
