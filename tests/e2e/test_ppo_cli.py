@@ -578,3 +578,72 @@ def test_bad_input_one_line_before_heavy_work(tiny_qwen2, ppo_data, tmp_path, ch
     assert message in lines[0], lines
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_truncated_checkpoint_is_one_line_naming_the_file(tiny_qwen2, ppo_data, tmp_path):
+    """model.safetensors cut in half under --pretrain: one line naming the file, before the
+    engine (or anything else) loads it."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_qwen2, model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    flags = grpo_flags(str(model), ppo_data, tmp_path / "out", 2)
+    proc = run_cli(["ppo", *flags], env={"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, lines
+    assert f"--pretrain {model}: model.safetensors is cut short" in lines[0], lines
+    assert not (tmp_path / "out").exists()
+
+
+def _with(flags: list[str], **values: str) -> list[str]:
+    """``flags`` with ``--name value`` set (replaced where present)."""
+    flags = list(flags)
+    for name, value in values.items():
+        flag = f"--{name}"
+        if flag in flags:
+            flags[flags.index(flag) + 1] = value
+        else:
+            flags += [flag, value]
+    return flags
+
+
+def test_delta_weight_sync_is_bit_exact_over_20_steps(tiny_qwen2, ppo_data, tmp_path):
+    """bf16 GRPO at an RL learning rate: a few percent of the engine's bf16 weights change per
+    step. The delta-synced run (every bucket's rows checked by checksum at every sync, a full
+    sync every 7th) samples and trains exactly as the fully synced one: the engine held the
+    same weights at every step."""
+    steps = 20
+
+    def flags(mode: str) -> list[str]:
+        base = grpo_flags(tiny_qwen2, ppo_data, tmp_path / mode, steps)
+        small = dict(rollout_batch_size="4", train_batch_size="16", generate_max_len="8")
+        small.update(micro_rollout_batch_size="8")
+        base = _with(base, actor_learning_rate="1e-6", **small)
+        return [*base, "--bf16", "--weight_sync", mode, "--weight_sync_full_every", "7"]
+
+    runs = {mode: torchrun(["ppo", *flags(mode)]) for mode in ("delta", "full")}
+    for mode, run in runs.items():
+        assert run.returncode == 0, (mode, run.stderr[-3000:])
+    delta, full = read_metrics(tmp_path / "delta"), read_metrics(tmp_path / "full")
+    assert [r["step"] for r in delta] == [r["step"] for r in full] == list(range(1, steps + 1))
+    same = (
+        "critic/score/mean",
+        "actor/pg_loss",
+        "response_length/mean",
+        "rollout/logprob_diff/max",
+    )
+    for d, f in zip(delta, full, strict=True):
+        assert all(d[k] == f[k] for k in same), (d["step"], {k: (d[k], f[k]) for k in same})
+        assert d["rollout/weight_sync_bytes"] == f["rollout/weight_sync_bytes"]
+        assert d["rollout/logprob_diff/max"] < 0.05
+    compared = {r["step"]: r.get("rollout/weight_sync_changed_frac") for r in delta}
+    # syncs 1, 8 and 15 are full (the first, then every 7th): nothing compared
+    assert [s for s, frac in compared.items() if frac is None] == [1, 8, 15], compared
+    fracs = [frac for frac in compared.values() if frac is not None]
+    assert all(0 < frac < 0.2 for frac in fracs), fracs
+    for d, f in zip(delta, full, strict=True):
+        if compared[d["step"]] is not None:
+            assert d["rollout/weight_sync_wire_bytes"] < f["rollout/weight_sync_wire_bytes"] / 3

@@ -45,12 +45,15 @@ def test_delta_rebuilds_the_new_row_bit_for_bit(dtype, frac):
     assert first.encoding == "dense"
     list(mirror.apply(0, layout, first))
     delta = encode_bucket(new, old, None)
-    (name, got), = mirror.apply(0, layout, delta)
+    ((name, got),) = mirror.apply(0, layout, delta)
     width = 2 if dtype == torch.bfloat16 else 4
     assert name == "w"
     assert torch.equal(got.view(torch.uint8), new[:3000].view(torch.uint8))
-    changed = int((new.view(torch.uint8).view(-1, width) != old.view(torch.uint8).view(-1, width))
-                  .any(1).sum())
+    changed = int(
+        (new.view(torch.uint8).view(-1, width) != old.view(torch.uint8).view(-1, width))
+        .any(1)
+        .sum()
+    )
     assert delta.changed == changed and changed >= 2  # the two zeros swapped signs
     assert delta.section == encoded_bytes(delta.encoding, layout.row, width, changed)
     assert delta.encoding == choose_encoding(layout.row, width, changed)
