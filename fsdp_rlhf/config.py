@@ -1026,6 +1026,26 @@ class PPOConfig:
             # reusing the previous turns from the prefix cache: not assembled here
             raise ConfigError(f"--router_replay is single-turn only; drop it with {mt.source[0]}")
 
+    def weight_sync_mode(self, device_type: str) -> str:
+        """``"delta"`` or ``"full"``: how the actor's weights reach the engines on a job
+        whose devices are ``device_type`` (``--weight_sync``; LoRA's adapter sync moves only
+        the adapters either way).
+
+        ``auto`` is delta except where its costs outweigh what it saves: with LoRA (the
+        adapters, or the merged weights, move whole), with the HF engine (itself a full copy
+        of the weights), and colocated on CUDA, where the engine side's copy lives in host
+        memory and would cross PCIe into the engine at every sync while the gather it saves
+        runs over NVLink (docs/weight_sync.md).
+        """
+        r = self.rollout
+        if r.weight_sync != "auto":
+            return r.weight_sync
+        if self.lora.enabled or r.rollout_engine == "hf":
+            return "full"
+        if device_type == "cuda" and not self.asynchronous.async_train:
+            return "full"
+        return "delta"
+
     @property
     def total_len(self) -> int:
         """Token budget of one trajectory: prompt + all model and environment turns."""

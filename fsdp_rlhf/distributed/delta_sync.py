@@ -32,6 +32,7 @@ caught (:class:`WeightSyncMismatch`).
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -45,6 +46,12 @@ from torch.distributed.tensor import DTensor
 from fsdp_rlhf.distributed.collectives import collective_device
 from fsdp_rlhf.distributed.fsdp import all_gather_row, local_row, param_buckets
 
+# A measurement hook for benchmarks/ (not a setting): with FSDP_RLHF_MEASURE_DELTA_BLOCKS=16,128
+# each delta sync also counts the blocks of that many elements holding a change, to compare a
+# changed-blocks encoding with the ones used (DeltaStats.blocks).
+MEASURE_BLOCKS = tuple(
+    int(b) for b in os.environ.get("FSDP_RLHF_MEASURE_DELTA_BLOCKS", "").split(",") if b.strip()
+)
 CHECK_WORDS = 512  # int64 words per checksum row (4 KiB)
 ROW_ALIGN_BYTES = 8 * CHECK_WORDS  # a rank's row is padded to whole checksum rows
 ENCODINGS = ("dense", "sparse", "bitmap")
@@ -166,6 +173,7 @@ class BucketDelta:
     section: int  # payload bytes per rank
     payload: torch.Tensor  # (world, section) uint8 on the host
     changed: int | None = None  # elements that differ from the last sync (None: not compared)
+    blocks: dict[int, int] = field(default_factory=dict)  # MEASURE_BLOCKS: changed blocks
 
     def manifest(self) -> dict:
         return {
@@ -196,6 +204,8 @@ class DeltaStats:
     changed: int = 0  # elements that differ from the last sync
     elements: int = 0  # elements compared
     encodings: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ENCODINGS, 0))
+    blocks: dict[int, int] = field(default_factory=dict)  # size -> changed blocks (measured)
+    block_total: dict[int, int] = field(default_factory=dict)  # size -> blocks compared
     diff_s: float = 0.0  # building rows, comparing, encoding
     exchange_s: float = 0.0  # the collectives
     apply_s: float = 0.0  # writing the deltas into the mirror
@@ -211,6 +221,11 @@ class DeltaStats:
         if delta.changed is not None:
             self.changed += delta.changed
             self.elements += layout.elements
+            for size, n in delta.blocks.items():
+                self.blocks[size] = self.blocks.get(size, 0) + n
+                self.block_total[size] = (
+                    self.block_total.get(size, 0) + layout.world * layout.row // size
+                )
         self.encodings[delta.encoding] += 1
 
 
@@ -250,7 +265,8 @@ def encode_bucket(
     t1 = time.perf_counter()
     sums = checksum(new_row)
     t2 = time.perf_counter()
-    header = torch.tensor([row if mask is None else count, int(mask is not None), *sums])
+    blocks = [0 if mask is None else int(mask.reshape(-1, b).any(1).sum()) for b in MEASURE_BLOCKS]
+    header = torch.tensor([row if mask is None else count, int(mask is not None), *sums, *blocks])
     headers = _gather_bytes(header.view(torch.uint8), group, world).view(torch.int64)
     t3 = time.perf_counter()
     counts = [int(c) for c in headers[:, 0]]
@@ -279,7 +295,10 @@ def encode_bucket(
     stats.check_s += t2 - t1
     stats.exchange_s += (t3 - t2) + (t5 - t4)
     sums_all = [(int(h[2]), int(h[3])) for h in headers]
-    return BucketDelta(encoding, counts, sums_all, section, payload, changed)
+    delta = BucketDelta(encoding, counts, sums_all, section, payload, changed)
+    if everyone_has_old and MEASURE_BLOCKS:
+        delta.blocks = {b: int(headers[:, 4 + i].sum()) for i, b in enumerate(MEASURE_BLOCKS)}
+    return delta
 
 
 def _section(

@@ -39,6 +39,11 @@ smallest N that makes every phase fit.
 With ``--rollout_engine hf`` there is no vLLM pool: the engine is an unsharded copy of the actor
 in the compute dtype, resident in every phase, plus HF's KV cache and per-step scores while it
 generates.
+With delta weight sync (``--weight_sync delta``) every engine rank keeps a copy of the synced
+weights in the engine dtype in host memory (``distributed.delta_sync``: the mirror, ``N`` values
+per rank, resident in every phase): counted where host memory is the device (CPU jobs,
+``sync_mirror``); on CUDA it is host memory beside the job, not in these phases (``auto`` uses
+full syncs on colocated CUDA jobs).
 Constants marked ASSUMED are not measured here (no GPU yet); the GPU suite (``tests/gpu``)
 prints the measured phase peaks beside this model's estimate to calibrate them.
 """
@@ -133,6 +138,9 @@ class JobFlags:
     ema: bool = False  # --enable_ema: fp32 copy of the actor's trainable shards
     cuda_graphs: bool = True  # not --enforce_eager: vLLM keeps a CUDA-graph pool asleep too
     vllm_tp: int = 1  # --vllm_tensor_parallel_size: the engine holds 1/tp of the weights
+    # --weight_sync delta on a CPU job: the mirror of the synced weights (engine dtype, the
+    # whole model on every rank) lives in host memory, which a CPU job's phases count
+    sync_mirror: bool = False
 
     @property
     def ema_on_device(self) -> bool:
@@ -211,7 +219,13 @@ def resident_during_rollout(f: JobFlags, actor: ModelShape, frozen: list[ModelSh
     if not f.ref_reward_offload:
         parts["ref/reward shards"] = sum(_frozen_bytes(f) * m.params for m in frozen) // f.world
     parts.update(_ema(f, actor))
+    parts.update(_mirror(f, actor))
     return parts
+
+
+def _mirror(f: JobFlags, actor: ModelShape) -> dict:
+    """Delta sync's copy of the synced weights, resident through every phase."""
+    return {"weight-sync mirror": f.dtype_bytes * actor.params} if f.sync_mirror else {}
 
 
 def _ema(f: JobFlags, actor: ModelShape) -> dict:
@@ -290,6 +304,7 @@ def update_phase(
     if not f.ref_reward_offload:
         parts["ref/reward shards"] = sum(_frozen_bytes(f) * x.params for x in frozen) // f.world
     parts.update(_ema(f, actor or m))
+    parts.update(_mirror(f, actor or m))
     parts["vllm"] = f.asleep
     if not f.vllm_sleep:
         fix = "--vllm_enable_sleep (vLLM keeps its pool while training)"

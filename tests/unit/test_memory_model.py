@@ -290,3 +290,21 @@ def test_the_job_refuses_the_fraction_before_any_model_loads(tmp_path, monkeypat
     assert cuda_pool(_qwen7b_job(tmp_path), env) == 0.88
     with pytest.raises(UserError, match="does not fit beside what stays resident"):
         cuda_pool(_qwen7b_job(tmp_path, "--vllm_gpu_memory_utilization", "0.9"), env)
+
+
+def test_a_cpu_jobs_delta_sync_mirror_is_resident_in_every_phase(tmp_path):
+    """Delta sync keeps the synced weights (engine dtype) on every rank: host memory, which is
+    what a CPU job's phases count; a CUDA job's phases do not hold it (and auto is full there),
+    nor does a CPU job with --weight_sync full."""
+    from fsdp_rlhf.distributed.memory_plan import model_shape, plan_job
+
+    cfg = _qwen7b_job(tmp_path)
+    actor = model_shape(cfg.models.pretrain)
+    assert cfg.weight_sync_mode("cpu") == "delta" and cfg.weight_sync_mode("cuda") == "full"
+    for phase in plan_job(cfg, 2, 512 * GIB, cuda=False):
+        assert phase.parts["weight-sync mirror"] == 2 * actor.params, phase.name  # bf16
+    for phase in plan_job(cfg, 8, H100, cuda=True):
+        assert "weight-sync mirror" not in phase.parts, phase.name
+    full = _qwen7b_job(tmp_path, "--weight_sync", "full")
+    assert all("weight-sync mirror" not in p.parts for p in plan_job(full, 2, 512 * GIB, False))
+    assert _qwen7b_job(tmp_path, "--async_train").weight_sync_mode("cuda") == "delta"
