@@ -206,7 +206,7 @@ class DeltaStats:
     encodings: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ENCODINGS, 0))
     blocks: dict[int, int] = field(default_factory=dict)  # size -> changed blocks (measured)
     block_total: dict[int, int] = field(default_factory=dict)  # size -> blocks compared
-    diff_s: float = 0.0  # building rows, comparing, encoding
+    diff_s: float = 0.0  # comparing rows and encoding the changes
     exchange_s: float = 0.0  # the collectives
     apply_s: float = 0.0  # writing the deltas into the mirror
     check_s: float = 0.0  # checksums

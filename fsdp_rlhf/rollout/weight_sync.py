@@ -135,7 +135,7 @@ def actor_buckets(
     if delta is None:
         source = iter_full_buckets(actor, dtype, include=_kept(skip))
     else:
-        source = delta.buckets(actor, dtype, _kept(skip), hf_param_name, stats)
+        source = delta.buckets(actor, dtype, _kept(skip), stats=stats)
     for bucket in source:
         named = []
         for name, tensor in bucket:
