@@ -522,7 +522,8 @@ class RolloutConfig:
         "How the actor's weights reach the engines: delta (after a first full sync, each rank "
         "sends only the elements that changed, checked by checksum; the engine side keeps a "
         "copy of the synced weights in host memory), full (every weight every time), or auto "
-        "(delta except colocated on CUDA and with LoRA; docs/weight_sync.md).",
+        "(delta when the job spans hosts, but colocated on CUDA and with LoRA; "
+        "docs/weight_sync.md).",
     )
     weight_sync_full_every: int = doc(
         0, "With delta sync: every N-th sync is a full one (0: only the first after a start)."
@@ -1026,21 +1027,23 @@ class PPOConfig:
             # reusing the previous turns from the prefix cache: not assembled here
             raise ConfigError(f"--router_replay is single-turn only; drop it with {mt.source[0]}")
 
-    def weight_sync_mode(self, device_type: str) -> str:
+    def weight_sync_mode(self, device_type: str, hosts: int = 1) -> str:
         """``"delta"`` or ``"full"``: how the actor's weights reach the engines on a job
-        whose devices are ``device_type`` (``--weight_sync``; LoRA's adapter sync moves only
-        the adapters either way).
+        whose devices are ``device_type``, over ``hosts`` hosts (``--weight_sync``; LoRA's
+        adapter sync moves only the adapters either way).
 
-        ``auto`` is delta except where its costs outweigh what it saves: with LoRA (the
-        adapters, or the merged weights, move whole), with the HF engine (itself a full copy
-        of the weights), and colocated on CUDA, where the engine side's copy lives in host
-        memory and would cross PCIe into the engine at every sync while the gather it saves
-        runs over NVLink (docs/weight_sync.md).
+        Delta sync saves bytes on the wire and costs memory passes on both ends, so ``auto``
+        uses it where the wire is a network: a job over several hosts. Not on one host (the
+        gathers and the transfer to rollout ranks go through shared memory or NVLink:
+        measured slower with delta on CPU, benchmarks/2026-11-27-weight-sync.md), not with
+        LoRA (the adapters, or the merged weights, move whole) or the HF engine (itself a
+        full copy), and not colocated on CUDA, where the engine side's copy lives in host
+        memory and would cross PCIe into the engine at every sync (docs/weight_sync.md).
         """
         r = self.rollout
         if r.weight_sync != "auto":
             return r.weight_sync
-        if self.lora.enabled or r.rollout_engine == "hf":
+        if self.lora.enabled or r.rollout_engine == "hf" or hosts < 2:
             return "full"
         if device_type == "cuda" and not self.asynchronous.async_train:
             return "full"

@@ -29,7 +29,7 @@ from fsdp_rlhf.data.prompts import Prompt
 from fsdp_rlhf.distributed import weight_broadcast
 from fsdp_rlhf.distributed.bridge import Bridge, Channel, PeerLost
 from fsdp_rlhf.distributed.delta_sync import DeltaSender, DeltaStats
-from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars, job_position
+from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars, job_hosts, job_position
 from fsdp_rlhf.distributed.prefetch import StageTimes, staged
 from fsdp_rlhf.distributed.split_world import SplitWorld, init_split_world
 from fsdp_rlhf.distributed.weight_broadcast import WeightLink
@@ -119,7 +119,8 @@ class AsyncLearner(PPOTrainer):
         self._batch_samplers: dict[int, dict] = {}
         self._ended = False
         self.delta_sender = None
-        if not adapter_sync(cfg) and cfg.weight_sync_mode(env.device.type) == "delta":
+        mode = cfg.weight_sync_mode(env.device.type, job_hosts())
+        if not adapter_sync(cfg) and mode == "delta":
             self.delta_sender = DeltaSender(full_every=cfg.rollout.weight_sync_full_every)
         super().__init__(cfg, env, prepared)
         log.info(

@@ -15,6 +15,7 @@ from torch import nn
 
 from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.distributed.delta_sync import DeltaSync
+from fsdp_rlhf.distributed.env import job_hosts
 from fsdp_rlhf.distributed.offload import offload_optimizer, onload_optimizer
 from fsdp_rlhf.metrics import PhaseTimer
 from fsdp_rlhf.rollout import (
@@ -135,7 +136,7 @@ def sleep_drops_weights(cfg: PPOConfig, device: torch.device) -> bool:
 
 def delta_state(cfg: PPOConfig, device: torch.device) -> DeltaSync | None:
     """A colocated rank's delta-sync state, or None for a full sync."""
-    if cfg.weight_sync_mode(device.type) != "delta":
+    if cfg.weight_sync_mode(device.type, job_hosts()) != "delta":
         return None
     return DeltaSync(full_every=cfg.rollout.weight_sync_full_every)
 

@@ -140,10 +140,10 @@ def grpo_run(model: Path, data: Path, save: Path, dtype: str, steps: int, shape:
     rc = _torchrun(
         ["-m", "fsdp_rlhf.cli", "ppo", *flags],
         env={"FSDP_RLHF_MEASURE_DELTA_BLOCKS": BLOCKS},
-        log=save.with_suffix(".log"),
+        log=save.parent / f"{save.name}.log",
     )
     if rc != 0:
-        return {"error": f"exit code {rc}, log {save.with_suffix('.log')}"}
+        return {"error": f"exit code {rc}, log {save.parent / (save.name + '.log')}"}
     rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     keep = ("weight_sync", "logprob_diff/max", "logprob_diff/mean")
     steps_out = [
@@ -273,7 +273,11 @@ def main() -> int:
     ap.add_argument("--parts", default="grpo,sync")
     ap.add_argument("--work", type=Path, default=None, help="keep models and runs here")
     ap.add_argument("--worker", nargs=5, metavar=("MODEL", "DTYPE", "FRAC", "REPEATS", "OUT"))
+    ap.add_argument("--render", type=Path, help="print the tables of this report and exit")
     args = ap.parse_args()
+    if args.render:
+        print(render(json.loads(args.render.read_text())))
+        return 0
     if args.worker:
         model, dtype, frac, repeats, out = args.worker
         sync_worker(model, dtype, float(frac), int(repeats), out)
@@ -326,6 +330,85 @@ def main() -> int:
     report["machine_end"] = describe()
     _write(args.out, report)
     return 0
+
+
+def render(report: dict) -> str:
+    """The report's tables (markdown) from its JSON."""
+    out = []
+    grpo = {k: v for k, v in report.get("grpo", {}).items() if "steps" in v}
+    keys = list(grpo)
+    if keys:
+
+        def at(key: str, step: int, metric: str):
+            row = next((r for r in grpo[key]["steps"] if r["step"] == step), {})
+            return row.get(f"rollout/{metric}")
+
+        out += ["### Share of the engine's elements changed, and of a full sync's bytes sent", ""]
+        out += ["| step | " + " | ".join(f"{k}: changed / sent" for k in keys) + " |"]
+        out += ["|---" * (len(keys) + 1) + "|"]
+        steps = sorted({r["step"] for v in grpo.values() for r in v["steps"]})
+        for step in steps:
+            cells = []
+            for k in keys:
+                frac, wire = (
+                    at(k, step, "weight_sync_changed_frac"),
+                    at(k, step, "weight_sync_wire_bytes"),
+                )
+                full = at(k, 1, "weight_sync_wire_bytes")
+                sent = f"{100 * wire / full:.1f}%" if wire and full else "-"
+                cells.append(
+                    f"{100 * frac:.2f}% / {sent}" if frac is not None else f"full / {sent}"
+                )
+            out.append(f"| {step} | " + " | ".join(cells) + " |")
+        out += ["", "### Per run (steps 2-20: the delta syncs)", ""]
+        out += [
+            "| run | engine bytes per sync | sent, median | changed, median (min-max) | "
+            "16-element blocks changed | 128-element blocks | sync s, median | making s | "
+            "engine waited s | engine vs trainer log-prob, max |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for k in keys:
+            rows = [r for r in grpo[k]["steps"] if "rollout/weight_sync_changed_frac" in r]
+
+            def med(metric: str, rows=rows) -> float:
+                values = [r[f"rollout/{metric}"] for r in rows if f"rollout/{metric}" in r]
+                return statistics.median(values) if values else float("nan")
+
+            fracs = [r["rollout/weight_sync_changed_frac"] for r in rows]
+            lp = max(r.get("rollout/logprob_diff/max", 0.0) for r in grpo[k]["steps"])
+            out.append(
+                f"| {k} | {at(k, 1, 'weight_sync_bytes') / 1e6:.1f} MB | "
+                f"{med('weight_sync_wire_bytes') / 1e6:.2f} MB | "
+                f"{100 * med('weight_sync_changed_frac'):.2f}% "
+                f"({100 * min(fracs):.2f}-{100 * max(fracs):.2f}%) | "
+                f"{100 * med('weight_sync_blocks16_frac'):.1f}% | "
+                f"{100 * med('weight_sync_blocks128_frac'):.1f}% | "
+                f"{med('weight_sync_s'):.3f} | {med('weight_sync_gather_s'):.3f} | "
+                f"{med('weight_sync_wait_s'):.3f} | {lp:.2g} |"
+            )
+    sync = {k: v for k, v in report.get("sync", {}).items() if "summary" in v}
+    if sync:
+        out += ["", "### Sync wall time, full against delta, with and without overlap", ""]
+        out += [
+            "| run | mode | wall s, median (min-max) | making s | engine waited s | "
+            "engine loading s | sent MB | delta: compare / exchange / apply / checksum s |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for k, v in sync.items():
+            for mode, m in v["summary"].items():
+                lo, hi = m["seconds_min_max"]
+                parts = "-"
+                if "diff_s" in m:
+                    parts = " / ".join(
+                        f"{m[p]:.3f}" for p in ("diff_s", "exchange_s", "apply_s", "check_s")
+                    )
+                out.append(
+                    f"| {k} ({100 * v['changed_frac']:.2f}% changed) | {mode} | "
+                    f"{m['seconds']:.3f} ({lo:.3f}-{hi:.3f}) | {m['gather_s']:.3f} | "
+                    f"{m['wait_s']:.3f} | {m['load_s']:.3f} | {m['wire_bytes'] / 1e6:.2f} | "
+                    f"{parts} |"
+                )
+    return "\n".join(out) + "\n"
 
 
 def _write(path: Path | None, report: dict) -> None:

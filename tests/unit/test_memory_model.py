@@ -294,17 +294,24 @@ def test_the_job_refuses_the_fraction_before_any_model_loads(tmp_path, monkeypat
 
 def test_a_cpu_jobs_delta_sync_mirror_is_resident_in_every_phase(tmp_path):
     """Delta sync keeps the synced weights (engine dtype) on every rank: host memory, which is
-    what a CPU job's phases count; a CUDA job's phases do not hold it (and auto is full there),
-    nor does a CPU job with --weight_sync full."""
+    what a CPU job's phases count; a CUDA job's phases do not hold it, nor does a job synced
+    in full. auto: delta over several hosts, but colocated on CUDA."""
     from fsdp_rlhf.distributed.memory_plan import model_shape, plan_job
 
     cfg = _qwen7b_job(tmp_path)
     actor = model_shape(cfg.models.pretrain)
-    assert cfg.weight_sync_mode("cpu") == "delta" and cfg.weight_sync_mode("cuda") == "full"
-    for phase in plan_job(cfg, 2, 512 * GIB, cuda=False):
+    assert cfg.weight_sync_mode("cpu", hosts=2) == "delta"
+    assert cfg.weight_sync_mode("cpu", hosts=1) == cfg.weight_sync_mode("cuda", 2) == "full"
+    for phase in plan_job(cfg, 4, 512 * GIB, cuda=False, hosts=2):
         assert phase.parts["weight-sync mirror"] == 2 * actor.params, phase.name  # bf16
-    for phase in plan_job(cfg, 8, H100, cuda=True):
+    for phase in plan_job(cfg, 8, H100, cuda=True, hosts=2):
         assert "weight-sync mirror" not in phase.parts, phase.name
-    full = _qwen7b_job(tmp_path, "--weight_sync", "full")
-    assert all("weight-sync mirror" not in p.parts for p in plan_job(full, 2, 512 * GIB, False))
-    assert _qwen7b_job(tmp_path, "--async_train").weight_sync_mode("cuda") == "delta"
+    for one_host in (cfg, _qwen7b_job(tmp_path, "--weight_sync", "full")):
+        assert all(
+            "weight-sync mirror" not in p.parts for p in plan_job(one_host, 2, 512 * GIB, False)
+        )
+    delta = _qwen7b_job(tmp_path, "--weight_sync", "delta")
+    assert all("weight-sync mirror" in p.parts for p in plan_job(delta, 2, 512 * GIB, False))
+    async_job = _qwen7b_job(tmp_path, "--async_train")
+    assert async_job.weight_sync_mode("cuda", 2) == "delta"
+    assert async_job.weight_sync_mode("cuda", 1) == "full"
