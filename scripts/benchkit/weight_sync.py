@@ -135,6 +135,8 @@ def grpo_run(model: Path, data: Path, save: Path, dtype: str, steps: int, shape:
         "--seed", "7",
         "--weight_sync", "delta",
         *(["--bf16"] if dtype == "bf16" else []),
+        # 0.5b: sharded gradients and recomputed activations, to fit beside other jobs
+        *(["--zero_stage", "3", "--gradient_checkpointing"] if small else []),
     ]  # fmt: skip
     t0 = time.time()
     rc = _torchrun(
@@ -167,13 +169,16 @@ def perturb(actor, dtype, frac: float, generator) -> None:
                 continue
             if dtype == torch.bfloat16:
                 bits = flat[pick].to(torch.bfloat16).view(torch.int16) + 1
-                flat[pick] = bits.view(torch.bfloat16).float()
+                flat[pick] = bits.view(torch.bfloat16).to(flat.dtype)
             else:
                 flat.view(torch.int32)[pick] += 1
 
 
-def sync_worker(model: str, dtype_name: str, frac: float, repeats: int, out: str) -> None:
-    """The ``sync`` measurement on one rank of a 2-rank torchrun job."""
+def sync_worker(
+    model: str, dtype_name: str, frac: float, repeats: int, out: str, master: str = "fp32"
+) -> None:
+    """The ``sync`` measurement on one rank of a 2-rank torchrun job. ``master``: the actor's
+    own dtype (``bf16`` halves its memory; the sync then casts nothing)."""
     import torch
     import torch.distributed as dist
 
@@ -199,7 +204,8 @@ def sync_worker(model: str, dtype_name: str, frac: float, repeats: int, out: str
         seed=0,
         pad_token_id=tok.pad_token_id,
     )
-    actor = load_causal_lm(model, BackendConfig(), device)
+    master_dtype = torch.bfloat16 if master == "bf16" else torch.float32
+    actor = load_causal_lm(model, BackendConfig(), device, master_dtype)
     actor = shard_model(actor, build_mesh(device, dist.get_world_size()), FSDPConfig(), bf16=False)
     delta = DeltaSync()
     gen = torch.Generator().manual_seed(rank)
@@ -271,16 +277,24 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--parts", default="grpo,sync")
+    ap.add_argument(
+        "--frac", type=float, help="the sync part's changed fraction when no GRPO run measured it"
+    )
     ap.add_argument("--work", type=Path, default=None, help="keep models and runs here")
-    ap.add_argument("--worker", nargs=5, metavar=("MODEL", "DTYPE", "FRAC", "REPEATS", "OUT"))
+    ap.add_argument(
+        "--worker", nargs="+", metavar="ARG", help="MODEL DTYPE FRAC REPEATS OUT [MASTER]"
+    )
+    ap.add_argument(
+        "--master", default="fp32", help="the sync part's actor dtype (bf16: half the memory)"
+    )
     ap.add_argument("--render", type=Path, help="print the tables of this report and exit")
     args = ap.parse_args()
     if args.render:
         print(render(json.loads(args.render.read_text())))
         return 0
     if args.worker:
-        model, dtype, frac, repeats, out = args.worker
-        sync_worker(model, dtype, float(frac), int(repeats), out)
+        model, dtype, frac, repeats, out, *master = args.worker
+        sync_worker(model, dtype, float(frac), int(repeats), out, *master)
         return 0
     from fsdp_rlhf.testing.synthetic import prompt_rows, write_jsonl
 
@@ -306,12 +320,13 @@ def main() -> int:
                 steps = report["grpo"].get(key, {}).get("steps", [])
                 fracs = [s.get("rollout/weight_sync_changed_frac") for s in steps]
                 fracs = [f for f in fracs if f is not None]
-                frac = statistics.median(fracs) if fracs else (0.02 if dtype == "bf16" else 0.99)
+                default = args.frac or (0.02 if dtype == "bf16" else 0.99)
+                frac = statistics.median(fracs) if fracs else default
                 out = work / f"sync_{shape}_{dtype}.json"
                 print(f"sync {key} (changed fraction {frac:.4f}) ...", flush=True)
                 worker = [
                     "-m", "scripts.benchkit.weight_sync", "--worker",
-                    str(model), dtype, str(frac), str(args.repeats), str(out),
+                    str(model), dtype, str(frac), str(args.repeats), str(out), args.master,
                 ]  # fmt: skip
                 load_before = os.getloadavg()
                 rc = _torchrun(worker, log=work / f"sync_{shape}_{dtype}.log")
@@ -321,6 +336,7 @@ def main() -> int:
                     rows = json.loads(out.read_text())
                     report["sync"][key] = {
                         "changed_frac": frac,
+                        "actor_dtype": args.master,
                         "summary": summarise_sync(rows),
                         "rows": rows,
                         "load_before": load_before,
