@@ -65,7 +65,12 @@ from fsdp_rlhf.trainers.ppo_rewards import (
     observe_kl,
     rule_scores,
 )
-from fsdp_rlhf.trainers.ppo_rollout import RolloutSession, sampling_config, sleep_drops_weights
+from fsdp_rlhf.trainers.ppo_rollout import (
+    RolloutSession,
+    delta_state,
+    sampling_config,
+    sleep_drops_weights,
+)
 from fsdp_rlhf.trainers.ppo_setup import (
     adapter_spec,
     build_ema,
@@ -228,6 +233,8 @@ class PPOTrainer:
             adapter=adapter_spec(self.cfg, self.models.actor),
             lora_scaling=merged_lora_scaling(self.cfg),
             unsynced=unsynced_params(self.cfg, self.models.actor),
+            delta=delta_state(self.cfg, self.env.device),
+            overlap=self.cfg.rollout.weight_sync_overlap,
         )
 
     def _trained_models(self) -> common.TrainedModels:
