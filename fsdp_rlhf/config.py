@@ -235,8 +235,8 @@ class VisionConfig:
     )
     freeze_visual_encoder: bool = doc(
         False,
-        "Train the language model only: the vision encoder and its projector stay frozen and "
-        "are not synced into vLLM.",
+        "Train the language model only: the vision encoder and its projector stay frozen (in "
+        "ppo the actor's and a vision-language critic's) and are not synced into vLLM.",
     )
 
     def __post_init__(self) -> None:
@@ -366,6 +366,7 @@ class RMConfig:
     backend: BackendConfig = section(BackendConfig)
     fsdp: FSDPConfig = section(FSDPConfig)
     data: PreferenceDataConfig = section(PreferenceDataConfig)
+    vision: VisionConfig = section(VisionConfig)
     batch: PairBatchConfig = section(PairBatchConfig)
     optim: OptimConfig = section(OptimConfig)
     loss: RMLossConfig = section(RMLossConfig)
