@@ -272,3 +272,18 @@ def test_a_vlm_actor_refuses_a_critic_that_cannot_see_its_images(built, tmp_path
     assert "text-only" in scalar_model_problem(actor, str(tmp_path / "text"), False)
     # the same tokenizer, other patches (14 px against 16 px)
     assert "vision_config.patch_size" in scalar_model_problem(actor, other, False)
+
+
+def test_lora_on_a_vlm_critic_skips_the_tower_and_trains_the_head(built):
+    from fsdp_rlhf.config import BackendConfig, LoraConfig
+    from fsdp_rlhf.models.load import load_scalar_model
+    from fsdp_rlhf.models.lora import add_lora, is_adapter_param
+
+    critic = load_scalar_model(built("qwen2_5_vl"), BackendConfig(), torch.device("cpu"))
+    add_lora(critic, LoraConfig(lora_rank=4), head="score")
+    trainable = [n for n, p in critic.named_parameters() if p.requires_grad]
+    adapters = [n for n in trainable if is_adapter_param(n)]
+    assert adapters and all(".language_model." in n for n in adapters)
+    assert {n for n in trainable if not is_adapter_param(n)} == {
+        next(n for n in trainable if n.endswith("score.weight"))
+    }
