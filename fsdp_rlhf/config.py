@@ -1032,10 +1032,6 @@ class PPOConfig:
             raise ConfigError(
                 f"--overlong_buffer_len is single-turn only; drop it with {mt.source[0]}"
             )
-        if self.moe.router_replay:
-            # the routing of one sample would span several engine calls, each turn's prompt
-            # reusing the previous turns from the prefix cache: not assembled here
-            raise ConfigError(f"--router_replay is single-turn only; drop it with {mt.source[0]}")
 
     @property
     def total_len(self) -> int:
