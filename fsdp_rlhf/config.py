@@ -235,8 +235,8 @@ class VisionConfig:
     )
     freeze_visual_encoder: bool = doc(
         False,
-        "Train the language model only: the vision encoder and its projector stay frozen and "
-        "are not synced into vLLM.",
+        "Train the language model only: the vision encoder and its projector stay frozen (in "
+        "ppo the actor's and a vision-language critic's) and are not synced into vLLM.",
     )
 
     def __post_init__(self) -> None:
@@ -366,6 +366,7 @@ class RMConfig:
     backend: BackendConfig = section(BackendConfig)
     fsdp: FSDPConfig = section(FSDPConfig)
     data: PreferenceDataConfig = section(PreferenceDataConfig)
+    vision: VisionConfig = section(VisionConfig)
     batch: PairBatchConfig = section(PairBatchConfig)
     optim: OptimConfig = section(OptimConfig)
     loss: RMLossConfig = section(RMLossConfig)
@@ -1055,10 +1056,6 @@ class PPOConfig:
             raise ConfigError(
                 f"--overlong_buffer_len is single-turn only; drop it with {mt.source[0]}"
             )
-        if self.moe.router_replay:
-            # the routing of one sample would span several engine calls, each turn's prompt
-            # reusing the previous turns from the prefix cache: not assembled here
-            raise ConfigError(f"--router_replay is single-turn only; drop it with {mt.source[0]}")
 
     def weight_sync_mode(self, device_type: str, hosts: int = 1) -> str:
         """``"delta"`` or ``"full"``: how the actor's weights reach the engines on a job

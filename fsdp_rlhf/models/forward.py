@@ -51,7 +51,11 @@ def padded_positions(attention_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> 
 
 
 def token_values(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool = False
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    packed: bool = False,
+    images: ImageBatch | None = None,
 ) -> torch.Tensor:
     """Scalar head applied at every position of a ``*ForSequenceClassification`` model.
 
@@ -65,9 +69,16 @@ def token_values(
         input_ids, attention_mask: (B, L).
         packed: run the rows as one packed row (the model must use
             ``models.attention.use_varlen_attention``); padding then costs nothing.
+        images: a vision-language model's images of these rows (padded rows only): merged
+            into the embeddings, the model's M-RoPE positions built from them.
     Returns:
         (B, L) float32 values (at padded positions: a neighbouring token's value).
     """
+    if images is not None:
+        if packed:
+            raise ValueError("vision-language rows go through the model padded, one row each")
+        tokens = VisionTokens.from_config(model.config)
+        return row_values(model, vision_model_inputs(tokens, input_ids, attention_mask, images))
     if packed:
         row = pack_rows(input_ids, attention_mask)
         values = row_values(model, row.model_inputs())[0]
@@ -90,6 +101,8 @@ def row_values(model: nn.Module, inputs: dict) -> torch.Tensor:
     sp = sequence_parallel_of(model)
     if sp is None:
         return _head_values(model, **inputs)
+    if "pixel_values" in inputs:
+        raise ValueError("vision-language rows are not split by sequence parallelism")
     L = inputs["input_ids"].shape[1]
     local = _head_values(model, **shard_inputs(model, inputs, sp))  # (B, ceil(L / N))
     return gather_sequence(local, 1, sp.group)[:, :L]
@@ -108,17 +121,22 @@ def _head_values(model: nn.Module, **inputs) -> torch.Tensor:
 
 
 def sequence_scores(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool = False
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    packed: bool = False,
+    images: ImageBatch | None = None,
 ) -> torch.Tensor:
     """Reward of each sequence, read at its last attended token. (B, L) -> (B,).
 
     ``packed``: the rows go through the model as one packed row without padding (the model
-    must use ``models.attention.use_varlen_attention``).
+    must use ``models.attention.use_varlen_attention``). ``images``: a VLM's images of the
+    rows (padded rows only, see :func:`token_values`).
     """
-    if packed:
+    if packed and images is None:
         row = pack_rows(input_ids, attention_mask)
         return row_values(model, row.model_inputs())[0, row.last_index]
-    values = token_values(model, input_ids, attention_mask)
+    values = token_values(model, input_ids, attention_mask, packed, images)
     idx = last_token_index(attention_mask)
     return values.gather(1, idx.unsqueeze(1)).squeeze(1)
 

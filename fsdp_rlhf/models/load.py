@@ -7,7 +7,8 @@ HF's SDPA (non-causal attention over each image's patches) while the language mo
 trainer's attention.
 
 Scalar-head models are HF ``*ForSequenceClassification`` models with ``num_labels=1`` and the
-head named ``score``: the format ``AutoModelForSequenceClassification`` and vLLM load. Reward
+head named ``score``: the format ``AutoModelForSequenceClassification`` and vLLM load (a VLM's:
+``models.vision_head``, the same layout). Reward
 models written by OpenRLHF (head ``value_head``, or any ``--value_head_prefix``) are read too.
 Trainable weights are loaded in fp32 (the master copy; bf16 compute comes from FSDP's mixed
 precision); frozen ones (ref, reward) may be loaded in bf16 via ``dtype``: they have no master
@@ -205,16 +206,19 @@ def is_vision_language(path: str, trust_remote_code: bool = False) -> bool:
     return is_vision_config(config)
 
 
-def _from_config(auto_cls, path: str, dtype: torch.dtype, attn: str, trust: bool, **config_kw):
-    """``auto_cls``'s model for ``path`` on the meta device: shapes, names and ties as
-    ``from_pretrained`` builds them, no storage."""
+def _from_config(auto_cls, path: str, dtype: torch.dtype, attn, trust: bool, **config_kw):
+    """``auto_cls``'s model (an Auto class or a model class) for ``path`` on the meta device:
+    shapes, names and ties as ``from_pretrained`` builds them, no storage."""
     from transformers import AutoConfig, GenerationConfig
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust, **config_kw)
     with torch.device("meta"):
-        model = auto_cls.from_config(
-            config, dtype=dtype, attn_implementation=attn, trust_remote_code=trust
-        )
+        if hasattr(auto_cls, "from_config"):
+            model = auto_cls.from_config(
+                config, dtype=dtype, attn_implementation=attn, trust_remote_code=trust
+            )
+        else:  # a model class (models.vision_head)
+            model = auto_cls._from_config(config, dtype=dtype, attn_implementation=attn)
     if model.can_generate():  # as from_pretrained: the checkpoint's, which an export writes
         with contextlib.suppress(OSError):  # none in the folder: the config's defaults stay
             model.generation_config = GenerationConfig.from_pretrained(path)
@@ -239,10 +243,7 @@ def load_causal_lm(
     trust = backend.trust_remote_code
     auto, what, impl = AutoModelForCausalLM, "causal LM", attn
     if is_vision_language(path, trust):
-        # the vision tower attends over each image's patches without a causal mask
-        tower = "flash_attention_2" if attn == "flash_attention_2" else "sdpa"
-        auto, what = AutoModelForImageTextToText, "vision-language model"
-        impl = {"text_config": attn, "vision_config": tower}
+        auto, what, impl = AutoModelForImageTextToText, "vision-language model", _vlm_attn(attn)
     with reading(what, path):
         if weights:
             model = auto.from_pretrained(
@@ -254,6 +255,13 @@ def load_causal_lm(
     if backend.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def _vlm_attn(attn: str) -> dict[str, str]:
+    """A VLM's attention per part: the trainer's in the language model; the vision tower
+    attends over each image's patches without a causal mask (HF's SDPA or flash-attn)."""
+    tower = "flash_attention_2" if attn == "flash_attention_2" else "sdpa"
+    return {"text_config": attn, "vision_config": tower}
 
 
 def _read_head_weight(path: Path, prefix: str) -> torch.Tensor | None:
@@ -278,43 +286,54 @@ def load_scalar_model(
     weights: bool = True,
 ) -> nn.Module:
     """A ``*ForSequenceClassification`` model with one output, head named ``score``
-    (``weights=False``: the meta-device skeleton).
+    (``weights=False``: the meta-device skeleton). A vision-language checkpoint (causal, or a
+    scalar model saved before) loads as :func:`~fsdp_rlhf.models.vision_head.vision_scalar_class`
+    builds it: the head on the language model, the vision tower kept.
 
     The head comes from the checkpoint's ``score.weight``, else ``<value_head_prefix>.weight``
     (OpenRLHF layout), else it is initialised N(0, 1/(H+1)) when ``init_head_if_missing``.
     """
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from fsdp_rlhf.models.vision_head import vision_scalar_class
 
     quiet_transformers()
     attn = attn_implementation(backend.flash_attn, device)
     trust = backend.trust_remote_code
-    auto = AutoModelForSequenceClassification
+    auto, what, impl = AutoModelForSequenceClassification, "scalar-head model", attn
+    if is_vision_language(path, trust):
+        with reading("model config", path):
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
+        auto, impl = vision_scalar_class(config), _vlm_attn(attn)
+        what = "vision-language scalar-head model"
     info = {"missing_keys": []}
-    with reading("scalar-head model", path):
+    with reading(what, path):
         if weights:
             model, info = auto.from_pretrained(
                 path,
                 num_labels=1,
                 dtype=dtype,
-                attn_implementation=attn,
+                attn_implementation=impl,
                 trust_remote_code=trust,
                 output_loading_info=True,
             )
         else:
-            model = _from_config(auto, path, dtype, attn, trust, num_labels=1)
+            model = _from_config(auto, path, dtype, impl, trust, num_labels=1)
     if "score.weight" in info["missing_keys"]:
         weight = _read_head_weight(Path(path), value_head_prefix) if Path(path).is_dir() else None
         with torch.no_grad():
             if weight is not None:
                 model.score.weight.copy_(weight.reshape_as(model.score.weight))
             elif init_head_if_missing:
-                model.score.weight.normal_(0.0, 1.0 / (model.config.hidden_size + 1))
+                hidden = model.config.get_text_config().hidden_size
+                model.score.weight.normal_(0.0, 1.0 / (hidden + 1))
             else:
                 names = sorted({"score", value_head_prefix})
                 raise UserError(f"{path}: no value head ({' or '.join(names)}) found")
     model.config.use_cache = False
-    if model.config.pad_token_id is None:
-        model.config.pad_token_id = model.config.eos_token_id
+    text = model.config.get_text_config()  # the config itself for a text model
+    if text.pad_token_id is None:
+        text.pad_token_id = text.eos_token_id
     if backend.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model

@@ -593,11 +593,12 @@ class PPOTrainer:
 
     def _export(self, model: nn.Module, path, head: str | None = None) -> None:
         """The HF model, or with LoRA its adapter folder (and the merged model if asked); a
-        VLM's processor (image processor, tokenizer, chat template) goes with the actor."""
+        VLM's processor (image processor, tokenizer, chat template) goes with the actor and
+        the critic."""
         m = self.cfg.models
         base = m.pretrain if head is None else (m.critic_pretrain or m.reward_pretrain)
         processor = self.models.tokenizer
-        if self.images is not None and head is None:
+        if self.images is not None:  # a VLM critic's folder loads with the processor too
             processor = self.images.vision.processor
         save_model(model, processor, path, self.cfg.lora, base_path=base, head=head)
 
