@@ -42,9 +42,10 @@ rank keeps it whole (the attention inside Ulysses runs whole rows): :func:`atten
 counts the layouts that still pass one (padded rows without sequence parallelism, shared-prompt
 rows); packed rows, flash-attn and Ulysses' padded rows use causal kernels and keep none.
 Logits: only the ``T`` positions that predict a response token (``logits_to_keep``), ``b T V``
-values in the compute dtype; the update keeps them and their gradient, and the log-probs are read
-in fp32 chunks of ``CHUNK_ELEMENTS`` (algorithms.logprobs: a few chunk-sized temporaries, never an
-fp32 copy of the whole).
+values in the compute dtype, counted as kept with their gradient in the update, and read in fp32
+chunks of ``CHUNK_ELEMENTS``. Since issue #45 (finding 9) the trainer computes the log-probs
+inside the output layer from its input (models.head: vocabulary blocks, no logits made) unless
+the model post-processes its logits, so for most models this term is an over-estimate.
 With ``--sequence_parallel_size N`` (Ulysses) each rank holds ``ceil(s / N)`` tokens of every
 sequence: activations and logits per rank divide by N, plus one layer's all-to-all buffers
 (q, k, v and the attention output, exchanged and received: ``4 b s/N (h + 2 kv)`` values); the

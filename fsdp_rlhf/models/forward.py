@@ -17,13 +17,13 @@ import inspect
 import torch
 from torch import nn
 
-from fsdp_rlhf.algorithms import gathered_logprobs
 from fsdp_rlhf.distributed.sequence_parallel import gather_sequence
+from fsdp_rlhf.models.head import model_logprobs
 from fsdp_rlhf.models.packing import pack_rows
 from fsdp_rlhf.models.shared_prefix import (
     share_pair_prefixes,
     share_prompts,
-    shared_prompt_logits,
+    shared_prompt_inputs,
 )
 from fsdp_rlhf.models.ulysses import sequence_parallel_of, shard_inputs, sharded_logprobs
 from fsdp_rlhf.models.vision import ImageBatch, VisionTokens, vision_model_inputs
@@ -166,10 +166,11 @@ def response_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the last ``response_len`` tokens of each row under a causal LM.
 
-    The model computes logits only where a response token is predicted when it takes
-    ``logits_to_keep`` (HF causal LMs do), and no full-size copy of them is made: the log-probs
-    and entropies are read chunk by chunk, each chunk upcast and divided by the temperature on
-    its own (``algorithms.gathered_logprobs``), in the no-grad forwards and the update alike.
+    The model's output layer sees only the positions that predict a response token when it
+    takes ``logits_to_keep`` (HF causal LMs do), and computes the log-probs and entropies from
+    their hidden states a block of the vocabulary at a time: no (B, T, V) logits exist, in the
+    no-grad forwards and the update alike (``models.head``; models that post-process their
+    logits make them once and read them chunk by chunk).
 
     Args:
         input_ids, attention_mask: (B, P + T), prompt left-padded, response right-padded.
@@ -202,11 +203,12 @@ def response_logprobs(
             entropy_grad=entropy_grad,
             keep_logits=_takes_logits_to_keep(model),
         )
-    logits, index = response_logits(
+    inputs, index = response_inputs(
         model, input_ids, attention_mask, response_len, packed, group_size, images
     )
-    return gathered_logprobs(
-        logits,
+    return model_logprobs(
+        model,
+        inputs,
         input_ids[:, -response_len:],
         index,
         temperature=temperature,
@@ -223,7 +225,7 @@ def response_positions(
     group_size: int = 1,
 ) -> tuple[dict, torch.Tensor]:
     """Whole-row model inputs of a batch (padded, packed or shared-prompt, as in
-    :func:`response_logits`) and the (B, T) flat position ``row * L + col`` in them whose
+    :func:`response_inputs`) and the (B, T) flat position ``row * L + col`` in them whose
     prediction is each response token."""
     T = response_len
     if group_size > 1:
@@ -242,7 +244,7 @@ def response_positions(
     return _padded_inputs(input_ids, attention_mask), rows + before
 
 
-def response_logits(
+def response_inputs(
     model: nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
@@ -250,29 +252,30 @@ def response_logits(
     packed: bool = False,
     group_size: int = 1,
     images: ImageBatch | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The model's logits, as few rows as it allows, and the row predicting each response token.
+) -> tuple[dict, torch.Tensor | None]:
+    """The model inputs that make as few rows of logits as the model allows, and the row
+    predicting each response token.
 
     Returns:
-        ``(logits, index)``: logits (..., V) exactly as the model returned them, and (B, T)
-        row of ``logits.reshape(-1, V)`` whose prediction is each of the T response tokens
-        (logits at position i predict token i + 1); None when the logits are (B, T, V)
-        already aligned with the response tokens.
+        ``(inputs, index)``: keyword arguments of the model (``logits_to_keep`` included when
+        it takes it), and the (B, T) row of its logits ``reshape(-1, V)`` whose prediction is
+        each of the T response tokens (logits at position i predict token i + 1); None when
+        the logits are (B, T, V) already aligned with the response tokens.
     """
     T = response_len
     if images is not None and (packed or group_size > 1):
         raise ValueError("vision-language rows go through the model padded, one row each")
     if group_size > 1:
-        return shared_prompt_logits(model, share_prompts(input_ids, attention_mask, T, group_size))
+        return shared_prompt_inputs(share_prompts(input_ids, attention_mask, T, group_size))
     keep = _takes_logits_to_keep(model)
     if packed:
         row = pack_rows(input_ids, attention_mask)
         positions = padded_positions(attention_mask, row.cu_seqlens)[:, -T - 1 : -1]  # (B, T)
         if not keep:
-            return model(**row.model_inputs()).logits, positions  # (1, T_packed, V)
+            return row.model_inputs(), positions  # logits (1, T_packed, V)
         # only the rows that predict a response token (padding repeats a neighbour's row)
         rows, index = torch.unique(positions, return_inverse=True)
-        return model(**row.model_inputs(), logits_to_keep=rows).logits, index
+        return {**row.model_inputs(), "logits_to_keep": rows}, index
     if images is not None:
         tokens = VisionTokens.from_config(model.config)
         inputs = vision_model_inputs(tokens, input_ids, attention_mask, images)
@@ -281,9 +284,9 @@ def response_logits(
     B, L = input_ids.shape
     before = torch.arange(L - T - 1, L - 1, device=input_ids.device)  # positions predicting
     if keep:  # (B, T, V), aligned with the response tokens: read without any index
-        return model(**inputs, logits_to_keep=before).logits, None
+        return {**inputs, "logits_to_keep": before}, None
     rows = torch.arange(B, device=input_ids.device).unsqueeze(1) * L
-    return model(**inputs).logits, rows + before  # (B, L, V)
+    return inputs, rows + before  # logits (B, L, V)
 
 
 def _takes_logits_to_keep(model: nn.Module) -> bool:
