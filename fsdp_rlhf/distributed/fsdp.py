@@ -16,6 +16,11 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_rlhf.config import FSDPConfig
 from fsdp_rlhf.distributed.collectives import all_reduce, collective_device
+from fsdp_rlhf.distributed.expert_parallel import (
+    ExpertParallel,
+    distribute_experts,
+    routed_experts,
+)
 from fsdp_rlhf.distributed.gloo_comm import all_gather_into, use_p2p_reduce_scatter
 from fsdp_rlhf.distributed.vision_units import tower_in_every_forward, vision_tower
 
@@ -63,6 +68,7 @@ def shard_model(
     cpu_offload: bool = False,
     frozen: bool = False,
     dp_size: int | None = None,
+    ep: ExpertParallel | None = None,
 ) -> nn.Module:
     """Apply ``fully_shard`` to each decoder layer (a VLM's vision blocks included), to a
     VLM's vision tower as a whole (patch embedding and projector: its own unit, gathered only
@@ -81,6 +87,9 @@ def shard_model(
         dp_size: ranks holding different data, when fewer than the mesh's (sequence
             parallelism: a group's ranks compute parts of one micro-batch's gradient, summed
             over the world); ``"mean"`` then divides the sum by it, not by the world size.
+        ep: expert parallelism (``distributed.expert_parallel``): each MoE layer's routed
+            experts are split over its groups and sharded over the ranks holding the same
+            experts, as their own FSDP2 units inside the layers.
     """
     mp = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if bf16 else torch.float32, reduce_dtype=torch.float32
@@ -96,10 +105,11 @@ def shard_model(
     layers = decoder_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__}: no decoder layers found to shard")
+    experts = _shard_experts(model, ep, kwargs)
     for layer in layers:
         fully_shard(layer, **kwargs)
     tower = vision_tower(model)
-    units = [*layers, *([tower] if tower is not None else [])]
+    units = [*experts, *layers, *([tower] if tower is not None else [])]
     if tower is not None:
         fully_shard(tower, **kwargs)
         tower_in_every_forward(model)  # ranks without images still gather the tower
@@ -112,11 +122,33 @@ def shard_model(
         m.register_forward_hook(_reshard_if_no_grad)
     if grad_reduce == "sum":
         set_sum_reduction(model)
-    elif dp_size is not None and dp_size != mesh.size():
-        set_sum_reduction(model, divide_by=dp_size)
+    elif (dp_size is not None and dp_size != mesh.size()) or experts:
+        # expert units reduce over efsdp (W / E ranks) but average over the data ranks too
+        set_sum_reduction(model, divide_by=dp_size or mesh.size())
+    if experts and ep.mesh["efsdp"].size() == 1:
+        # E == W: one rank per expert shard. torch 2.13's FSDP2 divides a one-rank unit's
+        # gradient by the divide factor and, under forced sum reduction, once more after it;
+        # without the forcing (nothing to communicate, so gloo's missing PREMUL_SUM is moot)
+        # it divides once.
+        for m in experts:
+            m.set_force_sum_reduction_for_comms(False)
     if dist.get_backend(mesh.get_group()) == "gloo":
         use_p2p_reduce_scatter(model)
     return model
+
+
+def _shard_experts(model: nn.Module, ep: ExpertParallel | None, kwargs: dict) -> list[nn.Module]:
+    """Under expert parallelism: split every fused experts module over ``ep`` and make it an
+    FSDP2 unit over the ranks holding the same experts; returns those units."""
+    if ep is None or not ep.enabled:
+        return []
+    units = routed_experts(model)
+    if not units:
+        raise ValueError(f"{type(model).__name__}: expert parallelism, but no routed experts")
+    for module in units:
+        distribute_experts(module, ep)
+        fully_shard(module, **{**kwargs, "mesh": ep.mesh["efsdp"]})
+    return units
 
 
 def uses_cpu_offload_policy(adam_offload: bool, device_type: str) -> bool:
