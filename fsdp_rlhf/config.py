@@ -190,12 +190,15 @@ class GuardConfig:
         "come in a row (0: abort at the first).",
     )
     dist_timeout_min: int = doc(
-        60, "Minutes a collective may wait for the other ranks before the job fails."
+        60,
+        "Minutes a collective may wait for the other ranks before the job fails (--async_train: "
+        "also the longest either side waits for the other while it is alive).",
     )
     heartbeat_timeout_s: float = doc(
         120.0,
         "Multi-node jobs: end every rank, naming the lost one, when a rank on another node "
-        "sends no heartbeat (or the job's store no answer) for this many seconds; 0: off.",
+        "sends no heartbeat (or the job's store no answer) for this many seconds; 0: off. "
+        "--async_train: also when a rank it waits for sends none.",
     )
 
     def __post_init__(self) -> None:

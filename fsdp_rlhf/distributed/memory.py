@@ -51,6 +51,7 @@ prints the measured phase peaks beside this model's estimate to calibrate them.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from fsdp_rlhf.algorithms.logprobs import CHUNK_ELEMENTS
@@ -375,20 +376,35 @@ def plan_phases(
     return phases
 
 
+def engine_only_phases(f: JobFlags) -> list[Phase]:
+    """A rollout rank of an asynchronous job (docs/async.md): its device holds its engine's
+    TP slice and nothing of the trainer. vLLM's pool (never asleep; the engine's weights are in
+    it), the CUDA context and NCCL, and the weight buckets it receives (the next one arrives
+    while the engine loads the last)."""
+    parts = {
+        "vllm pool": f.pool,
+        "cuda context + nccl": CONTEXT_BYTES,
+        "weight buckets": 2 * SYNC_BUCKET_BYTES,
+    }
+    fix = "--vllm_gpu_memory_utilization (lower)"
+    return [Phase("rollout rank (vLLM only)", _with_slack(parts), f.device_bytes, fix)]
+
+
 def pool_fraction_limit(
     f: JobFlags, actor: ModelShape, critic: ModelShape | None, frozen: list[ModelShape]
 ) -> float:
     """The largest ``--vllm_gpu_memory_utilization`` with which every phase that holds vLLM's
     pool fits (wake and rollout; every phase when the engine does not sleep). 1.0 when no
     phase holds it (the HF engine); below 0 when nothing fits even without a pool."""
+    return fraction_limit(lambda g: plan_phases(g, actor, critic, frozen), f)
+
+
+def fraction_limit(plan: Callable[[JobFlags], list[Phase]], f: JobFlags) -> float:
+    """:func:`pool_fraction_limit` of any plan (``plan(flags)``: its phases)."""
     empty = dataclasses.replace(f, gpu_memory_utilization=0.0, vllm_pool_bytes=0)
     full = dataclasses.replace(f, gpu_memory_utilization=1.0, vllm_pool_bytes=0)
     best = 1.0
-    for p0, p1 in zip(
-        plan_phases(empty, actor, critic, frozen),
-        plan_phases(full, actor, critic, frozen),
-        strict=True,
-    ):
+    for p0, p1 in zip(plan(empty), plan(full), strict=True):
         per_unit = p1.total - p0.total  # bytes the phase grows by per unit of utilization
         if per_unit > 0:
             best = min(best, (p0.limit - p0.total) / per_unit)

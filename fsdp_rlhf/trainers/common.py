@@ -85,13 +85,15 @@ def launch(
     *,
     init: Callable[[int], DistEnv] | None = None,
     run: Callable[[Any], int] | None = None,
+    beat_on_one_node: bool = False,
 ) -> int:
     """``main()`` of every command; returns the exit code (0, also after a graceful stop).
 
     ``prepare(cfg, world_size)`` runs before the process group, so bad input fails in seconds
     with one line; ``build(cfg, env, prepared)`` loads the models. ``init(timeout_min)``
     replaces the one process group over all ranks (asynchronous PPO splits the world) and
-    ``run(trainer)`` the step loop (default :func:`fit`).
+    ``run(trainer)`` the step loop (default :func:`fit`). ``beat_on_one_node``: heartbeats on
+    a single node too (asynchronous PPO's ranks read them while they wait for each other).
     """
     setup_logging(int(os.environ.get("RANK", "0")), debug)
     if cfg.backend.full_determinism:
@@ -120,7 +122,9 @@ def launch(
             sp.dp_size,
         )
     # Multi-node: a host that vanishes ends every rank within a bound, not the collective timeout.
-    heartbeat = start_heartbeat(cfg.guard.heartbeat_timeout_s, *job_position())
+    heartbeat = start_heartbeat(
+        cfg.guard.heartbeat_timeout_s, *job_position(), beat_on_one_node=beat_on_one_node
+    )
     trainer = None
     try:
         trainer = build(cfg, env, prepared)

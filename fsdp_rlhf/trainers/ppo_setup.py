@@ -609,9 +609,9 @@ def build_engine(
     if cfg.rollout.rollout_engine == "vllm":
         from fsdp_rlhf.rollout.vllm_engine import VLLMEngine
 
-        rollout = cfg.rollout
         if env.device.type == "cuda":
-            rollout = dataclasses.replace(rollout, vllm_gpu_memory_utilization=cuda_pool(cfg, env))
+            util = cuda_pool(cfg, env, engine_only=streaming)
+            rollout = dataclasses.replace(rollout, vllm_gpu_memory_utilization=util)
         return VLLMEngine(
             cfg.models.pretrain,
             rollout,
@@ -653,13 +653,16 @@ def unsynced_params(cfg: PPOConfig, actor: nn.Module):
     return is_vision_param(prefix)
 
 
-def cuda_pool(cfg: PPOConfig, env: DistEnv) -> float:
+def cuda_pool(cfg: PPOConfig, env: DistEnv, *, engine_only: bool = False) -> float:
     """The fraction of the device vLLM's pool takes, chosen or checked against the memory plan
     (the pool comes back at that size on every wake, beside the resident shards), then against
     what is free now (vLLM refuses to start without ``fraction x total`` free). One line each;
-    a UserError naming the flag when either does not fit. Before any model loads."""
+    a UserError naming the flag when either does not fit. Before any model loads.
+
+    ``engine_only``: an asynchronous job's rollout rank, whose device holds its engine's TP
+    slice and nothing of the trainer (``env`` is the engine's group)."""
     total = torch.cuda.mem_get_info(env.device)[1]
-    util, line = resolve_vllm_utilization(cfg, env.world_size, total)
+    util, line = resolve_vllm_utilization(cfg, env.world_size, total, engine_only=engine_only)
     log.info(line)
     log.info(check_device_budget(env.device, util))
     return util
