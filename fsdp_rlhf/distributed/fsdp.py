@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdp_rlhf.config import FSDPConfig
 from fsdp_rlhf.distributed.collectives import all_reduce, collective_device
@@ -139,12 +140,9 @@ def shard_model(
 
 def _shard_experts(model: nn.Module, ep: ExpertParallel | None, kwargs: dict) -> list[nn.Module]:
     """Under expert parallelism: split every fused experts module over ``ep`` and make it an
-    FSDP2 unit over the ranks holding the same experts; returns those units."""
-    if ep is None or not ep.enabled:
-        return []
-    units = routed_experts(model)
-    if not units:
-        raise ValueError(f"{type(model).__name__}: expert parallelism, but no routed experts")
+    FSDP2 unit over the ranks holding the same experts; returns those units (none for a dense
+    model, which shards as without expert parallelism)."""
+    units = routed_experts(model) if ep is not None and ep.enabled else []
     for module in units:
         distribute_experts(module, ep)
         fully_shard(module, **{**kwargs, "mesh": ep.mesh["efsdp"]})
@@ -264,19 +262,54 @@ def gather_bucket_bytes(model: nn.Module) -> int:
     return GATHER_BUCKET_BYTES.get(device_type, GATHER_BUCKET_BYTES["cuda"])
 
 
-def _dim0_shard_numel(p: torch.Tensor) -> int | None:
-    """Elements per rank, padded to equal chunks, of an FSDP2-style shard; else None.
+def _row_spans(p: torch.Tensor) -> list[tuple[int, int]] | None:
+    """Rows ``[start, stop)`` of dim 0 that each rank of ``p``'s mesh holds (the mesh's ranks
+    in flattened order) when ``p`` is an FSDP2 shard: ``Shard(0)`` on a 1-D mesh, or an expert
+    tensor of expert parallelism, ``(_StridedShard(0), Shard(0))`` on the 2-D ``(efsdp, ep)``
+    mesh (expert group slice j, then FSDP2's chunk f of it); else None.
 
-    A DTensor placed ``Shard(0)`` on a 1-D mesh holds rows ``[r * c, (r + 1) * c)`` on rank r
-    with ``c = ceil(rows / world)`` (the last ranks shorter or empty): the DTensor contract, so
-    every rank reaches the same answer without communicating.
+    FSDP2 cuts rows into chunks of ``ceil(rows / ranks)`` (the last ranks shorter or empty):
+    the DTensor contract, so every rank reaches the same answer without communicating.
     """
-    if not isinstance(p, DTensor) or p.device_mesh.ndim != 1 or p.ndim == 0:
+    if not isinstance(p, DTensor) or p.ndim == 0 or p.shape[0] == 0:
         return None
-    if tuple(p.placements) != (Shard(0),) or p.shape[0] == 0:
+    mesh, placements, rows = p.device_mesh, tuple(p.placements), p.shape[0]
+    if mesh.ndim == 1 and placements == (Shard(0),):
+        c = -(-rows // mesh.size())
+        return [(min(r * c, rows), min((r + 1) * c, rows)) for r in range(mesh.size())]
+    if mesh.ndim == 2 and len(placements) == 2 and placements[1] == Shard(0):
+        outer = placements[0]
+        F, E = mesh.shape
+        strided = isinstance(outer, _StridedShard) and outer.split_factor == E
+        if not (strided and outer.dim == 0 and rows % E == 0):
+            return None
+        n = rows // E
+        c = -(-n // F)
+        return [
+            (j * n + min(f * c, n), j * n + min((f + 1) * c, n)) for f in range(F) for j in range(E)
+        ]
+    return None
+
+
+def _flat_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    """The process group whose ranks are ``mesh``'s in flattened order, or None."""
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    return dist.group.WORLD if _spans_world(mesh) else None
+
+
+def _spans_world(mesh: DeviceMesh) -> bool:
+    """A 2-D mesh whose flattened ranks are the world's in order (the expert mesh)."""
+    return mesh.mesh.flatten().tolist() == list(range(dist.get_world_size()))
+
+
+def _shard_numel(p: torch.Tensor) -> int | None:
+    """Elements per rank, padded to the largest rank's rows, of an FSDP2-style shard that one
+    all-gather over its mesh's ranks reassembles (:func:`_row_spans`); else None."""
+    spans = _row_spans(p)
+    if spans is None or (p.device_mesh.ndim == 2 and not _spans_world(p.device_mesh)):
         return None
-    chunk = -(-p.shape[0] // p.device_mesh.size())
-    return chunk * (p.numel() // p.shape[0])
+    return max(b - a for a, b in spans) * (p.numel() // p.shape[0])
 
 
 def _mesh_device(mesh: DeviceMesh) -> torch.device:
@@ -290,6 +323,8 @@ def _gather_bucket(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """One all-gather of every shard in ``bucket``, cast to ``dtype`` first; yields full tensors."""
     mesh = bucket[0][1].device_mesh
+    group = _flat_group(mesh)
+    world = group.size()
     total = sum(n for _, _, n in bucket)
     send = torch.zeros(total, dtype=dtype, device=_mesh_device(mesh))
     offset = 0
@@ -297,17 +332,24 @@ def _gather_bucket(
         local = p.to_local().detach().reshape(-1)
         send[offset : offset + local.numel()].copy_(local)
         offset += n
-    recv = torch.empty(mesh.size() * total, dtype=dtype, device=send.device)
-    group = mesh.get_group()
+    recv = torch.empty(world * total, dtype=dtype, device=send.device)
     if dist.get_backend(group) == "gloo":
         all_gather_into(recv, send, group)
     else:
         dist.all_gather_into_tensor(recv, send, group=group)
-    recv = recv.view(mesh.size(), total)
+    recv = recv.view(world, total)
     offset = 0
     for name, p, n in bucket:
-        # Rank r's slice holds rows r*c .. r*c + c - 1: stacking the slices restores row order.
-        yield name, recv[:, offset : offset + n].reshape(-1, *p.shape[1:])[: p.shape[0]]
+        rows = p.shape[0]
+        width = p.numel() // rows
+        if mesh.ndim == 1:  # rank r's slice holds rows r*c .. r*c + c - 1: stack them
+            full = recv[:, offset : offset + n].reshape(-1, *p.shape[1:])[:rows]
+        else:
+            full = recv.new_empty((rows, width))
+            for r, (a, b) in enumerate(_row_spans(p)):
+                full[a:b] = recv[r, offset : offset + (b - a) * width].view(b - a, width)
+            full = full.view(p.shape)
+        yield name, full
         offset += n
 
 
@@ -322,31 +364,33 @@ def iter_full_params(
 
     FSDP2 shards are gathered in buckets of up to ``bucket_bytes`` with one all-gather each, so
     peak extra memory is about two buckets (or one parameter, when larger), not the model.
+    Shards of another layout (the experts under expert parallelism, on their own 2-D mesh)
+    fill a bucket of their own beside it, gathered over the same ranks: each expert once.
     Every rank must consume the whole iterator: each bucket is a collective.
     ``bucket_bytes`` defaults to ``GATHER_BUCKET_BYTES`` of the device the gathers run on.
     """
     if bucket_bytes is None:
         bucket_bytes = gather_bucket_bytes(model)
-    bucket: list[tuple[str, DTensor, int]] = []
-    size, key = 0, None
+    open_buckets: dict[tuple, tuple[list[tuple[str, DTensor, int]], int]] = {}
     for name, p in model.named_parameters():
         if include is not None and not include(name):
             continue
-        n = _dim0_shard_numel(p)
+        n = _shard_numel(p)
         out = dtype or p.dtype
-        nbytes = 0 if n is None else n * p.device_mesh.size() * out.itemsize
-        fits = n is not None and key == (p.device_mesh, out) and size + nbytes <= bucket_bytes
-        if bucket and not fits:
-            yield from _gather_bucket(bucket, key[1])
-            bucket, size = [], 0
         if n is None:  # not an FSDP2 shard: gathered alone, the generic way
             full = p.full_tensor() if isinstance(p, DTensor) else p
             yield name, full.detach().to(out)
             continue
+        key = (p.device_mesh, tuple(p.placements), out)
+        nbytes = n * p.device_mesh.size() * out.itemsize
+        bucket, size = open_buckets.pop(key, ([], 0))
+        if bucket and size + nbytes > bucket_bytes:
+            yield from _gather_bucket(bucket, out)
+            bucket, size = [], 0
         bucket.append((name, p, n))
-        size, key = size + nbytes, (p.device_mesh, out)
-    if bucket:
-        yield from _gather_bucket(bucket, key[1])
+        open_buckets[key] = (bucket, size + nbytes)
+    for (*_, out), (bucket, _) in open_buckets.items():
+        yield from _gather_bucket(bucket, out)
 
 
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
