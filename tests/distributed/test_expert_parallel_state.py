@@ -1,8 +1,9 @@
 """The state of an expert-parallel model on 4 gloo ranks (tiny Qwen3-MoE, 16 experts, fp32): rank
 0's weights fill an EP=2 skeleton; the weight-sync gather returns every weight exactly, the
 experts in buckets of their own (each expert once); an optimizer step runs on the mixed meshes;
-and a checkpoint written at EP=2 loads at EP=1 and EP=4 (DCP resharding) with the same weights
-and optimizer state. Runs under ``make test-ep``.
+the HF export holds every expert in the checkpoint's published per-expert layout; and a
+checkpoint written at EP=2 loads at EP=1 and EP=4 (DCP resharding) with the same weights and
+optimizer state. Runs under ``make test-ep``.
 """
 
 from __future__ import annotations
@@ -45,6 +46,19 @@ def _full_optim_state(model, opt) -> dict[str, torch.Tensor]:
     return {f"{n}.{k}": v.clone() for n, s in state.items() for k, v in s.items() if v.ndim}
 
 
+def _keys(folder: str) -> set[str]:
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    keys = set()
+    for f in Path(folder).glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            keys |= set(st.keys())
+    assert any(".experts.0.gate_proj.weight" in k for k in keys), sorted(keys)[:5]
+    return keys
+
+
 def _states(rank: int, world: int, path: str, ckpt: str) -> dict:
     from fsdp_rlhf.config import BackendConfig, OptimConfig
     from fsdp_rlhf.distributed import checkpoint as ckpt_mod
@@ -84,6 +98,16 @@ def _states(rank: int, world: int, path: str, ckpt: str) -> dict:
     after = dict(fsdp.iter_full_params(model))
     out["the step moved the experts"] = all(not torch.equal(after[n], ref[n]) for n in experts)
     moments = _full_optim_state(model, opt)
+    # the HF export: every expert, in the published per-expert layout of the input checkpoint
+    from fsdp_rlhf.models.save import save_hf_model
+
+    save_hf_model(model, None, f"{ckpt}-hf")
+    if rank == 0:
+        exported = load_causal_lm(f"{ckpt}-hf", BackendConfig(), torch.device("cpu"))
+        out["export holds every trained expert"] = all(
+            torch.equal(p.detach(), after[n]) for n, p in exported.named_parameters()
+        )
+        out["export in the published layout"] = _keys(f"{ckpt}-hf") == _keys(path)
     ckpt_mod.save_checkpoint(
         ckpt, 1, models={"actor": model}, optimizers={"actor": opt}, schedulers={},
         trainer_state={},
