@@ -244,6 +244,9 @@ def _run_experts(module: nn.Module, rows: torch.Tensor, counts: list[int]) -> to
         gate, up = nn.functional.linear(x, gate_up[j]).chunk(2, dim=-1)
         outs.append(nn.functional.linear(module.act_fn(gate) * up, down[j]))
         start += c
-    if not outs:  # nothing arrived; keep the graph connected to the weights for backward
-        return rows.new_zeros((0, down.shape[1])) + 0 * (gate_up.sum() + down.sum())
+    if not outs:
+        # Nothing arrived: keep the graph through the rows (their exchange's backward is a
+        # collective every rank of the group must run) and the weights (FSDP2 reduces their
+        # gradients on every rank).
+        return rows.new_zeros((0, down.shape[1])) + 0 * (rows.sum() + gate_up.sum() + down.sum())
     return torch.cat(outs)

@@ -9,10 +9,10 @@ measures:
 
 - the expert weights it holds (its shards) and what one MoE layer's forward gathers of them
   (the unsharded expert tensors of its expert group, read in a forward hook);
-- the bytes one MoE layer's forward moves: FSDP2's all-gathers of the layer (counted by a
-  pass-through ``AllGather`` on the decoder layers and, under EP, their expert units; what a
-  rank receives, its own shard not counted) and the token exchange (the rows sent and received
-  by both all-to-alls, counted around ``distributed.expert_parallel._all_to_all``);
+- the bytes one MoE layer's forward moves: FSDP2's all-gathers inside a decoder layer's
+  forward (its own and, under EP, its expert unit's; what a rank receives, its own shard not
+  counted; counted around ``dist.all_gather_into_tensor``) and the token exchange (the rows
+  sent and received by both all-to-alls, around ``distributed.expert_parallel._all_to_all``);
 - the step time (median and min of ``--steps``) and the peak RSS growth during a step (VmHWM
   after ``/proc/self/clear_refs``; glibc's mmap threshold pinned at 1 MiB, no tcmalloc).
 
@@ -90,7 +90,6 @@ def worker(ep_size: int, steps: int) -> dict:
 
     import torch
     import torch.distributed as dist
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
     from torch.distributed.tensor import DTensor
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -113,16 +112,27 @@ def worker(ep_size: int, steps: int) -> dict:
     units = expert_parallel.routed_experts(model)
     moved = {"all_gather": 0, "all_to_all": 0}
     counting = [False]
+    all_gather = dist.all_gather_into_tensor
 
-    class Counted(DefaultAllGather):
-        def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            if counting[0]:  # received: the whole output minus this rank's own shard
-                mine = input_tensor.numel() * input_tensor.element_size()
-                moved["all_gather"] += output_tensor.numel() * output_tensor.element_size() - mine
-            return super().__call__(output_tensor, input_tensor, group, async_op)
+    def counted_all_gather(output_tensor, input_tensor, *args, **kwargs):
+        if counting[0]:  # received: the whole output minus this rank's own shard
+            mine = input_tensor.numel() * input_tensor.element_size()
+            moved["all_gather"] += output_tensor.numel() * output_tensor.element_size() - mine
+        return all_gather(output_tensor, input_tensor, *args, **kwargs)
 
-    for unit in [*decoder_layers(model), *(units if ep.enabled else [])]:
-        unit.set_custom_all_gather(Counted())
+    dist.all_gather_into_tensor = counted_all_gather  # FSDP2's default all-gather calls it
+    layers = decoder_layers(model)
+    counted = [False]  # the one forward that is measured
+
+    def enter(module, args):  # before FSDP2's pre-forward: its all-gathers are counted
+        counting[0] = counted[0]
+
+    def leave(module, args, output):
+        counting[0] = False
+
+    for layer in layers:
+        layer.register_forward_pre_hook(enter, prepend=True)
+        layer.register_forward_hook(leave)
     gathered = []
 
     def hook(module, args):  # after FSDP2's pre-forward: the experts as the forward sees them
@@ -153,11 +163,11 @@ def worker(ep_size: int, steps: int) -> dict:
         return time.perf_counter() - start
 
     step()  # warm-up: kernels, thread pools, gloo buffers, the gradient shards
-    with torch.no_grad():  # one forward, counted
-        counting[0] = True
+    with torch.no_grad():  # one forward, counted inside its decoder layers
+        counted[0] = True
         response_logprobs(model, ids, mask, LENGTH - PROMPT)
-        counting[0] = False
-    layers = len(units)
+        counted[0] = False
+    n_layers = len(layers)
     held = sum(
         p.to_local().numel() * p.element_size() for u in units for p in u.parameters(recurse=False)
     )
@@ -173,8 +183,8 @@ def worker(ep_size: int, steps: int) -> dict:
         "ep": ep_size,
         "expert_held_bytes": held,
         "expert_gathered_per_layer_bytes": statistics.mean(gathered),
-        "all_gather_per_layer_bytes": moved["all_gather"] / layers,
-        "all_to_all_per_layer_bytes": moved["all_to_all"] / layers,
+        "all_gather_per_layer_bytes": moved["all_gather"] / n_layers,
+        "all_to_all_per_layer_bytes": moved["all_to_all"] / n_layers,
         "model": formulas(ep_size),
         "step_activation_mib": round((peak - base) / 1024, 1),
         "step_s": [round(t, 3) for t in times],

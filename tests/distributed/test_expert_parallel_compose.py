@@ -93,3 +93,82 @@ def test_checkpointing_lora_and_a_scalar_head_on_the_moe_base_at_ep2(tmp_path):
                 assert not experts and all("lora_" in n for n in grads), sorted(grads)[:4]
             else:
                 assert experts, (rank, kind)
+
+
+class TinyExperts(torch.nn.Module):
+    """Fused experts in transformers 5's layout: 4 experts, hidden 8, intermediate 6."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.num_experts = 4
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(4, 12, 8, generator=g))
+        self.down_proj = torch.nn.Parameter(torch.randn(4, 8, 6, generator=g))
+        self.act_fn = torch.nn.SiLU()
+
+    def dense(self, x, index, weights):  # the unsplit forward, expert by expert
+        out = x * 0 + 0 * (self.gate_up_proj.sum() + self.down_proj.sum())  # grads even if idle
+        for t in range(x.shape[0]):
+            for j, e in enumerate(index[t].tolist()):
+                if 0 <= e < self.num_experts:
+                    gate, up = (self.gate_up_proj[e] @ x[t]).chunk(2)
+                    out[t] += weights[t, j] * (self.down_proj[e] @ (self.act_fn(gate) * up))
+        return out
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Within 1e-5 of the larger magnitude (fp32 sums in another order); empty tensors too."""
+    return a.shape == b.shape and (a.numel() == 0 or _rel(a, b) < 1e-5 or b.abs().max() == 0)
+
+
+def _edges(rank: int, world: int) -> dict:
+    from fsdp_rlhf.distributed.expert_parallel import distribute_experts, new_expert_parallel_groups
+
+    ep = new_expert_parallel_groups(2, "cpu")
+    out = {}
+    cases = {
+        # every token on both ranks chooses experts of group 0: rank 1's experts get nothing
+        "one group": (5, lambda g: torch.randint(0, 2, (5, 2), generator=g)),
+        # ids outside [0, 4) (transformers' "no expert" sentinel) choose nothing
+        "sentinel": (5, lambda g: torch.where(torch.rand(5, 2, generator=g) < 0.3, 4,
+                                              torch.randint(0, 4, (5, 2), generator=g))),
+        # rank 1 has no tokens at all this forward
+        "empty rank": (3 if rank == 0 else 0, lambda g: torch.randint(0, 4, (3, 2), generator=g)),
+    }  # fmt: skip
+    for name, (tokens, draw) in cases.items():
+        g = torch.Generator().manual_seed(10 + rank)
+        index = draw(g)[:tokens]
+        weights = torch.rand(tokens, 2, generator=g)
+        ref_module, module = TinyExperts(), TinyExperts()
+        distribute_experts(module, ep)
+        x = torch.randn(tokens, 8, generator=g, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_()
+        got = module(x, index, weights)
+        ref = ref_module.dense(x_ref, index, weights)
+        (got * torch.arange(1.0, 9.0)).sum().backward()
+        (ref * torch.arange(1.0, 9.0)).sum().backward()
+        grad = module.gate_up_proj.grad.to_local()
+        out[name] = dict(
+            out=_close(got, ref),
+            input_grad=x.grad is not None and _close(x.grad, x_ref.grad),
+            # this rank's experts' gradient: the other rank's tokens' too (reduced here by hand)
+            grads_exist=module.down_proj.grad is not None and grad is not None,
+            local=(grad, ref_module.gate_up_proj.grad),
+        )
+    return out
+
+
+def test_expert_parallel_forward_edge_cases():
+    """One expert group idle, ids that choose no expert, a rank without tokens: the split
+    forward equals the unsplit one, input gradients too, and every rank's expert weights get
+    a gradient (FSDP2 reduces them on every rank), summed over the ranks' tokens."""
+    per_rank = run_distributed(_edges, 2)
+    for rank, res in enumerate(per_rank):
+        for name, r in res.items():
+            assert r["out"] and r["input_grad"] and r["grads_exist"], (rank, name)
+    for name in per_rank[0]:
+        for rank in range(2):  # the split grads hold every rank's tokens; the dense ones each
+            got = per_rank[rank][name]["local"][0]  # this rank's experts 2 rank, 2 rank + 1
+            want = sum(per_rank[r][name]["local"][1] for r in range(2))[2 * rank : 2 * rank + 2]
+            assert _close(got, want), (rank, name)
+    assert per_rank[1]["one group"]["local"][0].abs().max() == 0  # nothing reached group 1
