@@ -11,7 +11,7 @@ measures:
   (the unsharded expert tensors of its expert group, read in a forward hook);
 - the bytes one MoE layer's forward moves: FSDP2's all-gathers inside a decoder layer's
   forward (its own and, under EP, its expert unit's; what a rank receives, its own shard not
-  counted; counted around ``dist.all_gather_into_tensor``) and the token exchange (the rows
+  counted; counted around ``dist.all_gather_single``) and the token exchange (the rows
   sent and received by both all-to-alls, around ``distributed.expert_parallel._all_to_all``);
 - the step time (median and min of ``--steps``) and the peak RSS growth during a step (VmHWM
   after ``/proc/self/clear_refs``; glibc's mmap threshold pinned at 1 MiB, no tcmalloc).
@@ -107,12 +107,13 @@ def worker(ep_size: int, steps: int) -> dict:
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**SHAPE)).float()
     model.set_attn_implementation(PADDED_ATTENTION)
     mesh = build_mesh(torch.device("cpu"), dist.get_world_size())
+    layers = decoder_layers(model)  # before fully_shard renames their classes
     shard_model(model, mesh, FSDPConfig(zero_stage=3), bf16=False, grad_reduce="sum", ep=ep)
     model.train()
     units = expert_parallel.routed_experts(model)
     moved = {"all_gather": 0, "all_to_all": 0}
     counting = [False]
-    all_gather = dist.all_gather_into_tensor
+    all_gather = dist.all_gather_single
 
     def counted_all_gather(output_tensor, input_tensor, *args, **kwargs):
         if counting[0]:  # received: the whole output minus this rank's own shard
@@ -120,8 +121,7 @@ def worker(ep_size: int, steps: int) -> dict:
             moved["all_gather"] += output_tensor.numel() * output_tensor.element_size() - mine
         return all_gather(output_tensor, input_tensor, *args, **kwargs)
 
-    dist.all_gather_into_tensor = counted_all_gather  # FSDP2's default all-gather calls it
-    layers = decoder_layers(model)
+    dist.all_gather_single = counted_all_gather  # FSDP2's default all-gather calls it
     counted = [False]  # the one forward that is measured
 
     def enter(module, args):  # before FSDP2's pre-forward: its all-gathers are counted

@@ -303,6 +303,17 @@ def test_expert_parallel_preflight_names_the_numbers(tiny_qwen2, tiny_qwen3_moe)
         check_expert_parallel(2, 2, {"--pretrain": tiny_qwen2})
 
 
+def test_expert_parallel_refuses_a_vision_language_moe(tmp_path):
+    import json
+
+    from fsdp_rlhf.models.load import check_expert_parallel
+
+    config = {"model_type": "qwen3_vl_moe", "architectures": ["Qwen3VLMoeForConditionalGeneration"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))  # Qwen3-VL-30B-A3B's kind
+    with pytest.raises(UserError, match="is a vision-language MoE model"):
+        check_expert_parallel(2, 2, {"--pretrain": str(tmp_path)})
+
+
 def test_expert_group_load_counts_each_groups_share_of_the_assignments():
     from fsdp_rlhf.models.moe import expert_group_load
 
