@@ -184,5 +184,3 @@ def census_from_env(
         return None
     phases = None if value in ("1", "all") else frozenset(filter(None, value.split(",")))
     return PhaseCensus(device, owners, phases)
-
-

@@ -175,6 +175,62 @@ def check_sequence_parallel(
             raise UserError(f"--sequence_parallel_size {n}: {flag} {path}: {problem}")
 
 
+def check_expert_parallel(
+    n: int, world_size: int, paths: dict[str, str | None], trust_remote_code: bool = False
+) -> None:
+    """``--expert_parallel_size n`` against the world and each MoE model's experts (``paths``:
+    flag -> model folder; dense models are left as they are), before anything loads: one line
+    naming the numbers. Each MoE model is built empty on the meta device to check that its
+    fused experts are a layout the expert-parallel forward handles."""
+    if n == 1:
+        return
+    from fsdp_rlhf.distributed.expert_parallel import (
+        expert_parallel_problem,
+        routed_experts,
+        unsupported_experts,
+    )
+    from fsdp_rlhf.hf_config import config_num_experts
+
+    if world_size % n:
+        raise UserError(
+            f"--expert_parallel_size {n} must divide the world size {world_size} "
+            "(torchrun --nproc_per_node x --nnodes)"
+        )
+    moe = []
+    for flag, path in paths.items():
+        if not path:
+            continue
+        check_model_path(path, flag)
+        num_experts = config_num_experts(text_config(path, trust_remote_code))
+        if not num_experts:
+            continue  # a dense model beside an MoE actor: sharded as without the flag
+        if is_vision_language(path, trust_remote_code):
+            raise UserError(
+                f"--expert_parallel_size {n}: {flag} {path} is a vision-language MoE model; "
+                "expert parallelism is not tested with image inputs yet (use 1)"
+            )
+        if problem := expert_parallel_problem(n, world_size, num_experts):
+            raise UserError(f"{problem} ({flag} {path})")
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        odd = [p for m in routed_experts(model) if (p := unsupported_experts(m))]
+        if odd:
+            raise UserError(
+                f"--expert_parallel_size {n}: {flag} {path}: its fused experts {odd[0]} are not "
+                "a layout expert parallelism splits (gate_up_proj and down_proj, no biases; "
+                "use 1)"
+            )
+        moe.append(flag)
+    if not moe:
+        named = ", ".join(f"{f} {p}" for f, p in paths.items() if p)
+        raise UserError(
+            f"--expert_parallel_size {n}: no MoE model to split ({named} are dense; use 1)"
+        )
+
+
 def load_tokenizer(
     path: str, backend: BackendConfig | None = None, chat_template: str | None = None
 ):

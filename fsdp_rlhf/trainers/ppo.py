@@ -137,7 +137,7 @@ class PPOTrainer:
         self.sp = sequence_parallel_layout()
         # an MoE actor: router replay, routing statistics, the load-balancing loss (each rank
         # routing its slice of every row under sequence parallelism)
-        self.moe = MoEHooks.attach(self.models.actor, self.sp)
+        self.moe = MoEHooks.attach(self.models.actor, self.sp, env.ep)
         self.prompts = build_prompts(cfg, rows, tokenizer, self.images)
         self.sampler = PromptSampler(
             len(self.prompts),

@@ -35,6 +35,7 @@ from fsdp_rlhf.distributed.offload import offload_model, offload_optimizer
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.models.compile import check_compile_toolchain
 from fsdp_rlhf.models.load import (
+    check_expert_parallel,
     check_model_path,
     check_sequence_parallel,
     is_vision_language,
@@ -334,16 +335,14 @@ def prepare(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any]:
         check_model_path(m.critic_pretrain, "--critic_pretrain")
     if uses_critic(cfg) and not critic_path(cfg):
         raise UserError("--advantage_estimator gae needs a critic: pass --critic_pretrain")
-    check_sequence_parallel(
-        cfg.fsdp.sequence_parallel_size,
-        world_size,
-        {
-            "--pretrain": m.pretrain,
-            "--reward_pretrain": m.reward_pretrain,
-            "--critic_pretrain": critic_path(cfg) if uses_critic(cfg) else None,
-        },
-        cfg.backend.trust_remote_code,
-    )
+    paths = {
+        "--pretrain": m.pretrain,
+        "--reward_pretrain": m.reward_pretrain,
+        "--critic_pretrain": critic_path(cfg) if uses_critic(cfg) else None,
+    }
+    trust = cfg.backend.trust_remote_code
+    check_sequence_parallel(cfg.fsdp.sequence_parallel_size, world_size, paths, trust)
+    check_expert_parallel(cfg.fsdp.expert_parallel_size, world_size, paths, trust)
     check_context_length(cfg)
     _check_outputs(cfg)
     vlm = is_vision_language(m.pretrain, cfg.backend.trust_remote_code)

@@ -37,8 +37,7 @@ SMALL = 400
 VOCABS = {"qwen2": (SMALL, 151_936, 248_320), "qwen3_5": (SMALL, 248_320)}
 MICRO = 8
 REWARD_PY = (
-    "def reward_func(queries, prompts, labels):\n"
-    "    return [float(len(q) % 3) for q in queries]\n"
+    "def reward_func(queries, prompts, labels):\n    return [float(len(q) % 3) for q in queries]\n"
 )
 
 
