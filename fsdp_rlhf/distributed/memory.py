@@ -49,7 +49,7 @@ import dataclasses
 from dataclasses import dataclass, field, replace
 
 from fsdp_rlhf.algorithms.logprobs import CHUNK_ELEMENTS
-from fsdp_rlhf.hf_config import head_dim
+from fsdp_rlhf.hf_config import attention_layers, head_dim
 
 GIB = 2**30
 CONTEXT_BYTES = int(1.5 * GIB)  # ASSUMED: CUDA context + NCCL buffers per process
@@ -104,7 +104,20 @@ class ModelShape:
         if params is None:  # Llama-style: q,k,v,o + gate,up,down per layer
             attn = h * heads * per_head * 2 + 2 * h * kv * per_head
             params = n_layers * (attn + 3 * h * inter) + embeddings * vocab * h
-        return ModelShape(params, n_layers, h, inter, vocab, kv * per_head, embeddings)
+        kv_dim = _mean_kv_dim(config, n_layers, kv * per_head)
+        return ModelShape(params, n_layers, h, inter, vocab, kv_dim, embeddings)
+
+
+def _mean_kv_dim(config: dict, n_layers: int, default: int) -> int:
+    """Key/value width per layer, averaged over all layers: each attention layer's own heads
+    and head size (Gemma 4's global layers are wider than its sliding ones), none for the
+    recurrent layers of hybrid models. ``default`` (the top config's) for a model type the
+    installed transformers does not parse."""
+    try:
+        layers = attention_layers(config)
+    except (KeyError, ValueError, TypeError):
+        return default
+    return max(1, round(sum(layer.kv_dim for layer in layers) / max(1, n_layers)))
 
 
 @dataclass(frozen=True)
@@ -382,14 +395,18 @@ def verdict(phases: list[Phase]) -> tuple[bool, str]:
     return False, "; ".join(f"{p.line()} -> change {p.fix}" for p in bad)
 
 
-def sequence_parallel_options(world: int, heads: int, kv_heads: int) -> list[int]:
+def sequence_parallel_options(
+    world: int, heads: int, kv_heads: int, more: tuple[tuple[int, int], ...] = ()
+) -> list[int]:
     """The ``--sequence_parallel_size`` values a job can use: divisors of the world size that
-    split the attention heads (``models.ulysses.head_problem``), ascending."""
+    split the attention heads (``models.ulysses.head_problem``) of every attention layer
+    (``more``: other layers' (heads, key/value heads), e.g. Gemma 4's global layers), ascending."""
+    shapes = [(heads, kv_heads), *more]
     out = []
     for n in range(1, world + 1):
         if world % n:
             continue
-        if n == 1 or (heads % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0)):
+        if n == 1 or all(h % n == 0 and (kv % n == 0 or n % kv == 0) for h, kv in shapes):
             out.append(n)
     return out
 

@@ -124,6 +124,8 @@ def ulysses_attention(
         key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
     q, k, v = (_seq_to_heads(x, n, sp.group)[:, :, :L] for x in (query, key, value))
     kwargs.pop("position_ids", None)  # this slice's: the kernels below see whole rows
+    if kwargs.get("s_aux") is not None:  # attention sinks (gpt-oss): this rank's heads' own
+        kwargs["s_aux"] = kwargs["s_aux"].view(n, -1)[dist.get_rank(sp.group)]
     out = _inner_attention(module, q, k, v, attention_mask, dropout, scaling, sp, kwargs)
     out = F.pad(out, (0, 0, 0, 0, 0, query.shape[2] * n - L))  # (B, n*Lr, H/n, D)
     return _heads_to_seq(out, n, sp.group), None
@@ -142,7 +144,8 @@ def _inner_attention(module, q, k, v, attention_mask, dropout, scaling, sp, kwar
     if kwargs.get("grouped_response_mask") is not None:  # shared-prompt rows
         return padded_sdpa(module, q, k, v, attention_mask, dropout, scaling, **kwargs)[0]
     window = kwargs.get("sliding_window")
-    return _padded_attention(q, k, v, sp.padding_mask, dropout, scaling, window)
+    sinks = kwargs.get("s_aux")
+    return _padded_attention(q, k, v, sp.padding_mask, dropout, scaling, window, sinks)
 
 
 def _padded_attention(
@@ -153,15 +156,17 @@ def _padded_attention(
     dropout: float,
     scaling: float | None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of padded rows, padding keys masked: q (B, H, L, D), k/v (B, KV, L, D),
     ``padding_mask`` (B, L) bool or None -> (B, L, H, D). A padding query attends to itself
     (never to nothing: a row of no keys is NaN in SDPA); real tokens are as in the unsplit
     forward. ``window``: a sliding-window layer's (Gemma 3's local layers), each query sees its
-    last ``window`` keys only, as transformers' padded mask does."""
+    last ``window`` keys only, as transformers' padded mask does. ``sinks``: (H,) these heads'
+    attention-sink logits (gpt-oss)."""
     L = q.shape[-2]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    explicit = _explicit_wanted(q, dropout, L)
+    explicit = sinks is not None or _explicit_wanted(q, dropout, L)
     windowed = window is not None and window < L
     # as HF's SDPA: GQA inside the kernel, no copies
     if padding_mask is None and not explicit and not windowed:
@@ -179,7 +184,7 @@ def _padded_attention(
         allowed = (allowed & padding_mask[:, None, None, :]) | eye  # (B, 1, L, L)
     else:
         allowed = allowed.expand(q.shape[0], 1, L, L)
-    out = _masked_attention(q, k, v, allowed, scale, dropout, explicit)
+    out = _masked_attention(q, k, v, allowed, scale, dropout, explicit, sinks)
     return out.transpose(1, 2).contiguous()
 
 

@@ -237,5 +237,5 @@ def test_sequence_parallelism_is_refused_with_router_replay_the_aux_loss_and_lin
     build_config(PPOConfig, base)  # an MoE model itself is fine
     check_sequence_parallel(2, 2, {"--pretrain": tiny_qwen3_moe})
     hybrid = str(build_family(tmp_path / "qwen3_5", "qwen3_5"))
-    with pytest.raises(UserError, match="linear-attention .* sequence parallelism splits it"):
+    with pytest.raises(UserError, match="recurrent layers .* sequence parallelism splits it"):
         check_sequence_parallel(2, 2, {"--pretrain": hybrid})
