@@ -46,7 +46,7 @@ from fsdp_rlhf.hf_config import (  # noqa: E402
 )
 from fsdp_rlhf.models.checkpoint_format import checkpoint_format  # noqa: E402
 from fsdp_rlhf.models.vision import VisionTokens  # noqa: E402
-from fsdp_rlhf.rollout import vllm_lora, vllm_moe  # noqa: E402
+from fsdp_rlhf.rollout import vllm_lora, vllm_moe, vllm_reload  # noqa: E402
 from fsdp_rlhf.rollout.engine import (  # noqa: E402
     AdapterSpec,
     CountingWeights,
@@ -142,7 +142,9 @@ def release(version: str) -> tuple[int, int]:
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
-def _reload_weights_inplace(llm: LLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def _reload_weights_inplace(
+    llm: LLM, weights: Iterable[tuple[str, torch.Tensor]], architectures: Sequence[str] = ()
+) -> None:
     """Replace the engine's weights in place from HF-named full tensors.
 
     ``model.load_weights`` cannot be used after start-up on CPU (the CPU backend repacks weights
@@ -153,11 +155,17 @@ def _reload_weights_inplace(llm: LLM, weights: Iterable[tuple[str, torch.Tensor]
 
     On CPU the MoE experts' kernels are dropped first, so the reload repacks the experts it
     loads (``vllm_moe.repack_cpu_experts_on_reload``); without it every sync after the first
-    load scrambled them.
+    load scrambled them. Weights of ``architectures`` whose loader the reload does not see go
+    their own way (``vllm_reload``: gpt-oss's experts and attention sinks).
     """
     if not torch.cuda.is_available():
         llm.collective_rpc(vllm_moe.repack_cpu_experts_on_reload)
+    adapter = vllm_reload.reload_adapter(architectures)
+    if adapter is not None:
+        weights = adapter.stream(weights)
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+    if adapter is not None and adapter.sinks:
+        llm.collective_rpc(vllm_reload.copy_attention_sinks, args=(adapter.sinks,))
 
 
 # vLLM picks its model runner at start-up: V2 (vllm/v1/worker/gpu/) on CUDA when Triton is there
@@ -669,6 +677,8 @@ class VLLMEngine:
         # vLLM's loaders read the checkpoint's names and layout, not transformers' (fused
         # experts, renamed routers): each sync is converted back as save_pretrained would
         self._checkpoint = checkpoint_format(model_path, trust_remote_code)
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        self._architectures = tuple(getattr(config, "architectures", None) or ())
 
     def _start_routing(self, model_path: str, trust_remote_code: bool) -> _Routing:
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
@@ -782,7 +792,7 @@ class VLLMEngine:
         """
         self._sleep.on_weight_update()
         counted = CountingWeights(self._checkpoint.convert(weights))
-        _reload_weights_inplace(self.llm, counted)
+        _reload_weights_inplace(self.llm, counted, self._architectures)
         # cached prefixes hold KV computed with the old weights, and cached image encodings
         # come from the old vision tower
         if in_flight:
