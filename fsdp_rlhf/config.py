@@ -13,7 +13,13 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from fsdp_rlhf.algorithms.names import ESTIMATORS_NEEDING_GROUPS, AdvantageEstimator, LossAgg
+from fsdp_rlhf.algorithms.names import (
+    ESTIMATORS_NEEDING_GROUPS,
+    AdvantageEstimator,
+    ISGating,
+    LossAgg,
+    correction_problem,
+)
 from fsdp_rlhf.config_base import ConfigError, command_config, doc, section
 
 # ---------------------------------------------------------------- shared sections
@@ -57,7 +63,8 @@ class BackendConfig:
 @dataclass(frozen=True, kw_only=True)
 class FSDPConfig:
     """Parallelism: FSDP2 sharding over all ranks (``zero_stage`` keeps DeepSpeed's vocabulary
-    for migrating users) and sequence parallelism inside groups of ranks."""
+    for migrating users), sequence parallelism inside groups of ranks, and expert parallelism
+    of MoE layers inside groups of ranks."""
 
     zero_stage: int = doc(
         2, "3: reshard params after forward (ZeRO-3); 0-2: keep them gathered until backward ends."
@@ -70,6 +77,14 @@ class FSDPConfig:
         "world size and the attention heads, batch sizes count world / N data-parallel ranks. "
         "OpenRLHF's --ring_attn_size maps here.",
     )
+    expert_parallel_size: int = doc(
+        1,
+        "Expert parallelism for MoE models: groups of E consecutive ranks split each MoE "
+        "layer's routed experts (tokens go to their experts by all-to-all); the expert weights "
+        "are sharded over the ranks holding the same experts, everything else over all ranks. "
+        "E divides the world size and the experts per layer; dense models are unaffected. "
+        "Other trainers' ep_size, expert_model_parallel_size and Molt's --fsdp.ep_size map here.",
+    )
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
@@ -78,6 +93,8 @@ class FSDPConfig:
             raise ConfigError(
                 f"sequence_parallel_size must be >= 1, got {self.sequence_parallel_size}"
             )
+        if self.expert_parallel_size < 1:
+            raise ConfigError(f"expert_parallel_size must be >= 1, got {self.expert_parallel_size}")
 
     def data_parallel_size(self, world_size: int) -> int:
         """Ranks holding different data: ``world / sequence_parallel_size``; raises a
@@ -190,12 +207,15 @@ class GuardConfig:
         "come in a row (0: abort at the first).",
     )
     dist_timeout_min: int = doc(
-        60, "Minutes a collective may wait for the other ranks before the job fails."
+        60,
+        "Minutes a collective may wait for the other ranks before the job fails (--async_train: "
+        "also the longest either side waits for the other while it is alive).",
     )
     heartbeat_timeout_s: float = doc(
         120.0,
         "Multi-node jobs: end every rank, naming the lost one, when a rank on another node "
-        "sends no heartbeat (or the job's store no answer) for this many seconds; 0: off.",
+        "sends no heartbeat (or the job's store no answer) for this many seconds; 0: off. "
+        "--async_train: also when a rank it waits for sends none.",
     )
 
     def __post_init__(self) -> None:
@@ -226,8 +246,8 @@ class VisionConfig:
     )
     freeze_visual_encoder: bool = doc(
         False,
-        "Train the language model only: the vision encoder and its projector stay frozen and "
-        "are not synced into vLLM.",
+        "Train the language model only: the vision encoder and its projector stay frozen (in "
+        "ppo the actor's and a vision-language critic's) and are not synced into vLLM.",
     )
 
     def __post_init__(self) -> None:
@@ -357,6 +377,7 @@ class RMConfig:
     backend: BackendConfig = section(BackendConfig)
     fsdp: FSDPConfig = section(FSDPConfig)
     data: PreferenceDataConfig = section(PreferenceDataConfig)
+    vision: VisionConfig = section(VisionConfig)
     batch: PairBatchConfig = section(PairBatchConfig)
     optim: OptimConfig = section(OptimConfig)
     loss: RMLossConfig = section(RMLossConfig)
@@ -517,6 +538,20 @@ class RolloutConfig:
         "(each adapted weight synced as W + (alpha/r) B A, like full fine-tuning: more bytes, "
         "base-model decode speed where vLLM's LoRA kernels are slow, as on CPU).",
     )
+    weight_sync: Literal["auto", "delta", "full"] = doc(
+        "auto",
+        "How the actor's weights reach the engines: delta (after a first full sync, each rank "
+        "sends only the elements that changed, checked by checksum; the engine side keeps a "
+        "copy of the synced weights in host memory), full (every weight every time), or auto "
+        "(delta when the job spans hosts, but colocated on CUDA and with LoRA; "
+        "docs/weight_sync.md).",
+    )
+    weight_sync_full_every: int = doc(
+        0, "With delta sync: every N-th sync is a full one (0: only the first after a start)."
+    )
+    weight_sync_overlap: bool = doc(
+        True, "Gather the next weight bucket while the engine loads the current one."
+    )
     vllm_num_engines: int | None = doc(None, "Engines = world / TP (checked when given).")
     vllm_tensor_parallel_size: int = doc(1, "TP size of each engine (contiguous ranks).")
     vllm_gpu_memory_utilization: float | None = doc(
@@ -554,6 +589,10 @@ class RolloutConfig:
             raise ConfigError(f"temperature must be > 0, got {self.temperature}")
         if self.max_len is not None and self.max_len < 2:
             raise ConfigError(f"max_len must be >= 2, got {self.max_len}")
+        if self.weight_sync_full_every < 0:
+            raise ConfigError(
+                f"weight_sync_full_every must be >= 0, got {self.weight_sync_full_every}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -632,7 +671,8 @@ class PPOAlgoConfig:
         "gae",
         "gae needs a critic; the others are critic-free. reinforce_plus_plus_baseline (verl's "
         "name; reinforce_baseline is OpenRLHF's for the same): group-mean baseline, then "
-        "REINFORCE++ batch whitening.",
+        "REINFORCE++ batch whitening. flash_reinforce: score minus the rollout batch's mean "
+        "score, no groups, no whitening (for n_samples_per_prompt 1).",
     )
     gamma: float = doc(1.0, "Discount factor.")
     advantage_std_norm: bool = doc(
@@ -662,6 +702,11 @@ class PPOAlgoConfig:
     dual_clip: float | None = doc(None, "Dual-clip constant c > 1 for negative advantages.")
     kl_estimator: Literal["k1", "k2", "k3", "k3+"] = doc("k1", "KL estimator (Schulman).")
     use_kl_loss: bool = doc(False, "KL in the actor loss instead of in the reward.")
+    kl_unbiased_gradient: bool = doc(
+        False,
+        "With --use_kl_loss: keep the estimator's value but take the importance-weighted "
+        "gradient of KL(policy || ref), min(pi/pi_old, 10) x log-ratio, the same for k1/k2/k3.",
+    )
     init_kl_coef: float = doc(0.02, "KL coefficient (initial value when kl_target is set).")
     kl_target: float | None = doc(None, "Adaptive KL controller target (Ziegler et al.).")
     kl_horizon: int = doc(10000, "Adaptive KL controller horizon.")
@@ -675,16 +720,25 @@ class PPOAlgoConfig:
         "seq-mean-token-mean; seq-mean-token-sum; seq-mean-token-sum-norm (Dr. GRPO: token "
         "sums / generate_max_len, mean over sequences).",
     )
-    is_correction: Literal["none", "tis", "icepop", "seq_mask_tis", "seq-mask-tis"] = doc(
+    is_correction: Literal[
+        "none", "tis", "icepop", "seq_mask", "seq_mask_tis", "seq-mask", "seq-mask-tis"
+    ] = doc(
         "none",
         "Rollout/trainer log-prob mismatch correction with ratio pi_old/pi_rollout: tis "
         "(weights clamped to [LOW, HIGH]), icepop (tokens outside [LOW, HIGH] get weight 0), "
-        "seq_mask_tis (rows whose geometric-mean ratio is outside [LOW, HIGH] get weight 0, "
-        "others tis).",
+        "seq_mask (rows whose geometric-mean ratio is outside [LOW, HIGH] get weight 0, others "
+        "keep the ratio: OpenRLHF's seq-mask-tis), seq_mask_tis (the same rows rejected, others "
+        "tis: verl's).",
+    )
+    is_correction_gating: ISGating = doc(
+        "ratio",
+        "What icepop and seq_mask compare with the thresholds: the ratio, or the sampled "
+        "token's binary_kl or tv divergence between the two policies (a trust region: give "
+        "one threshold, the upper bound).",
     )
     is_truncated_threshold: tuple[float, ...] = doc(
         (0.5, 5.0),
-        "LOW HIGH thresholds of --is_correction.",
+        "LOW HIGH thresholds of --is_correction, or one value HIGH (LOW 0).",
     )
     use_rollout_logprobs_as_old: bool = doc(
         False,
@@ -737,6 +791,11 @@ class PPOAlgoConfig:
             raise ConfigError(f"dual_clip must be > 1, got {self.dual_clip}")
         self._check_clips()
         self._check_is_correction()
+        if self.kl_unbiased_gradient and not self.use_kl_loss:
+            raise ConfigError(
+                "--kl_unbiased_gradient changes the gradient of the KL loss: add --use_kl_loss "
+                "(a KL penalty in the reward has no gradient)"
+            )
         if self.dynamic_filtering_reward_range:
             _pair(
                 self.dynamic_filtering_reward_range, "dynamic_filtering_reward_range", ordered=True
@@ -775,6 +834,8 @@ class PPOAlgoConfig:
     def _check_is_correction(self) -> None:
         mode = self.is_correction.replace("-", "_")
         threshold = tuple(self.is_truncated_threshold)
+        if len(threshold) == 1:  # an upper bound only (OpenRLHF 0.11.2's one-value form)
+            threshold = (0.0, threshold[0])
         low, high = _pair(threshold, "is_truncated_threshold", ordered=True)
         if low < 0:
             raise ConfigError(f"is_truncated_threshold LOW must be >= 0, got {low}")
@@ -782,6 +843,18 @@ class PPOAlgoConfig:
             raise ConfigError(
                 f"--use_rollout_logprobs_as_old makes the PPO ratio correct the mismatch; "
                 f"--is_correction {mode} would need the trainer's own old log-probs"
+            )
+        gating = self.is_correction_gating
+        if mode == "none" and gating != "ratio":
+            raise ConfigError(
+                f"--is_correction_gating {gating} chooses what --is_correction icepop or "
+                "seq_mask compares with the thresholds: add one of them"
+            )
+        problem = correction_problem(mode, low, high, gating)
+        if problem is not None:
+            raise ConfigError(
+                f"--is_correction {mode} --is_correction_gating {gating} "
+                f"--is_truncated_threshold {low:g} {high:g}: {problem}"
             )
         self._set(is_correction=mode, is_truncated_threshold=(low, high))
 
@@ -945,6 +1018,12 @@ class PPOConfig:
         self._check_multiturn()
         self._check_moe()
         self._check_async()
+        if self.rollout.weight_sync == "delta" and self.lora.enabled:
+            raise ConfigError(
+                "--weight_sync delta with --lora_rank: LoRA syncs only its adapters "
+                "(--lora_sync adapter) or its merged weights in full (--lora_sync merged); "
+                "drop --weight_sync delta"
+            )
 
     def _check_async(self) -> None:
         a = self.asynchronous
@@ -953,6 +1032,11 @@ class PPOConfig:
                 raise ConfigError(
                     "--sequence_parallel_size > 1 with --async_train: not supported yet "
                     "(sequence parallelism is not combined with the split world); drop one"
+                )
+            if self.fsdp.expert_parallel_size > 1:
+                raise ConfigError(
+                    "--expert_parallel_size > 1 with --async_train: not supported yet (expert "
+                    "groups are not built over the split world's training ranks); drop one"
                 )
             return
         for flag, value in (
@@ -964,16 +1048,6 @@ class PPOConfig:
                 raise ConfigError(f"{flag} applies to asynchronous training: add --async_train")
 
     def _check_moe(self) -> None:
-        sp = self.fsdp.sequence_parallel_size
-        if sp > 1 and (self.moe.router_replay or self.moe.aux_loss_coef > 0):
-            # each rank of a sequence-parallel group routes its own slice of every sequence:
-            # the replayed routing and the balancing loss's token counts are not split with it
-            flag = "--router_replay" if self.moe.router_replay else "--aux_loss_coef"
-            raise ConfigError(
-                f"{flag} with --sequence_parallel_size {sp}: router replay and the load-balancing "
-                "loss are not implemented for sequence-parallel forwards; use "
-                "--sequence_parallel_size 1"
-            )
         if self.asynchronous.async_train and self.moe.router_replay:
             # the step-by-step engine of asynchronous training does not record routing
             raise ConfigError(
@@ -998,10 +1072,28 @@ class PPOConfig:
             raise ConfigError(
                 f"--overlong_buffer_len is single-turn only; drop it with {mt.source[0]}"
             )
-        if self.moe.router_replay:
-            # the routing of one sample would span several engine calls, each turn's prompt
-            # reusing the previous turns from the prefix cache: not assembled here
-            raise ConfigError(f"--router_replay is single-turn only; drop it with {mt.source[0]}")
+
+    def weight_sync_mode(self, device_type: str, hosts: int = 1) -> str:
+        """``"delta"`` or ``"full"``: how the actor's weights reach the engines on a job
+        whose devices are ``device_type``, over ``hosts`` hosts (``--weight_sync``; LoRA's
+        adapter sync moves only the adapters either way).
+
+        Delta sync saves bytes on the wire and costs memory passes on both ends, so ``auto``
+        uses it where the wire is a network: a job over several hosts. Not on one host (the
+        gathers and the transfer to rollout ranks go through shared memory or NVLink:
+        measured slower with delta on CPU, benchmarks/2026-11-27-weight-sync.md), not with
+        LoRA (the adapters, or the merged weights, move whole) or the HF engine (itself a
+        full copy), and not colocated on CUDA, where the engine side's copy lives in host
+        memory and would cross PCIe into the engine at every sync (docs/weight_sync.md).
+        """
+        r = self.rollout
+        if r.weight_sync != "auto":
+            return r.weight_sync
+        if self.lora.enabled or r.rollout_engine == "hf" or hosts < 2:
+            return "full"
+        if device_type == "cuda" and not self.asynchronous.async_train:
+            return "full"
+        return "delta"
 
     @property
     def total_len(self) -> int:

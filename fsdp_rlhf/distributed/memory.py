@@ -12,13 +12,22 @@ The phases of one step do not overlap, so the job fits when each phase does:
 * ``rollout``: vLLM's pool (weights + KV cache + CUDA graphs + activations, ``util x total``) +
   resident shards + the weight-sync gather buckets + CUDA context/NCCL.
 * ``scoring``: no-grad forwards (ref, reward, critic values, old log-probs) at
-  ``micro_rollout_batch_size``: the scored model's shard, one gathered layer, the logits.
+  ``micro_rollout_batch_size``, one model at a time: the larger of a policy pass (the scored
+  model's shard when offloaded, one gathered layer, the logits) and the critic's pass (its fp32
+  shard, onloaded for its values and kept until its update, and one gathered layer).
 * ``actor update`` / ``critic update``: sharded fp32 params, grads and Adam moments (on the host
   with ``--adam_offload``: FSDP's CPUOffloadPolicy), gathered bf16 layers, activations, logits,
   the unsharded gradients of the largest FSDP group and its fp32 reduce-scatter input (the root:
   embeddings + LM head, reduced last), plus frozen shards that stay (no ``--ref_reward_offload``),
   the actor's EMA (``--enable_ema`` without an offload flag) and what vLLM keeps asleep (buffers
-  and, unless ``--enforce_eager``, its CUDA-graph pool).
+  and, unless ``--enforce_eager``, its CUDA-graph pool). The critic's update also holds the
+  actor's fp32 shard: the actor's params never leave the device (only its Adam state does).
+
+What stays on the device between phases is what the trainer leaves there: the actor's fp32
+shard always; its Adam state from its update until the engine's next wake (it comes back only
+for the actor's update, so neither scoring nor the critic's update holds it); the critic, with
+its Adam state, from its values pass through its update; the frozen shards unless
+``--ref_reward_offload``. Grads are dropped after every optimizer step (``set_to_none``).
 
 Bytes per element: fp32 master params/grads 4, Adam 2 x 4, bf16 compute copies 2. Shapes:
 ``b`` micro-batch, ``s = prompt_max_len + generate_max_len``, ``h`` hidden, ``I`` MLP width,
@@ -27,25 +36,48 @@ values once with tied embeddings, twice without. Activations per layer and token
 about ``9 h + 3 I`` bf16 values (norm in/out, q/k/v, attention out, o_proj, residual; SwiGLU gate,
 up and product), flash/SDPA attention keeping no ``s x s`` matrix; with gradient checkpointing
 only each layer's input (``h`` values) is kept, plus one layer recomputed in backward.
+Attention masks: SDPA keeps an explicit mask for backward as a bias in the compute dtype, one
+per layer (one, the recomputed layer's, with gradient checkpointing), and a sequence-parallel
+rank keeps it whole (the attention inside Ulysses runs whole rows): :func:`attention_mask_bytes`
+counts the layouts that still pass one (padded rows without sequence parallelism, shared-prompt
+rows); packed rows, flash-attn and Ulysses' padded rows use causal kernels and keep none.
 Logits: only the ``T`` positions that predict a response token (``logits_to_keep``), ``b T V``
-values in the compute dtype; the update keeps them and their gradient, and the log-probs are read
-in fp32 chunks of ``CHUNK_ELEMENTS`` (algorithms.logprobs: a few chunk-sized temporaries, never an
-fp32 copy of the whole).
+values in the compute dtype, counted as kept with their gradient in the update, and read in fp32
+chunks of ``CHUNK_ELEMENTS``. Since issue #45 (finding 9) the trainer computes the log-probs
+inside the output layer from its input (models.head: vocabulary blocks, no logits made) unless
+the model post-processes its logits, so for most models this term is an over-estimate.
 With ``--sequence_parallel_size N`` (Ulysses) each rank holds ``ceil(s / N)`` tokens of every
 sequence: activations and logits per rank divide by N, plus one layer's all-to-all buffers
 (q, k, v and the attention output, exchanged and received: ``4 b s/N (h + 2 kv)`` values); the
 micro-batch ``b`` is per sequence-parallel group. :func:`sequence_parallel_needed` finds the
 smallest N that makes every phase fit.
+With ``--expert_parallel_size E`` (an MoE model's routed experts split over groups of E ranks)
+the shards stay ``1 / W`` of every weight, but what a forward gathers changes: each MoE layer's
+unit holds ``X / L`` expert values (``X`` routed expert parameters in all) of which a rank
+gathers ``X / (L E)`` (its group's experts, from the ``W / E`` ranks holding them), so gathered
+layers, ZeRO<3's whole gathered model and its unsharded gradients count ``X / E`` instead of
+``X``; one layer's token exchange adds its all-to-all buffers, the rows sent to the experts and
+received back in both directions, ``4 b s/N k h`` values (``k`` experts per token).
+:func:`~fsdp_rlhf.distributed.memory_plan.expert_parallel_fit` finds the smallest E that
+makes every phase fit. vLLM's engine holds every expert (docs/models.md#expert-parallelism).
 With ``--rollout_engine hf`` there is no vLLM pool: the engine is an unsharded copy of the actor
-in the compute dtype, resident in every phase, plus HF's KV cache and per-step scores while it
-generates.
-Constants marked ASSUMED are not measured here (no GPU yet); the GPU suite (``tests/gpu``)
-prints the measured phase peaks beside this model's estimate to calibrate them.
+in the compute dtype, resident in every phase. Its rollout adds the larger of the weight sync
+(:func:`hf_sync_bytes`) and generation (:func:`hf_generation`: the KV cache, every step's fp32
+scores, a step's temporaries, one prefill layer), since the sync ends before generation starts.
+With delta weight sync (``--weight_sync delta``) every engine rank keeps a copy of the synced
+weights in the engine dtype in host memory (``distributed.delta_sync``: the mirror, ``N`` values
+per rank, resident in every phase): counted where host memory is the device (CPU jobs,
+``sync_mirror``); on CUDA it is host memory beside the job, not in these phases (``auto`` uses
+full syncs on colocated CUDA jobs).
+Constants marked ASSUMED are not measured yet; the GPU suite (``tests/gpu``) prints the measured
+phase peaks beside this model's estimate, and what the device holds by owner at each phase's
+end (``distributed.memory_census``), to calibrate them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from fsdp_rlhf.algorithms.logprobs import CHUNK_ELEMENTS
@@ -76,11 +108,23 @@ class ModelShape:
     vocab: int
     kv_dim: int = 0  # key/value heads x head dim (0: hidden, as without GQA)
     embeddings: int = 2
+    experts: int = 0  # routed expert parameters, all layers (X; 0: dense)
+    num_experts: int = 0  # routed experts per MoE layer
+    top_k: int = 0  # experts per token
 
     @property
     def layer_params(self) -> int:
         embed = self.embeddings * self.vocab * self.hidden
         return max(0, self.params - embed) // max(1, self.layers)
+
+    def gathered_layer_params(self, ep: int = 1) -> int:
+        """One layer as a forward gathers it: its routed experts split ``ep`` ways."""
+        experts = self.experts // max(1, self.layers)
+        return self.layer_params - experts + experts // ep
+
+    def gathered_params(self, ep: int = 1) -> int:
+        """The whole model as a rank gathers it (ZeRO<3): routed experts split ``ep`` ways."""
+        return self.params - self.experts + self.experts // ep
 
     @property
     def root_params(self) -> int:
@@ -89,10 +133,14 @@ class ModelShape:
 
     @staticmethod
     def from_hf_config(
-        config: dict, params: int | None = None, embeddings: int | None = None
+        config: dict,
+        params: int | None = None,
+        embeddings: int | None = None,
+        experts: int | None = None,
     ) -> ModelShape:
         """``embeddings``: the ``V x h`` matrices the checkpoint holds (None: 1 when
-        ``tie_word_embeddings``, else 2)."""
+        ``tie_word_embeddings``, else 2); ``experts``: routed expert parameters (None: from
+        the config, every layer sparse)."""
         h, n_layers = config["hidden_size"], config["num_hidden_layers"]
         inter, vocab = config.get("intermediate_size", 4 * h), config["vocab_size"]
         if embeddings is None:
@@ -101,11 +149,24 @@ class ModelShape:
         kv = config.get("num_key_value_heads") or heads
         # Qwen2/2.5 configs have no head_dim key, others set it to null: one rule for both
         per_head = head_dim({**config, "num_attention_heads": heads})
+        n_experts = next(
+            (int(config[k]) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+             if config.get(k)),
+            0,
+        )  # fmt: skip
+        top_k = int(config.get("num_experts_per_tok") or 0) if n_experts else 0
+        if experts is None and n_experts:  # SwiGLU experts in every layer
+            moe_inter = config.get("moe_intermediate_size") or inter
+            experts = n_layers * n_experts * 3 * h * moe_inter
+        experts = experts or 0
         if params is None:  # Llama-style: q,k,v,o + gate,up,down per layer
             attn = h * heads * per_head * 2 + 2 * h * kv * per_head
-            params = n_layers * (attn + 3 * h * inter) + embeddings * vocab * h
+            mlp = 3 * h * inter if not n_experts else n_experts * h  # MoE: the router
+            params = n_layers * (attn + mlp) + experts + embeddings * vocab * h
         kv_dim = _mean_kv_dim(config, n_layers, kv * per_head)
-        return ModelShape(params, n_layers, h, inter, vocab, kv_dim, embeddings)
+        return ModelShape(
+            params, n_layers, h, inter, vocab, kv_dim, embeddings, experts, n_experts, top_k
+        )
 
 
 def _mean_kv_dim(config: dict, n_layers: int, default: int) -> int:
@@ -146,6 +207,10 @@ class JobFlags:
     ema: bool = False  # --enable_ema: fp32 copy of the actor's trainable shards
     cuda_graphs: bool = True  # not --enforce_eager: vLLM keeps a CUDA-graph pool asleep too
     vllm_tp: int = 1  # --vllm_tensor_parallel_size: the engine holds 1/tp of the weights
+    # --weight_sync delta on a CPU job: the mirror of the synced weights (engine dtype, the
+    # whole model on every rank) lives in host memory, which a CPU job's phases count
+    sync_mirror: bool = False
+    expert_parallel: int = 1  # --expert_parallel_size: ranks splitting each MoE layer's experts
 
     @property
     def ema_on_device(self) -> bool:
@@ -154,6 +219,9 @@ class JobFlags:
         return self.ema and not (self.adam_offload or self.ref_reward_offload)
 
     sequence_parallel: int = 1  # --sequence_parallel_size: ranks sharing each sequence
+    packing: bool = False  # --packing_samples: causal attention per sequence, no mask
+    flash_attn: bool = False  # --flash_attn: flash-attn's kernels, no mask
+    shared_prompts: int = 1  # > 1: the actor's rows share their prompt pass, n per prompt
 
     @property
     def pool(self) -> int:
@@ -208,6 +276,13 @@ class Phase:
         return f"{self.name}: {self.total / GIB:.1f} of {self.limit / GIB:.1f} GiB {mark} ({top})"
 
 
+def logprob_chunk_bytes(positions: int, vocab: int) -> int:
+    """fp32 temporaries of one log-prob chunk (``LOGPROB_CHUNK_BYTES``): a chunk holds
+    ``CHUNK_ELEMENTS // vocab`` positions, and no more than the logits have."""
+    rows = min(positions, max(1, CHUNK_ELEMENTS // vocab))
+    return 4 * 4 * rows * vocab
+
+
 def _frozen_bytes(f: JobFlags) -> int:
     return 2 if f.bf16 else 4  # frozen models load in bf16 under --bf16 (models.load)
 
@@ -224,7 +299,13 @@ def resident_during_rollout(f: JobFlags, actor: ModelShape, frozen: list[ModelSh
     if not f.ref_reward_offload:
         parts["ref/reward shards"] = sum(_frozen_bytes(f) * m.params for m in frozen) // f.world
     parts.update(_ema(f, actor))
+    parts.update(_mirror(f, actor))
     return parts
+
+
+def _mirror(f: JobFlags, actor: ModelShape) -> dict:
+    """Delta sync's copy of the synced weights, resident through every phase."""
+    return {"weight-sync mirror": f.dtype_bytes * actor.params} if f.sync_mirror else {}
 
 
 def _ema(f: JobFlags, actor: ModelShape) -> dict:
@@ -252,7 +333,36 @@ def activation_bytes(f: JobFlags, m: ModelShape, b: int) -> int:
         kept = m.layers * 2 * b * s * m.hidden + 2 * per_layer
     if f.sequence_parallel > 1:  # one layer's q, k, v and output, sent and received (bf16)
         kept += 2 * 2 * b * s * (2 * m.hidden + 2 * (m.kv_dim or m.hidden))
-    return kept
+    return kept + all_to_all_bytes(f, m, b)
+
+
+def all_to_all_bytes(f: JobFlags, m: ModelShape, b: int) -> int:
+    """One MoE layer's token exchange under expert parallelism: each of ``b`` sequences' local
+    tokens goes to its ``k`` experts and comes back, sent and received (bf16); 0 without."""
+    if f.expert_parallel <= 1 or not m.top_k:
+        return 0
+    return 2 * 4 * b * f.local_seq_len * m.top_k * m.hidden
+
+
+def attention_mask_bytes(f: JobFlags, m: ModelShape, b: int, shared_prompts: bool) -> int:
+    """The attention masks one rank keeps for backward over ``b`` sequences (see the module
+    docstring): padded rows without sequence parallelism, HF's ``(b, 1, s, s)``; shared-prompt
+    rows (``shared_prompts``: the actor's forwards under ``--share_prompt_prefix``), the
+    prompts' ``(b / n, 1, P, P)`` and the responses' ``(b, 1, T, P + T)``, not divided by the
+    sequence-parallel size; 0 for packed rows, flash-attn and Ulysses' padded rows
+    (``models.attention.span_attention``)."""
+    if f.packing or f.flash_attn:
+        return 0
+    s, T = f.seq_len, min(f.response_len, f.seq_len)
+    P = s - T
+    if shared_prompts and f.shared_prompts > 1:
+        per_layer = -(-b // f.shared_prompts) * P * P + b * T * (P + T)
+    elif f.sequence_parallel > 1:
+        return 0
+    else:
+        per_layer = b * s * s
+    layers = 1 if f.gradient_checkpointing else m.layers
+    return f.dtype_bytes * layers * per_layer
 
 
 def _gathered(f: JobFlags, m: ModelShape) -> dict:
@@ -264,15 +374,17 @@ def _gathered(f: JobFlags, m: ModelShape) -> dict:
     LM-head grad appears first in backward and is reduced last, with the embedding's. Below
     ZeRO-3: every param gathered and the grads accumulated unsharded in fp32 until the last
     micro-batch, then copied group by group into the reduce-scatter input."""
-    group = max(m.root_params, m.layer_params)
+    E = f.expert_parallel
+    layer = m.gathered_layer_params(E)
+    group = max(m.root_params, layer)
     if f.zero_stage >= 3:
         return {
-            "gathered layers": f.dtype_bytes * (2 * m.layer_params + m.root_params),
+            "gathered layers": f.dtype_bytes * (2 * layer + m.root_params),
             "root grads + fp32 reduce-scatter input": (f.dtype_bytes + 4) * group,
         }
     return {
-        "gathered params": f.dtype_bytes * m.params,
-        "unsharded grads": 4 * m.params,
+        "gathered params": f.dtype_bytes * m.gathered_params(E),
+        "unsharded grads": 4 * m.gathered_params(E),
         "fp32 reduce-scatter input": 4 * group,
     }
 
@@ -294,15 +406,22 @@ def update_phase(
                 del gathered[k]
     parts = {"params+grads+adam shards": states, **gathered}
     parts["activations"] = activation_bytes(f, m, f.micro_train_batch_size)
+    masks = attention_mask_bytes(f, m, f.micro_train_batch_size, shared_prompts=logits)
+    if masks:
+        parts["attention masks"] = masks
     if logits:  # the kept logits, their gradient, one chunk's fp32 temporaries
         kept = f.dtype_bytes * f.micro_train_batch_size * f.local_response_len * m.vocab
-        parts["logits"] = 2 * kept + LOGPROB_CHUNK_BYTES
+        positions = f.micro_train_batch_size * f.local_response_len
+        parts["logits"] = 2 * kept + logprob_chunk_bytes(positions, m.vocab)
     parts["cuda context + nccl"] = CONTEXT_BYTES
+    if actor is not None and not f.adam_offload:  # the critic's update: the actor stays
+        parts["actor fp32 shard"] = 4 * actor.params // f.world
     if f.engine == "hf":
         parts["hf engine copy"] = f.dtype_bytes * (actor or m).params
     if not f.ref_reward_offload:
         parts["ref/reward shards"] = sum(_frozen_bytes(f) * x.params for x in frozen) // f.world
     parts.update(_ema(f, actor or m))
+    parts.update(_mirror(f, actor or m))
     parts["vllm"] = f.asleep
     if not f.vllm_sleep:
         fix = "--vllm_enable_sleep (vLLM keeps its pool while training)"
@@ -313,18 +432,64 @@ def update_phase(
     return Phase(name, parts, int(TRAIN_HEADROOM * f.device_bytes), fix)
 
 
-def scoring_phase(f: JobFlags, actor: ModelShape, frozen: list[ModelShape]) -> Phase:
+def scoring_phase(
+    f: JobFlags, actor: ModelShape, frozen: list[ModelShape], critic: ModelShape | None = None
+) -> Phase:
+    """The no-grad passes, one model at a time; the phase holds the larger of
+
+    * a policy pass (old log-probs, reference, reward): the largest model's gathered layer and
+      root (its shard too when ``--ref_reward_offload`` onloads it), the logits;
+    * the critic's values: its fp32 shard, onloaded for this pass and kept through its update
+      (``PPOTrainer.forward_old_ref_values``), and its gathered layer and root.
+    """
     b, biggest = f.micro_rollout_batch_size, max([actor, *frozen], key=lambda m: m.params)
-    parts = resident_during_rollout(f, actor, frozen)
+    base = resident_during_rollout(f, actor, frozen)
+    base["vllm"] = f.asleep if f.vllm_sleep else 0
+    parts = dict(base)
     if f.ref_reward_offload:  # the scored model is onloaded for its pass
         parts["scored model shard"] = _frozen_bytes(f) * biggest.params // f.world
-    parts["gathered layer + root"] = 2 * (biggest.layer_params + biggest.root_params)
+    layer = biggest.gathered_layer_params(f.expert_parallel)
+    parts["gathered layer + root"] = 2 * (layer + biggest.root_params)
     # the response positions' logits and one chunk's fp32 temporaries
     logits = f.dtype_bytes * b * f.local_response_len * actor.vocab
-    parts["logits"] = logits + LOGPROB_CHUNK_BYTES
-    parts["vllm"] = f.asleep if f.vllm_sleep else 0
+    parts["logits"] = logits + logprob_chunk_bytes(b * f.local_response_len, actor.vocab)
+    if critic is not None:
+        values = dict(base)
+        if not f.adam_offload:  # under CPUOffloadPolicy its shard stays on the host
+            values["critic fp32 shard"] = 4 * critic.params // f.world
+        critic_layer = critic.gathered_layer_params(f.expert_parallel)
+        values["gathered layer + root"] = 2 * (critic_layer + critic.root_params)
+        if sum(values.values()) > sum(parts.values()):
+            parts = values
     fix = "--micro_rollout_batch_size (lower)"
     return Phase("scoring (no-grad)", parts, int(TRAIN_HEADROOM * f.device_bytes), fix)
+
+
+def hf_generation(f: JobFlags, actor: ModelShape) -> dict:
+    """What HF ``generate`` adds on one rank (``HFEngine.generate``, all its rows at once):
+    the KV cache of every row at full length, the processed scores of every step (fp32,
+    ``output_scores``: the engine's log-probs are read from them after the last step), a
+    step's fp32 temporaries (the logits' fp32 copy, the processed scores, the sampling
+    probabilities, and afterwards one step's log-softmax), and one layer's activations of the
+    prompts' forward (the prefill)."""
+    rows = f.rollout_seqs
+    kv = 2 * actor.layers * (actor.kv_dim or actor.hidden) * f.dtype_bytes * f.seq_len
+    prompt = max(0, f.seq_len - f.response_len)
+    return {
+        "hf kv cache": kv * rows,
+        "hf scores": 4 * rows * f.response_len * actor.vocab,
+        "hf step temporaries": 4 * 4 * rows * actor.vocab,
+        "hf prefill layer": 2 * rows * prompt * (9 * actor.hidden + 3 * actor.intermediate),
+    }
+
+
+def hf_sync_bytes(f: JobFlags, actor: ModelShape) -> int:
+    """The weight sync into the HF copy (``fsdp.iter_full_params``): a bucket of full tensors
+    (at most ``SYNC_BUCKET_BYTES``, at most the whole model) is its received tensor and this
+    rank's 1/W send buffer; the previous bucket's received tensor lives until the copy has
+    read its last tensor."""
+    bucket = min(SYNC_BUCKET_BYTES, f.dtype_bytes * actor.params)
+    return 2 * bucket + bucket // f.world
 
 
 def plan_phases(
@@ -334,14 +499,10 @@ def plan_phases(
     pool = f.pool
     resident = resident_during_rollout(f, actor, frozen)
     util_fix = "--vllm_gpu_memory_utilization (lower) or --adam_offload / --ref_reward_offload"
-    if f.engine == "hf":  # generate on the local copy: its KV cache and per-step scores
-        kv = 2 * actor.layers * (actor.kv_dim or actor.hidden) * f.dtype_bytes * f.seq_len
-        rollout_parts = {
-            **resident,
-            "sync buckets": 2 * SYNC_BUCKET_BYTES,
-            "hf kv cache": kv * f.rollout_seqs,
-            "hf scores": 4 * f.rollout_seqs * f.response_len * actor.vocab,
-        }
+    if f.engine == "hf":  # the sync into the local copy, then generation: never both
+        gen = hf_generation(f, actor)
+        sync = {"sync buckets": hf_sync_bytes(f, actor)}
+        rollout_parts = {**resident, **(gen if sum(gen.values()) >= sum(sync.values()) else sync)}
         fix = "--micro_rollout_batch_size / --rollout_batch_size (lower)"
         phases = [Phase("rollout", _with_slack(rollout_parts), f.device_bytes, fix)]
     else:
@@ -349,11 +510,25 @@ def plan_phases(
         wake = Phase("vllm start-up/wake", wake_parts, f.device_bytes, util_fix)
         rollout_parts = {"vllm pool": pool, **resident, "sync buckets": 2 * SYNC_BUCKET_BYTES}
         phases = [wake, Phase("rollout", _with_slack(rollout_parts), f.device_bytes, util_fix)]
-    phases.append(scoring_phase(f, actor, frozen))
+    phases.append(scoring_phase(f, actor, frozen, critic))
     phases.append(update_phase(f, "actor update", actor, logits=True, frozen=frozen))
     if critic is not None:
         phases.append(update_phase(f, "critic update", critic, False, frozen, actor=actor))
     return phases
+
+
+def engine_only_phases(f: JobFlags) -> list[Phase]:
+    """A rollout rank of an asynchronous job (docs/async.md): its device holds its engine's
+    TP slice and nothing of the trainer. vLLM's pool (never asleep; the engine's weights are in
+    it), the CUDA context and NCCL, and the weight buckets it receives (the next one arrives
+    while the engine loads the last)."""
+    parts = {
+        "vllm pool": f.pool,
+        "cuda context + nccl": CONTEXT_BYTES,
+        "weight buckets": 2 * SYNC_BUCKET_BYTES,
+    }
+    fix = "--vllm_gpu_memory_utilization (lower)"
+    return [Phase("rollout rank (vLLM only)", _with_slack(parts), f.device_bytes, fix)]
 
 
 def pool_fraction_limit(
@@ -362,14 +537,15 @@ def pool_fraction_limit(
     """The largest ``--vllm_gpu_memory_utilization`` with which every phase that holds vLLM's
     pool fits (wake and rollout; every phase when the engine does not sleep). 1.0 when no
     phase holds it (the HF engine); below 0 when nothing fits even without a pool."""
+    return fraction_limit(lambda g: plan_phases(g, actor, critic, frozen), f)
+
+
+def fraction_limit(plan: Callable[[JobFlags], list[Phase]], f: JobFlags) -> float:
+    """:func:`pool_fraction_limit` of any plan (``plan(flags)``: its phases)."""
     empty = dataclasses.replace(f, gpu_memory_utilization=0.0, vllm_pool_bytes=0)
     full = dataclasses.replace(f, gpu_memory_utilization=1.0, vllm_pool_bytes=0)
     best = 1.0
-    for p0, p1 in zip(
-        plan_phases(empty, actor, critic, frozen),
-        plan_phases(full, actor, critic, frozen),
-        strict=True,
-    ):
+    for p0, p1 in zip(plan(empty), plan(full), strict=True):
         per_unit = p1.total - p0.total  # bytes the phase grows by per unit of utilization
         if per_unit > 0:
             best = min(best, (p0.limit - p0.total) / per_unit)
@@ -393,6 +569,14 @@ def verdict(phases: list[Phase]) -> tuple[bool, str]:
     if not bad:
         return True, "every phase fits: " + "; ".join(p.line() for p in phases)
     return False, "; ".join(f"{p.line()} -> change {p.fix}" for p in bad)
+
+
+def expert_parallel_options(world: int, num_experts: int) -> list[int]:
+    """The ``--expert_parallel_size`` values a job can use: divisors of the world size that
+    divide the experts per layer, ascending (``[1]`` for a dense model)."""
+    if not num_experts:
+        return [1]
+    return [e for e in range(1, world + 1) if world % e == 0 and num_experts % e == 0]
 
 
 def sequence_parallel_options(

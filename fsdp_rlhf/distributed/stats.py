@@ -161,9 +161,12 @@ def global_masked_whiten(
 def to_host(values: dict[str, float | torch.Tensor]) -> dict[str, float]:
     """Python floats of a dict of numbers and 0-dim tensors, with one device-to-host copy for all
     the tensors (each ``float(tensor)`` on a GPU is a synchronisation of its own)."""
-    keys = [k for k, v in values.items() if isinstance(v, torch.Tensor)]
     out = {k: float(v) for k, v in values.items() if not isinstance(v, torch.Tensor)}
-    if keys:
+    by_device: dict[torch.device, list[str]] = {}
+    for k, v in values.items():  # a step's statistics live on the GPU and on the host
+        if isinstance(v, torch.Tensor):
+            by_device.setdefault(v.device, []).append(k)
+    for keys in by_device.values():
         stacked = torch.stack([values[k].detach().double().reshape(()) for k in keys])
         out.update(zip(keys, stacked.cpu().tolist(), strict=True))
-    return out
+    return {k: out[k] for k in values}

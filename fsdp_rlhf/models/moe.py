@@ -18,6 +18,12 @@ The hooks stay installed; they act only inside :meth:`MoEHooks.routing`, which t
 holds over a forward and its backward (activation checkpointing recomputes the forward during
 backward and must route the same way; what a recomputation routes is not counted twice).
 
+Under sequence parallelism (``--sequence_parallel_size N``, ``models.ulysses``) each rank's
+routers see its 1/N slice of every row: the hooks cut the replayed experts and the real-token
+mask the way ``shard_inputs`` cuts the token ids, the load-balancing loss sums its token counts
+and router probabilities over the group (so every rank computes the unsplit forward's loss),
+and the statistics, each rank counting its own slice, are summed over the world as before.
+
 Supported routers (:data:`ROUTERS`, ``models.routers.ROUTER_RULES``): every router class with
 a rule there (softmax, softmax over the chosen, sigmoid with correction bias, grouped top-k,
 normalisation and scaling, Gemma 4's per-expert scales); the replayed experts' weights are
@@ -35,6 +41,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_rlhf.distributed.collectives import all_reduce
+from fsdp_rlhf.distributed.expert_parallel import ExpertParallel, is_routed_experts
+from fsdp_rlhf.distributed.sequence_parallel import SequenceParallel
 from fsdp_rlhf.hf_config import config_num_experts
 from fsdp_rlhf.models.routers import (
     ROUTER_RULES,
@@ -102,11 +111,25 @@ def check_moe_model(path: str, flags: str, trust_remote_code: bool = False) -> N
 # ---------------------------------------------------------------- parameters
 
 
+def expert_group_load(counts: torch.Tensor, ep_size: int) -> dict[str, float]:
+    """Tokens per expert group (the experts one rank of an expert-parallel group holds) from
+    one step's (MoE layers, experts) assignment counts over the world: the most (token,
+    expert) pairs one group's experts ran in one layer, and the worst layer's max over mean
+    across the groups (1: even; ``ep_size``: one group ran everything)."""
+    Lm, n = counts.shape
+    groups = counts.reshape(Lm, ep_size, n // ep_size).sum(-1)  # (Lm, ep_size)
+    mean = groups.mean(-1).clamp(min=1e-9)
+    return {
+        "moe/ep_group_tokens_max": float(groups.max()),
+        "moe/ep_group_load_max_mean": float((groups.max(-1).values / mean).max()),
+    }
+
+
 def expert_parameter_names(model: nn.Module) -> list[str]:
     """Parameters of the routed experts (fused (E, ...) tensors of each block's ``experts``)."""
     names = []
     for name, module in model.named_modules():
-        if type(module).__name__.endswith("Experts") and hasattr(module, "num_experts"):
+        if is_routed_experts(module):
             names += [f"{name}.{p}" for p, _ in module.named_parameters(recurse=False)]
     return names
 
@@ -116,7 +139,7 @@ def never_adapted(model: nn.Module) -> list[str]:
     expert's gate (Qwen2-MoE's ``shared_expert_gate``, an (1, H) ``nn.Linear``)."""
     out = []
     for name, module in model.named_modules():
-        routed = type(module).__name__.endswith("Experts") and hasattr(module, "num_experts")
+        routed = is_routed_experts(module)
         if routed or _looks_like_router(module) or name.endswith("shared_expert_gate"):
             out.append(name)
     return out
@@ -132,7 +155,7 @@ def active_parameters(model: nn.Module) -> tuple[int, int]:
     top_k = router_top_k(routers[0])
     inactive = 0
     for module in model.modules():
-        if type(module).__name__.endswith("Experts") and hasattr(module, "num_experts"):
+        if is_routed_experts(module):
             experts = sum(p.numel() for p in module.parameters(recurse=False))
             inactive += experts * (module.num_experts - top_k) // module.num_experts
     return total, total - inactive
@@ -208,28 +231,62 @@ class _Forward:
     prob_sums: list[torch.Tensor] = field(default_factory=list)  # per layer (E,), with grad
 
 
+def _local_slice(x: torch.Tensor, sp: SequenceParallel, fill: int) -> torch.Tensor:
+    """(B', L', ...) in a forward's token layout -> this rank's (B', Lr, ...) slice of it, cut
+    as ``models.ulysses.shard_inputs`` cuts the token ids (rows padded with ``fill`` to N * Lr)."""
+    from fsdp_rlhf.models.ulysses import local_range
+
+    L = x.shape[1]
+    start, stop = local_range(L, sp)
+    padded = x.new_full((x.shape[0], (stop - start) * sp.size, *x.shape[2:]), fill)
+    padded[:, :L] = x
+    return padded[:, start:stop]
+
+
 class MoEHooks:
     """Router hooks of one model (see the module docstring). ``None`` from :meth:`attach` for
-    a dense model."""
+    a dense model. ``sp``: the sequence-parallel layout the model's forwards are split over;
+    ``ep``: the expert-parallel groups its experts are split over (for the load per group)."""
 
-    def __init__(self, model: nn.Module, routers: list[nn.Module]) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        routers: list[nn.Module],
+        sp: SequenceParallel | None = None,
+        ep: ExpertParallel | None = None,
+    ) -> None:
         self.routers = routers
+        self.sp = sp if sp is not None and sp.enabled else None
+        self.ep_size = ep.size if ep is not None else 1
         self.num_experts = router_num_experts(routers[0])
         self.top_k = router_top_k(routers[0])
         self._rules = [ROUTERS[type(r).__name__] for r in routers]
         self._current: _Forward | None = None
-        self._totals = self._zero_totals(next(model.parameters()).device)
+        # Where the routers run, known at the first routed forward: not the parameters' device,
+        # which is the host under --adam_offload (CPUOffloadPolicy) while routers run on the GPU.
+        self._totals = self._zero_totals(torch.device("cpu"))
         for slot, router in enumerate(routers):
             router.register_forward_hook(self._hook(slot))
 
     @classmethod
-    def attach(cls, model: nn.Module) -> MoEHooks | None:
+    def attach(
+        cls,
+        model: nn.Module,
+        sp: SequenceParallel | None = None,
+        ep: ExpertParallel | None = None,
+    ) -> MoEHooks | None:
         routers = moe_routers(model)
-        return cls(model, routers) if routers else None
+        return cls(model, routers, sp, ep) if routers else None
 
     @property
     def num_layers(self) -> int:
         return len(self.routers)
+
+    def _totals_on(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The step's running totals, moved to ``device`` (where the routers run) if needed."""
+        if self._totals["counts"].device != device:
+            self._totals = {k: v.to(device) for k, v in self._totals.items()}
+        return self._totals
 
     def _zero_totals(self, device) -> dict[str, torch.Tensor]:
         Lm, E = len(self.routers), self.num_experts
@@ -251,6 +308,7 @@ class MoEHooks:
             replay: (B', L', Lm, k) expert ids in the forward's token layout
                 (:func:`to_forward_layout`), or None to route as the model does.
             valid: (B', L') real tokens in the same layout.
+            (Whole rows: under sequence parallelism this rank's slice is taken here.)
             collect: count this forward in the step's statistics (its aux loss is there
                 either way).
         """
@@ -260,8 +318,14 @@ class MoEHooks:
                     f"router replay: routing for {tuple(replay.shape[-2:])} (MoE layers, "
                     f"experts per token), the model has ({self.num_layers}, {self.top_k})"
                 )
-            replay = replay.reshape(-1, self.num_layers, self.top_k).long()
-        self._current = _Forward(replay, valid.reshape(-1).bool(), collect)
+            replay = replay.long()
+            if self.sp is not None:  # -1: the slice's padding routes for itself
+                replay = _local_slice(replay, self.sp, -1)
+            replay = replay.reshape(-1, self.num_layers, self.top_k)
+        valid = valid.bool()
+        if self.sp is not None:
+            valid = _local_slice(valid, self.sp, False)
+        self._current = _Forward(replay, valid.reshape(-1), collect)
         try:
             yield
         finally:
@@ -293,7 +357,7 @@ class MoEHooks:
                 with torch.no_grad():
                     same = (experts.sort(-1).values == replay.sort(-1).values).all(-1)
                     counted = has.squeeze(-1) & fwd.valid
-                    t = self._totals
+                    t = self._totals_on(experts.device)
                     t["agree"] += (same & counted).sum()
                     t["replayed"] += counted.sum()
             experts = torch.where(has, replay, experts.to(replay.dtype))
@@ -324,7 +388,7 @@ class MoEHooks:
         if not fwd.collect:
             return
         with torch.no_grad():
-            t = self._totals
+            t = self._totals_on(probs.device)
             t["counts"][slot] += counts.double()
             entropy = -(probs * torch.log(probs.clamp_min(1e-20))).sum(-1)
             t["entropy"][slot] += entropy[valid].sum().double()
@@ -336,28 +400,34 @@ class MoEHooks:
         OpenRLHF's ``--aux_loss_coef`` weights): ``E * sum_e f_e * P_e`` with ``f_e`` the top-k
         assignments of expert e and ``P_e`` its router probability, each summed over the MoE
         layers and real tokens and divided by their product. ``k`` when the load is uniform;
-        differentiable through ``P``. With router replay, ``f`` counts the replayed experts."""
+        differentiable through ``P``. With router replay, ``f`` counts the replayed experts.
+
+        Under sequence parallelism the sums are over the group (collective: every rank of it
+        calls this), so each rank gets the unsplit forward's loss and, in backward, the
+        gradient of its own slice's probabilities."""
         fwd = self._current
         if fwd is None or not fwd.counts:
             raise RuntimeError("aux_loss: no MoE forward inside routing()")
-        rows = fwd.valid.sum().clamp(min=1).to(torch.float32) * len(fwd.counts)
-        tokens_per_expert = torch.stack(fwd.counts).sum(0) / rows
-        prob_per_expert = torch.stack(fwd.prob_sums).sum(0) / rows
-        return self.num_experts * (tokens_per_expert * prob_per_expert).sum()
+        assigned = torch.stack(fwd.counts).sum(0)  # (E,) over the layers
+        prob_sum = torch.stack(fwd.prob_sums).sum(0)
+        tokens = fwd.valid.sum().to(torch.float32)
+        if self.sp is not None:
+            from fsdp_rlhf.models.ulysses import combine_disjoint
+
+            E = self.num_experts
+            flat = torch.cat([prob_sum, assigned.to(prob_sum.dtype), tokens[None]])
+            flat = combine_disjoint(flat, self.sp.group)
+            prob_sum, assigned, tokens = flat[:E], flat[E : 2 * E], flat[2 * E]
+        rows = tokens.clamp(min=1) * len(fwd.counts)
+        return self.num_experts * (assigned / rows * (prob_sum / rows)).sum()
 
     def pop_metrics(self, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+        # Under expert parallelism the counts are still those of every rank's routers: the
+        # world's tokens, whichever rank's experts ran them.
         """The step's ``moe/*`` metrics over all ranks (collective), then reset."""
         t = self._totals
         parts = [t["counts"].flatten(), t["entropy"], t["tokens"]]
-        flat = torch.cat([*parts, t["agree"][None], t["replayed"][None]])
-        if dist.is_available() and dist.is_initialized():
-            device = flat.device
-            if dist.get_backend(group) == "nccl" and device.type != "cuda":
-                flat = flat.cuda()
-            elif dist.get_backend(group) == "gloo":
-                flat = flat.cpu()
-            dist.all_reduce(flat, group=group)
-            flat = flat.to(device)
+        flat = all_reduce(torch.cat([*parts, t["agree"][None], t["replayed"][None]]), group=group)
         Lm, E = self.num_layers, self.num_experts
         counts = flat[: Lm * E].view(Lm, E)
         entropy, tokens = flat[Lm * E : Lm * E + Lm], flat[Lm * E + Lm : Lm * E + 2 * Lm]
@@ -370,6 +440,8 @@ class MoEHooks:
         out = {f"moe/expert_load_max_mean/layer_{i}": v for i, v in enumerate(load)}
         out["moe/expert_load_max_mean"] = max(load)
         out["moe/router_entropy"] = float((entropy / tokens.clamp(min=1)).mean())
+        if self.ep_size > 1:
+            out.update(expert_group_load(counts, self.ep_size))
         if float(replayed) > 0:
             out["moe/router_replay_agreement"] = float(agree / replayed)
         return out

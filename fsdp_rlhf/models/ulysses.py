@@ -13,7 +13,7 @@ share. Activations, logits and the attention's q/k/v per rank shrink N-fold; the
 FSDP2's shards as before.
 
 Outputs are read on the slices and combined once per forward: log-probs and entropies of the
-positions each rank holds (chunked, ``algorithms.gathered_logprobs``) are summed over the group
+positions each rank holds (from the output layer's input, ``models.head``) are summed over the group
 (each entry lives on one rank), values are all-gathered along the sequence. Both backward
 passes hand each rank the gradient of its own entries (every rank computes the same loss), so
 the gradients summed by FSDP equal the unsplit forward's.
@@ -33,17 +33,20 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from fsdp_rlhf.algorithms import gathered_logprobs
 from fsdp_rlhf.distributed.sequence_parallel import SequenceParallel, all_to_all
 from fsdp_rlhf.models.attention import (
     FLASH_ATTENTION,
+    RowSpans,
     _explicit_wanted,
     _masked_attention,
     _repeat_kv,
     padded_sdpa,
     register_attention,
+    row_spans,
+    span_attention,
     varlen_sdpa,
 )
+from fsdp_rlhf.models.head import model_logprobs
 
 ULYSSES_ATTENTION = "fsdp_rlhf_ulysses"
 _SP_ATTR = "_fsdp_rlhf_sequence_parallel"
@@ -68,7 +71,9 @@ class UlyssesContext:
     ``seq_len`` L: tokens of each whole row (before padding to N * Lr). ``inner``: the
     attention the model runs without sequence parallelism. ``padding_mask`` (B, L) bool: for
     padded rows with padding, True on attended tokens; None for packed rows, shared-prompt rows
-    (their 4D mask is the attention mask) and rows without padding.
+    (their 4D mask is the attention mask) and rows without padding. ``spans``: with
+    ``padding_mask``, each row's run of attended tokens when every row has one
+    (``models.attention.row_spans``; the padded kernel then needs no mask), else None.
     """
 
     group: ProcessGroup
@@ -76,6 +81,7 @@ class UlyssesContext:
     seq_len: int
     inner: str
     padding_mask: torch.Tensor | None = None
+    spans: RowSpans | None = None
 
 
 # ---------------------------------------------------------------- the attention function
@@ -134,18 +140,48 @@ def ulysses_attention(
 def _inner_attention(module, q, k, v, attention_mask, dropout, scaling, sp, kwargs):
     """The model's own kernel over whole rows: q (B, H/n, L, D) -> (B, L, H/n, D)."""
     if sp.inner == FLASH_ATTENTION:
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        flash = ALL_ATTENTION_FUNCTIONS[FLASH_ATTENTION]
         mask = attention_mask if sp.padding_mask is None else sp.padding_mask.int()
-        return flash(module, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)[0]
+        return _flash_whole_rows(module, q, k, v, mask, dropout, scaling, sp.inner, kwargs)
     if kwargs.get("cu_seq_lens_q") is not None:  # packed rows
         return varlen_sdpa(module, q, k, v, None, dropout, scaling, **kwargs)[0]
     if kwargs.get("grouped_response_mask") is not None:  # shared-prompt rows
         return padded_sdpa(module, q, k, v, attention_mask, dropout, scaling, **kwargs)[0]
     window = kwargs.get("sliding_window")
     sinks = kwargs.get("s_aux")
-    return _padded_attention(q, k, v, sp.padding_mask, dropout, scaling, window, sinks)
+    return _padded_attention(
+        q, k, v, sp.padding_mask, dropout, scaling, window, sp.spans, sinks=sinks
+    )
+
+
+def _flash_whole_rows(module, q, k, v, mask, dropout, scaling, kernel: str, kwargs):
+    """transformers' flash-attention call with the kernel named: its ``flash_attention_forward``
+    wrapper looks the kernel up by ``module.config._attn_implementation``, which names this
+    module's Ulysses wrapper here, not a flash kernel. q (B, H/n, L, D) -> (B, L, H/n, D);
+    ``mask`` (B, L) int padding mask or None (packed rows: ``cu_seq_lens_*`` in ``kwargs``)."""
+    from transformers.integrations.flash_attention import get_target_dtype
+    from transformers.modeling_flash_attention_utils import _flash_attention_forward
+
+    kwargs = dict(kwargs)
+    is_causal = kwargs.pop("is_causal", None)
+    s_aux = kwargs.pop("s_aux", None)
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    return _flash_attention_forward(
+        q,
+        k,
+        v,
+        mask,
+        query_length=q.shape[1],
+        is_causal=is_causal if is_causal is not None else getattr(module, "is_causal", True),
+        dropout=dropout,
+        softmax_scale=scaling,
+        sliding_window=kwargs.pop("sliding_window", None),
+        softcap=kwargs.pop("softcap", None),
+        target_dtype=get_target_dtype(q, module),
+        attn_implementation=kernel,
+        layer_idx=getattr(module, "layer_idx", None),
+        s_aux=s_aux.to(q.dtype) if s_aux is not None else None,
+        **kwargs,
+    )
 
 
 def _padded_attention(
@@ -156,18 +192,24 @@ def _padded_attention(
     dropout: float,
     scaling: float | None,
     window: int | None = None,
+    spans: RowSpans | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of padded rows, padding keys masked: q (B, H, L, D), k/v (B, KV, L, D),
     ``padding_mask`` (B, L) bool or None -> (B, L, H, D). A padding query attends to itself
-    (never to nothing: a row of no keys is NaN in SDPA); real tokens are as in the unsplit
-    forward. ``window``: a sliding-window layer's (Gemma 3's local layers), each query sees its
-    last ``window`` keys only, as transformers' padded mask does. ``sinks``: (H,) these heads'
+    (never to nothing: a row of no keys is NaN in SDPA), or without a mask (``spans``) gets what
+    the causal kernel gives it (0 at left padding); real tokens are as in the unsplit forward.
+    ``window``: a sliding-window layer's (Gemma 3's local layers), each query sees its last
+    ``window`` keys only, as transformers' padded mask does. ``spans``: each row's run of
+    attended tokens, for the mask-free path (SDPA's kernels then keep nothing of size L x L for
+    backward; :func:`models.attention.span_attention`). ``sinks``: (H,) these heads'
     attention-sink logits (gpt-oss)."""
     L = q.shape[-2]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     explicit = sinks is not None or _explicit_wanted(q, dropout, L)
     windowed = window is not None and window < L
+    if padding_mask is not None and spans is not None and not explicit and not windowed:
+        return span_attention(q, k, v, spans, dropout, scale).transpose(1, 2).contiguous()
     # as HF's SDPA: GQA inside the kernel, no copies
     if padding_mask is None and not explicit and not windowed:
         gqa = k.shape[1] != q.shape[1]
@@ -235,15 +277,17 @@ def shard_inputs(model: nn.Module, inputs: dict, sp: SequenceParallel) -> dict:
     Lr = math.ceil(L / sp.size)
     local = slice(sp.rank * Lr, (sp.rank + 1) * Lr)
     out = dict(inputs)
-    padding = None
+    padding = spans = None
     mask = out.get("attention_mask")
     if mask is not None and mask.dim() == 2:
         out["attention_mask"] = None
         if not bool(mask.bool().all()):
             padding = mask.bool()
+            spans = row_spans(padding)
     for name in ("input_ids", "position_ids"):
         out[name] = F.pad(out[name], (0, Lr * sp.size - L))[:, local]
-    out["sequence_parallel"] = UlyssesContext(sp.group, sp.size, L, base_attention(model), padding)
+    inner = base_attention(model)
+    out["sequence_parallel"] = UlyssesContext(sp.group, sp.size, L, inner, padding, spans)
     return out
 
 
@@ -305,13 +349,13 @@ def sharded_logprobs(
     sharded = shard_inputs(model, inputs, sp)
     if keep_logits:
         cols, slot = torch.unique(local_col, return_inverse=True)
-        logits = model(**sharded, logits_to_keep=cols).logits  # (B, k, V)
+        sharded = {**sharded, "logits_to_keep": cols}  # logits (B, k, V)
         rows = b[mine] * cols.numel() + slot
     else:
-        logits = model(**sharded).logits  # (B, Lr, V)
-        rows = b[mine] * (stop - start) + local_col
-    lp, ent = gathered_logprobs(
-        logits,
+        rows = b[mine] * (stop - start) + local_col  # logits (B, Lr, V)
+    lp, ent = model_logprobs(
+        model,
+        sharded,
         target[mine],
         rows,
         temperature=temperature,

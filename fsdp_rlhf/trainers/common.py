@@ -18,6 +18,7 @@ offline commands' :class:`~fsdp_rlhf.trainers.offline.trainer.OfflineTrainer` an
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -43,6 +44,7 @@ from fsdp_rlhf.distributed.env import (
     teardown,
 )
 from fsdp_rlhf.distributed.exit_report import hold_termination, note_failing, note_prepared
+from fsdp_rlhf.distributed.expert_parallel import new_expert_parallel_groups
 from fsdp_rlhf.distributed.fsdp import build_mesh, describe_zero_stage, shard_model
 from fsdp_rlhf.distributed.heartbeat import start_heartbeat
 from fsdp_rlhf.distributed.rank0_load import fill_from_rank0
@@ -85,13 +87,15 @@ def launch(
     *,
     init: Callable[[int], DistEnv] | None = None,
     run: Callable[[Any], int] | None = None,
+    beat_on_one_node: bool = False,
 ) -> int:
     """``main()`` of every command; returns the exit code (0, also after a graceful stop).
 
     ``prepare(cfg, world_size)`` runs before the process group, so bad input fails in seconds
     with one line; ``build(cfg, env, prepared)`` loads the models. ``init(timeout_min)``
     replaces the one process group over all ranks (asynchronous PPO splits the world) and
-    ``run(trainer)`` the step loop (default :func:`fit`).
+    ``run(trainer)`` the step loop (default :func:`fit`). ``beat_on_one_node``: heartbeats on
+    a single node too (asynchronous PPO's ranks read them while they wait for each other).
     """
     setup_logging(int(os.environ.get("RANK", "0")), debug)
     if cfg.backend.full_determinism:
@@ -119,8 +123,20 @@ def launch(
             sp.size,
             sp.dp_size,
         )
+    ep = new_expert_parallel_groups(cfg.fsdp.expert_parallel_size, env.device.type)
+    if ep.enabled:
+        env = dataclasses.replace(env, ep=ep)
+        log.info(
+            "expert parallelism: %d groups of %d ranks split each MoE layer's experts "
+            "(all-to-all around the experts); expert weights sharded over %d ranks each",
+            env.world_size // ep.size,
+            ep.size,
+            env.world_size // ep.size,
+        )
     # Multi-node: a host that vanishes ends every rank within a bound, not the collective timeout.
-    heartbeat = start_heartbeat(cfg.guard.heartbeat_timeout_s, *job_position())
+    heartbeat = start_heartbeat(
+        cfg.guard.heartbeat_timeout_s, *job_position(), beat_on_one_node=beat_on_one_node
+    )
     trainer = None
     try:
         trainer = build(cfg, env, prepared)
@@ -223,7 +239,8 @@ def prepare_model(
     grad_reduce: str = "mean",
 ) -> nn.Module:
     """Attention kernel (inside Ulysses with ``--sequence_parallel_size``), compiled blocks and
-    FSDP2 shards over all ranks; train or frozen.
+    FSDP2 shards over all ranks (an MoE model's experts split over ``env.ep``'s groups); train
+    or frozen.
 
     Args:
         packed: micro-batches arrive packed into one row (``--packing_samples``).
@@ -253,6 +270,7 @@ def prepare_model(
         cpu_offload=trainable and fsdp.adam_offload,
         frozen=not trainable,
         dp_size=sp.dp_size,
+        ep=env.ep,
     )
     if trainable:
         model.train()  # from_pretrained returns eval mode: no dropout, no grad checkpointing

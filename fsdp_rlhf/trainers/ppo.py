@@ -22,6 +22,7 @@ from fsdp_rlhf.config import PPOBatchPlan, PPOConfig
 from fsdp_rlhf.data.prompts import Prompt, PromptSampler
 from fsdp_rlhf.distributed import checkpoint as ckpt
 from fsdp_rlhf.distributed.env import DistEnv
+from fsdp_rlhf.distributed.memory_census import census_from_env, owners_of
 from fsdp_rlhf.distributed.offload import (
     offload_model,
     offload_optimizer,
@@ -34,7 +35,7 @@ from fsdp_rlhf.models.load import is_vision_language, load_tokenizer
 from fsdp_rlhf.models.lora import adapters_disabled
 from fsdp_rlhf.models.moe import MoEHooks
 from fsdp_rlhf.models.save import save_model
-from fsdp_rlhf.rollout import RolloutEngine, RolloutOutput, SamplingConfig
+from fsdp_rlhf.rollout import HFEngine, RolloutEngine, RolloutOutput, SamplingConfig
 from fsdp_rlhf.rollout.groups import gather_rollouts
 from fsdp_rlhf.trainers import common
 from fsdp_rlhf.trainers.experience import (
@@ -64,7 +65,12 @@ from fsdp_rlhf.trainers.ppo_rewards import (
     observe_kl,
     rule_scores,
 )
-from fsdp_rlhf.trainers.ppo_rollout import RolloutSession, sampling_config, sleep_drops_weights
+from fsdp_rlhf.trainers.ppo_rollout import (
+    RolloutSession,
+    delta_state,
+    sampling_config,
+    sleep_drops_weights,
+)
 from fsdp_rlhf.trainers.ppo_setup import (
     adapter_spec,
     build_ema,
@@ -127,11 +133,12 @@ class PPOTrainer:
         # after the engine, which seeds torch per engine: fresh heads must match on all ranks
         torch.manual_seed(cfg.seed)
         self.models = build_models(cfg, env, tokenizer)
-        # an MoE actor: router replay, routing statistics, the load-balancing loss
-        self.moe = MoEHooks.attach(self.models.actor)
-        self.prompts = build_prompts(cfg, rows, tokenizer, self.images)
         # the ranks of a sequence-parallel group draw the same prompts (their data shard)
         self.sp = sequence_parallel_layout()
+        # an MoE actor: router replay, routing statistics, the load-balancing loss (each rank
+        # routing its slice of every row under sequence parallelism)
+        self.moe = MoEHooks.attach(self.models.actor, self.sp, env.ep)
+        self.prompts = build_prompts(cfg, rows, tokenizer, self.images)
         self.sampler = PromptSampler(
             len(self.prompts),
             cfg.batch.rollout_batch_size,
@@ -167,7 +174,7 @@ class PPOTrainer:
             )
         self.kl_ctl = build_kl_controller(cfg.algo)
         self.evaluator = build_evaluator(cfg, env, tokenizer, self.sp, self.images)
-        self.timer = PhaseTimer(env.device)
+        self.timer = PhaseTimer(env.device, census_from_env(env.device, self.memory_owners))
         self.rollout_session = None if engine is None else self._session(engine)
         self.multiturn = build_multiturn(cfg, tokenizer, self.timer)  # None: single turn
         self.trained = self._trained_models()
@@ -203,6 +210,17 @@ class PPOTrainer:
         log.info("rollout engine started and asleep; loading the models")
         return engine
 
+    def memory_owners(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors the memory census (``FSDP_RLHF_MEMORY_CENSUS``) attributes the device's
+        bytes to: each model's params and grads, each optimizer's state, the HF engine's copy
+        and the actor's EMA."""
+        m = self.models
+        engine = getattr(self.rollout_session, "engine", None)
+        models = {"actor": m.actor, "critic": m.critic, "ref": m.ref, "reward": m.reward}
+        models["engine copy"] = engine.model if isinstance(engine, HFEngine) else None
+        ema = {"actor ema": list(self.ema.shadow.values())} if self.ema is not None else {}
+        return owners_of(models, self.optimizers, ema)
+
     def _session(self, engine: RolloutEngine) -> RolloutSession:
         return RolloutSession(
             engine,
@@ -215,6 +233,8 @@ class PPOTrainer:
             adapter=adapter_spec(self.cfg, self.models.actor),
             lora_scaling=merged_lora_scaling(self.cfg),
             unsynced=unsynced_params(self.cfg, self.models.actor),
+            delta=delta_state(self.cfg, self.env.device),
+            overlap=self.cfg.rollout.weight_sync_overlap,
         )
 
     def _trained_models(self) -> common.TrainedModels:
@@ -405,6 +425,10 @@ class PPOTrainer:
                 offload_optimizer(critic.optimizer, device)
                 offload_model(critic.model, device)
         if self.actor_updates:
+            # the actor's Adam state left the device when the engine woke (RolloutSession.awake)
+            # and comes back for this update only: scoring and the critic update ran without it
+            with self.timer("actor_onload"):
+                onload_optimizer(self.optimizers["actor"], device)
             with self.timer("update"):
                 actor_metrics, old_logprobs = update_actor(
                     self._trained_model("actor"),
@@ -569,11 +593,12 @@ class PPOTrainer:
 
     def _export(self, model: nn.Module, path, head: str | None = None) -> None:
         """The HF model, or with LoRA its adapter folder (and the merged model if asked); a
-        VLM's processor (image processor, tokenizer, chat template) goes with the actor."""
+        VLM's processor (image processor, tokenizer, chat template) goes with the actor and
+        the critic."""
         m = self.cfg.models
         base = m.pretrain if head is None else (m.critic_pretrain or m.reward_pretrain)
         processor = self.models.tokenizer
-        if self.images is not None and head is None:
+        if self.images is not None:  # a VLM critic's folder loads with the processor too
             processor = self.images.vision.processor
         save_model(model, processor, path, self.cfg.lora, base_path=base, head=head)
 

@@ -27,14 +27,19 @@ import torch.distributed as dist
 from fsdp_rlhf.config import PPOConfig, async_rollout_ranks
 from fsdp_rlhf.data.prompts import Prompt
 from fsdp_rlhf.distributed import weight_broadcast
-from fsdp_rlhf.distributed.bridge import Bridge, Channel, PeerLost
-from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars, job_position
+from fsdp_rlhf.distributed.bridge import Bridge, Channel, Patience, PeerLost, PeerSlow
+from fsdp_rlhf.distributed.delta_sync import DeltaSender, DeltaStats
+from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars, job_hosts, job_position
+from fsdp_rlhf.distributed.heartbeat import peer_beats
+from fsdp_rlhf.distributed.prefetch import StageTimes, staged
 from fsdp_rlhf.distributed.split_world import SplitWorld, init_split_world
 from fsdp_rlhf.distributed.weight_broadcast import WeightLink
 from fsdp_rlhf.rollout.weight_sync import (
-    stream_actor_weights,
+    actor_buckets,
+    hf_param_name,
     stream_adapter_weights,
     stream_merged_weights,
+    tied_head_alias,
 )
 from fsdp_rlhf.trainers import common
 from fsdp_rlhf.trainers.experience import Experience
@@ -58,6 +63,9 @@ from fsdp_rlhf.trainers.ppo_setup import adapter_spec, engine_dtype, merged_lora
 
 log = logging.getLogger("fsdp_rlhf")
 
+# seconds closing waits for the rollout ranks to take "end" (at once, when nothing failed)
+END_WAIT_S = 10.0
+
 
 @dataclass
 class AsyncJob:
@@ -79,7 +87,9 @@ def main(cfg: PPOConfig, debug: bool = False) -> int:
             world, async_rollout_ranks(cfg, world), cfg.rollout.vllm_tensor_parallel_size
         )
         env, store = init_split_world(split, timeout_min)
-        bridge = Bridge.connect(store, rank, world, timeout_min, split.describe)
+        # a live peer is waited for up to --dist_timeout_min; its heartbeat tells a dead one
+        patience = Patience(60.0 * timeout_min, peer_beats(cfg.guard.heartbeat_timeout_s))
+        bridge = Bridge.connect(store, rank, world, patience, split.describe)
         receivers = [split.rollout_rank(i) for i in range(split.rollout_ranks)]
         link = WeightLink.build(bridge, store, receivers, env.device, timeout_min)
         job.append(AsyncJob(split, rank, bridge, link, store))
@@ -97,7 +107,7 @@ def main(cfg: PPOConfig, debug: bool = False) -> int:
             return common.fit(trainer, cfg.ckpt.save_steps)
         return trainer.run()
 
-    return common.launch(cfg, debug, prepare, build, init=init, run=run)
+    return common.launch(cfg, debug, prepare, build, init=init, run=run, beat_on_one_node=True)
 
 
 class AsyncLearner(PPOTrainer):
@@ -114,6 +124,10 @@ class AsyncLearner(PPOTrainer):
         self.rollout_samplers_here: dict[int, dict] = {}
         self._batch_samplers: dict[int, dict] = {}
         self._ended = False
+        self.delta_sender = None
+        mode = cfg.weight_sync_mode(env.device.type, job_hosts())
+        if not adapter_sync(cfg) and mode == "delta":
+            self.delta_sender = DeltaSender(full_every=cfg.rollout.weight_sync_full_every)
         super().__init__(cfg, env, prepared)
         log.info(
             "asynchronous: ranks 0-%d train, %d-%d generate (%d engines x TP %d); batches "
@@ -169,6 +183,9 @@ class AsyncLearner(PPOTrainer):
             times["weight_sync"] = sent.seconds - waited
             moving = max(sent.seconds - waited, 1e-9)
             metrics["async/weight_sync_gbps"] = sent.bytes / moving / 1e9
+            metrics["async/weight_sync_wire_bytes"] = float(sent.bytes)
+            if sent.delta is not None and sent.delta.elements:
+                metrics["async/weight_sync_changed_frac"] = sent.delta.changed_frac
         return metrics
 
     def throughput(self, metrics: dict[str, float]) -> dict[str, float]:
@@ -233,13 +250,13 @@ class AsyncLearner(PPOTrainer):
     def sender(self) -> bool:
         return self.env.rank == 0
 
-    def _tell_rollout_ranks(self, header: dict) -> None:
+    def _tell_rollout_ranks(self, header: dict, wait_s: float | None = None) -> None:
         if not self.sender:
             return
         bridge, what = self.job.bridge, f"sending the rollout ranks '{header['kind']}'"
         for r in self.job.link.receivers:
             bridge.send_object(header, r, Channel.CONTROL, wait=False, what=what)
-        bridge.flush(what=what)
+        bridge.flush(what=what, wait_s=wait_s)
 
     def _start_rollouts(self) -> None:
         """Where the rollout ranks start (the resumed step and sampler states), then the
@@ -266,15 +283,28 @@ class AsyncLearner(PPOTrainer):
 
     def publish(self, version: int) -> weight_broadcast.PublishStats:
         """Send the actor's weights as version ``version`` (collective over the training
-        ranks: the gathers)."""
+        ranks: the gathers, made one bucket ahead with --weight_sync_overlap)."""
         self._tell_rollout_ranks({"kind": WEIGHTS, "version": version})
         actor, dtype = self.models.actor, engine_dtype(self.cfg)
+        overlap, times = self.cfg.rollout.weight_sync_overlap, StageTimes()
+        device = self.env.device
+        if self.delta_sender is not None:
+            stats = DeltaStats()
+            deltas = self.delta_sender.deltas(actor, dtype, rename=hf_param_name, stats=stats)
+            return weight_broadcast.publish_delta(
+                self.job.link,
+                staged(deltas, times, overlap=overlap),
+                sender=self.sender,
+                aliases=tied_head_alias(actor),
+                stats=stats,
+            )
         if adapter_sync(self.cfg):
             stream = stream_adapter_weights(actor, dtype)
         elif (scaling := merged_lora_scaling(self.cfg)) is not None:
             stream = stream_merged_weights(actor, dtype, scaling)
         else:
-            stream = stream_actor_weights(actor, dtype)
+            buckets = staged(actor_buckets(actor, dtype), times, overlap=overlap, device=device)
+            stream = (w for bucket in buckets for w in bucket)
         return weight_broadcast.publish(self.job.link, stream, sender=self.sender)
 
     def _receive(self) -> list[BatchPart]:
@@ -349,13 +379,16 @@ class AsyncLearner(PPOTrainer):
         return all_reduce_scalars({"stop": float(seen)}, "max")["stop"] > 0
 
     def close(self) -> None:
-        """Tell the rollout ranks to end (their last batches, if any, are not trained on);
-        nothing to tell when they are gone already (the error that ends the job says so)."""
+        """Tell the rollout ranks to end (their last batches, if any, are not trained on).
+        They always listen for it, so it is taken at once unless something failed: then
+        nothing waits for a failed step's sends, the end gets ``END_WAIT_S``, and the error
+        that ends the job is the one reported."""
         try:
             if not self._ended:
                 self._ended = True
-                self._tell_rollout_ranks({"kind": END, "step": self.step})
-        except PeerLost:
+                self.job.bridge.abandon_sends()
+                self._tell_rollout_ranks({"kind": END, "step": self.step}, wait_s=END_WAIT_S)
+        except (PeerLost, PeerSlow):
             pass
         finally:
             super().close()

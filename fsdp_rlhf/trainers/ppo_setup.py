@@ -35,6 +35,7 @@ from fsdp_rlhf.distributed.offload import offload_model, offload_optimizer
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.models.compile import check_compile_toolchain
 from fsdp_rlhf.models.load import (
+    check_expert_parallel,
     check_model_path,
     check_sequence_parallel,
     is_vision_language,
@@ -48,7 +49,13 @@ from fsdp_rlhf.models.lora import add_lora, check_target_modules, target_module_
 from fsdp_rlhf.models.lora import scaling as lora_scaling
 from fsdp_rlhf.models.save import check_save_path, recover_interrupted_export
 from fsdp_rlhf.models.shared_prefix import shared_group_size, sharing_blocker
-from fsdp_rlhf.models.vision import VisionTokens, is_vision_param, prepare_policy, vision_prefix
+from fsdp_rlhf.models.vision import (
+    VisionTokens,
+    freeze_vision_tower,
+    is_vision_param,
+    prepare_policy,
+    vision_prefix,
+)
 from fsdp_rlhf.optim import build_optimizer, build_scheduler
 from fsdp_rlhf.rollout import AdapterSpec, HFEngine, RolloutEngine, build_rollout_groups
 from fsdp_rlhf.rollout.agent import load_agent_class
@@ -206,6 +213,18 @@ def _check_moe(cfg: PPOConfig) -> None:
             "--router_replay needs --rollout_engine vllm: the HF engine does not report the "
             "experts it routed to"
         )
+    tp = cfg.rollout.vllm_tensor_parallel_size
+    if moe.router_replay and tp > 1 and torch.cuda.is_available():
+        # vLLM's own capture (CUDA) hands the routed experts to its first TP rank only
+        # (distributed/aux_output_connector/worker.py); under the external launcher every
+        # rank runs a scheduler that expects them, and the others would fail on the first
+        # step. On CPU the adapter records them on every rank itself (rollout/vllm_moe.py).
+        raise UserError(
+            f"--router_replay with --vllm_tensor_parallel_size {tp} on CUDA: vLLM 0.32 returns "
+            "the routed experts on its first tensor-parallel rank only, and the other ranks' "
+            "schedulers (one per rank under the external launcher) fail without them; use "
+            "--vllm_tensor_parallel_size 1"
+        )
     from fsdp_rlhf.models.moe import check_moe_model
 
     check_moe_model(cfg.models.pretrain, " and ".join(flags), cfg.backend.trust_remote_code)
@@ -316,21 +335,22 @@ def prepare(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any]:
         check_model_path(m.critic_pretrain, "--critic_pretrain")
     if uses_critic(cfg) and not critic_path(cfg):
         raise UserError("--advantage_estimator gae needs a critic: pass --critic_pretrain")
-    check_sequence_parallel(
-        cfg.fsdp.sequence_parallel_size,
-        world_size,
-        {
-            "--pretrain": m.pretrain,
-            "--reward_pretrain": m.reward_pretrain,
-            "--critic_pretrain": critic_path(cfg) if uses_critic(cfg) else None,
-        },
-        cfg.backend.trust_remote_code,
-    )
+    paths = {
+        "--pretrain": m.pretrain,
+        "--reward_pretrain": m.reward_pretrain,
+        "--critic_pretrain": critic_path(cfg) if uses_critic(cfg) else None,
+    }
+    trust = cfg.backend.trust_remote_code
+    check_sequence_parallel(cfg.fsdp.sequence_parallel_size, world_size, paths, trust)
+    check_expert_parallel(cfg.fsdp.expert_parallel_size, world_size, paths, trust)
     check_context_length(cfg)
     _check_outputs(cfg)
     vlm = is_vision_language(m.pretrain, cfg.backend.trust_remote_code)
     if vlm:
-        refuse_unsupported(cfg, m.pretrain)
+        scalar = {"--critic_pretrain": critic_path(cfg)} if uses_critic(cfg) else {}
+        if m.reward_pretrain:
+            scalar["--reward_pretrain"] = m.reward_pretrain
+        refuse_unsupported(cfg, m.pretrain, scalar)
         load_processor(m.pretrain, cfg.backend.trust_remote_code)  # torchvision, the processor
     elif cfg.vision.freeze_visual_encoder:
         raise UserError(f"--freeze_visual_encoder: --pretrain {m.pretrain} is text-only")
@@ -438,6 +458,8 @@ def build_models(cfg: PPOConfig, env: DistEnv, tokenizer) -> Models:
                 value_head_prefix=m.value_head_prefix,
                 weights=weights,
             )
+            if cfg.vision.freeze_visual_encoder and vision_prefix(model) is not None:
+                freeze_vision_tower(model)  # as the actor's: the language model trains
             if cfg.lora.enabled:
                 add_lora(model, cfg.lora, head="score", quiet=not weights)
             return model
@@ -597,9 +619,9 @@ def build_engine(
     if cfg.rollout.rollout_engine == "vllm":
         from fsdp_rlhf.rollout.vllm_engine import VLLMEngine
 
-        rollout = cfg.rollout
         if env.device.type == "cuda":
-            rollout = dataclasses.replace(rollout, vllm_gpu_memory_utilization=cuda_pool(cfg, env))
+            util = cuda_pool(cfg, env, engine_only=streaming)
+            rollout = dataclasses.replace(rollout, vllm_gpu_memory_utilization=util)
         return VLLMEngine(
             cfg.models.pretrain,
             rollout,
@@ -641,13 +663,16 @@ def unsynced_params(cfg: PPOConfig, actor: nn.Module):
     return is_vision_param(prefix)
 
 
-def cuda_pool(cfg: PPOConfig, env: DistEnv) -> float:
+def cuda_pool(cfg: PPOConfig, env: DistEnv, *, engine_only: bool = False) -> float:
     """The fraction of the device vLLM's pool takes, chosen or checked against the memory plan
     (the pool comes back at that size on every wake, beside the resident shards), then against
     what is free now (vLLM refuses to start without ``fraction x total`` free). One line each;
-    a UserError naming the flag when either does not fit. Before any model loads."""
+    a UserError naming the flag when either does not fit. Before any model loads.
+
+    ``engine_only``: an asynchronous job's rollout rank, whose device holds its engine's TP
+    slice and nothing of the trainer (``env`` is the engine's group)."""
     total = torch.cuda.mem_get_info(env.device)[1]
-    util, line = resolve_vllm_utilization(cfg, env.world_size, total)
+    util, line = resolve_vllm_utilization(cfg, env.world_size, total, engine_only=engine_only)
     log.info(line)
     log.info(check_device_budget(env.device, util))
     return util

@@ -1,10 +1,11 @@
 """`fsdp-rlhf ppo --async_train` end to end: 2 CPU ranks under torchrun (1 training rank, 1
-rollout rank with a real vLLM engine). `make test-async` runs these (marker ``asynchronous``);
-the two-host runs are in tests/cluster."""
+rollout rank with a real vLLM engine), 3 for an engine of TP 2 or two engines. `make
+test-async` runs these (marker ``asynchronous``); the two-host runs are in tests/cluster."""
 
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -21,7 +22,13 @@ from fsdp_rlhf.testing.synthetic import prompt_rows, write_jsonl
 from fsdp_rlhf.trainers.experience import Experience
 from fsdp_rlhf.trainers.ppo_update import _correction
 from tests.e2e.helpers import REPO, _env, read_metrics, torchrun
-from tests.e2e.test_ppo_cli import SHORT_REWARD_WITH_PREEMPTION, grpo_flags
+from tests.e2e.test_ppo_cli import (
+    PARITY_REWARD,
+    SHORT_REWARD_WITH_PREEMPTION,
+    check_delta_run,
+    delta_flags,
+    grpo_flags,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.asynchronous]
 
@@ -135,6 +142,25 @@ def test_an_engine_of_two_tensor_parallel_ranks(tiny_qwen2, data, tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     # each rank of the engine sent its half of every batch (the training rank checks the
     # prompt count of each part); a batch is never more than one version old
+    assert all(r["async/staleness_max"] <= 1 for r in rows)
+
+
+def _two_engines(tmp_path, data, model, steps: int) -> list[str]:
+    flags = grpo_flags(model, data, tmp_path, steps)
+    flags[flags.index("--generate_max_len") + 1] = "8"
+    return [*flags, "--async_train", "--vllm_num_engines", "2"]
+
+
+def test_two_engines_beside_one_training_rank(tiny_qwen2, data, tmp_path):
+    """3 ranks: 1 training rank, 2 engines of TP 1 (each its own default group of 1 rank).
+    Each rollout rank builds an engine of its own world (not the job's 2 engines) that never
+    sleeps; each sends its half of every batch to the training rank."""
+    run = torchrun(["ppo", *_two_engines(tmp_path, data, tiny_qwen2, 2)], nproc=3)
+    assert run.returncode == 0, run.stderr[-3000:]
+    log = " ".join(run.stdout.split())
+    assert "ranks 0-0 train, 1-2 generate (2 engines x TP 1)" in log
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
     assert all(r["async/staleness_max"] <= 1 for r in rows)
 
 
@@ -271,6 +297,50 @@ def test_openrlhf_async_agent_script(tiny_qwen2, tmp_path, script):
     ]
 
 
+def test_openrlhf_flash_reinforce_script(tiny_qwen2, tmp_path):
+    """OpenRLHF 0.11.2's train_flash_reinforce_ray_agent_async.sh at test sizes: async
+    training, over-sampling, one response per prompt, flash_reinforce (every advantage is the
+    score minus the batch's mean score), the sequence-level binary-KL trust region (engine and
+    trainer agree on the tiny model: no row dropped), seq-mean-token-mean, no KL, bf16."""
+    data = tmp_path / "data"
+    rows = [{"prompt": r["input"], "label": r["label"]} for r in prompt_rows(64)]
+    write_jsonl(rows, data / "flash_prompts.jsonl")
+    (data / "parity_reward.py").write_text(PARITY_REWARD)
+    save = tmp_path / "run"
+    env = {"MODEL": tiny_qwen2, "DATA": str(data), "SAVE": str(save)}
+    env.update(PORT=str(free_port()), PYTHON=sys.executable)
+    proc = subprocess.run(
+        ["bash", str(SCRIPTS / "flash_reinforce_async_v0.11.2_dotted.sh")],
+        capture_output=True,
+        text=True,
+        env=_env(env),
+        timeout=600,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "--is_correction seq_mask --is_correction_gating binary_kl" in proc.stdout
+    rows = read_metrics(save)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # --data.max_samples 32 / batches of 8
+    for r in rows:
+        mean = r["critic/score/mean"]
+        assert r["critic/advantages/max"] == pytest.approx(r["critic/score/max"] - mean)
+        assert r["critic/advantages/min"] == pytest.approx(r["critic/score/min"] - mean)
+        assert r["rollout_corr/is_seq_masked_frac"] == 0.0
+        assert r["async/staleness_max"] <= 2  # --train.async_queue_size 2
+    config = (save / "config.yaml").read_text()
+    for line in (
+        "advantage_estimator: flash_reinforce",
+        "n_samples_per_prompt: 1",
+        "is_correction: seq_mask",
+        "is_correction_gating: binary_kl",
+        "loss_agg_mode: seq-mean-token-mean",
+        "init_kl_coef: 0.0",
+        "vllm_generate_batch_size: 16",
+    ):
+        assert line in config, line
+    assert (save / "model.safetensors").is_file()
+
+
 def test_a_rollout_rank_that_dies_ends_the_job_naming_it(tiny_qwen2, data, tmp_path):
     """The rollout rank is killed (SIGKILL, as the OOM killer would) in its reward function at
     the 3rd batch: the training rank's next receive fails at once and the job ends with one
@@ -288,3 +358,56 @@ def test_a_rollout_rank_that_dies_ends_the_job_naming_it(tiny_qwen2, data, tmp_p
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error")]
     assert any("rollout rank 1 (engine 0) is gone" in line for line in lines), proc.stderr[-3000:]
+
+
+def test_a_live_but_slow_rollout_rank_is_named_alive_not_gone(tiny_qwen2, data, tmp_path):
+    """The rollout rank's reward function takes 75 s at the 2nd batch, longer than
+    --dist_timeout_min 1: the training rank, waiting for it to take step 1's weights, gives up
+    after a minute with one line saying who waited for what and that the rollout rank is
+    alive (its heartbeat moves), not "gone" as a lost rank is."""
+    reward = tmp_path / "slow_reward.py"
+    reward.write_text(
+        "import time\ncalls = 0\n\n\ndef reward_func(queries, prompts, labels):\n"
+        "    global calls\n    calls += 1\n    if calls == 2:\n        time.sleep(75)\n"
+        "    return [0.0] * len(queries)\n"
+    )
+    save = tmp_path / "slow"
+    flags = grpo_flags(tiny_qwen2, data, save, 4)
+    flags[flags.index("--remote_rm_url") + 1] = str(reward)
+    proc = torchrun(["ppo", *flags, *ASYNC, "--dist_timeout_min", "1"], timeout=400)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error [rank 0]")]
+    assert lines, proc.stderr[-3000:]
+    line = lines[0]
+    assert re.search(
+        r"training rank 0 waited 6\d s for rollout rank 1 \(engine 0\), sending new weights, "
+        r"and gave up \(--dist_timeout_min 1\); rollout rank 1 \(engine 0\) is alive \(its "
+        r"heartbeat moved \d+ s ago\), so it is slow, not gone",
+        line,
+    ), line
+    assert "is gone" not in line, line
+
+
+def test_delta_sync_to_the_rollout_rank_trains_exactly_as_full_sync(tiny_qwen2, data, tmp_path):
+    """20 bf16 GRPO steps, one step off policy: training rank 0 publishes only the changed
+    elements (a full publication every 7th; the rollout rank's mirror checks every bucket's
+    checksum) and the run samples and trains exactly as the one publishing every weight: the
+    rollout rank's engine held the same weights at every step."""
+    steps = 20
+    runs = {}
+    for mode in ("delta", "full"):
+        run = torchrun(["ppo", *delta_flags(tiny_qwen2, data, tmp_path / mode, mode), *ASYNC])
+        assert run.returncode == 0, (mode, run.stderr[-3000:])
+        runs[mode] = read_metrics(tmp_path / mode)
+    delta, full = runs["delta"], runs["full"]
+    assert [r["step"] for r in delta] == [r["step"] for r in full] == list(range(1, steps + 1))
+    same = (
+        "critic/score/mean",
+        "actor/pg_loss",
+        "response_length/mean",
+        "rollout/logprob_diff/max",
+    )
+    for d, f in zip(delta, full, strict=True):
+        assert all(d[k] == f[k] for k in same), (d["step"], {k: (d[k], f[k]) for k in same})
+    # publications after steps 1-19 (the start's is sync 0); the 7th and 14th syncs are full
+    check_delta_run(delta, "async", list(range(1, steps)), [7, 14])

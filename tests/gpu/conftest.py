@@ -31,6 +31,16 @@ def pytest_runtest_setup(item) -> None:
         pytest.skip(f"the suite's time budget ({_budget_s():.0f} s) is spent: run it alone")
 
 
+@pytest.fixture(scope="session")
+def big_model(tmp_path_factory) -> str:
+    """The 1.5 B model (``suite.build_big_model``), built once for the checks that use it."""
+    from tests.gpu.suite import HAVE, build_big_model
+
+    if not HAVE["cuda"]:
+        pytest.skip("needs CUDA")
+    return build_big_model(tmp_path_factory.mktemp("big") / "model")
+
+
 @pytest.fixture
 def detail(request):
     """``detail(line)``: printed under the check's PASS or FAIL line."""

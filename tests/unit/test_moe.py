@@ -18,6 +18,7 @@ from fsdp_rlhf.models.moe import (
     active_parameters,
     check_moe_model,
     expert_parameter_names,
+    moe_routers,
     routing_scope,
     to_forward_layout,
 )
@@ -220,22 +221,127 @@ def test_lora_adapter_sync_of_an_moe_model_is_refused_on_cpu(tiny_qwen3_moe):
     _check_lora(merged)
 
 
-def test_sequence_parallelism_is_refused_with_router_replay_the_aux_loss_and_linear_attention(
+def test_sequence_parallelism_takes_router_replay_and_the_aux_loss_not_linear_attention(
     tiny_qwen3_moe, tmp_path
 ):
-    """Ulysses gives each rank a slice of every sequence: the replayed routing, the balancing
-    loss's token counts and a gated-delta-net's recurrence are not split with it."""
+    """Ulysses gives each rank a slice of every sequence: the hooks slice the replayed routing
+    and sum the balancing loss's counts over the group (tests/distributed/
+    test_moe_sequence_parallel.py); a gated-delta-net's recurrence is not split with it."""
     from fsdp_rlhf.config import PPOConfig
-    from fsdp_rlhf.config_base import ConfigError, build_config
+    from fsdp_rlhf.config_base import build_config
     from fsdp_rlhf.models.load import check_sequence_parallel
     from fsdp_rlhf.testing.tiny import build_family
 
     base = ["--pretrain", tiny_qwen3_moe, "--sequence_parallel_size", "2"]
-    for flag in (["--router_replay"], ["--aux_loss_coef", "0.01"]):
-        with pytest.raises(ConfigError, match=f"{flag[0]} with --sequence_parallel_size 2"):
-            build_config(PPOConfig, [*base, *flag])
-    build_config(PPOConfig, base)  # an MoE model itself is fine
+    cfg, _ = build_config(PPOConfig, [*base, "--router_replay", "--aux_loss_coef", "0.01"])
+    assert cfg.moe.router_replay and cfg.moe.aux_loss_coef == 0.01
     check_sequence_parallel(2, 2, {"--pretrain": tiny_qwen3_moe})
     hybrid = str(build_family(tmp_path / "qwen3_5", "qwen3_5"))
     with pytest.raises(UserError, match="recurrent layers .* sequence parallelism splits it"):
         check_sequence_parallel(2, 2, {"--pretrain": hybrid})
+
+
+def test_metrics_live_where_the_routers_run_not_where_the_parameters_are(moe_model):
+    """Issue #45, finding 4: under --adam_offload (CPUOffloadPolicy) the parameters' device is the
+    host while the routers run on the GPU; the step's totals must follow the routers. Here the
+    parameters' device is stood in for by a meta parameter (the routers run on the host)."""
+    model = moe_model
+
+    class Offloaded(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1, device="meta"))
+
+    hooks = MoEHooks(Offloaded(), moe_routers(model))
+    ids, mask, _ = grouped_batch(model.config.vocab_size, seed=6)
+    routing = own_routing(model, ids, mask)
+    with torch.no_grad(), routing_scope(hooks, routing, mask, T):
+        response_logprobs(model, ids, mask, T)
+    m = hooks.pop_metrics()
+    assert m["moe/router_replay_agreement"] == pytest.approx(1.0)
+    assert m["moe/expert_load_max_mean"] >= 1.0
+
+
+def test_router_replay_with_vllm_tensor_parallelism_is_refused_on_cuda_only(
+    tiny_qwen3_moe, monkeypatch
+):
+    """vLLM's own capture (CUDA) keeps the routed experts on its first TP rank; the other
+    ranks' schedulers fail without them. On CPU every rank records them itself (the TP=2
+    engine's routing is checked in tests/e2e/test_sequence_parallel_cli.py)."""
+    from fsdp_rlhf.config import PPOConfig
+    from fsdp_rlhf.config_base import build_config
+    from fsdp_rlhf.trainers.ppo_setup import _check_moe
+
+    def cfg(tp: int):
+        argv = ["--pretrain", tiny_qwen3_moe, "--router_replay"]
+        return build_config(PPOConfig, [*argv, "--vllm_tensor_parallel_size", str(tp)])[0]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _check_moe(cfg(2))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    _check_moe(cfg(1))
+    with pytest.raises(UserError) as e:
+        _check_moe(cfg(2))
+    line = str(e.value)
+    assert "--router_replay with --vllm_tensor_parallel_size 2 on CUDA" in line
+    assert "first tensor-parallel rank only" in line and "--vllm_tensor_parallel_size 1" in line
+    assert "\n" not in line
+
+
+def test_expert_parallel_preflight_names_the_numbers(tiny_qwen2, tiny_qwen3_moe):
+    from fsdp_rlhf.models.load import check_expert_parallel
+
+    both = {"--pretrain": tiny_qwen3_moe, "--reward_pretrain": tiny_qwen2}
+    check_expert_parallel(1, 3, both)  # off: nothing to check
+    check_expert_parallel(2, 4, both)  # the dense reward model shards as before
+    check_expert_parallel(16, 16, both)
+    with pytest.raises(UserError, match="--expert_parallel_size 2 must divide the world size 3"):
+        check_expert_parallel(2, 3, both)
+    with pytest.raises(UserError, match=r"does not divide the model's 16 experts .*--pretrain"):
+        check_expert_parallel(3, 6, both)
+    with pytest.raises(UserError, match="no MoE model to split"):
+        check_expert_parallel(2, 2, {"--pretrain": tiny_qwen2})
+
+
+def test_expert_parallel_refuses_a_vision_language_moe(tmp_path):
+    import json
+
+    from fsdp_rlhf.models.load import check_expert_parallel
+
+    config = {"model_type": "qwen3_vl_moe", "architectures": ["Qwen3VLMoeForConditionalGeneration"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))  # Qwen3-VL-30B-A3B's kind
+    with pytest.raises(UserError, match="is a vision-language MoE model"):
+        check_expert_parallel(2, 2, {"--pretrain": str(tmp_path)})
+
+
+def test_expert_group_load_counts_each_groups_share_of_the_assignments():
+    from fsdp_rlhf.models.moe import expert_group_load
+
+    counts = torch.tensor([[4.0, 4, 4, 4], [6, 2, 0, 0]])  # 2 layers, 4 experts
+    even = expert_group_load(counts[:1], 2)
+    assert even == {"moe/ep_group_tokens_max": 8.0, "moe/ep_group_load_max_mean": 1.0}
+    skewed = expert_group_load(counts, 2)  # layer 1: group 0 ran all 8 assignments
+    assert skewed["moe/ep_group_load_max_mean"] == 2.0
+    assert skewed["moe/ep_group_tokens_max"] == 8.0
+    assert expert_group_load(counts, 4)["moe/ep_group_load_max_mean"] == 3.0  # 6 / mean 2
+
+
+def test_unsupported_fused_experts_are_named():
+    from fsdp_rlhf.distributed.expert_parallel import expert_parallel_problem, unsupported_experts
+
+    class BiasedExperts(torch.nn.Module):  # gpt-oss-like: biases beside the fused weights
+        num_experts = 4
+
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.zeros(4, 8, 4))
+            self.gate_up_proj_bias = torch.nn.Parameter(torch.zeros(4, 8))
+            self.down_proj = torch.nn.Parameter(torch.zeros(4, 4, 4))
+            self.act_fn = torch.nn.SiLU()
+
+    assert "gate_up_proj_bias" in unsupported_experts(BiasedExperts())
+    assert expert_parallel_problem(0, 4, 8) == "--expert_parallel_size 0: must be at least 1"
+    assert expert_parallel_problem(2, 4, 0).endswith(
+        "the model is dense (no routed experts to split)"
+    )
+    assert expert_parallel_problem(4, 8, 16) is None
