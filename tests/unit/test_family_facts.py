@@ -170,3 +170,22 @@ def test_model_type_transformers_lacks_is_refused_by_name(tmp_path):
         check_model_path(str(tmp_path), "--pretrain")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "lfm3", "auto_map": {}}))
     check_model_path(str(tmp_path), "--pretrain")  # ships its own code: --trust_remote_code
+
+
+def test_models_that_post_process_logits_keep_the_materialised_path(families):
+    """Gemma 4 soft-caps its final logits and Granite-4.0-H scales them: log-probs computed
+    inside the output layer (``models.head``) would skip that, so both keep the chunked path;
+    Gemma 3 (no soft-capping in its published config) and gpt-oss fuse."""
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_rlhf.models.head import fusable_head
+
+    for name, fused in (
+        ("gemma4", False),
+        ("gemma4_e2b", False),
+        ("granitemoehybrid", False),
+        ("gemma3", True),
+        ("gpt_oss", True),
+    ):
+        model = AutoModelForCausalLM.from_pretrained(families(name))
+        assert (fusable_head(model) is not None) is fused, name
