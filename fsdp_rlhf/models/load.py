@@ -31,7 +31,7 @@ from torch import nn
 
 from fsdp_rlhf.config import BackendConfig
 from fsdp_rlhf.errors import UserError, reading
-from fsdp_rlhf.hf_config import has_linear_attention
+from fsdp_rlhf.hf_config import attention_layers, has_recurrent_layers
 from fsdp_rlhf.models.attention import PADDED_ATTENTION, register_attention
 from fsdp_rlhf.models.vision import is_vision_config
 
@@ -77,9 +77,29 @@ def check_model_path(path: str, flag: str) -> None:
         what = "does not exist" if not p.exists() else "has no config.json"
         raise UserError(f"{flag} {path}: {what}")
     if looks_local:
+        _check_model_type(p / "config.json", path, flag)
         problem = safetensors_problem(p)
         if problem:
             raise UserError(f"{flag} {path}: {problem}")
+
+
+def _check_model_type(config_file: Path, path: str, flag: str) -> None:
+    """A model type the installed transformers does not know (a family newer than it, such as
+    LFM3 under transformers 5.19) is refused in one line naming the architecture."""
+    import transformers
+
+    with reading("model config", config_file):
+        config = json.loads(config_file.read_text())
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if not model_type or "auto_map" in config or model_type in transformers.CONFIG_MAPPING:
+        return
+    arch = ",".join(config.get("architectures") or []) or model_type
+    raise UserError(
+        f"{flag} {path}: the architecture {arch} (model type '{model_type}') is not in "
+        f"transformers {transformers.__version__}: neither the trainer nor vLLM's Transformers "
+        "backend can build it (a transformers release that has it, or --trust_remote_code for a "
+        "model that ships its own code)"
+    )
 
 
 def safetensors_problem(folder: Path) -> str | None:
@@ -161,15 +181,15 @@ def check_sequence_parallel(
                 "images and M-RoPE positions go through the model with whole rows (use 1)"
             )
         cfg = text_config(path, trust_remote_code)
-        heads = cfg.num_attention_heads
-        kv = getattr(cfg, "num_key_value_heads", None) or heads
-        problem = head_problem(heads, kv, n)
-        if problem is None and has_linear_attention(cfg):
-            # Ulysses exchanges shards around attention calls only: a linear-attention layer's
-            # recurrence would run over each rank's slice of the sequence on its own
+        problem = None
+        for layer in attention_layers(cfg):  # Gemma 4's global layers have their own heads
+            problem = problem or head_problem(layer.heads, layer.kv_heads, n)
+        if problem is None and has_recurrent_layers(cfg):
+            # Ulysses exchanges shards around attention calls only: a recurrent layer's state
+            # would run over each rank's slice of the sequence on its own
             problem = (
-                "its linear-attention (gated-delta-net) layers need the whole sequence on one "
-                "rank; sequence parallelism splits it"
+                "its recurrent layers (gated delta nets, Mamba2 or short convolutions) need "
+                "the whole sequence on one rank; sequence parallelism splits it"
             )
         if problem is not None:
             raise UserError(f"--sequence_parallel_size {n}: {flag} {path}: {problem}")
