@@ -9,7 +9,7 @@ STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml Makefile scripts/vllm_r
 MAX_JOBS ?= 8
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: install test test-async test-faults test-fast test-bench test-models test-vlm test-sp test-ep test-gpu test-vllm-compat test-transformers-compat test-cluster demo bench lint fmt clean gpu-smoke tcmalloc
+.PHONY: install test test-async test-faults test-fast test-bench test-models test-models-full test-vlm test-sp test-ep test-gpu test-vllm-compat test-transformers-compat test-cluster demo bench lint fmt clean gpu-smoke tcmalloc
 
 install: $(STAMP)
 
@@ -97,6 +97,11 @@ test-ep: install
 # Llama 3, Gemma 3, Mistral, Phi-3, OLMo 2) runs GRPO with vLLM rollouts (docs/models.md).
 # About 10 minutes on 2 cores shared with other work (9.5 CPU-minutes).
 test-models: install
+	$(BIN)/python -m pytest -q tests/models -m "not models_full"
+
+# Every family of the matrix, also those beside a like family in CI's selection (gemma4 dense,
+# glm4_moe, ernie4_5_moe, lfm2_moe, olmo3, smollm3, qwen3_next): about 15 more minutes.
+test-models-full: install
 	$(BIN)/python -m pytest -q tests/models
 
 # Vision-language models (pytest marker `vlm`): a tiny Qwen2.5-VL under FSDP2 on 2 gloo ranks,
