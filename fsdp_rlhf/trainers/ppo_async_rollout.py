@@ -131,6 +131,8 @@ class RolloutWorker:
         with GracefulStop() as self.stop:
             try:
                 start = self.header.result()
+                if start["kind"] == END:  # a resumed run with no step left
+                    return 0
                 if start["kind"] != START:
                     raise RuntimeError(f"expected the start message, got {start['kind']}")
                 self.header = self._expect_header()
