@@ -20,7 +20,11 @@ from fsdp_rlhf.config import PPOAlgoConfig
 from fsdp_rlhf.distributed.env import all_reduce_scalars
 from fsdp_rlhf.distributed.sequence_parallel import data_group
 from fsdp_rlhf.distributed.sequence_parallel import layout as sequence_parallel_layout
-from fsdp_rlhf.distributed.stats import global_masked_center, global_masked_whiten
+from fsdp_rlhf.distributed.stats import (
+    global_masked_center,
+    global_masked_mean,
+    global_masked_whiten,
+)
 from fsdp_rlhf.trainers.experience import Experience
 from fsdp_rlhf.trainers.rule_reward import RewardFn, decode_responses
 
@@ -40,6 +44,11 @@ def _kl(exp: Experience, algo: PPOAlgoConfig) -> torch.Tensor:
     return kl_estimate(exp.old_logprobs, exp.ref_logprobs, kind=algo.kl_estimator) * (
         exp.response_mask
     )
+
+
+def _global_mean(scores: torch.Tensor) -> torch.Tensor:
+    """The mean score of the rollout batch over all data-parallel ranks. Collective."""
+    return global_masked_mean(scores, torch.ones_like(scores, dtype=torch.bool))
 
 
 @torch.no_grad()
@@ -64,6 +73,7 @@ def compute_advantages(
         lam=algo.lam,
         n_samples_per_prompt=n_samples_per_prompt,
         whiten_fn=global_masked_whiten if algo.advantage_std_norm else global_masked_center,
+        mean_fn=_global_mean,
     )
     exp.rewards, exp.advantages, exp.returns = out
 
@@ -111,7 +121,7 @@ def add_stop_properly_penalty(exp: Experience, algo: PPOAlgoConfig) -> None:
 
 def build_kl_controller(algo: PPOAlgoConfig) -> AdaptiveKLController | FixedKLController:
     """Adaptive (``--kl_target``) or fixed KL coefficient."""
-    if algo.use_kl_loss and algo.kl_estimator == "k1":
+    if algo.use_kl_loss and algo.kl_estimator == "k1" and not algo.kl_unbiased_gradient:
         log.warning(
             "--use_kl_loss with --kl_estimator k1: k1's gradient is zero in expectation, so the "
             "KL term barely constrains the actor; use k2 or k3"
