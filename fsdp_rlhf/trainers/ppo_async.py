@@ -98,7 +98,9 @@ def launch(cfg: PPOConfig, debug: bool, build_trainer: BuildTrainer) -> int:
         patience = Patience(60.0 * timeout_min, peer_beats(cfg.guard.heartbeat_timeout_s))
         bridge = Bridge.connect(store, rank, world, patience, split.describe)
         receivers = [split.rollout_rank(i) for i in range(split.rollout_ranks)]
-        link = WeightLink.build(bridge, store, receivers, env.device, timeout_min)
+        # versions on their way to the rollout ranks at once: the staleness bound's
+        depth = cfg.asynchronous.async_queue_size + 1
+        link = WeightLink.build(bridge, store, receivers, env.device, timeout_min, depth)
         job.append(AsyncJob(split, rank, bridge, link, store))
         return env
 
@@ -182,11 +184,12 @@ class AsyncSource:
 
     def after_update(self, step: int, actor_updated: bool) -> dict[str, float]:
         """Every step but the last publishes the actor (the rollout ranks count versions by
-        step, changed or not)."""
+        step, changed or not); each rollout rank takes it when it is ready for it."""
         if step >= self.parts.total_steps:
             return {}
         sent = self.publish(step)
-        # waiting for the rollout ranks to take the weights is waiting for the rollout
+        # waiting for rollout ranks to take weights (over NCCL, or beyond the schedule's bound
+        # over gloo) is waiting for the rollout
         waited = all_reduce_scalars({"w": sent.waited}, "max")["w"]
         times = self.parts.timer.times
         times["train_wait"] = times.get("train_wait", 0.0) + waited
@@ -251,6 +254,7 @@ class AsyncSource:
         try:
             if not self._ended:
                 self._ended = True
+                self.job.link.abandon()  # taken before "end" unless something failed
                 self.job.bridge.abandon_sends()
                 wait_s = END_WAIT_S if self.started else None
                 self._tell_rollout_ranks({"kind": END}, wait_s=wait_s)
@@ -302,8 +306,8 @@ class AsyncSource:
 
     def publish(self, version: int) -> weight_broadcast.PublishStats:
         """Send the actor's weights as version ``version`` (collective over the training
-        ranks: the gathers)."""
-        self._tell_rollout_ranks({"kind": WEIGHTS, "version": version})
+        ranks: the gathers); each rollout rank takes it when it is ready."""
+        header = {"kind": WEIGHTS, "version": version}
         actor, dtype = self.parts.actor, engine_dtype(self.cfg)
         if adapter_sync(self.cfg):
             stream = stream_adapter_weights(actor, dtype)
@@ -311,7 +315,7 @@ class AsyncSource:
             stream = stream_merged_weights(actor, dtype, scaling)
         else:
             stream = stream_actor_weights(actor, dtype)
-        return weight_broadcast.publish(self.job.link, stream, sender=self.sender)
+        return weight_broadcast.publish(self.job.link, stream, sender=self.sender, header=header)
 
     def _receive(self, step: int) -> list[tuple[Route, BatchPart]]:
         """This rank's routes of batch ``step`` and their parts, in route order

@@ -3,7 +3,8 @@ ranks, within the staleness bound (the schedule is in ``ppo_async_queue``).
 
 Loop, for each batch ``j`` from the step resumed from::
 
-    wait       for the weights of version j - 1 - K (timing/rollout_wait, timing/weight_load)
+    wait       for the weights of version j - 1 - K (timing/rollout_wait, timing/weight_load);
+               older versions still queued for this rank are received, not loaded
     generate   step by step; with --partial_rollout, new weights are loaded between engine
                steps as they arrive (requests in flight continue under them) and at the next
                boundary; over-sampling stops at the first groups to finish
@@ -12,9 +13,12 @@ Loop, for each batch ``j`` from the step resumed from::
     send       each training rank its prompts' rows, this rank's statistics and timings
 
 then it takes the remaining weight versions until training rank 0 says ``end`` (also how a
-stopping job ends it, in the middle of a batch). Without partial rollouts batch ``j`` is
-sampled by exactly version ``j - 1 - K`` (after a resume at step ``s``, by version ``s`` until
-``j - 1 - K`` passes it): a run samples the same batches from the same weights every time.
+stopping job ends it, in the middle of a batch). Each rollout rank takes versions at its own
+pace: training rank 0 posts them to every rollout rank without waiting for any
+(``distributed.weight_broadcast``), so a fast engine is not held back by a slow one. Without
+partial rollouts batch ``j`` is sampled by exactly version ``j - 1 - K`` (after a resume at
+step ``s``, by version ``s`` until ``j - 1 - K`` passes it): a run samples the same batches
+from the same weights every time.
 
 The engine never sleeps: nothing else shares its device. A stop signal here is passed on
 through the job's store to the training ranks' vote, which checkpoints and ends the job.
@@ -285,14 +289,15 @@ class RolloutWorker:
 
     def _poll(self, boundary: bool = False) -> int:
         """Between engine steps (and at batch boundaries with --partial_rollout): take what
-        training rank 0 sent; new weights only with --partial_rollout. Returns the version
+        training rank 0 sent; new weights only with --partial_rollout (the newest that
+        arrived: an older one still queued is received, not loaded). Returns the version
         sampling from now on. Collective over the engine's ranks (they must agree)."""
         self._tell_stop()
         while self._header_ready():
             header = self.header.result()
             if header["kind"] == WEIGHTS and not self.cfg.asynchronous.partial_rollout:
                 break  # taken when the batch that needs it starts (_wait_for)
-            self._take(header, in_flight=not boundary)
+            self._take(header, in_flight=not boundary, load=None)
         return -1 if self.version is None else self.version
 
     def _header_ready(self) -> bool:
@@ -302,17 +307,26 @@ class RolloutWorker:
         return ready
 
     def _wait_for(self, version: int) -> None:
+        """Until the engine holds ``version`` (the versions before it are received, not
+        loaded: the next batch needs this one)."""
         with self.timer("rollout_wait"):
             while self.version is None or self.version < version:
                 self._tell_stop()
-                self._take(self.header.result(), in_flight=False)
+                header = self.header.result()
+                load = header["kind"] != WEIGHTS or int(header["version"]) >= version
+                self._take(header, in_flight=False, load=load)
 
-    def _take(self, header: dict, *, in_flight: bool, load: bool = True) -> None:
-        """Act on one message from training rank 0, then wait for the next."""
+    def _take(self, header: dict, *, in_flight: bool, load: bool | None = True) -> None:
+        """Act on one message from training rank 0 and start receiving the next. New
+        weights are loaded into the engine if ``load`` (None: unless a newer version is
+        already here), else only received."""
         if header["kind"] == END:
             raise RolloutEnded
         if header["kind"] != WEIGHTS:
             raise RuntimeError(f"unexpected message {header['kind']!r} from training rank 0")
+        self.header = self._expect_header()  # the next one, while these weights arrive
+        if load is None:
+            load = not self._header_ready()
         with self.timer("weight_load"):
             weights = weight_broadcast.receive(self.job.link)
             if not load:
@@ -322,8 +336,8 @@ class RolloutWorker:
                 self.engine.update_adapter(weights, self.adapter)
             else:
                 self.engine.update_weights(weights, in_flight=in_flight)
-        self.version = int(header["version"])
-        self.header = self._expect_header()
+        if load:
+            self.version = int(header["version"])
 
     def _tell_stop(self) -> None:
         """A stop signal here reaches the training ranks' vote through the job's store."""

@@ -93,19 +93,22 @@ def flags(paths: dict[str, str], model: str, reward: str, save: Path, steps: int
     ]
 
 
-def run(args: list[str], save: Path, timeout: float = 1800) -> dict:
-    """One torchrun run; the wall time between consecutive metrics rows, and the rows."""
+def run(
+    args: list[str], save: Path, timeout: float = 1800, nproc: int = 2, tree: Path = REPO
+) -> dict:
+    """One torchrun run of ``tree``'s fsdp_rlhf on ``nproc`` ranks; the wall time between
+    consecutive metrics rows, and the rows."""
     from fsdp_rlhf.testing.launch import local_torchrun
 
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1"}
     env["TOKENIZERS_PARALLELISM"] = "false"
-    cmd = local_torchrun(2, ["-m", "fsdp_rlhf.cli", "ppo", *args])
+    cmd = local_torchrun(nproc, ["-m", "fsdp_rlhf.cli", "ppo", *args])
     metrics = save / "metrics.jsonl"
     arrivals: list[float] = []
     load = os.getloadavg()[0]
     t0 = time.monotonic()
     with open(save.parent / f"{save.name}.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tree)
         while proc.poll() is None:
             if metrics.exists():
                 rows = metrics.read_text().count("\n")
