@@ -24,6 +24,7 @@ from fsdp_rlhf.algorithms import clip_scores
 from fsdp_rlhf.config import PPOBatchPlan, PPOConfig
 from fsdp_rlhf.data.prompts import Prompt
 from fsdp_rlhf.distributed import checkpoint as ckpt
+from fsdp_rlhf.distributed import faults
 from fsdp_rlhf.distributed.env import DistEnv
 from fsdp_rlhf.distributed.memory_census import census_from_env, owners_of
 from fsdp_rlhf.distributed.offload import (
@@ -272,6 +273,7 @@ class PPOTrainer:
                 )
                 kl_metrics = {} if reuse else observe_kl(exp, self.cfg.algo, self.kl_ctl)
             # 5. critic then actor updates
+            faults.reached("training", self.step)
             update_metrics = self.update(exp, reuse)
             if reuse:
                 kl_metrics = observe_kl(exp, self.cfg.algo, self.kl_ctl)

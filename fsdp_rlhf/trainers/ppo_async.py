@@ -13,7 +13,9 @@ with :class:`AsyncSource` as its source of experiences:
 
 Checkpoints hold what a colocated run's do plus each rollout rank's prompt-sampler state after
 the last trained batch: a resumed run regenerates the batches after it from the checkpointed
-weights, so no step runs twice and none is skipped.
+weights (the queue is not saved; the checkpoint says from which batch on), so no step runs
+twice and none is skipped. The run's ledger (``ppo_async_ledger``) records which prompts were
+generated, queued and trained, by which attempt.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_rlhf.config import PPOConfig, async_rollout_ranks
-from fsdp_rlhf.distributed import weight_broadcast
+from fsdp_rlhf.distributed import faults, weight_broadcast
 from fsdp_rlhf.distributed.bridge import Bridge, Channel, Patience, PeerLost, PeerSlow
 from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars, job_position
 from fsdp_rlhf.distributed.heartbeat import peer_beats
@@ -41,12 +43,20 @@ from fsdp_rlhf.rollout.weight_sync import (
 )
 from fsdp_rlhf.trainers import common
 from fsdp_rlhf.trainers.experience import Experience
+from fsdp_rlhf.trainers.ppo_async_ledger import (
+    TRAIN,
+    LedgerWriter,
+    attempts,
+    generated_after,
+    ledger_folder,
+)
 from fsdp_rlhf.trainers.ppo_async_queue import (
     END,
     START,
     WEIGHTS,
     BatchPart,
     Route,
+    first_then,
     needed_version,
     reports_to,
     routes,
@@ -139,6 +149,7 @@ class AsyncSource:
         self.rollout_samplers: list[dict] | None = None
         self.rollout_samplers_here: dict[int, dict] = {}
         self.trained_step = 0  # the last step trained (the weights a resume starts from)
+        self.ledger: LedgerWriter | None = None  # training rank 0's, from the start
         self.started = False
         self._ended = False
         log.info(
@@ -170,17 +181,26 @@ class AsyncSource:
             add_stop_properly_penalty(exp, self.cfg.algo)
         self._staleness(exp, stats, step)
         samplers = {route.source: part.sampler for route, part in received}
-        return Sampled(exp, prompts, metrics, {"step": step, "samplers": samplers})
+        groups = [(i, p.rows.num_sequences // len(p.prompts)) for p in parts for i in p.prompts]
+        position = {"step": step, "samplers": samplers, "groups": groups}
+        return Sampled(exp, prompts, metrics, position)
 
     def settle(self, sampled: Sampled, trained: bool) -> None:
-        """A trained batch's sampler states are the ones a resume starts from."""
+        """A trained batch's sampler states are the ones a resume starts from, and its prompts
+        go into the ledger (collective over the training ranks when ``trained``)."""
         if trained:
-            self.trained_step = sampled.position["step"]
+            step = self.trained_step = sampled.position["step"]
             self.rollout_samplers_here = {
                 source: state
                 for source, state in sampled.position["samplers"].items()
                 if reports_to(source, self.routes) == self.env.rank
             }
+            everyone: list[list] = [[] for _ in range(self.env.world_size)]
+            dist.all_gather_object(everyone, sampled.position["groups"])
+            if self.ledger is not None:
+                groups = sorted(g for rank_groups in everyone for g in rank_groups)
+                prompts, samples = [g[0] for g in groups], [g[1] for g in groups]
+                self.ledger.record("trained", step=step, prompts=prompts, samples=samples)
 
     def after_update(self, step: int, actor_updated: bool) -> dict[str, float]:
         """Every step but the last publishes the actor (the rollout ranks count versions by
@@ -226,9 +246,16 @@ class AsyncSource:
         if not merged:  # nothing trained yet: the start of the data
             return {"sampler": {"epoch": 0, "index": 0}}
         samplers = [merged[i] for i in range(self.job.split.rollout_ranks)]
+        # the queue (batches generated, queued or in generation after this step) is not
+        # saved: a resume generates every batch from the next one on again, from the
+        # samplers' positions and this step's weights
         return {
             "sampler": samplers[0],
-            "async": {"samplers": samplers, "weight_version": self.trained_step},
+            "async": {
+                "samplers": samplers,
+                "weight_version": self.trained_step,
+                "regenerated_from_batch": self.trained_step + 1,
+            },
         }
 
     def load_state_dict(self, saved: dict) -> None:
@@ -251,6 +278,8 @@ class AsyncSource:
         and the error that ends the job is the one reported. Before the start (a resumed run
         with no step left) a rollout rank may still be starting its engine: it is waited
         for as for any message."""
+        if self.ledger is not None:
+            self.ledger.close()
         try:
             if not self._ended:
                 self._ended = True
@@ -285,6 +314,7 @@ class AsyncSource:
         then the weights they start from. Collective over the training ranks."""
         self.started, self.trained_step = True, step
         spec = adapter_spec(self.cfg, self.parts.actor)
+        attempt = self._open_ledger(step) if self.sender else 0
         self._tell_rollout_ranks(
             {
                 "kind": START,
@@ -292,6 +322,7 @@ class AsyncSource:
                 "total_steps": self.parts.total_steps,
                 "samplers": self.rollout_samplers,
                 "adapter": None if spec is None else vars(spec),
+                "attempt": attempt,
             }
         )
         sent = self.publish(step)
@@ -304,6 +335,27 @@ class AsyncSource:
             sent.seconds,
         )
 
+    def _open_ledger(self, step: int) -> int:
+        """Training rank 0's ledger, from this attempt's ``start``: the step it starts after,
+        and the batches after it that an interrupted attempt had generated (they are
+        generated again). Returns the attempt."""
+        folder = ledger_folder(self.cfg)
+        attempt = attempts(folder) + 1
+        again = generated_after(folder, step)
+        self.ledger = LedgerWriter(folder, TRAIN, attempt)
+        self.ledger.record("start", step=step, regenerated=again)
+        if step > 0:
+            log.info(
+                "asynchronous resume at step %d (attempt %d): batches %d on are generated "
+                "again from step %d's weights%s",
+                step,
+                attempt,
+                step + 1,
+                step,
+                f" (an interrupted attempt had generated batches {again})" if again else "",
+            )
+        return attempt
+
     def publish(self, version: int) -> weight_broadcast.PublishStats:
         """Send the actor's weights as version ``version`` (collective over the training
         ranks: the gathers); each rollout rank takes it when it is ready."""
@@ -315,7 +367,11 @@ class AsyncSource:
             stream = stream_merged_weights(actor, dtype, scaling)
         else:
             stream = stream_actor_weights(actor, dtype)
-        return weight_broadcast.publish(self.job.link, stream, sender=self.sender, header=header)
+        stream = first_then(stream, lambda: faults.reached("syncing", version))
+        sent = weight_broadcast.publish(self.job.link, stream, sender=self.sender, header=header)
+        if self.ledger is not None:
+            self.ledger.record("published", version=version)
+        return sent
 
     def _receive(self, step: int) -> list[tuple[Route, BatchPart]]:
         """This rank's routes of batch ``step`` and their parts, in route order

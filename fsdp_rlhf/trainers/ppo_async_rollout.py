@@ -22,6 +22,8 @@ from the same weights every time.
 
 The engine never sleeps: nothing else shares its device. A stop signal here is passed on
 through the job's store to the training ranks' vote, which checkpoints and ends the job.
+Each batch generated and queued, and each version taken, goes into the run's ledger
+(``ppo_async_ledger``: ``rollout<i>.jsonl``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import torch
 from fsdp_rlhf.algorithms import clip_scores
 from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.data.prompts import Prompt, PromptSampler
-from fsdp_rlhf.distributed import weight_broadcast
+from fsdp_rlhf.distributed import faults, weight_broadcast
 from fsdp_rlhf.distributed.bridge import Channel
 from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars
 from fsdp_rlhf.distributed.signals import GracefulStop
@@ -47,11 +49,13 @@ from fsdp_rlhf.models.load import load_tokenizer
 from fsdp_rlhf.rollout import AdapterSpec, SamplingConfig
 from fsdp_rlhf.rollout.streaming import stream_rollout
 from fsdp_rlhf.trainers.experience import Experience, experience_from_rollout
+from fsdp_rlhf.trainers.ppo_async_ledger import LedgerWriter, ledger_folder, rollout_file
 from fsdp_rlhf.trainers.ppo_async_queue import (
     END,
     START,
     WEIGHTS,
     BatchPart,
+    first_then,
     needed_version,
     reports_to,
     routes,
@@ -127,6 +131,9 @@ class RolloutWorker:
         self.adapter: AdapterSpec | None = None
         self.stop: GracefulStop | None = None
         self._stop_told = False
+        self.ledger: LedgerWriter | None = None  # opened at the start (its attempt)
+        self.batch = 0  # the batch being generated
+        self._drawn: list[int] = []  # the prompts it drew (over-sampling, filtering: more)
         self.header = self._expect_header()
 
     # ------------------------------------------------------------------ the loop
@@ -145,6 +152,8 @@ class RolloutWorker:
                     self.sampler.load_state_dict(start["samplers"][self.index])
                 if start.get("adapter") is not None:
                     self.adapter = AdapterSpec(**start["adapter"])
+                folder, name = ledger_folder(self.cfg), rollout_file(self.index)
+                self.ledger = LedgerWriter(folder, name, int(start["attempt"]))
                 queue = self.cfg.asynchronous.async_queue_size
                 partial = self.cfg.asynchronous.partial_rollout
                 for batch in range(first, total + 1):
@@ -155,6 +164,7 @@ class RolloutWorker:
                     self.job.bridge.flush(
                         keep=2 * len(self.my_routes) * (queue + 1), what="sending batches"
                     )
+                    faults.reached("queued", batch)
                 while True:  # the training ranks publish versions until their last step
                     self._take(self.header.result(), in_flight=False, load=False)
             except RolloutEnded:
@@ -165,6 +175,7 @@ class RolloutWorker:
         """Batch ``batch``'s messages, one per route: ``(training rank, message)``."""
         t0 = time.perf_counter()
         stats = StatCollector()
+        self.batch, self._drawn = batch, []
         first = self._draw()
         if self.cfg.algo.dynamic_filtering:
 
@@ -188,12 +199,30 @@ class RolloutWorker:
             "stats": stats.export(),
             "metrics": {**metrics, **times, "timing/rollout": seconds},
         }
+        self._record_generated(batch, exp, prompts)
         return self._messages(batch, exp, prompts, report)
+
+    def _record_generated(self, batch: int, exp: Experience, prompts: list[Prompt]) -> None:
+        """The ledger's ``generated``: the prompts kept (with their samples) and the prompts
+        drawn for this batch but dropped (over-sampling's stragglers, filtered groups)."""
+        kept = [self.prompt_index[id(p)] for p in prompts]
+        dropped = list(self._drawn)
+        for i in kept:
+            dropped.remove(i)
+        mask, span = exp.response_mask.bool(), []  # the weight versions that sampled it
+        if exp.token_versions is not None and mask.any():
+            versions = exp.token_versions[mask]
+            span = [int(versions.min()), int(versions.max())]
+        samples = [exp.num_sequences // max(len(kept), 1)] * len(kept)
+        record = {"prompts": kept, "samples": samples, "dropped": dropped, "versions": span}
+        self.ledger.record("generated", batch=batch, **record)
 
     # ------------------------------------------------------------------ generation
 
     def _draw(self) -> list[Prompt]:
-        return [self.prompts[i] for i in self.sampler.next_indices()]
+        indices = self.sampler.next_indices()
+        self._drawn.extend(indices)
+        return [self.prompts[i] for i in indices]
 
     def _sampling(self, batch: int, round_: int) -> SamplingConfig:
         sampling = sampling_config(self.cfg, batch, round_)
@@ -280,6 +309,7 @@ class RolloutWorker:
         for dest, msg in messages:
             what = f"sending batch {msg['batch']}"
             self.job.bridge.send_object(msg, dest, Channel.EXPERIENCE, wait=False, what=what)
+        self.ledger.record("queued", batch=messages[0][1]["batch"])
 
     # ------------------------------------------------------------------ weights and control
 
@@ -293,6 +323,8 @@ class RolloutWorker:
         arrived: an older one still queued is received, not loaded). Returns the version
         sampling from now on. Collective over the engine's ranks (they must agree)."""
         self._tell_stop()
+        if not boundary:
+            faults.reached("generating", self.batch)
         while self._header_ready():
             header = self.header.result()
             if header["kind"] == WEIGHTS and not self.cfg.asynchronous.partial_rollout:
@@ -327,8 +359,12 @@ class RolloutWorker:
         self.header = self._expect_header()  # the next one, while these weights arrive
         if load is None:
             load = not self._header_ready()
+        version = int(header["version"])
         with self.timer("weight_load"):
-            weights = weight_broadcast.receive(self.job.link)
+            weights = first_then(
+                weight_broadcast.receive(self.job.link),
+                lambda: faults.reached("syncing", version),
+            )
             if not load:
                 for _ in weights:
                     pass
@@ -337,7 +373,8 @@ class RolloutWorker:
             else:
                 self.engine.update_weights(weights, in_flight=in_flight)
         if load:
-            self.version = int(header["version"])
+            self.version = version
+        self.ledger.record("weights", version=version, loaded=load)
 
     def _tell_stop(self) -> None:
         """A stop signal here reaches the training ranks' vote through the job's store."""
@@ -350,4 +387,6 @@ class RolloutWorker:
             )
 
     def close(self) -> None:
+        if self.ledger is not None:
+            self.ledger.close()
         self.engine.close()

@@ -89,7 +89,11 @@ def test_rollout_stop_signal_checkpoints_and_resume_does_no_step_twice(tiny_qwen
     assert "checkpoint at step 5 on disk" in log
     assert [r["step"] for r in read_metrics(save)] == list(range(1, kill_at))
     state = json.loads((save / "ckpt" / "step_5" / "trainer.json").read_text())
-    assert state["async"] == {"samplers": [{"epoch": 0, "index": 5}], "weight_version": 5}
+    assert state["async"] == {
+        "samplers": [{"epoch": 0, "index": 5}],
+        "weight_version": 5,
+        "regenerated_from_batch": 6,
+    }
     resumed = torchrun(["ppo", *flags, "--load_checkpoint"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows = read_metrics(save)
