@@ -526,6 +526,20 @@ class RolloutConfig:
         "(each adapted weight synced as W + (alpha/r) B A, like full fine-tuning: more bytes, "
         "base-model decode speed where vLLM's LoRA kernels are slow, as on CPU).",
     )
+    weight_sync: Literal["auto", "delta", "full"] = doc(
+        "auto",
+        "How the actor's weights reach the engines: delta (after a first full sync, each rank "
+        "sends only the elements that changed, checked by checksum; the engine side keeps a "
+        "copy of the synced weights in host memory), full (every weight every time), or auto "
+        "(delta when the job spans hosts, but colocated on CUDA and with LoRA; "
+        "docs/weight_sync.md).",
+    )
+    weight_sync_full_every: int = doc(
+        0, "With delta sync: every N-th sync is a full one (0: only the first after a start)."
+    )
+    weight_sync_overlap: bool = doc(
+        True, "Gather the next weight bucket while the engine loads the current one."
+    )
     vllm_num_engines: int | None = doc(None, "Engines = world / TP (checked when given).")
     vllm_tensor_parallel_size: int = doc(1, "TP size of each engine (contiguous ranks).")
     vllm_gpu_memory_utilization: float | None = doc(
@@ -563,6 +577,10 @@ class RolloutConfig:
             raise ConfigError(f"temperature must be > 0, got {self.temperature}")
         if self.max_len is not None and self.max_len < 2:
             raise ConfigError(f"max_len must be >= 2, got {self.max_len}")
+        if self.weight_sync_full_every < 0:
+            raise ConfigError(
+                f"weight_sync_full_every must be >= 0, got {self.weight_sync_full_every}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -988,6 +1006,12 @@ class PPOConfig:
         self._check_multiturn()
         self._check_moe()
         self._check_async()
+        if self.rollout.weight_sync == "delta" and self.lora.enabled:
+            raise ConfigError(
+                "--weight_sync delta with --lora_rank: LoRA syncs only its adapters "
+                "(--lora_sync adapter) or its merged weights in full (--lora_sync merged); "
+                "drop --weight_sync delta"
+            )
 
     def _check_async(self) -> None:
         a = self.asynchronous
@@ -1035,6 +1059,28 @@ class PPOConfig:
             # the routing of one sample would span several engine calls, each turn's prompt
             # reusing the previous turns from the prefix cache: not assembled here
             raise ConfigError(f"--router_replay is single-turn only; drop it with {mt.source[0]}")
+
+    def weight_sync_mode(self, device_type: str, hosts: int = 1) -> str:
+        """``"delta"`` or ``"full"``: how the actor's weights reach the engines on a job
+        whose devices are ``device_type``, over ``hosts`` hosts (``--weight_sync``; LoRA's
+        adapter sync moves only the adapters either way).
+
+        Delta sync saves bytes on the wire and costs memory passes on both ends, so ``auto``
+        uses it where the wire is a network: a job over several hosts. Not on one host (the
+        gathers and the transfer to rollout ranks go through shared memory or NVLink:
+        measured slower with delta on CPU, benchmarks/2026-11-27-weight-sync.md), not with
+        LoRA (the adapters, or the merged weights, move whole) or the HF engine (itself a
+        full copy), and not colocated on CUDA, where the engine side's copy lives in host
+        memory and would cross PCIe into the engine at every sync (docs/weight_sync.md).
+        """
+        r = self.rollout
+        if r.weight_sync != "auto":
+            return r.weight_sync
+        if self.lora.enabled or r.rollout_engine == "hf" or hosts < 2:
+            return "full"
+        if device_type == "cuda" and not self.asynchronous.async_train:
+            return "full"
+        return "delta"
 
     @property
     def total_len(self) -> int:

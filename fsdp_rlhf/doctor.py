@@ -27,7 +27,7 @@ import torch.distributed as dist
 from fsdp_rlhf.allocator import preloaded_allocator
 from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.distributed.collectives import collective_device
-from fsdp_rlhf.distributed.env import DistEnv, init_distributed, teardown
+from fsdp_rlhf.distributed.env import DistEnv, init_distributed, job_hosts, teardown
 from fsdp_rlhf.distributed.memory import (
     activation_bytes,
     lora_reference_savings,
@@ -225,7 +225,8 @@ def _memory_check(cfg: PPOConfig, env: DistEnv, device_gib: float) -> Check:
 
     def run() -> str:
         device_bytes = int(device_gib * 2**30)
-        phases = plan_job(cfg, env.world_size, device_bytes, env.device.type == "cuda")
+        cuda = env.device.type == "cuda"
+        phases = plan_job(cfg, env.world_size, device_bytes, cuda, job_hosts())
         fits, line = verdict(phases)
         if not fits:
             n = sequence_parallel_fit(cfg, env.world_size, device_bytes, env.device.type)[0]
@@ -256,7 +257,7 @@ def sequence_parallel_fit(
     }
     cuda = device_type == "cuda"
     for n in options:
-        if all(p.fits for p in plan_job_at(cfg, world, device_bytes, cuda, n)):
+        if all(p.fits for p in plan_job_at(cfg, world, device_bytes, cuda, n, job_hosts())):
             return n, acts
     return None, acts
 

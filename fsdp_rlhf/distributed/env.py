@@ -94,6 +94,13 @@ def job_position() -> tuple[int, int, int]:
     )
 
 
+def job_hosts() -> int:
+    """Hosts the whole job spans: its world size over the ranks per node (the launcher's
+    environment; 1 for a lone process)."""
+    _, world, per_node = job_position()
+    return max(1, -(-world // max(1, per_node)))
+
+
 def launched_world_size() -> int:
     """The world size torchrun (or srun) announced, readable before the process group exists."""
     return int(os.environ.get("WORLD_SIZE", "1"))

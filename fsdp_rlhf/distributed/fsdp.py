@@ -259,24 +259,23 @@ def _gather_bucket(
     """One all-gather of every shard in ``bucket``, cast to ``dtype`` first; yields full tensors."""
     mesh = bucket[0][1].device_mesh
     total = sum(n for _, _, n in bucket)
-    send = torch.zeros(total, dtype=dtype, device=_mesh_device(mesh))
-    offset = 0
-    for _, p, n in bucket:
-        local = p.to_local().detach().reshape(-1)
-        send[offset : offset + local.numel()].copy_(local)
-        offset += n
+    send = local_row(bucket, dtype, total)
     recv = torch.empty(mesh.size() * total, dtype=dtype, device=send.device)
-    group = mesh.get_group()
-    if dist.get_backend(group) == "gloo":
-        all_gather_into(recv, send, group)
-    else:
-        dist.all_gather_into_tensor(recv, send, group=group)
+    all_gather_row(recv, send, mesh.get_group())
     recv = recv.view(mesh.size(), total)
     offset = 0
     for name, p, n in bucket:
         # Rank r's slice holds rows r*c .. r*c + c - 1: stacking the slices restores row order.
         yield name, recv[:, offset : offset + n].reshape(-1, *p.shape[1:])[: p.shape[0]]
         offset += n
+
+
+def all_gather_row(recv: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """``recv`` (W * n,) = every rank's ``send`` (n,) in rank order (p2p sends on gloo)."""
+    if dist.get_backend(group) == "gloo":
+        all_gather_into(recv, send, group)
+    else:
+        dist.all_gather_into_tensor(recv, send, group=group)
 
 
 def iter_full_params(
@@ -293,9 +292,43 @@ def iter_full_params(
     Every rank must consume the whole iterator: each bucket is a collective.
     ``bucket_bytes`` defaults to ``GATHER_BUCKET_BYTES`` of the device the gathers run on.
     """
+    for bucket in iter_full_buckets(model, dtype, bucket_bytes, include):
+        yield from bucket
+
+
+def iter_full_buckets(
+    model: nn.Module,
+    dtype: torch.dtype | None = None,
+    bucket_bytes: int | None = None,
+    include: Callable[[str], bool] | None = None,
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """:func:`iter_full_params` one gather at a time: the full tensors of each bucket (a
+    parameter that is not an FSDP2 ``Shard(0)`` shard comes alone, gathered the generic way)."""
+    for bucket, out in param_buckets(model, dtype, bucket_bytes, include):
+        if isinstance(bucket, list):
+            yield list(_gather_bucket(bucket, out))
+        else:
+            name, p = bucket
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            yield [(name, full.detach().to(out))]
+
+
+ShardBucket = list[tuple[str, DTensor, int]]  # (name, shard, elements per rank, padded)
+
+
+def param_buckets(
+    model: nn.Module,
+    dtype: torch.dtype | None = None,
+    bucket_bytes: int | None = None,
+    include: Callable[[str], bool] | None = None,
+) -> Iterator[tuple[ShardBucket | tuple[str, torch.Tensor], torch.dtype]]:
+    """The parameters in gather order, grouped as :func:`iter_full_params` gathers them:
+    ``(bucket, dtype)`` where ``bucket`` is a list of ``(name, DTensor, elements per rank)``
+    (FSDP2 ``Shard(0)`` shards on one mesh, cast to ``dtype`` together: one all-gather), or a
+    ``(name, parameter)`` pair gathered alone (any other placement). Same on every rank."""
     if bucket_bytes is None:
         bucket_bytes = gather_bucket_bytes(model)
-    bucket: list[tuple[str, DTensor, int]] = []
+    bucket: ShardBucket = []
     size, key = 0, None
     for name, p in model.named_parameters():
         if include is not None and not include(name):
@@ -305,16 +338,29 @@ def iter_full_params(
         nbytes = 0 if n is None else n * p.device_mesh.size() * out.itemsize
         fits = n is not None and key == (p.device_mesh, out) and size + nbytes <= bucket_bytes
         if bucket and not fits:
-            yield from _gather_bucket(bucket, key[1])
+            yield bucket, key[1]
             bucket, size = [], 0
-        if n is None:  # not an FSDP2 shard: gathered alone, the generic way
-            full = p.full_tensor() if isinstance(p, DTensor) else p
-            yield name, full.detach().to(out)
+        if n is None:
+            yield (name, p), out
             continue
         bucket.append((name, p, n))
         size, key = size + nbytes, (p.device_mesh, out)
     if bucket:
-        yield from _gather_bucket(bucket, key[1])
+        yield bucket, key[1]
+
+
+def local_row(bucket: ShardBucket, dtype: torch.dtype, elements: int) -> torch.Tensor:
+    """This rank's shards of ``bucket`` back to back, each padded to its per-rank chunk, cast
+    to ``dtype``, in a zeroed row of ``elements`` (at least the chunks' sum) on the mesh device:
+    what this rank contributes to the bucket's all-gather."""
+    mesh = bucket[0][1].device_mesh
+    send = torch.zeros(elements, dtype=dtype, device=_mesh_device(mesh))
+    offset = 0
+    for _, p, n in bucket:
+        local = p.to_local().detach().reshape(-1)
+        send[offset : offset + local.numel()].copy_(local)
+        offset += n
+    return send
 
 
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -54,6 +54,11 @@ With ``--rollout_engine hf`` there is no vLLM pool: the engine is an unsharded c
 in the compute dtype, resident in every phase. Its rollout adds the larger of the weight sync
 (:func:`hf_sync_bytes`) and generation (:func:`hf_generation`: the KV cache, every step's fp32
 scores, a step's temporaries, one prefill layer), since the sync ends before generation starts.
+With delta weight sync (``--weight_sync delta``) every engine rank keeps a copy of the synced
+weights in the engine dtype in host memory (``distributed.delta_sync``: the mirror, ``N`` values
+per rank, resident in every phase): counted where host memory is the device (CPU jobs,
+``sync_mirror``); on CUDA it is host memory beside the job, not in these phases (``auto`` uses
+full syncs on colocated CUDA jobs).
 Constants marked ASSUMED are not measured yet; the GPU suite (``tests/gpu``) prints the measured
 phase peaks beside this model's estimate, and what the device holds by owner at each phase's
 end (``distributed.memory_census``), to calibrate them.
@@ -150,6 +155,9 @@ class JobFlags:
     ema: bool = False  # --enable_ema: fp32 copy of the actor's trainable shards
     cuda_graphs: bool = True  # not --enforce_eager: vLLM keeps a CUDA-graph pool asleep too
     vllm_tp: int = 1  # --vllm_tensor_parallel_size: the engine holds 1/tp of the weights
+    # --weight_sync delta on a CPU job: the mirror of the synced weights (engine dtype, the
+    # whole model on every rank) lives in host memory, which a CPU job's phases count
+    sync_mirror: bool = False
 
     @property
     def ema_on_device(self) -> bool:
@@ -238,7 +246,13 @@ def resident_during_rollout(f: JobFlags, actor: ModelShape, frozen: list[ModelSh
     if not f.ref_reward_offload:
         parts["ref/reward shards"] = sum(_frozen_bytes(f) * m.params for m in frozen) // f.world
     parts.update(_ema(f, actor))
+    parts.update(_mirror(f, actor))
     return parts
+
+
+def _mirror(f: JobFlags, actor: ModelShape) -> dict:
+    """Delta sync's copy of the synced weights, resident through every phase."""
+    return {"weight-sync mirror": f.dtype_bytes * actor.params} if f.sync_mirror else {}
 
 
 def _ema(f: JobFlags, actor: ModelShape) -> dict:
@@ -344,6 +358,7 @@ def update_phase(
     if not f.ref_reward_offload:
         parts["ref/reward shards"] = sum(_frozen_bytes(f) * x.params for x in frozen) // f.world
     parts.update(_ema(f, actor or m))
+    parts.update(_mirror(f, actor or m))
     parts["vllm"] = f.asleep
     if not f.vllm_sleep:
         fix = "--vllm_enable_sleep (vLLM keeps its pool while training)"

@@ -119,20 +119,30 @@ def job_models(cfg: PPOConfig, flags: JobFlags) -> JobModels:
     return JobModels(actor, critic, frozen)
 
 
-def plan_job(cfg: PPOConfig, world: int, device_bytes: int, cuda: bool) -> list[Phase]:
-    """Every phase of a step on one device of this job (reads the model folders' headers).
-    An unset ``--vllm_gpu_memory_utilization`` is planned at the value the job would choose."""
-    return plan_job_at(cfg, world, device_bytes, cuda, cfg.fsdp.sequence_parallel_size)
+def plan_job(
+    cfg: PPOConfig, world: int, device_bytes: int, cuda: bool, hosts: int = 1
+) -> list[Phase]:
+    """Every phase of a step on one device of this job (reads the model folders' headers),
+    over ``hosts`` hosts. An unset ``--vllm_gpu_memory_utilization`` is planned at the value
+    the job would choose."""
+    return plan_job_at(cfg, world, device_bytes, cuda, cfg.fsdp.sequence_parallel_size, hosts)
 
 
 def plan_job_at(
-    cfg: PPOConfig, world: int, device_bytes: int, cuda: bool, sequence_parallel: int
+    cfg: PPOConfig,
+    world: int,
+    device_bytes: int,
+    cuda: bool,
+    sequence_parallel: int,
+    hosts: int = 1,
 ) -> list[Phase]:
     """:func:`plan_job` with ``--sequence_parallel_size`` set to ``sequence_parallel``."""
     flags = dataclasses.replace(
         job_flags(cfg, world, device_bytes), sequence_parallel=sequence_parallel
     )
     models = job_models(cfg, flags)
+    if not cuda and cfg.weight_sync_mode("cpu", hosts) == "delta":
+        flags = dataclasses.replace(flags, sync_mirror=True)  # host memory is the device here
     if not cuda and cfg.rollout.rollout_engine == "vllm":
         # vLLM-CPU: the weights of its TP slice + --vllm_kvcache_space_gib (floor 1)
         kv = cfg.rollout.vllm_kvcache_space_gib or 1.0

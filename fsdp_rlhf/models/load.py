@@ -65,7 +65,9 @@ def attn_implementation(flash_attn: bool, device: torch.device) -> str:
 
 
 def check_model_path(path: str, flag: str) -> None:
-    """Fail early, naming the flag, when a local model folder is missing or not a model."""
+    """Fail early, naming the flag, when a local model folder is missing or not a model, or
+    when one of its safetensors files is cut short or its index names a missing file
+    (:func:`safetensors_problem`: headers only, no weights are read)."""
     if not path:
         raise UserError(f"{flag} is required")
     p = Path(path)
@@ -73,6 +75,56 @@ def check_model_path(path: str, flag: str) -> None:
     if looks_local and not (p / "config.json").is_file():
         what = "does not exist" if not p.exists() else "has no config.json"
         raise UserError(f"{flag} {path}: {what}")
+    if looks_local:
+        problem = safetensors_problem(p)
+        if problem:
+            raise UserError(f"{flag} {path}: {problem}")
+
+
+def safetensors_problem(folder: Path) -> str | None:
+    """Why a model folder's safetensors files cannot be loaded, from their headers (the first
+    8 bytes give the JSON header's length; its ``data_offsets`` say where the tensors end):
+    a file shorter than its header says (a cut-off copy or download), a header that is not
+    JSON, or a file the index names that is not there. None when they look whole."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+        except (OSError, ValueError) as e:
+            return f"{index.name} cannot be read ({e})"
+        for name in sorted(set(weight_map.values())):
+            if not (folder / name).is_file():
+                return f"{index.name} names {name}, which is not in the folder"
+    for f in sorted(folder.glob("*.safetensors")):
+        problem = _safetensors_file_problem(f)
+        if problem:
+            return f"{f.name} {problem}; copy or download it again"
+    return None
+
+
+def _safetensors_file_problem(f: Path) -> str | None:
+    size = f.stat().st_size
+    if size < 8:
+        return f"is cut short ({size} bytes: not even its header's length)"
+    with f.open("rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        if n > size - 8:
+            return f"is cut short: its header alone should be {n} bytes, the file has {size}"
+        try:
+            header = json.loads(fh.read(n))
+        except (UnicodeDecodeError, ValueError):
+            return "is not a safetensors file (its header is not JSON)"
+    if not isinstance(header, dict):
+        return "is not a safetensors file (its header is not a JSON object)"
+    ends = [
+        v["data_offsets"][1]
+        for k, v in header.items()
+        if k != "__metadata__" and isinstance(v, dict) and len(v.get("data_offsets", ())) == 2
+    ]
+    need = 8 + n + max(ends, default=0)
+    if need > size:
+        return f"is cut short: its header puts the tensors' end at byte {need}, the file has {size}"
+    return None
 
 
 def text_config(path: str, trust_remote_code: bool = False):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -31,15 +32,19 @@ import torch.distributed as dist
 from fsdp_rlhf.config import PPOConfig, async_rollout_ranks
 from fsdp_rlhf.distributed import faults, weight_broadcast
 from fsdp_rlhf.distributed.bridge import Bridge, Channel, Patience, PeerLost, PeerSlow
-from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars, job_position
+from fsdp_rlhf.distributed.delta_sync import DeltaSender, DeltaStats
+from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars, job_hosts, job_position
 from fsdp_rlhf.distributed.heartbeat import peer_beats
+from fsdp_rlhf.distributed.prefetch import StageTimes, staged
 from fsdp_rlhf.distributed.split_world import SplitWorld, init_split_world
 from fsdp_rlhf.distributed.weight_broadcast import WeightLink
 from fsdp_rlhf.models.load import load_tokenizer
 from fsdp_rlhf.rollout.weight_sync import (
-    stream_actor_weights,
+    actor_buckets,
+    hf_param_name,
     stream_adapter_weights,
     stream_merged_weights,
+    tied_head_alias,
 )
 from fsdp_rlhf.trainers import common
 from fsdp_rlhf.trainers.experience import Experience
@@ -152,6 +157,10 @@ class AsyncSource:
         self.ledger: LedgerWriter | None = None  # training rank 0's, from the start
         self.started = False
         self._ended = False
+        self.delta_sender = None
+        mode = cfg.weight_sync_mode(env.device.type, job_hosts())
+        if not adapter_sync(cfg) and mode == "delta":
+            self.delta_sender = DeltaSender(full_every=cfg.rollout.weight_sync_full_every)
         log.info(
             "asynchronous: ranks 0-%d train, %d-%d generate (%d engines x TP %d); batches "
             "at most %d weight version(s) old%s",
@@ -215,7 +224,11 @@ class AsyncSource:
         times["train_wait"] = times.get("train_wait", 0.0) + waited
         times["weight_sync"] = sent.seconds - waited
         moving = max(sent.seconds - waited, 1e-9)
-        return {"async/weight_sync_gbps": sent.bytes / moving / 1e9}
+        metrics = {"async/weight_sync_gbps": sent.bytes / moving / 1e9}
+        metrics["async/weight_sync_wire_bytes"] = float(sent.bytes)
+        if sent.delta is not None and sent.delta.elements:
+            metrics["async/weight_sync_changed_frac"] = sent.delta.changed_frac
+        return metrics
 
     def throughput(self, metrics: dict[str, float], times: dict[str, float]) -> dict[str, float]:
         """e2e over every rank of the job, update over the training ranks, rollout over the
@@ -358,17 +371,39 @@ class AsyncSource:
 
     def publish(self, version: int) -> weight_broadcast.PublishStats:
         """Send the actor's weights as version ``version`` (collective over the training
-        ranks: the gathers); each rollout rank takes it when it is ready."""
+        ranks: the gathers, made one bucket ahead with --weight_sync_overlap); each rollout
+        rank takes it when it is ready."""
         header = {"kind": WEIGHTS, "version": version}
         actor, dtype = self.parts.actor, engine_dtype(self.cfg)
+        overlap, times = self.cfg.rollout.weight_sync_overlap, StageTimes()
+        device = self.env.device
+        syncing = partial(faults.reached, "syncing", version)  # a fault point (tests)
+        if self.delta_sender is not None:
+            stats = DeltaStats()
+            deltas = self.delta_sender.deltas(actor, dtype, rename=hf_param_name, stats=stats)
+            sent = weight_broadcast.publish_delta(
+                self.job.link,
+                first_then(staged(deltas, times, overlap=overlap), syncing),
+                sender=self.sender,
+                aliases=tied_head_alias(actor),
+                header=header,
+                stats=stats,
+            )
+            return self._published(version, sent)
         if adapter_sync(self.cfg):
             stream = stream_adapter_weights(actor, dtype)
         elif (scaling := merged_lora_scaling(self.cfg)) is not None:
             stream = stream_merged_weights(actor, dtype, scaling)
         else:
-            stream = stream_actor_weights(actor, dtype)
-        stream = first_then(stream, lambda: faults.reached("syncing", version))
+            buckets = staged(actor_buckets(actor, dtype), times, overlap=overlap, device=device)
+            stream = (w for bucket in buckets for w in bucket)
+        stream = first_then(stream, syncing)
         sent = weight_broadcast.publish(self.job.link, stream, sender=self.sender, header=header)
+        return self._published(version, sent)
+
+    def _published(
+        self, version: int, sent: weight_broadcast.PublishStats
+    ) -> weight_broadcast.PublishStats:
         if self.ledger is not None:
             self.ledger.record("published", version=version)
         return sent

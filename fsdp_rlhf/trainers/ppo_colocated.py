@@ -19,7 +19,12 @@ from fsdp_rlhf.trainers.ppo_dynamic_filtering import dynamic_sample
 from fsdp_rlhf.trainers.ppo_metrics import StatCollector, add_rollout_stats, throughput_metrics
 from fsdp_rlhf.trainers.ppo_multiturn import build_multiturn, multiturn_rollout
 from fsdp_rlhf.trainers.ppo_rewards import add_overlong_penalty, add_stop_properly_penalty
-from fsdp_rlhf.trainers.ppo_rollout import RolloutSession, sampling_config, sleep_drops_weights
+from fsdp_rlhf.trainers.ppo_rollout import (
+    RolloutSession,
+    delta_state,
+    sampling_config,
+    sleep_drops_weights,
+)
 from fsdp_rlhf.trainers.ppo_setup import (
     adapter_spec,
     build_engine,
@@ -63,6 +68,8 @@ class ColocatedSource:
             adapter=adapter_spec(cfg, parts.actor),
             lora_scaling=merged_lora_scaling(cfg),
             unsynced=unsynced_params(cfg, parts.actor),
+            delta=delta_state(cfg, env.device),
+            overlap=cfg.rollout.weight_sync_overlap,
         )
         # the ranks of a sequence-parallel group draw the same prompts (their data shard)
         sp = parts.sp

@@ -457,3 +457,28 @@ def test_logprob_chunks_are_no_larger_than_the_logits():
     assert logprob_chunk_bytes(4 * 32, 499) == 4 * 4 * 4 * 32 * 499  # the whole of them
     assert logprob_chunk_bytes(4 * 256, 151936) <= LOGPROB_CHUNK_BYTES
     assert logprob_chunk_bytes(4 * 256, 151936) == 4 * 4 * (2**23 // 151936) * 151936
+
+
+def test_a_cpu_jobs_delta_sync_mirror_is_resident_in_every_phase(tmp_path):
+    """Delta sync keeps the synced weights (engine dtype) on every rank: host memory, which is
+    what a CPU job's phases count; a CUDA job's phases do not hold it, nor does a job synced
+    in full. auto: delta over several hosts, but colocated on CUDA."""
+    from fsdp_rlhf.distributed.memory_plan import model_shape, plan_job
+
+    cfg = _qwen7b_job(tmp_path)
+    actor = model_shape(cfg.models.pretrain)
+    assert cfg.weight_sync_mode("cpu", hosts=2) == "delta"
+    assert cfg.weight_sync_mode("cpu", hosts=1) == cfg.weight_sync_mode("cuda", 2) == "full"
+    for phase in plan_job(cfg, 4, 512 * GIB, cuda=False, hosts=2):
+        assert phase.parts["weight-sync mirror"] == 2 * actor.params, phase.name  # bf16
+    for phase in plan_job(cfg, 8, H100, cuda=True, hosts=2):
+        assert "weight-sync mirror" not in phase.parts, phase.name
+    for one_host in (cfg, _qwen7b_job(tmp_path, "--weight_sync", "full")):
+        assert all(
+            "weight-sync mirror" not in p.parts for p in plan_job(one_host, 2, 512 * GIB, False)
+        )
+    delta = _qwen7b_job(tmp_path, "--weight_sync", "delta")
+    assert all("weight-sync mirror" in p.parts for p in plan_job(delta, 2, 512 * GIB, False))
+    async_job = _qwen7b_job(tmp_path, "--async_train")
+    assert async_job.weight_sync_mode("cuda", 2) == "delta"
+    assert async_job.weight_sync_mode("cuda", 1) == "full"
