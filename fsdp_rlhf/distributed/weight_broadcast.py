@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import os
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -45,6 +46,11 @@ from fsdp_rlhf.distributed.bridge import Bridge, Channel, Outbox
 from fsdp_rlhf.distributed.delta_sync import BucketDelta, BucketLayout, DeltaStats, Mirror
 from fsdp_rlhf.distributed.fsdp import GATHER_BUCKET_BYTES
 
+# A measurement hook (not a setting), read when a link is built: with
+# FSDP_RLHF_LOCKSTEP_WEIGHTS=1 every header, manifest and payload waits until every rollout
+# rank took it, as the delivery did before each rollout rank took versions at its own pace
+# (scripts/benchkit/async_decoupled compares the two)
+LOCKSTEP_ENV = "FSDP_RLHF_LOCKSTEP_WEIGHTS"
 Entry = tuple  # (name, dtype name, shape) or (name, "alias", other name)
 WHAT = "sending new weights"
 ALIGN = 16  # bytes: every tensor starts at a multiple, so its view has an aligned start
@@ -148,6 +154,8 @@ class WeightLink:
     def __init__(self, bridge: Bridge, receivers: list[int], nccl=None, depth: int = 2) -> None:
         self.bridge, self.receivers, self.nccl = bridge, receivers, nccl
         self.depth = max(1, depth)
+        self.held = os.environ.get(LOCKSTEP_ENV) == "1"  # the measurement hook above
+        self.lockstep = self.held or nccl is not None  # the NCCL broadcast needs them all
         self.in_flight: collections.deque[Outbox] = collections.deque()  # oldest first
 
     @classmethod
@@ -196,6 +204,8 @@ class WeightLink:
         if header is not None:
             for r in self.receivers:
                 self._post_object(header, r, Channel.CONTROL)
+            if self.held:
+                self.bridge.flush(what=WHAT, outbox=self.in_flight[-1])
         return waited
 
     def post_manifest(self, manifest: object) -> float:
@@ -203,7 +213,7 @@ class WeightLink:
         rank takes it (the broadcast needs them all) and returns the seconds waited."""
         for r in self.receivers:
             self._post_object(manifest, r, Channel.WEIGHTS)
-        if self.nccl is None:
+        if not self.lockstep:
             return 0.0
         t0 = time.perf_counter()
         self.bridge.flush(what=WHAT, outbox=self.in_flight[-1])
@@ -217,6 +227,8 @@ class WeightLink:
         payload = payload.cpu()
         for r in self.receivers:
             self.bridge.isend([payload], r, Channel.WEIGHTS, WHAT, outbox=self.in_flight[-1])
+        if self.held:
+            self.bridge.flush(what=WHAT, outbox=self.in_flight[-1])
 
     def wait_delivered(self, wait_s: float | None = None) -> None:
         """Wait until every rollout rank took every version posted."""
@@ -271,7 +283,7 @@ def publish(
             continue
         manifest, payload = pack(bucket)
         took = link.post_manifest(manifest)
-        if i == 0:  # over NCCL: every rollout rank starts receiving
+        if i == 0:  # over NCCL (or lock-step): every rollout rank starts receiving
             waited += took
         link.send(payload.to(link.device))
         sent += payload.numel()

@@ -1,10 +1,11 @@
 """Asynchronous PPO with 2 engines: weight versions delivered to each rollout rank on its own
 (decoupled) against one delivery that waits for every rollout rank (lock-step).
 
-``python -m scripts.benchkit.async_decoupled --lockstep_tree DIR --out benchmarks/<f>.json``
-runs the CLI under torchrun on 3 local ranks (1 training rank, 2 engines of TP 1,
-``--async_queue_size 1``) with this tree's fsdp_rlhf (decoupled) and with ``DIR``'s, a copy of
-the tree before the change (lock-step), in alternation, ``--repeats`` times each:
+``python -m scripts.benchkit.async_decoupled --out benchmarks/<f>.json`` runs the CLI under
+torchrun on 3 local ranks (1 training rank, 2 engines of TP 1, ``--async_queue_size 1``) as it
+is (decoupled) and with ``FSDP_RLHF_LOCKSTEP_WEIGHTS=1`` (lock-step: every header, manifest and
+payload of a weight version waits until every rollout rank took it, as before; a measurement
+hook of ``distributed.weight_broadcast``), in alternation, ``--repeats`` times each:
 
 * ``varied_lengths``: GRPO whose responses stop at random lengths (the tiny model's generation
   config lists a dozen stop tokens: most responses are short, a few run to
@@ -28,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from scripts.benchkit.async_vs_sync import REPO, build, flags, run, summarise
+from scripts.benchkit.async_vs_sync import build, flags, run, summarise
 from scripts.benchkit.machine import describe
 
 FAST_REWARD = (
@@ -51,7 +52,6 @@ KEYS = ("timing/rollout_wait", "timing/weight_load", "timing/weight_sync", "timi
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON results")
-    p.add_argument("--lockstep_tree", required=True, help="a copy of the tree before the change")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--per_char_s", type=float, default=0.015)
@@ -65,20 +65,15 @@ def main() -> None:
     }
     rewards["varied_lengths"].write_text(FAST_REWARD)
     rewards["engine_time"].write_text(ENGINE_TIME_REWARD.format(per_char=a.per_char_s))
-    trees = {"lockstep": Path(a.lockstep_tree).resolve(), "decoupled": REPO}
-    results = {
-        "machine": describe(),
-        "steps": a.steps,
-        "per_char_s": a.per_char_s,
-        "trees": {k: str(v) for k, v in trees.items()},
-    }
+    modes = {"lockstep": {"FSDP_RLHF_LOCKSTEP_WEIGHTS": "1"}, "decoupled": {}}
+    results = {"machine": describe(), "steps": a.steps, "per_char_s": a.per_char_s}
     for name in a.scenarios.split(","):
-        collected: dict[str, list[dict]] = {m: [] for m in trees}
+        collected: dict[str, list[dict]] = {m: [] for m in modes}
         for i in range(a.repeats):
-            for mode, tree in trees.items():  # alternated: drift hits both alike
+            for mode, env in modes.items():  # alternated: drift hits both alike
                 save = root / f"{name}_{mode}_{i}"
                 args = [*flags(paths, "varied", str(rewards[name]), save, a.steps, 192), *ASYNC_2]
-                collected[mode].append(run(args, save, nproc=3, tree=tree))
+                collected[mode].append(run(args, save, nproc=3, extra_env=env))
                 print(name, mode, i, statistics.median(collected[mode][-1]["step_s"]), flush=True)
         results[name] = {m: summarise(r, 16 * 4) for m, r in collected.items()}
         for mode, runs in collected.items():

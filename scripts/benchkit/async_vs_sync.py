@@ -94,13 +94,17 @@ def flags(paths: dict[str, str], model: str, reward: str, save: Path, steps: int
 
 
 def run(
-    args: list[str], save: Path, timeout: float = 1800, nproc: int = 2, tree: Path = REPO
+    args: list[str],
+    save: Path,
+    timeout: float = 1800,
+    nproc: int = 2,
+    extra_env: dict[str, str] | None = None,
 ) -> dict:
-    """One torchrun run of ``tree``'s fsdp_rlhf on ``nproc`` ranks; the wall time between
+    """One torchrun run on ``nproc`` ranks (``extra_env`` added); the wall time between
     consecutive metrics rows, and the rows."""
     from fsdp_rlhf.testing.launch import local_torchrun
 
-    env = {**os.environ, "PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **(extra_env or {})}
     env["TOKENIZERS_PARALLELISM"] = "false"
     cmd = local_torchrun(nproc, ["-m", "fsdp_rlhf.cli", "ppo", *args])
     metrics = save / "metrics.jsonl"
@@ -108,7 +112,7 @@ def run(
     load = os.getloadavg()[0]
     t0 = time.monotonic()
     with open(save.parent / f"{save.name}.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tree)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         while proc.poll() is None:
             if metrics.exists():
                 rows = metrics.read_text().count("\n")
