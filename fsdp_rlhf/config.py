@@ -63,7 +63,8 @@ class BackendConfig:
 @dataclass(frozen=True, kw_only=True)
 class FSDPConfig:
     """Parallelism: FSDP2 sharding over all ranks (``zero_stage`` keeps DeepSpeed's vocabulary
-    for migrating users) and sequence parallelism inside groups of ranks."""
+    for migrating users), sequence parallelism inside groups of ranks, and expert parallelism
+    of MoE layers inside groups of ranks."""
 
     zero_stage: int = doc(
         2, "3: reshard params after forward (ZeRO-3); 0-2: keep them gathered until backward ends."
@@ -76,6 +77,14 @@ class FSDPConfig:
         "world size and the attention heads, batch sizes count world / N data-parallel ranks. "
         "OpenRLHF's --ring_attn_size maps here.",
     )
+    expert_parallel_size: int = doc(
+        1,
+        "Expert parallelism for MoE models: groups of E consecutive ranks split each MoE "
+        "layer's routed experts (tokens go to their experts by all-to-all); the expert weights "
+        "are sharded over the ranks holding the same experts, everything else over all ranks. "
+        "E divides the world size and the experts per layer; dense models are unaffected. "
+        "Other trainers' ep_size, expert_model_parallel_size and Molt's --fsdp.ep_size map here.",
+    )
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
@@ -84,6 +93,8 @@ class FSDPConfig:
             raise ConfigError(
                 f"sequence_parallel_size must be >= 1, got {self.sequence_parallel_size}"
             )
+        if self.expert_parallel_size < 1:
+            raise ConfigError(f"expert_parallel_size must be >= 1, got {self.expert_parallel_size}")
 
     def data_parallel_size(self, world_size: int) -> int:
         """Ranks holding different data: ``world / sequence_parallel_size``; raises a
@@ -235,8 +246,8 @@ class VisionConfig:
     )
     freeze_visual_encoder: bool = doc(
         False,
-        "Train the language model only: the vision encoder and its projector stay frozen and "
-        "are not synced into vLLM.",
+        "Train the language model only: the vision encoder and its projector stay frozen (in "
+        "ppo the actor's and a vision-language critic's) and are not synced into vLLM.",
     )
 
     def __post_init__(self) -> None:
@@ -366,6 +377,7 @@ class RMConfig:
     backend: BackendConfig = section(BackendConfig)
     fsdp: FSDPConfig = section(FSDPConfig)
     data: PreferenceDataConfig = section(PreferenceDataConfig)
+    vision: VisionConfig = section(VisionConfig)
     batch: PairBatchConfig = section(PairBatchConfig)
     optim: OptimConfig = section(OptimConfig)
     loss: RMLossConfig = section(RMLossConfig)
@@ -1021,6 +1033,11 @@ class PPOConfig:
                     "--sequence_parallel_size > 1 with --async_train: not supported yet "
                     "(sequence parallelism is not combined with the split world); drop one"
                 )
+            if self.fsdp.expert_parallel_size > 1:
+                raise ConfigError(
+                    "--expert_parallel_size > 1 with --async_train: not supported yet (expert "
+                    "groups are not built over the split world's training ranks); drop one"
+                )
             return
         for flag, value in (
             ("--partial_rollout", a.partial_rollout),
@@ -1055,10 +1072,6 @@ class PPOConfig:
             raise ConfigError(
                 f"--overlong_buffer_len is single-turn only; drop it with {mt.source[0]}"
             )
-        if self.moe.router_replay:
-            # the routing of one sample would span several engine calls, each turn's prompt
-            # reusing the previous turns from the prefix cache: not assembled here
-            raise ConfigError(f"--router_replay is single-turn only; drop it with {mt.source[0]}")
 
     def weight_sync_mode(self, device_type: str, hosts: int = 1) -> str:
         """``"delta"`` or ``"full"``: how the actor's weights reach the engines on a job

@@ -28,6 +28,7 @@ from fsdp_rlhf.allocator import preloaded_allocator
 from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.distributed.collectives import collective_device
 from fsdp_rlhf.distributed.env import DistEnv, init_distributed, job_hosts, teardown
+from fsdp_rlhf.distributed.expert_parallel import ExpertParallel, new_expert_parallel_groups
 from fsdp_rlhf.distributed.memory import (
     activation_bytes,
     lora_reference_savings,
@@ -35,6 +36,7 @@ from fsdp_rlhf.distributed.memory import (
     verdict,
 )
 from fsdp_rlhf.distributed.memory_plan import (
+    expert_parallel_fit,
     job_flags,
     model_shape,
     plan_job,
@@ -43,7 +45,7 @@ from fsdp_rlhf.distributed.memory_plan import (
 )
 from fsdp_rlhf.distributed.sequence_parallel import init_sequence_parallel
 from fsdp_rlhf.metrics import setup_logging
-from fsdp_rlhf.models.load import check_sequence_parallel
+from fsdp_rlhf.models.load import check_expert_parallel, check_sequence_parallel
 from fsdp_rlhf.rollout.memory_budget import check_device_budget
 
 log = logging.getLogger("fsdp_rlhf")
@@ -133,6 +135,7 @@ def _check_models(cfg: PPOConfig, env: DistEnv, held: list) -> list[Check]:
         count = f"{total / 1e6:.1f}M params"
         if active != total:  # MoE: a token runs top_k of each layer's experts
             count += f" ({active / 1e6:.1f}M active per token)"
+            count += _experts_per_rank(held[-1], env)
         return f"{count}, sharded: {_local_mib(held[-1]):.0f} MiB on this rank"
 
     checks = []
@@ -150,6 +153,29 @@ def _check_models(cfg: PPOConfig, env: DistEnv, held: list) -> list[Check]:
         what = "--reward_pretrain"
         checks.append(_try(f"{what} loads", lambda: shard(reward, False, what)))
     return checks
+
+
+def _experts_per_rank(model, env: DistEnv) -> str:
+    """What one rank gathers of each MoE layer's routed experts (its expert group's 1/E)."""
+    from fsdp_rlhf.models.moe import expert_parameter_names
+
+    params = dict(model.named_parameters())
+    names = expert_parameter_names(model)
+    layers = {n.rsplit(".", 1)[0] for n in names}
+    per_layer = sum(params[n].numel() for n in names) / max(1, len(layers))
+    e = env.ep.size
+    return (
+        f"; per rank: {_total_local(model) / 1e6:.1f}M held, an MoE layer's forward gathers "
+        f"{per_layer / e / 1e6:.2f}M of its {per_layer / 1e6:.2f}M expert params "
+        f"(--expert_parallel_size {e})"
+    )
+
+
+def _total_local(model) -> int:
+    """Parameters this rank holds (its shards)."""
+    from torch.distributed.tensor import DTensor
+
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
 
 
 def _local_mib(model) -> float:
@@ -232,6 +258,10 @@ def _memory_check(cfg: PPOConfig, env: DistEnv, device_gib: float) -> Check:
             n = sequence_parallel_fit(cfg, env.world_size, device_bytes, env.device.type)[0]
             if n is not None and n != cfg.fsdp.sequence_parallel_size:
                 line += f" (or --sequence_parallel_size {n}: every phase fits)"
+            cuda = env.device.type == "cuda"
+            e = expert_parallel_fit(cfg, env.world_size, device_bytes, cuda)[0]
+            if e is not None and e != cfg.fsdp.expert_parallel_size:
+                line += f" (or --expert_parallel_size {e}: every phase fits)"
             raise RuntimeError("does not fit: " + line)
         return line
 
@@ -303,10 +333,14 @@ def main(cfg: PPOConfig, debug: bool = False) -> int:
     checks = [_try("all-reduce", lambda: _all_reduce_str(env))]
     layout = _try("--sequence_parallel_size", lambda: _sequence_parallel_groups(cfg, env))
     checks.append(layout)
+    ep = [ExpertParallel()]
+    experts = _try("--expert_parallel_size", lambda: _expert_parallel_groups(cfg, env, ep))
+    checks.append(experts)
+    env = dataclasses.replace(env, ep=ep[0])  # the models shard over its groups
     engines, held = [], []
     if cfg.models.pretrain:
         checks.append(_check_engine(cfg, env, engines))  # the job's order: the engine first
-        if layout.ok:  # the models are prepared as the job prepares them, split or not
+        if layout.ok and experts.ok:  # the models are prepared as the job prepares them
             checks += _check_models(cfg, env, held)
         if engines and held:
             checks.append(_check_wake(cfg, env, engines[0], held[0]))
@@ -314,6 +348,8 @@ def main(cfg: PPOConfig, debug: bool = False) -> int:
         smallest = min(r["total_gib"] for r in reports)
         checks.append(_memory_check(cfg, env, smallest))
         checks.append(_sequence_parallel_check(cfg, env, smallest))
+        if cfg.fsdp.expert_parallel_size > 1:
+            checks.append(_expert_parallel_check(cfg, env, smallest))
         if cfg.lora.enabled:
             checks.append(_lora_check(cfg, env, smallest))
     gathered = [None] * env.world_size
@@ -340,6 +376,35 @@ def _sequence_parallel_groups(cfg: PPOConfig, env: DistEnv) -> str:
     if cfg.models.pretrain:
         check_sequence_parallel(n, env.world_size, {"--pretrain": cfg.models.pretrain})
     return f"{sp.dp_size} groups of {sp.size} ranks (data-parallel size {sp.dp_size})"
+
+
+def _expert_parallel_groups(cfg: PPOConfig, env: DistEnv, out: list) -> str:
+    """Build the job's expert-parallel groups (collective) into ``out[0]``; say what they are."""
+    e = cfg.fsdp.expert_parallel_size
+    if e > 1 and env.world_size % e:  # every rank fails alike before the collective
+        raise RuntimeError(f"{e} does not divide the world size {env.world_size}")
+    if e > 1 and cfg.models.pretrain:
+        check_expert_parallel(e, env.world_size, {"--pretrain": cfg.models.pretrain})
+    out[0] = new_expert_parallel_groups(e, env.device.type)
+    if not out[0].enabled:
+        return "off (each rank's forwards gather every expert)"
+    groups = env.world_size // e
+    return f"{groups} groups of {e} ranks split each MoE layer's experts"
+
+
+def _expert_parallel_check(cfg: PPOConfig, env: DistEnv, device_gib: float) -> Check:
+    """Routed expert bytes one rank gathers per MoE layer at each expert-parallel size this
+    world and the experts allow, and the smallest size with which every phase fits."""
+
+    def run() -> str:
+        cuda = env.device.type == "cuda"
+        e, per = expert_parallel_fit(cfg, env.world_size, int(device_gib * 2**30), cuda)
+        sizes = ", ".join(f"E={k}: {v / 2**20:.1f} MiB" for k, v in per.items())
+        if e is None:
+            raise RuntimeError(f"experts gathered per MoE layer: {sizes}; no size fits")
+        return f"experts gathered per MoE layer per rank: {sizes}; fits from E={e}"
+
+    return _try("expert parallelism", run)
 
 
 def _all_reduce_str(env: DistEnv) -> str:

@@ -44,7 +44,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_rlhf.distributed.collectives import collective_device
-from fsdp_rlhf.distributed.fsdp import all_gather_row, local_row, param_buckets
+from fsdp_rlhf.distributed.fsdp import all_gather_row, gather_bucket, local_row, param_buckets
 
 # A measurement hook for benchmarks/ (not a setting): with FSDP_RLHF_MEASURE_DELTA_BLOCKS=16,128
 # each delta sync also counts the blocks of that many elements holding a change, to compare a
@@ -422,16 +422,22 @@ def _rows(
     """Every bucket of ``model`` as this rank's row of it (collective: a parameter that is not
     an FSDP2 ``Shard(0)`` shard is gathered whole)."""
     for bucket, out in param_buckets(model, dtype, bucket_bytes, include):
-        if isinstance(bucket, list):
+        if isinstance(bucket, list) and bucket[0][1].device_mesh.ndim == 1:
             mesh = bucket[0][1].device_mesh
             names = [rename(n) for n, _, _ in bucket]
             shapes = [tuple(p.shape) for _, p, _ in bucket]
             layout = BucketLayout.of(names, shapes, [n for *_, n in bucket], mesh.size(), out)
             row = local_row(bucket, out, layout.row).cpu()
             yield _Row(layout, row, mesh.get_group(), mesh.get_local_rank())
+            continue
+        # expert shards on the 2-D expert-parallel mesh are gathered whole (one collective,
+        # rows in expert order) and each compared as a parameter every rank holds
+        if isinstance(bucket, list):
+            fulls = list(gather_bucket(bucket, out))
         else:
             name, p = bucket
-            full = (p.full_tensor() if isinstance(p, DTensor) else p).detach().to(out)
+            fulls = [(name, (p.full_tensor() if isinstance(p, DTensor) else p).detach().to(out))]
+        for name, full in fulls:
             layout = BucketLayout.of([rename(name)], [tuple(full.shape)], [full.numel()], 1, out)
             row = torch.zeros(layout.row, dtype=out)
             row[: full.numel()].copy_(full.reshape(-1).cpu())

@@ -17,13 +17,13 @@ import inspect
 import torch
 from torch import nn
 
-from fsdp_rlhf.algorithms import gathered_logprobs
 from fsdp_rlhf.distributed.sequence_parallel import gather_sequence
+from fsdp_rlhf.models.head import model_logprobs
 from fsdp_rlhf.models.packing import pack_rows
 from fsdp_rlhf.models.shared_prefix import (
     share_pair_prefixes,
     share_prompts,
-    shared_prompt_logits,
+    shared_prompt_inputs,
 )
 from fsdp_rlhf.models.ulysses import sequence_parallel_of, shard_inputs, sharded_logprobs
 from fsdp_rlhf.models.vision import ImageBatch, VisionTokens, vision_model_inputs
@@ -51,7 +51,11 @@ def padded_positions(attention_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> 
 
 
 def token_values(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool = False
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    packed: bool = False,
+    images: ImageBatch | None = None,
 ) -> torch.Tensor:
     """Scalar head applied at every position of a ``*ForSequenceClassification`` model.
 
@@ -65,9 +69,16 @@ def token_values(
         input_ids, attention_mask: (B, L).
         packed: run the rows as one packed row (the model must use
             ``models.attention.use_varlen_attention``); padding then costs nothing.
+        images: a vision-language model's images of these rows (padded rows only): merged
+            into the embeddings, the model's M-RoPE positions built from them.
     Returns:
         (B, L) float32 values (at padded positions: a neighbouring token's value).
     """
+    if images is not None:
+        if packed:
+            raise ValueError("vision-language rows go through the model padded, one row each")
+        tokens = VisionTokens.from_config(model.config)
+        return row_values(model, vision_model_inputs(tokens, input_ids, attention_mask, images))
     if packed:
         row = pack_rows(input_ids, attention_mask)
         values = row_values(model, row.model_inputs())[0]
@@ -90,6 +101,8 @@ def row_values(model: nn.Module, inputs: dict) -> torch.Tensor:
     sp = sequence_parallel_of(model)
     if sp is None:
         return _head_values(model, **inputs)
+    if "pixel_values" in inputs:
+        raise ValueError("vision-language rows are not split by sequence parallelism")
     L = inputs["input_ids"].shape[1]
     local = _head_values(model, **shard_inputs(model, inputs, sp))  # (B, ceil(L / N))
     return gather_sequence(local, 1, sp.group)[:, :L]
@@ -108,17 +121,22 @@ def _head_values(model: nn.Module, **inputs) -> torch.Tensor:
 
 
 def sequence_scores(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool = False
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    packed: bool = False,
+    images: ImageBatch | None = None,
 ) -> torch.Tensor:
     """Reward of each sequence, read at its last attended token. (B, L) -> (B,).
 
     ``packed``: the rows go through the model as one packed row without padding (the model
-    must use ``models.attention.use_varlen_attention``).
+    must use ``models.attention.use_varlen_attention``). ``images``: a VLM's images of the
+    rows (padded rows only, see :func:`token_values`).
     """
-    if packed:
+    if packed and images is None:
         row = pack_rows(input_ids, attention_mask)
         return row_values(model, row.model_inputs())[0, row.last_index]
-    values = token_values(model, input_ids, attention_mask)
+    values = token_values(model, input_ids, attention_mask, packed, images)
     idx = last_token_index(attention_mask)
     return values.gather(1, idx.unsqueeze(1)).squeeze(1)
 
@@ -148,10 +166,11 @@ def response_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the last ``response_len`` tokens of each row under a causal LM.
 
-    The model computes logits only where a response token is predicted when it takes
-    ``logits_to_keep`` (HF causal LMs do), and no full-size copy of them is made: the log-probs
-    and entropies are read chunk by chunk, each chunk upcast and divided by the temperature on
-    its own (``algorithms.gathered_logprobs``), in the no-grad forwards and the update alike.
+    The model's output layer sees only the positions that predict a response token when it
+    takes ``logits_to_keep`` (HF causal LMs do), and computes the log-probs and entropies from
+    their hidden states a block of the vocabulary at a time: no (B, T, V) logits exist, in the
+    no-grad forwards and the update alike (``models.head``; models that post-process their
+    logits make them once and read them chunk by chunk).
 
     Args:
         input_ids, attention_mask: (B, P + T), prompt left-padded, response right-padded.
@@ -184,11 +203,12 @@ def response_logprobs(
             entropy_grad=entropy_grad,
             keep_logits=_takes_logits_to_keep(model),
         )
-    logits, index = response_logits(
+    inputs, index = response_inputs(
         model, input_ids, attention_mask, response_len, packed, group_size, images
     )
-    return gathered_logprobs(
-        logits,
+    return model_logprobs(
+        model,
+        inputs,
         input_ids[:, -response_len:],
         index,
         temperature=temperature,
@@ -205,7 +225,7 @@ def response_positions(
     group_size: int = 1,
 ) -> tuple[dict, torch.Tensor]:
     """Whole-row model inputs of a batch (padded, packed or shared-prompt, as in
-    :func:`response_logits`) and the (B, T) flat position ``row * L + col`` in them whose
+    :func:`response_inputs`) and the (B, T) flat position ``row * L + col`` in them whose
     prediction is each response token."""
     T = response_len
     if group_size > 1:
@@ -224,7 +244,7 @@ def response_positions(
     return _padded_inputs(input_ids, attention_mask), rows + before
 
 
-def response_logits(
+def response_inputs(
     model: nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
@@ -232,29 +252,30 @@ def response_logits(
     packed: bool = False,
     group_size: int = 1,
     images: ImageBatch | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The model's logits, as few rows as it allows, and the row predicting each response token.
+) -> tuple[dict, torch.Tensor | None]:
+    """The model inputs that make as few rows of logits as the model allows, and the row
+    predicting each response token.
 
     Returns:
-        ``(logits, index)``: logits (..., V) exactly as the model returned them, and (B, T)
-        row of ``logits.reshape(-1, V)`` whose prediction is each of the T response tokens
-        (logits at position i predict token i + 1); None when the logits are (B, T, V)
-        already aligned with the response tokens.
+        ``(inputs, index)``: keyword arguments of the model (``logits_to_keep`` included when
+        it takes it), and the (B, T) row of its logits ``reshape(-1, V)`` whose prediction is
+        each of the T response tokens (logits at position i predict token i + 1); None when
+        the logits are (B, T, V) already aligned with the response tokens.
     """
     T = response_len
     if images is not None and (packed or group_size > 1):
         raise ValueError("vision-language rows go through the model padded, one row each")
     if group_size > 1:
-        return shared_prompt_logits(model, share_prompts(input_ids, attention_mask, T, group_size))
+        return shared_prompt_inputs(share_prompts(input_ids, attention_mask, T, group_size))
     keep = _takes_logits_to_keep(model)
     if packed:
         row = pack_rows(input_ids, attention_mask)
         positions = padded_positions(attention_mask, row.cu_seqlens)[:, -T - 1 : -1]  # (B, T)
         if not keep:
-            return model(**row.model_inputs()).logits, positions  # (1, T_packed, V)
+            return row.model_inputs(), positions  # logits (1, T_packed, V)
         # only the rows that predict a response token (padding repeats a neighbour's row)
         rows, index = torch.unique(positions, return_inverse=True)
-        return model(**row.model_inputs(), logits_to_keep=rows).logits, index
+        return {**row.model_inputs(), "logits_to_keep": rows}, index
     if images is not None:
         tokens = VisionTokens.from_config(model.config)
         inputs = vision_model_inputs(tokens, input_ids, attention_mask, images)
@@ -263,9 +284,9 @@ def response_logits(
     B, L = input_ids.shape
     before = torch.arange(L - T - 1, L - 1, device=input_ids.device)  # positions predicting
     if keep:  # (B, T, V), aligned with the response tokens: read without any index
-        return model(**inputs, logits_to_keep=before).logits, None
+        return {**inputs, "logits_to_keep": before}, None
     rows = torch.arange(B, device=input_ids.device).unsqueeze(1) * L
-    return model(**inputs).logits, rows + before  # (B, L, V)
+    return inputs, rows + before  # logits (B, L, V)
 
 
 def _takes_logits_to_keep(model: nn.Module) -> bool:

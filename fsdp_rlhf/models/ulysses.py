@@ -13,7 +13,7 @@ share. Activations, logits and the attention's q/k/v per rank shrink N-fold; the
 FSDP2's shards as before.
 
 Outputs are read on the slices and combined once per forward: log-probs and entropies of the
-positions each rank holds (chunked, ``algorithms.gathered_logprobs``) are summed over the group
+positions each rank holds (from the output layer's input, ``models.head``) are summed over the group
 (each entry lives on one rank), values are all-gathered along the sequence. Both backward
 passes hand each rank the gradient of its own entries (every rank computes the same loss), so
 the gradients summed by FSDP equal the unsplit forward's.
@@ -33,7 +33,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from fsdp_rlhf.algorithms import gathered_logprobs
 from fsdp_rlhf.distributed.sequence_parallel import SequenceParallel, all_to_all
 from fsdp_rlhf.models.attention import (
     FLASH_ATTENTION,
@@ -47,6 +46,7 @@ from fsdp_rlhf.models.attention import (
     span_attention,
     varlen_sdpa,
 )
+from fsdp_rlhf.models.head import model_logprobs
 
 ULYSSES_ATTENTION = "fsdp_rlhf_ulysses"
 _SP_ATTR = "_fsdp_rlhf_sequence_parallel"
@@ -342,13 +342,13 @@ def sharded_logprobs(
     sharded = shard_inputs(model, inputs, sp)
     if keep_logits:
         cols, slot = torch.unique(local_col, return_inverse=True)
-        logits = model(**sharded, logits_to_keep=cols).logits  # (B, k, V)
+        sharded = {**sharded, "logits_to_keep": cols}  # logits (B, k, V)
         rows = b[mine] * cols.numel() + slot
     else:
-        logits = model(**sharded).logits  # (B, Lr, V)
-        rows = b[mine] * (stop - start) + local_col
-    lp, ent = gathered_logprobs(
-        logits,
+        rows = b[mine] * (stop - start) + local_col  # logits (B, Lr, V)
+    lp, ent = model_logprobs(
+        model,
+        sharded,
         target[mine],
         rows,
         temperature=temperature,

@@ -18,6 +18,7 @@ offline commands' :class:`~fsdp_rlhf.trainers.offline.trainer.OfflineTrainer` an
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -43,6 +44,7 @@ from fsdp_rlhf.distributed.env import (
     teardown,
 )
 from fsdp_rlhf.distributed.exit_report import hold_termination, note_failing, note_prepared
+from fsdp_rlhf.distributed.expert_parallel import new_expert_parallel_groups
 from fsdp_rlhf.distributed.fsdp import build_mesh, describe_zero_stage, shard_model
 from fsdp_rlhf.distributed.heartbeat import start_heartbeat
 from fsdp_rlhf.distributed.rank0_load import fill_from_rank0
@@ -120,6 +122,16 @@ def launch(
             sp.dp_size,
             sp.size,
             sp.dp_size,
+        )
+    ep = new_expert_parallel_groups(cfg.fsdp.expert_parallel_size, env.device.type)
+    if ep.enabled:
+        env = dataclasses.replace(env, ep=ep)
+        log.info(
+            "expert parallelism: %d groups of %d ranks split each MoE layer's experts "
+            "(all-to-all around the experts); expert weights sharded over %d ranks each",
+            env.world_size // ep.size,
+            ep.size,
+            env.world_size // ep.size,
         )
     # Multi-node: a host that vanishes ends every rank within a bound, not the collective timeout.
     heartbeat = start_heartbeat(
@@ -229,7 +241,8 @@ def prepare_model(
     grad_reduce: str = "mean",
 ) -> nn.Module:
     """Attention kernel (inside Ulysses with ``--sequence_parallel_size``), compiled blocks and
-    FSDP2 shards over all ranks; train or frozen.
+    FSDP2 shards over all ranks (an MoE model's experts split over ``env.ep``'s groups); train
+    or frozen.
 
     Args:
         packed: micro-batches arrive packed into one row (``--packing_samples``).
@@ -259,6 +272,7 @@ def prepare_model(
         cpu_offload=trainable and fsdp.adam_offload,
         frozen=not trainable,
         dp_size=sp.dp_size,
+        ep=env.ep,
     )
     if trainable:
         model.train()  # from_pretrained returns eval mode: no dropout, no grad checkpointing

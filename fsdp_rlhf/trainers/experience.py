@@ -155,11 +155,12 @@ def batched_logprobs(
 def batched_values(
     model: nn.Module, exp: Experience, micro: int | MicroBatching, packed: bool = False
 ) -> torch.Tensor:
-    """(N, T) critic values at the positions that predict each response token."""
+    """(N, T) critic values at the positions that predict each response token (a VLM critic
+    sees each row's images)."""
     out = torch.zeros_like(exp.response_mask)
     for rows, mb in micro_batches(exp, _batching(micro, packed)):
         T = mb.response_len
-        v = token_values(model, mb.input_ids, mb.attention_mask, packed)
+        v = token_values(model, mb.input_ids, mb.attention_mask, packed, mb.images)
         if rows is not None:
             out[rows, :T] = v[:, -T - 1 : -1]
     return out * exp.response_mask
@@ -169,10 +170,11 @@ def batched_values(
 def batched_scores(
     model: nn.Module, exp: Experience, micro: int | MicroBatching, packed: bool = False
 ) -> torch.Tensor:
-    """(N,) reward-model scores of prompt + response, read at the last real token."""
+    """(N,) reward-model scores of prompt + response (with its images), read at the last real
+    token."""
     out = torch.zeros(exp.num_sequences, device=exp.input_ids.device)
     for rows, mb in micro_batches(exp, _batching(micro, packed)):
-        scores = sequence_scores(model, mb.input_ids, mb.attention_mask, packed)
+        scores = sequence_scores(model, mb.input_ids, mb.attention_mask, packed, mb.images)
         if rows is not None:
             out[rows] = scores.float()
     return out

@@ -135,7 +135,7 @@ class PPOTrainer:
         self.sp = sequence_parallel_layout()
         # an MoE actor: router replay, routing statistics, the load-balancing loss (each rank
         # routing its slice of every row under sequence parallelism)
-        self.moe = MoEHooks.attach(self.models.actor, self.sp)
+        self.moe = MoEHooks.attach(self.models.actor, self.sp, env.ep)
         self.prompts = build_prompts(cfg, rows, tokenizer, self.images)
         self.total_steps = self._total_steps()
         updates = self.total_steps * cfg.algo.ppo_epochs * self.plan.optimizer_steps_per_epoch
@@ -489,11 +489,12 @@ class PPOTrainer:
 
     def _export(self, model: nn.Module, path, head: str | None = None) -> None:
         """The HF model, or with LoRA its adapter folder (and the merged model if asked); a
-        VLM's processor (image processor, tokenizer, chat template) goes with the actor."""
+        VLM's processor (image processor, tokenizer, chat template) goes with the actor and
+        the critic."""
         m = self.cfg.models
         base = m.pretrain if head is None else (m.critic_pretrain or m.reward_pretrain)
         processor = self.models.tokenizer
-        if self.images is not None and head is None:
+        if self.images is not None:  # a VLM critic's folder loads with the processor too
             processor = self.images.vision.processor
         save_model(model, processor, path, self.cfg.lora, base_path=base, head=head)
 

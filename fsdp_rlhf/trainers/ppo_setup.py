@@ -35,6 +35,7 @@ from fsdp_rlhf.distributed.offload import offload_model, offload_optimizer
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.models.compile import check_compile_toolchain
 from fsdp_rlhf.models.load import (
+    check_expert_parallel,
     check_model_path,
     check_sequence_parallel,
     is_vision_language,
@@ -48,7 +49,13 @@ from fsdp_rlhf.models.lora import add_lora, check_target_modules, target_module_
 from fsdp_rlhf.models.lora import scaling as lora_scaling
 from fsdp_rlhf.models.save import check_save_path, recover_interrupted_export
 from fsdp_rlhf.models.shared_prefix import shared_group_size, sharing_blocker
-from fsdp_rlhf.models.vision import VisionTokens, is_vision_param, prepare_policy, vision_prefix
+from fsdp_rlhf.models.vision import (
+    VisionTokens,
+    freeze_vision_tower,
+    is_vision_param,
+    prepare_policy,
+    vision_prefix,
+)
 from fsdp_rlhf.optim import build_optimizer, build_scheduler
 from fsdp_rlhf.rollout import AdapterSpec, HFEngine, RolloutEngine, build_rollout_groups
 from fsdp_rlhf.rollout.agent import load_agent_class
@@ -328,21 +335,22 @@ def prepare(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any]:
         check_model_path(m.critic_pretrain, "--critic_pretrain")
     if uses_critic(cfg) and not critic_path(cfg):
         raise UserError("--advantage_estimator gae needs a critic: pass --critic_pretrain")
-    check_sequence_parallel(
-        cfg.fsdp.sequence_parallel_size,
-        world_size,
-        {
-            "--pretrain": m.pretrain,
-            "--reward_pretrain": m.reward_pretrain,
-            "--critic_pretrain": critic_path(cfg) if uses_critic(cfg) else None,
-        },
-        cfg.backend.trust_remote_code,
-    )
+    paths = {
+        "--pretrain": m.pretrain,
+        "--reward_pretrain": m.reward_pretrain,
+        "--critic_pretrain": critic_path(cfg) if uses_critic(cfg) else None,
+    }
+    trust = cfg.backend.trust_remote_code
+    check_sequence_parallel(cfg.fsdp.sequence_parallel_size, world_size, paths, trust)
+    check_expert_parallel(cfg.fsdp.expert_parallel_size, world_size, paths, trust)
     check_context_length(cfg)
     _check_outputs(cfg)
     vlm = is_vision_language(m.pretrain, cfg.backend.trust_remote_code)
     if vlm:
-        refuse_unsupported(cfg, m.pretrain)
+        scalar = {"--critic_pretrain": critic_path(cfg)} if uses_critic(cfg) else {}
+        if m.reward_pretrain:
+            scalar["--reward_pretrain"] = m.reward_pretrain
+        refuse_unsupported(cfg, m.pretrain, scalar)
         load_processor(m.pretrain, cfg.backend.trust_remote_code)  # torchvision, the processor
     elif cfg.vision.freeze_visual_encoder:
         raise UserError(f"--freeze_visual_encoder: --pretrain {m.pretrain} is text-only")
@@ -450,6 +458,8 @@ def build_models(cfg: PPOConfig, env: DistEnv, tokenizer) -> Models:
                 value_head_prefix=m.value_head_prefix,
                 weights=weights,
             )
+            if cfg.vision.freeze_visual_encoder and vision_prefix(model) is not None:
+                freeze_vision_tower(model)  # as the actor's: the language model trains
             if cfg.lora.enabled:
                 add_lora(model, cfg.lora, head="score", quiet=not weights)
             return model

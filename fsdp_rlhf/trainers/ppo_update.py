@@ -383,7 +383,7 @@ def update_critic(
 
     def loss_fn(mb: Experience, num_tokens: int, num_seqs: int):
         T = mb.response_len
-        values = token_values(critic.model, mb.input_ids, mb.attention_mask, plan.packed)
+        values = token_values(critic.model, mb.input_ids, mb.attention_mask, plan.packed, mb.images)
         loss, st = value_loss(
             values[:, -T - 1 : -1],
             mb.values,

@@ -3,11 +3,9 @@ any model loads, and each step's prompts turned into what the engine and the for
 
 Refused by name, with the reason (one line, before heavy work):
 
-- a critic (``--advantage_estimator gae``): transformers has no sequence-classification class
-  for Qwen-VL models, so there is no value-head checkpoint format to load or save; GRPO, RLOO,
-  REINFORCE++ and their baselines need none;
-- ``--reward_pretrain``: a reward model would need the images too (same reason); use a rule
-  reward (``--remote_rm_url``), which sees the prompt text and the label;
+- a critic or reward model that is text-only: it would read the image placeholders without
+  the images (a VLM critic or reward model holds its head on the language model:
+  ``models.vision_head``);
 - ``--packing_samples``: a packed row would need M-RoPE positions per packed sequence and
   images regrouped per segment; padded rows carry both as the model computes them;
 - multi-turn environments: the environment's turns carry no images.
@@ -21,7 +19,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from fsdp_rlhf.algorithms.names import CRITIC_ESTIMATORS
 from fsdp_rlhf.config import PPOConfig, VisionConfig
 from fsdp_rlhf.data.images import image_problem, image_refs, load_images
 from fsdp_rlhf.data.prompts import Prompt
@@ -32,26 +29,16 @@ from fsdp_rlhf.rollout.engine import PromptImages, RolloutOutput
 
 log = logging.getLogger("fsdp_rlhf")
 
-WHY_NO_CRITIC = (
-    "a critic is a value head on the model, and transformers has no *ForSequenceClassification "
-    "class for vision-language models to load or save one; use --advantage_estimator grpo, "
-    "rloo, reinforce++ or reinforce++-baseline"
-)
 
-
-def refuse_unsupported(cfg: PPOConfig, model: str) -> None:
-    """One line naming the first setting a vision-language actor cannot run with."""
+def refuse_unsupported(cfg: PPOConfig, model: str, scalar_paths: dict[str, str]) -> None:
+    """One line naming the first setting a vision-language actor cannot run with.
+    ``scalar_paths``: flag -> folder of each critic or reward model, which must be a VLM that
+    reads the actor's image tokens and pixel patches."""
     head = f"--pretrain {model} is a vision-language model"
-    if cfg.algo.advantage_estimator in CRITIC_ESTIMATORS:
-        estimator = cfg.algo.advantage_estimator
-        raise UserError(f"{head}: --advantage_estimator {estimator}: " + WHY_NO_CRITIC)
-    if cfg.models.critic_pretrain:
-        raise UserError(f"{head}: --critic_pretrain: " + WHY_NO_CRITIC)
-    if cfg.models.reward_pretrain:
-        raise UserError(
-            f"{head}: --reward_pretrain: a reward model would have to see the images, and "
-            "there is no scalar-head format for VLMs; use a rule reward (--remote_rm_url)"
-        )
+    for flag, path in scalar_paths.items():
+        problem = scalar_model_problem(model, path, cfg.backend.trust_remote_code)
+        if problem is not None:
+            raise UserError(f"{head}: {flag} {path} {problem}")
     if cfg.batch.packing_samples:
         raise UserError(
             f"{head}: --packing_samples: packed rows would need M-RoPE positions and images "
@@ -72,6 +59,33 @@ def refuse_unsupported(cfg: PPOConfig, model: str) -> None:
             f"{head}: --router_replay: routing replay is not implemented for vision-language "
             "models (their prompts reach vLLM with the image placeholders collapsed); drop it"
         )
+
+
+def scalar_model_problem(actor: str, path: str, trust_remote_code: bool) -> str | None:
+    """Why the critic or reward model at ``path`` cannot score a VLM actor's rows, or None."""
+    from transformers import AutoConfig
+
+    from fsdp_rlhf.errors import reading
+    from fsdp_rlhf.models.vision import is_vision_config
+
+    configs = []
+    for p in (actor, path):
+        with reading("model config", p):
+            configs.append(AutoConfig.from_pretrained(p, trust_remote_code=trust_remote_code))
+    mine, theirs = configs
+    if not is_vision_config(theirs):
+        return (
+            "is text-only: it would score the image placeholders without the images; pass a "
+            "vision-language checkpoint (its value head goes on the language model, docs/vlm.md)"
+        )
+    if VisionTokens.from_config(theirs) != VisionTokens.from_config(mine):
+        return "names other image tokens than --pretrain (another model family?)"
+    sizes = ("patch_size", "temporal_patch_size", "spatial_merge_size", "in_channels")
+    for key in sizes:
+        a, b = (getattr(c.vision_config, key, None) for c in (mine, theirs))
+        if a != b:
+            return f"takes other image patches than --pretrain (vision_config.{key} {b} != {a})"
+    return None
 
 
 def row_check(cfg: VisionConfig, input_key: str, text_only: bool):

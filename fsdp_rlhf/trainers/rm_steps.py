@@ -29,8 +29,8 @@ def score_pairs(
     ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
     if layout == "shared":
         scores = shared_pair_scores(model, ids, mask)
-    else:
-        scores = sequence_scores(model, ids, mask, packed=layout == "packed")
+    else:  # a VLM's pairs carry their images (padded layout)
+        scores = sequence_scores(model, ids, mask, layout == "packed", batch.images)
     return scores[: batch.num_pairs], scores[batch.num_pairs :]
 
 

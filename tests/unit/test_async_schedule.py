@@ -158,3 +158,8 @@ def test_async_only_flags_need_async_train():
 def test_sequence_parallelism_is_refused_with_async_train():
     with pytest.raises(ConfigError, match="sequence_parallel_size > 1 with --async_train"):
         _cfg("--async_train", "--vllm_num_engines", "1", "--sequence_parallel_size", "2")
+
+
+def test_expert_parallelism_is_refused_with_async_train():
+    with pytest.raises(ConfigError, match="expert_parallel_size > 1 with --async_train"):
+        _cfg("--async_train", "--vllm_num_engines", "1", "--expert_parallel_size", "2")

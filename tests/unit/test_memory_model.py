@@ -375,6 +375,78 @@ def test_a_rollout_ranks_engine_is_its_worlds_only_never_sleeps_and_takes_the_ca
     assert rollout.vllm_gpu_memory_utilization == 0.9
 
 
+# Qwen/Qwen3-30B-A3B's config.json (the memory-relevant keys)
+QWEN3_30B_A3B = dict(
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_experts=128,
+    num_experts_per_tok=8,
+    num_hidden_layers=48,
+    vocab_size=151936,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    tie_word_embeddings=False,
+)
+
+
+def test_expert_parallelism_divides_the_gathered_experts_and_adds_the_all_to_all():
+    from fsdp_rlhf.distributed.memory import (
+        ModelShape,
+        activation_bytes,
+        all_to_all_bytes,
+        expert_parallel_options,
+        update_phase,
+    )
+
+    m = ModelShape.from_hf_config(QWEN3_30B_A3B)
+    per_layer = 128 * 3 * 2048 * 768  # routed expert values of one layer
+    assert m.experts == 48 * per_layer and m.params / 1e9 == pytest.approx(30.5, abs=0.2)
+    for e in (1, 2, 8):
+        assert m.gathered_layer_params(e) == m.layer_params - per_layer + per_layer // e
+    f = JobFlags(world=8, device_bytes=H100, zero_stage=3, micro_train_batch_size=2, seq_len=4096)
+    f8 = dataclasses.replace(f, expert_parallel=8)
+    one = update_phase(f, "actor update", m, logits=True, frozen=[])
+    eight = update_phase(f8, "actor update", m, logits=True, frozen=[])
+    saved = one.parts["gathered layers"] - eight.parts["gathered layers"]
+    assert saved == 2 * 2 * (per_layer - per_layer // 8)  # bf16, current + prefetched layer
+    assert all_to_all_bytes(f, m, 2) == 0
+    assert all_to_all_bytes(f8, m, 2) == 2 * 4 * 2 * 4096 * 8 * 2048  # b s k h, 4 buffers
+    assert activation_bytes(f8, m, 2) - activation_bytes(f, m, 2) == all_to_all_bytes(f8, m, 2)
+    assert expert_parallel_options(8, 128) == [1, 2, 4, 8]
+    assert expert_parallel_options(6, 128) == [1, 2]
+    assert expert_parallel_options(8, 0) == [1]
+
+
+def test_the_smallest_expert_parallel_size_that_fits_is_found(tmp_path):
+    """Qwen3-30B-A3B on 8 H100s at ZeRO-2 (every weight gathered, gradients unsharded):
+    the gathered experts do not fit at E=1; the memory model names the smallest E that does,
+    and every smaller E does not fit."""
+    import json
+
+    from fsdp_rlhf.config import PPOConfig
+    from fsdp_rlhf.config_base import build_config
+    from fsdp_rlhf.distributed.memory_plan import expert_parallel_fit, plan_job, plan_job_at
+
+    folder = tmp_path / "qwen3_30b_a3b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**QWEN3_30B_A3B, "model_type": "qwen3_moe"}))
+    argv = ["--pretrain", str(folder), "--remote_rm_url", "r.py", "--bf16", "--adam_offload"]
+    argv += ["--zero_stage", "2", "--vllm_gpu_memory_utilization", "0.3"]
+    argv += ["--gradient_checkpointing", "--micro_train_batch_size", "1"]
+    cfg = build_config(PPOConfig, [*argv, "--generate_max_len", "512"])[0]
+    device = H100
+    assert not verdict(plan_job(cfg, 8, device, cuda=True))[0]
+    e, gathered = expert_parallel_fit(cfg, 8, device, cuda=True)
+    assert sorted(gathered) == [1, 2, 4, 8]
+    assert gathered[1] == 2 * 128 * 3 * 2048 * 768 and gathered[8] == gathered[1] // 8
+    assert e is not None and e > 1, (e, verdict(plan_job(cfg, 8, device, cuda=True))[1])
+    for x in gathered:
+        phases = plan_job_at(cfg, 8, device, True, 1, expert_parallel=x)
+        assert verdict(phases)[0] == (x >= e), (x, verdict(phases)[1])
+
+
 # Qwen2.5-1.5B's shape (tied embeddings), as the GPU suite's memory check builds it
 QWEN25_1_5B = dict(
     hidden_size=1536,

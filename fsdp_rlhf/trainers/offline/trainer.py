@@ -35,7 +35,7 @@ from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars
 from fsdp_rlhf.distributed.sequence_parallel import layout as sequence_parallel_layout
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.metrics import Progress
-from fsdp_rlhf.models.load import check_sequence_parallel
+from fsdp_rlhf.models.load import check_expert_parallel, check_sequence_parallel
 from fsdp_rlhf.models.lora import check_target_modules
 from fsdp_rlhf.models.save import save_model
 from fsdp_rlhf.optim import build_optimizer, build_scheduler
@@ -126,11 +126,13 @@ def prepare_command(
     cfg: Any, world_size: int, prepare_data: Callable[[Any, Any], TrainData]
 ) -> tuple[Any, TrainData]:
     """``prepare`` of train-rm, sft and dpo (before the process group, no communication):
-    batch plan, the models' heads against --sequence_parallel_size, ``prepare_data(cfg,
+    batch plan, the models' heads against --sequence_parallel_size and experts against
+    --expert_parallel_size, ``prepare_data(cfg,
     plan)`` (checks --pretrain first), LoRA targets."""
     quiet_progress_bars()
     plan = plan_offline_batches(cfg.batch, world_size, cfg.fsdp.sequence_parallel_size)
     check_sequence_parallel(cfg.fsdp.sequence_parallel_size, world_size, model_paths(cfg))
+    check_expert_parallel(cfg.fsdp.expert_parallel_size, world_size, model_paths(cfg))
     data = prepare_data(cfg, plan)
     if cfg.lora.enabled:
         check_target_modules(cfg.model.pretrain, cfg.lora, cfg.backend.trust_remote_code)
