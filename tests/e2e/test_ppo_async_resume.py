@@ -6,7 +6,13 @@ step trained the same prompts with all their samples, so every prompt of the epo
 exactly once, although batches were generated, queued and lost again at every kill.
 
 Ranks: 1 or 2 training ranks first, then 2 rollout ranks (an engine of TP 1 each). The same
-across the two namespace hosts is in tests/cluster/test_async.py."""
+across the two namespace hosts is in tests/cluster/test_async.py.
+
+`make test-async` runs one case (marker ``asynchronous``): an epoch of 16 prompts on 1 training
+rank, SIGKILLed once while it trains, against the prompt samplers' schedule. The full matrix
+(marker ``async_resume_full``, ``make test-async-resume``; ~28 min on 2 loaded cores) kills at
+every phase on 1 and 2 training ranks and checks the samplers' schedule against a run never
+stopped."""
 
 from __future__ import annotations
 
@@ -22,24 +28,30 @@ from fsdp_rlhf.trainers.ppo_async_ledger import read, trained
 from tests.e2e.helpers import read_metrics, torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.asynchronous]
+full_matrix = pytest.mark.async_resume_full  # make test-async-resume, not make test-async
 
 PROMPTS, BATCH, SAMPLES = 32, 4, 2
 STEPS = PROMPTS // BATCH  # one epoch
+QUICK_PROMPTS = 16  # the make test-async case's epoch: 4 steps
 REWARD = (
     "def reward_func(queries, prompts, labels):\n"
     "    return [max(0.0, 1.0 - len(q[len(p):]) / 100.0) for q, p in zip(queries, prompts)]\n"
 )
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("resume_data")
-    write_jsonl(prompt_rows(PROMPTS, chat=True), root / "prompts.jsonl")
+def write_data(root: Path, prompts: int) -> Path:
+    write_jsonl(prompt_rows(prompts, chat=True), root / "prompts.jsonl")
     (root / "reward.py").write_text(REWARD)
     return root
 
 
-def flags(model: str, data: Path, save: Path) -> list[str]:
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_data(tmp_path_factory.mktemp("resume_data"), PROMPTS)
+
+
+def flags(model: str, data: Path, save: Path, prompts: int = PROMPTS) -> list[str]:
+    """One epoch of ``prompts`` (``data`` holds that many)."""
     return [
         *("--pretrain", model, "--remote_rm_url", str(data / "reward.py")),
         *("--prompt_data", str(data / "prompts.jsonl"), "--input_key", "input"),
@@ -47,18 +59,18 @@ def flags(model: str, data: Path, save: Path) -> list[str]:
         *("--advantage_estimator", "grpo", "--train_batch_size", str(BATCH * SAMPLES)),
         *("--micro_train_batch_size", "2", "--micro_rollout_batch_size", "2"),
         *("--packing_samples", "--generate_max_len", "8", "--prompt_max_len", "32"),
-        *("--max_steps", str(STEPS), "--actor_learning_rate", "2e-3", "--seed", "7"),
+        *("--max_steps", str(prompts // BATCH), "--actor_learning_rate", "2e-3", "--seed", "7"),
         *("--save_path", str(save), "--ckpt_path", str(save / "ckpt"), "--save_steps", "1"),
         *("--async_train", "--vllm_num_engines", "2", "--load_checkpoint"),
     ]
 
 
-def schedule() -> dict[int, dict[int, int]]:
+def schedule(prompts: int = PROMPTS) -> dict[int, dict[int, int]]:
     """What each step trains, from the rollout ranks' prompt samplers: ``{step: {prompt:
     samples}}`` (rollout rank i draws its half of each batch)."""
-    samplers = [PromptSampler(PROMPTS, BATCH, i, 2, 7) for i in (0, 1)]
+    samplers = [PromptSampler(prompts, BATCH, i, 2, 7) for i in (0, 1)]
     steps = {}
-    for step in range(1, STEPS + 1):
+    for step in range(1, prompts // BATCH + 1):
         steps[step] = {p: SAMPLES for s in samplers for p in s.next_indices()}
     return steps
 
@@ -75,11 +87,13 @@ def uninterrupted(tiny_qwen2, data, tmp_path_factory) -> dict[int, dict[int, int
     return ledger
 
 
-def kill_and_resume(model, data, save: Path, nproc: int, kills: list[str]) -> None:
+def kill_and_resume(
+    model, data, save: Path, nproc: int, kills: list[str], prompts: int = PROMPTS
+) -> None:
     """One run per entry of ``kills`` (``rank:phase:n``), each SIGKILLed there and the next
     resuming it, then one that finishes."""
     for kill in kills:
-        cut = torchrun(["ppo", *flags(model, data, save)], nproc=nproc,
+        cut = torchrun(["ppo", *flags(model, data, save, prompts)], nproc=nproc,
                        env={"FSDP_RLHF_KILL_AT": kill})  # fmt: skip
         assert cut.returncode != 0, (kill, cut.stdout[-2000:])
         # the rank named died of the SIGKILL (torchrun's report of its failed ranks)
@@ -87,17 +101,20 @@ def kill_and_resume(model, data, save: Path, nproc: int, kills: list[str]) -> No
         died = rf"rank\s*: {rank} \(local_rank: {rank}\)\s+exitcode\s*: -9 \(pid: \d+\)"
         died += r"\s+\(SIGKILL\)"
         assert re.search(died, cut.stderr), cut.stderr[-3000:]
-    done = torchrun(["ppo", *flags(model, data, save)], nproc=nproc)
+    done = torchrun(["ppo", *flags(model, data, save, prompts)], nproc=nproc)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "asynchronous resume at step" in done.stdout + done.stderr
 
 
-def check_ledger(save: Path, want: dict[int, dict[int, int]], attempts: int) -> None:
+def check_ledger(
+    save: Path, want: dict[int, dict[int, int]], attempts: int, prompts: int = PROMPTS
+) -> None:
+    steps = prompts // BATCH
     folder = save / "ledger"
     got = trained(folder)
     assert got == want  # the same prompts each step, with all their samples
     every = sorted(p for step in got.values() for p in step)
-    assert every == list(range(PROMPTS))  # each prompt of the epoch, exactly once
+    assert every == list(range(prompts))  # each prompt of the epoch, exactly once
     rows = read(folder / "train.jsonl")
     starts = [r for r in rows if r["event"] == "start"]
     assert [r["attempt"] for r in starts] == list(range(1, attempts + 1))
@@ -119,11 +136,22 @@ def check_ledger(save: Path, want: dict[int, dict[int, int]], attempts: int) -> 
         assert sorted(generated[attempt, step]) == sorted(got[step]), (step, attempt)
     for start in starts:
         assert all(b > start["step"] for b in start["regenerated"]), start
-    assert [r["step"] for r in read_metrics(save)] == list(range(1, STEPS + 1))
-    saved = json.loads((save / "ckpt" / f"step_{STEPS}" / "trainer.json").read_text())
-    assert saved["async"]["regenerated_from_batch"] == STEPS + 1
+    assert [r["step"] for r in read_metrics(save)] == list(range(1, steps + 1))
+    saved = json.loads((save / "ckpt" / f"step_{steps}" / "trainer.json").read_text())
+    assert saved["async"]["regenerated_from_batch"] == steps + 1
 
 
+def test_sigkill_while_training_then_resume_trains_every_prompt_once(tiny_qwen2, tmp_path):
+    """The make test-async case: 1 training rank (rank 0), rollout ranks 1 and 2, an epoch of
+    16 prompts (4 steps); killed while training step 3 (the rollout ranks have generated and
+    queued batches past the step-2 checkpoint: they are generated again) and resumed."""
+    data = write_data(tmp_path / "data", QUICK_PROMPTS)
+    save = tmp_path / "run"
+    kill_and_resume(tiny_qwen2, data, save, 3, ["0:training:3"], QUICK_PROMPTS)
+    check_ledger(save, schedule(QUICK_PROMPTS), 2, QUICK_PROMPTS)
+
+
+@full_matrix
 def test_sigkill_while_generating_queued_and_training_then_resume(
     tiny_qwen2, data, uninterrupted, tmp_path
 ):
@@ -135,6 +163,7 @@ def test_sigkill_while_generating_queued_and_training_then_resume(
     check_ledger(save, uninterrupted, len(kills) + 1)
 
 
+@full_matrix
 def test_sigkill_while_syncing_on_either_side_with_two_training_ranks(
     tiny_qwen2, data, uninterrupted, tmp_path
 ):
