@@ -9,7 +9,7 @@ STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml Makefile scripts/vllm_r
 MAX_JOBS ?= 8
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: install test test-async test-faults test-fast test-long test-bench test-models test-models-full test-vlm test-sp test-ep test-gpu test-vllm-compat test-transformers-compat test-cluster demo bench lint fmt clean gpu-smoke tcmalloc
+.PHONY: install test test-async test-async-resume test-faults test-fast test-long test-bench test-models test-models-full test-vlm test-sp test-ep test-gpu test-vllm-compat test-transformers-compat test-cluster demo bench lint fmt clean gpu-smoke tcmalloc
 
 install: $(STAMP)
 
@@ -70,7 +70,8 @@ tcmalloc:
 # runs (`make test-vlm`): under 15 minutes on 2 cores.
 test: install
 	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu --ignore=tests/models \
-	  -m "not asynchronous and not sp and not ep and not vlm and not faults and not long"
+	  -m "not asynchronous and not async_resume_full and not sp and not ep and not vlm and not faults \
+	  and not long"
 
 # The longer runs beside a make test case of the same feature (LoRA GAE at TP 2 with export
 # and resume, vLLM serving a trained reward model, torch.compile against eager, RM packing
@@ -79,9 +80,17 @@ test-long: install
 	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu --ignore=tests/models -m long
 
 # --async_train end to end (tests marked asynchronous): rollout and training ranks under
-# torchrun with real vLLM, partial rollouts, OpenRLHF's async agent script, a lost rollout rank.
+# torchrun with real vLLM, partial rollouts, OpenRLHF's async agent script, a lost rollout rank,
+# one lossless-resume case (the full matrix is test-async-resume's).
 test-async: install
-	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu --ignore=tests/models -m asynchronous
+	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu --ignore=tests/models \
+	  -m "asynchronous and not async_resume_full"
+
+# Lossless async resume, the full matrix (marker async_resume_full): runs SIGKILLed while
+# generating, queued, training and syncing on 1 and 2 training ranks against an uninterrupted
+# run's ledger. About 28 minutes on 2 loaded cores: not part of .ci/run.
+test-async-resume: install
+	$(BIN)/python -m pytest -q tests/e2e/test_ppo_async_resume.py -m async_resume_full
 
 # Fault injection (pytest marker `faults`): a failure on one rank reported every time (10
 # launches), the same failure on every rank as one line, a reward function raising on rank 1,
