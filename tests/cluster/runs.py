@@ -39,8 +39,16 @@ GRPO_FLAGS = (
 ).split()
 
 # Metrics that vary from run to run on the same inputs (wall time, speed, memory).
-NOISY_PREFIXES = ("timing/", "memory/")
-NOISY_SUFFIXES = ("tps", "gbps")
+# timings and per-host memory; and the weight sync's wire accounting, which differs by design
+# after a resume (its first sync is full: the mirror starts empty) and between delta and full
+NOISY_PREFIXES = (
+    "timing/",
+    "memory/",
+    "memory_",  # memory_reserved/, memory_owner/, ...
+    "rollout/weight_sync_changed_frac",
+    "rollout/weight_sync_wire_bytes",
+)
+NOISY_SUFFIXES = ("tps", "gbps", "_s")  # rates and wall times (e.g. rollout/weight_sync_s)
 
 
 def base_env(**extra: str) -> dict[str, str]:
