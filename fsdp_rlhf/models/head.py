@@ -10,9 +10,9 @@ The layer returns them stacked as (2, n) in place of logits and the model passes
 its ``logits``: the results are the root's output, so FSDP2's pre-backward hook sees them.
 
 Models that change the logits after the output layer (Gemma's soft-capping, Cohere's and
-Granite's scaling, a cut padded vocabulary, a VLM policy's suppressed placeholder tokens) and
-output layers that are not a plain bias-free ``nn.Linear`` (LoRA on ``lm_head``) take the
-materialised path
+Granite's scaling, a cut padded vocabulary, a forward hook on the output layer such as a VLM
+policy's suppressed placeholder tokens) and output layers that are not a plain bias-free
+``nn.Linear`` (LoRA on ``lm_head``) take the materialised path
 (``algorithms.gathered_logprobs``: the logits once, read chunk by chunk).
 """
 
@@ -43,9 +43,9 @@ def fusable_head(model: nn.Module) -> nn.Linear | None:
     head = get() if callable(get) else None
     if type(head) is not nn.Linear or head.bias is not None:
         return None
-    # a VLM policy's placeholder tokens are masked by a hook on the output layer's logits
-    # (models.vision.suppress_tokens): those logits must exist
-    if getattr(model, "_fsdp_rlhf_suppressed", None):
+    # a forward hook on the output layer reads its logits (a VLM policy's suppressed
+    # placeholder tokens, models.vision.suppress_tokens): those logits must exist
+    if head._forward_hooks:
         return None
     config = getattr(model, "config", None)
     configs = [config]
