@@ -341,7 +341,9 @@ def receive(link: WeightLink, mirror: Mirror | None = None) -> Iterator[tuple[st
             world, section = len(manifest["counts"]), manifest["section"]
             payload = torch.empty(world * section, dtype=torch.uint8, device=link.device)
             delta = BucketDelta.from_manifest(manifest, link.recv(payload).cpu())
-            for name, tensor in mirror.apply(manifest["delta"], layout, delta):
+            # checked (and handed to the engine) on the link's device: on a GPU the host
+            # only writes the changes into the mirror
+            for name, tensor in mirror.apply(manifest["delta"], layout, delta, None, link.device):
                 yield name, tensor
                 if name in manifest["aliases"]:
                     yield manifest["aliases"][name], tensor

@@ -313,6 +313,7 @@ def test_delta_sync_and_overlap_on_cuda(env, detail):
 
     delta = DeltaSync()
     times: dict[str, list[float]] = {}
+    parts: dict[str, list[float]] = {}
     for r in range(4):
         for mode, overlap in (("full", False), ("full", True), ("delta", False), ("delta", True)):
             if mode == "delta":
@@ -332,8 +333,14 @@ def test_delta_sync_and_overlap_on_cuda(env, detail):
                 key = f"{mode}{'+overlap' if overlap else ''}"
                 times.setdefault(key, []).append(seconds)
                 if mode == "delta":
+                    for part in ("diff_s", "exchange_s", "apply_s", "check_s"):
+                        parts.setdefault(part, []).append(getattr(stats, part))
                     assert 0.01 < stats.changed_frac < 0.03, stats.changed_frac
                     assert stats.gathered_bytes < stats.full_bytes / 5
     line = ", ".join(f"{k} {sorted(v)[len(v) // 2]:.3f} s" for k, v in times.items())
     gib = sum(t.numel() * 2 for t in reference.values()) / GIB
     detail(f"{gib:.2f} GiB bf16, 2% changed: {line}")
+    detail(
+        "delta's parts (median over its syncs): "
+        + ", ".join(f"{k} {sorted(v)[len(v) // 2]:.3f}" for k, v in parts.items())
+    )

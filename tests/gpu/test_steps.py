@@ -107,9 +107,10 @@ def test_ppo_step(model, tmp_path, detail, config):
     detail("\n".join(format_census(census)))
     assert {"rollout", "update", "update_critic"} <= set(census), sorted(census)
     # the actor's shards are on the census's device, unless CPUOffloadPolicy keeps them on
-    # the host of a GPU job
+    # the host of a GPU job; "params" counts the buffers too, and FSDP2's offload policy moves
+    # parameters only: RoPE's inv_freq (a few hundred bytes) stays on the GPU (seen on an H200)
     on_host = HAVE["cuda"] and "--adam_offload" in flags
-    assert (census["update"]["actor params"] > 0) != on_host, census["update"]
+    assert (census["update"]["actor params"] > 2**-10) != on_host, census["update"]
 
 
 def test_doctor(model, tmp_path, detail):

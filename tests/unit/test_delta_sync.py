@@ -99,3 +99,17 @@ def test_mirror_refuses_a_delta_that_does_not_fit():
     new = _changed(old, 0.01, 3)
     with pytest.raises(WeightSyncMismatch, match="checksum"):
         list(mirror.apply(0, layout, encode_bucket(new, old, None)))
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 4096 + 3])
+def test_packbits_matches_numpy_little_bit_order(n):
+    """The bitmap encoding packs on the actor's device (torch); the engine side unpacks with
+    numpy: the two bit orders must agree."""
+    import numpy as np
+
+    from fsdp_rlhf.distributed.delta_sync import _packbits
+
+    mask = torch.rand(n, generator=torch.Generator().manual_seed(n)) < 0.3
+    packed = _packbits(mask)
+    assert packed.dtype == torch.uint8
+    assert np.array_equal(packed.numpy(), np.packbits(mask.numpy(), bitorder="little"))
