@@ -121,8 +121,9 @@ class BucketLayout:
             total += n
         return total
 
-    def empty(self) -> torch.Tensor:
-        return torch.zeros(self.world, self.row, dtype=self.torch_dtype)
+    def empty(self, pin: bool = False) -> torch.Tensor:
+        """A zeroed host buffer (``pin``: page-locked, for fast copies to and from a GPU)."""
+        return torch.zeros(self.world, self.row, dtype=self.torch_dtype, pin_memory=pin)
 
     def views(self, buffer: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, full tensor)`` of each parameter, from the bucket's buffer (with more than
@@ -399,12 +400,15 @@ class Mirror:
         self.layouts: dict[int, BucketLayout] = {}
         self.buffers: dict[int, torch.Tensor] = {}
 
-    def buffer(self, index: int, layout: BucketLayout) -> tuple[torch.Tensor, bool]:
+    def buffer(
+        self, index: int, layout: BucketLayout, device: torch.device | None = None
+    ) -> tuple[torch.Tensor, bool]:
         """Bucket ``index``'s buffer, and whether it holds a synced copy (a new or changed
-        layout starts empty: that bucket must be synced dense)."""
+        layout starts empty: that bucket must be synced dense). Page-locked when the work is
+        on a GPU (``device``)."""
         if self.layouts.get(index) != layout:
             self.layouts[index] = layout
-            self.buffers[index] = layout.empty()
+            self.buffers[index] = layout.empty(pin=_on_gpu(device))
             return self.buffers[index], False
         return self.buffers[index], True
 
@@ -418,7 +422,7 @@ class Mirror:
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Update bucket ``index`` with ``delta`` (checked on ``device``); its full tensors, on
         ``device`` (None: the host)."""
-        buffer, held = self.buffer(index, layout)
+        buffer, held = self.buffer(index, layout, device)
         if not held and delta.encoding != "dense":
             raise WeightSyncMismatch(
                 f"weight sync: a {delta.encoding} update for a bucket this engine side holds no "
@@ -474,6 +478,18 @@ def _rows(
             yield _Row(layout, row, None, 0)
 
 
+def _on_gpu(device: torch.device | None) -> bool:
+    return device is not None and device.type == "cuda"
+
+
+def _keep(row: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
+    """``row`` copied to the host, into ``kept`` when it fits (page-locked when ``row`` is on a
+    GPU: the next sync copies it back up for the comparison)."""
+    if kept is None or kept.shape != row.shape or kept.dtype != row.dtype:
+        kept = torch.empty(row.shape, dtype=row.dtype, pin_memory=_on_gpu(row.device))
+    return kept.copy_(row)
+
+
 def _forced(syncs: int, full_every: int) -> bool:
     return syncs == 0 or (full_every > 0 and syncs % full_every == 0)
 
@@ -501,7 +517,7 @@ class DeltaSync:
         stats = stats if stats is not None else DeltaStats()
         forced = _forced(self.syncs, self.full_every)
         for i, r in enumerate(_rows(model, dtype, include, rename, self.bucket_bytes)):
-            buffer, held = self.mirror.buffer(i, r.layout)
+            buffer, held = self.mirror.buffer(i, r.layout, r.new_row.device)
             old = buffer[r.rank] if held and not forced else None
             into = buffer if r.group is not None else None
             delta = encode_bucket(r.new_row, old, r.group, dense_into=into, stats=stats)
@@ -536,6 +552,6 @@ class DeltaSender:
             old = kept[1] if kept is not None and kept[0] == r.layout and not forced else None
             delta = encode_bucket(r.new_row, old, r.group, stats=stats)
             stats.add(r.layout, delta)
-            self.rows[i] = (r.layout, r.new_row.cpu())
+            self.rows[i] = (r.layout, _keep(r.new_row, kept[1] if kept is not None else None))
             yield i, r.layout, delta
         self.syncs += 1
