@@ -28,6 +28,7 @@ from fsdp_rlhf.allocator import preloaded_allocator
 from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.distributed.collectives import collective_device
 from fsdp_rlhf.distributed.env import DistEnv, init_distributed, teardown
+from fsdp_rlhf.distributed.layout import ParallelLayout, build_layout
 from fsdp_rlhf.distributed.memory import (
     activation_bytes,
     lora_reference_savings,
@@ -41,7 +42,6 @@ from fsdp_rlhf.distributed.memory_plan import (
     plan_job_at,
     resolve_vllm_utilization,
 )
-from fsdp_rlhf.distributed.sequence_parallel import init_sequence_parallel
 from fsdp_rlhf.metrics import setup_logging
 from fsdp_rlhf.models.load import check_sequence_parallel
 from fsdp_rlhf.rollout.memory_budget import check_device_budget
@@ -120,15 +120,17 @@ def _try(name: str, fn) -> Check:
         return Check(name, False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
 
 
-def _check_models(cfg: PPOConfig, env: DistEnv, held: list) -> list[Check]:
-    """Load and shard actor and reward model as the trainer does, beside the sleeping engine;
-    the sharded models are kept in ``held`` for the wake check that follows."""
+def _check_models(
+    cfg: PPOConfig, env: DistEnv, held: list, parallel: ParallelLayout
+) -> list[Check]:
+    """Load and shard actor and reward model as the trainer does (over ``parallel``), beside the
+    sleeping engine; the sharded models are kept in ``held`` for the wake check that follows."""
     from fsdp_rlhf.models.load import load_causal_lm
     from fsdp_rlhf.models.moe import active_parameters
     from fsdp_rlhf.trainers.ppo_setup import load_ppo_model, load_reward_model
 
     def shard(load, trainable: bool, what: str) -> str:
-        held.append(load_ppo_model(load, cfg, env, trainable=trainable, what=what))
+        held.append(load_ppo_model(load, cfg, env, trainable, what, parallel))
         total, active = active_parameters(held[-1])
         count = f"{total / 1e6:.1f}M params"
         if active != total:  # MoE: a token runs top_k of each layer's experts
@@ -300,13 +302,14 @@ def main(cfg: PPOConfig, debug: bool = False) -> int:
     reports = [None] * env.world_size
     dist.all_gather_object(reports, device_report(env))
     checks = [_try("all-reduce", lambda: _all_reduce_str(env))]
-    layout = _try("--sequence_parallel_size", lambda: _sequence_parallel_groups(cfg, env))
-    checks.append(layout)
+    built: list[ParallelLayout] = []
+    groups = _try("--sequence_parallel_size", lambda: _sequence_parallel_groups(cfg, env, built))
+    checks.append(groups)
     engines, held = [], []
     if cfg.models.pretrain:
         checks.append(_check_engine(cfg, env, engines))  # the job's order: the engine first
-        if layout.ok:  # the models are prepared as the job prepares them, split or not
-            checks += _check_models(cfg, env, held)
+        if groups.ok:  # the models are prepared as the job prepares them, split or not
+            checks += _check_models(cfg, env, held, built[0])
         if engines and held:
             checks.append(_check_wake(cfg, env, engines[0], held[0]))
         held.clear()
@@ -328,17 +331,19 @@ def main(cfg: PPOConfig, debug: bool = False) -> int:
     return 0 if ok else 1
 
 
-def _sequence_parallel_groups(cfg: PPOConfig, env: DistEnv) -> str:
-    """Build the job's sequence-parallel groups (collective) and say what they are."""
+def _sequence_parallel_groups(cfg: PPOConfig, env: DistEnv, built: list) -> str:
+    """Build the job's parallel layout (collective; kept in ``built``) and say what its
+    sequence-parallel groups are."""
     n = cfg.fsdp.sequence_parallel_size
     if n > 1 and env.world_size % n:  # every rank fails alike before the collective
         raise RuntimeError(f"{n} does not divide the world size {env.world_size}")
-    sp = init_sequence_parallel(n)
-    if not sp.enabled:
+    parallel = build_layout(n)
+    built.append(parallel)
+    if not parallel.sp.enabled:
         return "off (each rank holds whole sequences)"
     if cfg.models.pretrain:
         check_sequence_parallel(n, env.world_size, {"--pretrain": cfg.models.pretrain})
-    return f"{sp.dp_size} groups of {sp.size} ranks (data-parallel size {sp.dp_size})"
+    return f"{parallel.dp_size} groups of {n} ranks (data-parallel size {parallel.dp_size})"
 
 
 def _all_reduce_str(env: DistEnv) -> str:

@@ -34,6 +34,7 @@ from torch import nn
 
 from fsdp_rlhf.distributed.collectives import all_reduce
 from fsdp_rlhf.hf_config import config_num_experts
+from fsdp_rlhf.models.inputs import ForwardInputs
 
 
 @dataclass(frozen=True)
@@ -145,54 +146,23 @@ def active_parameters(model: nn.Module) -> tuple[int, int]:
 # ---------------------------------------------------------------- layouts
 
 
-def to_forward_layout(
-    x: torch.Tensor,
-    attention_mask: torch.Tensor,
-    response_len: int,
-    *,
-    packed: bool = False,
-    group_size: int = 1,
-) -> torch.Tensor:
-    """``x`` (B, L, ...), aligned with a forward's padded ``input_ids``, in the token order the
-    model sees: (B, L, ...) padded; (1, n, ...) packed (``models.packing.pack_rows`` keeps the
-    attended tokens in row order); (G, P' + s*T, ...) with shared prompts
-    (``models.shared_prefix.share_prompts``: each group's prompt once, from its first row, with
-    the left padding every prompt of the batch has cut, then its s responses)."""
-    if group_size > 1:
-        s, T = group_size, response_len
-        B, L = attention_mask.shape
-        G, P = B // s, L - T
-        lengths = attention_mask[::s, :P].bool().sum(-1)
-        cut = P - int(lengths.max())
-        prompts = x[::s, cut:P]
-        responses = x[:, P:].reshape(G, s * T, *x.shape[2:])
-        return torch.cat([prompts, responses], dim=1)
-    if packed:
-        return x[attention_mask.bool()].unsqueeze(0)
-    return x
-
-
 @contextmanager
 def routing_scope(
     moe: MoEHooks | None,
     routed: torch.Tensor | None,
-    attention_mask: torch.Tensor,
-    response_len: int,
+    inputs: ForwardInputs,
     *,
-    packed: bool = False,
-    group_size: int = 1,
     collect: bool = True,
 ) -> Iterator[None]:
-    """``moe.routing`` for one forward of padded rows (``attention_mask`` (B, L)), replaying
-    ``routed`` (B, L, Lm, k) when given; nothing for a dense model (``moe`` None)."""
+    """``moe.routing`` for one forward (``inputs``, ``models.inputs``), replaying ``routed``
+    (B, L, Lm, k), aligned with the padded rows, when given; nothing for a dense model
+    (``moe`` None). Both the replay and the real-token mask are laid out as the model rows
+    hold their tokens (``ForwardInputs.arrange``), whatever parts built them."""
     if moe is None:
         yield
         return
-    layout = dict(packed=packed, group_size=group_size)
-    replay = None
-    if routed is not None:
-        replay = to_forward_layout(routed, attention_mask, response_len, **layout)
-    valid = to_forward_layout(attention_mask, attention_mask, response_len, **layout)
+    replay = inputs.arrange(routed) if routed is not None else None
+    valid = inputs.arrange(inputs.attention_mask)
     with moe.routing(replay=replay, valid=valid, collect=collect):
         yield
 
@@ -261,7 +231,7 @@ class MoEHooks:
 
         Args:
             replay: (B', L', Lm, k) expert ids in the forward's token layout
-                (:func:`to_forward_layout`), or None to route as the model does.
+                (``ForwardInputs.arrange``), or None to route as the model does.
             valid: (B', L') real tokens in the same layout.
             collect: count this forward in the step's statistics (its aux loss is there
                 either way).

@@ -10,6 +10,10 @@ meets it::
     fit               step until done, vote on a stop signal, checkpoint every save_steps
     save              a resumable checkpoint of the run's models, optimizers and schedules
 
+``launch`` builds the run's :class:`~fsdp_rlhf.distributed.layout.ParallelLayout` once, after
+the process group, and hands it to ``build``: everything that depends on how ranks split the
+work takes it as an argument.
+
 A trainer (``build``'s result) is any object with ``step``, ``total_steps``,
 ``train_step(stop_agreed)``, ``save_checkpoint()``, ``finish()`` and ``close()``: the
 offline commands' :class:`~fsdp_rlhf.trainers.offline.trainer.OfflineTrainer` and
@@ -45,13 +49,10 @@ from fsdp_rlhf.distributed.env import (
 from fsdp_rlhf.distributed.exit_report import hold_termination, note_failing, note_prepared
 from fsdp_rlhf.distributed.fsdp import build_mesh, describe_zero_stage, shard_model
 from fsdp_rlhf.distributed.heartbeat import start_heartbeat
+from fsdp_rlhf.distributed.layout import ParallelLayout, build_layout
 from fsdp_rlhf.distributed.rank0_load import fill_from_rank0
-from fsdp_rlhf.distributed.sequence_parallel import (
-    init_sequence_parallel,
-    reset_sequence_parallel,
-)
-from fsdp_rlhf.distributed.sequence_parallel import layout as sequence_parallel_layout
 from fsdp_rlhf.distributed.signals import GracefulStop, SaveTimer
+from fsdp_rlhf.distributed.split_world import SplitWorld
 from fsdp_rlhf.errors import UserError, WriteFault, writing
 from fsdp_rlhf.metrics import MetricLogger, setup_logging, truncate_metrics
 from fsdp_rlhf.metrics_wandb import check_wandb, open_wandb
@@ -81,17 +82,18 @@ def launch(
     cfg: Any,
     debug: bool,
     prepare: Callable[[Any, int], Any],
-    build: Callable[[Any, DistEnv, Any], Trainer],
+    build: Callable[[Any, DistEnv, Any, ParallelLayout], Trainer],
     *,
-    init: Callable[[int], DistEnv] | None = None,
+    init: Callable[[int], tuple[DistEnv, SplitWorld | None]] | None = None,
     run: Callable[[Any], int] | None = None,
 ) -> int:
     """``main()`` of every command; returns the exit code (0, also after a graceful stop).
 
     ``prepare(cfg, world_size)`` runs before the process group, so bad input fails in seconds
-    with one line; ``build(cfg, env, prepared)`` loads the models. ``init(timeout_min)``
-    replaces the one process group over all ranks (asynchronous PPO splits the world) and
-    ``run(trainer)`` the step loop (default :func:`fit`).
+    with one line; ``build(cfg, env, prepared, parallel)`` loads the models. ``init(timeout_min)``
+    replaces the one process group over all ranks (asynchronous PPO splits the world; it
+    returns the environment and the split) and ``run(trainer)`` the step loop (default
+    :func:`fit`).
     """
     setup_logging(int(os.environ.get("RANK", "0")), debug)
     if cfg.backend.full_determinism:
@@ -104,26 +106,21 @@ def launch(
     prepared = prepare(cfg, world_size)
     note_prepared()  # a rank that failed validation need not wait for this one's message
     owns_group = not dist.is_initialized()  # a test may have made the group already
+    split = None
     if init is None:
         env = init_distributed(cfg.guard.dist_timeout_min)
         if env.world_size != world_size:
             raise RuntimeError(f"world size {env.world_size} != WORLD_SIZE {world_size}")
     else:
-        env = init(cfg.guard.dist_timeout_min)
-    sp = init_sequence_parallel(cfg.fsdp.sequence_parallel_size)
-    if sp.enabled:
-        log.info(
-            "sequence parallelism: %d groups of %d ranks share their micro-batches "
-            "(Ulysses all-to-all around attention); data-parallel size %d",
-            sp.dp_size,
-            sp.size,
-            sp.dp_size,
-        )
+        env, split = init(cfg.guard.dist_timeout_min)
+    parallel = build_layout(cfg.fsdp.sequence_parallel_size, split=split)
+    if parallel.sp.enabled or split is not None:
+        log.info("parallel layout: %s", parallel.describe())
     # Multi-node: a host that vanishes ends every rank within a bound, not the collective timeout.
     heartbeat = start_heartbeat(cfg.guard.heartbeat_timeout_s, *job_position())
     trainer = None
     try:
-        trainer = build(cfg, env, prepared)
+        trainer = build(cfg, env, prepared, parallel)
         code = fit(trainer, cfg.ckpt.save_steps) if run is None else run(trainer)
         if heartbeat is not None:
             heartbeat.stop(finished=True)
@@ -144,7 +141,6 @@ def launch(
             trainer.close()  # a vLLM engine destroys the process group with it
         if owns_group:
             teardown()
-        reset_sequence_parallel()
 
 
 def save_due(step: int, total_steps: int, save_steps: int) -> bool:
@@ -218,6 +214,7 @@ def prepare_model(
     fsdp: FSDPConfig,
     backend: BackendConfig,
     *,
+    parallel: ParallelLayout,
     packed: bool,
     trainable: bool,
     grad_reduce: str = "mean",
@@ -226,20 +223,21 @@ def prepare_model(
     FSDP2 shards over all ranks; train or frozen.
 
     Args:
+        parallel: the run's parallel layout (its sequence-parallel size and data-parallel
+            degree).
         packed: micro-batches arrive packed into one row (``--packing_samples``).
         grad_reduce: ``"sum"`` when losses are normalised by a global count (PPO); ``"mean"``
             averages over the data-parallel ranks.
     """
     if packed:
         use_varlen_attention(model, env.device.type)
-    sp = sequence_parallel_layout()
-    if sp.size != fsdp.sequence_parallel_size:
+    if parallel.sp.size != fsdp.sequence_parallel_size:
         raise RuntimeError(
-            f"--sequence_parallel_size {fsdp.sequence_parallel_size} but the process-wide layout "
-            f"has {sp.size} (init_sequence_parallel)"
+            f"--sequence_parallel_size {fsdp.sequence_parallel_size} but the layout has "
+            f"{parallel.sp.size} (build_layout)"
         )
-    if sp.enabled:
-        use_ulysses_attention(model, sp)
+    if parallel.sp.enabled:
+        use_ulysses_attention(model)
     if backend.torch_compile:
         compile_blocks(model)
     # No model.to(env.device): fully_shard moves and shards one layer at a time, so the full
@@ -252,7 +250,7 @@ def prepare_model(
         grad_reduce=grad_reduce,
         cpu_offload=trainable and fsdp.adam_offload,
         frozen=not trainable,
-        dp_size=sp.dp_size,
+        dp_size=parallel.dp_size,
     )
     if trainable:
         model.train()  # from_pretrained returns eval mode: no dropout, no grad checkpointing
@@ -268,6 +266,7 @@ def load_and_prepare(
     fsdp: FSDPConfig,
     backend: BackendConfig,
     *,
+    parallel: ParallelLayout,
     what: str,
     packed: bool,
     trainable: bool,
@@ -281,12 +280,12 @@ def load_and_prepare(
     the error the other ranks raise when rank 0's load fails."""
     if env.world_size == 1:
         return prepare_model(
-            load(True), env, fsdp, backend, packed=packed, trainable=trainable,
+            load(True), env, fsdp, backend, parallel=parallel, packed=packed, trainable=trainable,
             grad_reduce=grad_reduce,
         )  # fmt: skip
     full = run_and_agree(lambda: load(True), f"loading {what}", only_rank0=True)
     model = prepare_model(
-        load(False), env, fsdp, backend, packed=packed, trainable=trainable,
+        load(False), env, fsdp, backend, parallel=parallel, packed=packed, trainable=trainable,
         grad_reduce=grad_reduce,
     )  # fmt: skip
     fill_from_rank0(model, full, env.device)

@@ -22,14 +22,15 @@ from fsdp_rlhf.config import PPOBatchPlan, PPOConfig
 from fsdp_rlhf.data.prompts import Prompt, PromptSampler
 from fsdp_rlhf.distributed import checkpoint as ckpt
 from fsdp_rlhf.distributed.env import DistEnv
+from fsdp_rlhf.distributed.layout import ParallelLayout
 from fsdp_rlhf.distributed.offload import (
     offload_model,
     offload_optimizer,
     onload_model,
     onload_optimizer,
 )
-from fsdp_rlhf.distributed.sequence_parallel import layout as sequence_parallel_layout
 from fsdp_rlhf.metrics import PhaseTimer
+from fsdp_rlhf.models.inputs import InputSpec, row_layout
 from fsdp_rlhf.models.load import is_vision_language, load_tokenizer
 from fsdp_rlhf.models.lora import adapters_disabled
 from fsdp_rlhf.models.moe import MoEHooks
@@ -114,8 +115,15 @@ def main(cfg: PPOConfig, debug: bool = False) -> int:
 
 
 class PPOTrainer:
-    def __init__(self, cfg: PPOConfig, env: DistEnv, prepared: tuple[PPOBatchPlan, list]):
-        self.cfg, self.env = cfg, env
+    def __init__(
+        self,
+        cfg: PPOConfig,
+        env: DistEnv,
+        prepared: tuple[PPOBatchPlan, list],
+        parallel: ParallelLayout,
+    ):
+        self.cfg, self.env, self.parallel = cfg, env, parallel
+        self.sp = parallel.sp  # the sequence-parallel group the forwards are split over
         self.plan, rows = prepared
         common.write_run_config(cfg, env)
         tokenizer = load_tokenizer(cfg.models.pretrain, cfg.backend)
@@ -126,47 +134,25 @@ class PPOTrainer:
         engine = self.start_engine(tokenizer, image_limit(cfg.vision, rows))
         # after the engine, which seeds torch per engine: fresh heads must match on all ranks
         torch.manual_seed(cfg.seed)
-        self.models = build_models(cfg, env, tokenizer)
+        self.models = build_models(cfg, env, tokenizer, parallel)
         # an MoE actor: router replay, routing statistics, the load-balancing loss
         self.moe = MoEHooks.attach(self.models.actor)
         self.prompts = build_prompts(cfg, rows, tokenizer, self.images)
         # the ranks of a sequence-parallel group draw the same prompts (their data shard)
-        self.sp = sequence_parallel_layout()
         self.sampler = PromptSampler(
             len(self.prompts),
             cfg.batch.rollout_batch_size,
-            self.sp.dp_rank,
-            self.sp.dp_size,
+            parallel.dp_rank,
+            parallel.dp_size,
             cfg.seed,
         )
         self.total_steps = self._total_steps()
         updates = self.total_steps * cfg.algo.ppo_epochs * self.plan.optimizer_steps_per_epoch
         self.optimizers, self.schedulers = build_optimizers(cfg, self.models, updates)
         self.ema = build_ema(cfg, self.models.actor, self.optimizers["actor"])  # None: off
-        self.group_size = prompt_group_size(cfg, self.plan, self.models.actor)
-        self.update_plan = UpdatePlan.from_config(cfg, self.plan, self.group_size)
-        # the no-grad forwards' micro-batches: rows, or a token budget (--use_dynamic_batch)
-        # (a token budget per GPU: a sequence-parallel group's micro-batch holds N times it)
-        budget = cfg.batch.scoring_max_tokens
-        self.scoring_batching = MicroBatching(
-            self.plan.micro_rollout_batch_size,
-            budget * self.sp.size if budget is not None else None,
-            self.packed,
-        )
-        if cfg.batch.use_dynamic_batch:
-            log.info(
-                "dynamic batching: micro-batches of at most %d tokens per rank in the updates, "
-                "%d in the no-grad forwards (%s)%s%s",
-                cfg.batch.train_max_tokens_per_gpu,
-                cfg.batch.scoring_max_tokens,
-                "the sum of lengths, packed" if self.packed else "rows x the longest, padded",
-                f"; groups of {self.group_size} rows sharing a prompt stay whole"
-                if self.group_size > 1
-                else "",
-                f"; x {self.sp.size} per sequence-parallel micro-batch" if self.sp.enabled else "",
-            )
+        self._plan_forwards(cfg, parallel)
         self.kl_ctl = build_kl_controller(cfg.algo)
-        self.evaluator = build_evaluator(cfg, env, tokenizer, self.sp, self.images)
+        self.evaluator = build_evaluator(cfg, env, tokenizer, parallel, self.images)
         self.timer = PhaseTimer(env.device)
         self.rollout_session = None if engine is None else self._session(engine)
         self.multiturn = build_multiturn(cfg, tokenizer, self.timer)  # None: single turn
@@ -187,9 +173,43 @@ class PPOTrainer:
             env.world_size,
             self.plan.num_engines,
             self.plan.tp_size,
-            self.sp.dp_size,
-            self.sp.size,
+            parallel.dp_size,
+            parallel.sp.size,
         )
+
+    def _plan_forwards(self, cfg: PPOConfig, parallel: ParallelLayout) -> None:
+        """How each model's forwards are built and batched: prompt sharing, the input
+        parts, the update plan and the no-grad micro-batches (logged once)."""
+        self.group_size = prompt_group_size(cfg, self.plan, self.models.actor)
+        # the parts each model's forwards are built from (models.inputs): the actor and the
+        # reference share prompt passes when they can, take a VLM's images and the
+        # sequence-parallel slice; the critic and the reward model take packed or padded rows
+        vision = self.images.vision.tokens if self.images is not None else None
+        self.actor_inputs = InputSpec(
+            row_layout(self.packed, self.group_size), self.group_size, vision, self.sp
+        )
+        self.scalar_inputs = InputSpec(row_layout(self.packed), sp=self.sp)
+        self.update_plan = UpdatePlan.from_config(cfg, self.plan, self.group_size, parallel)
+        # the no-grad forwards' micro-batches: rows, or a token budget (--use_dynamic_batch)
+        # (a token budget per GPU: a sequence-parallel group's micro-batch holds N times it)
+        budget = cfg.batch.scoring_max_tokens
+        self.scoring_batching = MicroBatching(
+            self.plan.micro_rollout_batch_size,
+            budget * self.sp.size if budget is not None else None,
+            self.packed,
+        )
+        if cfg.batch.use_dynamic_batch:
+            log.info(
+                "dynamic batching: micro-batches of at most %d tokens per rank in the updates, "
+                "%d in the no-grad forwards (%s)%s%s",
+                cfg.batch.train_max_tokens_per_gpu,
+                cfg.batch.scoring_max_tokens,
+                "the sum of lengths, packed" if self.packed else "rows x the longest, padded",
+                f"; groups of {self.group_size} rows sharing a prompt stay whole"
+                if self.group_size > 1
+                else "",
+                f"; x {self.sp.size} per sequence-parallel micro-batch" if self.sp.enabled else "",
+            )
 
     def start_engine(self, tokenizer, max_images: int = 1) -> RolloutEngine | None:
         """This rank's rollout engine, asleep (None: the rank generates nothing, as the
@@ -278,13 +298,19 @@ class PPOTrainer:
             #    KL(old || ref) as soon as the old log-probs exist
             with self.timer("adv"):
                 compute_advantages(
-                    exp, self.cfg.algo, self.kl_ctl.value, self.cfg.batch.n_samples_per_prompt
+                    exp,
+                    self.cfg.algo,
+                    self.kl_ctl.value,
+                    self.cfg.batch.n_samples_per_prompt,
+                    self.parallel,
                 )
-                kl_metrics = {} if reuse else observe_kl(exp, self.cfg.algo, self.kl_ctl)
+                kl_metrics = (
+                    {} if reuse else observe_kl(exp, self.cfg.algo, self.kl_ctl, self.parallel)
+                )
             # 5. critic then actor updates
             update_metrics = self.update(exp, reuse)
             if reuse:
-                kl_metrics = observe_kl(exp, self.cfg.algo, self.kl_ctl)
+                kl_metrics = observe_kl(exp, self.cfg.algo, self.kl_ctl, self.parallel)
         collect_batch_stats(stats, exp, trainer_old_logprobs=not self.rollout_logprobs_as_old)
         metrics = {**rollout_metrics, **kl_metrics, **update_metrics, **stats.reduce()}
         metrics.update(self.throughput(metrics))
@@ -316,7 +342,13 @@ class PPOTrainer:
             return exp, prompts, metrics
         n, pad_id = self.cfg.batch.n_samples_per_prompt, self.models.tokenizer.pad_token_id
         return dynamic_sample(
-            prompts, self.draw_prompts, generate_and_score, self.cfg.algo, n, pad_id
+            prompts,
+            self.draw_prompts,
+            generate_and_score,
+            self.cfg.algo,
+            n,
+            pad_id,
+            self.parallel.data_group,
         )
 
     def rollout(
@@ -363,7 +395,7 @@ class PPOTrainer:
             scores = exp.scores
         if self.models.reward is not None:
             with self.timer("reward_model"), self.onloaded(self.models.reward, "reward"):
-                rm = batched_scores(self.models.reward, exp, micro, self.packed)
+                rm = batched_scores(self.models.reward, exp, micro, self.scalar_inputs)
             check_finite_scores(rm, self.step, f"reward model {self.cfg.models.reward_pretrain}")
             if self.models.reward_norm is not None:
                 mean, std = self.models.reward_norm
@@ -383,14 +415,14 @@ class PPOTrainer:
         elif old_logprobs:
             with self.timer("old_log_p"):
                 exp.old_logprobs = batched_logprobs(
-                    self.models.actor, exp, micro, temp, self.packed, self.group_size, self.moe
+                    self.models.actor, exp, micro, temp, self.actor_inputs, self.moe
                 )
         with self.timer("reference_model"), self.reference() as ref:
-            exp.ref_logprobs = batched_logprobs(ref, exp, micro, temp, self.packed, self.group_size)
+            exp.ref_logprobs = batched_logprobs(ref, exp, micro, temp, self.actor_inputs)
         if self.models.critic is not None:
             with self.timer("critic_model"):
                 onload_model(self.models.critic, self.env.device)
-                exp.values = batched_values(self.models.critic, exp, micro, self.packed)
+                exp.values = batched_values(self.models.critic, exp, micro, self.scalar_inputs)
 
     def update(self, exp: Experience, reuse_logprobs: bool) -> dict[str, float]:
         metrics: dict[str, float] = {}
@@ -400,7 +432,14 @@ class PPOTrainer:
                 critic = self._trained_model("critic")
                 onload_optimizer(critic.optimizer, device)
                 metrics.update(
-                    update_critic(critic, exp, cfg.algo, self.update_plan, self._generator())
+                    update_critic(
+                        critic,
+                        exp,
+                        cfg.algo,
+                        self.update_plan,
+                        self._generator(),
+                        self.scalar_inputs,
+                    )
                 )
                 offload_optimizer(critic.optimizer, device)
                 offload_model(critic.model, device)
@@ -412,6 +451,7 @@ class PPOTrainer:
                     cfg.algo,
                     self.update_plan,
                     self._generator(),
+                    spec=self.actor_inputs,
                     kl_coef=self.kl_ctl.value,
                     temperature=cfg.rollout.temperature,
                     reuse_logprobs=reuse_logprobs,
@@ -445,7 +485,7 @@ class PPOTrainer:
 
     def _generator(self) -> torch.Generator:
         # the same shuffle on the ranks of a sequence-parallel group (they hold the same rows)
-        return update_generator(self.cfg.seed, self.step, self.sp.dp_rank)
+        return update_generator(self.cfg.seed, self.step, self.parallel.dp_rank)
 
     @contextmanager
     def onloaded(self, model: nn.Module, name: str):

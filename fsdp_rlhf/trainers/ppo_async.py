@@ -29,6 +29,7 @@ from fsdp_rlhf.data.prompts import Prompt
 from fsdp_rlhf.distributed import weight_broadcast
 from fsdp_rlhf.distributed.bridge import Bridge, Channel, PeerLost
 from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars, job_position
+from fsdp_rlhf.distributed.layout import ParallelLayout
 from fsdp_rlhf.distributed.split_world import SplitWorld, init_split_world
 from fsdp_rlhf.distributed.weight_broadcast import WeightLink
 from fsdp_rlhf.rollout.weight_sync import (
@@ -73,7 +74,7 @@ class AsyncJob:
 def main(cfg: PPOConfig, debug: bool = False) -> int:
     job: list[AsyncJob] = []
 
-    def init(timeout_min: int) -> DistEnv:
+    def init(timeout_min: int) -> tuple[DistEnv, SplitWorld]:
         rank, world, _ = job_position()
         split = SplitWorld(
             world, async_rollout_ranks(cfg, world), cfg.rollout.vllm_tensor_parallel_size
@@ -83,14 +84,14 @@ def main(cfg: PPOConfig, debug: bool = False) -> int:
         receivers = [split.rollout_rank(i) for i in range(split.rollout_ranks)]
         link = WeightLink.build(bridge, store, receivers, env.device, timeout_min)
         job.append(AsyncJob(split, rank, bridge, link, store))
-        return env
+        return env, split
 
-    def build(cfg: PPOConfig, env: DistEnv, prepared):
+    def build(cfg: PPOConfig, env: DistEnv, prepared, parallel: ParallelLayout):
         if job[0].split.is_rollout(job[0].rank):
             from fsdp_rlhf.trainers.ppo_async_rollout import RolloutWorker
 
             return RolloutWorker(cfg, env, job[0], prepared[1])
-        return AsyncLearner(cfg, env, prepared, job[0])
+        return AsyncLearner(cfg, env, prepared, job[0], parallel)
 
     def run(trainer) -> int:
         if isinstance(trainer, AsyncLearner):
@@ -103,7 +104,9 @@ def main(cfg: PPOConfig, debug: bool = False) -> int:
 class AsyncLearner(PPOTrainer):
     """A training rank of an asynchronous job (see the module docstring)."""
 
-    def __init__(self, cfg: PPOConfig, env: DistEnv, prepared, job: AsyncJob) -> None:
+    def __init__(
+        self, cfg: PPOConfig, env: DistEnv, prepared, job: AsyncJob, parallel: ParallelLayout
+    ) -> None:
         self.job = job
         split = job.split
         self.routes = routes(cfg.batch.rollout_batch_size, split.rollout_ranks, env.world_size)
@@ -114,7 +117,7 @@ class AsyncLearner(PPOTrainer):
         self.rollout_samplers_here: dict[int, dict] = {}
         self._batch_samplers: dict[int, dict] = {}
         self._ended = False
-        super().__init__(cfg, env, prepared)
+        super().__init__(cfg, env, prepared, parallel)
         log.info(
             "asynchronous: ranks 0-%d train, %d-%d generate (%d engines x TP %d); batches "
             "at most %d weight version(s) old%s",

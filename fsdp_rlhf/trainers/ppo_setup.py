@@ -30,6 +30,7 @@ from fsdp_rlhf.config import (
 from fsdp_rlhf.data.prompts import Prompt, check_chat_template, tokenize_prompts
 from fsdp_rlhf.distributed.ema import ShardedEMA
 from fsdp_rlhf.distributed.env import DistEnv
+from fsdp_rlhf.distributed.layout import ParallelLayout
 from fsdp_rlhf.distributed.memory_plan import resolve_vllm_utilization
 from fsdp_rlhf.distributed.offload import offload_model, offload_optimizer
 from fsdp_rlhf.errors import UserError
@@ -382,17 +383,26 @@ class Models:
 
 
 def load_ppo_model(
-    load: Callable[[bool], nn.Module], cfg: PPOConfig, env: DistEnv, trainable: bool, what: str
+    load: Callable[[bool], nn.Module],
+    cfg: PPOConfig,
+    env: DistEnv,
+    trainable: bool,
+    what: str,
+    parallel: ParallelLayout | None = None,
 ) -> nn.Module:
     """``common.load_and_prepare`` with PPO's settings (also used by ``doctor``): ``load(True)``
     the model with its weights (rank 0 only when there are several), ``load(False)`` the
-    meta-device skeleton every rank shards."""
+    meta-device skeleton every rank shards. ``parallel``: the run's layout (None: one data shard per
+    rank, no sequence parallelism)."""
+    if parallel is None:
+        parallel = ParallelLayout(world_size=env.world_size, rank=env.rank)
     # Token-mean losses are normalised by the global token count, so ranks must sum grads.
     return load_and_prepare(
         load,
         env,
         cfg.fsdp,
         cfg.backend,
+        parallel=parallel,
         what=what,
         packed=cfg.batch.packing_samples,
         trainable=trainable,
@@ -400,7 +410,7 @@ def load_ppo_model(
     )
 
 
-def build_models(cfg: PPOConfig, env: DistEnv, tokenizer) -> Models:
+def build_models(cfg: PPOConfig, env: DistEnv, tokenizer, parallel: ParallelLayout) -> Models:
     m, backend = cfg.models, cfg.backend
     log_startup(env, cfg.fsdp.zero_stage, cfg.backend.bf16)
 
@@ -412,7 +422,7 @@ def build_models(cfg: PPOConfig, env: DistEnv, tokenizer) -> Models:
             add_lora(model, cfg.lora, quiet=not weights)
         return model
 
-    actor = load_ppo_model(actor_model, cfg, env, trainable=True, what="--pretrain")
+    actor = load_ppo_model(actor_model, cfg, env, True, "--pretrain", parallel)
     # Frozen models never run backward: recomputation would only cost time.
     no_ckpt = dataclasses.replace(backend, gradient_checkpointing=False)
     # Frozen weights need no fp32 master copy: bf16 shards under --bf16 halve their memory.
@@ -425,7 +435,7 @@ def build_models(cfg: PPOConfig, env: DistEnv, tokenizer) -> Models:
             prepare_policy(model)
             return model
 
-        ref = load_ppo_model(ref_model, cfg, env, trainable=False, what="the reference model")
+        ref = load_ppo_model(ref_model, cfg, env, False, "the reference model", parallel)
     critic = reward = None
     norm = None
     if uses_critic(cfg):
@@ -442,14 +452,15 @@ def build_models(cfg: PPOConfig, env: DistEnv, tokenizer) -> Models:
                 add_lora(model, cfg.lora, head="score", quiet=not weights)
             return model
 
-        critic = load_ppo_model(critic_model, cfg, env, trainable=True, what="the critic")
+        critic = load_ppo_model(critic_model, cfg, env, True, "the critic", parallel)
     if m.reward_pretrain:
         reward = load_ppo_model(
             lambda w: load_reward_model(cfg, no_ckpt, env.device, weights=w),
             cfg,
             env,
-            trainable=False,
-            what="--reward_pretrain",
+            False,
+            "--reward_pretrain",
+            parallel,
         )
         # prepare already refused --normalize_reward without the statistics
         norm = reward_normalization(m.reward_pretrain) if m.normalize_reward else None

@@ -20,6 +20,8 @@ import logging
 from fsdp_rlhf.config import OfflineBatchPlan, RMConfig
 from fsdp_rlhf.data.preference import PairBatch
 from fsdp_rlhf.distributed.env import DistEnv
+from fsdp_rlhf.distributed.layout import ParallelLayout
+from fsdp_rlhf.models.inputs import InputSpec
 from fsdp_rlhf.models.save import save_model
 from fsdp_rlhf.trainers import common
 from fsdp_rlhf.trainers.offline.data import prepare_rm_data
@@ -48,12 +50,18 @@ class RMTrainer(OfflineTrainer):
     model_name = "rm"
     train_keys = TRAIN_KEYS
 
-    def __init__(self, cfg: RMConfig, env: DistEnv, prepared: tuple[OfflineBatchPlan, TrainData]):
+    def __init__(
+        self,
+        cfg: RMConfig,
+        env: DistEnv,
+        prepared: tuple[OfflineBatchPlan, TrainData],
+        parallel: ParallelLayout,
+    ):
         plan, data = prepared
         common.write_run_config(cfg, env)
-        model = build_reward_model(cfg, env, data.tokenizer.pad_token_id)
-        self.layout = pair_layout(model, cfg.batch)
-        super().__init__(cfg, env, plan, data, model, guard_name="reward model")
+        model = build_reward_model(cfg, env, data.tokenizer.pad_token_id, parallel)
+        self.inputs = InputSpec(pair_layout(model, cfg.batch), sp=parallel.sp)
+        super().__init__(cfg, env, plan, data, model, parallel, guard_name="reward model")
 
     def update(self, batches: list[PairBatch]) -> dict[str, float]:
         return train_step(
@@ -65,11 +73,13 @@ class RMTrainer(OfflineTrainer):
             self.env.device,
             self.guard,
             self.step,
-            self.layout,
+            self.inputs,
         )
 
     def evaluate(self) -> dict[str, float]:
-        return evaluate(self.model, self.eval_batches(), self.cfg, self.env.device, self.layout)
+        return evaluate(
+            self.model, self.eval_batches(), self.cfg, self.env.device, self.inputs, self.parallel
+        )
 
     def finish(self) -> None:
         """Final eval, then the HF model (atomically) with the eval reward mean/std.

@@ -12,6 +12,7 @@ from fsdp_rlhf.config import BackendConfig
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.models.attention import use_varlen_attention
 from fsdp_rlhf.models.forward import response_logprobs
+from fsdp_rlhf.models.inputs import forward_inputs
 from fsdp_rlhf.models.load import load_causal_lm
 from fsdp_rlhf.models.moe import (
     MoEHooks,
@@ -20,7 +21,6 @@ from fsdp_rlhf.models.moe import (
     expert_parameter_names,
     moe_routers,
     routing_scope,
-    to_forward_layout,
 )
 from fsdp_rlhf.models.packing import pack_rows
 from fsdp_rlhf.models.shared_prefix import share_prompts
@@ -63,13 +63,14 @@ def shifted(routing: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 def test_layouts_follow_the_packed_and_shared_forwards():
     ids, mask, _ = grouped_batch(100)
-    packed = to_forward_layout(ids, mask, T, packed=True)
+    packed = forward_inputs(ids, mask, packed=True).arrange(ids)
     assert torch.equal(packed, pack_rows(ids, mask).input_ids)
-    shared = to_forward_layout(ids, mask, T, group_size=S)
+    shared_inputs = forward_inputs(ids, mask, group_size=S, response_len=T)
+    shared = shared_inputs.arrange(ids)
     assert torch.equal(shared, share_prompts(ids, mask, T, S).input_ids)
     # trailing dimensions (layers, experts) travel along with their token
     where = torch.arange(ids.numel()).view(*ids.shape, 1, 1).expand(*ids.shape, 2, 3)
-    laid = to_forward_layout(where, mask, T, group_size=S)
+    laid = shared_inputs.arrange(where)
     assert torch.equal(ids.flatten()[laid[..., 1, 2]], shared)
 
 
@@ -79,9 +80,9 @@ def test_replaying_the_models_own_routing_changes_nothing(moe_model):
     ids, mask, _ = grouped_batch(model.config.vocab_size)
     routing = own_routing(model, ids, mask)
     with torch.no_grad():
-        ref, _ = response_logprobs(model, ids, mask, T)
-        with routing_scope(hooks, routing, mask, T, collect=True):
-            got, _ = response_logprobs(model, ids, mask, T)
+        ref, _ = response_logprobs(model, forward_inputs(ids, mask), T)
+        with routing_scope(hooks, routing, forward_inputs(ids, mask), collect=True):
+            got, _ = response_logprobs(model, forward_inputs(ids, mask), T)
     assert torch.equal(got, ref)
     assert hooks.pop_metrics()["moe/router_replay_agreement"] == 1.0
 
@@ -95,15 +96,16 @@ def test_replay_gives_the_padded_forwards_logprobs_in_every_layout(moe_model, la
     ids, mask, rmask = grouped_batch(model.config.vocab_size, seed=1)
     routing = shifted(own_routing(model, ids, mask), model.config.num_experts)
     with torch.no_grad():
-        plain, _ = response_logprobs(model, ids, mask, T)
-        with routing_scope(hooks, routing, mask, T):
-            padded, _ = response_logprobs(model, ids, mask, T)
+        plain, _ = response_logprobs(model, forward_inputs(ids, mask), T)
+        with routing_scope(hooks, routing, forward_inputs(ids, mask)):
+            padded, _ = response_logprobs(model, forward_inputs(ids, mask), T)
         packed = layout == "packed"
         group = S if layout == "shared" else 1
         if packed:
             use_varlen_attention(model, "cpu")
-        with routing_scope(hooks, routing, mask, T, packed=packed, group_size=group):
-            got, _ = response_logprobs(model, ids, mask, T, packed=packed, group_size=group)
+        inputs = forward_inputs(ids, mask, packed=packed, group_size=group, response_len=T)
+        with routing_scope(hooks, routing, inputs):
+            got, _ = response_logprobs(model, inputs, T)
     on = rmask.bool()
     assert (padded[on] - plain[on]).abs().max() > 1e-3  # the replay is not the model's routing
     torch.testing.assert_close(got[on], padded[on], rtol=1e-5, atol=1e-5)
@@ -117,14 +119,14 @@ def test_replayed_weights_train_the_router_and_unrouted_tokens_route_themselves(
     routing = shifted(own, model.config.num_experts)
     routing[:, :] = 255  # no routing anywhere ...
     with torch.no_grad():
-        ref, _ = response_logprobs(model, ids, mask, T)
-        with routing_scope(hooks, routing, mask, T):
-            got, _ = response_logprobs(model, ids, mask, T)
+        ref, _ = response_logprobs(model, forward_inputs(ids, mask), T)
+        with routing_scope(hooks, routing, forward_inputs(ids, mask)):
+            got, _ = response_logprobs(model, forward_inputs(ids, mask), T)
     torch.testing.assert_close(got, ref)  # ... is the model's own routing
     routing = shifted(own, model.config.num_experts)
     model.zero_grad()
-    with routing_scope(hooks, routing, mask, T):
-        lp, _ = response_logprobs(model, ids, mask, T)
+    with routing_scope(hooks, routing, forward_inputs(ids, mask)):
+        lp, _ = response_logprobs(model, forward_inputs(ids, mask), T)
         (lp * rmask).sum().backward()
     gate = model.model.layers[0].mlp.gate.weight
     assert gate.grad is not None and gate.grad.abs().sum() > 0
@@ -137,7 +139,7 @@ def test_aux_loss_is_transformers_load_balancing_loss(moe_model):
     hooks = MoEHooks.attach(model)
     ids, mask, _ = grouped_batch(model.config.vocab_size, seed=5)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    with routing_scope(hooks, None, mask, T, collect=False):
+    with routing_scope(hooks, None, forward_inputs(ids, mask), collect=False):
         out = model(ids, attention_mask=mask, position_ids=pos, output_router_logits=True)
         ours = hooks.aux_loss()
     ref = load_balancing_loss_func(
@@ -155,8 +157,8 @@ def test_metrics_count_what_was_routed(moe_model):
     ids, mask, _ = grouped_batch(model.config.vocab_size, seed=6)
     routing = own_routing(model, ids, mask)
     routing[..., :] = torch.arange(k, dtype=torch.uint8)  # every token to experts 0..k-1
-    with torch.no_grad(), routing_scope(hooks, routing, mask, T):
-        response_logprobs(model, ids, mask, T)
+    with torch.no_grad(), routing_scope(hooks, routing, forward_inputs(ids, mask)):
+        response_logprobs(model, forward_inputs(ids, mask), T)
     m = hooks.pop_metrics()
     # k of E experts take all the load: max share = 1/k, mean share = 1/E
     assert m["moe/expert_load_max_mean/layer_0"] == pytest.approx(E / k)
@@ -256,8 +258,8 @@ def test_metrics_live_where_the_routers_run_not_where_the_parameters_are(moe_mod
     hooks = MoEHooks(Offloaded(), moe_routers(model))
     ids, mask, _ = grouped_batch(model.config.vocab_size, seed=6)
     routing = own_routing(model, ids, mask)
-    with torch.no_grad(), routing_scope(hooks, routing, mask, T):
-        response_logprobs(model, ids, mask, T)
+    with torch.no_grad(), routing_scope(hooks, routing, forward_inputs(ids, mask)):
+        response_logprobs(model, forward_inputs(ids, mask), T)
     m = hooks.pop_metrics()
     assert m["moe/router_replay_agreement"] == pytest.approx(1.0)
     assert m["moe/expert_load_max_mean"] >= 1.0

@@ -18,6 +18,7 @@ from fsdp_rlhf.config import (
     plan_ppo_batches,
 )
 from fsdp_rlhf.config_base import ConfigError, build_config
+from fsdp_rlhf.distributed.layout import ParallelLayout, build_layout
 from fsdp_rlhf.distributed.memory import (
     GIB,
     JobFlags,
@@ -27,7 +28,7 @@ from fsdp_rlhf.distributed.memory import (
     sequence_parallel_needed,
     sequence_parallel_options,
 )
-from fsdp_rlhf.distributed.sequence_parallel import SequenceParallel, layout, share_range
+from fsdp_rlhf.distributed.sequence_parallel import SequenceParallel, share_range
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.models.load import check_sequence_parallel
 from fsdp_rlhf.models.ulysses import head_problem
@@ -52,7 +53,12 @@ def test_shares_are_contiguous_and_cover_everything():
     parts = [SequenceParallel(size=3, rank=r).share(items) for r in range(3)]
     assert sum(parts, []) == items and [len(p) for p in parts] == [3, 2, 2]
     assert SequenceParallel().share(items) == items
-    assert layout().size == 1 and layout().dp_size == 1  # no process group: one data rank
+    one = build_layout()  # no process group: one rank, its own data shard
+    assert one.sp.size == 1 and one.dp_size == 1 and one.data_group is None
+    four = ParallelLayout(world_size=4, rank=3, sp=SequenceParallel(size=2, rank=1))
+    assert (four.dp_size, four.dp_rank) == (2, 1)
+    with pytest.raises(ValueError, match="does not divide"):
+        ParallelLayout(world_size=3, sp=SequenceParallel(size=2))
 
 
 def test_batch_plans_count_data_parallel_ranks():

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
 from fsdp_rlhf.config import PairBatchConfig, RMConfig
 from fsdp_rlhf.distributed.env import DistEnv
+from fsdp_rlhf.distributed.layout import ParallelLayout
 from fsdp_rlhf.models.attention import VARLEN_ATTENTION
+from fsdp_rlhf.models.inputs import RowLayout
 from fsdp_rlhf.models.load import is_vision_language, load_causal_lm, load_scalar_model
 from fsdp_rlhf.models.lora import add_lora
 from fsdp_rlhf.models.ulysses import base_attention
@@ -22,10 +24,10 @@ from fsdp_rlhf.trainers.common import load_and_prepare, log_startup
 
 log = logging.getLogger("fsdp_rlhf")
 
-PairLayout = Literal["padded", "packed", "shared"]
 
-
-def build_reward_model(cfg: RMConfig, env: DistEnv, pad_token_id: int) -> nn.Module:
+def build_reward_model(
+    cfg: RMConfig, env: DistEnv, pad_token_id: int, parallel: ParallelLayout
+) -> nn.Module:
     """Load the SFT model with a scalar head and shard it over all ranks."""
     log_startup(env, cfg.fsdp.zero_stage, cfg.backend.bf16)
     # A freshly initialised head is rank 0's (the others receive its values); the seed makes
@@ -51,6 +53,7 @@ def build_reward_model(cfg: RMConfig, env: DistEnv, pad_token_id: int) -> nn.Mod
         env,
         cfg.fsdp,
         cfg.backend,
+        parallel=parallel,
         what="--pretrain",
         packed=cfg.batch.packing_samples,
         trainable=True,
@@ -66,7 +69,9 @@ def packs(cfg: Any, model: nn.Module) -> bool:
     return cfg.batch.packing_samples and not is_vision_config(model.config)
 
 
-def build_policy(cfg: Any, env: DistEnv, *, grad_reduce: str = "mean") -> nn.Module:
+def build_policy(
+    cfg: Any, env: DistEnv, parallel: ParallelLayout, *, grad_reduce: str = "mean"
+) -> nn.Module:
     """Load ``--pretrain`` as a causal LM (with adapters under ``--lora_rank``) and shard it.
     A VLM's placeholders are suppressed and, with ``--freeze_visual_encoder``, its vision
     tower frozen.
@@ -94,6 +99,7 @@ def build_policy(cfg: Any, env: DistEnv, *, grad_reduce: str = "mean") -> nn.Mod
         env,
         cfg.fsdp,
         cfg.backend,
+        parallel=parallel,
         what="--pretrain",
         packed=packed,
         trainable=True,
@@ -112,7 +118,7 @@ def reference_path(cfg: Any) -> str | None:
     return path
 
 
-def build_reference(cfg: Any, env: DistEnv) -> nn.Module | None:
+def build_reference(cfg: Any, env: DistEnv, parallel: ParallelLayout) -> nn.Module | None:
     """The frozen reference (bf16 weights under ``--bf16``: no master copy to keep), or None
     (see :func:`reference_path`)."""
     path = reference_path(cfg)
@@ -134,22 +140,24 @@ def build_reference(cfg: Any, env: DistEnv) -> nn.Module | None:
         env,
         cfg.fsdp,
         backend,
+        parallel=parallel,
         what="the reference model",
         packed=cfg.batch.packing_samples and not vlm,
         trainable=False,
     )
 
 
-def pair_layout(model: nn.Module, batch: PairBatchConfig) -> PairLayout:
-    """How the pairs go through ``model``: padded, packed into one row, or packed with each
-    pair's shared prefix once (``--share_prompt_prefix``, needs the varlen attention of
-    ``--packing_samples``; flash-attn's kernels take no shared prefix)."""
+def pair_layout(model: nn.Module, batch: PairBatchConfig) -> RowLayout:
+    """The rows part of the pairs' forwards through ``model`` (``models.inputs``): padded,
+    packed into one row, or packed with each pair's shared prefix once
+    (``--share_prompt_prefix``, needs the varlen attention of ``--packing_samples``;
+    flash-attn's kernels take no shared prefix)."""
     if not batch.packing_samples or is_vision_config(model.config):
         return "padded"
     impl = base_attention(model)  # inside Ulysses when the model is sequence-parallel
     if batch.share_prompt_prefix and impl == VARLEN_ATTENTION:
         log.info("shared prompt prefix: each pair's common prefix runs once")
-        return "shared"
+        return "shared_pairs"
     if batch.share_prompt_prefix:
         log.info("shared prompt prefix: off, the model's attention is %s", impl)
     return "packed"

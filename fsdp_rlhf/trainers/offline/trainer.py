@@ -32,7 +32,7 @@ from fsdp_rlhf.data.preference import PreferenceLoader, collate_pairs, eval_batc
 from fsdp_rlhf.data.schedule import DataPosition, StepSchedule
 from fsdp_rlhf.distributed import checkpoint as ckpt
 from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars
-from fsdp_rlhf.distributed.sequence_parallel import layout as sequence_parallel_layout
+from fsdp_rlhf.distributed.layout import ParallelLayout
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.metrics import Progress
 from fsdp_rlhf.models.load import check_sequence_parallel
@@ -175,11 +175,13 @@ class OfflineTrainer:
         plan: Any,
         data: Any,
         model: nn.Module,
+        parallel: ParallelLayout,
         *,
         collate: Callable = collate_pairs,
         guard_name: str = "model",
     ) -> None:
         self.cfg, self.env, self.plan, self.data = cfg, env, plan, data
+        self.parallel = parallel
         self.model = model
         self.collate = collate
         self.optimizer = build_optimizer(model, cfg.optim)
@@ -195,9 +197,12 @@ class OfflineTrainer:
         if saved:
             self.guard.load_state_dict(saved.get("guard", {}))
         # the ranks of a sequence-parallel group run the same rows: one data shard per group
-        self.sp = sequence_parallel_layout()
         schedule = StepSchedule(
-            len(data.train), cfg.batch.train_batch_size, self.sp.dp_size, self.sp.dp_rank, cfg.seed
+            len(data.train),
+            cfg.batch.train_batch_size,
+            parallel.dp_size,
+            parallel.dp_rank,
+            cfg.seed,
         )
         self.pad_id = data.tokenizer.pad_token_id
         self.loader = PreferenceLoader(
@@ -273,8 +278,8 @@ class OfflineTrainer:
         return list(
             eval_batches(
                 self.data.eval,
-                self.sp.dp_size,
-                self.sp.dp_rank,
+                self.parallel.dp_size,
+                self.parallel.dp_rank,
                 self.plan.micro_batch_size_per_rank,
                 self.pad_id,
                 self.collate,
