@@ -190,12 +190,15 @@ class GuardConfig:
         "come in a row (0: abort at the first).",
     )
     dist_timeout_min: int = doc(
-        60, "Minutes a collective may wait for the other ranks before the job fails."
+        60,
+        "Minutes a collective may wait for the other ranks before the job fails (--async_train: "
+        "also the longest either side waits for the other while it is alive).",
     )
     heartbeat_timeout_s: float = doc(
         120.0,
         "Multi-node jobs: end every rank, naming the lost one, when a rank on another node "
-        "sends no heartbeat (or the job's store no answer) for this many seconds; 0: off.",
+        "sends no heartbeat (or the job's store no answer) for this many seconds; 0: off. "
+        "--async_train: also when a rank it waits for sends none.",
     )
 
     def __post_init__(self) -> None:
@@ -964,16 +967,6 @@ class PPOConfig:
                 raise ConfigError(f"{flag} applies to asynchronous training: add --async_train")
 
     def _check_moe(self) -> None:
-        sp = self.fsdp.sequence_parallel_size
-        if sp > 1 and (self.moe.router_replay or self.moe.aux_loss_coef > 0):
-            # each rank of a sequence-parallel group routes its own slice of every sequence:
-            # the replayed routing and the balancing loss's token counts are not split with it
-            flag = "--router_replay" if self.moe.router_replay else "--aux_loss_coef"
-            raise ConfigError(
-                f"{flag} with --sequence_parallel_size {sp}: router replay and the load-balancing "
-                "loss are not implemented for sequence-parallel forwards; use "
-                "--sequence_parallel_size 1"
-            )
         if self.asynchronous.async_train and self.moe.router_replay:
             # the step-by-step engine of asynchronous training does not record routing
             raise ConfigError(

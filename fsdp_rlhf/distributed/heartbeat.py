@@ -22,6 +22,10 @@ long vLLM start, checkpoint save or rollout does not stop them. The judge does n
 peer for time it could not watch itself (its own thread held off the interpreter for long);
 a rank that finished announces it, so that its exit is not taken for a loss.
 
+An asynchronous job's ranks also read each other's counters on demand while they wait for
+each other (:class:`PeerBeats`): there every rank beats, on a single node too (without a
+judge), so that a waiting rank tells a live but slow peer from a stopped or hung one.
+
 Bound: a peer lost at time t ends the ranks watching it by ``t + timeout_s + 2 * interval``
 (:func:`detection_bound_s`), ``interval = clamp(timeout_s / 10, 0.2, 10)``; the other ranks
 follow one interval later through the abort key or, when the lost host served the store, by
@@ -76,6 +80,14 @@ def watched_rank(rank: int, world_size: int, local_world_size: int) -> int | Non
     if world_size == local_world_size:
         return None
     return (rank + local_world_size) % world_size
+
+
+def _namespace_prefix(namespace: str) -> str:
+    return f"{_PREFIX}/{namespace}/"
+
+
+def _key(prefix: str, kind: str, rank: int | None = None) -> str:
+    return prefix + kind + ("" if rank is None else f"/{rank}")
 
 
 # ---------------------------------------------------------------- the verdict (pure)
@@ -244,7 +256,7 @@ class Heartbeat:
         self.timeout_s = timeout_s
         self.interval = heartbeat_interval(timeout_s)
         self.store_addr = store_addr
-        self.prefix = f"{_PREFIX}/{namespace}/"
+        self.prefix = _namespace_prefix(namespace)
         self.clock = clock
         self.on_lost = on_lost
         self.peer = watched_rank(rank, world_size, local_world_size)
@@ -260,8 +272,11 @@ class Heartbeat:
 
     # -------------------------------------------------------- lifecycle
 
-    def start(self) -> Heartbeat:
-        for target, name in ((self._beat_loop, "beater"), (self._judge_loop, "judge")):
+    def start(self, judge: bool = True) -> Heartbeat:
+        """Start the beater, and the judge unless ``judge`` is False (beats for others to read:
+        a single-node asynchronous job's bridge, see :class:`PeerBeats`)."""
+        loops = [(self._beat_loop, "beater")] + ([(self._judge_loop, "judge")] if judge else [])
+        for target, name in loops:
             t = threading.Thread(target=target, name=f"fsdp_rlhf-heartbeat-{name}", daemon=True)
             t.start()
             self._threads.append(t)
@@ -278,7 +293,7 @@ class Heartbeat:
     # -------------------------------------------------------- beater
 
     def _key(self, kind: str, rank: int | None = None) -> str:
-        return self.prefix + kind + ("" if rank is None else f"/{rank}")
+        return _key(self.prefix, kind, rank)
 
     def _beat_loop(self) -> None:
         announced = False
@@ -403,28 +418,143 @@ class Heartbeat:
         )
 
 
+def _store_address() -> tuple[str, int] | None:
+    """The job's store (torchrun's), from ``MASTER_ADDR`` / ``MASTER_PORT``."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    return (addr, int(port)) if addr and port else None
+
+
+def _restart_namespace() -> str:
+    """A fresh set of keys for each start of the workers by an elastic agent."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
 def start_heartbeat(
-    timeout_s: float, rank: int, world_size: int, local_world_size: int
+    timeout_s: float,
+    rank: int,
+    world_size: int,
+    local_world_size: int,
+    *,
+    beat_on_one_node: bool = False,
 ) -> Heartbeat | None:
     """This rank's heartbeat, started; None when off: ``timeout_s`` 0, a single-node job (its
     ranks share a host, whose launcher sees a local death), or no ``MASTER_ADDR`` /
-    ``MASTER_PORT`` to reach the store by."""
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if timeout_s <= 0 or world_size <= local_world_size or not addr or not port:
+    ``MASTER_PORT`` to reach the store by.
+
+    ``beat_on_one_node``: on a single node, beat without judging (an asynchronous job's ranks
+    read each other's beats while they wait for each other: :class:`PeerBeats`)."""
+    where = _store_address()
+    one_node = world_size <= local_world_size
+    if timeout_s <= 0 or (one_node and not beat_on_one_node) or where is None:
         return None
+    addr, port = where
     # Imported here, not by the beater's first connect: importing torch takes seconds, which
     # the judge would count as silence of the store.
     import torch.distributed  # noqa: F401
 
     interval = heartbeat_interval(timeout_s)
     hb = Heartbeat(
-        lambda: tcp_store_client(addr, int(port), timeout_s=max(1.0, interval)),
+        lambda: tcp_store_client(addr, port, timeout_s=max(1.0, interval)),
         rank=rank,
         world_size=world_size,
         local_world_size=local_world_size,
         timeout_s=timeout_s,
         store_addr=f"{addr}:{port}",
-        # a fresh set of keys for each start of the workers by an elastic agent
-        namespace=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+        namespace=_restart_namespace(),
     )
-    return hb.start()
+    return hb.start(judge=not one_node)
+
+
+# ---------------------------------------------------------------- a peer's beats, on demand
+
+
+class PeerBeats:
+    """Other ranks' heartbeats read on demand, for a rank that waits for one of them (an
+    asynchronous job's bridge: :mod:`fsdp_rlhf.distributed.bridge`), and what each of them is
+    waiting for, when it says.
+
+    A rank that waits long for a peer can then tell a live peer (its counter moves: slow, or
+    itself waiting) from one that is stopped, hung or cut off (its counter stands still for
+    ``timeout_s``). One store connection of its own, used by one thread at a time; a store
+    request that fails is no news (the heartbeat's judge rules on a silent store).
+    """
+
+    def __init__(
+        self,
+        connect: Callable[[], Store],
+        timeout_s: float,
+        namespace: str = "0",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.connect, self.timeout_s, self.clock = connect, timeout_s, clock
+        self.interval = heartbeat_interval(timeout_s)
+        self.prefix = _namespace_prefix(namespace)
+        self._store: Store | None = None
+        self._lock = threading.Lock()
+
+    def _request(self, request: Callable[[Store], Any]) -> Any:
+        with self._lock:
+            try:
+                if self._store is None:
+                    self._store = self.connect()
+                return request(self._store)
+            except Exception as e:  # noqa: BLE001 - no news; reconnect next time
+                log.debug("heartbeat: store request failed: %s", e)
+                self._store = None
+                return None
+
+    def beats(self, rank: int) -> int | None:
+        """``rank``'s beat counter (None: the store did not answer)."""
+        return self._request(lambda s: s.add(_key(self.prefix, "beat", rank), 0))
+
+    def watch(self, rank: int) -> PeerWatch:
+        """One wait's view of ``rank``: silent from now on until its counter moves."""
+        return PeerWatch(self, rank)
+
+    def note_waiting(self, rank: int, doing: str) -> None:
+        """Publish what ``rank`` is waiting for (``""``: nothing any more)."""
+        self._request(lambda s: s.set(_key(self.prefix, "waiting", rank), doing))
+
+    def waiting(self, rank: int) -> str:
+        """What ``rank`` last published it is waiting for (``""``: nothing, or unknown)."""
+        key = _key(self.prefix, "waiting", rank)
+        value = self._request(lambda s: s.get(key) if s.check([key]) else b"")
+        return value.decode() if value else ""
+
+
+class PeerWatch:
+    """One peer's heartbeat over one wait, judged as the heartbeat's judge does
+    (:class:`Silence`: time this process could not watch is not blamed on the peer)."""
+
+    def __init__(self, beats: PeerBeats, rank: int) -> None:
+        self.beats, self.rank = beats, rank
+        self.silence = Silence(beats.timeout_s, beats.clock(), peers=(rank,))
+
+    def poll(self) -> Verdict | None:
+        """Read the peer's counter; a verdict when it has been still for the timeout."""
+        value = self.beats.beats(self.rank)
+        now = self.beats.clock()
+        if value is not None:
+            self.silence.store_ok(now)
+            self.silence.observe(self.rank, value, now)
+        verdict = self.silence.tick(now)
+        return verdict if verdict is not None and verdict.kind == "peer" else None
+
+    def silent_s(self) -> float:
+        """Seconds since the peer's counter last moved (or since the watch began)."""
+        return self.beats.clock() - self.silence.changed_at[self.rank]
+
+
+def peer_beats(timeout_s: float) -> PeerBeats | None:
+    """The job's heartbeats to read on demand; None when heartbeats are off (``timeout_s``
+    0) or the store cannot be reached by ``MASTER_ADDR`` / ``MASTER_PORT``."""
+    where = _store_address()
+    if timeout_s <= 0 or where is None:
+        return None
+    addr, port = where
+    interval = heartbeat_interval(timeout_s)
+    return PeerBeats(
+        lambda: tcp_store_client(addr, port, timeout_s=max(1.0, interval)),
+        timeout_s,
+        namespace=_restart_namespace(),
+    )

@@ -27,6 +27,11 @@ values once with tied embeddings, twice without. Activations per layer and token
 about ``9 h + 3 I`` bf16 values (norm in/out, q/k/v, attention out, o_proj, residual; SwiGLU gate,
 up and product), flash/SDPA attention keeping no ``s x s`` matrix; with gradient checkpointing
 only each layer's input (``h`` values) is kept, plus one layer recomputed in backward.
+Attention masks: SDPA keeps an explicit mask for backward as a bias in the compute dtype, one
+per layer (one, the recomputed layer's, with gradient checkpointing), and a sequence-parallel
+rank keeps it whole (the attention inside Ulysses runs whole rows): :func:`attention_mask_bytes`
+counts the layouts that still pass one (padded rows without sequence parallelism, shared-prompt
+rows); packed rows, flash-attn and Ulysses' padded rows use causal kernels and keep none.
 Logits: only the ``T`` positions that predict a response token (``logits_to_keep``), ``b T V``
 values in the compute dtype; the update keeps them and their gradient, and the log-probs are read
 in fp32 chunks of ``CHUNK_ELEMENTS`` (algorithms.logprobs: a few chunk-sized temporaries, never an
@@ -46,6 +51,7 @@ prints the measured phase peaks beside this model's estimate to calibrate them.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from fsdp_rlhf.algorithms.logprobs import CHUNK_ELEMENTS
@@ -141,6 +147,9 @@ class JobFlags:
         return self.ema and not (self.adam_offload or self.ref_reward_offload)
 
     sequence_parallel: int = 1  # --sequence_parallel_size: ranks sharing each sequence
+    packing: bool = False  # --packing_samples: causal attention per sequence, no mask
+    flash_attn: bool = False  # --flash_attn: flash-attn's kernels, no mask
+    shared_prompts: int = 1  # > 1: the actor's rows share their prompt pass, n per prompt
 
     @property
     def pool(self) -> int:
@@ -242,6 +251,27 @@ def activation_bytes(f: JobFlags, m: ModelShape, b: int) -> int:
     return kept
 
 
+def attention_mask_bytes(f: JobFlags, m: ModelShape, b: int, shared_prompts: bool) -> int:
+    """The attention masks one rank keeps for backward over ``b`` sequences (see the module
+    docstring): padded rows without sequence parallelism, HF's ``(b, 1, s, s)``; shared-prompt
+    rows (``shared_prompts``: the actor's forwards under ``--share_prompt_prefix``), the
+    prompts' ``(b / n, 1, P, P)`` and the responses' ``(b, 1, T, P + T)``, not divided by the
+    sequence-parallel size; 0 for packed rows, flash-attn and Ulysses' padded rows
+    (``models.attention.span_attention``)."""
+    if f.packing or f.flash_attn:
+        return 0
+    s, T = f.seq_len, min(f.response_len, f.seq_len)
+    P = s - T
+    if shared_prompts and f.shared_prompts > 1:
+        per_layer = -(-b // f.shared_prompts) * P * P + b * T * (P + T)
+    elif f.sequence_parallel > 1:
+        return 0
+    else:
+        per_layer = b * s * s
+    layers = 1 if f.gradient_checkpointing else m.layers
+    return f.dtype_bytes * layers * per_layer
+
+
 def _gathered(f: JobFlags, m: ModelShape) -> dict:
     """Unsharded params and grads during the update.
 
@@ -281,6 +311,9 @@ def update_phase(
                 del gathered[k]
     parts = {"params+grads+adam shards": states, **gathered}
     parts["activations"] = activation_bytes(f, m, f.micro_train_batch_size)
+    masks = attention_mask_bytes(f, m, f.micro_train_batch_size, shared_prompts=logits)
+    if masks:
+        parts["attention masks"] = masks
     if logits:  # the kept logits, their gradient, one chunk's fp32 temporaries
         kept = f.dtype_bytes * f.micro_train_batch_size * f.local_response_len * m.vocab
         parts["logits"] = 2 * kept + LOGPROB_CHUNK_BYTES
@@ -343,20 +376,35 @@ def plan_phases(
     return phases
 
 
+def engine_only_phases(f: JobFlags) -> list[Phase]:
+    """A rollout rank of an asynchronous job (docs/async.md): its device holds its engine's
+    TP slice and nothing of the trainer. vLLM's pool (never asleep; the engine's weights are in
+    it), the CUDA context and NCCL, and the weight buckets it receives (the next one arrives
+    while the engine loads the last)."""
+    parts = {
+        "vllm pool": f.pool,
+        "cuda context + nccl": CONTEXT_BYTES,
+        "weight buckets": 2 * SYNC_BUCKET_BYTES,
+    }
+    fix = "--vllm_gpu_memory_utilization (lower)"
+    return [Phase("rollout rank (vLLM only)", _with_slack(parts), f.device_bytes, fix)]
+
+
 def pool_fraction_limit(
     f: JobFlags, actor: ModelShape, critic: ModelShape | None, frozen: list[ModelShape]
 ) -> float:
     """The largest ``--vllm_gpu_memory_utilization`` with which every phase that holds vLLM's
     pool fits (wake and rollout; every phase when the engine does not sleep). 1.0 when no
     phase holds it (the HF engine); below 0 when nothing fits even without a pool."""
+    return fraction_limit(lambda g: plan_phases(g, actor, critic, frozen), f)
+
+
+def fraction_limit(plan: Callable[[JobFlags], list[Phase]], f: JobFlags) -> float:
+    """:func:`pool_fraction_limit` of any plan (``plan(flags)``: its phases)."""
     empty = dataclasses.replace(f, gpu_memory_utilization=0.0, vllm_pool_bytes=0)
     full = dataclasses.replace(f, gpu_memory_utilization=1.0, vllm_pool_bytes=0)
     best = 1.0
-    for p0, p1 in zip(
-        plan_phases(empty, actor, critic, frozen),
-        plan_phases(full, actor, critic, frozen),
-        strict=True,
-    ):
+    for p0, p1 in zip(plan(empty), plan(full), strict=True):
         per_unit = p1.total - p0.total  # bytes the phase grows by per unit of utilization
         if per_unit > 0:
             best = min(best, (p0.limit - p0.total) / per_unit)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 from fsdp_rlhf.algorithms.names import CRITIC_ESTIMATORS
@@ -21,7 +22,9 @@ from fsdp_rlhf.distributed.memory import (
     JobFlags,
     ModelShape,
     Phase,
+    engine_only_phases,
     engine_weight_bytes,
+    fraction_limit,
     plan_phases,
     pool_fraction_limit,
 )
@@ -31,6 +34,7 @@ from fsdp_rlhf.errors import UserError
 # (vLLM's own default is 0.92 of a device it has to itself).
 AUTO_UTILIZATION_CAP = 0.9
 UTIL_FLAG = "--vllm_gpu_memory_utilization"
+_OFFLOAD = "--adam_offload / --ref_reward_offload"
 
 
 def count_params(path: str) -> tuple[int, bool]:
@@ -63,6 +67,11 @@ def job_flags(cfg: PPOConfig, world: int, device_bytes: int) -> JobFlags:
     ``--vllm_gpu_memory_utilization`` is planned at ``AUTO_UTILIZATION_CAP``; see
     :func:`resolve_vllm_utilization` for the value the job uses)."""
     util = cfg.rollout.vllm_gpu_memory_utilization
+    n = cfg.batch.n_samples_per_prompt
+    # the actor's rows share their prompt pass (ppo_setup.prompt_group_size: padded attention
+    # only); taken as n here, the batch sizes may let a smaller group share
+    sharing = cfg.batch.share_prompt_prefix and n > 1
+    sharing = sharing and not (cfg.batch.packing_samples or cfg.backend.flash_attn)
     return JobFlags(
         world=world,
         device_bytes=device_bytes,
@@ -86,6 +95,9 @@ def job_flags(cfg: PPOConfig, world: int, device_bytes: int) -> JobFlags:
         cuda_graphs=not cfg.rollout.enforce_eager,
         vllm_tp=cfg.rollout.vllm_tensor_parallel_size,
         sequence_parallel=cfg.fsdp.sequence_parallel_size,
+        packing=cfg.batch.packing_samples,
+        flash_attn=cfg.backend.flash_attn,
+        shared_prompts=n if sharing else 1,
     )
 
 
@@ -145,14 +157,27 @@ def _gib(n: float) -> str:
     return f"{n / GIB:.1f}"
 
 
-def _worst_pool_phase(flags: JobFlags, models: JobModels) -> Phase:
+Plan = Callable[[JobFlags], list[Phase]]
+
+
+def _planner(models: JobModels, engine_only: bool) -> Plan:
+    """The phases of one device: a colocated rank's (every model and the engine), or with
+    ``engine_only`` an asynchronous job's rollout rank (its engine's TP slice only)."""
+    if engine_only:
+        return engine_only_phases
+    return lambda flags: plan_phases(flags, *_args(models))
+
+
+def _worst_pool_phase(flags: JobFlags, plan: Plan) -> Phase:
     """The phase holding vLLM's pool that overshoots its limit most (the wake, usually)."""
-    phases = [p for p in plan_phases(flags, *_args(models)) if p.parts.get("vllm pool")]
-    phases = phases or plan_phases(flags, *_args(models))
+    phases = [p for p in plan(flags) if p.parts.get("vllm pool")]
+    phases = phases or plan(flags)
     return max(phases, key=lambda p: p.total - p.limit)
 
 
-def resolve_vllm_utilization(cfg: PPOConfig, world: int, device_bytes: int) -> tuple[float, str]:
+def resolve_vllm_utilization(
+    cfg: PPOConfig, world: int, device_bytes: int, *, engine_only: bool = False
+) -> tuple[float, str]:
     """The ``gpu_memory_utilization`` a CUDA job hands vLLM, and a log line with the numbers.
 
     vLLM's pool is ``utilization x`` the whole device, re-created at that size on every wake
@@ -161,16 +186,22 @@ def resolve_vllm_utilization(cfg: PPOConfig, world: int, device_bytes: int) -> t
     ``AUTO_UTILIZATION_CAP``. Set: checked against the same plan. Raises a one-line UserError
     naming the flag and the numbers when the fraction does not fit, or when the pool that fits
     cannot hold the engine's weights and some KV cache. Runs before any model loads.
+
+    ``engine_only``: the device of an asynchronous job's rollout rank (``world``: its engine's
+    TP size), which holds no trainer model and whose engine never sleeps.
     """
     flags = job_flags(cfg, world, device_bytes)
+    if engine_only:
+        flags = dataclasses.replace(flags, vllm_sleep=False)
     models = job_models(cfg, flags)
-    limit = pool_fraction_limit(flags, *_args(models))
+    plan = _planner(models, engine_only)
+    limit = fraction_limit(plan, flags)
     requested = cfg.rollout.vllm_gpu_memory_utilization
     util = _auto_fraction(limit) if requested is None else requested
     if not 0 < util <= 1:
         raise UserError(f"{UTIL_FLAG} {util:g}: must be in (0, 1]")
     at = dataclasses.replace(flags, gpu_memory_utilization=util)
-    phase = _worst_pool_phase(at, models)
+    phase = _worst_pool_phase(at, plan)
     pool = phase.parts.get("vllm pool", 0)
     resident = {k: v for k, v in phase.parts.items() if k != "vllm pool"}
     top = ", ".join(f"{k} {_gib(v)}" for k, v in sorted(resident.items(), key=lambda kv: -kv[1]))
@@ -179,21 +210,27 @@ def resolve_vllm_utilization(cfg: PPOConfig, world: int, device_bytes: int) -> t
         f"{_gib(sum(resident.values()))} GiB resident ({top}) = {_gib(phase.total)} of "
         f"{_gib(phase.limit)} GiB"
     )
-    offload = "--adam_offload / --ref_reward_offload"
+    offload = "a larger --vllm_tensor_parallel_size" if engine_only else _OFFLOAD
     if requested is not None and util > limit + 1e-9:
         most = f"at most {math.floor(limit * 100) / 100:.2f}" if limit > 0 else "none fits"
+        beside = (
+            "beside the CUDA context and the weight buckets a rollout rank receives"
+            if engine_only
+            else "beside what stays resident while vLLM is awake (its pool comes back at full "
+            "size on every wake)"
+        )
         raise UserError(
-            f"{UTIL_FLAG} {util:g} does not fit beside what stays resident while vLLM is "
-            f"awake (its pool comes back at full size on every wake): "
-            f"{numbers}; use {most}, or {offload}, or leave it unset to choose"
+            f"{UTIL_FLAG} {util:g} does not fit {beside}: {numbers}; use {most}, or "
+            f"{offload}, or leave it unset to choose"
         )
     need = engine_weight_bytes(flags, models.actor) + VLLM_MIN_KV_BYTES
     if pool < need:
         why = "the largest pool that fits" if requested is None else "its pool"
+        more = "" if engine_only else f"{offload}, or "
         raise UserError(
             f"{UTIL_FLAG} {util:g}: {why} ({_gib(pool)} GiB) cannot hold the engine's weights "
             f"and a KV cache ({_gib(need)} GiB: {_gib(need - VLLM_MIN_KV_BYTES)} GiB of weights "
-            f"per TP slice + {_gib(VLLM_MIN_KV_BYTES)}); {numbers}. Use {offload}, or a larger "
+            f"per TP slice + {_gib(VLLM_MIN_KV_BYTES)}); {numbers}. Use {more}a larger "
             "--vllm_tensor_parallel_size"
         )
     how = "chosen" if requested is None else "requested"

@@ -183,6 +183,59 @@ def _masked_attention(
     ).view(B, H, L, D)
 
 
+RowSpans = tuple[tuple[int, int], ...]
+
+
+def row_spans(attention_mask: torch.Tensor) -> RowSpans | None:
+    """Each row's ``[start, stop)`` of attended tokens when they form one run (left padding,
+    tokens, right padding: every row the trainers build), else None. One host sync."""
+    mask = attention_mask.bool()
+    count = mask.sum(-1)
+    start = mask.int().argmax(-1) * (count > 0)
+    cols = torch.arange(mask.shape[-1], device=mask.device)
+    run = (cols >= start[:, None]) & (cols < (start + count)[:, None])
+    if not torch.equal(run, mask):
+        return None
+    return tuple(zip(start.tolist(), (start + count).tolist(), strict=True))
+
+
+def span_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    spans: RowSpans,
+    dropout: float,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of padded rows without a mask: q (B, H, L, D), k/v (B, KV, L, D),
+    ``spans`` each row's run of attended tokens (:func:`row_spans`) -> (B, H, L, D).
+
+    Each row's run goes through SDPA with ``is_causal`` (rows without left padding together, in
+    one call: a causal query never sees the right padding after it), so the kernel keeps
+    nothing of size L x L for backward (an explicit mask would be kept, as an L x L bias per
+    row, by every layer). Real tokens attend as under the padding mask; padding gets what the
+    causal kernel gives it (0 at left padding, and at right padding of a row cut out)."""
+    gqa = k.shape[1] != q.shape[1]
+
+    def causal(q, k, v):
+        return F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout, is_causal=True, scale=scale, enable_gqa=gqa
+        )
+
+    if all(start == 0 for start, _ in spans):
+        return causal(q, k, v)
+    L = q.shape[2]
+    outs = []
+    # unbind and split, not slicing: each slice's backward would allocate a zero gradient of
+    # the whole batch
+    for (start, stop), qb, kb, vb in zip(spans, q.unbind(0), k.unbind(0), v.unbind(0), strict=True):
+        parts = [start, stop - start, L - stop]
+        qs, ks, vs = (x.split(parts, dim=1)[1].unsqueeze(0) for x in (qb, kb, vb))
+        out = causal(qs, ks, vs) if stop > start else qs
+        outs.append(F.pad(out, (0, 0, start, L - stop)))
+    return torch.cat(outs)
+
+
 # A Python loop over data-dependent lengths: traced, it would specialise on every batch's lengths.
 # Compiled blocks (models.compile) call it as an eager function instead.
 @torch.compiler.disable

@@ -18,6 +18,12 @@ The hooks stay installed; they act only inside :meth:`MoEHooks.routing`, which t
 holds over a forward and its backward (activation checkpointing recomputes the forward during
 backward and must route the same way; what a recomputation routes is not counted twice).
 
+Under sequence parallelism (``--sequence_parallel_size N``, ``models.ulysses``) each rank's
+routers see its 1/N slice of every row: the hooks cut the replayed experts and the real-token
+mask the way ``shard_inputs`` cuts the token ids, the load-balancing loss sums its token counts
+and router probabilities over the group (so every rank computes the unsplit forward's loss),
+and the statistics, each rank counting its own slice, are summed over the world as before.
+
 Supported routers (:data:`ROUTERS`) compute softmax probabilities and take the top k; others
 are refused by name where router replay or the auxiliary loss is asked for.
 """
@@ -33,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_rlhf.distributed.collectives import all_reduce
+from fsdp_rlhf.distributed.sequence_parallel import SequenceParallel
 from fsdp_rlhf.hf_config import config_num_experts
 from fsdp_rlhf.models.inputs import ForwardInputs
 
@@ -182,12 +189,27 @@ class _Forward:
     prob_sums: list[torch.Tensor] = field(default_factory=list)  # per layer (E,), with grad
 
 
+def _local_slice(x: torch.Tensor, sp: SequenceParallel, fill: int) -> torch.Tensor:
+    """(B', L', ...) in a forward's token layout -> this rank's (B', Lr, ...) slice of it, cut
+    as ``models.ulysses.shard_inputs`` cuts the token ids (rows padded with ``fill`` to N * Lr)."""
+    from fsdp_rlhf.models.ulysses import local_range
+
+    L = x.shape[1]
+    start, stop = local_range(L, sp)
+    padded = x.new_full((x.shape[0], (stop - start) * sp.size, *x.shape[2:]), fill)
+    padded[:, :L] = x
+    return padded[:, start:stop]
+
+
 class MoEHooks:
     """Router hooks of one model (see the module docstring). ``None`` from :meth:`attach` for
-    a dense model."""
+    a dense model. ``sp``: the sequence-parallel layout the model's forwards are split over."""
 
-    def __init__(self, model: nn.Module, routers: list[nn.Module]) -> None:
+    def __init__(
+        self, model: nn.Module, routers: list[nn.Module], sp: SequenceParallel | None = None
+    ) -> None:
         self.routers = routers
+        self.sp = sp if sp is not None and sp.enabled else None
         self.num_experts = int(routers[0].num_experts)
         self.top_k = int(routers[0].top_k)
         self._kinds = [ROUTERS[type(r).__name__] for r in routers]
@@ -199,9 +221,9 @@ class MoEHooks:
             router.register_forward_hook(self._hook(slot))
 
     @classmethod
-    def attach(cls, model: nn.Module) -> MoEHooks | None:
+    def attach(cls, model: nn.Module, sp: SequenceParallel | None = None) -> MoEHooks | None:
         routers = moe_routers(model)
-        return cls(model, routers) if routers else None
+        return cls(model, routers, sp) if routers else None
 
     @property
     def num_layers(self) -> int:
@@ -233,6 +255,7 @@ class MoEHooks:
             replay: (B', L', Lm, k) expert ids in the forward's token layout
                 (``ForwardInputs.arrange``), or None to route as the model does.
             valid: (B', L') real tokens in the same layout.
+            (Whole rows: under sequence parallelism this rank's slice is taken here.)
             collect: count this forward in the step's statistics (its aux loss is there
                 either way).
         """
@@ -242,8 +265,14 @@ class MoEHooks:
                     f"router replay: routing for {tuple(replay.shape[-2:])} (MoE layers, "
                     f"experts per token), the model has ({self.num_layers}, {self.top_k})"
                 )
-            replay = replay.reshape(-1, self.num_layers, self.top_k).long()
-        self._current = _Forward(replay, valid.reshape(-1).bool(), collect)
+            replay = replay.long()
+            if self.sp is not None:  # -1: the slice's padding routes for itself
+                replay = _local_slice(replay, self.sp, -1)
+            replay = replay.reshape(-1, self.num_layers, self.top_k)
+        valid = valid.bool()
+        if self.sp is not None:
+            valid = _local_slice(valid, self.sp, False)
+        self._current = _Forward(replay, valid.reshape(-1), collect)
         try:
             yield
         finally:
@@ -324,14 +353,26 @@ class MoEHooks:
         OpenRLHF's ``--aux_loss_coef`` weights): ``E * sum_e f_e * P_e`` with ``f_e`` the top-k
         assignments of expert e and ``P_e`` its router probability, each summed over the MoE
         layers and real tokens and divided by their product. ``k`` when the load is uniform;
-        differentiable through ``P``. With router replay, ``f`` counts the replayed experts."""
+        differentiable through ``P``. With router replay, ``f`` counts the replayed experts.
+
+        Under sequence parallelism the sums are over the group (collective: every rank of it
+        calls this), so each rank gets the unsplit forward's loss and, in backward, the
+        gradient of its own slice's probabilities."""
         fwd = self._current
         if fwd is None or not fwd.counts:
             raise RuntimeError("aux_loss: no MoE forward inside routing()")
-        rows = fwd.valid.sum().clamp(min=1).to(torch.float32) * len(fwd.counts)
-        tokens_per_expert = torch.stack(fwd.counts).sum(0) / rows
-        prob_per_expert = torch.stack(fwd.prob_sums).sum(0) / rows
-        return self.num_experts * (tokens_per_expert * prob_per_expert).sum()
+        assigned = torch.stack(fwd.counts).sum(0)  # (E,) over the layers
+        prob_sum = torch.stack(fwd.prob_sums).sum(0)
+        tokens = fwd.valid.sum().to(torch.float32)
+        if self.sp is not None:
+            from fsdp_rlhf.models.ulysses import combine_disjoint
+
+            E = self.num_experts
+            flat = torch.cat([prob_sum, assigned.to(prob_sum.dtype), tokens[None]])
+            flat = combine_disjoint(flat, self.sp.group)
+            prob_sum, assigned, tokens = flat[:E], flat[E : 2 * E], flat[2 * E]
+        rows = tokens.clamp(min=1) * len(fwd.counts)
+        return self.num_experts * (assigned / rows * (prob_sum / rows)).sum()
 
     def pop_metrics(self, group: dist.ProcessGroup | None = None) -> dict[str, float]:
         """The step's ``moe/*`` metrics over all ranks (collective), then reset."""

@@ -38,11 +38,14 @@ from fsdp_rlhf.models.attention import (
     FLASH_ATTENTION,
     PADDED_ATTENTION,
     VARLEN_ATTENTION,
+    RowSpans,
     _explicit_wanted,
     _masked_attention,
     _repeat_kv,
     padded_sdpa,
     register_attention,
+    row_spans,
+    span_attention,
     varlen_sdpa,
 )
 
@@ -78,7 +81,9 @@ class UlyssesContext:
     ``seq_len`` L: tokens of each whole row (before padding to N * Lr). ``inner``: the
     attention the model runs without sequence parallelism. ``padding_mask`` (B, L) bool: for
     padded rows with padding, True on attended tokens; None for packed rows, shared-prompt rows
-    (their 4D mask is the attention mask) and rows without padding.
+    (their 4D mask is the attention mask) and rows without padding. ``spans``: with
+    ``padding_mask``, each row's run of attended tokens when every row has one
+    (``models.attention.row_spans``; the padded kernel then needs no mask), else None.
     """
 
     group: ProcessGroup
@@ -86,6 +91,7 @@ class UlyssesContext:
     seq_len: int
     inner: str
     padding_mask: torch.Tensor | None = None
+    spans: RowSpans | None = None
 
 
 # ---------------------------------------------------------------- the attention function
@@ -149,7 +155,7 @@ def _inner_attention(module, q, k, v, attention_mask, dropout, scaling, sp, kwar
     if kwargs.get("grouped_response_mask") is not None:  # shared-prompt rows
         return padded_sdpa(module, q, k, v, attention_mask, dropout, scaling, **kwargs)[0]
     window = kwargs.get("sliding_window")
-    return _padded_attention(q, k, v, sp.padding_mask, dropout, scaling, window)
+    return _padded_attention(q, k, v, sp.padding_mask, dropout, scaling, window, sp.spans)
 
 
 def _flash_whole_rows(module, q, k, v, mask, dropout, scaling, kernel: str, kwargs):
@@ -191,16 +197,22 @@ def _padded_attention(
     dropout: float,
     scaling: float | None,
     window: int | None = None,
+    spans: RowSpans | None = None,
 ) -> torch.Tensor:
     """Causal attention of padded rows, padding keys masked: q (B, H, L, D), k/v (B, KV, L, D),
     ``padding_mask`` (B, L) bool or None -> (B, L, H, D). A padding query attends to itself
-    (never to nothing: a row of no keys is NaN in SDPA); real tokens are as in the unsplit
-    forward. ``window``: a sliding-window layer's (Gemma 3's local layers), each query sees its
-    last ``window`` keys only, as transformers' padded mask does."""
+    (never to nothing: a row of no keys is NaN in SDPA), or without a mask (``spans``) gets what
+    the causal kernel gives it (0 at left padding); real tokens are as in the unsplit forward.
+    ``window``: a sliding-window layer's (Gemma 3's local layers), each query sees its last
+    ``window`` keys only, as transformers' padded mask does. ``spans``: each row's run of
+    attended tokens, for the mask-free path (SDPA's kernels then keep nothing of size L x L for
+    backward; :func:`models.attention.span_attention`)."""
     L = q.shape[-2]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     explicit = _explicit_wanted(q, dropout, L)
     windowed = window is not None and window < L
+    if padding_mask is not None and spans is not None and not explicit and not windowed:
+        return span_attention(q, k, v, spans, dropout, scale).transpose(1, 2).contiguous()
     # as HF's SDPA: GQA inside the kernel, no copies
     if padding_mask is None and not explicit and not windowed:
         gqa = k.shape[1] != q.shape[1]
@@ -266,15 +278,17 @@ def shard_inputs(model: nn.Module, inputs: dict, sp: SequenceParallel) -> dict:
     Lr = math.ceil(L / sp.size)
     local = slice(sp.rank * Lr, (sp.rank + 1) * Lr)
     out = dict(inputs)
-    padding = None
+    padding = spans = None
     mask = out.get("attention_mask")
     if mask is not None and mask.dim() == 2:
         out["attention_mask"] = None
         if not bool(mask.bool().all()):
             padding = mask.bool()
+            spans = row_spans(padding)
     for name in ("input_ids", "position_ids"):
         out[name] = F.pad(out[name], (0, Lr * sp.size - L))[:, local]
-    out["sequence_parallel"] = UlyssesContext(sp.group, sp.size, L, base_attention(model), padding)
+    inner = base_attention(model)
+    out["sequence_parallel"] = UlyssesContext(sp.group, sp.size, L, inner, padding, spans)
     return out
 
 

@@ -218,6 +218,19 @@ class RolloutOutput:
 
         with_logprobs = all(p.engine_logprobs is not None for p in parts)
         attends = any(p.response_attention_mask is not None for p in parts)
+        routed = None
+        if any(p.routed_experts is not None for p in parts):  # (N, P + T, Lm, k) each
+            from fsdp_rlhf.rollout.routing import no_expert
+
+            if any(p.routed_experts is None for p in parts):
+                raise ValueError("cannot concatenate rollouts with and without routed experts")
+            padded = []
+            for part in parts:
+                x, p_len = part.routed_experts, part.prompt_ids.shape[1]
+                left, right = P - p_len, T - (x.shape[1] - p_len)
+                fill = no_expert(x.dtype)  # no routing at the padding
+                padded.append(torch.nn.functional.pad(x, (0, 0, 0, 0, left, right), value=fill))
+            routed = torch.cat(padded)
         return cls(
             prompt_ids=cat(lambda p: p.prompt_ids, P, True, pad_id),
             prompt_mask=cat(lambda p: p.prompt_mask, P, True),
@@ -229,6 +242,7 @@ class RolloutOutput:
             response_attention_mask=cat(lambda p: p.response_tokens_mask, T, False)
             if attends
             else None,
+            routed_experts=routed,
         )
 
 

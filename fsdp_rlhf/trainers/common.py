@@ -86,6 +86,7 @@ def launch(
     *,
     init: Callable[[int], tuple[DistEnv, SplitWorld | None]] | None = None,
     run: Callable[[Any], int] | None = None,
+    beat_on_one_node: bool = False,
 ) -> int:
     """``main()`` of every command; returns the exit code (0, also after a graceful stop).
 
@@ -93,7 +94,8 @@ def launch(
     with one line; ``build(cfg, env, prepared, parallel)`` loads the models. ``init(timeout_min)``
     replaces the one process group over all ranks (asynchronous PPO splits the world; it
     returns the environment and the split) and ``run(trainer)`` the step loop (default
-    :func:`fit`).
+    :func:`fit`). ``beat_on_one_node``: heartbeats on a single node too (asynchronous PPO's
+    ranks read them while they wait for each other).
     """
     setup_logging(int(os.environ.get("RANK", "0")), debug)
     if cfg.backend.full_determinism:
@@ -117,7 +119,9 @@ def launch(
     if parallel.sp.enabled or split is not None:
         log.info("parallel layout: %s", parallel.describe())
     # Multi-node: a host that vanishes ends every rank within a bound, not the collective timeout.
-    heartbeat = start_heartbeat(cfg.guard.heartbeat_timeout_s, *job_position())
+    heartbeat = start_heartbeat(
+        cfg.guard.heartbeat_timeout_s, *job_position(), beat_on_one_node=beat_on_one_node
+    )
     trainer = None
     try:
         trainer = build(cfg, env, prepared, parallel)

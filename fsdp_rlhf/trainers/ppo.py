@@ -135,8 +135,9 @@ class PPOTrainer:
         # after the engine, which seeds torch per engine: fresh heads must match on all ranks
         torch.manual_seed(cfg.seed)
         self.models = build_models(cfg, env, tokenizer, parallel)
-        # an MoE actor: router replay, routing statistics, the load-balancing loss
-        self.moe = MoEHooks.attach(self.models.actor)
+        # an MoE actor: router replay, routing statistics, the load-balancing loss (each rank
+        # routing its slice of every row under sequence parallelism)
+        self.moe = MoEHooks.attach(self.models.actor, self.sp)
         self.prompts = build_prompts(cfg, rows, tokenizer, self.images)
         # the ranks of a sequence-parallel group draw the same prompts (their data shard)
         self.sampler = PromptSampler(

@@ -27,8 +27,9 @@ import torch.distributed as dist
 from fsdp_rlhf.config import PPOConfig, async_rollout_ranks
 from fsdp_rlhf.data.prompts import Prompt
 from fsdp_rlhf.distributed import weight_broadcast
-from fsdp_rlhf.distributed.bridge import Bridge, Channel, PeerLost
+from fsdp_rlhf.distributed.bridge import Bridge, Channel, Patience, PeerLost, PeerSlow
 from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars, job_position
+from fsdp_rlhf.distributed.heartbeat import peer_beats
 from fsdp_rlhf.distributed.layout import ParallelLayout
 from fsdp_rlhf.distributed.split_world import SplitWorld, init_split_world
 from fsdp_rlhf.distributed.weight_broadcast import WeightLink
@@ -59,6 +60,9 @@ from fsdp_rlhf.trainers.ppo_setup import adapter_spec, engine_dtype, merged_lora
 
 log = logging.getLogger("fsdp_rlhf")
 
+# seconds closing waits for the rollout ranks to take "end" (at once, when nothing failed)
+END_WAIT_S = 10.0
+
 
 @dataclass
 class AsyncJob:
@@ -80,7 +84,9 @@ def main(cfg: PPOConfig, debug: bool = False) -> int:
             world, async_rollout_ranks(cfg, world), cfg.rollout.vllm_tensor_parallel_size
         )
         env, store = init_split_world(split, timeout_min)
-        bridge = Bridge.connect(store, rank, world, timeout_min, split.describe)
+        # a live peer is waited for up to --dist_timeout_min; its heartbeat tells a dead one
+        patience = Patience(60.0 * timeout_min, peer_beats(cfg.guard.heartbeat_timeout_s))
+        bridge = Bridge.connect(store, rank, world, patience, split.describe)
         receivers = [split.rollout_rank(i) for i in range(split.rollout_ranks)]
         link = WeightLink.build(bridge, store, receivers, env.device, timeout_min)
         job.append(AsyncJob(split, rank, bridge, link, store))
@@ -98,7 +104,7 @@ def main(cfg: PPOConfig, debug: bool = False) -> int:
             return common.fit(trainer, cfg.ckpt.save_steps)
         return trainer.run()
 
-    return common.launch(cfg, debug, prepare, build, init=init, run=run)
+    return common.launch(cfg, debug, prepare, build, init=init, run=run, beat_on_one_node=True)
 
 
 class AsyncLearner(PPOTrainer):
@@ -236,13 +242,13 @@ class AsyncLearner(PPOTrainer):
     def sender(self) -> bool:
         return self.env.rank == 0
 
-    def _tell_rollout_ranks(self, header: dict) -> None:
+    def _tell_rollout_ranks(self, header: dict, wait_s: float | None = None) -> None:
         if not self.sender:
             return
         bridge, what = self.job.bridge, f"sending the rollout ranks '{header['kind']}'"
         for r in self.job.link.receivers:
             bridge.send_object(header, r, Channel.CONTROL, wait=False, what=what)
-        bridge.flush(what=what)
+        bridge.flush(what=what, wait_s=wait_s)
 
     def _start_rollouts(self) -> None:
         """Where the rollout ranks start (the resumed step and sampler states), then the
@@ -352,13 +358,16 @@ class AsyncLearner(PPOTrainer):
         return all_reduce_scalars({"stop": float(seen)}, "max")["stop"] > 0
 
     def close(self) -> None:
-        """Tell the rollout ranks to end (their last batches, if any, are not trained on);
-        nothing to tell when they are gone already (the error that ends the job says so)."""
+        """Tell the rollout ranks to end (their last batches, if any, are not trained on).
+        They always listen for it, so it is taken at once unless something failed: then
+        nothing waits for a failed step's sends, the end gets ``END_WAIT_S``, and the error
+        that ends the job is the one reported."""
         try:
             if not self._ended:
                 self._ended = True
-                self._tell_rollout_ranks({"kind": END, "step": self.step})
-        except PeerLost:
+                self.job.bridge.abandon_sends()
+                self._tell_rollout_ranks({"kind": END, "step": self.step}, wait_s=END_WAIT_S)
+        except (PeerLost, PeerSlow):
             pass
         finally:
             super().close()

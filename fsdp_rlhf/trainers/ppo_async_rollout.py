@@ -278,7 +278,8 @@ class RolloutWorker:
     # ------------------------------------------------------------------ weights and control
 
     def _expect_header(self):
-        return self.job.bridge.expect_object(0, Channel.CONTROL, "waiting for the training ranks")
+        what = "waiting for new weights or the end of the run"
+        return self.job.bridge.expect_object(0, Channel.CONTROL, what)
 
     def _poll(self, boundary: bool = False) -> int:
         """Between engine steps (and at batch boundaries with --partial_rollout): take what

@@ -207,6 +207,18 @@ def _check_moe(cfg: PPOConfig) -> None:
             "--router_replay needs --rollout_engine vllm: the HF engine does not report the "
             "experts it routed to"
         )
+    tp = cfg.rollout.vllm_tensor_parallel_size
+    if moe.router_replay and tp > 1 and torch.cuda.is_available():
+        # vLLM's own capture (CUDA) hands the routed experts to its first TP rank only
+        # (distributed/aux_output_connector/worker.py); under the external launcher every
+        # rank runs a scheduler that expects them, and the others would fail on the first
+        # step. On CPU the adapter records them on every rank itself (rollout/vllm_moe.py).
+        raise UserError(
+            f"--router_replay with --vllm_tensor_parallel_size {tp} on CUDA: vLLM 0.32 returns "
+            "the routed experts on its first tensor-parallel rank only, and the other ranks' "
+            "schedulers (one per rank under the external launcher) fail without them; use "
+            "--vllm_tensor_parallel_size 1"
+        )
     from fsdp_rlhf.models.moe import check_moe_model
 
     check_moe_model(cfg.models.pretrain, " and ".join(flags), cfg.backend.trust_remote_code)
@@ -608,9 +620,9 @@ def build_engine(
     if cfg.rollout.rollout_engine == "vllm":
         from fsdp_rlhf.rollout.vllm_engine import VLLMEngine
 
-        rollout = cfg.rollout
         if env.device.type == "cuda":
-            rollout = dataclasses.replace(rollout, vllm_gpu_memory_utilization=cuda_pool(cfg, env))
+            util = cuda_pool(cfg, env, engine_only=streaming)
+            rollout = dataclasses.replace(rollout, vllm_gpu_memory_utilization=util)
         return VLLMEngine(
             cfg.models.pretrain,
             rollout,
@@ -652,13 +664,16 @@ def unsynced_params(cfg: PPOConfig, actor: nn.Module):
     return is_vision_param(prefix)
 
 
-def cuda_pool(cfg: PPOConfig, env: DistEnv) -> float:
+def cuda_pool(cfg: PPOConfig, env: DistEnv, *, engine_only: bool = False) -> float:
     """The fraction of the device vLLM's pool takes, chosen or checked against the memory plan
     (the pool comes back at that size on every wake, beside the resident shards), then against
     what is free now (vLLM refuses to start without ``fraction x total`` free). One line each;
-    a UserError naming the flag when either does not fit. Before any model loads."""
+    a UserError naming the flag when either does not fit. Before any model loads.
+
+    ``engine_only``: an asynchronous job's rollout rank, whose device holds its engine's TP
+    slice and nothing of the trainer (``env`` is the engine's group)."""
     total = torch.cuda.mem_get_info(env.device)[1]
-    util, line = resolve_vllm_utilization(cfg, env.world_size, total)
+    util, line = resolve_vllm_utilization(cfg, env.world_size, total, engine_only=engine_only)
     log.info(line)
     log.info(check_device_budget(env.device, util))
     return util

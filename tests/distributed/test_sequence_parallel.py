@@ -26,6 +26,8 @@ SHAPES = {
 }
 VOCAB = 61
 P, T = 7, 6  # L = 13: odd, so the rows are padded to a multiple of 2 before slicing
+# padded rows over the explicit CPU kernel's length (SDPA's kernels): left and right padding
+LONG_P, LONG_T = 101, 500
 
 
 def _config(shape: str, scalar: bool = False):
@@ -84,6 +86,13 @@ def _ppo_rows():
     return ids, mask, rmask, adv
 
 
+def _long_padded_rows():
+    g = torch.Generator().manual_seed(13)
+    ids, mask, rmask = ppo_layout_batch(g, VOCAB, [60, 101, 1], [440, 500, 17], LONG_P, LONG_T)
+    adv = torch.randn(3, LONG_T, generator=g) * rmask
+    return ids, mask, rmask, adv
+
+
 def _pair_rows():
     """2 preference pairs, right-padded: chosen rows then rejected rows sharing a prompt."""
     g = torch.Generator().manual_seed(11)
@@ -128,6 +137,10 @@ def _run(model, kind: str, layout: str, sp=None):
         n = rmask.sum()
         loss = -(lp * adv).sum() / n - 0.01 * (ent * rmask).sum() / n
         return torch.stack([lp * rmask, ent * rmask]), loss
+    if kind == "long_padded":  # SDPA's kernels on rows with padding: no mask under Ulysses
+        ids, mask, rmask, adv = _long_padded_rows()
+        lp, _ = response_logprobs(model, forward_inputs(ids, mask, sp=sp), LONG_T)
+        return lp * rmask, -(lp * adv).sum() / rmask.sum()
     if kind == "long":  # no padding, over the explicit kernel's length: SDPA's causal kernel
         g = torch.Generator().manual_seed(3)
         ids = torch.randint(3, VOCAB, (2, 530), generator=g)
@@ -163,6 +176,7 @@ CASES = [
     ("policy", "shared"),
     ("long", "padded"),
     ("long", "packed"),
+    ("long_padded", "padded"),
     ("labels", "padded"),
     ("labels", "packed"),
     ("labels", "shared_pairs"),
@@ -218,3 +232,36 @@ def test_sp2_equals_the_unsplit_forward_and_backward(shape):
     # both ranks of the group return the same whole-row results
     for case in CASES:
         torch.testing.assert_close(per_rank[0][case][0], per_rank[1][case][0], rtol=0, atol=0)
+
+
+def _saved_for_backward(rank: int, world: int) -> dict:
+    """The tensors an SP=2 forward of padded rows (left and right padding, SDPA's kernels)
+    saves for backward, by size."""
+    from fsdp_rlhf.distributed.layout import build_layout
+    from fsdp_rlhf.models.forward import response_logprobs
+    from fsdp_rlhf.models.inputs import forward_inputs
+
+    sp = build_layout(2).sp
+    model = _split(_fresh("gqa_6_2", False, "padded"), sp)
+    ids, mask, rmask, adv = _long_padded_rows()
+    sizes = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        sizes.append((t.numel(), tuple(t.shape)))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lp, _ = response_logprobs(model, forward_inputs(ids, mask, sp=sp), LONG_T)
+    (-(lp * adv).sum()).backward()
+    return {"sizes": sizes, "L": ids.shape[1], "rows": ids.shape[0]}
+
+
+def test_padded_rows_keep_no_l_by_l_tensor_for_backward():
+    """Each attention layer of padded rows ran through SDPA with an (B, 1, L, L) mask, which
+    SDPA keeps for backward (as a bias in the compute dtype): ~2 GiB per layer and row at 32k
+    tokens, whole on every rank. Rows whose tokens form one run (every row the trainers build)
+    now take SDPA's causal kernels, row by row where there is left padding."""
+    for res in run_distributed(_saved_for_backward, 2):
+        L = res["L"]
+        largest = max(res["sizes"])
+        assert largest[0] < L * L, largest

@@ -17,7 +17,7 @@ import torch
 
 from fsdp_rlhf.config import RolloutConfig
 from fsdp_rlhf.distributed import weight_broadcast
-from fsdp_rlhf.distributed.bridge import Bridge, Channel
+from fsdp_rlhf.distributed.bridge import Bridge, Channel, Patience
 from fsdp_rlhf.distributed.split_world import SplitWorld, group_environment, init_split_world
 from fsdp_rlhf.distributed.weight_broadcast import WeightLink
 from fsdp_rlhf.models.forward import response_logprobs
@@ -35,7 +35,7 @@ def main(model_path: str, out: str) -> None:
     split = SplitWorld(world_size=2, rollout_ranks=1, tp_size=1)
     rank = int(os.environ["RANK"])
     env, store = init_split_world(split, timeout_min=5)
-    bridge = Bridge.connect(store, rank, 2, 5, split.describe)
+    bridge = Bridge.connect(store, rank, 2, Patience(300.0), split.describe)
     link = WeightLink.build(bridge, store, [1], env.device, 5)
     if rank == 0:
         train_side(model_path, bridge, link, out)

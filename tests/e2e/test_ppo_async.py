@@ -1,10 +1,11 @@
 """`fsdp-rlhf ppo --async_train` end to end: 2 CPU ranks under torchrun (1 training rank, 1
-rollout rank with a real vLLM engine). `make test-async` runs these (marker ``asynchronous``);
-the two-host runs are in tests/cluster."""
+rollout rank with a real vLLM engine), 3 for an engine of TP 2 or two engines. `make
+test-async` runs these (marker ``asynchronous``); the two-host runs are in tests/cluster."""
 
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -135,6 +136,25 @@ def test_an_engine_of_two_tensor_parallel_ranks(tiny_qwen2, data, tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     # each rank of the engine sent its half of every batch (the training rank checks the
     # prompt count of each part); a batch is never more than one version old
+    assert all(r["async/staleness_max"] <= 1 for r in rows)
+
+
+def _two_engines(tmp_path, data, model, steps: int) -> list[str]:
+    flags = grpo_flags(model, data, tmp_path, steps)
+    flags[flags.index("--generate_max_len") + 1] = "8"
+    return [*flags, "--async_train", "--vllm_num_engines", "2"]
+
+
+def test_two_engines_beside_one_training_rank(tiny_qwen2, data, tmp_path):
+    """3 ranks: 1 training rank, 2 engines of TP 1 (each its own default group of 1 rank).
+    Each rollout rank builds an engine of its own world (not the job's 2 engines) that never
+    sleeps; each sends its half of every batch to the training rank."""
+    run = torchrun(["ppo", *_two_engines(tmp_path, data, tiny_qwen2, 2)], nproc=3)
+    assert run.returncode == 0, run.stderr[-3000:]
+    log = " ".join(run.stdout.split())
+    assert "ranks 0-0 train, 1-2 generate (2 engines x TP 1)" in log
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
     assert all(r["async/staleness_max"] <= 1 for r in rows)
 
 
@@ -288,3 +308,31 @@ def test_a_rollout_rank_that_dies_ends_the_job_naming_it(tiny_qwen2, data, tmp_p
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error")]
     assert any("rollout rank 1 (engine 0) is gone" in line for line in lines), proc.stderr[-3000:]
+
+
+def test_a_live_but_slow_rollout_rank_is_named_alive_not_gone(tiny_qwen2, data, tmp_path):
+    """The rollout rank's reward function takes 75 s at the 2nd batch, longer than
+    --dist_timeout_min 1: the training rank, waiting for it to take step 1's weights, gives up
+    after a minute with one line saying who waited for what and that the rollout rank is
+    alive (its heartbeat moves), not "gone" as a lost rank is."""
+    reward = tmp_path / "slow_reward.py"
+    reward.write_text(
+        "import time\ncalls = 0\n\n\ndef reward_func(queries, prompts, labels):\n"
+        "    global calls\n    calls += 1\n    if calls == 2:\n        time.sleep(75)\n"
+        "    return [0.0] * len(queries)\n"
+    )
+    save = tmp_path / "slow"
+    flags = grpo_flags(tiny_qwen2, data, save, 4)
+    flags[flags.index("--remote_rm_url") + 1] = str(reward)
+    proc = torchrun(["ppo", *flags, *ASYNC, "--dist_timeout_min", "1"], timeout=400)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error [rank 0]")]
+    assert lines, proc.stderr[-3000:]
+    line = lines[0]
+    assert re.search(
+        r"training rank 0 waited 6\d s for rollout rank 1 \(engine 0\), sending new weights, "
+        r"and gave up \(--dist_timeout_min 1\); rollout rank 1 \(engine 0\) is alive \(its "
+        r"heartbeat moved \d+ s ago\), so it is slow, not gone",
+        line,
+    ), line
+    assert "is gone" not in line, line

@@ -130,6 +130,35 @@ def test_ppo_with_critic_and_reward_model_sp2_steps_like_sp1(tiny_qwen2, trained
     assert 0.0 <= b["eval/pass@1"] <= 1.0 and "eval/score_mean" in b
 
 
+def test_moe_grpo_sp2_replays_the_tp2_engines_routing_with_the_aux_loss(tmp_path):
+    """An MoE actor with near-tied routers (the engine and the trainer route some tokens
+    differently) under SP=2, its rollouts from one vLLM engine over both ranks (TP=2, each rank
+    recording the routing on CPU), with --router_replay and --aux_loss_coef: each rank replays
+    its slice of the engine's routing, so engine and trainer agree, though the trainer's own top
+    k differs for a share of the token-layer routings."""
+    from fsdp_rlhf.testing.tiny import build_family
+
+    model = str(build_family(tmp_path / "model", "qwen3_moe", router_spread=1e-6))
+    data = tmp_path / "data"
+    data.mkdir()
+    write_jsonl(prompt_rows(64, chat=True), data / "prompts.jsonl")
+    (data / "reward.py").write_text(SHORT_REWARD)
+    save = tmp_path / "run"
+    args = _grpo(model, data, save, 2, steps=2)
+    args[args.index("--generate_max_len") + 1] = "24"
+    extra = ["--vllm_tensor_parallel_size", "2", "--router_replay", "--aux_loss_coef", "0.01"]
+    proc = torchrun([*args, *extra, "--enforce_eager"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(save)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:  # every step's rollout follows a weight sync
+        assert r["rollout/logprob_diff/max"] < 1e-4, r
+        assert r["moe/aux_loss"] > 0 and r["moe/expert_load_max_mean"] >= 1.0, r
+    assert rows[0]["moe/router_replay_agreement"] < 0.9, rows[0]  # the ties are real
+    keys = ("rollout/logprob_diff/max", "moe/router_replay_agreement", "moe/aux_loss")
+    print([{k: r[k] for k in keys} for r in rows])
+
+
 def _offline(command: str, model: str, data: Path, save: Path, sp: int) -> list[str]:
     common = [
         command, "--pretrain", model, "--save_path", str(save), "--ckpt_path", str(save / "c"),

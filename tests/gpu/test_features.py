@@ -161,3 +161,20 @@ def test_vlm_training_forward_backward(tmp_path, detail):
     assert r["finite"] and r["tower_grads"] > 0, r
     assert not torch.allclose(r["lp"][0], r["lp"][1]), "the pixels do not reach the log-probs"
     detail(f"log-probs {r['lp'].tolist()}, {r['tower_grads']} vision-tower grads, all finite")
+
+
+def test_async_rollout_rank_memory_plan_on_this_device(big_model, detail):
+    """Issue #45, finding 3, on the real device: an --async_train rollout rank plans its engine
+    alone (no trainer models on its GPU); the colocated plan is shown beside it."""
+    from fsdp_rlhf.config import PPOConfig
+    from fsdp_rlhf.config_base import build_config
+    from fsdp_rlhf.distributed.memory_plan import resolve_vllm_utilization
+
+    argv = ["--pretrain", big_model, "--remote_rm_url", "r.py", "--bf16", "--async_train",
+            "--vllm_num_engines", "2"]  # fmt: skip
+    cfg = build_config(PPOConfig, argv)[0]
+    total = torch.cuda.mem_get_info()[1]
+    colocated, _ = resolve_vllm_utilization(cfg, 1, total)
+    util, line = resolve_vllm_utilization(cfg, 1, total, engine_only=True)
+    assert util >= colocated and util == 0.9, line
+    detail(f"rollout rank: {util:g} (colocated plan: {colocated:g}); {line}")

@@ -290,3 +290,86 @@ def test_the_job_refuses_the_fraction_before_any_model_loads(tmp_path, monkeypat
     assert cuda_pool(_qwen7b_job(tmp_path), env) == 0.88
     with pytest.raises(UserError, match="does not fit beside what stays resident"):
         cuda_pool(_qwen7b_job(tmp_path, "--vllm_gpu_memory_utilization", "0.9"), env)
+
+
+# Qwen2.5-14B's shape with 40 layers instead of 48: ~12.5B parameters
+QWEN_12B = dict(
+    hidden_size=5120,
+    num_hidden_layers=40,
+    intermediate_size=13824,
+    vocab_size=152064,
+    num_attention_heads=40,
+    num_key_value_heads=8,
+    tie_word_embeddings=False,
+)
+
+
+def _async_job(tmp_path, shape: dict, *flags: str):
+    """An --async_train job (2 engines of TP 1) on a model folder of ``shape`` (no weights)."""
+    import json
+
+    from fsdp_rlhf.config import PPOConfig
+    from fsdp_rlhf.config_base import build_config
+
+    folder = tmp_path / f"model{shape['num_hidden_layers']}"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({**shape, "model_type": "qwen2"}))
+    argv = ["--pretrain", str(folder), "--remote_rm_url", "r.py", "--bf16", "--async_train"]
+    return build_config(PPOConfig, [*argv, "--vllm_num_engines", "2", *flags])[0]
+
+
+def test_a_rollout_rank_plans_its_engine_only(tmp_path):
+    """An async rollout rank holds no trainer model: its pool takes the cap (0.9) where the
+    colocated plan of a 1-rank world (its engine's TP size) left 7B 0.41 and refused ~12B."""
+    from fsdp_rlhf.distributed.memory_plan import model_shape, resolve_vllm_utilization
+
+    seven = _async_job(tmp_path, QWEN25_7B)
+    colocated = resolve_vllm_utilization(seven, 1, H100)[0]
+    assert colocated == pytest.approx(0.41, abs=0.02)  # what a rollout rank got before
+    util, line = resolve_vllm_utilization(seven, 1, H100, engine_only=True)
+    assert util == 0.9, line
+    assert "rollout rank (vLLM only): vLLM pool 71.3 GiB (0.9 x 79.2)" in line, line
+    assert "fits up to 0.97" in line and "actor" not in line, line
+    twelve = _async_job(tmp_path, QWEN_12B)
+    assert model_shape(twelve.models.pretrain).params / 1e9 == pytest.approx(12.5, abs=0.1)
+    with pytest.raises(UserError, match="cannot hold the engine's weights"):
+        resolve_vllm_utilization(twelve, 1, H100)  # the colocated plan: refused
+    assert resolve_vllm_utilization(twelve, 1, H100, engine_only=True)[0] == 0.9
+    # a set fraction is checked against the same engine-only plan
+    too_much = _async_job(tmp_path, QWEN25_7B, "--vllm_gpu_memory_utilization", "0.99")
+    with pytest.raises(UserError) as e:
+        resolve_vllm_utilization(too_much, 1, H100, engine_only=True)
+    msg = str(e.value)
+    assert "0.99 does not fit beside the CUDA context and the weight buckets" in msg, msg
+    assert "at most 0.97" in msg and "--adam_offload" not in msg, msg
+
+
+def test_a_rollout_ranks_engine_is_its_worlds_only_never_sleeps_and_takes_the_cap(
+    tmp_path, monkeypatch
+):
+    """ppo_setup.build_engine on an async rollout rank of a 2-engine job (a device reporting
+    as an H100): the engine gets a config for a world of its own (not the job's 2 engines),
+    sleep off, and the engine-only pool fraction. The engine itself is a recorder here; the
+    real one runs in tests/e2e/test_ppo_async.py."""
+    import sys
+    import types
+
+    import torch
+
+    from fsdp_rlhf.distributed.env import DistEnv
+    from fsdp_rlhf.rollout.groups import RolloutGroups
+    from fsdp_rlhf.trainers import ppo_setup
+
+    seen = {}
+    fake = types.ModuleType("fsdp_rlhf.rollout.vllm_engine")
+    fake.VLLMEngine = lambda path, rollout, **kw: seen.setdefault("rollout", rollout)
+    monkeypatch.setitem(sys.modules, "fsdp_rlhf.rollout.vllm_engine", fake)
+    monkeypatch.setattr(ppo_setup, "build_rollout_groups", lambda tp: RolloutGroups(tp, 1, 0, None))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (H100 - GIB // 2, H100))
+    env = DistEnv(0, 1, 0, 1, torch.device("cuda", 0), "nccl")  # the engine's own group
+    tokenizer = types.SimpleNamespace(pad_token_id=0)
+    cfg = _async_job(tmp_path, QWEN25_7B)
+    ppo_setup.build_engine(cfg, env, tokenizer, streaming=True, engine_id=1)
+    rollout = seen["rollout"]
+    assert rollout.vllm_num_engines is None and not rollout.vllm_enable_sleep
+    assert rollout.vllm_gpu_memory_utilization == 0.9

@@ -223,21 +223,20 @@ def test_lora_adapter_sync_of_an_moe_model_is_refused_on_cpu(tiny_qwen3_moe):
     _check_lora(merged)
 
 
-def test_sequence_parallelism_is_refused_with_router_replay_the_aux_loss_and_linear_attention(
+def test_sequence_parallelism_takes_router_replay_and_the_aux_loss_not_linear_attention(
     tiny_qwen3_moe, tmp_path
 ):
-    """Ulysses gives each rank a slice of every sequence: the replayed routing, the balancing
-    loss's token counts and a gated-delta-net's recurrence are not split with it."""
+    """Ulysses gives each rank a slice of every sequence: the hooks slice the replayed routing
+    and sum the balancing loss's counts over the group (tests/distributed/
+    test_moe_sequence_parallel.py); a gated-delta-net's recurrence is not split with it."""
     from fsdp_rlhf.config import PPOConfig
-    from fsdp_rlhf.config_base import ConfigError, build_config
+    from fsdp_rlhf.config_base import build_config
     from fsdp_rlhf.models.load import check_sequence_parallel
     from fsdp_rlhf.testing.tiny import build_family
 
     base = ["--pretrain", tiny_qwen3_moe, "--sequence_parallel_size", "2"]
-    for flag in (["--router_replay"], ["--aux_loss_coef", "0.01"]):
-        with pytest.raises(ConfigError, match=f"{flag[0]} with --sequence_parallel_size 2"):
-            build_config(PPOConfig, [*base, *flag])
-    build_config(PPOConfig, base)  # an MoE model itself is fine
+    cfg, _ = build_config(PPOConfig, [*base, "--router_replay", "--aux_loss_coef", "0.01"])
+    assert cfg.moe.router_replay and cfg.moe.aux_loss_coef == 0.01
     check_sequence_parallel(2, 2, {"--pretrain": tiny_qwen3_moe})
     hybrid = str(build_family(tmp_path / "qwen3_5", "qwen3_5"))
     with pytest.raises(UserError, match="linear-attention .* sequence parallelism splits it"):
@@ -263,3 +262,29 @@ def test_metrics_live_where_the_routers_run_not_where_the_parameters_are(moe_mod
     m = hooks.pop_metrics()
     assert m["moe/router_replay_agreement"] == pytest.approx(1.0)
     assert m["moe/expert_load_max_mean"] >= 1.0
+
+
+def test_router_replay_with_vllm_tensor_parallelism_is_refused_on_cuda_only(
+    tiny_qwen3_moe, monkeypatch
+):
+    """vLLM's own capture (CUDA) keeps the routed experts on its first TP rank; the other
+    ranks' schedulers fail without them. On CPU every rank records them itself (the TP=2
+    engine's routing is checked in tests/e2e/test_sequence_parallel_cli.py)."""
+    from fsdp_rlhf.config import PPOConfig
+    from fsdp_rlhf.config_base import build_config
+    from fsdp_rlhf.trainers.ppo_setup import _check_moe
+
+    def cfg(tp: int):
+        argv = ["--pretrain", tiny_qwen3_moe, "--router_replay"]
+        return build_config(PPOConfig, [*argv, "--vllm_tensor_parallel_size", str(tp)])[0]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _check_moe(cfg(2))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    _check_moe(cfg(1))
+    with pytest.raises(UserError) as e:
+        _check_moe(cfg(2))
+    line = str(e.value)
+    assert "--router_replay with --vllm_tensor_parallel_size 2 on CUDA" in line
+    assert "first tensor-parallel rank only" in line and "--vllm_tensor_parallel_size 1" in line
+    assert "\n" not in line

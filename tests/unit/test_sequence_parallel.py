@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from fsdp_rlhf.config import (
     FSDPConfig,
@@ -24,6 +25,7 @@ from fsdp_rlhf.distributed.memory import (
     JobFlags,
     ModelShape,
     activation_bytes,
+    attention_mask_bytes,
     plan_phases,
     sequence_parallel_needed,
     sequence_parallel_options,
@@ -126,6 +128,23 @@ def test_rollouts_of_a_group_merge_in_rank_order():
     assert RolloutOutput.concat([a], pad_id=0) is a
 
 
+def test_merged_rollouts_keep_each_tokens_routed_experts():
+    """Router replay under sequence parallelism: the group's gathered rollouts carry the
+    engine's routing, each token's experts staying on their token through the new padding."""
+    from dataclasses import replace
+
+    a = RolloutOutput.from_lists([[5, 6]], [[1, 2]], ["stop"], None, pad_id=0, n=1)
+    b = RolloutOutput.from_lists([[7, 8, 9]], [[4, 4, 4]], ["length"], None, pad_id=0, n=1)
+    # (N, P + T, layers 2, k 3): each token's experts are its column index
+    a = replace(a, routed_experts=torch.arange(4).view(1, 4, 1, 1).expand(1, 4, 2, 3).byte())
+    b = replace(b, routed_experts=torch.arange(6).view(1, 6, 1, 1).expand(1, 6, 2, 3).byte())
+    out = RolloutOutput.concat([a, b], pad_id=0)
+    assert out.routed_experts is not None and out.routed_experts.shape == (2, 6, 2, 3)
+    assert out.routed_experts[:, :, 0, 0].tolist() == [[255, 0, 1, 2, 3, 255], [0, 1, 2, 3, 4, 5]]
+    with pytest.raises(ValueError, match="with and without routed experts"):
+        RolloutOutput.concat([a, replace(b, routed_experts=None)], pad_id=0)
+
+
 SHAPE_7B = ModelShape.from_hf_config(
     {
         "hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 11008,
@@ -143,6 +162,35 @@ def test_activations_per_rank_halve_with_two_ranks_per_sequence():
     assert sequence_parallel_options(8, 32, 8) == [1, 2, 4, 8]
     assert sequence_parallel_options(8, 28, 4) == [1, 2, 4]  # 28 heads: not 8
     assert sequence_parallel_options(6, 9, 3) == [1, 3]
+
+
+def test_the_memory_model_counts_the_attention_masks_that_remain():
+    """SDPA keeps an explicit mask for backward (a bias in the compute dtype), whole on every
+    rank of a sequence-parallel group; Ulysses' padded rows, packed rows and flash-attn pass
+    none (tests/distributed/test_sequence_parallel.py measures what SDPA keeps)."""
+    from dataclasses import replace
+
+    s, T = 32768, 30000
+    f = JobFlags(
+        world=8, device_bytes=80 * GIB, seq_len=s, response_len=T, gradient_checkpointing=True
+    )
+    # without SP, HF's (1, 1, s, s) mask of padded rows: 2 GiB in bf16, the recomputed layer's
+    assert attention_mask_bytes(f, SHAPE_7B, 1, shared_prompts=False) == 2 * s * s == 2 * GIB
+    no_ckpt = replace(f, gradient_checkpointing=False)
+    assert attention_mask_bytes(no_ckpt, SHAPE_7B, 1, False) == 32 * 2 * GIB  # every layer's
+    sp2 = replace(f, sequence_parallel=2)
+    assert attention_mask_bytes(sp2, SHAPE_7B, 1, False) == 0  # causal kernels row by row
+    # shared-prompt rows (8 samples a prompt): the prompt's mask once, each response's whole
+    shared = replace(sp2, shared_prompts=8)
+    P = s - T
+    assert attention_mask_bytes(shared, SHAPE_7B, 8, True) == 2 * (P * P + 8 * T * s)
+    assert attention_mask_bytes(shared, SHAPE_7B, 8, False) == 0  # the critic's padded rows
+    assert attention_mask_bytes(replace(shared, packing=True), SHAPE_7B, 8, True) == 0
+    assert attention_mask_bytes(replace(shared, flash_attn=True), SHAPE_7B, 8, True) == 0
+    phases = {p.name: p for p in plan_phases(replace(shared, micro_train_batch_size=8),
+                                             SHAPE_7B, SHAPE_7B, [SHAPE_7B])}  # fmt: skip
+    assert phases["actor update"].parts["attention masks"] == 2 * (P * P + 8 * T * s)
+    assert "attention masks" not in phases["critic update"].parts
 
 
 def test_the_model_names_the_smallest_split_that_fits():
@@ -186,16 +234,34 @@ def test_long_generation_must_fit_the_model_context(tmp_path):
     check_context_length(_ppo(short, *lengths, "--rollout_engine", "hf"))  # HF: no vLLM limit
 
 
-@pytest.mark.parametrize("grad", [False, True])  # SDPA with a mask, the explicit CPU kernel
-def test_the_inner_kernel_of_padded_rows_keeps_sliding_windows(tmp_path, grad):
+def test_row_spans_are_each_rows_run_of_tokens_or_none():
+    from fsdp_rlhf.models.attention import row_spans, span_attention
+
+    mask = torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
+    assert row_spans(mask) == ((1, 3), (0, 4), (0, 0))
+    assert row_spans(torch.tensor([[1, 0, 1, 1]])) is None  # a hole: the masked kernel
+    q = torch.randn(3, 2, 4, 8)
+    out = span_attention(q, q, q, row_spans(mask), 0.0, 0.5)
+    assert out.shape == q.shape and out[2].abs().sum() == 0 and out[0, :, 0].abs().sum() == 0
+    ref = torch.nn.functional.scaled_dot_product_attention(q[0:1, :, 1:3], q[0:1, :, 1:3],
+                                                           q[0:1, :, 1:3], is_causal=True,
+                                                           scale=0.5)  # fmt: skip
+    torch.testing.assert_close(out[0:1, :, 1:3], ref)
+
+
+@pytest.mark.parametrize("grad", [False, True])  # SDPA, the explicit CPU kernel
+@pytest.mark.parametrize("spans", [False, True])  # with each row's run of tokens: no mask
+def test_the_inner_kernel_of_padded_rows_keeps_sliding_windows(tmp_path, grad, spans):
     """Inside Ulysses a padded row's attention runs on the whole row (models.ulysses
     _inner_attention); Gemma 3's sliding-window layers (window 16) must see their last 16
-    keys there as in transformers' own padded forward. Run here on one rank: the kernel the
-    all-to-alls wrap, fed the whole row."""
+    keys there as in transformers' own padded forward, and its global layers take SDPA's
+    causal kernel row by row when the rows' runs are known. Run here on one rank: the kernel
+    the all-to-alls wrap, fed the whole row."""
     import torch
     from transformers import AttentionInterface
 
     from fsdp_rlhf.config import BackendConfig
+    from fsdp_rlhf.models.attention import row_spans
     from fsdp_rlhf.models.load import load_causal_lm
     from fsdp_rlhf.models.ulysses import UlyssesContext, _inner_attention
     from fsdp_rlhf.testing.tiny import build_family
@@ -211,12 +277,15 @@ def test_the_inner_kernel_of_padded_rows_keeps_sliding_windows(tmp_path, grad):
     ids = torch.randint(5, 200, (2, 40))
     mask = torch.ones_like(ids)
     mask[1, :9] = 0  # left padding
+    mask[0, 33:] = 0  # right padding
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.set_grad_enabled(grad):
         model.set_attn_implementation("sdpa")
         ref = model(ids, attention_mask=mask, position_ids=pos).logits
         model.set_attn_implementation("test_ulysses_inner")
-        ctx = UlyssesContext(None, 1, ids.shape[1], "sdpa", mask.bool())
+        runs = row_spans(mask) if spans else None
+        assert runs is None or runs == ((0, 33), (9, 40))
+        ctx = UlyssesContext(None, 1, ids.shape[1], "sdpa", mask.bool(), runs)
         got = model(ids, position_ids=pos, sequence_parallel=ctx).logits
     on = mask.bool()
     torch.testing.assert_close(got[on], ref[on], rtol=1e-4, atol=1e-4)
