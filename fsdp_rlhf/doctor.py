@@ -43,7 +43,6 @@ from fsdp_rlhf.distributed.memory_plan import (
     resolve_vllm_utilization,
 )
 from fsdp_rlhf.metrics import setup_logging
-from fsdp_rlhf.models.load import check_sequence_parallel
 from fsdp_rlhf.rollout.memory_budget import check_device_budget
 
 log = logging.getLogger("fsdp_rlhf")
@@ -165,10 +164,24 @@ def _prompt(tok) -> list[int]:
     return tok("hello", add_special_tokens=False)["input_ids"] or [tok.eos_token_id]
 
 
-def _check_engine(cfg: PPOConfig, env: DistEnv, engines: list) -> Check:
+def _check_rules(cfg: PPOConfig, kinds: list) -> Check:
+    """The rules table (``fsdp_rlhf.rules``) against these flags and the models' kinds (read
+    from their configs, kept in ``kinds`` for the engine check)."""
+    from fsdp_rlhf.rules import PPO, check_command
+
+    def run() -> str:
+        kinds.append(check_command(PPO, cfg))
+        models = ", ".join(f"{flag} {kind.label}" for flag, kind in kinds[-1].items())
+        return f"{models}: no row of the rules table refuses these flags"
+
+    return _try("settings combine", run)
+
+
+def _check_engine(cfg: PPOConfig, env: DistEnv, engines: list, vision) -> Check:
     """Build the engine, generate a few tokens and put it to sleep, before any model loads (the
     job's order: vLLM sizes its pool from what is free when it starts). The engine is kept in
-    ``engines``: the wake check uses it, the caller closes it after the last collective."""
+    ``engines``: the wake check uses it, the caller closes it after the last collective.
+    ``vision``: the actor's special tokens when it is a vision-language model."""
     from fsdp_rlhf.models.load import load_tokenizer
     from fsdp_rlhf.rollout import SamplingConfig
     from fsdp_rlhf.trainers.ppo_setup import build_engine
@@ -181,7 +194,7 @@ def _check_engine(cfg: PPOConfig, env: DistEnv, engines: list) -> Check:
             util, line = resolve_vllm_utilization(cfg, env.world_size, total)
             budget = f"; {line}; {check_device_budget(env.device, util)}"
         start = time.perf_counter()
-        engine = build_engine(cfg, env, tok)
+        engine = build_engine(cfg, env, tok, vision=vision)
         engines.append(engine)
         built = time.perf_counter() - start
         out = engine.generate([_prompt(tok)], SamplingConfig(max_new_tokens=4, greedy=True))
@@ -305,9 +318,11 @@ def main(cfg: PPOConfig, debug: bool = False) -> int:
     built: list[ParallelLayout] = []
     groups = _try("--sequence_parallel_size", lambda: _sequence_parallel_groups(cfg, env, built))
     checks.append(groups)
-    engines, held = [], []
+    engines, held, kinds = [], [], []
     if cfg.models.pretrain:
-        checks.append(_check_engine(cfg, env, engines))  # the job's order: the engine first
+        checks.append(_check_rules(cfg, kinds))
+        vision = kinds[0]["--pretrain"].vision if kinds else None
+        checks.append(_check_engine(cfg, env, engines, vision))  # the engine first
         if groups.ok:  # the models are prepared as the job prepares them, split or not
             checks += _check_models(cfg, env, held, built[0])
         if engines and held:
@@ -341,8 +356,6 @@ def _sequence_parallel_groups(cfg: PPOConfig, env: DistEnv, built: list) -> str:
     built.append(parallel)
     if not parallel.sp.enabled:
         return "off (each rank holds whole sequences)"
-    if cfg.models.pretrain:
-        check_sequence_parallel(n, env.world_size, {"--pretrain": cfg.models.pretrain})
     return f"{parallel.dp_size} groups of {n} ranks (data-parallel size {parallel.dp_size})"
 
 

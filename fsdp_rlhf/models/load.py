@@ -30,7 +30,6 @@ from torch import nn
 
 from fsdp_rlhf.config import BackendConfig
 from fsdp_rlhf.errors import UserError, reading
-from fsdp_rlhf.hf_config import has_linear_attention
 from fsdp_rlhf.models.attention import PADDED_ATTENTION, register_attention
 from fsdp_rlhf.models.vision import is_vision_config
 
@@ -82,44 +81,6 @@ def text_config(path: str, trust_remote_code: bool = False):
     quiet_transformers()
     cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     return cfg.get_text_config()
-
-
-def check_sequence_parallel(
-    n: int, world_size: int, paths: dict[str, str | None], trust_remote_code: bool = False
-) -> None:
-    """``--sequence_parallel_size n`` against the world and each model's attention heads
-    (``paths``: flag -> model folder), before anything loads: one line naming the numbers."""
-    if n == 1:
-        return
-    if world_size % n:
-        raise UserError(
-            f"--sequence_parallel_size {n} must divide the world size {world_size} "
-            "(torchrun --nproc_per_node x --nnodes)"
-        )
-    from fsdp_rlhf.models.ulysses import head_problem
-
-    for flag, path in paths.items():
-        if not path:
-            continue
-        check_model_path(path, flag)
-        if is_vision_language(path, trust_remote_code):
-            raise UserError(
-                f"--sequence_parallel_size {n}: {flag} {path} is a vision-language model: its "
-                "images and M-RoPE positions go through the model with whole rows (use 1)"
-            )
-        cfg = text_config(path, trust_remote_code)
-        heads = cfg.num_attention_heads
-        kv = getattr(cfg, "num_key_value_heads", None) or heads
-        problem = head_problem(heads, kv, n)
-        if problem is None and has_linear_attention(cfg):
-            # Ulysses exchanges shards around attention calls only: a linear-attention layer's
-            # recurrence would run over each rank's slice of the sequence on its own
-            problem = (
-                "its linear-attention (gated-delta-net) layers need the whole sequence on one "
-                "rank; sequence parallelism splits it"
-            )
-        if problem is not None:
-            raise UserError(f"--sequence_parallel_size {n}: {flag} {path}: {problem}")
 
 
 def load_tokenizer(

@@ -25,7 +25,8 @@ and router probabilities over the group (so every rank computes the unsplit forw
 and the statistics, each rank counting its own slice, are summed over the world as before.
 
 Supported routers (:data:`ROUTERS`) compute softmax probabilities and take the top k; others
-are refused by name where router replay or the auxiliary loss is asked for.
+are refused by name where router replay or the auxiliary loss is asked for (the rules table,
+``fsdp_rlhf.rules``, row ``moe-flags-unknown-router``).
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ from torch import nn
 
 from fsdp_rlhf.distributed.collectives import all_reduce
 from fsdp_rlhf.distributed.sequence_parallel import SequenceParallel
-from fsdp_rlhf.hf_config import config_num_experts
 from fsdp_rlhf.models.inputs import ForwardInputs
 
 
@@ -72,43 +72,12 @@ def moe_routers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in ROUTERS]
 
 
-def unsupported_router(model: nn.Module) -> str | None:
-    """The class name of an MoE router this module cannot replay, or None."""
-    for m in model.modules():
-        if _looks_like_router(m) and type(m).__name__ not in ROUTERS:
-            return type(m).__name__
-    return None
-
-
 def is_moe(model: nn.Module) -> bool:
     return any(_looks_like_router(m) for m in model.modules())
 
 
 def is_router(module: nn.Module) -> bool:
     return type(module).__name__ in ROUTERS
-
-
-def check_moe_model(path: str, flags: str, trust_remote_code: bool = False) -> None:
-    """Preflight: the model at ``path`` is an MoE model with routers this module handles
-    (built empty on the meta device: nothing is loaded)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from fsdp_rlhf.errors import UserError, reading
-
-    with reading("model config", path):
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    arch = ",".join(getattr(config, "architectures", None) or [config.model_type])
-    if config_num_experts(config) == 0:
-        raise UserError(f"{flags}: {path} is a dense model ({arch}); they apply to MoE models")
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    unsupported = unsupported_router(model)
-    if unsupported is not None or not moe_routers(model):
-        known = ", ".join(sorted(ROUTERS))
-        raise UserError(
-            f"{flags}: {arch}'s router ({unsupported or 'none found'}) is not one this trainer "
-            f"replays or balances (softmax top-k routers: {known})"
-        )
 
 
 # ---------------------------------------------------------------- parameters

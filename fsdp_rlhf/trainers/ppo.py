@@ -31,7 +31,8 @@ from fsdp_rlhf.distributed.offload import (
 )
 from fsdp_rlhf.metrics import PhaseTimer
 from fsdp_rlhf.models.inputs import InputSpec, row_layout
-from fsdp_rlhf.models.load import is_vision_language, load_tokenizer
+from fsdp_rlhf.models.kind import ModelKind
+from fsdp_rlhf.models.load import load_tokenizer
 from fsdp_rlhf.models.lora import adapters_disabled
 from fsdp_rlhf.models.moe import MoEHooks
 from fsdp_rlhf.models.save import save_model
@@ -119,17 +120,18 @@ class PPOTrainer:
         self,
         cfg: PPOConfig,
         env: DistEnv,
-        prepared: tuple[PPOBatchPlan, list],
+        prepared: tuple[PPOBatchPlan, list, dict[str, ModelKind]],
         parallel: ParallelLayout,
     ):
         self.cfg, self.env, self.parallel = cfg, env, parallel
         self.sp = parallel.sp  # the sequence-parallel group the forwards are split over
-        self.plan, rows = prepared
+        self.plan, rows, kinds = prepared
+        self.actor_kind = kinds["--pretrain"]  # read once in prepare (models.kind)
         common.write_run_config(cfg, env)
         tokenizer = load_tokenizer(cfg.models.pretrain, cfg.backend)
         # a vision-language actor: its processor decodes each step's images (None: text)
         self.images = None
-        if is_vision_language(cfg.models.pretrain, cfg.backend.trust_remote_code):
+        if self.actor_kind.is_vlm:
             self.images = StepImages.from_pretrained(cfg.models.pretrain, cfg.backend)
         engine = self.start_engine(tokenizer, image_limit(cfg.vision, rows))
         # after the engine, which seeds torch per engine: fresh heads must match on all ranks
@@ -185,7 +187,7 @@ class PPOTrainer:
         # the parts each model's forwards are built from (models.inputs): the actor and the
         # reference share prompt passes when they can, take a VLM's images and the
         # sequence-parallel slice; the critic and the reward model take packed or padded rows
-        vision = self.images.vision.tokens if self.images is not None else None
+        vision = self.actor_kind.vision
         self.actor_inputs = InputSpec(
             row_layout(self.packed, self.group_size), self.group_size, vision, self.sp
         )
@@ -219,7 +221,8 @@ class PPOTrainer:
         The engine first, then to sleep: vLLM sizes its memory from what is free when it
         starts, so with four resident models it would refuse to start (TRL's colocate order).
         """
-        engine = build_engine(self.cfg, self.env, tokenizer, max_images)
+        vision = self.actor_kind.vision
+        engine = build_engine(self.cfg, self.env, tokenizer, max_images, vision=vision)
         engine.sleep()
         log.info("rollout engine started and asleep; loading the models")
         return engine

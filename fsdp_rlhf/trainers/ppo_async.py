@@ -96,7 +96,8 @@ def main(cfg: PPOConfig, debug: bool = False) -> int:
         if job[0].split.is_rollout(job[0].rank):
             from fsdp_rlhf.trainers.ppo_async_rollout import RolloutWorker
 
-            return RolloutWorker(cfg, env, job[0], prepared[1])
+            _, rows, kinds = prepared
+            return RolloutWorker(cfg, env, job[0], rows, kinds["--pretrain"])
         return AsyncLearner(cfg, env, prepared, job[0], parallel)
 
     def run(trainer) -> int:

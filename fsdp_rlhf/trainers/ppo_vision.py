@@ -1,17 +1,9 @@
-"""PPO with a vision-language actor: what is refused and why, the rows' images checked before
-any model loads, and each step's prompts turned into what the engine and the forwards take.
+"""PPO with a vision-language actor: the rows' images checked before any model loads, and each
+step's prompts turned into what the engine and the forwards take.
 
-Refused by name, with the reason (one line, before heavy work):
-
-- a critic (``--advantage_estimator gae``): transformers has no sequence-classification class
-  for Qwen-VL models, so there is no value-head checkpoint format to load or save; GRPO, RLOO,
-  REINFORCE++ and their baselines need none;
-- ``--reward_pretrain``: a reward model would need the images too (same reason); use a rule
-  reward (``--remote_rm_url``), which sees the prompt text and the label;
-- ``--packing_samples``: a packed row would need M-RoPE positions per packed sequence and
-  images regrouped per segment; padded rows carry both as the model computes them;
-- multi-turn environments: the environment's turns carry no images.
-
+What a vision-language actor does not combine with (a critic, a reward model, packing,
+multi-turn environments, asynchronous training, router replay, sequence parallelism) is refused
+by the rules table (``fsdp_rlhf.rules``, rows ``vlm-*``), before any model loads.
 ``--share_prompt_prefix`` (on by default) is turned off with a log line: the shared prompt pass
 has no image inputs.
 """
@@ -21,57 +13,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from fsdp_rlhf.algorithms.names import CRITIC_ESTIMATORS
-from fsdp_rlhf.config import PPOConfig, VisionConfig
+from fsdp_rlhf.config import VisionConfig
 from fsdp_rlhf.data.images import image_problem, image_refs, load_images
 from fsdp_rlhf.data.prompts import Prompt
 from fsdp_rlhf.data.vision import VisionProcessor
-from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.models.vision import ImageBatch, ImageInputs, VisionTokens
 from fsdp_rlhf.rollout.engine import PromptImages, RolloutOutput
 
 log = logging.getLogger("fsdp_rlhf")
-
-WHY_NO_CRITIC = (
-    "a critic is a value head on the model, and transformers has no *ForSequenceClassification "
-    "class for vision-language models to load or save one; use --advantage_estimator grpo, "
-    "rloo, reinforce++ or reinforce++-baseline"
-)
-
-
-def refuse_unsupported(cfg: PPOConfig, model: str) -> None:
-    """One line naming the first setting a vision-language actor cannot run with."""
-    head = f"--pretrain {model} is a vision-language model"
-    if cfg.algo.advantage_estimator in CRITIC_ESTIMATORS:
-        estimator = cfg.algo.advantage_estimator
-        raise UserError(f"{head}: --advantage_estimator {estimator}: " + WHY_NO_CRITIC)
-    if cfg.models.critic_pretrain:
-        raise UserError(f"{head}: --critic_pretrain: " + WHY_NO_CRITIC)
-    if cfg.models.reward_pretrain:
-        raise UserError(
-            f"{head}: --reward_pretrain: a reward model would have to see the images, and "
-            "there is no scalar-head format for VLMs; use a rule reward (--remote_rm_url)"
-        )
-    if cfg.batch.packing_samples:
-        raise UserError(
-            f"{head}: --packing_samples: packed rows would need M-RoPE positions and images "
-            "per packed sequence; VLM rows go through the model padded (drop the flag)"
-        )
-    if cfg.multiturn.source is not None:
-        raise UserError(
-            f"{head}: {cfg.multiturn.source[0]}: multi-turn environments return text only; "
-            "single-turn rollouts take images"
-        )
-    if cfg.asynchronous.async_train:
-        raise UserError(
-            f"{head}: --async_train: the step-by-step rollout engine of asynchronous training "
-            "does not take images yet; drop --async_train"
-        )
-    if cfg.moe.router_replay:
-        raise UserError(
-            f"{head}: --router_replay: routing replay is not implemented for vision-language "
-            "models (their prompts reach vLLM with the image placeholders collapsed); drop it"
-        )
 
 
 def row_check(cfg: VisionConfig, input_key: str, text_only: bool):

@@ -40,7 +40,7 @@ def main(cfg: RMConfig, debug: bool = False) -> int:
 
 
 def prepare(cfg: RMConfig, world_size: int) -> tuple[OfflineBatchPlan, TrainData]:
-    return prepare_command(cfg, world_size, prepare_rm_data)
+    return prepare_command("train-rm", cfg, world_size, prepare_rm_data)
 
 
 class RMTrainer(OfflineTrainer):
@@ -60,7 +60,7 @@ class RMTrainer(OfflineTrainer):
         plan, data = prepared
         common.write_run_config(cfg, env)
         model = build_reward_model(cfg, env, data.tokenizer.pad_token_id, parallel)
-        self.inputs = InputSpec(pair_layout(model, cfg.batch), sp=parallel.sp)
+        self.inputs = InputSpec(pair_layout(model, cfg.batch, data.model), sp=parallel.sp)
         super().__init__(cfg, env, plan, data, model, parallel, guard_name="reward model")
 
     def update(self, batches: list[PairBatch]) -> dict[str, float]:

@@ -47,7 +47,7 @@ def main(cfg: SFTConfig, debug: bool = False) -> int:
 
 
 def prepare(cfg: SFTConfig, world_size: int) -> tuple[OfflineBatchPlan, TrainData]:
-    return prepare_command(cfg, world_size, prepare_sft_data)
+    return prepare_command("sft", cfg, world_size, prepare_sft_data)
 
 
 def _forward(model: nn.Module, batch: SFTBatch, device: torch.device, spec: InputSpec):
@@ -97,9 +97,9 @@ class SFTTrainer(OfflineTrainer):
     ):
         plan, data = prepared
         common.write_run_config(cfg, env)
-        model = build_policy(cfg, env, parallel, grad_reduce="sum")
+        model = build_policy(cfg, env, parallel, data.model, grad_reduce="sum")
         vision = data.vision.tokens if data.vision is not None else None
-        rows = "packed" if packs(cfg, model) else "padded"
+        rows = "packed" if packs(cfg, data.model) else "padded"
         self.inputs = InputSpec(rows, vision=vision, sp=parallel.sp)
         collate = partial(collate_samples, vision=data.vision)
         super().__init__(

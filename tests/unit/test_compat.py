@@ -296,8 +296,10 @@ def test_async_flags_in_both_spellings():
     assert _cfg("ppo", "--vllm_generate_batch_size", "8", "--rollout_batch_size", "8") == _cfg(
         "ppo", "--rollout_batch_size", "8"
     )
-    with pytest.raises(ConfigError, match="add --async_train"):
-        _cfg("ppo", "--partial_rollout")
+    from fsdp_rlhf.rules import Refused, check_flags
+
+    with pytest.raises(Refused, match="add --async_train"):
+        check_flags("ppo", _cfg("ppo", "--partial_rollout"))
 
 
 def test_canonical_flags_typed_by_the_user_win_over_translated_ones():

@@ -8,6 +8,7 @@ The layers, lowest first (a module may import its own layer and the ones below i
     distributed               process group, FSDP2, checkpoints, offload, memory model
     data, models              datasets; loading, forwards, LoRA, compile, HF export
     rollout                   engines, weight sync, environments
+    rules                     what combines: the table of refused combinations
     trainers                  the only place that wires everything
     cli, doctor, testing      entry points and the test fixtures
 
@@ -41,6 +42,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("distributed",),
     ("data", "models"),
     ("rollout",),
+    ("rules",),
     ("trainers",),
     ("cli", "doctor", "testing"),
 )

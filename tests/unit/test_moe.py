@@ -17,7 +17,6 @@ from fsdp_rlhf.models.load import load_causal_lm
 from fsdp_rlhf.models.moe import (
     MoEHooks,
     active_parameters,
-    check_moe_model,
     expert_parameter_names,
     moe_routers,
     routing_scope,
@@ -178,10 +177,22 @@ def test_parameter_counts_and_expert_names(moe_model):
     assert not any("gate.weight" in n for n in names)
 
 
+def _ppo(*argv: str):
+    """A critic-free PPO config (the rules table's critic row stays quiet)."""
+    from fsdp_rlhf.config import PPOConfig
+    from fsdp_rlhf.config_base import build_config
+
+    return build_config(PPOConfig, ["--advantage_estimator", "reinforce++", *argv])[0]
+
+
 def test_moe_flags_need_an_moe_model_with_a_known_router(tiny_qwen2, tiny_qwen3_moe):
-    check_moe_model(tiny_qwen3_moe, "--router_replay")
+    """The rules table reads the router from the model's config (a meta-device build)."""
+    from fsdp_rlhf.rules import check_command
+
+    kinds = check_command("ppo", _ppo("--pretrain", tiny_qwen3_moe, "--router_replay"))
+    assert kinds["--pretrain"].router == "Qwen3MoeTopKRouter"
     with pytest.raises(UserError, match=r"--router_replay: .* is a dense model \(Qwen2ForCausalLM"):
-        check_moe_model(tiny_qwen2, "--router_replay")
+        check_command("ppo", _ppo("--pretrain", tiny_qwen2, "--router_replay"))
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
@@ -208,19 +219,14 @@ def test_lora_adapts_attention_and_dense_parts_never_experts_or_gates(family, tm
 
 
 def test_lora_adapter_sync_of_an_moe_model_is_refused_on_cpu(tiny_qwen3_moe):
-    from fsdp_rlhf.config import PPOConfig
-    from fsdp_rlhf.config_base import build_config
-    from fsdp_rlhf.trainers.ppo_setup import _check_lora
+    from fsdp_rlhf.rules import check_command
 
-    if torch.cuda.is_available():
-        pytest.skip("vLLM's LoRA MoE layers run on CUDA")
-    cfg, _ = build_config(PPOConfig, ["--pretrain", tiny_qwen3_moe, "--lora_rank", "8"])
+    cfg = _ppo("--pretrain", tiny_qwen3_moe, "--lora_rank", "8")
     with pytest.raises(UserError, match="use --lora_sync merged"):
-        _check_lora(cfg)
-    merged, _ = build_config(
-        PPOConfig, ["--pretrain", tiny_qwen3_moe, "--lora_rank", "8", "--lora_sync", "merged"]
-    )
-    _check_lora(merged)
+        check_command("ppo", cfg, cuda=False)
+    check_command("ppo", cfg, cuda=True)  # vLLM's LoRA MoE layers run on CUDA
+    check_command("ppo", _ppo("--pretrain", tiny_qwen3_moe, "--lora_rank", "8", "--lora_sync",
+                              "merged"), cuda=False)  # fmt: skip
 
 
 def test_sequence_parallelism_takes_router_replay_and_the_aux_loss_not_linear_attention(
@@ -229,18 +235,16 @@ def test_sequence_parallelism_takes_router_replay_and_the_aux_loss_not_linear_at
     """Ulysses gives each rank a slice of every sequence: the hooks slice the replayed routing
     and sum the balancing loss's counts over the group (tests/distributed/
     test_moe_sequence_parallel.py); a gated-delta-net's recurrence is not split with it."""
-    from fsdp_rlhf.config import PPOConfig
-    from fsdp_rlhf.config_base import build_config
-    from fsdp_rlhf.models.load import check_sequence_parallel
+    from fsdp_rlhf.rules import check_command
     from fsdp_rlhf.testing.tiny import build_family
 
-    base = ["--pretrain", tiny_qwen3_moe, "--sequence_parallel_size", "2"]
-    cfg, _ = build_config(PPOConfig, [*base, "--router_replay", "--aux_loss_coef", "0.01"])
+    base = ["--sequence_parallel_size", "2", "--bf16"]
+    cfg = _ppo("--pretrain", tiny_qwen3_moe, *base, "--router_replay", "--aux_loss_coef", "0.01")
     assert cfg.moe.router_replay and cfg.moe.aux_loss_coef == 0.01
-    check_sequence_parallel(2, 2, {"--pretrain": tiny_qwen3_moe})
+    check_command("ppo", cfg)
     hybrid = str(build_family(tmp_path / "qwen3_5", "qwen3_5"))
     with pytest.raises(UserError, match="linear-attention .* sequence parallelism splits it"):
-        check_sequence_parallel(2, 2, {"--pretrain": hybrid})
+        check_command("ppo", _ppo("--pretrain", hybrid, *base))
 
 
 def test_metrics_live_where_the_routers_run_not_where_the_parameters_are(moe_model):
@@ -270,20 +274,16 @@ def test_router_replay_with_vllm_tensor_parallelism_is_refused_on_cuda_only(
     """vLLM's own capture (CUDA) keeps the routed experts on its first TP rank; the other
     ranks' schedulers fail without them. On CPU every rank records them itself (the TP=2
     engine's routing is checked in tests/e2e/test_sequence_parallel_cli.py)."""
-    from fsdp_rlhf.config import PPOConfig
-    from fsdp_rlhf.config_base import build_config
-    from fsdp_rlhf.trainers.ppo_setup import _check_moe
+    from fsdp_rlhf.rules import check_command
 
     def cfg(tp: int):
         argv = ["--pretrain", tiny_qwen3_moe, "--router_replay"]
-        return build_config(PPOConfig, [*argv, "--vllm_tensor_parallel_size", str(tp)])[0]
+        return _ppo(*argv, "--vllm_tensor_parallel_size", str(tp))
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    _check_moe(cfg(2))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    _check_moe(cfg(1))
+    check_command("ppo", cfg(2), cuda=False)
+    check_command("ppo", cfg(1), cuda=True)
     with pytest.raises(UserError) as e:
-        _check_moe(cfg(2))
+        check_command("ppo", cfg(2), cuda=True)
     line = str(e.value)
     assert "--router_replay with --vllm_tensor_parallel_size 2 on CUDA" in line
     assert "first tensor-parallel rank only" in line and "--vllm_tensor_parallel_size 1" in line

@@ -120,7 +120,7 @@ def bad(tiny_qwen2, tmp_path):
         "empty side": (dpo + ["--dataset", str(tmp_path / "empty.jsonl")],
                        r"empty\.jsonl: row 1: 'chosen' is empty"),
         "ipo + smoothing": (dpo + ["--dataset", str(tmp_path / "pairs.jsonl"), "--ipo",
-                                   "--label_smoothing", "0.1"], r"IPO has no label smoothing"),
+                                   "--label_smoothing", "0.1"], r"--label_smoothing with --ipo"),
         "margin key": (dpo + ["--dataset", str(tmp_path / "pairs.jsonl"), "--margin_key", "m"],
                        r"--margin_key is train-rm's"),
         "missing ref": (dpo + ["--dataset", str(tmp_path / "pairs.jsonl"), "--ref_pretrain",
@@ -167,7 +167,9 @@ def test_tokenizer_chat_template_replaces_the_tokenizers(tiny_qwen2, tmp_path):
             template, "--save_path", str(tmp_path / "out"), "--train_batch_size", "2",
             "--micro_train_batch_size", "1"]  # fmt: skip
     cfg, _ = build_config(SFTConfig, argv)
-    data = prepare_sft_data(cfg, plan_offline_batches(cfg.batch, 1))
+    from fsdp_rlhf.rules import check_command
+
+    data = prepare_sft_data(cfg, plan_offline_batches(cfg.batch, 1), check_command("sft", cfg))
     ids, mask = data.train[0]["input_ids"], data.train[0]["loss_mask"]
     assert data.tokenizer.decode(ids) == "[user]hello[assistant]one two"
     assert data.tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m]) == "one two"

@@ -16,10 +16,11 @@ from fsdp_rlhf.distributed.env import DistEnv
 from fsdp_rlhf.distributed.layout import ParallelLayout
 from fsdp_rlhf.models.attention import VARLEN_ATTENTION
 from fsdp_rlhf.models.inputs import RowLayout
-from fsdp_rlhf.models.load import is_vision_language, load_causal_lm, load_scalar_model
+from fsdp_rlhf.models.kind import ModelKind
+from fsdp_rlhf.models.load import load_causal_lm, load_scalar_model
 from fsdp_rlhf.models.lora import add_lora
 from fsdp_rlhf.models.ulysses import base_attention
-from fsdp_rlhf.models.vision import is_vision_config, prepare_policy
+from fsdp_rlhf.models.vision import prepare_policy
 from fsdp_rlhf.trainers.common import load_and_prepare, log_startup
 
 log = logging.getLogger("fsdp_rlhf")
@@ -63,29 +64,35 @@ def build_reward_model(
     return model
 
 
-def packs(cfg: Any, model: nn.Module) -> bool:
-    """Whether the batches go through ``model`` packed: ``--packing_samples``, except for a
-    vision-language model (its M-RoPE positions and images are per padded row)."""
-    return cfg.batch.packing_samples and not is_vision_config(model.config)
+def packs(cfg: Any, kind: ModelKind) -> bool:
+    """Whether the batches go through a model of ``kind`` packed: ``--packing_samples``,
+    except for a vision-language model (its M-RoPE positions and images are per padded row;
+    the offline commands pad it, PPO refuses the pair: rules row ``vlm-packing``)."""
+    return cfg.batch.packing_samples and not kind.is_vlm
 
 
 def build_policy(
-    cfg: Any, env: DistEnv, parallel: ParallelLayout, *, grad_reduce: str = "mean"
+    cfg: Any,
+    env: DistEnv,
+    parallel: ParallelLayout,
+    kind: ModelKind,
+    *,
+    grad_reduce: str = "mean",
 ) -> nn.Module:
     """Load ``--pretrain`` as a causal LM (with adapters under ``--lora_rank``) and shard it.
     A VLM's placeholders are suppressed and, with ``--freeze_visual_encoder``, its vision
     tower frozen.
 
-    ``grad_reduce``: ``"sum"`` when the loss is normalised by a global token count (SFT).
+    ``kind``: ``--pretrain``'s (read in prepare). ``grad_reduce``: ``"sum"`` when the loss is
+    normalised by a global token count (SFT).
     """
     log_startup(env, cfg.fsdp.zero_stage, cfg.backend.bf16)
     torch.manual_seed(cfg.seed)  # the adapters' init (rank 0's reaches every rank)
     vision = getattr(cfg, "vision", None)
     freeze = vision is not None and vision.freeze_visual_encoder
-    packed = cfg.batch.packing_samples
-    if packed and is_vision_language(cfg.model.pretrain, cfg.backend.trust_remote_code):
+    packed = packs(cfg, kind)
+    if cfg.batch.packing_samples and not packed:
         log.info("--packing_samples: off for a vision-language model (its rows go padded)")
-        packed = False
 
     def load(weights: bool) -> nn.Module:
         model = load_causal_lm(cfg.model.pretrain, cfg.backend, env.device, weights=weights)
@@ -118,9 +125,11 @@ def reference_path(cfg: Any) -> str | None:
     return path
 
 
-def build_reference(cfg: Any, env: DistEnv, parallel: ParallelLayout) -> nn.Module | None:
+def build_reference(
+    cfg: Any, env: DistEnv, parallel: ParallelLayout, kinds: dict[str, ModelKind]
+) -> nn.Module | None:
     """The frozen reference (bf16 weights under ``--bf16``: no master copy to keep), or None
-    (see :func:`reference_path`)."""
+    (see :func:`reference_path`); ``kinds``: the command's models (read in prepare)."""
     path = reference_path(cfg)
     if path is None:
         log.info("reference: the policy with its LoRA adapters disabled")
@@ -134,7 +143,7 @@ def build_reference(cfg: Any, env: DistEnv, parallel: ParallelLayout) -> nn.Modu
         prepare_policy(model)  # a VLM: placeholders suppressed, as in the policy
         return model
 
-    vlm = is_vision_language(path, backend.trust_remote_code)
+    kind = kinds.get("--ref_pretrain") or kinds["--pretrain"]
     return load_and_prepare(
         load,
         env,
@@ -142,17 +151,17 @@ def build_reference(cfg: Any, env: DistEnv, parallel: ParallelLayout) -> nn.Modu
         backend,
         parallel=parallel,
         what="the reference model",
-        packed=cfg.batch.packing_samples and not vlm,
+        packed=packs(cfg, kind),
         trainable=False,
     )
 
 
-def pair_layout(model: nn.Module, batch: PairBatchConfig) -> RowLayout:
+def pair_layout(model: nn.Module, batch: PairBatchConfig, kind: ModelKind) -> RowLayout:
     """The rows part of the pairs' forwards through ``model`` (``models.inputs``): padded,
     packed into one row, or packed with each pair's shared prefix once
     (``--share_prompt_prefix``, needs the varlen attention of ``--packing_samples``;
     flash-attn's kernels take no shared prefix)."""
-    if not batch.packing_samples or is_vision_config(model.config):
+    if not batch.packing_samples or kind.is_vlm:  # a VLM's rows go padded (see packs)
         return "padded"
     impl = base_attention(model)  # inside Ulysses when the model is sequence-parallel
     if batch.share_prompt_prefix and impl == VARLEN_ATTENTION:

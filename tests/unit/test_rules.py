@@ -1,0 +1,331 @@
+"""The rules table (fsdp_rlhf.rules): every row fires, with its line, on the settings it names
+and on nothing else; every row has a case here; a command's plain settings fire no row; the
+models' kinds are read from their configs alone (models.kind)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fsdp_rlhf.config import DPOConfig, PPOConfig, RMConfig, SFTConfig
+from fsdp_rlhf.config_base import build_config
+from fsdp_rlhf.errors import UserError
+from fsdp_rlhf.models.kind import ModelKind, read_model_kind
+from fsdp_rlhf.models.vision import VisionTokens
+from fsdp_rlhf.rules import RULES, Refused, Setting, check_rules
+
+CONFIGS = {"ppo": PPOConfig, "sft": SFTConfig, "dpo": DPOConfig, "train-rm": RMConfig}
+DENSE = ModelKind("models/dense", "Qwen2ForCausalLM", heads=6, kv_heads=2)
+NINE_HEADS = ModelKind("models/nine", "Qwen2ForCausalLM", heads=9, kv_heads=3)
+MOE = ModelKind("models/moe", "Qwen3MoeForCausalLM", 4, 2, experts=8, router="Qwen3MoeTopKRouter")
+ODD_ROUTER = ModelKind("models/odd", "OddMoeForCausalLM", 4, 2, experts=8, router="OddRouter")
+HYBRID = ModelKind("models/hybrid", "Qwen3_5ForCausalLM", 4, 2, linear_attention=True)
+VLM = ModelKind("models/vl", "Qwen2_5_VLForConditionalGeneration", 4, 2, vision=VisionTokens(9))
+VLM_MOE = ModelKind(
+    "models/vlmoe", "Qwen3_5MoeForConditionalGeneration", 4, 2, experts=8,
+    router="Qwen3_5MoeTopKRouter", linear_attention=True, vision=VisionTokens(9),
+)  # fmt: skip
+
+# what every PPO case starts from: critic-free, groups of 4 (no row fires on it alone)
+PPO_BASE = ["--advantage_estimator", "grpo", "--n_samples_per_prompt", "4", "--bf16"]
+ASYNC = ["--async_train", "--vllm_num_engines", "1"]
+ENV = ["--env_file", "env.py"]
+
+# row id -> (command, flags, models (flag -> kind; default: a dense --pretrain), cuda, words
+# of the line)
+CASES: dict[str, tuple] = {
+    "async-sequence-parallel": (
+        "ppo", [*ASYNC, "--sequence_parallel_size", "2"], None, False,
+        "--sequence_parallel_size 2 with --async_train: sequence parallelism is not combined",
+    ),
+    "async-router-replay": (
+        "ppo", [*ASYNC, "--router_replay"], {"--pretrain": MOE}, False,
+        "--router_replay with --async_train: the step-by-step rollout engine",
+    ),
+    "async-hf-engine": (
+        "ppo", [*ASYNC, "--rollout_engine", "hf"], None, False,
+        "--async_train with --rollout_engine hf: asynchronous training drives vLLM",
+    ),
+    "async-eval": (
+        "ppo", [*ASYNC, "--eval_dataset", "e.jsonl"], None, False,
+        "--eval_dataset with --async_train: evaluation needs an engine on the training ranks",
+    ),
+    "async-dynamic-filtering-reward-model": (
+        "ppo", [*ASYNC, "--dynamic_filtering", "--reward_pretrain", "models/rm"],
+        {"--pretrain": DENSE, "--reward_pretrain": DENSE}, False,
+        "filters on the rollout ranks, which hold no reward model",
+    ),
+    "oversampling-multi-turn": (
+        "ppo", [*ASYNC, "--vllm_generate_batch_size", "4096", *ENV], None, False,
+        "--vllm_generate_batch_size > --rollout_batch_size with --env_file env.py",
+    ),
+    "oversampling-dynamic-filtering": (
+        "ppo", [*ASYNC, "--vllm_generate_batch_size", "4096", "--dynamic_filtering"], None, False,
+        "over-sampling keeps the first groups to finish",
+    ),
+    "partial-rollout-lora-adapter": (
+        "ppo", [*ASYNC, "--partial_rollout", "--lora_rank", "8"], None, False,
+        "--partial_rollout with --lora_sync adapter: requests in flight keep the adapter",
+    ),
+    "partial-rollout-needs-async": (
+        "ppo", ["--partial_rollout"], None, False,
+        "--partial_rollout without --async_train: it applies to asynchronous training only; "
+        "add --async_train",
+    ),
+    "generate-batch-needs-async": (
+        "ppo", ["--vllm_generate_batch_size", "256"], None, False,
+        "--vllm_generate_batch_size without --async_train",
+    ),
+    "queue-size-needs-async": (
+        "ppo", ["--async_queue_size", "2"], None, False, "--async_queue_size without --async_train",
+    ),
+    "sequence-parallel-vlm": (
+        "sft", ["--sequence_parallel_size", "2"], {"--pretrain": VLM}, False,
+        "--sequence_parallel_size 2: --pretrain models/vl: a vision-language model: its images",
+    ),
+    "sequence-parallel-hybrid": (
+        "ppo", ["--sequence_parallel_size", "2"], {"--pretrain": HYBRID}, False,
+        "linear-attention (gated-delta-net) layers need the whole sequence on one rank",
+    ),
+    "sequence-parallel-heads": (
+        "ppo", ["--sequence_parallel_size", "2", "--reward_pretrain", "models/nine"],
+        {"--pretrain": DENSE, "--reward_pretrain": NINE_HEADS}, False,
+        "--sequence_parallel_size 2: --reward_pretrain models/nine: 9 attention heads do not "
+        "divide by sequence_parallel_size 2",
+    ),
+    "router-replay-dense-model": (
+        "ppo", ["--router_replay"], None, False,
+        "--router_replay: --pretrain models/dense is a dense model (Qwen2ForCausalLM): "
+        "--router_replay applies to MoE models",
+    ),
+    "aux-loss-dense-model": (
+        "ppo", ["--aux_loss_coef", "0.01"], None, False,
+        "--aux_loss_coef: --pretrain models/dense is a dense model",
+    ),
+    "router-replay-unknown-router": (
+        "ppo", ["--router_replay"], {"--pretrain": ODD_ROUTER}, False,
+        "--router_replay: OddMoeForCausalLM's router (OddRouter): it is not a router",
+    ),
+    "aux-loss-unknown-router": (
+        "ppo", ["--aux_loss_coef", "0.01"], {"--pretrain": ODD_ROUTER}, False,
+        "--aux_loss_coef: OddMoeForCausalLM's router (OddRouter): it is not a router",
+    ),
+    "router-replay-hf-engine": (
+        "ppo", ["--router_replay", "--rollout_engine", "hf"], {"--pretrain": MOE}, False,
+        "the HF engine does not report the experts it routed to",
+    ),
+    "router-replay-vllm-tp-cuda": (
+        "ppo", ["--router_replay", "--vllm_tensor_parallel_size", "2"], {"--pretrain": MOE}, True,
+        "--router_replay with --vllm_tensor_parallel_size 2 on CUDA",
+    ),
+    "lora-adapter-moe-cpu": (
+        "ppo", ["--lora_rank", "8"], {"--pretrain": MOE}, False, "use --lora_sync merged",
+    ),
+    "vlm-critic": (
+        "ppo", ["--advantage_estimator", "gae", "--critic_pretrain", "models/vl"],
+        {"--pretrain": VLM, "--critic_pretrain": VLM}, False,
+        "--pretrain models/vl is a vision-language model: --critic_pretrain: a critic is a "
+        "value head",
+    ),
+    "vlm-reward-model": (
+        "ppo", ["--reward_pretrain", "models/dense"],
+        {"--pretrain": VLM, "--reward_pretrain": DENSE}, False,
+        "--reward_pretrain: a reward model would have to see the images",
+    ),
+    "vlm-packing": (
+        "ppo", ["--packing_samples"], {"--pretrain": VLM}, False,
+        "--packing_samples: packed rows would need M-RoPE positions",
+    ),
+    "vlm-multi-turn": (
+        "ppo", ENV, {"--pretrain": VLM}, False, "--env_file: multi-turn environments return text",
+    ),
+    "vlm-async": (
+        "ppo", ASYNC, {"--pretrain": VLM}, False,
+        "--async_train: the step-by-step rollout engine of asynchronous training does not take "
+        "images yet",
+    ),
+    "vlm-router-replay": (
+        "ppo", ["--router_replay"], {"--pretrain": VLM_MOE}, False,
+        "--router_replay: routing replay is not implemented for vision-language models",
+    ),
+    "vlm-reward-model-training": (
+        "train-rm", [], {"--pretrain": VLM}, False,
+        "--pretrain models/vl is a vision-language model: reward models on VLMs are not",
+    ),
+    "freeze-visual-encoder-text-model": (
+        "sft", ["--freeze_visual_encoder"], None, False,
+        "--freeze_visual_encoder: --pretrain models/dense is text-only",
+    ),
+    "multi-turn-max-len": (
+        "ppo", [*ENV, "--max_len", "4096"], None, False,
+        "--max_len with --env_file env.py: --max_len is single-turn; use --max_total_len",
+    ),
+    "multi-turn-overlong-buffer": (
+        "ppo", [*ENV, "--overlong_buffer_len", "8"], None, False,
+        "--overlong_buffer_len with --env_file env.py",
+    ),
+    "multi-turn-router-replay": (
+        "ppo", [*ENV, "--router_replay"], {"--pretrain": MOE}, False,
+        "--router_replay with --env_file env.py",
+    ),
+    "multi-turn-reward-model": (
+        "ppo", [*ENV, "--reward_pretrain", "models/dense"],
+        {"--pretrain": DENSE, "--reward_pretrain": DENSE}, False,
+        "--env_file env.py with --reward_pretrain: the environment's rewards are the scores",
+    ),
+    "multi-turn-rule-reward": (
+        "ppo", [*ENV, "--remote_rm_url", "r.py"], None, False,
+        "--env_file env.py with --remote_rm_url",
+    ),
+    "multi-turn-eval": (
+        "ppo", [*ENV, "--eval_dataset", "e.jsonl"], None, False,
+        "evaluation is single-turn only",
+    ),
+    "env-file-and-agent": (
+        "ppo", [*ENV, "--agent_func_path", "agent.py"], None, False,
+        "--env_file with --agent_func_path: both name the environment",
+    ),
+    "lora-hf-engine": (
+        "ppo", ["--lora_rank", "8", "--rollout_engine", "hf"], None, False,
+        "--lora_rank with --rollout_engine hf: the HF engine takes full weights",
+    ),
+    "hybrid-fp32-cpu-vllm": (
+        "ppo", ["--no_bf16"], {"--pretrain": HYBRID}, False,
+        "vLLM's CPU gated-delta-net kernel, which takes bf16 only; pass --bf16",
+    ),
+    "critic-without-model": (
+        "ppo", ["--advantage_estimator", "gae"], None, False,
+        "--advantage_estimator gae without --critic_pretrain or --reward_pretrain",
+    ),
+    "group-estimator-one-sample": (
+        "ppo", ["--n_samples_per_prompt", "1"], None, False,
+        "--advantage_estimator grpo with --n_samples_per_prompt 1",
+    ),
+    "dynamic-filtering-one-sample": (
+        "ppo", ["--advantage_estimator", "reinforce++", "--n_samples_per_prompt", "1",
+                "--dynamic_filtering"], None, False,
+        "--dynamic_filtering with --n_samples_per_prompt 1",
+    ),
+    "save-best-without-eval": (
+        "ppo", ["--save_best_metric", "pass@1"], None, False,
+        "--save_best_metric without --eval_dataset",
+    ),
+    "no-colocate-all": (
+        "ppo", ["--no_colocate_all"], None, False,
+        "--no_colocate_all: every rank holds every model",
+    ),
+    "flash-attn-fp32": (
+        "sft", ["--flash_attn", "--no_bf16"], None, False,
+        "--flash_attn without --bf16: flash-attn has no fp32 kernels",
+    ),
+    "merge-lora-without-lora": (
+        "dpo", ["--merge_lora"], None, False, "--merge_lora without --lora_rank",
+    ),
+    "ipo-label-smoothing": (
+        "dpo", ["--ipo", "--label_smoothing", "0.1"], None, False,
+        "label smoothing is cDPO's",
+    ),
+    "sft-multiturn-output-key": (
+        "sft", ["--multiturn", "--apply_chat_template", "--output_key", "out"], None, False,
+        "--multiturn with --output_key",
+    ),
+    "sft-multiturn-without-chat-template": (
+        "sft", ["--multiturn"], None, False, "--multiturn without --apply_chat_template",
+    ),
+}  # fmt: skip
+
+
+def _setting(command: str, flags: list[str], models=None, cuda: bool = False) -> Setting:
+    base = PPO_BASE if command == "ppo" else []
+    cfg, _ = build_config(CONFIGS[command], ["--pretrain", "models/dense", *base, *flags])
+    return Setting(command, cfg, models or {"--pretrain": DENSE}, cuda)
+
+
+def test_every_row_has_a_case():
+    ids = [r.id for r in RULES]
+    assert len(ids) == len(set(ids)), "row ids must be unique (they are doc anchors)"
+    assert set(CASES) == set(ids)
+
+
+@pytest.mark.parametrize("row", sorted(CASES))
+def test_the_row_refuses_its_settings_with_its_line(row):
+    command, flags, models, cuda, words = CASES[row]
+    with pytest.raises(Refused) as e:
+        check_rules(_setting(command, flags, models, cuda))
+    line = str(e.value)
+    assert e.value.rule.id == row, (row, line)
+    assert words in line and "\n" not in line, line
+    assert isinstance(e.value, UserError)  # one error type, exit 2, one line
+
+
+@pytest.mark.parametrize("command", sorted(CONFIGS))
+def test_a_commands_plain_settings_fire_no_row(command):
+    check_rules(_setting(command, [], {"--pretrain": DENSE}))
+    check_rules(_setting(command, [], {"--pretrain": MOE}, cuda=True))
+
+
+def test_what_a_row_refuses_alone_runs_beside_everything_else():
+    """The pairs of lifted or never-refused features stay allowed: an MoE actor with sequence
+    parallelism, router replay and the aux loss (lifted by issue #45), a VLM with SFT padding
+    (packing turned off, not refused), a hybrid model with --bf16."""
+    moe_sp = ["--sequence_parallel_size", "2", "--router_replay", "--aux_loss_coef", "0.01"]
+    check_rules(_setting("ppo", moe_sp, {"--pretrain": MOE}))
+    check_rules(_setting("sft", ["--packing_samples"], {"--pretrain": VLM}))
+    check_rules(_setting("ppo", [], {"--pretrain": HYBRID}))
+    check_rules(_setting("ppo", ["--no_bf16"], {"--pretrain": HYBRID}, cuda=True))
+
+
+# ---------------------------------------------------------------- the kinds, read from configs
+
+
+def _save_config(root: Path, family: str, **extra) -> str:
+    import transformers
+
+    from fsdp_rlhf.testing.tiny import FAMILIES
+
+    fam = FAMILIES[family]
+    kwargs = dict(vocab_size=128, num_hidden_layers=2, intermediate_size=64, **fam.config)
+    config = getattr(transformers, fam.config_class)(**{**kwargs, **extra})
+    config.architectures = [fam.model_class]
+    config.save_pretrained(str(root))
+    return str(root)
+
+
+def test_kinds_are_read_from_the_config_alone(tmp_path):
+    """No weights on disk: the config says dense or MoE (and its router, found on a meta-device
+    build), hybrid, VLM and the heads."""
+    from fsdp_rlhf.testing.tiny import build_tokenizer
+    from fsdp_rlhf.testing.tiny_vlm import VL_SPECIAL_TOKENS, _config
+
+    dense = read_model_kind(_save_config(tmp_path / "dense", "qwen2"), "--pretrain")
+    assert (dense.label, dense.moe, dense.router, dense.is_vlm) == ("dense", False, None, False)
+    assert (dense.heads, dense.kv_heads) == (
+        json.loads((tmp_path / "dense/config.json").read_text())["num_attention_heads"],
+        json.loads((tmp_path / "dense/config.json").read_text())["num_key_value_heads"],
+    )
+    moe = read_model_kind(_save_config(tmp_path / "moe", "qwen3_moe"), "--pretrain")
+    assert moe.moe and moe.router == "Qwen3MoeTopKRouter" and moe.label == "MoE"
+    hybrid = read_model_kind(_save_config(tmp_path / "hybrid", "qwen3_5"), "--pretrain")
+    assert hybrid.linear_attention and hybrid.label == "hybrid"
+    tok = build_tokenizer(tmp_path / "vl", special_tokens=VL_SPECIAL_TOKENS)
+    _config("qwen2_5_vl", tok, 1, False).save_pretrained(str(tmp_path / "vl"))
+    vl = read_model_kind(str(tmp_path / "vl"), "--pretrain")
+    assert vl.is_vlm and vl.vision.image == tok.convert_tokens_to_ids("<|image_pad|>")
+    assert vl.label == "dense VLM"
+    with pytest.raises(UserError, match="--reward_pretrain .*does not exist"):
+        read_model_kind(str(tmp_path / "missing"), "--reward_pretrain")
+
+
+def test_the_generated_matrix_links_every_pair_row():
+    from fsdp_rlhf.rules import FEATURES
+    from fsdp_rlhf.rules.docs import render
+
+    page = render()
+    for rule in RULES:
+        assert f'<a id="{rule.id}"></a>' in page
+        assert rule.reason.replace("*", "\\*") in page
+        on_axes = all(f in FEATURES for f in rule.features)
+        if len(rule.features) == 2 and not rule.needs and on_axes:
+            assert f"(#{rule.id})" in page, rule.id
