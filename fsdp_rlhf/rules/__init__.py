@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from fsdp_rlhf.algorithms.names import CRITIC_ESTIMATORS
 from fsdp_rlhf.models.kind import ModelKind, read_model_kinds
 from fsdp_rlhf.rules.base import ALL, FEATURES, PPO, Refused, Rule, Setting
 from fsdp_rlhf.rules.table import RULES
@@ -41,7 +42,7 @@ def model_paths(command: str, cfg: Any) -> dict[str, str | None]:
         ref = getattr(cfg.model, "ref_pretrain", None)  # dpo's separate reference
         return {"--pretrain": cfg.model.pretrain, "--ref_pretrain": ref}
     m = cfg.models
-    critic = m.critic_pretrain if cfg.algo.advantage_estimator == "gae" else None
+    critic = m.critic_pretrain if cfg.algo.advantage_estimator in CRITIC_ESTIMATORS else None
     return {
         "--pretrain": m.pretrain,
         "--reward_pretrain": m.reward_pretrain,

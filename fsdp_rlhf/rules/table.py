@@ -478,24 +478,6 @@ ENGINES_AND_MODELS = [
         "pass --bf16",
     ),
     Rule(
-        "critic-without-model",
-        ("critic", "critic model"),
-        (PPO,),
-        when(
-            lambda s: (
-                uses_critic(s)
-                and not (s.cfg.models.critic_pretrain or s.cfg.models.reward_pretrain)
-            ),
-            lambda s: (
-                f"--advantage_estimator {s.cfg.algo.advantage_estimator} without "
-                "--critic_pretrain or --reward_pretrain"
-            ),
-        ),
-        "it needs a critic, initialised from one of them",
-        "pass --critic_pretrain",
-        needs=True,
-    ),
-    Rule(
         "group-estimator-one-sample",
         ("group baseline", "one sample per prompt"),
         (PPO,),
@@ -603,4 +585,35 @@ ENGINES_AND_MODELS = [
     ),
 ]
 
-RULES: list[Rule] = [*ASYNC, *SEQUENCE_PARALLEL, *MOE, *VLM, *MULTI_TURN, *ENGINES_AND_MODELS]
+# last: it fires on the default estimator (gae) alone, so every row about a flag the user set
+# is reported before it
+DEFAULTS = [
+    Rule(
+        "critic-without-model",
+        ("critic", "critic model"),
+        (PPO,),
+        when(
+            lambda s: (
+                uses_critic(s)
+                and not (s.cfg.models.critic_pretrain or s.cfg.models.reward_pretrain)
+            ),
+            lambda s: (
+                f"--advantage_estimator {s.cfg.algo.advantage_estimator} without "
+                "--critic_pretrain or --reward_pretrain"
+            ),
+        ),
+        "it needs a critic, initialised from one of them",
+        "pass --critic_pretrain",
+        needs=True,
+    ),
+]
+
+RULES: list[Rule] = [
+    *ASYNC,
+    *SEQUENCE_PARALLEL,
+    *MOE,
+    *VLM,
+    *MULTI_TURN,
+    *ENGINES_AND_MODELS,
+    *DEFAULTS,
+]

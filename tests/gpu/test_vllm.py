@@ -33,7 +33,7 @@ def state(tmp_path_factory):
     cfg = build_config(PPOConfig, [*flags, "--vllm_gpu_memory_utilization", "0.3"])[0]
     env = init_distributed()
     tok = load_tokenizer(model)
-    engine = build_engine(cfg, env, tok)  # the job's order: the engine first, then to sleep
+    engine = build_engine(cfg, env, tok, vision=None)  # the engine first, then to sleep
     engine.sleep()
 
     def loader(dtype):
