@@ -13,7 +13,12 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from fsdp_rlhf.algorithms.names import AdvantageEstimator, LossAgg
+from fsdp_rlhf.algorithms.names import (
+    AdvantageEstimator,
+    ISGating,
+    LossAgg,
+    correction_problem,
+)
 from fsdp_rlhf.config_base import ConfigError, command_config, doc, section
 
 # ---------------------------------------------------------------- shared sections
@@ -628,7 +633,8 @@ class PPOAlgoConfig:
         "gae",
         "gae needs a critic; the others are critic-free. reinforce_plus_plus_baseline (verl's "
         "name; reinforce_baseline is OpenRLHF's for the same): group-mean baseline, then "
-        "REINFORCE++ batch whitening.",
+        "REINFORCE++ batch whitening. flash_reinforce: score minus the rollout batch's mean "
+        "score, no groups, no whitening (for n_samples_per_prompt 1).",
     )
     gamma: float = doc(1.0, "Discount factor.")
     advantage_std_norm: bool = doc(
@@ -658,6 +664,11 @@ class PPOAlgoConfig:
     dual_clip: float | None = doc(None, "Dual-clip constant c > 1 for negative advantages.")
     kl_estimator: Literal["k1", "k2", "k3", "k3+"] = doc("k1", "KL estimator (Schulman).")
     use_kl_loss: bool = doc(False, "KL in the actor loss instead of in the reward.")
+    kl_unbiased_gradient: bool = doc(
+        False,
+        "With --use_kl_loss: keep the estimator's value but take the importance-weighted "
+        "gradient of KL(policy || ref), min(pi/pi_old, 10) x log-ratio, the same for k1/k2/k3.",
+    )
     init_kl_coef: float = doc(0.02, "KL coefficient (initial value when kl_target is set).")
     kl_target: float | None = doc(None, "Adaptive KL controller target (Ziegler et al.).")
     kl_horizon: int = doc(10000, "Adaptive KL controller horizon.")
@@ -671,16 +682,25 @@ class PPOAlgoConfig:
         "seq-mean-token-mean; seq-mean-token-sum; seq-mean-token-sum-norm (Dr. GRPO: token "
         "sums / generate_max_len, mean over sequences).",
     )
-    is_correction: Literal["none", "tis", "icepop", "seq_mask_tis", "seq-mask-tis"] = doc(
+    is_correction: Literal[
+        "none", "tis", "icepop", "seq_mask", "seq_mask_tis", "seq-mask", "seq-mask-tis"
+    ] = doc(
         "none",
         "Rollout/trainer log-prob mismatch correction with ratio pi_old/pi_rollout: tis "
         "(weights clamped to [LOW, HIGH]), icepop (tokens outside [LOW, HIGH] get weight 0), "
-        "seq_mask_tis (rows whose geometric-mean ratio is outside [LOW, HIGH] get weight 0, "
-        "others tis).",
+        "seq_mask (rows whose geometric-mean ratio is outside [LOW, HIGH] get weight 0, others "
+        "keep the ratio: OpenRLHF's seq-mask-tis), seq_mask_tis (the same rows rejected, others "
+        "tis: verl's).",
+    )
+    is_correction_gating: ISGating = doc(
+        "ratio",
+        "What icepop and seq_mask compare with the thresholds: the ratio, or the sampled "
+        "token's binary_kl or tv divergence between the two policies (a trust region: give "
+        "one threshold, the upper bound).",
     )
     is_truncated_threshold: tuple[float, ...] = doc(
         (0.5, 5.0),
-        "LOW HIGH thresholds of --is_correction.",
+        "LOW HIGH thresholds of --is_correction, or one value HIGH (LOW 0).",
     )
     use_rollout_logprobs_as_old: bool = doc(
         False,
@@ -771,6 +791,8 @@ class PPOAlgoConfig:
     def _check_is_correction(self) -> None:
         mode = self.is_correction.replace("-", "_")
         threshold = tuple(self.is_truncated_threshold)
+        if len(threshold) == 1:  # an upper bound only (OpenRLHF 0.11.2's one-value form)
+            threshold = (0.0, threshold[0])
         low, high = _pair(threshold, "is_truncated_threshold", ordered=True)
         if low < 0:
             raise ConfigError(f"is_truncated_threshold LOW must be >= 0, got {low}")
@@ -778,6 +800,18 @@ class PPOAlgoConfig:
             raise ConfigError(
                 f"--use_rollout_logprobs_as_old makes the PPO ratio correct the mismatch; "
                 f"--is_correction {mode} would need the trainer's own old log-probs"
+            )
+        gating = self.is_correction_gating
+        if mode == "none" and gating != "ratio":
+            raise ConfigError(
+                f"--is_correction_gating {gating} chooses what --is_correction icepop or "
+                "seq_mask compares with the thresholds: add one of them"
+            )
+        problem = correction_problem(mode, low, high, gating)
+        if problem is not None:
+            raise ConfigError(
+                f"--is_correction {mode} --is_correction_gating {gating} "
+                f"--is_truncated_threshold {low:g} {high:g}: {problem}"
             )
         self._set(is_correction=mode, is_truncated_threshold=(low, high))
 

@@ -53,14 +53,18 @@ def peak_memory_gib(device: torch.device) -> float:
 class PhaseTimer:
     """Named wall-clock timers, e.g. ``with timer("rollout"): ...`` -> ``timing/rollout``."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, census=None) -> None:
+        """``census``: a ``distributed.memory_census.PhaseCensus`` taken at the end of the phases
+        it wants (``memory_owner/<phase>/<owner>_gib``); None: none."""
         self.device = device
+        self.census = census
         self.times: dict[str, float] = {}
         self.memory: dict[str, float] = {}
         # CUDA only: the caching allocator's peak reserve, and the device's used memory at the
         # phase's end (mem_get_info: vLLM's pool and the CUDA context included)
         self.reserved: dict[str, float] = {}
         self.device_used: dict[str, float] = {}
+        self.owners: dict[str, dict[str, float]] = {}
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:
@@ -79,14 +83,32 @@ class PhaseTimer:
                 self.reserved[name] = torch.cuda.max_memory_reserved(self.device) / 2**30
                 free, total = torch.cuda.mem_get_info(self.device)
                 self.device_used[name] = (total - free) / 2**30
+            if self.census is not None and self.census.wants(name):
+                self._take_census(name)
+
+    def _take_census(self, name: str) -> None:
+        try:  # a diagnostic: it must not end the job
+            taken = self.census()
+        except Exception as e:  # noqa: BLE001
+            log.warning("memory census at the end of %s failed: %s", name, e)
+            return
+        self.owners[name] = taken.gib()
+        log.info("memory census at the end of %s (GiB): %s", name, taken.line())
 
     def pop(self) -> dict[str, float]:
-        """All timings (``timing/<phase>``) and peak memory (``memory/<phase>_gib``), then reset."""
+        """All timings (``timing/<phase>``), peak memory (``memory/<phase>_gib``) and the
+        census's bytes by owner (``memory_owner/<phase>/<owner>_gib``), then reset."""
         out = {f"timing/{k}": v for k, v in self.times.items()}
         out.update({f"memory/{k}_gib": v for k, v in self.memory.items()})
         out.update({f"memory_reserved/{k}_gib": v for k, v in self.reserved.items()})
         out.update({f"memory_device_used/{k}_gib": v for k, v in self.device_used.items()})
+        if self.owners:
+            from fsdp_rlhf.distributed.memory_census import metric_name
+
+            for phase, owners in self.owners.items():
+                out.update({metric_name(phase, o): v for o, v in owners.items()})
         self.times, self.memory, self.reserved, self.device_used = {}, {}, {}, {}
+        self.owners = {}
         return out
 
 

@@ -2,8 +2,12 @@
 
     python -m scripts.openrlhf_flags --git-dir OPENRLHF.git --tag v0.11.0 \
         --out fsdp_rlhf/compat/data
+    pip download openrlhf==0.11.2 --no-deps -d /tmp/orl
+    python -m scripts.openrlhf_flags --wheel /tmp/orl/openrlhf-0.11.2-*.whl \
+        --out fsdp_rlhf/compat/data
 
-reads ``openrlhf/cli/train_{ppo_ray,rm,sft,dpo}.py`` at that tag without running them (their
+reads ``openrlhf/cli/train_{ppo_ray,rm,sft,dpo}.py`` at that tag (or in that PyPI wheel:
+releases after 0.11.0 have no tag in the mirrors we read) without running them (their
 imports need Ray and DeepSpeed): the ``parser.add_argument(...)`` calls of the ``__main__``
 block are read from the syntax tree, ``for prefix in (...)`` loops unrolled. What is written is
 facts about their interface (names, types, defaults, choices), one JSON file per parser, so that
@@ -16,6 +20,7 @@ import argparse
 import ast
 import json
 import subprocess
+import zipfile
 from pathlib import Path
 
 PARSERS = {
@@ -115,24 +120,56 @@ def extract(source: str) -> list[dict]:
     return flags
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--git-dir", required=True)
-    ap.add_argument("--tag", required=True)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+def _from_git(git_dir: str, tag: str) -> tuple[str, dict[str, str]]:
+    sources = {}
     for command, path in PARSERS.items():
-        source = subprocess.run(
-            ["git", "--git-dir", args.git_dir, "show", f"{args.tag}:{path}"],
+        sources[command] = subprocess.run(
+            ["git", "--git-dir", git_dir, "show", f"{tag}:{path}"],
             check=True,
             capture_output=True,
             text=True,
         ).stdout
-        flags = extract(source)
-        doc = {"openrlhf": args.tag, "parser": path, "flags": flags}
-        target = out / f"openrlhf-{args.tag.lstrip('v')}-{command}.json"
+    return tag, sources
+
+
+def _from_wheel(wheel: str) -> tuple[str, dict[str, str]]:
+    """A wheel keeps the package under ``openrlhf-X.data/purelib/`` or at its root."""
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
+        version = next(
+            line.split(":", 1)[1].strip()
+            for line in zf.read(meta).decode().splitlines()
+            if line.startswith("Version:")
+        )
+        sources = {}
+        for command, path in PARSERS.items():
+            member = next(n for n in names if n == path or n.endswith("/" + path))
+            sources[command] = zf.read(member).decode()
+    return version, sources
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--git-dir")
+    ap.add_argument("--tag")
+    ap.add_argument("--wheel", help="an openrlhf wheel from PyPI instead of a git tag")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    if args.wheel:
+        release, sources = _from_wheel(args.wheel)
+    elif args.git_dir and args.tag:
+        release, sources = _from_git(args.git_dir, args.tag)
+    else:
+        ap.error("give --wheel, or --git-dir and --tag")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for command, path in PARSERS.items():
+        flags = extract(sources[command])
+        doc = {"openrlhf": release, "parser": path, "flags": flags}
+        if args.wheel:
+            doc["source"] = f"PyPI wheel {Path(args.wheel).name}"
+        target = out / f"openrlhf-{release.lstrip('v')}-{command}.json"
         target.write_text(json.dumps(doc, indent=1) + "\n")
         print(f"{target}: {len(flags)} flags")
 

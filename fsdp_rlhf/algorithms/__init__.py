@@ -27,6 +27,7 @@ _MODULE_OF = {
     "FixedKLController": "kl",
     "PreferenceOutput": "preference",
     "aggregate_loss": "losses",
+    "binary_kl": "correction",
     "clip_scores": "rewards",
     "dpo_loss": "preference",
     "dr_grpo": "advantages",
@@ -36,6 +37,8 @@ _MODULE_OF = {
     "estimate_advantages": "advantages",
     "eval_pass_metrics": "passk",
     "expand_group_mask": "filtering",
+    "flash_reinforce": "advantages",
+    "gating_statistic": "correction",
     "gae": "advantages",
     "gathered_logprobs": "logprobs",
     "grpo": "advantages",
@@ -63,6 +66,7 @@ _MODULE_OF = {
     "rollout_mismatch_metrics": "correction",
     "shape_rewards": "rewards",
     "stop_properly_penalty": "rewards",
+    "total_variation": "correction",
     "value_loss": "losses",
 }
 

@@ -21,6 +21,7 @@ from .names import ADVANTAGE_ESTIMATORS, BASELINE_ESTIMATORS, GROUP_ESTIMATORS
 from .rewards import last_valid_index, shape_rewards
 
 WhitenFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+MeanFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 @torch.no_grad()
@@ -243,6 +244,31 @@ def reinforce_plus_plus_baseline(
     return reinforce_plus_plus(rewards, response_mask, gamma, whiten_fn)
 
 
+@torch.no_grad()
+def flash_reinforce(
+    scores: torch.Tensor, response_mask: torch.Tensor, mean_fn: MeanFn | None = None
+) -> torch.Tensor:
+    """FlashREINFORCE advantages (OpenRLHF's ``flash_reinforce``): each score minus the mean
+    score of the rollout batch, on every valid token; no prompt groups, no whitening.
+
+    Made for one response per prompt (``n_samples_per_prompt 1``), where group baselines are
+    zero; with several, the batch mean still applies (OpenRLHF does the same).
+
+    Args:
+        scores: (B,) sequence scores.
+        response_mask: (B, T) valid response tokens.
+        mean_fn: ``fn(scores) -> 0-d mean``; the local ``scores.mean()`` by default. Pass the
+            data-parallel mean so every rank subtracts the mean of the whole rollout batch.
+
+    Returns:
+        (B, T) advantages.
+    """
+    if scores.dim() != 1:
+        raise ValueError(f"scores must be (B,), got shape {tuple(scores.shape)}")
+    baseline = (mean_fn or torch.mean)(scores)
+    return _broadcast(scores - baseline, response_mask)
+
+
 class Advantages(NamedTuple):
     """What every estimator produces; each (B, T), 0 at masked positions."""
 
@@ -267,6 +293,7 @@ def estimate_advantages(
     lam: float = 1.0,
     n_samples_per_prompt: int = 1,
     whiten_fn: WhitenFn | None = None,
+    mean_fn: MeanFn | None = None,
 ) -> Advantages:
     """Shape rewards and run one estimator (``names.ADVANTAGE_ESTIMATORS``).
 
@@ -277,6 +304,8 @@ def estimate_advantages(
         values: (B, T) critic values; GAE only.
         whiten_fn: ``fn(values, mask)``, the local masked whitening by default; pass a
             global one so GAE and REINFORCE++ normalise over the whole data-parallel batch.
+        mean_fn: ``fn(scores)``, the batch-mean baseline of ``flash_reinforce`` (local mean by
+            default; pass the data-parallel one).
 
     Group estimators need the ``n_samples_per_prompt`` samples of a prompt in contiguous rows;
     the KL penalty keeps its per-token place there, its reward-to-go added to the group
@@ -298,11 +327,14 @@ def estimate_advantages(
             scores, response_mask, n_samples_per_prompt, penalty, gamma, whiten_fn=whiten
         )
         return Advantages(rewards, adv, returns)
-    if estimator not in _GROUP_FNS:
+    if estimator == "flash_reinforce":
+        group = flash_reinforce(scores, response_mask, mean_fn)
+    elif estimator in _GROUP_FNS:
+        group = _GROUP_FNS[estimator](scores, response_mask, n_samples_per_prompt)
+    else:
         raise ValueError(
             f"unknown advantage estimator {estimator!r}; one of {ADVANTAGE_ESTIMATORS}"
         )
-    group = _GROUP_FNS[estimator](scores, response_mask, n_samples_per_prompt)
     kl_to_go = discounted_returns(-kl_coef * kl * response_mask, response_mask, gamma)
     advantages = (group + kl_to_go) * response_mask
     return Advantages(rewards, advantages, discounted_returns(rewards, response_mask, gamma))

@@ -13,11 +13,26 @@ weights that multiply the policy loss (``policy_loss(..., is_weights=w)``):
   below (default ``[0.5, 5.0]``).
 * ``"icepop"``: token masking, ``w_t = ratio_t`` where ``low <= ratio_t <= high`` and 0
   elsewhere: tokens the two engines disagree on too much do not train at all.
-* ``"seq_mask_tis"``: sequence rejection on the geometric-mean ratio
-  ``exp(mean_t log ratio_t)`` over the valid tokens of the row (length-normalised, so long
-  responses are not rejected just for being long); rows outside ``[low, high]`` get weight 0
-  and kept rows get the ``tis`` weights. This is verl's "geometric rejection + token TIS";
-  OpenRLHF's ``seq-mask-tis`` keeps the untruncated token ratio on kept rows.
+* ``"seq_mask"``: sequence rejection on the geometric-mean ratio ``exp(mean_t log ratio_t)``
+  over the valid tokens of the row (length-normalised, so long responses are not rejected just
+  for being long); rows outside ``[low, high]`` get weight 0 and kept rows keep the untruncated
+  ``ratio_t``. This is OpenRLHF's ``seq-mask-tis`` (0.10-0.11.0) and its ``seq`` level with
+  ``mask`` mode (0.11.2).
+* ``"seq_mask_tis"``: the same rejection, and kept rows get the ``tis`` weights: verl's
+  "geometric rejection + token TIS".
+
+Gating (OpenRLHF 0.11.2's ``is_correction_gating``): the masking modes (``icepop``,
+``seq_mask``) may read another statistic than the ratio to decide which tokens or rows to drop,
+a divergence between the two policies at the sampled token, bounded from above only (a trust
+region ``[0, delta]``); survivors still get ``ratio_t``:
+
+* ``"ratio"``: the ratio itself (the default; the row statistic is its geometric mean);
+* ``"binary_kl"``: with ``p = pi_rollout(y_t)`` and ``q = pi_old(y_t)`` (both clamped into
+  ``[1e-6, 1 - 1e-6]``), the KL between the two Bernoulli distributions "this token or not",
+  ``p log(p / q) + (1 - p) log((1 - p) / (1 - q))`` (FlashREINFORCE's trust region);
+* ``"tv"``: ``|p - q|``, their total variation.
+
+The row statistic of a divergence is its mean over the row's valid tokens.
 
 Rejected tokens keep their place in the loss normaliser (``num_tokens``), as in OpenRLHF; verl
 instead drops them from the response mask before counting. The lead chooses by what mask it
@@ -31,17 +46,20 @@ Shapes: (B, T) for every per-token tensor; masks are 1/True on valid response to
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
 from .kl import kl_estimate
 from .masked import masked_mean, masked_sum
-
-ISCorrection = Literal["none", "tis", "icepop", "seq_mask_tis"]
-IS_CORRECTIONS: tuple[str, ...] = ("none", "tis", "icepop", "seq_mask_tis")
+from .names import (
+    IS_GATINGS,
+    SEQUENCE_CORRECTIONS,
+    ISCorrection,
+    ISGating,
+    correction_problem,
+)
 
 _LOG_RATIO_GUARD = 20.0
+_PROB_GUARD = 1e-6
 
 
 @torch.no_grad()
@@ -74,9 +92,33 @@ def rollout_mismatch_metrics(
     }
 
 
-def _check_thresholds(low: float, high: float) -> None:
-    if not 0.0 <= low < high:
-        raise ValueError(f"IS thresholds need 0 <= low < high, got low={low}, high={high}")
+def _token_probs(logprobs: torch.Tensor) -> torch.Tensor:
+    """Probabilities in float64, clamped away from 0 and 1 (finite logs)."""
+    return logprobs.detach().double().exp().clamp(_PROB_GUARD, 1.0 - _PROB_GUARD)
+
+
+@torch.no_grad()
+def binary_kl(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(Bernoulli(p) || Bernoulli(q)) with ``p = pi_rollout(y_t)``, ``q =
+    pi_old(y_t)`` (each clamped into ``[1e-6, 1 - 1e-6]``); (B, T) in the inputs' dtype, >= 0,
+    0 where they agree.
+
+    Computed in float64 and clamped at 0: for two policies that nearly agree the two terms
+    cancel to ~1e-9, below float32's rounding of each, and in float32 about a third of such
+    tokens come out slightly negative, outside a trust region ``[0, delta]``; a row of one such
+    token would be rejected although the policies agree.
+    """
+    p, q = _token_probs(rollout_logprobs), _token_probs(old_logprobs)
+    kl = p * (p.log() - q.log()) + (1 - p) * (torch.log1p(-p) - torch.log1p(-q))
+    return kl.clamp(min=0).to(old_logprobs.dtype)
+
+
+@torch.no_grad()
+def total_variation(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token ``|pi_rollout(y_t) - pi_old(y_t)|`` (probabilities clamped as in
+    :func:`binary_kl`, in float64); (B, T) in the inputs' dtype."""
+    tv = (_token_probs(rollout_logprobs) - _token_probs(old_logprobs)).abs()
+    return tv.to(old_logprobs.dtype)
 
 
 @torch.no_grad()
@@ -88,6 +130,37 @@ def sequence_geometric_ratio(log_ratio: torch.Tensor, response_mask: torch.Tenso
     return torch.exp(mean.clamp(-_LOG_RATIO_GUARD, _LOG_RATIO_GUARD))
 
 
+def _row_mean(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    valid = response_mask.bool()
+    total = torch.where(valid, values, torch.zeros_like(values)).sum(dim=-1)
+    return total / valid.to(values.dtype).sum(dim=-1).clamp(min=1)
+
+
+@torch.no_grad()
+def gating_statistic(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    gating: ISGating = "ratio",
+    per_sequence: bool = False,
+) -> torch.Tensor:
+    """What a masking correction compares with ``[low, high]``: per token (B, T), or with
+    ``per_sequence`` per row (B,): the geometric-mean ratio, or a divergence's row mean (0 and
+    ratio 1 for rows without valid tokens, so those are never rejected)."""
+    if gating == "ratio":
+        log_ratio = (old_logprobs - rollout_logprobs).clamp(-_LOG_RATIO_GUARD, _LOG_RATIO_GUARD)
+        if per_sequence:
+            return sequence_geometric_ratio(log_ratio, response_mask)
+        return log_ratio.exp()
+    if gating == "binary_kl":
+        stat = binary_kl(old_logprobs, rollout_logprobs)
+    elif gating == "tv":
+        stat = total_variation(old_logprobs, rollout_logprobs)
+    else:
+        raise ValueError(f"unknown IS gating {gating!r}; expected one of {IS_GATINGS}")
+    return _row_mean(stat, response_mask) if per_sequence else stat
+
+
 @torch.no_grad()
 def rollout_correction(
     old_logprobs: torch.Tensor,
@@ -96,6 +169,7 @@ def rollout_correction(
     mode: ISCorrection = "tis",
     low: float = 0.5,
     high: float = 5.0,
+    gating: ISGating = "ratio",
 ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
     """Per-token weights correcting the rollout/trainer mismatch (see the module docstring).
 
@@ -103,44 +177,50 @@ def rollout_correction(
         old_logprobs: (B, T) log-probs of the sampled tokens under the trainer (``pi_old``).
         rollout_logprobs: (B, T) log-probs reported by the rollout engine.
         response_mask: (B, T) valid response tokens.
-        mode: ``"none"``, ``"tis"``, ``"icepop"`` or ``"seq_mask_tis"``.
-        low: Lower threshold on the ratio (``>= 0``; 0 disables the lower side).
-        high: Upper threshold on the ratio (``> low``).
+        mode: ``"none"``, ``"tis"``, ``"icepop"``, ``"seq_mask"`` or ``"seq_mask_tis"``.
+        low: Lower threshold (``>= 0``; 0 disables the lower side).
+        high: Upper threshold (``> low``).
+        gating: The statistic ``icepop`` and ``seq_mask`` compare with ``[low, high]``:
+            ``"ratio"``, ``"binary_kl"`` or ``"tv"`` (the divergences need ``low = 0``).
 
     Returns:
         ``(weights, stats)``: detached (B, T) weights, 0 at masked and rejected positions
         (``None`` for ``mode="none"``), and detached local stats: the
         :func:`rollout_mismatch_metrics` plus, unless ``mode="none"``, ``is_weight_mean``
         (mean weight over valid tokens), ``is_clipfrac`` (valid tokens whose weight was
-        truncated), ``is_masked_frac`` (valid tokens given weight 0 by a mask) and, for
-        ``seq_mask_tis``, ``is_seq_masked_frac`` (non-empty rows rejected).
+        truncated), ``is_masked_frac`` (valid tokens given weight 0 by a mask) and, for the
+        sequence modes, ``is_seq_masked_frac`` (non-empty rows rejected).
     """
     stats = rollout_mismatch_metrics(old_logprobs, rollout_logprobs, response_mask)
     if mode == "none":
         return None, stats
-    if mode not in IS_CORRECTIONS:
-        raise ValueError(f"unknown IS correction {mode!r}; expected one of {IS_CORRECTIONS}")
-    _check_thresholds(low, high)
+    problem = correction_problem(mode, low, high, gating)
+    if problem is not None:
+        raise ValueError(problem)
     valid = response_mask.bool()
     log_ratio = (old_logprobs - rollout_logprobs).clamp(-_LOG_RATIO_GUARD, _LOG_RATIO_GUARD)
     ratio = torch.exp(log_ratio)
     inside = (ratio >= low) & (ratio <= high)
     keep = valid
     truncated = torch.zeros_like(valid)
-    if mode == "icepop":
-        keep = valid & inside
-        weights = ratio
-    else:
+    if mode == "tis" or mode == "seq_mask_tis":
         weights = ratio.clamp(min=low, max=high)
         truncated = ~inside
-        if mode == "seq_mask_tis":
-            seq_ratio = sequence_geometric_ratio(log_ratio, response_mask)
-            seq_keep = (seq_ratio >= low) & (seq_ratio <= high)
-            keep = valid & seq_keep.unsqueeze(-1)
-            nonempty = valid.any(dim=-1)
-            rejected = (nonempty & ~seq_keep).to(ratio.dtype)
-            n_rows = nonempty.to(ratio.dtype).sum().clamp(min=1)
-            stats["is_seq_masked_frac"] = rejected.sum() / n_rows
+    else:
+        weights = ratio
+    if mode == "icepop":
+        stat = gating_statistic(old_logprobs, rollout_logprobs, response_mask, gating)
+        keep = valid & (stat >= low) & (stat <= high)
+    elif mode in SEQUENCE_CORRECTIONS:
+        seq_stat = gating_statistic(
+            old_logprobs, rollout_logprobs, response_mask, gating, per_sequence=True
+        )
+        seq_keep = (seq_stat >= low) & (seq_stat <= high)
+        keep = valid & seq_keep.unsqueeze(-1)
+        nonempty = valid.any(dim=-1)
+        rejected = (nonempty & ~seq_keep).to(ratio.dtype)
+        n_rows = nonempty.to(ratio.dtype).sum().clamp(min=1)
+        stats["is_seq_masked_frac"] = rejected.sum() / n_rows
     weights = torch.where(keep, weights, torch.zeros_like(weights))
     stats["is_weight_mean"] = masked_mean(weights, response_mask)
     stats["is_clipfrac"] = masked_mean((truncated & keep).to(ratio.dtype), response_mask)

@@ -25,6 +25,16 @@ the gradient ``log_ratio`` (that of k2) everywhere, with the (clamped) k3 value.
 its gradient is zero beyond it. Note that plain k3's own gradient, ``1 - exp(-log_ratio)``,
 grows like ``exp(|log_ratio|)`` for negative log-ratios; prefer ``k3+`` (or k2) as a loss.
 
+Unbiased gradient (``unbiased_gradient=True``, OpenRLHF 0.11.1's ``--algo.kl.unbiased_gradient``)
+-------------------------------------------------------------------------------------------
+As a loss, after the first optimizer step of a rollout batch the tokens were sampled from
+``pi_old``, not from the current policy, so each estimator's own gradient is off-policy (and
+k1's is zero in expectation even on-policy). With ``unbiased_gradient`` the value stays the
+chosen estimator's (clamped as above) while the gradient becomes
+``w * log_ratio * grad(logprobs)`` with ``w = min(pi / pi_old, 10)`` detached: the
+importance-weighted score-function gradient of KL(policy || ref), whatever the estimator.
+Without ``old_logprobs`` the weight is 1.
+
 Which mean feeds the KL controller
 ----------------------------------
 :func:`kl_mean_parts` gives the numerator and denominator of the two batch means, so they can
@@ -51,6 +61,8 @@ from typing import Literal
 import torch
 
 KLKind = Literal["k1", "k2", "k3", "k3+"]
+# the largest importance weight pi / pi_old of the unbiased KL gradient (as OpenRLHF)
+IS_WEIGHT_CAP = 10.0
 
 
 def kl_estimate(
@@ -59,6 +71,9 @@ def kl_estimate(
     kind: KLKind = "k1",
     clamp: float | None = 10.0,
     log_ratio_clamp: float = 20.0,
+    *,
+    unbiased_gradient: bool = False,
+    old_logprobs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token estimate of KL(policy || ref) from log-probs of sampled tokens.
 
@@ -72,6 +87,10 @@ def kl_estimate(
             estimator (``k3+``: of k2), so far-off tokens are still pulled back.
         log_ratio_clamp: The log ratio is clamped to ``[-c, c]`` before ``exp`` so k3 cannot
             overflow (a hard clamp: no gradient beyond it).
+        unbiased_gradient: Keep the value, take the importance-weighted gradient
+            ``w * log_ratio`` (see the module docstring).
+        old_logprobs: (B, T) log-probs of the policy that sampled the tokens; the weight
+            ``w = min(exp(logprobs - old_logprobs), 10)`` of ``unbiased_gradient`` (1 without).
 
     Returns:
         (B, T) estimates; the caller applies ``response_mask``.
@@ -90,6 +109,12 @@ def kl_estimate(
         kl = k2 + (kl - k2).detach()
     if clamp is not None:
         kl = kl + (kl.detach().clamp(-clamp, clamp) - kl.detach())
+    if unbiased_gradient:
+        weight = 1.0
+        if old_logprobs is not None:
+            weight = (logprobs.detach() - old_logprobs.detach()).exp().clamp(max=IS_WEIGHT_CAP)
+        surrogate = weight * 0.5 * log_ratio.square()  # gradient: weight * log_ratio
+        kl = kl.detach() + (surrogate - surrogate.detach())
     return kl
 
 

@@ -118,6 +118,11 @@ def render() -> str:
         "AIAK-RLHF's scripts use. At start, rank 0 prints what each foreign flag became",
         "(`openrlhf flag: --ds.zero_stage 3 -> --zero_stage 3`).",
         "",
+        "Releases whose parsers tests/unit/test_compat.py walks flag by flag:",
+        ", ".join(VERSIONS) + ". Below, the whole parser of the newest release of each",
+        "spelling, and the flags earlier dotted releases had that it dropped (0.10.2-0.10.4",
+        "define 0.11.0's flags).",
+        "",
         "Each flag ends in one of three ways:",
         "",
         '- **takes effect**: it sets the setting named ("same name": it is our flag too);',
@@ -139,35 +144,89 @@ def render() -> str:
         "`--max_len` is prompt + response, as in OpenRLHF: with `--max_new_tokens N` the prompt",
         "keeps `max_len - N` tokens; without it each response may use what its prompt leaves.",
         "",
+        "The rollout/trainer log-prob correction in either release's spelling becomes",
+        "`--is_correction` ([algorithms.md](algorithms.md)): 0.11.0's",
+        "`--algo.advantage.is_correction_enable` with",
+        "`--algo.advantage.is_correction_type tis|icepop|seq-mask-tis`, or 0.11.2's",
+        "`--algo.advantage.is_correction_level token|seq` with",
+        "`--algo.advantage.is_correction_mode clip|mask` (OpenRLHF's table: token clip is",
+        "`tis`, token mask `icepop`, seq mask its seq-mask-tis, here `seq_mask`, which keeps the",
+        "untruncated ratio on kept rows) and `--algo.advantage.is_correction_gating",
+        "ratio|binary_kl|tv` (`--is_correction_gating`). One threshold is an upper bound",
+        "(`LOW` 0), as there. A line that mixes the two releases' flags is refused.",
+        "",
     ]
     for c in WITH_OWN_FLAGS:
         command, cls = c.name, c.config_class()
         for parser in c.openrlhf:
-            for version in VERSIONS:
-                dialect = "flat" if version.startswith("0.10") else "dotted"
-                out += [
-                    f"## `{command}` from `{parser_file(parser)}` v{version} ({dialect})",
-                    "",
-                    "| OpenRLHF flag | outcome | here |",
-                    "|---|---|---|",
-                ]
-                for flag in openrlhf_flags(parser, version):
-                    name = flag["names"][0]
-                    outcome, detail = describe(command, cls, name)
-                    out.append(f"| `{name}` | {outcome} | {_cell(detail)} |")
-                out.append("")
-                rows = differing_defaults(command, cls, parser, version)
-                if rows:
-                    out += [
-                        f"Defaults that differ (v{version}): a script that leaves these out "
-                        "gets ours.",
-                        "",
-                        "| flag | OpenRLHF default | default here |",
-                        "|---|---|---|",
-                    ]
-                    out += [f"| `{n}` | `{_cell(_text(t))}` | `{_cell(o)}` |" for n, t, o in rows]
-                    out.append("")
+            for version in shown_versions():
+                out += _version_table(command, cls, parser, version)
+            out += _earlier_releases_table(command, cls, parser)
     return "\n".join(out)
+
+
+def _dialect(version: str) -> str:
+    return "flat" if version.startswith("0.10") else "dotted"
+
+
+def shown_versions() -> list[str]:
+    """The release of each dialect whose whole parser the page lists: the newest."""
+    newest: dict[str, str] = {}
+    for version in VERSIONS:  # oldest first
+        newest[_dialect(version)] = version
+    return list(newest.values())
+
+
+def _version_table(command: str, cls: type, parser: str, version: str) -> list[str]:
+    out = [
+        f"## `{command}` from `{parser_file(parser)}` v{version} ({_dialect(version)})",
+        "",
+        "| OpenRLHF flag | outcome | here |",
+        "|---|---|---|",
+    ]
+    for flag in openrlhf_flags(parser, version):
+        name = flag["names"][0]
+        outcome, detail = describe(command, cls, name)
+        out.append(f"| `{name}` | {outcome} | {_cell(detail)} |")
+    out.append("")
+    rows = differing_defaults(command, cls, parser, version)
+    if rows:
+        out += [
+            f"Defaults that differ (v{version}): a script that leaves these out gets ours.",
+            "",
+            "| flag | OpenRLHF default | default here |",
+            "|---|---|---|",
+        ]
+        out += [f"| `{n}` | `{_cell(_text(t))}` | `{_cell(o)}` |" for n, t, o in rows]
+        out.append("")
+    return out
+
+
+def _earlier_releases_table(command: str, cls: type, parser: str) -> list[str]:
+    """Flags an older release of a dialect had and its newest has not (scripts written for
+    it still run: every such flag keeps its outcome)."""
+    shown = set(shown_versions())
+    newest = {_dialect(v): {f["names"][0] for f in openrlhf_flags(parser, v)} for v in shown}
+    gone: dict[str, list[str]] = {}
+    for version in VERSIONS:
+        if version in shown:
+            continue
+        for flag in openrlhf_flags(parser, version):
+            name = flag["names"][0]
+            if name not in newest[_dialect(version)]:
+                gone.setdefault(name, []).append(version)
+    if not gone:
+        return []
+    out = [
+        f"Flags of earlier releases of `{parser_file(parser)}` that the newest no longer has:",
+        "",
+        "| OpenRLHF flag | releases | outcome | here |",
+        "|---|---|---|---|",
+    ]
+    for name, versions in gone.items():
+        outcome, detail = describe(command, cls, name)
+        out.append(f"| `{name}` | {', '.join(versions)} | {outcome} | {_cell(detail)} |")
+    return [*out, ""]
 
 
 def parser_file(parser: str) -> str:

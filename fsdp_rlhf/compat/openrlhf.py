@@ -1,4 +1,5 @@
-"""OpenRLHF's flag spellings, v0.10 (flat, until April 2026) and v0.11 (dotted), per command.
+"""OpenRLHF's flag spellings, v0.10 (flat, until April 2026) and v0.11 (dotted: 0.11.0 and the
+flags 0.11.1 and 0.11.2 added or replaced), per command.
 
 The flags each OpenRLHF parser defines are in ``data/openrlhf-<version>-<command>.json``
 (extracted by ``scripts/openrlhf_flags.py``); ``tests/unit/test_compat.py`` walks them and fails on
@@ -382,7 +383,8 @@ PPO_RULES: dict[str, Rule] = {
                 "with --async_train; without it, up to --rollout_batch_size changes nothing",
             ),
         ),
-        # rollout correction (OpenRLHF: a switch, a type and a threshold)
+        # rollout correction: until 0.11.1 a switch, a type and a threshold; from 0.11.2 a
+        # level, a mode, a gating and one threshold (HIGH) or two
         (
             "enable_vllm_is_correction",
             "algo.advantage.is_correction_enable",
@@ -391,7 +393,23 @@ PPO_RULES: dict[str, Rule] = {
         (
             "vllm_is_correction_type",
             "algo.advantage.is_correction_type",
-            Gather("is.type", "--is_correction"),
+            Gather("is.type", "--is_correction", "OpenRLHF's seq-mask-tis is seq_mask here"),
+        ),
+        (
+            None,
+            "algo.advantage.is_correction_level",
+            Gather(
+                "is.level",
+                "--is_correction",
+                "with --algo.advantage.is_correction_mode: token clip is tis, token mask "
+                "icepop, seq mask seq_mask",
+            ),
+        ),
+        (None, "algo.advantage.is_correction_mode", Gather("is.mode", "--is_correction")),
+        (
+            None,
+            "algo.advantage.is_correction_gating",
+            Gather("is.gating", "--is_correction_gating"),
         ),
         (
             "vllm_is_truncated_threshold",
@@ -448,6 +466,14 @@ PPO_RULES: dict[str, Rule] = {
         (None, "actor.eps_clip_low_high", rename("eps_clip_low_high")),
         (None, "actor.dual_clip", rename("dual_clip")),
         (None, "actor.policy_loss_type", rename("policy_loss_type")),
+        (
+            None,
+            "actor.loss_agg_mode",
+            rename(
+                "loss_agg_mode",
+                "here it also averages the KL-loss and entropy terms, and the critic's loss",
+            ),
+        ),
         (None, "critic.value_clip", rename("value_clip")),
         (None, "actor.entropy_coef", rename("entropy_loss_coef")),
         (None, "actor.aux_loss_coef", rename("aux_loss_coef")),
@@ -469,6 +495,7 @@ PPO_RULES: dict[str, Rule] = {
         (None, "algo.kl.init_coef", rename("init_kl_coef")),
         (None, "algo.kl.estimator", rename("kl_estimator")),
         (None, "algo.kl.use_loss", switch("use_kl_loss")),
+        (None, "algo.kl.unbiased_gradient", switch("kl_unbiased_gradient")),
         (None, "algo.dynamic_filtering_enable", switch("dynamic_filtering")),
         (None, "algo.dynamic_filtering_range", rename("dynamic_filtering_reward_range")),
         # batches
@@ -549,11 +576,63 @@ def _lengths(gathered: dict[str, tuple[Flag, Values]], out: list[str]) -> None:
         out += ["--prompt_max_len", str(total - 1)]
 
 
+# OpenRLHF's names of its IS corrections as --is_correction: 0.11.0's types, and 0.11.2's
+# (level, mode) pairs (its own table: TIS = token clip, ICEPOP = token mask, seq-mask-tis = seq
+# mask). Its seq-mask-tis keeps the untruncated ratio on kept rows: our seq_mask.
+IS_TYPES = {"tis": "tis", "icepop": "icepop", "seq-mask-tis": "seq_mask"}
+IS_LEVEL_MODES = {
+    ("token", "clip"): "tis",
+    ("token", "mask"): "icepop",
+    ("seq", "mask"): "seq_mask",
+}
+IS_CHOICES = {
+    "is.type": tuple(IS_TYPES),
+    "is.level": ("off", "token", "seq"),
+    "is.mode": ("mask", "clip"),
+    "is.gating": ("ratio", "binary_kl", "tv"),
+}
+
+
+def _is_value(gathered: dict[str, tuple[Flag, Values]], key: str, default: str) -> str:
+    if key not in gathered:
+        return default
+    flag, values = gathered[key]
+    value = values[0] if values else ""
+    if value not in IS_CHOICES[key]:
+        raise ConfigError(f"{flag.text()}: expected one of {', '.join(IS_CHOICES[key])}")
+    return value
+
+
 def _is_correction(gathered: dict[str, tuple[Flag, Values]], out: list[str]) -> None:
-    enable, kind = gathered.get("is.enable"), gathered.get("is.type")
-    if enable is None:
-        return  # OpenRLHF ignores the type unless the switch is on
-    out += ["--is_correction", kind[1][0] if kind else "tis"]
+    """OpenRLHF's IS correction in either release's spelling (one of them per line)."""
+    old = [gathered[k][0] for k in ("is.enable", "is.type") if k in gathered]
+    new = [gathered[k][0] for k in ("is.level", "is.mode", "is.gating") if k in gathered]
+    if old and new:
+        raise ConfigError(
+            f"{old[0].text()} (OpenRLHF 0.11.0) and {new[0].text()} (0.11.2) both set the IS "
+            "correction: use one release's flags"
+        )
+    if old:
+        if "is.enable" not in gathered:
+            return  # OpenRLHF ignores the type unless the switch is on
+        out += ["--is_correction", IS_TYPES[_is_value(gathered, "is.type", "tis")]]
+        return
+    level = _is_value(gathered, "is.level", "off")
+    mode = _is_value(gathered, "is.mode", "mask")
+    gating = _is_value(gathered, "is.gating", "ratio")
+    if level == "off":
+        return  # the mode and the gating mean nothing then, there too
+    if mode == "clip" and (level == "seq" or gating != "ratio"):
+        flag = gathered["is.mode"][0]
+        raise refusal(
+            flag,
+            f"clip clamps each token's ratio; with level {level} and gating {gating} it "
+            "would clamp a row statistic or a divergence (OpenRLHF refuses it too)",
+            "use --algo.advantage.is_correction_mode mask",
+        )
+    out += ["--is_correction", IS_LEVEL_MODES[(level, mode)]]
+    if gating != "ratio":
+        out += ["--is_correction_gating", gating]
 
 
 def _tis(gathered: dict[str, tuple[Flag, Values]], flags: list[Flag], out: list[str]) -> None:
@@ -644,6 +723,9 @@ TABLES: dict[str, Table] = {
     "sft": Table("sft", SFT_RULES),
     "dpo": Table("dpo", DPO_RULES),
 }
-VERSIONS = ("0.10.1.post2", "0.11.0")
+# Every release whose parsers changed (0.10.2-0.10.4 define 0.11.0's flags; 0.11.1 adds
+# --algo.kl.unbiased_gradient, 0.11.2 the rest of its rollout-correction and FlashREINFORCE
+# flags). 0.11.2 is the newest on PyPI (checked 2026-11-27).
+VERSIONS = ("0.10.1.post2", "0.11.0", "0.11.1", "0.11.2")
 
 __all__ = ["TABLES", "VERSIONS", "To"]

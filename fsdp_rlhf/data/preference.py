@@ -1,9 +1,18 @@
 """Preference pairs -> token ids, a resumable per-rank schedule, and the concatenated collate.
 
-Texts are rendered and tokenized once, up front. Each sequence ends with EOS (unless the
-tokenizer pads with EOS) and never with a pad token, so the score position is the same for
-every rule in use: our "last attended token", and HF's "last non-pad token" that
-``AutoModelForSequenceClassification`` (and vLLM) apply to right-padded input.
+Texts are rendered and tokenized once, up front. A sequence never ends with a pad token, so
+the score position is the same for every rule in use: our "last attended token", and HF's
+"last non-pad token" that ``AutoModelForSequenceClassification`` (and vLLM) apply to
+right-padded input.
+
+How a sequence ends (:func:`tokenize_pairs`' ``template_ends_turns``):
+
+* ``train-rm``: always with EOS (unless the tokenizer pads with EOS), the position the reward is
+  read at, as OpenRLHF's reward dataset does; after a chat template too.
+* ``dpo``: as ``sft`` (and TRL): with ``--apply_chat_template`` the template renders every
+  reply as the assistant's turn (a string reply too) and its end-of-turn ends the sequence, so
+  no EOS follows (``...<|im_end|>\n``, not ``...<|im_end|>\n<|im_end|>``); plain text ends
+  with EOS.
 """
 
 from __future__ import annotations
@@ -75,19 +84,26 @@ def render_reply(
     tokenizer,
     flag: str,
     key: str,
-) -> str:
-    """The full text of one side of a pair: prompt + reply, or the whole text without a prompt.
+    *,
+    string_as_turn: bool = False,
+) -> tuple[str, bool]:
+    """The full text of one side of a pair (prompt + reply, or the whole text without a
+    prompt), and whether a chat template rendered its end.
 
     A message-list reply after a prompt is rendered as ``template(prompt + reply)``, which must
     start with the prompt rendered with its generation prompt: otherwise the chosen and rejected
-    texts would not share the prompt the model is asked to continue.
+    texts would not share the prompt the model is asked to continue. With ``string_as_turn``
+    and ``--apply_chat_template`` a string reply after a prompt is the assistant's message,
+    rendered the same way (as ``sft`` renders a string output); otherwise it is appended as is.
     """
     _check_type(value, flag, key)
     if isinstance(value, str):
-        return value if prompt is None else prompt[0] + value
+        if prompt is None or not (string_as_turn and cfg.apply_chat_template):
+            return (value if prompt is None else prompt[0] + value), False
+        value = [{"role": "assistant", "content": value}]
     _need_template(cfg, flag, key)
     if prompt is None:
-        return _template(tokenizer, value, generation_prompt=False)
+        return _template(tokenizer, value, generation_prompt=False), True
     prompt_text, prompt_messages = prompt
     if prompt_messages is None:
         raise UserError(f"{flag} {key!r}: message-list replies need message-list prompts")
@@ -95,21 +111,25 @@ def render_reply(
     if not full.startswith(prompt_text):
         raise UserError(
             f"{flag} {key!r}: the chat template renders prompt + reply with a different prefix "
-            "than the prompt with add_generation_prompt=True; pass replies as strings"
+            "than the prompt with add_generation_prompt=True, so the reply cannot be located; "
+            "use a template that renders turns incrementally (--tokenizer_chat_template)"
         )
-    return full
+    return full, True
 
 
 # ---------------------------------------------------------------- tokenizing
 
 
-def finish_ids(ids: list[int], *, pad_id: int, eos_id: int, max_len: int) -> list[int]:
-    """Append EOS (unless pad == EOS), truncate to ``max_len`` keeping the EOS, strip trailing pads.
+def finish_ids(
+    ids: list[int], *, pad_id: int, eos_id: int, max_len: int, append_eos: bool = True
+) -> list[int]:
+    """Append EOS (with ``append_eos``, unless pad == EOS), truncate to ``max_len`` keeping the
+    EOS, strip trailing pads.
 
     When pad == EOS an appended EOS would be read as padding by HF's last-non-pad rule, so none
     is appended. Trailing pad tokens are dropped for the same reason.
     """
-    append_eos = eos_id != pad_id
+    append_eos = append_eos and eos_id != pad_id
     if append_eos and (not ids or ids[-1] != eos_id):
         ids = ids + [eos_id]
     if len(ids) > max_len:
@@ -148,29 +168,26 @@ def _tokenize_batch(
     with_prompt_len: bool = False,
     vision: VisionProcessor | None = None,
     image_key: str | None = None,
+    template_ends_turns: bool = False,
 ) -> dict:
     n = len(batch[cfg.chosen_key])
     chosen, rejected, prompts = [], [], []
+    templated: list[tuple[bool, bool]] = []  # did a template render each side's end
+    render = partial(render_reply, cfg=cfg, tokenizer=tokenizer, string_as_turn=template_ends_turns)
     for i in range(n):
         prompt = None
         if cfg.prompt_key is not None:
             prompt = render_prompt(batch[cfg.prompt_key][i], cfg, tokenizer)
             prompts.append(prompt[0])
-        chosen.append(
-            render_reply(
-                batch[cfg.chosen_key][i], prompt, cfg, tokenizer, "--chosen_key", cfg.chosen_key
-            )
+        c, c_templated = render(
+            batch[cfg.chosen_key][i], prompt, flag="--chosen_key", key=cfg.chosen_key
         )
-        rejected.append(
-            render_reply(
-                batch[cfg.rejected_key][i],
-                prompt,
-                cfg,
-                tokenizer,
-                "--rejected_key",
-                cfg.rejected_key,
-            )
+        r, r_templated = render(
+            batch[cfg.rejected_key][i], prompt, flag="--rejected_key", key=cfg.rejected_key
         )
+        chosen.append(c)
+        rejected.append(r)
+        templated.append((c_templated, r_templated))
     # Template output already holds the model's special tokens (BOS); plain text gets them here.
     special = not cfg.apply_chat_template
     finish = partial(
@@ -200,7 +217,9 @@ def _tokenize_batch(
                 _, p, _ = vision.expand_row(value, p)
             if refs and max(map(vision.last_image_token, (c, r))) >= cfg.max_len - 1:
                 continue  # truncation would cut an image: dropped, counted by the caller
-        c, r = finish(c), finish(r)
+        # a template's end-of-turn ends the sequence where template_ends_turns (dpo, as sft)
+        c_end, r_end = (template_ends_turns and t for t in templated[i])
+        c, r = finish(c, append_eos=not c_end), finish(r, append_eos=not r_end)
         if not c or not r or c == r:
             continue  # counted as dropped by the caller
         out["chosen_ids"].append(c)
@@ -229,9 +248,12 @@ def tokenize_pairs(
     with_prompt_len: bool = False,
     vision: VisionProcessor | None = None,
     image_key: str | None = None,
+    template_ends_turns: bool = False,
 ) -> tuple[datasets.Dataset, int]:
     """Render and tokenize every pair once (``vision``: a VLM's processor; each pair's images,
-    under ``image_key``, belong to its prompt and go with both sides).
+    under ``image_key``, belong to its prompt and go with both sides). ``template_ends_turns``
+    (dpo): with ``--apply_chat_template`` string replies are assistant turns and no EOS follows
+    a template's end of turn (the module docstring); otherwise every sequence ends with EOS.
 
     Returns:
         ``(pairs, dropped)``: a dataset with ``chosen_ids`` and ``rejected_ids`` (int32 lists,
@@ -260,6 +282,7 @@ def tokenize_pairs(
         with_prompt_len=with_prompt_len,
         vision=vision,
         image_key=image_key,
+        template_ends_turns=template_ends_turns,
     )
     pairs = dataset.map(
         tokenize,

@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_rlhf.distributed.offload import placed_like
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
@@ -79,11 +81,8 @@ class ShardedEMA:
         out = {}
         for name, p in self.params.items():
             ema = self.shadow[name]
-            if isinstance(p, DTensor):
-                ema = DTensor.from_local(
-                    ema, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                    stride=p.stride(),
-                )  # fmt: skip
+            if isinstance(p, DTensor):  # where the average lives (the host, when offloading)
+                ema = placed_like(ema, p)
             out[name] = ema
         return out
 

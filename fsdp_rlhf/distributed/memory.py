@@ -12,13 +12,22 @@ The phases of one step do not overlap, so the job fits when each phase does:
 * ``rollout``: vLLM's pool (weights + KV cache + CUDA graphs + activations, ``util x total``) +
   resident shards + the weight-sync gather buckets + CUDA context/NCCL.
 * ``scoring``: no-grad forwards (ref, reward, critic values, old log-probs) at
-  ``micro_rollout_batch_size``: the scored model's shard, one gathered layer, the logits.
+  ``micro_rollout_batch_size``, one model at a time: the larger of a policy pass (the scored
+  model's shard when offloaded, one gathered layer, the logits) and the critic's pass (its fp32
+  shard, onloaded for its values and kept until its update, and one gathered layer).
 * ``actor update`` / ``critic update``: sharded fp32 params, grads and Adam moments (on the host
   with ``--adam_offload``: FSDP's CPUOffloadPolicy), gathered bf16 layers, activations, logits,
   the unsharded gradients of the largest FSDP group and its fp32 reduce-scatter input (the root:
   embeddings + LM head, reduced last), plus frozen shards that stay (no ``--ref_reward_offload``),
   the actor's EMA (``--enable_ema`` without an offload flag) and what vLLM keeps asleep (buffers
-  and, unless ``--enforce_eager``, its CUDA-graph pool).
+  and, unless ``--enforce_eager``, its CUDA-graph pool). The critic's update also holds the
+  actor's fp32 shard: the actor's params never leave the device (only its Adam state does).
+
+What stays on the device between phases is what the trainer leaves there: the actor's fp32
+shard always; its Adam state from its update until the engine's next wake (it comes back only
+for the actor's update, so neither scoring nor the critic's update holds it); the critic, with
+its Adam state, from its values pass through its update; the frozen shards unless
+``--ref_reward_offload``. Grads are dropped after every optimizer step (``set_to_none``).
 
 Bytes per element: fp32 master params/grads 4, Adam 2 x 4, bf16 compute copies 2. Shapes:
 ``b`` micro-batch, ``s = prompt_max_len + generate_max_len``, ``h`` hidden, ``I`` MLP width,
@@ -42,10 +51,12 @@ sequence: activations and logits per rank divide by N, plus one layer's all-to-a
 micro-batch ``b`` is per sequence-parallel group. :func:`sequence_parallel_needed` finds the
 smallest N that makes every phase fit.
 With ``--rollout_engine hf`` there is no vLLM pool: the engine is an unsharded copy of the actor
-in the compute dtype, resident in every phase, plus HF's KV cache and per-step scores while it
-generates.
-Constants marked ASSUMED are not measured here (no GPU yet); the GPU suite (``tests/gpu``)
-prints the measured phase peaks beside this model's estimate to calibrate them.
+in the compute dtype, resident in every phase. Its rollout adds the larger of the weight sync
+(:func:`hf_sync_bytes`) and generation (:func:`hf_generation`: the KV cache, every step's fp32
+scores, a step's temporaries, one prefill layer), since the sync ends before generation starts.
+Constants marked ASSUMED are not measured yet; the GPU suite (``tests/gpu``) prints the measured
+phase peaks beside this model's estimate, and what the device holds by owner at each phase's
+end (``distributed.memory_census``), to calibrate them.
 """
 
 from __future__ import annotations
@@ -204,6 +215,13 @@ class Phase:
         return f"{self.name}: {self.total / GIB:.1f} of {self.limit / GIB:.1f} GiB {mark} ({top})"
 
 
+def logprob_chunk_bytes(positions: int, vocab: int) -> int:
+    """fp32 temporaries of one log-prob chunk (``LOGPROB_CHUNK_BYTES``): a chunk holds
+    ``CHUNK_ELEMENTS // vocab`` positions, and no more than the logits have."""
+    rows = min(positions, max(1, CHUNK_ELEMENTS // vocab))
+    return 4 * 4 * rows * vocab
+
+
 def _frozen_bytes(f: JobFlags) -> int:
     return 2 if f.bf16 else 4  # frozen models load in bf16 under --bf16 (models.load)
 
@@ -316,8 +334,11 @@ def update_phase(
         parts["attention masks"] = masks
     if logits:  # the kept logits, their gradient, one chunk's fp32 temporaries
         kept = f.dtype_bytes * f.micro_train_batch_size * f.local_response_len * m.vocab
-        parts["logits"] = 2 * kept + LOGPROB_CHUNK_BYTES
+        positions = f.micro_train_batch_size * f.local_response_len
+        parts["logits"] = 2 * kept + logprob_chunk_bytes(positions, m.vocab)
     parts["cuda context + nccl"] = CONTEXT_BYTES
+    if actor is not None and not f.adam_offload:  # the critic's update: the actor stays
+        parts["actor fp32 shard"] = 4 * actor.params // f.world
     if f.engine == "hf":
         parts["hf engine copy"] = f.dtype_bytes * (actor or m).params
     if not f.ref_reward_offload:
@@ -333,18 +354,62 @@ def update_phase(
     return Phase(name, parts, int(TRAIN_HEADROOM * f.device_bytes), fix)
 
 
-def scoring_phase(f: JobFlags, actor: ModelShape, frozen: list[ModelShape]) -> Phase:
+def scoring_phase(
+    f: JobFlags, actor: ModelShape, frozen: list[ModelShape], critic: ModelShape | None = None
+) -> Phase:
+    """The no-grad passes, one model at a time; the phase holds the larger of
+
+    * a policy pass (old log-probs, reference, reward): the largest model's gathered layer and
+      root (its shard too when ``--ref_reward_offload`` onloads it), the logits;
+    * the critic's values: its fp32 shard, onloaded for this pass and kept through its update
+      (``PPOTrainer.forward_old_ref_values``), and its gathered layer and root.
+    """
     b, biggest = f.micro_rollout_batch_size, max([actor, *frozen], key=lambda m: m.params)
-    parts = resident_during_rollout(f, actor, frozen)
+    base = resident_during_rollout(f, actor, frozen)
+    base["vllm"] = f.asleep if f.vllm_sleep else 0
+    parts = dict(base)
     if f.ref_reward_offload:  # the scored model is onloaded for its pass
         parts["scored model shard"] = _frozen_bytes(f) * biggest.params // f.world
     parts["gathered layer + root"] = 2 * (biggest.layer_params + biggest.root_params)
     # the response positions' logits and one chunk's fp32 temporaries
     logits = f.dtype_bytes * b * f.local_response_len * actor.vocab
-    parts["logits"] = logits + LOGPROB_CHUNK_BYTES
-    parts["vllm"] = f.asleep if f.vllm_sleep else 0
+    parts["logits"] = logits + logprob_chunk_bytes(b * f.local_response_len, actor.vocab)
+    if critic is not None:
+        values = dict(base)
+        if not f.adam_offload:  # under CPUOffloadPolicy its shard stays on the host
+            values["critic fp32 shard"] = 4 * critic.params // f.world
+        values["gathered layer + root"] = 2 * (critic.layer_params + critic.root_params)
+        if sum(values.values()) > sum(parts.values()):
+            parts = values
     fix = "--micro_rollout_batch_size (lower)"
     return Phase("scoring (no-grad)", parts, int(TRAIN_HEADROOM * f.device_bytes), fix)
+
+
+def hf_generation(f: JobFlags, actor: ModelShape) -> dict:
+    """What HF ``generate`` adds on one rank (``HFEngine.generate``, all its rows at once):
+    the KV cache of every row at full length, the processed scores of every step (fp32,
+    ``output_scores``: the engine's log-probs are read from them after the last step), a
+    step's fp32 temporaries (the logits' fp32 copy, the processed scores, the sampling
+    probabilities, and afterwards one step's log-softmax), and one layer's activations of the
+    prompts' forward (the prefill)."""
+    rows = f.rollout_seqs
+    kv = 2 * actor.layers * (actor.kv_dim or actor.hidden) * f.dtype_bytes * f.seq_len
+    prompt = max(0, f.seq_len - f.response_len)
+    return {
+        "hf kv cache": kv * rows,
+        "hf scores": 4 * rows * f.response_len * actor.vocab,
+        "hf step temporaries": 4 * 4 * rows * actor.vocab,
+        "hf prefill layer": 2 * rows * prompt * (9 * actor.hidden + 3 * actor.intermediate),
+    }
+
+
+def hf_sync_bytes(f: JobFlags, actor: ModelShape) -> int:
+    """The weight sync into the HF copy (``fsdp.iter_full_params``): a bucket of full tensors
+    (at most ``SYNC_BUCKET_BYTES``, at most the whole model) is its received tensor and this
+    rank's 1/W send buffer; the previous bucket's received tensor lives until the copy has
+    read its last tensor."""
+    bucket = min(SYNC_BUCKET_BYTES, f.dtype_bytes * actor.params)
+    return 2 * bucket + bucket // f.world
 
 
 def plan_phases(
@@ -354,14 +419,10 @@ def plan_phases(
     pool = f.pool
     resident = resident_during_rollout(f, actor, frozen)
     util_fix = "--vllm_gpu_memory_utilization (lower) or --adam_offload / --ref_reward_offload"
-    if f.engine == "hf":  # generate on the local copy: its KV cache and per-step scores
-        kv = 2 * actor.layers * (actor.kv_dim or actor.hidden) * f.dtype_bytes * f.seq_len
-        rollout_parts = {
-            **resident,
-            "sync buckets": 2 * SYNC_BUCKET_BYTES,
-            "hf kv cache": kv * f.rollout_seqs,
-            "hf scores": 4 * f.rollout_seqs * f.response_len * actor.vocab,
-        }
+    if f.engine == "hf":  # the sync into the local copy, then generation: never both
+        gen = hf_generation(f, actor)
+        sync = {"sync buckets": hf_sync_bytes(f, actor)}
+        rollout_parts = {**resident, **(gen if sum(gen.values()) >= sum(sync.values()) else sync)}
         fix = "--micro_rollout_batch_size / --rollout_batch_size (lower)"
         phases = [Phase("rollout", _with_slack(rollout_parts), f.device_bytes, fix)]
     else:
@@ -369,7 +430,7 @@ def plan_phases(
         wake = Phase("vllm start-up/wake", wake_parts, f.device_bytes, util_fix)
         rollout_parts = {"vllm pool": pool, **resident, "sync buckets": 2 * SYNC_BUCKET_BYTES}
         phases = [wake, Phase("rollout", _with_slack(rollout_parts), f.device_bytes, util_fix)]
-    phases.append(scoring_phase(f, actor, frozen))
+    phases.append(scoring_phase(f, actor, frozen, critic))
     phases.append(update_phase(f, "actor update", actor, logits=True, frozen=frozen))
     if critic is not None:
         phases.append(update_phase(f, "critic update", critic, False, frozen, actor=actor))

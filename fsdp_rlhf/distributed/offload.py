@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from fsdp_rlhf.distributed.fsdp import is_cpu_offloaded
 
@@ -27,6 +28,22 @@ def _move(
         out.copy_(t, non_blocking=non_blocking)
         return out
     return t.to(device, non_blocking=non_blocking, copy=copy)
+
+
+def placed_like(local: torch.Tensor, like: DTensor) -> DTensor:
+    """``local`` as the local shard of a DTensor placed like ``like`` (same mesh, placements,
+    global shape and stride), on whatever device ``local`` is.
+
+    Not ``DTensor.from_local``: it moves a local tensor to its mesh's device type, so a shard
+    copied to the host on a CUDA mesh went straight back to the GPU (a second device copy, the
+    first one freed): every phase offload kept its bytes on the device. FSDP2 builds the
+    host shards of CPUOffloadPolicy the same way (the constructor, with the spec). ``local``
+    may have another dtype than ``like`` (an fp32 average of bf16 shards)."""
+    spec = like._spec
+    if local.dtype != like.dtype:
+        meta = TensorMeta(like.shape, like.stride(), local.dtype)
+        spec = DTensorSpec(spec.mesh, spec.placements, meta)
+    return DTensor(local, spec, requires_grad=local.requires_grad)
 
 
 def _move_any(
@@ -49,9 +66,7 @@ def _move_any(
     # would keep the pinned buffer's old bytes.
     new = _move(local, device, pin, copy, blocking=True)
     if isinstance(t, DTensor):
-        new = DTensor.from_local(
-            new, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
-        )
+        new = placed_like(new, t)
     moved[id(t)] = (t, new)  # holding t keeps its id from being reused during this walk
     return new
 
@@ -90,17 +105,7 @@ def move_optimizer_(
                 continue
             # nothing reads optimizer state before offload_optimizer's synchronisation
             new = _move(local, device, pin, copy, blocking=False)
-            if isinstance(value, DTensor):
-                state[key] = DTensor.from_local(
-                    new,
-                    value.device_mesh,
-                    value.placements,
-                    run_check=False,
-                    shape=value.shape,
-                    stride=value.stride(),
-                )
-            else:
-                state[key] = new
+            state[key] = placed_like(new, value) if isinstance(value, DTensor) else new
             moved += new.numel() * new.element_size()
     return moved
 

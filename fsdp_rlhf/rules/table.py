@@ -506,6 +506,18 @@ ENGINES_AND_MODELS = [
         "use --n_samples_per_prompt >= 2",
     ),
     Rule(
+        "kl-unbiased-gradient-needs-kl-loss",
+        ("unbiased KL gradient", "KL loss"),
+        (PPO,),
+        when(
+            lambda s: s.cfg.algo.kl_unbiased_gradient and not s.cfg.algo.use_kl_loss,
+            "--kl_unbiased_gradient without --use_kl_loss",
+        ),
+        "it changes the gradient of the KL loss (a KL penalty in the reward has no gradient)",
+        "add --use_kl_loss",
+        needs=True,
+    ),
+    Rule(
         "save-best-without-eval",
         ("best model", "eval"),
         (PPO,),

@@ -23,6 +23,7 @@ from fsdp_rlhf.data.prompts import Prompt, PromptSampler
 from fsdp_rlhf.distributed import checkpoint as ckpt
 from fsdp_rlhf.distributed.env import DistEnv
 from fsdp_rlhf.distributed.layout import ParallelLayout
+from fsdp_rlhf.distributed.memory_census import census_from_env, owners_of
 from fsdp_rlhf.distributed.offload import (
     offload_model,
     offload_optimizer,
@@ -36,7 +37,7 @@ from fsdp_rlhf.models.load import load_tokenizer
 from fsdp_rlhf.models.lora import adapters_disabled
 from fsdp_rlhf.models.moe import MoEHooks
 from fsdp_rlhf.models.save import save_model
-from fsdp_rlhf.rollout import RolloutEngine, RolloutOutput, SamplingConfig
+from fsdp_rlhf.rollout import HFEngine, RolloutEngine, RolloutOutput, SamplingConfig
 from fsdp_rlhf.rollout.groups import gather_rollouts
 from fsdp_rlhf.trainers import common
 from fsdp_rlhf.trainers.experience import (
@@ -156,7 +157,7 @@ class PPOTrainer:
         self._plan_forwards(cfg, parallel)
         self.kl_ctl = build_kl_controller(cfg.algo)
         self.evaluator = build_evaluator(cfg, env, tokenizer, parallel, self.images)
-        self.timer = PhaseTimer(env.device)
+        self.timer = PhaseTimer(env.device, census_from_env(env.device, self.memory_owners))
         self.rollout_session = None if engine is None else self._session(engine)
         self.multiturn = build_multiturn(cfg, tokenizer, self.timer)  # None: single turn
         self.trained = self._trained_models()
@@ -226,6 +227,17 @@ class PPOTrainer:
         engine.sleep()
         log.info("rollout engine started and asleep; loading the models")
         return engine
+
+    def memory_owners(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors the memory census (``FSDP_RLHF_MEMORY_CENSUS``) attributes the device's
+        bytes to: each model's params and grads, each optimizer's state, the HF engine's copy
+        and the actor's EMA."""
+        m = self.models
+        engine = getattr(self.rollout_session, "engine", None)
+        models = {"actor": m.actor, "critic": m.critic, "ref": m.ref, "reward": m.reward}
+        models["engine copy"] = engine.model if isinstance(engine, HFEngine) else None
+        ema = {"actor ema": list(self.ema.shadow.values())} if self.ema is not None else {}
+        return owners_of(models, self.optimizers, ema)
 
     def _session(self, engine: RolloutEngine) -> RolloutSession:
         return RolloutSession(
@@ -448,6 +460,10 @@ class PPOTrainer:
                 offload_optimizer(critic.optimizer, device)
                 offload_model(critic.model, device)
         if self.actor_updates:
+            # the actor's Adam state left the device when the engine woke (RolloutSession.awake)
+            # and comes back for this update only: scoring and the critic update ran without it
+            with self.timer("actor_onload"):
+                onload_optimizer(self.optimizers["actor"], device)
             with self.timer("update"):
                 actor_metrics, old_logprobs = update_actor(
                     self._trained_model("actor"),

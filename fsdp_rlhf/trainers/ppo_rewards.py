@@ -21,7 +21,11 @@ from fsdp_rlhf.algorithms import (
 from fsdp_rlhf.config import PPOAlgoConfig
 from fsdp_rlhf.distributed.env import all_reduce_scalars
 from fsdp_rlhf.distributed.layout import ParallelLayout
-from fsdp_rlhf.distributed.stats import global_masked_center, global_masked_whiten
+from fsdp_rlhf.distributed.stats import (
+    global_masked_center,
+    global_masked_mean,
+    global_masked_whiten,
+)
 from fsdp_rlhf.trainers.experience import Experience
 from fsdp_rlhf.trainers.rule_reward import RewardFn, decode_responses
 
@@ -43,6 +47,12 @@ def _kl(exp: Experience, algo: PPOAlgoConfig) -> torch.Tensor:
     )
 
 
+def _global_mean(scores: torch.Tensor, group=None) -> torch.Tensor:
+    """The mean score of the rollout batch over the data-parallel ranks (``group``: the
+    layout's data group; None: every rank). Collective."""
+    return global_masked_mean(scores, torch.ones_like(scores, dtype=torch.bool), group)
+
+
 @torch.no_grad()
 def compute_advantages(
     exp: Experience,
@@ -59,6 +69,7 @@ def compute_advantages(
     """
     coef = 0.0 if algo.use_kl_loss else kl_coef
     whiten = global_masked_whiten if algo.advantage_std_norm else global_masked_center
+    group = parallel.data_group if parallel is not None else None
     kl = _kl(exp, algo) if coef != 0 else torch.zeros_like(exp.response_mask)
     out = estimate_advantages(
         algo.advantage_estimator,
@@ -70,7 +81,8 @@ def compute_advantages(
         gamma=algo.gamma,
         lam=algo.lam,
         n_samples_per_prompt=n_samples_per_prompt,
-        whiten_fn=partial(whiten, group=parallel.data_group if parallel is not None else None),
+        whiten_fn=partial(whiten, group=group),
+        mean_fn=partial(_global_mean, group=group),
     )
     exp.rewards, exp.advantages, exp.returns = out
 
@@ -127,7 +139,7 @@ def add_stop_properly_penalty(exp: Experience, algo: PPOAlgoConfig) -> None:
 
 def build_kl_controller(algo: PPOAlgoConfig) -> AdaptiveKLController | FixedKLController:
     """Adaptive (``--kl_target``) or fixed KL coefficient."""
-    if algo.use_kl_loss and algo.kl_estimator == "k1":
+    if algo.use_kl_loss and algo.kl_estimator == "k1" and not algo.kl_unbiased_gradient:
         log.warning(
             "--use_kl_loss with --kl_estimator k1: k1's gradient is zero in expectation, so the "
             "KL term barely constrains the actor; use k2 or k3"

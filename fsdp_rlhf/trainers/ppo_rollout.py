@@ -2,7 +2,8 @@
 actor's current weights into it when they changed, samples, and puts it back to sleep.
 
 The engine and the trainer share the device, so the engine sleeps whenever the trainer works
-and the actor's Adam state leaves the device while the engine is awake.
+and the actor's Adam state leaves the device when the engine wakes. It comes back only for the
+actor's update (``PPOTrainer.update``): the scoring passes and the critic's update run without it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 
 from fsdp_rlhf.config import PPOConfig
-from fsdp_rlhf.distributed.offload import offload_optimizer, onload_optimizer
+from fsdp_rlhf.distributed.offload import offload_optimizer
 from fsdp_rlhf.metrics import PhaseTimer
 from fsdp_rlhf.rollout import (
     AdapterSpec,
@@ -87,7 +88,9 @@ class RolloutSession:
     @contextmanager
     def awake(self, metrics: dict[str, float] | None = None) -> Iterator[RolloutEngine]:
         """The engine awake with the actor's weights for several ``generate`` calls (one per
-        turn of a multi-turn rollout): one wake-up and at most one sync around all of them."""
+        turn of a multi-turn rollout): one wake-up and at most one sync around all of them.
+        The actor's Adam state goes to the host first and stays there: whoever updates the
+        actor brings it back (``onload_optimizer``)."""
         offload_optimizer(self.actor_optimizer, self.device)
         with self.timer("resharding_to_infer"):
             self.engine.wake_up(["weights"])
@@ -101,7 +104,6 @@ class RolloutSession:
         yield self.engine
         with self.timer("resharding_to_train"):
             self.engine.sleep()
-            onload_optimizer(self.actor_optimizer, self.device)
 
     def _sync(self):
         if self.adapter is not None:

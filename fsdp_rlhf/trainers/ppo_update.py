@@ -210,7 +210,13 @@ def _correction(
     trainer = logprobs.detach() if algo.use_rollout_logprobs_as_old else old_logprobs
     low, high = algo.is_truncated_threshold
     weights, st = rollout_correction(
-        trainer, mb.engine_logprobs, mb.response_mask, algo.is_correction, low, high
+        trainer,
+        mb.engine_logprobs,
+        mb.response_mask,
+        algo.is_correction,
+        low,
+        high,
+        algo.is_correction_gating,
     )
     return weights, {f"rollout_corr/{k}": v for k, v in st.items()}
 
@@ -282,7 +288,13 @@ def _actor_loss_fn(
             norm_len=plan.norm_len,
         )
         loss, pg_stats = _policy_term(algo, logprobs, old_logprobs, mb, is_weights, agg)
-        kl = kl_estimate(logprobs, mb.ref_logprobs, kind=algo.kl_estimator)
+        kl = kl_estimate(
+            logprobs,
+            mb.ref_logprobs,
+            kind=algo.kl_estimator,
+            unbiased_gradient=algo.kl_unbiased_gradient,
+            old_logprobs=old_logprobs,
+        )
         kl_loss = aggregate_loss(kl, mb.response_mask, mode=algo.loss_agg_mode, **_counts(agg))
         stats = {
             "actor/pg_loss": loss.detach(),

@@ -216,3 +216,58 @@ def test_weight_sync_buckets_follow_the_compute_device_under_adam_offload():
     (r,) = run_distributed(_buckets_under_adam_offload, 1)
     assert r["devices"] == {"cpu"}, r
     assert r["buckets"] == [["w0", "w1", "w2"]], r
+
+
+def _host_moves_on_a_cuda_mesh(rank: int, world: int):
+    """Shards of a CUDA mesh moved to the host by the phase offload (model, grads, Adam state)
+    and an EMA kept on the host: each must stay where it was put. No CUDA here: the shards start
+    on the host (as CPUOffloadPolicy leaves them) and a forced copy stands in for the move."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+    from fsdp_rlhf.distributed.ema import ShardedEMA
+    from fsdp_rlhf.distributed.offload import move_module_, move_optimizer_
+
+    mesh = DeviceMesh("cuda", list(range(world)), _init_backend=False)
+    model = torch.nn.Module()
+    model.register_parameter("w", _offloaded_shard(mesh, 4))
+    w = model.w
+    w.grad = DTensor(torch.ones(4, 1024), w._spec, requires_grad=False)
+    opt = torch.optim.AdamW(model.parameters())
+    moments = {k: DTensor(torch.full((4, 1024), v), w._spec, requires_grad=False)
+               for k, v in (("exp_avg", 2.0), ("exp_avg_sq", 3.0))}  # fmt: skip
+    opt.state[w] = {"step": torch.tensor(1.0), **moments}
+
+    def where() -> dict:
+        tensors = {"param": w, "grad": w.grad, **opt.state[w]}
+        tensors.pop("step")
+        return {k: (t.to_local().device.type, t.to_local().data_ptr()) for k, t in tensors.items()}
+
+    before = where()
+    # where DTensor.from_local would have sent the new shards: the mesh's device type (CUDA)
+    move_module_(model, torch.device("cpu"), copy=True)
+    move_optimizer_(opt, torch.device("cpu"), copy=True)
+    after = where()
+    values = [float(t.to_local().mean()) for t in (w, w.grad, *moments.values())]
+    ema = ShardedEMA(model, 0.9, host=True)
+    saved = ema.state_dict()["w"]
+    return dict(
+        before=before,
+        after=after,
+        values=values,
+        mesh=w.device_mesh.device_type,
+        ema_device=saved.to_local().device.type,
+        ema_is_the_average=saved.to_local().data_ptr() == ema.shadow["w"].data_ptr(),
+    )
+
+
+def test_offload_to_the_host_stays_on_the_host_on_a_cuda_mesh():
+    """DTensor.from_local moves a local tensor to its mesh's device type: the phase offload
+    rebuilt every host copy of a shard on the GPU (the critic, the frozen models and the Adam
+    state never left the device; seen on the H200 as 35-70% more memory than planned)."""
+    (r,) = run_distributed(_host_moves_on_a_cuda_mesh, 1)
+    assert r["mesh"] == "cuda", r
+    assert {dev for dev, _ in r["after"].values()} == {"cpu"}, r
+    assert all(r["after"][k][1] != r["before"][k][1] for k in r["before"]), r  # new copies
+    assert r["values"] == [0.0, 1.0, 2.0, 3.0], r
+    assert r["ema_device"] == "cpu" and r["ema_is_the_average"], r

@@ -121,12 +121,12 @@ def test_rm_script_in_openrlhf_v011_flags(tiny_qwen2, data, tmp_path):
 def test_scripts_are_bash_and_name_no_flag_of_ours_only(tmp_path):
     """The scripts use OpenRLHF's spellings, so a rename on our side cannot make them pass
     by accident: every flag they pass is one of OpenRLHF's parsers' flags."""
-    from fsdp_rlhf.compat.migration import openrlhf_flags
+    from fsdp_rlhf.compat.migration import VERSIONS, openrlhf_flags
 
     theirs = {
         f["names"][0]
         for parser in ("ppo", "rm")
-        for version in ("0.10.1.post2", "0.11.0")
+        for version in VERSIONS
         for f in openrlhf_flags(parser, version)
     }
     for script in SCRIPTS.glob("*.sh"):

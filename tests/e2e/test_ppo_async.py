@@ -22,7 +22,7 @@ from fsdp_rlhf.testing.synthetic import prompt_rows, write_jsonl
 from fsdp_rlhf.trainers.experience import Experience
 from fsdp_rlhf.trainers.ppo_update import _correction
 from tests.e2e.helpers import REPO, _env, read_metrics, torchrun
-from tests.e2e.test_ppo_cli import SHORT_REWARD_WITH_PREEMPTION, grpo_flags
+from tests.e2e.test_ppo_cli import PARITY_REWARD, SHORT_REWARD_WITH_PREEMPTION, grpo_flags
 
 pytestmark = [pytest.mark.slow, pytest.mark.asynchronous]
 
@@ -289,6 +289,50 @@ def test_openrlhf_async_agent_script(tiny_qwen2, tmp_path, script):
         3,
         4,
     ]
+
+
+def test_openrlhf_flash_reinforce_script(tiny_qwen2, tmp_path):
+    """OpenRLHF 0.11.2's train_flash_reinforce_ray_agent_async.sh at test sizes: async
+    training, over-sampling, one response per prompt, flash_reinforce (every advantage is the
+    score minus the batch's mean score), the sequence-level binary-KL trust region (engine and
+    trainer agree on the tiny model: no row dropped), seq-mean-token-mean, no KL, bf16."""
+    data = tmp_path / "data"
+    rows = [{"prompt": r["input"], "label": r["label"]} for r in prompt_rows(64)]
+    write_jsonl(rows, data / "flash_prompts.jsonl")
+    (data / "parity_reward.py").write_text(PARITY_REWARD)
+    save = tmp_path / "run"
+    env = {"MODEL": tiny_qwen2, "DATA": str(data), "SAVE": str(save)}
+    env.update(PORT=str(free_port()), PYTHON=sys.executable)
+    proc = subprocess.run(
+        ["bash", str(SCRIPTS / "flash_reinforce_async_v0.11.2_dotted.sh")],
+        capture_output=True,
+        text=True,
+        env=_env(env),
+        timeout=600,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "--is_correction seq_mask --is_correction_gating binary_kl" in proc.stdout
+    rows = read_metrics(save)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # --data.max_samples 32 / batches of 8
+    for r in rows:
+        mean = r["critic/score/mean"]
+        assert r["critic/advantages/max"] == pytest.approx(r["critic/score/max"] - mean)
+        assert r["critic/advantages/min"] == pytest.approx(r["critic/score/min"] - mean)
+        assert r["rollout_corr/is_seq_masked_frac"] == 0.0
+        assert r["async/staleness_max"] <= 2  # --train.async_queue_size 2
+    config = (save / "config.yaml").read_text()
+    for line in (
+        "advantage_estimator: flash_reinforce",
+        "n_samples_per_prompt: 1",
+        "is_correction: seq_mask",
+        "is_correction_gating: binary_kl",
+        "loss_agg_mode: seq-mean-token-mean",
+        "init_kl_coef: 0.0",
+        "vllm_generate_batch_size: 16",
+    ):
+        assert line in config, line
+    assert (save / "model.safetensors").is_file()
 
 
 def test_a_rollout_rank_that_dies_ends_the_job_naming_it(tiny_qwen2, data, tmp_path):

@@ -84,13 +84,14 @@ def first_dims(path: str) -> dict[str, int]:
     return {k: config[k] for k in ("vocab_size", "intermediate_size", "hidden_size")}
 
 
-def cli(args: list[str], nproc: int = WORLD, timeout: int = CLI_TIMEOUT):
+def cli(args: list[str], nproc: int = WORLD, timeout: int = CLI_TIMEOUT, env: dict | None = None):
     """``torchrun -m fsdp_rlhf.cli ARGS`` from the source tree; the child sees this tree first
-    on PYTHONPATH (and whatever the caller's PYTHONPATH carries: the box's wheels)."""
+    on PYTHONPATH (and whatever the caller's PYTHONPATH carries: the box's wheels), and
+    ``env`` on top of this process's environment."""
     from fsdp_rlhf.testing.launch import local_torchrun
 
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     cmd = local_torchrun(nproc, ["-m", "fsdp_rlhf.cli", *args])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     if proc.returncode != 0:
@@ -131,9 +132,10 @@ def ppo_flags(model: str, root: Path, sizes: dict, steps: int = 2) -> list[str]:
     ]  # fmt: skip
 
 
-# doctor's phases (distributed.memory) and the trainer's timed phases they cover
+# doctor's phases (distributed.memory) and the trainer's timed phases they cover (the rollout:
+# the weight sync, then generation)
 MEASURED_PHASES = {
-    "rollout": ("rollout",),
+    "rollout": ("resharding_to_infer", "rollout"),
     "scoring (no-grad)": ("old_log_p", "reference_model", "critic_model", "reward_model"),
     "actor update": ("update",),
     "critic update": ("update_critic",),
@@ -144,9 +146,10 @@ MEMORY_TOLERANCE = 0.10
 def compare_phases(phases, row: dict) -> list[dict]:
     """Doctor's per-phase estimate beside the measured peaks of one step's metrics.
 
-    The estimate's tensors (its total less the CUDA context, which the allocator does not see)
-    are compared with ``max_memory_allocated``; ``memory_reserved`` and the device's used memory
-    (``mem_get_info``, at the phase's end) are shown beside them."""
+    The estimate's tensors (its total less the CUDA context, which the allocator does not see,
+    and the allocator's slack, reserved but not allocated) are compared with
+    ``max_memory_allocated``; ``memory_reserved`` and the device's used memory (``mem_get_info``,
+    at the phase's end) are shown beside them."""
     rows = []
     for phase in phases:
         timers = [t for t in MEASURED_PHASES.get(phase.name, ()) if f"memory/{t}_gib" in row]
@@ -157,7 +160,8 @@ def compare_phases(phases, row: dict) -> list[dict]:
             vals = [row[f"{prefix}/{t}_gib"] for t in timers if f"{prefix}/{t}_gib" in row]
             return max(vals) if vals else None
 
-        tensors = (phase.total - phase.parts.get("cuda context + nccl", 0)) / GIB
+        outside = ("cuda context + nccl", "allocator slack")
+        tensors = (phase.total - sum(phase.parts.get(k, 0) for k in outside)) / GIB
         allocated = peak("memory")
         rows.append(
             dict(
@@ -171,6 +175,44 @@ def compare_phases(phases, row: dict) -> list[dict]:
             )
         )
     return rows
+
+
+def census_env() -> dict[str, str]:
+    """A CLI run's environment that takes the memory census (``distributed.memory_census``) at
+    the end of every timed phase the estimate is compared with."""
+    timers = sorted({t for ts in MEASURED_PHASES.values() for t in ts})
+    return {"FSDP_RLHF_MEMORY_CENSUS": ",".join(timers)}
+
+
+def census_rows(row: dict) -> dict[str, dict[str, float]]:
+    """One step's census from its metrics: ``{timer: {owner: GiB}}``, in the estimate's phase
+    order (``memory_owner/<timer>/<owner>_gib``)."""
+    out: dict[str, dict[str, float]] = {}
+    for timers in MEASURED_PHASES.values():
+        for timer in timers:
+            prefix = f"memory_owner/{timer}/"
+            owners = {
+                k[len(prefix) : -len("_gib")].replace("_", " "): v
+                for k, v in row.items()
+                if k.startswith(prefix)
+            }
+            if owners:
+                out[timer] = owners
+    return out
+
+
+def format_census(census: dict[str, dict[str, float]]) -> list[str]:
+    """Lines of bytes by owner at each phase's end (GiB, or MiB below 0.1 GiB); owners holding
+    nothing there are left out."""
+
+    def size(gib: float) -> str:
+        return f"{gib:.2f} GiB" if abs(gib) >= 0.1 else f"{gib * 1024:.1f} MiB"
+
+    out = []
+    for timer, owners in census.items():
+        held = ", ".join(f"{k} {size(v)}" for k, v in owners.items() if v)
+        out.append(f"end of {timer}: {held or 'nothing'}")
+    return out
 
 
 def format_rows(rows: list[dict], measured: str = "max allocated") -> list[str]:

@@ -143,6 +143,58 @@ def test_offload_returns_complete_host_tensors(detail):
     detail(f"256 MiB device -> pinned host in {seconds * 1e3:.0f} ms, complete when read")
 
 
+@pytest.mark.gpu
+def test_phase_offload_frees_the_device(model, env, detail):
+    """An FSDP2 model and its Adam state offloaded between phases leave nothing on the device,
+    and come back to train. (``DTensor.from_local`` sent every host copy of a shard back to
+    the GPU: no offload freed anything, the 1.5 B job held its critic and both Adam states in
+    every phase.) The memory census sees the same as the allocator."""
+    from fsdp_rlhf.distributed.memory_census import census, owners_of
+    from fsdp_rlhf.distributed.offload import (
+        offload_model,
+        offload_optimizer,
+        onload_model,
+        onload_optimizer,
+    )
+    from fsdp_rlhf.optim import build_optimizer
+
+    cfg = _cfg(model, "--zero_stage", "3")
+    net = _load(model, cfg, env, trainable=True)
+    opt = build_optimizer(net, cfg.actor_optim)
+    ids = torch.randint(2, 400, (2, 16), device=env.device)
+
+    def step() -> None:
+        net(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # Adam's state now exists, on the device
+
+    def owners():
+        return owners_of({"model": net}, {"model": opt})
+
+    torch.cuda.synchronize()
+    before = census(env.device, owners()).owners
+    held = before["model params"] + before["model optimizer"]
+    allocated = torch.cuda.memory_allocated(env.device)
+    offload_optimizer(opt, env.device)
+    offload_model(net, env.device)
+    freed = allocated - torch.cuda.memory_allocated(env.device)
+    after = census(env.device, owners()).owners
+    steps = 4 * len(opt.state)  # fused AdamW's step counts stay beside the params' device
+    assert after["model params"] == 0 and after["model optimizer"] <= steps, after
+    assert freed >= held - steps - (1 << 20), (freed, held)
+    assert {p.to_local().device.type for p in net.parameters()} == {"cpu"}
+    onload_model(net, env.device)
+    onload_optimizer(opt, env.device)
+    assert {p.to_local().device.type for p in net.parameters()} == {"cuda"}
+    step()  # trains again where it was
+    detail(
+        f"{held / 2**20:.0f} MiB of params and Adam state on the device; offload freed "
+        f"{freed / 2**20:.0f} MiB; back and one more step"
+    )
+
+
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)

@@ -18,9 +18,12 @@ from tests.gpu.suite import (
     SIZES,
     WORLD,
     build_odd_model,
+    census_env,
+    census_rows,
     cli,
     estimate_beside_measured,
     first_dims,
+    format_census,
     metrics,
     ppo_flags,
 )
@@ -90,7 +93,7 @@ def test_ppo_step(model, tmp_path, detail, config):
     flags = [*ppo_flags(model, tmp_path, SIZES), *BF16, *PPO_CONFIGS[config]]
     if HAVE["vllm"] and HAVE["cuda"]:
         flags += ["--vllm_gpu_memory_utilization", "0.3"]  # this process holds memory too
-    cli(["ppo", *flags])
+    cli(["ppo", *flags], env=census_env())
     rows = metrics(tmp_path / "out")
     assert len(rows) == 2, rows
     for key in ("actor/pg_loss", "critic/vf_loss"):
@@ -99,6 +102,14 @@ def test_ppo_step(model, tmp_path, detail, config):
     detail(f"2 steps ({engine} engine), {' '.join(PPO_CONFIGS[config])}; {_dims(model)}")
     detail("doctor's estimate beside the measured peaks of step 2:")
     detail("\n".join(estimate_beside_measured(flags, rows[-1])))
+    census = census_rows(rows[-1])
+    detail("on the device at each phase's end, by owner (memory census):")
+    detail("\n".join(format_census(census)))
+    assert {"rollout", "update", "update_critic"} <= set(census), sorted(census)
+    # the actor's shards are on the census's device, unless CPUOffloadPolicy keeps them on
+    # the host of a GPU job
+    on_host = HAVE["cuda"] and "--adam_offload" in flags
+    assert (census["update"]["actor params"] > 0) != on_host, census["update"]
 
 
 def test_doctor(model, tmp_path, detail):

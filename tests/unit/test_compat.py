@@ -87,6 +87,16 @@ def test_the_walk_covers_both_versions_of_both_parsers():
         ("sft", "0.11.0"): 77,
         ("dpo", "0.10.1.post2"): 74,
         ("dpo", "0.11.0"): 82,
+        # 0.11.1: + --algo.kl.unbiased_gradient; 0.11.2: IS correction as level/mode/gating
+        # (the switch and type gone), --actor.loss_agg_mode; train_rm/sft/dpo unchanged
+        ("ppo", "0.11.1"): 165,
+        ("ppo", "0.11.2"): 167,
+        ("train-rm", "0.11.1"): 79,
+        ("train-rm", "0.11.2"): 79,
+        ("sft", "0.11.1"): 77,
+        ("sft", "0.11.2"): 77,
+        ("dpo", "0.11.1"): 82,
+        ("dpo", "0.11.2"): 82,
     }
 
 
@@ -229,7 +239,110 @@ def test_is_correction_type_without_the_switch_does_nothing_as_in_openrlhf():
         *("--enable_vllm_is_correction", "--vllm_is_correction_type", "seq-mask-tis"),
         *("--vllm_is_truncated_threshold", "0.5", "2"),
     )
-    assert (cfg.algo.is_correction, cfg.algo.is_truncated_threshold) == ("seq_mask_tis", (0.5, 2))
+    # OpenRLHF's seq-mask-tis keeps the untruncated ratio on the rows it keeps: our seq_mask
+    assert (cfg.algo.is_correction, cfg.algo.is_truncated_threshold) == ("seq_mask", (0.5, 2))
+
+
+IS_0_11_0 = "--algo.advantage.is_correction_enable --algo.advantage.is_correction_type"
+IS_0_11_2 = "--algo.advantage.is_correction_level {} --algo.advantage.is_correction_mode {}"
+
+
+@pytest.mark.parametrize(
+    ("type_", "level", "mode", "ours"),
+    [
+        ("tis", "token", "clip", "tis"),
+        ("icepop", "token", "mask", "icepop"),
+        ("seq-mask-tis", "seq", "mask", "seq_mask"),
+    ],
+)
+def test_is_correction_in_openrlhf_0_11_0_and_0_11_2_spellings(type_, level, mode, ours):
+    """OpenRLHF's own table (0.11.2's help): TIS = token clip, ICEPOP = token mask,
+    seq-mask-tis = seq mask. The flat, 0.11.0 and 0.11.2 spellings set one config."""
+    threshold = ("--algo.advantage.is_correction_threshold", "0.4", "3")
+    flat = _cfg("ppo", "--enable_vllm_is_correction", "--vllm_is_correction_type", type_,
+                "--vllm_is_truncated_threshold", "0.4", "3")  # fmt: skip
+    old = _cfg("ppo", *IS_0_11_0.split(), type_, *threshold)
+    new = _cfg("ppo", *IS_0_11_2.format(level, mode).split(), *threshold)
+    assert flat == old == new
+    assert (new.algo.is_correction, new.algo.is_truncated_threshold) == (ours, (0.4, 3.0))
+    assert new.algo.is_correction_gating == "ratio"
+
+
+def test_is_correction_0_11_2_defaults_and_the_flashreinforce_trust_region():
+    # level token alone: OpenRLHF's default mode is mask (ICEPOP); threshold default 0.5 5
+    algo = _cfg("ppo", "--algo.advantage.is_correction_level", "token").algo
+    assert (algo.is_correction, algo.is_truncated_threshold) == ("icepop", (0.5, 5.0))
+    # level off (the default): mode and gating change nothing, as there
+    off = ("--algo.advantage.is_correction_level", "off", "--algo.advantage.is_correction_gating")
+    assert _cfg("ppo", *off, "tv").algo == _cfg("ppo").algo
+    assert _cfg("ppo", "--algo.advantage.is_correction_mode", "clip").algo == _cfg("ppo").algo
+    # FlashREINFORCE: seq + mask + binary_kl with one threshold, an upper bound
+    algo = _cfg(
+        "ppo",
+        *("--algo.advantage.is_correction_level", "seq"),
+        *("--algo.advantage.is_correction_gating", "binary_kl"),
+        *("--algo.advantage.is_correction_threshold", "5e-3"),
+    ).algo
+    assert (algo.is_correction, algo.is_correction_gating) == ("seq_mask", "binary_kl")
+    assert algo.is_truncated_threshold == (0.0, 5e-3)
+    tv = _cfg("ppo", *IS_0_11_2.format("token", "mask").split(),
+              "--algo.advantage.is_correction_gating", "tv",
+              "--algo.advantage.is_correction_threshold", "0", "0.2").algo  # fmt: skip
+    assert (tv.is_correction, tv.is_correction_gating, tv.is_truncated_threshold) == (
+        "icepop",
+        "tv",
+        (0.0, 0.2),
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        # clip clamps the token ratio only (OpenRLHF raises the same)
+        (IS_0_11_2.format("seq", "clip"), "is_correction_mode clip: not supported here"),
+        (
+            IS_0_11_2.format("token", "clip") + " --algo.advantage.is_correction_gating tv",
+            "is_correction_mode clip: not supported here",
+        ),
+        # a divergence is bounded from above only; OpenRLHF's default band 0.5 5 is refused
+        (
+            "--algo.advantage.is_correction_level seq --algo.advantage.is_correction_gating "
+            "binary_kl",
+            "bounds a divergence from above only",
+        ),
+        # the two releases' spellings on one line
+        (
+            "--algo.advantage.is_correction_enable --algo.advantage.is_correction_level token",
+            "use one release's flags",
+        ),
+        ("--algo.advantage.is_correction_level tokens", "expected one of off, token, seq"),
+    ],
+)
+def test_is_correction_combinations_openrlhf_refuses_are_refused_by_name(argv, words):
+    with pytest.raises(ConfigError, match=words):
+        _cfg("ppo", *argv.split())
+
+
+def test_flash_reinforce_flags_of_openrlhf_0_11_2():
+    """The optimizer flags of OpenRLHF's train_flash_reinforce_ray_agent_async.sh."""
+    algo = _cfg(
+        "ppo",
+        *("--algo.advantage.estimator", "flash_reinforce"),
+        *("--algo.advantage.is_correction_level", "seq"),
+        *("--algo.advantage.is_correction_gating", "binary_kl"),
+        *("--algo.advantage.is_correction_threshold", "5e-3"),
+        *("--actor.loss_agg_mode", "seq-mean-token-mean"),
+        *("--algo.kl.init_coef", "0"),
+        *("--rollout.n_samples_per_prompt", "1"),
+    ).algo
+    assert algo.advantage_estimator == "flash_reinforce"
+    assert algo.loss_agg_mode == "seq-mean-token-mean" and algo.init_kl_coef == 0
+    assert (algo.is_correction, algo.is_correction_gating) == ("seq_mask", "binary_kl")
+    # --algo.kl.unbiased_gradient (0.11.1) with the KL as a loss, and refused without it
+    kl = ("--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--algo.kl.unbiased_gradient")
+    assert _cfg("ppo", *kl).algo.kl_unbiased_gradient
+    with pytest.raises(ConfigError, match="add --use_kl_loss"):
+        _cfg("ppo", "--algo.kl.unbiased_gradient")
 
 
 def test_use_tis_is_tis_with_no_lower_bound():

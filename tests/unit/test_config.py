@@ -427,9 +427,21 @@ def test_is_correction_flags():
     assert (algo.is_correction, algo.is_truncated_threshold) == ("icepop", (0.8, 1.25))
     assert _algo("--is_correction", "seq-mask-tis").is_correction == "seq_mask_tis"
     # OpenRLHF's spellings and --use_tis: tests/unit/test_compat.py
-    for bad in (["1.0", "1.0"], ["2", "1"], ["-1", "2"], ["1"]):
+    for bad in (["1.0", "1.0"], ["2", "1"], ["-1", "2"], ["0"], ["1", "2", "3"]):
         with pytest.raises(ConfigError, match="is_truncated_threshold"):
             _algo("--is_correction", "tis", "--is_truncated_threshold", *bad)
+    # one value is an upper bound (OpenRLHF 0.11.2's form)
+    assert _algo("--is_truncated_threshold", "2").is_truncated_threshold == (0.0, 2.0)
+    algo = _algo("--is_correction", "seq_mask", "--is_correction_gating", "tv",
+                 "--is_truncated_threshold", "0.1")  # fmt: skip
+    assert (algo.is_correction, algo.is_correction_gating) == ("seq_mask", "tv")
+    for argv, words in (
+        (["--is_correction_gating", "tv"], "add one of them"),
+        (["--is_correction", "tis", "--is_correction_gating", "tv"], "clamps the ratio"),
+        (["--is_correction", "icepop", "--is_correction_gating", "tv"], "from above only"),
+    ):
+        with pytest.raises(ConfigError, match=words):
+            _algo(*argv)
     assert _algo("--use_rollout_logprobs_as_old").use_rollout_logprobs_as_old
     with pytest.raises(ConfigError, match="use_rollout_logprobs_as_old"):
         _algo("--use_rollout_logprobs_as_old", "--is_correction", "tis")

@@ -1,7 +1,8 @@
 """Token-budget micro-batches (``--use_dynamic_batch``, issue #28): the bin packing, the cut to
 each micro-batch's own longest row, and the no-grad forwards and the critic update giving the
 same results as fixed-size micro-batches (one process; the 2-rank actor update with padding
-micro-batches is in tests/distributed/test_ppo_update.py)."""
+micro-batches is in tests/distributed/test_ppo_update.py). Also, on the same one-process
+update: --kl_unbiased_gradient reaching the actor's KL loss."""
 
 from __future__ import annotations
 
@@ -162,3 +163,46 @@ def test_a_padding_micro_batch_is_one_row_or_one_group():
     batching = MicroBatching(2, max_tokens=1000, group=2)
     pairs = list(micro_batches(exp, batching))
     assert len(pairs) == 1 and pairs[0][0].tolist() == list(range(6))
+
+
+def test_unbiased_kl_gradient_reaches_the_actor_update(tiny_qwen2, monkeypatch):
+    """--kl_unbiased_gradient in the actor update (one process, SGD, advantages 0 so only the
+    KL loss moves the weights): with the update's own log-probs as the old ones the weight
+    pi / pi_old is 1, so k1 with the unbiased gradient steps exactly as k2 (gradient
+    log_ratio), and unlike plain k1 (gradient 1 per token)."""
+    import copy
+
+    monkeypatch.setattr("fsdp_rlhf.trainers.ppo_update.accumulate", lambda *a: None)
+
+    from fsdp_rlhf.config import PPOAlgoConfig
+    from fsdp_rlhf.models.inputs import InputSpec
+    from fsdp_rlhf.models.load import load_causal_lm
+    from fsdp_rlhf.trainers.guards import BadStepGuard
+    from fsdp_rlhf.trainers.ppo_update import TrainedModel, UpdatePlan, update_actor
+
+    exp = _experience()
+    exp.advantages = torch.zeros_like(exp.advantages)
+    exp.ref_logprobs = -3.0 - torch.rand(6, 7, generator=torch.Generator().manual_seed(1))
+    base = load_causal_lm(tiny_qwen2, BackendConfig(), "cpu")
+    params = {}
+    for name, kind, unbiased in (("k1", "k1", False), ("k2", "k2", False), ("k1u", "k1", True)):
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+        algo = PPOAlgoConfig(use_kl_loss=True, kl_estimator=kind, kl_unbiased_gradient=unbiased)
+        update_actor(
+            TrainedModel(model, opt, sched, 1e9, BadStepGuard(0, "actor"), 1),
+            exp,
+            algo,
+            UpdatePlan(1, 6, 6, 3, 1, 2, False, 7),
+            torch.Generator().manual_seed(0),
+            spec=InputSpec(),
+            kl_coef=0.5,
+            temperature=1.0,
+            reuse_logprobs=True,
+        )
+        params[name] = torch.cat([p.detach().flatten() for p in model.parameters()])
+    before = torch.cat([p.detach().flatten() for p in base.parameters()])
+    torch.testing.assert_close(params["k1u"], params["k2"], rtol=1e-5, atol=1e-7)
+    assert (params["k1u"] - before).abs().max() > 1e-4
+    assert (params["k1u"] - params["k1"]).abs().max() > 1e-4

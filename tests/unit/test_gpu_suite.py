@@ -24,17 +24,23 @@ def test_a_check_whose_needs_are_missing_is_skipped_with_the_reason(monkeypatch)
 
 
 def test_estimate_beside_measured_peaks():
-    """doctor's phases against one step's metrics: the scoring phase is the largest of the
-    no-grad passes; the CUDA context is left out of the tensors the allocator sees."""
+    """doctor's phases against one step's metrics: the rollout is the larger of the weight
+    sync and generation, the scoring phase the largest of the no-grad passes; the CUDA context
+    and the allocator's slack (reserved, not allocated) are left out of the tensors the
+    allocator counts."""
     from fsdp_rlhf.distributed.memory import GIB, Phase
 
     phases = [
-        Phase("rollout", {"cuda context + nccl": GIB, "hf engine copy": 3 * GIB}),
+        Phase(
+            "rollout",
+            {"cuda context + nccl": GIB, "hf engine copy": 3 * GIB, "allocator slack": GIB},
+        ),
         Phase("scoring (no-grad)", {"cuda context + nccl": GIB, "logits": 4 * GIB}),
         Phase("actor update", {"cuda context + nccl": GIB, "activations": 10 * GIB}),
         Phase("vllm start-up/wake", {"vllm pool": 50 * GIB}),  # not measured with the HF engine
     ]
     metrics = {
+        "memory/resharding_to_infer_gib": 3.75,  # the weight sync
         "memory/rollout_gib": 3.0,
         "memory/old_log_p_gib": 3.5,
         "memory/reference_model_gib": 5.0,
@@ -44,7 +50,9 @@ def test_estimate_beside_measured_peaks():
     }
     rows = {r["phase"]: r for r in suite.compare_phases(phases, metrics)}
     assert set(rows) == {"rollout", "scoring (no-grad)", "actor update"}
-    assert rows["rollout"]["error"] == 0.0
+    assert rows["rollout"]["allocated_gib"] == 3.75
+    assert rows["rollout"]["estimate_tensors_gib"] == 3.0
+    assert rows["rollout"]["error"] == pytest.approx(-0.2)
     assert rows["scoring (no-grad)"]["allocated_gib"] == 5.0
     assert rows["scoring (no-grad)"]["error"] == pytest.approx(-0.2)
     assert rows["scoring (no-grad)"]["reserved_gib"] == 5.5

@@ -373,3 +373,87 @@ def test_a_rollout_ranks_engine_is_its_worlds_only_never_sleeps_and_takes_the_ca
     rollout = seen["rollout"]
     assert rollout.vllm_num_engines is None and not rollout.vllm_enable_sleep
     assert rollout.vllm_gpu_memory_utilization == 0.9
+
+
+# Qwen2.5-1.5B's shape (tied embeddings), as the GPU suite's memory check builds it
+QWEN25_1_5B = dict(
+    hidden_size=1536,
+    num_hidden_layers=28,
+    intermediate_size=8960,
+    vocab_size=151936,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+)
+# the GPU suite's 1.5B PPO job on one H200: --bf16 --zero_stage 3 --gradient_checkpointing, HF
+# engine, 8 prompts x 2 samples, micro-batches of 4, 128 + 256 tokens
+H200_1_5B = JobFlags(
+    world=1,
+    device_bytes=int(139.8 * GIB),
+    zero_stage=3,
+    micro_train_batch_size=4,
+    micro_rollout_batch_size=4,
+    seq_len=128 + 256,
+    response_len=256,
+    gradient_checkpointing=True,
+    reward=False,
+    engine="hf",
+    rollout_seqs=16,
+)
+
+
+def test_the_critic_update_holds_the_actor_fp32_shard_and_not_its_adam_state():
+    """The actor's params never leave the device; its Adam state leaves at the engine's wake
+    and comes back for the actor's update only (PPOTrainer.update)."""
+    m = ModelShape.from_hf_config(QWEN25_1_5B)
+    phases = {p.name: p for p in plan_phases(H200_1_5B, m, m, [m])}
+    critic = phases["critic update"].parts
+    assert critic["actor fp32 shard"] == 4 * m.params
+    assert critic["params+grads+adam shards"] == 16 * m.params  # the critic's own
+    assert "actor fp32 shard" not in phases["actor update"].parts  # counted in its states
+    offloaded = dataclasses.replace(H200_1_5B, adam_offload=True)
+    parts = {p.name: p for p in plan_phases(offloaded, m, m, [m])}["critic update"].parts
+    assert "actor fp32 shard" not in parts  # CPUOffloadPolicy keeps it on the host
+
+
+def test_scoring_holds_the_larger_of_a_policy_pass_and_the_critic_pass():
+    """The critic comes onto the device for its values and stays until its update; the policy
+    passes hold the logits instead. Neither holds an Adam state."""
+    m = ModelShape.from_hf_config(QWEN25_1_5B)
+    scoring = {p.name: p for p in plan_phases(H200_1_5B, m, m, [m])}["scoring (no-grad)"]
+    assert scoring.parts["critic fp32 shard"] == 4 * m.params and "logits" not in scoring.parts
+    assert scoring.parts["actor fp32 shard"] == 4 * m.params
+    assert not any("adam" in k for k in scoring.parts), scoring.parts
+    no_critic = {p.name: p for p in plan_phases(H200_1_5B, m, None, [m])}["scoring (no-grad)"]
+    assert "logits" in no_critic.parts and "critic fp32 shard" not in no_critic.parts
+    # the critic's pass is the larger here: its fp32 shard outweighs 4 x 256 bf16 logits rows
+    assert scoring.total > no_critic.total
+    assert no_critic.parts["logits"] < 4 * m.params
+
+
+def test_the_hf_rollout_holds_the_sync_or_the_generation_not_both():
+    """The sync into the HF copy ends before generation starts. Its buckets are never larger
+    than the model; generation keeps every step's fp32 scores (2.3 GiB for 16 rows x 256 steps
+    x 151,936) and the KV cache."""
+    from fsdp_rlhf.distributed.memory import SYNC_BUCKET_BYTES, hf_generation, hf_sync_bytes
+
+    m = ModelShape.from_hf_config(QWEN25_1_5B)
+    rollout = plan_phases(H200_1_5B, m, m, [m])[0]
+    assert rollout.name == "rollout" and "sync buckets" not in rollout.parts
+    assert rollout.parts["hf scores"] == 4 * 16 * 256 * 151936
+    gen = hf_generation(H200_1_5B, m)
+    assert {k: rollout.parts[k] for k in gen} == gen
+    assert hf_sync_bytes(H200_1_5B, m) == 3 * SYNC_BUCKET_BYTES  # one rank: 2 + 1/1 buckets
+    tiny = ModelShape(params=1_000_000, layers=2, hidden=64, intermediate=128, vocab=100)
+    short = dataclasses.replace(H200_1_5B, response_len=8, seq_len=16, rollout_seqs=1)
+    phase = plan_phases(short, tiny, None, [tiny])[0]
+    assert phase.parts["sync buckets"] == 3 * 2 * tiny.params  # capped by the bf16 model
+    assert not any(k.startswith("hf ") and k != "hf engine copy" for k in phase.parts)
+
+
+def test_logprob_chunks_are_no_larger_than_the_logits():
+    from fsdp_rlhf.distributed.memory import LOGPROB_CHUNK_BYTES, logprob_chunk_bytes
+
+    assert logprob_chunk_bytes(4 * 32, 499) == 4 * 4 * 4 * 32 * 499  # the whole of them
+    assert logprob_chunk_bytes(4 * 256, 151936) <= LOGPROB_CHUNK_BYTES
+    assert logprob_chunk_bytes(4 * 256, 151936) == 4 * 4 * (2**23 // 151936) * 151936

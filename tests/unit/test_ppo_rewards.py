@@ -22,7 +22,7 @@ from fsdp_rlhf.trainers.ppo_rewards import (
     compute_advantages,
     observe_kl,
 )
-from fsdp_rlhf.trainers.ppo_update import reuse_update_logprobs
+from fsdp_rlhf.trainers.ppo_update import _correction, reuse_update_logprobs
 from fsdp_rlhf.trainers.rule_reward import build_rule_reward, http_reward
 
 
@@ -43,7 +43,9 @@ def _experience(n_prompts: int = 3, n: int = 4, T: int = 6, seed: int = 0) -> Ex
     )
 
 
-@pytest.mark.parametrize("estimator", ["gae", "reinforce++", "rloo", "grpo", "dr_grpo"])
+@pytest.mark.parametrize(
+    "estimator", ["gae", "reinforce++", "rloo", "grpo", "dr_grpo", "flash_reinforce"]
+)
 @pytest.mark.parametrize("kl_in_loss", [False, True])
 def test_every_estimator_fills_masked_advantages_and_returns(estimator, kl_in_loss):
     exp = _experience()
@@ -330,3 +332,27 @@ def test_actor_loss_pieces_follow_the_correction_and_loss_flags():
     assert float(loss.detach()) == pytest.approx(float(expected), rel=1e-5)
     loss, st = _policy_term(PPOAlgoConfig(), current, exp.old_logprobs, exp, None, agg)
     assert "actor/seq_clipfrac" not in st and float(loss.detach()) == pytest.approx(float(expected))
+
+
+def test_flash_reinforce_subtracts_the_batch_mean_in_the_trainer():
+    exp = _experience(n_prompts=6, n=1)
+    algo = PPOAlgoConfig(advantage_estimator="flash_reinforce", init_kl_coef=0.0)
+    compute_advantages(exp, algo, 0.0, n_samples_per_prompt=1)
+    centred = (exp.scores - exp.scores.mean())[:, None] * exp.response_mask
+    torch.testing.assert_close(exp.advantages, centred)
+
+
+def test_the_update_reads_the_gating_of_the_config():
+    """--is_correction seq_mask --is_correction_gating binary_kl reaches the actor update:
+    the row whose trainer and engine probabilities differ (0.25 vs 0.5) is dropped by a
+    0.05 bound on its mean binary KL, the agreeing row keeps weight 1."""
+    exp = _experience(n_prompts=2, n=1, T=2)
+    exp.response_mask = torch.ones(2, 2)
+    exp.engine_logprobs = torch.tensor([[0.5, 0.9], [0.5, 0.5]]).log()
+    trainer = torch.tensor([[0.25, 0.9], [0.5, 0.5]]).log()
+    algo = PPOAlgoConfig(
+        is_correction="seq_mask", is_correction_gating="binary_kl", is_truncated_threshold=(0.05,)
+    )
+    weights, stats = _correction(algo, trainer, trainer, exp)
+    torch.testing.assert_close(weights, torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
+    assert stats["rollout_corr/is_seq_masked_frac"].item() == 0.5

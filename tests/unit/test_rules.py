@@ -208,6 +208,10 @@ CASES: dict[str, tuple] = {
                 "--dynamic_filtering"], None, False,
         "--dynamic_filtering with --n_samples_per_prompt 1",
     ),
+    "kl-unbiased-gradient-needs-kl-loss": (
+        "ppo", ["--kl_unbiased_gradient"], None, False,
+        "--kl_unbiased_gradient without --use_kl_loss: it changes the gradient of the KL loss",
+    ),
     "save-best-without-eval": (
         "ppo", ["--save_best_metric", "pass@1"], None, False,
         "--save_best_metric without --eval_dataset",

@@ -185,3 +185,58 @@ def test_help_shows_a_sections_own_defaults():
     assert default(DPOConfig, "--packing_samples") == "True"
     assert default(SFTConfig, "--learning_rate") == "5e-06"
     assert default(PPOConfig, "--actor_learning_rate") == "1e-06"
+
+
+@pytest.mark.parametrize("eos", ["<|endoftext|>", "<|im_end|>"])
+def test_dpo_and_sft_end_chat_rows_with_the_templates_end_of_turn(tiny_qwen2, tmp_path, eos):
+    """One rule for both commands (and TRL's): with --apply_chat_template the template's
+    end of turn ends the sequence and no EOS follows; plain text ends with EOS. With an
+    instruct tokenizer (EOS <|im_end|>) dpo used to end each side `<|im_end|>\\n<|im_end|>`,
+    one token more than sft on the same rows. Message-list rows and string rows."""
+    from transformers import AutoTokenizer
+
+    from fsdp_rlhf.config import DPOConfig, SFTConfig, plan_offline_batches
+    from fsdp_rlhf.config_base import build_config
+    from fsdp_rlhf.rules import check_command
+    from fsdp_rlhf.trainers.offline.data import prepare_dpo_data, prepare_sft_data
+
+    model = tmp_path / "model"
+    tok = AutoTokenizer.from_pretrained(tiny_qwen2)
+    tok.eos_token = eos
+    tok.save_pretrained(model)
+    for f in ("config.json", "model.safetensors"):
+        (model / f).symlink_to(f"{tiny_qwen2}/{f}")
+    user = [{"role": "user", "content": "cat dog"}]
+    good, bad = (
+        [{"role": "assistant", "content": "red"}],
+        [{"role": "assistant", "content": "blue"}],
+    )
+    chat = {"p": user, "c": good, "r": bad}
+    strings = {"p": "cat dog", "c": "red", "r": "blue"}
+    write_jsonl(tmp_path / "pairs.jsonl", [chat, strings] * 4)
+    sft_rows = [{"i": user, "o": good}, {"i": "cat dog", "o": "red"}] * 4
+    write_jsonl(tmp_path / "sft.jsonl", sft_rows)
+    common = ["--pretrain", str(model), "--apply_chat_template", "--train_batch_size", "8",
+              "--micro_train_batch_size", "1", "--save_path", str(tmp_path / "out")]  # fmt: skip
+    keys = ["--prompt_key", "p", "--chosen_key", "c", "--rejected_key", "r"]
+    dpo, _ = build_config(DPOConfig, [*common, "--dataset", str(tmp_path / "pairs.jsonl"), *keys])
+    sft, _ = build_config(SFTConfig, [*common, "--dataset", str(tmp_path / "sft.jsonl"),
+                          "--input_key", "i", "--output_key", "o"])  # fmt: skip
+
+    def prepared(prepare_data, command, cfg):
+        return prepare_data(cfg, plan_offline_batches(cfg.batch, 1), check_command(command, cfg))
+
+    pairs = prepared(prepare_dpo_data, "dpo", dpo).train
+    samples = prepared(prepare_sft_data, "sft", sft).train
+    full = tok.apply_chat_template(user + good, tokenize=False)
+    assert full.endswith("red<|im_end|>\n")
+    expected = tok(full, add_special_tokens=False)["input_ids"]
+    for row in range(2):  # a message-list row and a string row
+        assert list(pairs[row]["chosen_ids"]) == expected, tok.decode(pairs[row]["chosen_ids"])
+        assert list(samples[row]["input_ids"]) == expected
+    # plain text (no template) still ends with EOS, in both commands
+    plain = [a for a in common if a != "--apply_chat_template"]
+    write_jsonl(tmp_path / "plain.jsonl", [strings] * 8)
+    dpo, _ = build_config(DPOConfig, [*plain, "--dataset", str(tmp_path / "plain.jsonl"), *keys])
+    ids = prepared(prepare_dpo_data, "dpo", dpo).train[0]["chosen_ids"]
+    assert ids[-1] == tok.eos_token_id and tok.decode(ids[:-1]) == "cat dogred"

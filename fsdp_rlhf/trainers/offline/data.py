@@ -215,6 +215,7 @@ def prepare_dpo_data(
         with_prompt_len=True,
         vision=vision,
         image_key=cfg.vision.image_key,
+        template_ends_turns=True,  # as sft: no EOS after a chat template's end of turn
     )
     train, _ = tokenize(train_raw, what="train")
     eval_pairs = None

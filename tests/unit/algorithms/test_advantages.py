@@ -6,6 +6,7 @@ import torch
 from fsdp_rlhf.algorithms import (
     dr_grpo,
     estimate_advantages,
+    flash_reinforce,
     gae,
     grpo,
     masked_mean,
@@ -160,7 +161,9 @@ def test_group_estimators_reject_bad_group_sizes(fn):
     assert fn(scores, mask, 3).shape == (6, 4)
 
 
-@pytest.mark.parametrize("estimator", ["gae", "reinforce++", "rloo", "grpo", "dr_grpo"])
+@pytest.mark.parametrize(
+    "estimator", ["gae", "reinforce++", "rloo", "grpo", "dr_grpo", "flash_reinforce"]
+)
 def test_estimate_advantages_one_entry_one_shape(estimator):
     g = make_gen(0)
     mask = ragged_mask(B, T, g).double()
@@ -184,6 +187,10 @@ def test_estimate_advantages_one_entry_one_shape(estimator):
         # the per-token KL penalty's reward-to-go rides on top of the group advantage
         kl_to_go = discounted_returns(-0.1 * kl, mask, 0.9)
         torch.testing.assert_close(out.advantages, (group + kl_to_go) * mask)
+    elif estimator == "flash_reinforce":
+        kl_to_go = discounted_returns(-0.1 * kl, mask, 0.9)
+        centred = (scores - scores.mean()).unsqueeze(1) * mask
+        torch.testing.assert_close(out.advantages, (centred + kl_to_go) * mask)
 
 
 def test_estimate_advantages_rejects_unknown_and_missing_values():
@@ -248,3 +255,54 @@ def test_reinforce_plus_plus_baseline_ignores_group_offsets_and_checks_groups():
         reinforce_plus_plus_baseline(scores, mask, 3)
     with pytest.raises(ValueError):
         reinforce_plus_plus_baseline(scores, mask, 1)
+
+
+def test_flash_reinforce_against_openrlhf_by_hand():
+    """OpenRLHF 0.11.2's flash_reinforce (experience_maker): each reward minus the mean of
+    all rewards of the rollout batch, then (gamma 1) the reward-to-go of the per-token reward
+    (score at the last token, -kl_coef x kl on every token) as the advantage, not whitened.
+    Expected values worked out by hand."""
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5], dtype=torch.float64)  # mean 0.5
+    mask = torch.tensor(
+        [[1, 1, 0], [1, 1, 1], [1, 0, 0], [0, 0, 0], [1, 1, 1]], dtype=torch.float64
+    )
+    adv = flash_reinforce(scores, mask)
+    expected = torch.tensor(
+        [[0.5, 0.5, 0], [-0.5, -0.5, -0.5], [-0.5, 0, 0], [0, 0, 0], [0, 0, 0]],
+        dtype=torch.float64,
+    )
+    torch.testing.assert_close(adv, expected)
+    # with a KL penalty of 0.1 x kl in the reward: row 0 has kl 1, 2 on its two tokens, so
+    # its token rewards are -0.1, -0.2 + 0.5 and its advantages 0.2, 0.3; rows whose kl is 0
+    # keep the centred score on every token
+    kl = torch.zeros(5, 3, dtype=torch.float64)
+    kl[0, :2] = torch.tensor([1.0, 2.0])
+    out = estimate_advantages("flash_reinforce", scores, kl, 0.1, mask, n_samples_per_prompt=1)
+    expected[0, :2] = torch.tensor([0.2, 0.3], dtype=torch.float64)
+    torch.testing.assert_close(out.advantages, expected)
+    # the shaped rewards keep the raw score (as for the group estimators)
+    torch.testing.assert_close(out.rewards[0, :2], torch.tensor([-0.1, 0.8], dtype=torch.float64))
+
+
+def test_flash_reinforce_subtracts_the_batch_mean_it_is_given():
+    """Under data parallelism the baseline is the whole batch's mean (``mean_fn``), not the
+    rank's: another rank's scores move this rank's advantages."""
+    scores = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    mask = torch.ones(2, 2, dtype=torch.float64)
+    other_rank = torch.tensor([1.0, 1.0], dtype=torch.float64)
+
+    def mean_fn(s):
+        return torch.cat([s, other_rank]).mean()  # 0.75
+
+    out = estimate_advantages(
+        "flash_reinforce", scores, torch.zeros_like(mask), 0.0, mask, mean_fn=mean_fn
+    )
+    torch.testing.assert_close(
+        out.advantages[:, 0], torch.tensor([0.25, -0.75], dtype=torch.float64)
+    )
+    # no groups needed: n_samples_per_prompt 1 works, and several samples use the batch mean
+    assert (
+        flash_reinforce(torch.ones(3, dtype=torch.float64), mask[:1].expand(3, 2)).abs().sum() == 0
+    )
+    with pytest.raises(ValueError, match=r"\(B,\)"):
+        flash_reinforce(torch.ones(2, 1, dtype=torch.float64), mask)

@@ -165,3 +165,28 @@ def test_kl_means_match_reference(seed):
     assert total.item() == pytest.approx(sum(seq_means) / len(seq_means), rel=1e-12)
     with pytest.raises(ValueError):
         kl_mean_parts(kl, mask, "sum")
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3", "k3+"])
+def test_unbiased_gradient_against_openrlhf_by_hand(kind):
+    """OpenRLHF 0.11.1's compute_approx_kl(unbiased_gradient=True): the estimator's value, the
+    gradient w * log_ratio with w = min(pi / pi_old, 10) detached. Worked by hand:
+    log_ratio 0.2 (w = e^0.1), -0.5 (w = e^-0.3), 1.0 (pi / pi_old = e^3 = 20.1, capped at 10)."""
+    logprobs = torch.tensor([[0.3, -1.0, -0.5]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[0.1, -0.5, -1.5]], dtype=torch.float64)
+    old = torch.tensor([[0.2, -0.7, -3.5]], dtype=torch.float64)
+    kl = kl_estimate(logprobs, ref, kind, unbiased_gradient=True, old_logprobs=old)
+    values = {
+        "k1": [0.2, -0.5, 1.0],
+        "k2": [0.02, 0.125, 0.5],
+        "k3": [math.exp(-0.2) - 0.8, math.exp(0.5) - 1.5, math.exp(-1.0)],
+        "k3+": [math.exp(-0.2) - 0.8, math.exp(0.5) - 1.5, math.exp(-1.0)],
+    }[kind]
+    torch.testing.assert_close(kl.detach(), torch.tensor([values], dtype=torch.float64))
+    kl.sum().backward()
+    grad = [math.exp(0.1) * 0.2, math.exp(-0.3) * -0.5, 10.0 * 1.0]
+    torch.testing.assert_close(logprobs.grad, torch.tensor([grad], dtype=torch.float64))
+    # no old log-probs: weight 1, the gradient of k2 (on-policy)
+    lp = logprobs.detach().clone().requires_grad_(True)
+    kl_estimate(lp, ref, kind, unbiased_gradient=True).sum().backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([[0.2, -0.5, 1.0]], dtype=torch.float64))
