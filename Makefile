@@ -9,7 +9,7 @@ STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml Makefile scripts/vllm_r
 MAX_JOBS ?= 8
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: install test test-async test-faults test-fast test-bench test-models test-vlm test-sp test-gpu test-vllm-compat test-transformers-compat test-cluster demo bench lint fmt clean gpu-smoke tcmalloc
+.PHONY: install test test-async test-faults test-fast test-bench test-models test-vlm test-sp test-ep test-gpu test-vllm-compat test-transformers-compat test-cluster demo bench lint fmt clean gpu-smoke tcmalloc
 
 install: $(STAMP)
 
@@ -70,7 +70,7 @@ tcmalloc:
 # runs (`make test-vlm`): under 15 minutes on 2 cores.
 test: install
 	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu --ignore=tests/models \
-	  -m "not asynchronous and not sp and not vlm and not faults"
+	  -m "not asynchronous and not sp and not ep and not vlm and not faults"
 
 # --async_train end to end (tests marked asynchronous): rollout and training ranks under
 # torchrun with real vLLM, partial rollouts, OpenRLHF's async agent script, a lost rollout rank.
@@ -87,6 +87,11 @@ test-faults: install
 # ranks, GRPO/SFT/DPO/train-rm runs, OpenRLHF's ring-attention script with 32k responses.
 test-sp: install
 	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu -m sp
+
+# Expert parallelism (pytest marker `ep`, docs/models.md#expert-parallelism): EP=2 against EP=1
+# on 2 and 4 gloo ranks, checkpoints resharded between expert-parallel sizes, GRPO with vLLM.
+test-ep: install
+	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu -m ep
 
 # The family matrix: a tiny model of each family (Qwen2/3, Qwen3-MoE, Qwen2-MoE, Qwen3.5,
 # Llama 3, Gemma 3, Mistral, Phi-3, OLMo 2) runs GRPO with vLLM rollouts (docs/models.md).

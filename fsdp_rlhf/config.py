@@ -57,7 +57,8 @@ class BackendConfig:
 @dataclass(frozen=True, kw_only=True)
 class FSDPConfig:
     """Parallelism: FSDP2 sharding over all ranks (``zero_stage`` keeps DeepSpeed's vocabulary
-    for migrating users) and sequence parallelism inside groups of ranks."""
+    for migrating users), sequence parallelism inside groups of ranks, and expert parallelism
+    of MoE layers inside groups of ranks."""
 
     zero_stage: int = doc(
         2, "3: reshard params after forward (ZeRO-3); 0-2: keep them gathered until backward ends."
@@ -70,6 +71,14 @@ class FSDPConfig:
         "world size and the attention heads, batch sizes count world / N data-parallel ranks. "
         "OpenRLHF's --ring_attn_size maps here.",
     )
+    expert_parallel_size: int = doc(
+        1,
+        "Expert parallelism for MoE models: groups of E consecutive ranks split each MoE "
+        "layer's routed experts (tokens go to their experts by all-to-all); the expert weights "
+        "are sharded over the ranks holding the same experts, everything else over all ranks. "
+        "E divides the world size and the experts per layer; dense models are unaffected. "
+        "Other trainers' ep_size, expert_model_parallel_size and Molt's --fsdp.ep_size map here.",
+    )
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
@@ -78,6 +87,8 @@ class FSDPConfig:
             raise ConfigError(
                 f"sequence_parallel_size must be >= 1, got {self.sequence_parallel_size}"
             )
+        if self.expert_parallel_size < 1:
+            raise ConfigError(f"expert_parallel_size must be >= 1, got {self.expert_parallel_size}")
 
     def data_parallel_size(self, world_size: int) -> int:
         """Ranks holding different data: ``world / sequence_parallel_size``; raises a
@@ -229,8 +240,8 @@ class VisionConfig:
     )
     freeze_visual_encoder: bool = doc(
         False,
-        "Train the language model only: the vision encoder and its projector stay frozen and "
-        "are not synced into vLLM.",
+        "Train the language model only: the vision encoder and its projector stay frozen (in "
+        "ppo the actor's and a vision-language critic's) and are not synced into vLLM.",
     )
 
     def __post_init__(self) -> None:
@@ -358,6 +369,7 @@ class RMConfig:
     backend: BackendConfig = section(BackendConfig)
     fsdp: FSDPConfig = section(FSDPConfig)
     data: PreferenceDataConfig = section(PreferenceDataConfig)
+    vision: VisionConfig = section(VisionConfig)
     batch: PairBatchConfig = section(PairBatchConfig)
     optim: OptimConfig = section(OptimConfig)
     loss: RMLossConfig = section(RMLossConfig)
@@ -518,6 +530,20 @@ class RolloutConfig:
         "(each adapted weight synced as W + (alpha/r) B A, like full fine-tuning: more bytes, "
         "base-model decode speed where vLLM's LoRA kernels are slow, as on CPU).",
     )
+    weight_sync: Literal["auto", "delta", "full"] = doc(
+        "auto",
+        "How the actor's weights reach the engines: delta (after a first full sync, each rank "
+        "sends only the elements that changed, checked by checksum; the engine side keeps a "
+        "copy of the synced weights in host memory), full (every weight every time), or auto "
+        "(delta when the job spans hosts, but colocated on CUDA and with LoRA; "
+        "docs/weight_sync.md).",
+    )
+    weight_sync_full_every: int = doc(
+        0, "With delta sync: every N-th sync is a full one (0: only the first after a start)."
+    )
+    weight_sync_overlap: bool = doc(
+        True, "Gather the next weight bucket while the engine loads the current one."
+    )
     vllm_num_engines: int | None = doc(None, "Engines = world / TP (checked when given).")
     vllm_tensor_parallel_size: int = doc(1, "TP size of each engine (contiguous ranks).")
     vllm_gpu_memory_utilization: float | None = doc(
@@ -555,6 +581,10 @@ class RolloutConfig:
             raise ConfigError(f"temperature must be > 0, got {self.temperature}")
         if self.max_len is not None and self.max_len < 2:
             raise ConfigError(f"max_len must be >= 2, got {self.max_len}")
+        if self.weight_sync_full_every < 0:
+            raise ConfigError(
+                f"weight_sync_full_every must be >= 0, got {self.weight_sync_full_every}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -974,6 +1004,28 @@ class PPOConfig:
                 f"max_total_len ({mt.max_total_len}) must be >= prompt_max_len + "
                 f"generate_max_len ({shortest}): the first turn must fit"
             )
+
+    def weight_sync_mode(self, device_type: str, hosts: int = 1) -> str:
+        """``"delta"`` or ``"full"``: how the actor's weights reach the engines on a job
+        whose devices are ``device_type``, over ``hosts`` hosts (``--weight_sync``; LoRA's
+        adapter sync moves only the adapters either way).
+
+        Delta sync saves bytes on the wire and costs memory passes on both ends, so ``auto``
+        uses it where the wire is a network: a job over several hosts. Not on one host (the
+        gathers and the transfer to rollout ranks go through shared memory or NVLink:
+        measured slower with delta on CPU, benchmarks/2026-11-27-weight-sync.md), not with
+        LoRA (the adapters, or the merged weights, move whole) or the HF engine (itself a
+        full copy), and not colocated on CUDA, where the engine side's copy lives in host
+        memory and would cross PCIe into the engine at every sync (docs/weight_sync.md).
+        """
+        r = self.rollout
+        if r.weight_sync != "auto":
+            return r.weight_sync
+        if self.lora.enabled or r.rollout_engine == "hf" or hosts < 2:
+            return "full"
+        if device_type == "cuda" and not self.asynchronous.async_train:
+            return "full"
+        return "delta"
 
     @property
     def total_len(self) -> int:

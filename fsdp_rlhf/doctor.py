@@ -27,7 +27,8 @@ import torch.distributed as dist
 from fsdp_rlhf.allocator import preloaded_allocator
 from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.distributed.collectives import collective_device
-from fsdp_rlhf.distributed.env import DistEnv, init_distributed, teardown
+from fsdp_rlhf.distributed.env import DistEnv, init_distributed, job_hosts, teardown
+from fsdp_rlhf.distributed.expert_parallel import new_expert_parallel_groups
 from fsdp_rlhf.distributed.layout import ParallelLayout, build_layout
 from fsdp_rlhf.distributed.memory import (
     activation_bytes,
@@ -36,6 +37,7 @@ from fsdp_rlhf.distributed.memory import (
     verdict,
 )
 from fsdp_rlhf.distributed.memory_plan import (
+    expert_parallel_fit,
     job_flags,
     model_shape,
     plan_job,
@@ -43,6 +45,7 @@ from fsdp_rlhf.distributed.memory_plan import (
     resolve_vllm_utilization,
 )
 from fsdp_rlhf.metrics import setup_logging
+from fsdp_rlhf.models.load import check_expert_parallel
 from fsdp_rlhf.rollout.memory_budget import check_device_budget
 
 log = logging.getLogger("fsdp_rlhf")
@@ -134,6 +137,7 @@ def _check_models(
         count = f"{total / 1e6:.1f}M params"
         if active != total:  # MoE: a token runs top_k of each layer's experts
             count += f" ({active / 1e6:.1f}M active per token)"
+            count += _experts_per_rank(held[-1], parallel.ep.size)
         return f"{count}, sharded: {_local_mib(held[-1]):.0f} MiB on this rank"
 
     checks = []
@@ -151,6 +155,28 @@ def _check_models(
         what = "--reward_pretrain"
         checks.append(_try(f"{what} loads", lambda: shard(reward, False, what)))
     return checks
+
+
+def _experts_per_rank(model, e: int) -> str:
+    """What one rank gathers of each MoE layer's routed experts (its expert group's 1/E)."""
+    from fsdp_rlhf.models.moe import expert_parameter_names
+
+    params = dict(model.named_parameters())
+    names = expert_parameter_names(model)
+    layers = {n.rsplit(".", 1)[0] for n in names}
+    per_layer = sum(params[n].numel() for n in names) / max(1, len(layers))
+    return (
+        f"; per rank: {_total_local(model) / 1e6:.1f}M held, an MoE layer's forward gathers "
+        f"{per_layer / e / 1e6:.2f}M of its {per_layer / 1e6:.2f}M expert params "
+        f"(--expert_parallel_size {e})"
+    )
+
+
+def _total_local(model) -> int:
+    """Parameters this rank holds (its shards)."""
+    from torch.distributed.tensor import DTensor
+
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
 
 
 def _local_mib(model) -> float:
@@ -240,12 +266,17 @@ def _memory_check(cfg: PPOConfig, env: DistEnv, device_gib: float) -> Check:
 
     def run() -> str:
         device_bytes = int(device_gib * 2**30)
-        phases = plan_job(cfg, env.world_size, device_bytes, env.device.type == "cuda")
+        cuda = env.device.type == "cuda"
+        phases = plan_job(cfg, env.world_size, device_bytes, cuda, job_hosts())
         fits, line = verdict(phases)
         if not fits:
             n = sequence_parallel_fit(cfg, env.world_size, device_bytes, env.device.type)[0]
             if n is not None and n != cfg.fsdp.sequence_parallel_size:
                 line += f" (or --sequence_parallel_size {n}: every phase fits)"
+            cuda = env.device.type == "cuda"
+            e = expert_parallel_fit(cfg, env.world_size, device_bytes, cuda)[0]
+            if e is not None and e != cfg.fsdp.expert_parallel_size:
+                line += f" (or --expert_parallel_size {e}: every phase fits)"
             raise RuntimeError("does not fit: " + line)
         return line
 
@@ -271,7 +302,7 @@ def sequence_parallel_fit(
     }
     cuda = device_type == "cuda"
     for n in options:
-        if all(p.fits for p in plan_job_at(cfg, world, device_bytes, cuda, n)):
+        if all(p.fits for p in plan_job_at(cfg, world, device_bytes, cuda, n, job_hosts())):
             return n, acts
     return None, acts
 
@@ -318,12 +349,14 @@ def main(cfg: PPOConfig, debug: bool = False) -> int:
     built: list[ParallelLayout] = []
     groups = _try("--sequence_parallel_size", lambda: _sequence_parallel_groups(cfg, env, built))
     checks.append(groups)
+    experts = _try("--expert_parallel_size", lambda: _expert_parallel_groups(cfg, env, built))
+    checks.append(experts)
     engines, held, kinds = [], [], []
     if cfg.models.pretrain:
         checks.append(_check_rules(cfg, kinds))
         vision = kinds[0]["--pretrain"].vision if kinds else None
         checks.append(_check_engine(cfg, env, engines, vision))  # the engine first
-        if groups.ok:  # the models are prepared as the job prepares them, split or not
+        if groups.ok and experts.ok:  # the models are prepared as the job prepares them
             checks += _check_models(cfg, env, held, built[0])
         if engines and held:
             checks.append(_check_wake(cfg, env, engines[0], held[0]))
@@ -331,6 +364,8 @@ def main(cfg: PPOConfig, debug: bool = False) -> int:
         smallest = min(r["total_gib"] for r in reports)
         checks.append(_memory_check(cfg, env, smallest))
         checks.append(_sequence_parallel_check(cfg, env, smallest))
+        if cfg.fsdp.expert_parallel_size > 1:
+            checks.append(_expert_parallel_check(cfg, env, smallest))
         if cfg.lora.enabled:
             checks.append(_lora_check(cfg, env, smallest))
     gathered = [None] * env.world_size
@@ -357,6 +392,38 @@ def _sequence_parallel_groups(cfg: PPOConfig, env: DistEnv, built: list) -> str:
     if not parallel.sp.enabled:
         return "off (each rank holds whole sequences)"
     return f"{parallel.dp_size} groups of {n} ranks (data-parallel size {parallel.dp_size})"
+
+
+def _expert_parallel_groups(cfg: PPOConfig, env: DistEnv, built: list) -> str:
+    """Build the job's expert-parallel groups (collective) into the layout in ``built``; say
+    what they are."""
+    e = cfg.fsdp.expert_parallel_size
+    if e > 1 and env.world_size % e:  # every rank fails alike before the collective
+        raise RuntimeError(f"{e} does not divide the world size {env.world_size}")
+    if e > 1 and cfg.models.pretrain:
+        check_expert_parallel(e, env.world_size, {"--pretrain": cfg.models.pretrain})
+    ep = new_expert_parallel_groups(e, env.device.type)
+    base = built[0] if built else ParallelLayout(world_size=env.world_size, rank=env.rank)
+    built[:] = [dataclasses.replace(base, ep=ep)]  # the models shard over its groups
+    if not ep.enabled:
+        return "off (each rank's forwards gather every expert)"
+    groups = env.world_size // e
+    return f"{groups} groups of {e} ranks split each MoE layer's experts"
+
+
+def _expert_parallel_check(cfg: PPOConfig, env: DistEnv, device_gib: float) -> Check:
+    """Routed expert bytes one rank gathers per MoE layer at each expert-parallel size this
+    world and the experts allow, and the smallest size with which every phase fits."""
+
+    def run() -> str:
+        cuda = env.device.type == "cuda"
+        e, per = expert_parallel_fit(cfg, env.world_size, int(device_gib * 2**30), cuda)
+        sizes = ", ".join(f"E={k}: {v / 2**20:.1f} MiB" for k, v in per.items())
+        if e is None:
+            raise RuntimeError(f"experts gathered per MoE layer: {sizes}; no size fits")
+        return f"experts gathered per MoE layer per rank: {sizes}; fits from E={e}"
+
+    return _try("expert parallelism", run)
 
 
 def _all_reduce_str(env: DistEnv) -> str:

@@ -103,13 +103,16 @@ class PhaseTimer:
         out.update({f"memory_reserved/{k}_gib": v for k, v in self.reserved.items()})
         out.update({f"memory_device_used/{k}_gib": v for k, v in self.device_used.items()})
         if self.owners:
-            from fsdp_rlhf.distributed.memory_census import metric_name
-
             for phase, owners in self.owners.items():
                 out.update({metric_name(phase, o): v for o, v in owners.items()})
         self.times, self.memory, self.reserved, self.device_used = {}, {}, {}, {}
         self.owners = {}
         return out
+
+
+def metric_name(phase: str, owner: str) -> str:
+    """``memory_owner/<phase>/<owner>_gib`` (spaces in the owner as ``_``)."""
+    return f"memory_owner/{phase}/{owner.replace(' ', '_')}_gib"
 
 
 def _fmt(v: float) -> str:

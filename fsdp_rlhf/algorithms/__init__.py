@@ -42,6 +42,7 @@ _MODULE_OF = {
     "gae": "advantages",
     "gathered_logprobs": "logprobs",
     "grpo": "advantages",
+    "head_logprobs": "logprobs",
     "ipo_loss": "preference",
     "gspo_loss": "losses",
     "kl_estimate": "kl",

@@ -206,3 +206,181 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int | None = 1024) -> 
     if chunk_size is None:
         chunk_size = max(labels.numel(), 1)
     return gathered_logprobs(logits, labels, with_entropy=True, chunk_size=chunk_size)[1]
+
+
+# ---------------------------------------------------------------- from the final hidden states
+
+
+class _HeadLogProbs(torch.autograd.Function):
+    """Label log-probs (and entropies) of ``rows @ weight.T`` read one block of vocabulary
+    columns at a time, recomputed block by block in backward. See :func:`head_logprobs`."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, index, temperature, with_entropy, entropy_grad, block):
+        rows = _hidden_rows(hidden, index)
+        logp, log_norm, entropy = _head_forward(
+            rows, weight, labels, temperature, with_entropy, block
+        )
+        ctx.save_for_backward(hidden, weight, labels, index, log_norm, entropy)
+        ctx.temperature, ctx.block = temperature, block
+        ctx.entropy_grad = with_entropy and entropy_grad
+        if with_entropy and not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, labels, index, log_norm, entropy = ctx.saved_tensors
+        t, block = ctx.temperature, ctx.block
+        use_entropy = ctx.entropy_grad and grad_entropy is not None
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        rows = _hidden_rows(hidden, index)
+        cd = log_norm.dtype
+        grad_rows = torch.zeros(rows.shape, dtype=cd, device=rows.device) if need_hidden else None
+        grad_weight = torch.zeros_like(weight) if need_weight else None
+        for start in range(0, weight.shape[0], block):
+            stop = min(start + block, weight.shape[0])
+            w = weight[start:stop]
+            # the forward's own logits of this block (the same matmul), as log-probs
+            logp = _block_logits(rows, w, t, cd).sub_(log_norm.unsqueeze(-1))
+            if use_entropy:  # dH/dz = -p (log p + H): gz = p * (-(log p + H) g_H - g_lp)
+                gz = logp.exp()
+                factor = logp.add_(entropy.unsqueeze(-1)).mul_(-grad_entropy.unsqueeze(-1))
+                if grad_logp is not None:
+                    factor.sub_(grad_logp.unsqueeze(-1))
+                gz.mul_(factor)
+                del factor
+            elif grad_logp is not None:  # dlogp/dz = onehot(label) - p
+                gz = logp.exp_().mul_(-grad_logp.unsqueeze(-1))
+            else:
+                gz = logp.zero_()
+            del logp
+            if grad_logp is not None:
+                inside = (labels >= start) & (labels < stop)
+                col = (labels - start).clamp(0, stop - start - 1).unsqueeze(-1)
+                gz.scatter_add_(-1, col, (grad_logp * inside).unsqueeze(-1).to(cd))
+            if t != 1.0:
+                gz.div_(t)
+            gz = gz.to(weight.dtype)
+            if grad_weight is not None:  # one matmul over every position: as nn.Linear's
+                torch.mm(gz.t(), rows, out=grad_weight[start:stop])
+            if grad_rows is not None:
+                grad_rows += gz @ w
+            del gz
+        grad_hidden = None
+        if grad_rows is not None:
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            if index is None:
+                grad_hidden = grad_rows.to(hidden.dtype).view_as(hidden)
+            else:
+                full = torch.zeros(flat.shape, dtype=cd, device=hidden.device)
+                grad_hidden = full.index_add_(0, index, grad_rows).to(hidden.dtype)
+                grad_hidden = grad_hidden.view_as(hidden)
+        return grad_hidden, grad_weight, None, None, None, None, None, None
+
+
+def _hidden_rows(hidden: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """(n, H): the hidden state predicting each label (rows of ``hidden`` at ``index``)."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    return flat if index is None else flat.index_select(0, index)
+
+
+def _block_logits(rows: torch.Tensor, w: torch.Tensor, t: float, cd: torch.dtype) -> torch.Tensor:
+    """(n, v) logits of one vocabulary block, ``/ t``, in the compute dtype (a new tensor)."""
+    z = torch.nn.functional.linear(rows, w)
+    z = z.to(cd) if z.dtype != cd else z
+    return z.div_(t) if t != 1.0 else z
+
+
+def _head_forward(
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    t: float,
+    with_entropy: bool,
+    block: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Online log-sum-exp over vocabulary blocks: (n,) label log-probs, log-normalisers and
+    entropies (or None), each block's logits computed, used and freed on its own."""
+    n, cd, dev = rows.shape[0], _compute_dtype(weight.dtype), rows.device
+    peak = torch.full((n,), float("-inf"), dtype=cd, device=dev)
+    total = torch.zeros(n, dtype=cd, device=dev)  # sum of exp(z - peak)
+    dot = torch.zeros(n, dtype=cd, device=dev) if with_entropy else None  # sum exp(z-peak) z
+    picked = torch.zeros(n, dtype=cd, device=dev)
+    for start in range(0, weight.shape[0], block):
+        stop = min(start + block, weight.shape[0])
+        z = _block_logits(rows, weight[start:stop], t, cd)
+        inside = (labels >= start) & (labels < stop)
+        col = (labels - start).clamp(0, stop - start - 1).unsqueeze(-1)
+        picked = torch.where(inside, z.gather(-1, col).squeeze(-1), picked)
+        new_peak = torch.maximum(peak, z.amax(-1))
+        rescale = (peak - new_peak).exp_()
+        if dot is None:  # z is not needed after: exponentiate it in place
+            total.mul_(rescale).add_(z.sub_(new_peak.unsqueeze(-1)).exp_().sum(-1))
+        else:
+            e = (z - new_peak.unsqueeze(-1)).exp_()
+            total.mul_(rescale).add_(e.sum(-1))
+            dot.mul_(rescale).add_(torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).view(-1))
+            del e
+        peak = new_peak
+        del z
+    log_norm = peak + total.log()
+    entropy = log_norm - dot / total if dot is not None else None
+    return picked - log_norm, log_norm, entropy
+
+
+def head_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    index: torch.Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    block_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`gathered_logprobs` of ``logits = hidden @ weight.T`` without the logits.
+
+    An output layer's (N, V) logits are never materialised, nor their gradient: the
+    vocabulary is read in blocks of columns, all positions at once, with a running
+    log-sum-exp (and entropy) per position; the backward recomputes each block's logits with
+    the same matmul and writes that block's rows of the weight's gradient in one matmul over
+    every position (the precision of ``nn.Linear``'s own backward). What stays alive besides
+    the inputs is (n,) per position; each block's temporaries are about ``CHUNK_ELEMENTS``.
+
+    Args:
+        hidden: (..., H) final hidden states, read as N = prod(...) rows.
+        weight: (V, H) the output layer's weight (no bias).
+        labels, index, temperature, with_entropy, entropy_grad: as :func:`gathered_logprobs`
+            (``index`` picks rows of ``hidden`` instead of rows of logits).
+        block_size: vocabulary columns per block; None: ``CHUNK_ELEMENTS`` / positions.
+
+    Returns:
+        (B, T) log-probs and (B, T) entropies or None; float32 for half-precision weights,
+        otherwise ``weight.dtype``. Differentiable with respect to ``hidden`` and ``weight``.
+    """
+    if index is None and hidden.shape[:-1] != labels.shape:
+        shapes = f"hidden {tuple(hidden.shape)}, labels {tuple(labels.shape)}"
+        raise ValueError(f"{shapes}: hidden states do not match the labels")
+    if index is not None and index.shape != labels.shape:
+        raise ValueError(f"index {tuple(index.shape)} does not match labels {tuple(labels.shape)}")
+    if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight {tuple(weight.shape)} is not (V, {hidden.shape[-1]})")
+    if block_size is None:
+        block_size = max(1, CHUNK_ELEMENTS // max(labels.numel(), 1))
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    flat_index = None if index is None else index.reshape(-1)
+    logp, entropy = _HeadLogProbs.apply(
+        hidden,
+        weight,
+        labels.reshape(-1),
+        flat_index,
+        float(temperature),
+        with_entropy,
+        entropy_grad,
+        block_size,
+    )
+    shape = labels.shape
+    return logp.view(shape), entropy.view(shape) if entropy is not None else None

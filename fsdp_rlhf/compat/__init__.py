@@ -25,29 +25,62 @@ from fsdp_rlhf.compat.rules import (
     split_flags,
     translate_with,
 )
+from fsdp_rlhf.config_base import Flag, join_flags
 
-# Expert parallelism as other trainers and vLLM spell it (DeepSpeed-MoE's ep_size, Megatron's
-# expert model/tensor parallel sizes, vLLM's --enable-expert-parallel, verl's and NeMo-RL's
-# config keys written as flags). OpenRLHF has none. Refused for every command.
-EXPERT_PARALLEL = Refuse(
-    "expert parallelism is not implemented: FSDP2 shards each layer's fused expert tensors "
-    "along the expert dimension over all ranks and gathers them for the layer's forward, and "
-    "each vLLM engine holds every expert of its tensor-parallel slice",
-    "drop the flag (docs/models.md#mixture-of-experts)",
-)
-EXPERT_PARALLEL_FLAGS = (
+# Expert parallelism as other trainers spell it: DeepSpeed-MoE's ep_size, Megatron's expert
+# model parallel size, Molt's --fsdp.ep_size, verl's FSDP-Turbo key and NeMo-RL-style keys
+# written as flags. OpenRLHF has none. All become --expert_parallel_size for every command.
+EXPERT_PARALLEL_SPELLINGS = (
     "ep_size",
     "moe_ep_size",
-    "expert_parallel_size",
     "expert_model_parallel_size",
-    "expert_tensor_parallel_size",
-    "enable_expert_parallel",
-    "vllm_enable_expert_parallel",
     "ds.ep_size",
     "ds.expert_parallel_size",
-    "vllm.enable_expert_parallel",
+    "fsdp.ep_size",
     "actor.expert_model_parallel_size",
+    "fsdp_config.turbo_config.distributed.expert_parallel_size",
+    "actor.fsdp_config.turbo_config.distributed.expert_parallel_size",
 )
+# What stays refused: experts split inside (tensor parallelism of each expert) and vLLM's own
+# expert parallelism for the engine.
+EXPERT_TENSOR_PARALLEL = Refuse(
+    "expert tensor parallelism is not implemented: each expert's weights stay whole on the "
+    "ranks of its expert group (FSDP2 shards them between steps)",
+    "drop the flag, or set it to 1; --expert_parallel_size splits the experts themselves "
+    "(docs/models.md#expert-parallelism)",
+)
+ENGINE_EXPERT_PARALLEL = Refuse(
+    "vLLM's expert parallelism is not used: each engine holds every expert of its "
+    "tensor-parallel slice (docs/models.md#expert-parallelism)",
+    "drop the flag; --expert_parallel_size splits the experts in training",
+)
+EXPERT_PARALLEL_REFUSED = {
+    "expert_tensor_parallel_size": EXPERT_TENSOR_PARALLEL,
+    "enable_expert_parallel": ENGINE_EXPERT_PARALLEL,
+    "vllm_enable_expert_parallel": ENGINE_EXPERT_PARALLEL,
+    "vllm.enable_expert_parallel": ENGINE_EXPERT_PARALLEL,
+}
+EXPERT_PARALLEL_FLAGS = (*EXPERT_PARALLEL_SPELLINGS, *EXPERT_PARALLEL_REFUSED)
+
+
+def _expert_parallel(argv: Sequence[str]) -> Translation:
+    """Other trainers' expert-parallel spellings -> ``--expert_parallel_size``; the rest of
+    them refused by name (an expert tensor-parallel size of 1 is what happens anyway)."""
+    flags, notes = [], []
+    for flag in split_flags(argv):
+        name = flag.name
+        if name == "expert_tensor_parallel_size" and flag.values == ("1",):
+            notes.append(f"{flag.text()}: accepted, each expert's weights stay whole")
+            continue
+        if name in EXPERT_PARALLEL_REFUSED:
+            rule = EXPERT_PARALLEL_REFUSED[name]
+            raise refusal(flag, rule.why, rule.instead)
+        if name in EXPERT_PARALLEL_SPELLINGS:
+            given = flag.text()
+            flag = Flag("--expert_parallel_size", flag.values, flag.inline)
+            notes.append(f"{given} -> {flag.text()}")
+        flags.append(flag)
+    return Translation(join_flags(flags), notes)
 
 
 def table_of(command: str) -> Table | None:
@@ -58,13 +91,12 @@ def table_of(command: str) -> Table | None:
 
 def translate(command: str, argv: Sequence[str]) -> Translation:
     """``argv`` with every foreign flag of ``command`` replaced by canonical flags."""
-    for flag in split_flags(argv):
-        if flag.name in EXPERT_PARALLEL_FLAGS:
-            raise refusal(flag, EXPERT_PARALLEL.why, EXPERT_PARALLEL.instead)
+    ep = _expert_parallel(argv)
     table = table_of(command)
     if table is None:
-        return Translation(list(argv))
-    return translate_with(table, argv)
+        return ep
+    out = translate_with(table, ep.argv)
+    return Translation(out.argv, ep.notes + out.notes)
 
 
 def aliases(command: str) -> list[tuple[str, str]]:

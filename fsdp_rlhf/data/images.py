@@ -9,6 +9,11 @@ URLs are fetched only where the network answers: the first URL's host is resolve
 connected to once (a few seconds at most, :func:`network_reaches`), and without an answer the
 run stops at once, naming the row, instead of failing on every image later.
 
+Before anything loads, every image's header is read (:func:`header_problem`: a file's first
+bytes, the first ``URL_HEAD_BYTES`` of a URL): a file PIL cannot identify (random bytes saved
+as .png) or a URL that answers an error (404) is named with its row then, not when a step
+draws it.
+
 Everything here runs before the process group exists (``prepare``) or per step on one rank's
 prompts; PIL is imported where used.
 """
@@ -33,6 +38,7 @@ _BASE64 = re.compile(r"[A-Za-z0-9+/\r\n]+={0,2}")
 _MAGIC = (b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"RIFF", b"BM", b"II*\x00", b"MM\x00*")
 NETWORK_TIMEOUT_S = 3.0
 FETCH_TIMEOUT_S = 30.0
+URL_HEAD_BYTES = 1 << 20  # read of a URL image in the row check: PIL identifies it from the head
 
 
 class ImageError(ValueError):
@@ -102,7 +108,7 @@ def network_reaches(host: str, port: int) -> bool:
 
 
 def ref_problem(ref: Any) -> str | None:
-    """Why one image reference cannot be read (cheap: a path is checked, not decoded)."""
+    """Why one image reference cannot be read (its header is read; the pixels are not)."""
     kind = _kind(ref)
     if kind == "unknown":
         return (
@@ -122,6 +128,38 @@ def ref_problem(ref: Any) -> str | None:
             )
     if kind == "data_uri" and ";base64," not in ref[:100]:
         return "a data URI image must be base64 encoded (data:image/...;base64,...)"
+    return header_problem(ref)
+
+
+def header_problem(ref: Any) -> str | None:
+    """Why PIL cannot identify an image from its header (the pixels are not decoded), or
+    None. A URL's first ``URL_HEAD_BYTES`` are fetched; an HTTP error is named with its code."""
+    from urllib.error import HTTPError, URLError
+
+    from PIL import Image, UnidentifiedImageError
+
+    kind = _kind(ref)
+    try:
+        if kind == "pil":
+            return None
+        if kind == "path":
+            source = ref
+        elif kind == "url":
+            source = io.BytesIO(_fetch(ref, URL_HEAD_BYTES, NETWORK_TIMEOUT_S * 10))
+        elif kind == "bytes":
+            source = io.BytesIO(ref["bytes"] if isinstance(ref, dict) else bytes(ref))
+        else:
+            payload = ref.split(",", 1)[1] if kind == "data_uri" else ref
+            source = io.BytesIO(base64.b64decode(payload, validate=False))
+        with Image.open(source) as im:
+            im.size  # noqa: B018 - the header is parsed on open; size proves it was read
+    except HTTPError as e:
+        return f"image URL {ref}: the server answered {e.code} {e.reason}"
+    except (URLError, TimeoutError) as e:
+        return f"image URL {ref}: cannot be fetched ({getattr(e, 'reason', e)})"
+    except (UnidentifiedImageError, OSError, binascii.Error, ValueError) as e:
+        what = "image file" if kind == "path" else "image"
+        return f"{what} {_short(ref)} is not an image PIL can read ({e})"
     return None
 
 
@@ -199,20 +237,25 @@ def load_images(refs: Sequence[Any]) -> list:
 
 def image_size(ref: Any) -> tuple[int, int]:
     """(height, width) of an image, reading only what its header needs where possible."""
-    from PIL import Image
+    from PIL import Image, UnidentifiedImageError
 
     if _kind(ref) == "path":
-        with Image.open(ref) as im:
-            return im.height, im.width
+        try:
+            with Image.open(ref) as im:
+                return im.height, im.width
+        except (UnidentifiedImageError, OSError) as e:
+            raise ImageError(f"image {_short(ref)}: cannot be read ({e})") from e
     im = load_image(ref)
     return im.height, im.width
 
 
-def _fetch(url: str) -> bytes:
-    from urllib.request import urlopen
+def _fetch(url: str, limit: int = -1, timeout: float = FETCH_TIMEOUT_S) -> bytes:
+    """The body of ``url`` (its first ``limit`` bytes, asked for with a Range header)."""
+    from urllib.request import Request, urlopen
 
-    with urlopen(url, timeout=FETCH_TIMEOUT_S) as response:  # noqa: S310 - http(s) only
-        return response.read()
+    headers = {"Range": f"bytes=0-{limit - 1}"} if limit > 0 else {}
+    with urlopen(Request(url, headers=headers), timeout=timeout) as response:  # noqa: S310
+        return response.read(limit)
 
 
 def _short(ref: Any) -> str:

@@ -23,7 +23,8 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class DistEnv:
-    """Where this process sits in the job."""
+    """Where this process sits in the job (how its work is split: the run's
+    :class:`~fsdp_rlhf.distributed.layout.ParallelLayout`, passed beside it)."""
 
     rank: int
     world_size: int
@@ -92,6 +93,13 @@ def job_position() -> tuple[int, int, int]:
         world,
         int(os.environ.get("LOCAL_WORLD_SIZE", world)),
     )
+
+
+def job_hosts() -> int:
+    """Hosts the whole job spans: its world size over the ranks per node (the launcher's
+    environment; 1 for a lone process)."""
+    _, world, per_node = job_position()
+    return max(1, -(-world // max(1, per_node)))
 
 
 def launched_world_size() -> int:

@@ -13,9 +13,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdp_rlhf.config import FSDPConfig
 from fsdp_rlhf.distributed.collectives import all_reduce, collective_device
+from fsdp_rlhf.distributed.expert_parallel import (
+    ExpertParallel,
+    distribute_experts,
+    routed_experts,
+)
 from fsdp_rlhf.distributed.gloo_comm import all_gather_into, use_p2p_reduce_scatter
 from fsdp_rlhf.distributed.vision_units import tower_in_every_forward, vision_tower
 
@@ -63,6 +69,7 @@ def shard_model(
     cpu_offload: bool = False,
     frozen: bool = False,
     dp_size: int | None = None,
+    ep: ExpertParallel | None = None,
 ) -> nn.Module:
     """Apply ``fully_shard`` to each decoder layer (a VLM's vision blocks included), to a
     VLM's vision tower as a whole (patch embedding and projector: its own unit, gathered only
@@ -81,6 +88,9 @@ def shard_model(
         dp_size: ranks holding different data, when fewer than the mesh's (sequence
             parallelism: a group's ranks compute parts of one micro-batch's gradient, summed
             over the world); ``"mean"`` then divides the sum by it, not by the world size.
+        ep: expert parallelism (``distributed.expert_parallel``): each MoE layer's routed
+            experts are split over its groups and sharded over the ranks holding the same
+            experts, as their own FSDP2 units inside the layers.
     """
     mp = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if bf16 else torch.float32, reduce_dtype=torch.float32
@@ -96,10 +106,11 @@ def shard_model(
     layers = decoder_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__}: no decoder layers found to shard")
+    experts = _shard_experts(model, ep, kwargs)
     for layer in layers:
         fully_shard(layer, **kwargs)
     tower = vision_tower(model)
-    units = [*layers, *([tower] if tower is not None else [])]
+    units = [*experts, *layers, *([tower] if tower is not None else [])]
     if tower is not None:
         fully_shard(tower, **kwargs)
         tower_in_every_forward(model)  # ranks without images still gather the tower
@@ -112,11 +123,30 @@ def shard_model(
         m.register_forward_hook(_reshard_if_no_grad)
     if grad_reduce == "sum":
         set_sum_reduction(model)
-    elif dp_size is not None and dp_size != mesh.size():
-        set_sum_reduction(model, divide_by=dp_size)
+    elif (dp_size is not None and dp_size != mesh.size()) or experts:
+        # expert units reduce over efsdp (W / E ranks) but average over the data ranks too
+        set_sum_reduction(model, divide_by=dp_size or mesh.size())
+    if experts and ep.mesh["efsdp"].size() == 1:
+        # E == W: one rank per expert shard. torch 2.13's FSDP2 divides a one-rank unit's
+        # gradient by the divide factor and, under forced sum reduction, once more after it;
+        # without the forcing (nothing to communicate, so gloo's missing PREMUL_SUM is moot)
+        # it divides once.
+        for m in experts:
+            m.set_force_sum_reduction_for_comms(False)
     if dist.get_backend(mesh.get_group()) == "gloo":
         use_p2p_reduce_scatter(model)
     return model
+
+
+def _shard_experts(model: nn.Module, ep: ExpertParallel | None, kwargs: dict) -> list[nn.Module]:
+    """Under expert parallelism: split every fused experts module over ``ep`` and make it an
+    FSDP2 unit over the ranks holding the same experts; returns those units (none for a dense
+    model, which shards as without expert parallelism)."""
+    units = routed_experts(model) if ep is not None and ep.enabled else []
+    for module in units:
+        distribute_experts(module, ep)
+        fully_shard(module, **{**kwargs, "mesh": ep.mesh["efsdp"]})
+    return units
 
 
 def uses_cpu_offload_policy(adam_offload: bool, device_type: str) -> bool:
@@ -232,19 +262,54 @@ def gather_bucket_bytes(model: nn.Module) -> int:
     return GATHER_BUCKET_BYTES.get(device_type, GATHER_BUCKET_BYTES["cuda"])
 
 
-def _dim0_shard_numel(p: torch.Tensor) -> int | None:
-    """Elements per rank, padded to equal chunks, of an FSDP2-style shard; else None.
+def _row_spans(p: torch.Tensor) -> list[tuple[int, int]] | None:
+    """Rows ``[start, stop)`` of dim 0 that each rank of ``p``'s mesh holds (the mesh's ranks
+    in flattened order) when ``p`` is an FSDP2 shard: ``Shard(0)`` on a 1-D mesh, or an expert
+    tensor of expert parallelism, ``(_StridedShard(0), Shard(0))`` on the 2-D ``(efsdp, ep)``
+    mesh (expert group slice j, then FSDP2's chunk f of it); else None.
 
-    A DTensor placed ``Shard(0)`` on a 1-D mesh holds rows ``[r * c, (r + 1) * c)`` on rank r
-    with ``c = ceil(rows / world)`` (the last ranks shorter or empty): the DTensor contract, so
-    every rank reaches the same answer without communicating.
+    FSDP2 cuts rows into chunks of ``ceil(rows / ranks)`` (the last ranks shorter or empty):
+    the DTensor contract, so every rank reaches the same answer without communicating.
     """
-    if not isinstance(p, DTensor) or p.device_mesh.ndim != 1 or p.ndim == 0:
+    if not isinstance(p, DTensor) or p.ndim == 0 or p.shape[0] == 0:
         return None
-    if tuple(p.placements) != (Shard(0),) or p.shape[0] == 0:
+    mesh, placements, rows = p.device_mesh, tuple(p.placements), p.shape[0]
+    if mesh.ndim == 1 and placements == (Shard(0),):
+        c = -(-rows // mesh.size())
+        return [(min(r * c, rows), min((r + 1) * c, rows)) for r in range(mesh.size())]
+    if mesh.ndim == 2 and len(placements) == 2 and placements[1] == Shard(0):
+        outer = placements[0]
+        F, E = mesh.shape
+        strided = isinstance(outer, _StridedShard) and outer.split_factor == E
+        if not (strided and outer.dim == 0 and rows % E == 0):
+            return None
+        n = rows // E
+        c = -(-n // F)
+        return [
+            (j * n + min(f * c, n), j * n + min((f + 1) * c, n)) for f in range(F) for j in range(E)
+        ]
+    return None
+
+
+def _flat_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    """The process group whose ranks are ``mesh``'s in flattened order, or None."""
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    return dist.group.WORLD if _spans_world(mesh) else None
+
+
+def _spans_world(mesh: DeviceMesh) -> bool:
+    """A 2-D mesh whose flattened ranks are the world's in order (the expert mesh)."""
+    return mesh.mesh.flatten().tolist() == list(range(dist.get_world_size()))
+
+
+def _shard_numel(p: torch.Tensor) -> int | None:
+    """Elements per rank, padded to the largest rank's rows, of an FSDP2-style shard that one
+    all-gather over its mesh's ranks reassembles (:func:`_row_spans`); else None."""
+    spans = _row_spans(p)
+    if spans is None or (p.device_mesh.ndim == 2 and not _spans_world(p.device_mesh)):
         return None
-    chunk = -(-p.shape[0] // p.device_mesh.size())
-    return chunk * (p.numel() // p.shape[0])
+    return max(b - a for a, b in spans) * (p.numel() // p.shape[0])
 
 
 def _mesh_device(mesh: DeviceMesh) -> torch.device:
@@ -253,30 +318,39 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
-def _gather_bucket(
+def gather_bucket(
     bucket: list[tuple[str, DTensor, int]], dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """One all-gather of every shard in ``bucket``, cast to ``dtype`` first; yields full tensors."""
     mesh = bucket[0][1].device_mesh
+    group = _flat_group(mesh)
+    world = group.size()
     total = sum(n for _, _, n in bucket)
-    send = torch.zeros(total, dtype=dtype, device=_mesh_device(mesh))
+    send = local_row(bucket, dtype, total)
+    recv = torch.empty(world * total, dtype=dtype, device=send.device)
+    all_gather_row(recv, send, group)
+    recv = recv.view(world, total)
     offset = 0
-    for _, p, n in bucket:
-        local = p.to_local().detach().reshape(-1)
-        send[offset : offset + local.numel()].copy_(local)
+    for name, p, n in bucket:
+        rows = p.shape[0]
+        width = p.numel() // rows
+        if mesh.ndim == 1:  # rank r's slice holds rows r*c .. r*c + c - 1: stack them
+            full = recv[:, offset : offset + n].reshape(-1, *p.shape[1:])[:rows]
+        else:
+            full = recv.new_empty((rows, width))
+            for r, (a, b) in enumerate(_row_spans(p)):
+                full[a:b] = recv[r, offset : offset + (b - a) * width].view(b - a, width)
+            full = full.view(p.shape)
+        yield name, full
         offset += n
-    recv = torch.empty(mesh.size() * total, dtype=dtype, device=send.device)
-    group = mesh.get_group()
+
+
+def all_gather_row(recv: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """``recv`` (W * n,) = every rank's ``send`` (n,) in rank order (p2p sends on gloo)."""
     if dist.get_backend(group) == "gloo":
         all_gather_into(recv, send, group)
     else:
         dist.all_gather_into_tensor(recv, send, group=group)
-    recv = recv.view(mesh.size(), total)
-    offset = 0
-    for name, p, n in bucket:
-        # Rank r's slice holds rows r*c .. r*c + c - 1: stacking the slices restores row order.
-        yield name, recv[:, offset : offset + n].reshape(-1, *p.shape[1:])[: p.shape[0]]
-        offset += n
 
 
 def iter_full_params(
@@ -290,31 +364,82 @@ def iter_full_params(
 
     FSDP2 shards are gathered in buckets of up to ``bucket_bytes`` with one all-gather each, so
     peak extra memory is about two buckets (or one parameter, when larger), not the model.
+    Shards of another layout (the experts under expert parallelism, on their own 2-D mesh)
+    fill a bucket of their own beside it, gathered over the same ranks: each expert once.
     Every rank must consume the whole iterator: each bucket is a collective.
     ``bucket_bytes`` defaults to ``GATHER_BUCKET_BYTES`` of the device the gathers run on.
     """
+    for bucket in iter_full_buckets(model, dtype, bucket_bytes, include):
+        yield from bucket
+
+
+def iter_full_buckets(
+    model: nn.Module,
+    dtype: torch.dtype | None = None,
+    bucket_bytes: int | None = None,
+    include: Callable[[str], bool] | None = None,
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """:func:`iter_full_params` one gather at a time: the full tensors of each bucket (a
+    parameter that is not an FSDP2 ``Shard(0)`` shard comes alone, gathered the generic way)."""
+    for bucket, out in param_buckets(model, dtype, bucket_bytes, include):
+        if isinstance(bucket, list):
+            yield list(gather_bucket(bucket, out))
+        else:
+            name, p = bucket
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            yield [(name, full.detach().to(out))]
+
+
+ShardBucket = list[tuple[str, DTensor, int]]  # (name, shard, elements per rank, padded)
+
+
+def param_buckets(
+    model: nn.Module,
+    dtype: torch.dtype | None = None,
+    bucket_bytes: int | None = None,
+    include: Callable[[str], bool] | None = None,
+) -> Iterator[tuple[ShardBucket | tuple[str, torch.Tensor], torch.dtype]]:
+    """The parameters in gather order, grouped as :func:`iter_full_params` gathers them:
+    ``(bucket, dtype)`` where ``bucket`` is a list of ``(name, DTensor, elements per rank)``
+    (FSDP2 ``Shard(0)`` shards on one mesh, cast to ``dtype`` together: one all-gather), or a
+    ``(name, parameter)`` pair gathered alone (any other placement). Same on every rank."""
     if bucket_bytes is None:
         bucket_bytes = gather_bucket_bytes(model)
-    bucket: list[tuple[str, DTensor, int]] = []
-    size, key = 0, None
+    # one open bucket per (mesh, placements, dtype): expert shards on the 2-D expert mesh and
+    # the 1-D FSDP2 shards interleave in named_parameters() but gather separately
+    open_buckets: dict[tuple, tuple[ShardBucket, int]] = {}
     for name, p in model.named_parameters():
         if include is not None and not include(name):
             continue
-        n = _dim0_shard_numel(p)
+        n = _shard_numel(p)
         out = dtype or p.dtype
-        nbytes = 0 if n is None else n * p.device_mesh.size() * out.itemsize
-        fits = n is not None and key == (p.device_mesh, out) and size + nbytes <= bucket_bytes
-        if bucket and not fits:
-            yield from _gather_bucket(bucket, key[1])
-            bucket, size = [], 0
         if n is None:  # not an FSDP2 shard: gathered alone, the generic way
-            full = p.full_tensor() if isinstance(p, DTensor) else p
-            yield name, full.detach().to(out)
+            yield (name, p), out
             continue
+        key = (p.device_mesh, tuple(p.placements), out)
+        nbytes = n * p.device_mesh.size() * out.itemsize
+        bucket, size = open_buckets.pop(key, ([], 0))
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket, out
+            bucket, size = [], 0
         bucket.append((name, p, n))
-        size, key = size + nbytes, (p.device_mesh, out)
-    if bucket:
-        yield from _gather_bucket(bucket, key[1])
+        open_buckets[key] = (bucket, size + nbytes)
+    for (*_, out), (bucket, _) in open_buckets.items():
+        yield bucket, out
+
+
+def local_row(bucket: ShardBucket, dtype: torch.dtype, elements: int) -> torch.Tensor:
+    """This rank's shards of ``bucket`` back to back, each padded to its per-rank chunk, cast
+    to ``dtype``, in a zeroed row of ``elements`` (at least the chunks' sum) on the mesh device:
+    what this rank contributes to the bucket's all-gather."""
+    mesh = bucket[0][1].device_mesh
+    send = torch.zeros(elements, dtype=dtype, device=_mesh_device(mesh))
+    offset = 0
+    for _, p, n in bucket:
+        local = p.to_local().detach().reshape(-1)
+        send[offset : offset + local.numel()].copy_(local)
+        offset += n
+    return send
 
 
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -12,10 +12,10 @@ stuck onto a model to learn how the run is laid out.
   (``distributed.sequence_parallel``).
 - ``dp``: data parallelism, ``world / sp`` ranks holding different rows; statistics over the
   global batch reduce on ``data_group`` (one rank per sequence-parallel group).
-- ``ep``: expert parallelism, 1 for now. Its slots are what ``--expert_parallel_size E`` will
-  fill: the E ranks of an expert group that split each MoE layer's experts (tokens go to
-  their experts by all-to-all) and the ranks holding the same experts, over which the expert
-  weights are sharded.
+- ``ep``: expert parallelism (``--expert_parallel_size E``): the E ranks of an expert group
+  split each MoE layer's experts (tokens go to their experts by all-to-all), and the W / E
+  ranks holding the same experts shard the expert weights
+  (``distributed.expert_parallel``).
 - ``split``: under ``--async_train``, the job's training and rollout ranks.
 
 Shapes: W ranks in the default group, N = sp size, W / N data-parallel ranks.
@@ -28,31 +28,9 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from fsdp_rlhf.distributed.expert_parallel import ExpertParallel, new_expert_parallel_groups
 from fsdp_rlhf.distributed.sequence_parallel import SequenceParallel, new_sequence_parallel_groups
 from fsdp_rlhf.distributed.split_world import SplitWorld
-
-
-@dataclass(frozen=True)
-class ExpertParallel:
-    """This rank's expert-parallel groups (size 1: every rank holds every expert).
-
-    Attributes:
-        size: E, ranks that split each MoE layer's experts.
-        rank: this rank's place in its expert group (which E-th of the experts it holds).
-        group: the E ranks of this rank's expert group: tokens are dispatched to their experts
-            and combined back over it.
-        replica_group: the ranks holding the same experts as this one: the expert weights'
-            shards and gradients reduce over it.
-    """
-
-    size: int = 1
-    rank: int = 0
-    group: ProcessGroup | None = None
-    replica_group: ProcessGroup | None = None
-
-    @property
-    def enabled(self) -> bool:
-        return self.size > 1
 
 
 @dataclass(frozen=True)
@@ -110,20 +88,23 @@ def build_layout(
     sequence_parallel_size: int = 1,
     expert_parallel_size: int = 1,
     split: SplitWorld | None = None,
+    device_type: str = "cpu",
 ) -> ParallelLayout:
     """The layout of the default group's world (collective: every rank, once, after the
-    default process group exists; without one, the one-rank layout)."""
-    if expert_parallel_size != 1:
-        raise ValueError(f"expert_parallel_size {expert_parallel_size}: not implemented (use 1)")
+    default process group exists; without one, the one-rank layout). ``device_type``: the
+    expert groups' device mesh's."""
     if not dist.is_initialized():
         if sequence_parallel_size != 1:
             raise RuntimeError("sequence parallelism needs an initialised process group")
+        if expert_parallel_size != 1:
+            raise RuntimeError("expert parallelism needs an initialised process group")
         return ParallelLayout(split=split)
     sp, data = new_sequence_parallel_groups(sequence_parallel_size)
     return ParallelLayout(
         world_size=dist.get_world_size(),
         rank=dist.get_rank(),
         sp=sp,
+        ep=new_expert_parallel_groups(expert_parallel_size, device_type),
         data_group=data,
         split=split,
     )

@@ -42,18 +42,33 @@ rank keeps it whole (the attention inside Ulysses runs whole rows): :func:`atten
 counts the layouts that still pass one (padded rows without sequence parallelism, shared-prompt
 rows); packed rows, flash-attn and Ulysses' padded rows use causal kernels and keep none.
 Logits: only the ``T`` positions that predict a response token (``logits_to_keep``), ``b T V``
-values in the compute dtype; the update keeps them and their gradient, and the log-probs are read
-in fp32 chunks of ``CHUNK_ELEMENTS`` (algorithms.logprobs: a few chunk-sized temporaries, never an
-fp32 copy of the whole).
+values in the compute dtype, counted as kept with their gradient in the update, and read in fp32
+chunks of ``CHUNK_ELEMENTS``. Since issue #45 (finding 9) the trainer computes the log-probs
+inside the output layer from its input (models.head: vocabulary blocks, no logits made) unless
+the model post-processes its logits, so for most models this term is an over-estimate.
 With ``--sequence_parallel_size N`` (Ulysses) each rank holds ``ceil(s / N)`` tokens of every
 sequence: activations and logits per rank divide by N, plus one layer's all-to-all buffers
 (q, k, v and the attention output, exchanged and received: ``4 b s/N (h + 2 kv)`` values); the
 micro-batch ``b`` is per sequence-parallel group. :func:`sequence_parallel_needed` finds the
 smallest N that makes every phase fit.
+With ``--expert_parallel_size E`` (an MoE model's routed experts split over groups of E ranks)
+the shards stay ``1 / W`` of every weight, but what a forward gathers changes: each MoE layer's
+unit holds ``X / L`` expert values (``X`` routed expert parameters in all) of which a rank
+gathers ``X / (L E)`` (its group's experts, from the ``W / E`` ranks holding them), so gathered
+layers, ZeRO<3's whole gathered model and its unsharded gradients count ``X / E`` instead of
+``X``; one layer's token exchange adds its all-to-all buffers, the rows sent to the experts and
+received back in both directions, ``4 b s/N k h`` values (``k`` experts per token).
+:func:`~fsdp_rlhf.distributed.memory_plan.expert_parallel_fit` finds the smallest E that
+makes every phase fit. vLLM's engine holds every expert (docs/models.md#expert-parallelism).
 With ``--rollout_engine hf`` there is no vLLM pool: the engine is an unsharded copy of the actor
 in the compute dtype, resident in every phase. Its rollout adds the larger of the weight sync
 (:func:`hf_sync_bytes`) and generation (:func:`hf_generation`: the KV cache, every step's fp32
 scores, a step's temporaries, one prefill layer), since the sync ends before generation starts.
+With delta weight sync (``--weight_sync delta``) every engine rank keeps a copy of the synced
+weights in the engine dtype in host memory (``distributed.delta_sync``: the mirror, ``N`` values
+per rank, resident in every phase): counted where host memory is the device (CPU jobs,
+``sync_mirror``); on CUDA it is host memory beside the job, not in these phases (``auto`` uses
+full syncs on colocated CUDA jobs).
 Constants marked ASSUMED are not measured yet; the GPU suite (``tests/gpu``) prints the measured
 phase peaks beside this model's estimate, and what the device holds by owner at each phase's
 end (``distributed.memory_census``), to calibrate them.
@@ -93,11 +108,23 @@ class ModelShape:
     vocab: int
     kv_dim: int = 0  # key/value heads x head dim (0: hidden, as without GQA)
     embeddings: int = 2
+    experts: int = 0  # routed expert parameters, all layers (X; 0: dense)
+    num_experts: int = 0  # routed experts per MoE layer
+    top_k: int = 0  # experts per token
 
     @property
     def layer_params(self) -> int:
         embed = self.embeddings * self.vocab * self.hidden
         return max(0, self.params - embed) // max(1, self.layers)
+
+    def gathered_layer_params(self, ep: int = 1) -> int:
+        """One layer as a forward gathers it: its routed experts split ``ep`` ways."""
+        experts = self.experts // max(1, self.layers)
+        return self.layer_params - experts + experts // ep
+
+    def gathered_params(self, ep: int = 1) -> int:
+        """The whole model as a rank gathers it (ZeRO<3): routed experts split ``ep`` ways."""
+        return self.params - self.experts + self.experts // ep
 
     @property
     def root_params(self) -> int:
@@ -106,10 +133,14 @@ class ModelShape:
 
     @staticmethod
     def from_hf_config(
-        config: dict, params: int | None = None, embeddings: int | None = None
+        config: dict,
+        params: int | None = None,
+        embeddings: int | None = None,
+        experts: int | None = None,
     ) -> ModelShape:
         """``embeddings``: the ``V x h`` matrices the checkpoint holds (None: 1 when
-        ``tie_word_embeddings``, else 2)."""
+        ``tie_word_embeddings``, else 2); ``experts``: routed expert parameters (None: from
+        the config, every layer sparse)."""
         h, n_layers = config["hidden_size"], config["num_hidden_layers"]
         inter, vocab = config.get("intermediate_size", 4 * h), config["vocab_size"]
         if embeddings is None:
@@ -118,10 +149,23 @@ class ModelShape:
         kv = config.get("num_key_value_heads") or heads
         # Qwen2/2.5 configs have no head_dim key, others set it to null: one rule for both
         per_head = head_dim({**config, "num_attention_heads": heads})
+        n_experts = next(
+            (int(config[k]) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+             if config.get(k)),
+            0,
+        )  # fmt: skip
+        top_k = int(config.get("num_experts_per_tok") or 0) if n_experts else 0
+        if experts is None and n_experts:  # SwiGLU experts in every layer
+            moe_inter = config.get("moe_intermediate_size") or inter
+            experts = n_layers * n_experts * 3 * h * moe_inter
+        experts = experts or 0
         if params is None:  # Llama-style: q,k,v,o + gate,up,down per layer
             attn = h * heads * per_head * 2 + 2 * h * kv * per_head
-            params = n_layers * (attn + 3 * h * inter) + embeddings * vocab * h
-        return ModelShape(params, n_layers, h, inter, vocab, kv * per_head, embeddings)
+            mlp = 3 * h * inter if not n_experts else n_experts * h  # MoE: the router
+            params = n_layers * (attn + mlp) + experts + embeddings * vocab * h
+        return ModelShape(
+            params, n_layers, h, inter, vocab, kv * per_head, embeddings, experts, n_experts, top_k
+        )
 
 
 @dataclass(frozen=True)
@@ -150,6 +194,10 @@ class JobFlags:
     ema: bool = False  # --enable_ema: fp32 copy of the actor's trainable shards
     cuda_graphs: bool = True  # not --enforce_eager: vLLM keeps a CUDA-graph pool asleep too
     vllm_tp: int = 1  # --vllm_tensor_parallel_size: the engine holds 1/tp of the weights
+    # --weight_sync delta on a CPU job: the mirror of the synced weights (engine dtype, the
+    # whole model on every rank) lives in host memory, which a CPU job's phases count
+    sync_mirror: bool = False
+    expert_parallel: int = 1  # --expert_parallel_size: ranks splitting each MoE layer's experts
 
     @property
     def ema_on_device(self) -> bool:
@@ -238,7 +286,13 @@ def resident_during_rollout(f: JobFlags, actor: ModelShape, frozen: list[ModelSh
     if not f.ref_reward_offload:
         parts["ref/reward shards"] = sum(_frozen_bytes(f) * m.params for m in frozen) // f.world
     parts.update(_ema(f, actor))
+    parts.update(_mirror(f, actor))
     return parts
+
+
+def _mirror(f: JobFlags, actor: ModelShape) -> dict:
+    """Delta sync's copy of the synced weights, resident through every phase."""
+    return {"weight-sync mirror": f.dtype_bytes * actor.params} if f.sync_mirror else {}
 
 
 def _ema(f: JobFlags, actor: ModelShape) -> dict:
@@ -266,7 +320,15 @@ def activation_bytes(f: JobFlags, m: ModelShape, b: int) -> int:
         kept = m.layers * 2 * b * s * m.hidden + 2 * per_layer
     if f.sequence_parallel > 1:  # one layer's q, k, v and output, sent and received (bf16)
         kept += 2 * 2 * b * s * (2 * m.hidden + 2 * (m.kv_dim or m.hidden))
-    return kept
+    return kept + all_to_all_bytes(f, m, b)
+
+
+def all_to_all_bytes(f: JobFlags, m: ModelShape, b: int) -> int:
+    """One MoE layer's token exchange under expert parallelism: each of ``b`` sequences' local
+    tokens goes to its ``k`` experts and comes back, sent and received (bf16); 0 without."""
+    if f.expert_parallel <= 1 or not m.top_k:
+        return 0
+    return 2 * 4 * b * f.local_seq_len * m.top_k * m.hidden
 
 
 def attention_mask_bytes(f: JobFlags, m: ModelShape, b: int, shared_prompts: bool) -> int:
@@ -299,15 +361,17 @@ def _gathered(f: JobFlags, m: ModelShape) -> dict:
     LM-head grad appears first in backward and is reduced last, with the embedding's. Below
     ZeRO-3: every param gathered and the grads accumulated unsharded in fp32 until the last
     micro-batch, then copied group by group into the reduce-scatter input."""
-    group = max(m.root_params, m.layer_params)
+    E = f.expert_parallel
+    layer = m.gathered_layer_params(E)
+    group = max(m.root_params, layer)
     if f.zero_stage >= 3:
         return {
-            "gathered layers": f.dtype_bytes * (2 * m.layer_params + m.root_params),
+            "gathered layers": f.dtype_bytes * (2 * layer + m.root_params),
             "root grads + fp32 reduce-scatter input": (f.dtype_bytes + 4) * group,
         }
     return {
-        "gathered params": f.dtype_bytes * m.params,
-        "unsharded grads": 4 * m.params,
+        "gathered params": f.dtype_bytes * m.gathered_params(E),
+        "unsharded grads": 4 * m.gathered_params(E),
         "fp32 reduce-scatter input": 4 * group,
     }
 
@@ -344,6 +408,7 @@ def update_phase(
     if not f.ref_reward_offload:
         parts["ref/reward shards"] = sum(_frozen_bytes(f) * x.params for x in frozen) // f.world
     parts.update(_ema(f, actor or m))
+    parts.update(_mirror(f, actor or m))
     parts["vllm"] = f.asleep
     if not f.vllm_sleep:
         fix = "--vllm_enable_sleep (vLLM keeps its pool while training)"
@@ -370,7 +435,8 @@ def scoring_phase(
     parts = dict(base)
     if f.ref_reward_offload:  # the scored model is onloaded for its pass
         parts["scored model shard"] = _frozen_bytes(f) * biggest.params // f.world
-    parts["gathered layer + root"] = 2 * (biggest.layer_params + biggest.root_params)
+    layer = biggest.gathered_layer_params(f.expert_parallel)
+    parts["gathered layer + root"] = 2 * (layer + biggest.root_params)
     # the response positions' logits and one chunk's fp32 temporaries
     logits = f.dtype_bytes * b * f.local_response_len * actor.vocab
     parts["logits"] = logits + logprob_chunk_bytes(b * f.local_response_len, actor.vocab)
@@ -378,7 +444,8 @@ def scoring_phase(
         values = dict(base)
         if not f.adam_offload:  # under CPUOffloadPolicy its shard stays on the host
             values["critic fp32 shard"] = 4 * critic.params // f.world
-        values["gathered layer + root"] = 2 * (critic.layer_params + critic.root_params)
+        critic_layer = critic.gathered_layer_params(f.expert_parallel)
+        values["gathered layer + root"] = 2 * (critic_layer + critic.root_params)
         if sum(values.values()) > sum(parts.values()):
             parts = values
     fix = "--micro_rollout_batch_size (lower)"
@@ -489,6 +556,14 @@ def verdict(phases: list[Phase]) -> tuple[bool, str]:
     if not bad:
         return True, "every phase fits: " + "; ".join(p.line() for p in phases)
     return False, "; ".join(f"{p.line()} -> change {p.fix}" for p in bad)
+
+
+def expert_parallel_options(world: int, num_experts: int) -> list[int]:
+    """The ``--expert_parallel_size`` values a job can use: divisors of the world size that
+    divide the experts per layer, ascending (``[1]`` for a dense model)."""
+    if not num_experts:
+        return [1]
+    return [e for e in range(1, world + 1) if world % e == 0 and num_experts % e == 0]
 
 
 def sequence_parallel_options(world: int, heads: int, kv_heads: int) -> list[int]:

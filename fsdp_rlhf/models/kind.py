@@ -33,6 +33,8 @@ class ModelKind:
         router: the class name of its MoE routers (None: dense, or none found).
         linear_attention: it has linear-attention (gated-delta-net) layers.
         vision: a vision-language model's special tokens (None: text-only).
+        patches: a vision-language model's image patching (``vision_config``'s patch,
+            temporal patch and spatial merge sizes and input channels; None: text-only).
     """
 
     path: str
@@ -43,6 +45,7 @@ class ModelKind:
     router: str | None = None
     linear_attention: bool = False
     vision: VisionTokens | None = None
+    patches: tuple[tuple[str, Any], ...] | None = None
 
     @property
     def moe(self) -> bool:
@@ -75,7 +78,17 @@ def kind_from_config(path: str, config: Any, trust_remote_code: bool = False) ->
         router=_router_class(config, trust_remote_code) if experts else None,
         linear_attention=has_linear_attention(config),
         vision=VisionTokens.from_config(config) if is_vision_config(config) else None,
+        patches=_patches(config) if is_vision_config(config) else None,
     )
+
+
+PATCH_KEYS = ("patch_size", "temporal_patch_size", "spatial_merge_size", "in_channels")
+
+
+def _patches(config: Any) -> tuple[tuple[str, Any], ...]:
+    """(key, value) of a VLM's ``vision_config`` patching (:data:`PATCH_KEYS`)."""
+    vision = getattr(config, "vision_config", None)
+    return tuple((key, getattr(vision, key, None)) for key in PATCH_KEYS)
 
 
 def _router_class(config: Any, trust_remote_code: bool) -> str | None:

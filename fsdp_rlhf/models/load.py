@@ -7,7 +7,8 @@ HF's SDPA (non-causal attention over each image's patches) while the language mo
 trainer's attention.
 
 Scalar-head models are HF ``*ForSequenceClassification`` models with ``num_labels=1`` and the
-head named ``score``: the format ``AutoModelForSequenceClassification`` and vLLM load. Reward
+head named ``score``: the format ``AutoModelForSequenceClassification`` and vLLM load (a VLM's:
+``models.vision_head``, the same layout). Reward
 models written by OpenRLHF (head ``value_head``, or any ``--value_head_prefix``) are read too.
 Trainable weights are loaded in fp32 (the master copy; bf16 compute comes from FSDP's mixed
 precision); frozen ones (ref, reward) may be loaded in bf16 via ``dtype``: they have no master
@@ -64,7 +65,9 @@ def attn_implementation(flash_attn: bool, device: torch.device) -> str:
 
 
 def check_model_path(path: str, flag: str) -> None:
-    """Fail early, naming the flag, when a local model folder is missing or not a model."""
+    """Fail early, naming the flag, when a local model folder is missing or not a model, or
+    when one of its safetensors files is cut short or its index names a missing file
+    (:func:`safetensors_problem`: headers only, no weights are read)."""
     if not path:
         raise UserError(f"{flag} is required")
     p = Path(path)
@@ -72,6 +75,56 @@ def check_model_path(path: str, flag: str) -> None:
     if looks_local and not (p / "config.json").is_file():
         what = "does not exist" if not p.exists() else "has no config.json"
         raise UserError(f"{flag} {path}: {what}")
+    if looks_local:
+        problem = safetensors_problem(p)
+        if problem:
+            raise UserError(f"{flag} {path}: {problem}")
+
+
+def safetensors_problem(folder: Path) -> str | None:
+    """Why a model folder's safetensors files cannot be loaded, from their headers (the first
+    8 bytes give the JSON header's length; its ``data_offsets`` say where the tensors end):
+    a file shorter than its header says (a cut-off copy or download), a header that is not
+    JSON, or a file the index names that is not there. None when they look whole."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+        except (OSError, ValueError) as e:
+            return f"{index.name} cannot be read ({e})"
+        for name in sorted(set(weight_map.values())):
+            if not (folder / name).is_file():
+                return f"{index.name} names {name}, which is not in the folder"
+    for f in sorted(folder.glob("*.safetensors")):
+        problem = _safetensors_file_problem(f)
+        if problem:
+            return f"{f.name} {problem}; copy or download it again"
+    return None
+
+
+def _safetensors_file_problem(f: Path) -> str | None:
+    size = f.stat().st_size
+    if size < 8:
+        return f"is cut short ({size} bytes: not even its header's length)"
+    with f.open("rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        if n > size - 8:
+            return f"is cut short: its header alone should be {n} bytes, the file has {size}"
+        try:
+            header = json.loads(fh.read(n))
+        except (UnicodeDecodeError, ValueError):
+            return "is not a safetensors file (its header is not JSON)"
+    if not isinstance(header, dict):
+        return "is not a safetensors file (its header is not a JSON object)"
+    ends = [
+        v["data_offsets"][1]
+        for k, v in header.items()
+        if k != "__metadata__" and isinstance(v, dict) and len(v.get("data_offsets", ())) == 2
+    ]
+    need = 8 + n + max(ends, default=0)
+    if need > size:
+        return f"is cut short: its header puts the tensors' end at byte {need}, the file has {size}"
+    return None
 
 
 def text_config(path: str, trust_remote_code: bool = False):
@@ -81,6 +134,52 @@ def text_config(path: str, trust_remote_code: bool = False):
     quiet_transformers()
     cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     return cfg.get_text_config()
+
+
+def check_expert_parallel(
+    n: int, world_size: int, paths: dict[str, str | None], trust_remote_code: bool = False
+) -> None:
+    """``--expert_parallel_size n`` against the world and each MoE model's experts (``paths``:
+    flag -> model folder; dense models are left as they are), before anything loads: one line
+    naming the numbers. Each MoE model is built empty on the meta device to check that its
+    fused experts are a layout the expert-parallel forward handles. Which models expert
+    parallelism combines with (no MoE model at all, a vision-language MoE) is the rules
+    table's (``fsdp_rlhf.rules``, rows ``expert-parallel-*``)."""
+    if n == 1:
+        return
+    from fsdp_rlhf.distributed.expert_parallel import (
+        expert_parallel_problem,
+        routed_experts,
+        unsupported_experts,
+    )
+    from fsdp_rlhf.hf_config import config_num_experts
+
+    if world_size % n:
+        raise UserError(
+            f"--expert_parallel_size {n} must divide the world size {world_size} "
+            "(torchrun --nproc_per_node x --nnodes)"
+        )
+    for flag, path in paths.items():
+        if not path:
+            continue
+        check_model_path(path, flag)
+        num_experts = config_num_experts(text_config(path, trust_remote_code))
+        if not num_experts:
+            continue  # a dense model beside an MoE actor: sharded as without the flag
+        if problem := expert_parallel_problem(n, world_size, num_experts):
+            raise UserError(f"{problem} ({flag} {path})")
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        odd = [p for m in routed_experts(model) if (p := unsupported_experts(m))]
+        if odd:
+            raise UserError(
+                f"--expert_parallel_size {n}: {flag} {path}: its fused experts {odd[0]} are not "
+                "a layout expert parallelism splits (gate_up_proj and down_proj, no biases; "
+                "use 1)"
+            )
 
 
 def load_tokenizer(
@@ -114,16 +213,19 @@ def is_vision_language(path: str, trust_remote_code: bool = False) -> bool:
     return is_vision_config(config)
 
 
-def _from_config(auto_cls, path: str, dtype: torch.dtype, attn: str, trust: bool, **config_kw):
-    """``auto_cls``'s model for ``path`` on the meta device: shapes, names and ties as
-    ``from_pretrained`` builds them, no storage."""
+def _from_config(auto_cls, path: str, dtype: torch.dtype, attn, trust: bool, **config_kw):
+    """``auto_cls``'s model (an Auto class or a model class) for ``path`` on the meta device:
+    shapes, names and ties as ``from_pretrained`` builds them, no storage."""
     from transformers import AutoConfig, GenerationConfig
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust, **config_kw)
     with torch.device("meta"):
-        model = auto_cls.from_config(
-            config, dtype=dtype, attn_implementation=attn, trust_remote_code=trust
-        )
+        if hasattr(auto_cls, "from_config"):
+            model = auto_cls.from_config(
+                config, dtype=dtype, attn_implementation=attn, trust_remote_code=trust
+            )
+        else:  # a model class (models.vision_head)
+            model = auto_cls._from_config(config, dtype=dtype, attn_implementation=attn)
     if model.can_generate():  # as from_pretrained: the checkpoint's, which an export writes
         with contextlib.suppress(OSError):  # none in the folder: the config's defaults stay
             model.generation_config = GenerationConfig.from_pretrained(path)
@@ -148,10 +250,7 @@ def load_causal_lm(
     trust = backend.trust_remote_code
     auto, what, impl = AutoModelForCausalLM, "causal LM", attn
     if is_vision_language(path, trust):
-        # the vision tower attends over each image's patches without a causal mask
-        tower = "flash_attention_2" if attn == "flash_attention_2" else "sdpa"
-        auto, what = AutoModelForImageTextToText, "vision-language model"
-        impl = {"text_config": attn, "vision_config": tower}
+        auto, what, impl = AutoModelForImageTextToText, "vision-language model", _vlm_attn(attn)
     with reading(what, path):
         if weights:
             model = auto.from_pretrained(
@@ -163,6 +262,13 @@ def load_causal_lm(
     if backend.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def _vlm_attn(attn: str) -> dict[str, str]:
+    """A VLM's attention per part: the trainer's in the language model; the vision tower
+    attends over each image's patches without a causal mask (HF's SDPA or flash-attn)."""
+    tower = "flash_attention_2" if attn == "flash_attention_2" else "sdpa"
+    return {"text_config": attn, "vision_config": tower}
 
 
 def _read_head_weight(path: Path, prefix: str) -> torch.Tensor | None:
@@ -187,43 +293,54 @@ def load_scalar_model(
     weights: bool = True,
 ) -> nn.Module:
     """A ``*ForSequenceClassification`` model with one output, head named ``score``
-    (``weights=False``: the meta-device skeleton).
+    (``weights=False``: the meta-device skeleton). A vision-language checkpoint (causal, or a
+    scalar model saved before) loads as :func:`~fsdp_rlhf.models.vision_head.vision_scalar_class`
+    builds it: the head on the language model, the vision tower kept.
 
     The head comes from the checkpoint's ``score.weight``, else ``<value_head_prefix>.weight``
     (OpenRLHF layout), else it is initialised N(0, 1/(H+1)) when ``init_head_if_missing``.
     """
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from fsdp_rlhf.models.vision_head import vision_scalar_class
 
     quiet_transformers()
     attn = attn_implementation(backend.flash_attn, device)
     trust = backend.trust_remote_code
-    auto = AutoModelForSequenceClassification
+    auto, what, impl = AutoModelForSequenceClassification, "scalar-head model", attn
+    if is_vision_language(path, trust):
+        with reading("model config", path):
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
+        auto, impl = vision_scalar_class(config), _vlm_attn(attn)
+        what = "vision-language scalar-head model"
     info = {"missing_keys": []}
-    with reading("scalar-head model", path):
+    with reading(what, path):
         if weights:
             model, info = auto.from_pretrained(
                 path,
                 num_labels=1,
                 dtype=dtype,
-                attn_implementation=attn,
+                attn_implementation=impl,
                 trust_remote_code=trust,
                 output_loading_info=True,
             )
         else:
-            model = _from_config(auto, path, dtype, attn, trust, num_labels=1)
+            model = _from_config(auto, path, dtype, impl, trust, num_labels=1)
     if "score.weight" in info["missing_keys"]:
         weight = _read_head_weight(Path(path), value_head_prefix) if Path(path).is_dir() else None
         with torch.no_grad():
             if weight is not None:
                 model.score.weight.copy_(weight.reshape_as(model.score.weight))
             elif init_head_if_missing:
-                model.score.weight.normal_(0.0, 1.0 / (model.config.hidden_size + 1))
+                hidden = model.config.get_text_config().hidden_size
+                model.score.weight.normal_(0.0, 1.0 / (hidden + 1))
             else:
                 names = sorted({"score", value_head_prefix})
                 raise UserError(f"{path}: no value head ({' or '.join(names)}) found")
     model.config.use_cache = False
-    if model.config.pad_token_id is None:
-        model.config.pad_token_id = model.config.eos_token_id
+    text = model.config.get_text_config()  # the config itself for a text model
+    if text.pad_token_id is None:
+        text.pad_token_id = text.eos_token_id
     if backend.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_rlhf.distributed.collectives import all_reduce
+from fsdp_rlhf.distributed.expert_parallel import ExpertParallel, is_routed_experts
 from fsdp_rlhf.distributed.sequence_parallel import SequenceParallel
 from fsdp_rlhf.models.inputs import ForwardInputs
 
@@ -83,11 +84,25 @@ def is_router(module: nn.Module) -> bool:
 # ---------------------------------------------------------------- parameters
 
 
+def expert_group_load(counts: torch.Tensor, ep_size: int) -> dict[str, float]:
+    """Tokens per expert group (the experts one rank of an expert-parallel group holds) from
+    one step's (MoE layers, experts) assignment counts over the world: the most (token,
+    expert) pairs one group's experts ran in one layer, and the worst layer's max over mean
+    across the groups (1: even; ``ep_size``: one group ran everything)."""
+    Lm, n = counts.shape
+    groups = counts.reshape(Lm, ep_size, n // ep_size).sum(-1)  # (Lm, ep_size)
+    mean = groups.mean(-1).clamp(min=1e-9)
+    return {
+        "moe/ep_group_tokens_max": float(groups.max()),
+        "moe/ep_group_load_max_mean": float((groups.max(-1).values / mean).max()),
+    }
+
+
 def expert_parameter_names(model: nn.Module) -> list[str]:
     """Parameters of the routed experts (fused (E, ...) tensors of each block's ``experts``)."""
     names = []
     for name, module in model.named_modules():
-        if type(module).__name__.endswith("Experts") and hasattr(module, "num_experts"):
+        if is_routed_experts(module):
             names += [f"{name}.{p}" for p, _ in module.named_parameters(recurse=False)]
     return names
 
@@ -97,7 +112,7 @@ def never_adapted(model: nn.Module) -> list[str]:
     expert's gate (Qwen2-MoE's ``shared_expert_gate``, an (1, H) ``nn.Linear``)."""
     out = []
     for name, module in model.named_modules():
-        routed = type(module).__name__.endswith("Experts") and hasattr(module, "num_experts")
+        routed = is_routed_experts(module)
         if routed or _looks_like_router(module) or name.endswith("shared_expert_gate"):
             out.append(name)
     return out
@@ -113,7 +128,7 @@ def active_parameters(model: nn.Module) -> tuple[int, int]:
     top_k = int(routers[0].top_k)
     inactive = 0
     for module in model.modules():
-        if type(module).__name__.endswith("Experts") and hasattr(module, "num_experts"):
+        if is_routed_experts(module):
             experts = sum(p.numel() for p in module.parameters(recurse=False))
             inactive += experts * (module.num_experts - top_k) // module.num_experts
     return total, total - inactive
@@ -172,13 +187,19 @@ def _local_slice(x: torch.Tensor, sp: SequenceParallel, fill: int) -> torch.Tens
 
 class MoEHooks:
     """Router hooks of one model (see the module docstring). ``None`` from :meth:`attach` for
-    a dense model. ``sp``: the sequence-parallel layout the model's forwards are split over."""
+    a dense model. ``sp``: the sequence-parallel layout the model's forwards are split over;
+    ``ep``: the expert-parallel groups its experts are split over (for the load per group)."""
 
     def __init__(
-        self, model: nn.Module, routers: list[nn.Module], sp: SequenceParallel | None = None
+        self,
+        model: nn.Module,
+        routers: list[nn.Module],
+        sp: SequenceParallel | None = None,
+        ep: ExpertParallel | None = None,
     ) -> None:
         self.routers = routers
         self.sp = sp if sp is not None and sp.enabled else None
+        self.ep_size = ep.size if ep is not None else 1
         self.num_experts = int(routers[0].num_experts)
         self.top_k = int(routers[0].top_k)
         self._kinds = [ROUTERS[type(r).__name__] for r in routers]
@@ -190,9 +211,14 @@ class MoEHooks:
             router.register_forward_hook(self._hook(slot))
 
     @classmethod
-    def attach(cls, model: nn.Module, sp: SequenceParallel | None = None) -> MoEHooks | None:
+    def attach(
+        cls,
+        model: nn.Module,
+        sp: SequenceParallel | None = None,
+        ep: ExpertParallel | None = None,
+    ) -> MoEHooks | None:
         routers = moe_routers(model)
-        return cls(model, routers, sp) if routers else None
+        return cls(model, routers, sp, ep) if routers else None
 
     @property
     def num_layers(self) -> int:
@@ -344,6 +370,8 @@ class MoEHooks:
         return self.num_experts * (assigned / rows * (prob_sum / rows)).sum()
 
     def pop_metrics(self, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+        # Under expert parallelism the counts are still those of every rank's routers: the
+        # world's tokens, whichever rank's experts ran them.
         """The step's ``moe/*`` metrics over all ranks (collective), then reset."""
         t = self._totals
         parts = [t["counts"].flatten(), t["entropy"], t["tokens"]]
@@ -360,6 +388,8 @@ class MoEHooks:
         out = {f"moe/expert_load_max_mean/layer_{i}": v for i, v in enumerate(load)}
         out["moe/expert_load_max_mean"] = max(load)
         out["moe/router_entropy"] = float((entropy / tokens.clamp(min=1)).mean())
+        if self.ep_size > 1:
+            out.update(expert_group_load(counts, self.ep_size))
         if float(replayed) > 0:
             out["moe/router_replay_agreement"] = float(agree / replayed)
         return out

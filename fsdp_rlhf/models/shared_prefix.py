@@ -142,25 +142,23 @@ def share_prompts(
     )
 
 
-def shared_prompt_logits(
-    model: nn.Module, rows: SharedPromptRows
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits of the shared rows and where each response token's prediction sits in them.
+def shared_prompt_inputs(rows: SharedPromptRows) -> tuple[dict, torch.Tensor]:
+    """The model inputs of the shared rows and where each response token's prediction sits in
+    their logits.
 
     Returns:
-        ``(logits, index)``: (G, 1 + s*T, V) as the model returned them (no copy), and (B, T)
-        row of ``logits.reshape(-1, V)`` predicting each response token, in the padded rows'
-        order (``algorithms.gathered_logprobs`` reads it chunk by chunk).
+        ``(inputs, index)``: the model's keyword arguments (its logits are
+        (G, 1 + s*T, V)), and (B, T) row of ``logits.reshape(-1, V)`` predicting each response
+        token, in the padded rows' order (``models.head.model_logprobs`` reads them).
     """
     # A new prompt length per batch: compiled blocks (models.compile) take it as dynamic from
     # the first call instead of recompiling at the second length.
     torch._dynamo.maybe_mark_dynamic(rows.prompt_mask, 3)
     torch._dynamo.maybe_mark_dynamic(rows.response_mask, 3)
-    logits = model(**rows.model_inputs()).logits  # (G, 1 + s*T, V)
-    G, K = logits.shape[0], logits.shape[1]
-    offsets = torch.arange(G, device=logits.device).view(G, 1, 1) * K
+    G, K = rows.input_ids.shape[0], rows.logits_to_keep
+    offsets = torch.arange(G, device=rows.input_ids.device).view(G, 1, 1) * K
     index = offsets + rows.logit_index.unsqueeze(0)  # (G, s, T)
-    return logits, index.view(G * rows.group_size, rows.response_len)
+    return rows.model_inputs(), index.view(G * rows.group_size, rows.response_len)
 
 
 # ---------------------------------------------------------------- preference pairs

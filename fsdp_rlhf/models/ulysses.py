@@ -13,7 +13,8 @@ share. Activations, logits and the attention's q/k/v per rank shrink N-fold; the
 FSDP2's shards as before.
 
 Outputs are read on the slices and combined once per forward: log-probs and entropies of the
-positions each rank holds (chunked, ``models.forward.logprobs_at``) are summed over the group
+positions each rank holds (from the output layer's input, ``models.forward.logprobs_at``
+and ``models.head``) are summed over the group
 (each entry lives on one rank), values are all-gathered along the sequence. Both backward
 passes hand each rank the gradient of its own entries (every rank computes the same loss), so
 the gradients summed by FSDP equal the unsplit forward's.

@@ -6,6 +6,11 @@ keeps only its TP shard. The shards are gathered in buckets (one all-gather per 
 :func:`fsdp_rlhf.distributed.fsdp.iter_full_params`), so no full state dict is ever
 materialised: peak extra memory is about two buckets, or one parameter larger than a bucket
 (the embedding or LM head). Must be called on every rank.
+
+With a :class:`~fsdp_rlhf.distributed.delta_sync.DeltaSync` (``--weight_sync delta``) the
+buckets carry only what changed since the last sync and the full tensors come from the rank's
+mirror of the synced weights. With ``overlap`` the next bucket is gathered while the engine
+loads this one (:mod:`fsdp_rlhf.distributed.prefetch`).
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fsdp_rlhf.distributed.fsdp import iter_full_params
+from fsdp_rlhf.distributed.delta_sync import DeltaStats, DeltaSync
+from fsdp_rlhf.distributed.fsdp import iter_full_buckets, iter_full_params
+from fsdp_rlhf.distributed.prefetch import StageTimes, staged
 from fsdp_rlhf.models.lora import (
     adapter_file_name,
     is_adapter_param,
@@ -29,14 +36,45 @@ from fsdp_rlhf.rollout.engine import AdapterSpec, RolloutEngine
 
 @dataclass(frozen=True)
 class SyncStats:
-    """One weight sync: bytes sent into the engine and wall time (gathers included)."""
+    """One weight sync: bytes sent into the engine and wall time (gathers included).
+
+    ``wire_bytes``: what this rank's gathers received (a full sync: the full tensors; a delta
+    sync: the encoded changes of every rank); ``changed_frac``: the share of elements that
+    differ from the last sync (None: not compared, as in a full sync); ``gather_s``: time
+    spent making the buckets (gathers, or comparing, exchanging, applying and checking);
+    ``wait_s``: time the engine waited for the next bucket (all of ``gather_s`` without
+    overlap, what the overlap did not hide with it).
+    """
 
     bytes: int
     seconds: float
+    wire_bytes: int = 0
+    changed_frac: float | None = None
+    gather_s: float = 0.0
+    wait_s: float = 0.0
+    delta: DeltaStats | None = None
 
     @property
     def bytes_per_s(self) -> float:
         return self.bytes / self.seconds if self.seconds > 0 else float("inf")
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        """The sync's metrics, ``{prefix}/weight_sync_*``."""
+        out = {
+            f"{prefix}/weight_sync_gbps": self.bytes_per_s / 1e9,
+            f"{prefix}/weight_sync_bytes": float(self.bytes),
+            f"{prefix}/weight_sync_wire_bytes": float(self.wire_bytes),
+            f"{prefix}/weight_sync_s": self.seconds,
+            f"{prefix}/weight_sync_gather_s": self.gather_s,
+            f"{prefix}/weight_sync_wait_s": self.wait_s,
+        }
+        if self.changed_frac is not None:
+            out[f"{prefix}/weight_sync_changed_frac"] = self.changed_frac
+        if self.delta is not None:  # only with delta_sync.MEASURE_BLOCKS (benchmarks)
+            for size, n in self.delta.blocks.items():
+                total = self.delta.block_total[size]
+                out[f"{prefix}/weight_sync_blocks{size}_frac"] = n / total if total else 0.0
+        return out
 
 
 def hf_param_name(name: str) -> str:
@@ -80,12 +118,32 @@ def stream_actor_weights(
 
     Collective: every rank must consume the whole iterator, in step.
     """
+    for bucket in actor_buckets(actor, dtype, skip):
+        yield from bucket
+
+
+def actor_buckets(
+    actor: nn.Module,
+    dtype: torch.dtype,
+    skip: Callable[[str], bool] | None = None,
+    delta: DeltaSync | None = None,
+    stats: DeltaStats | None = None,
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """:func:`stream_actor_weights` one gather bucket at a time; with ``delta``, the buckets
+    synced by delta (their full tensors from the rank's mirror; ``stats`` filled)."""
     alias = tied_head_alias(actor)
-    for name, tensor in iter_full_params(actor, dtype, include=_kept(skip)):
-        hf_name = hf_param_name(name)
-        yield hf_name, tensor
-        if hf_name in alias:
-            yield alias[hf_name], tensor
+    if delta is None:
+        source = iter_full_buckets(actor, dtype, include=_kept(skip))
+    else:
+        source = delta.buckets(actor, dtype, _kept(skip), stats=stats)
+    for bucket in source:
+        named = []
+        for name, tensor in bucket:
+            hf_name = hf_param_name(name)
+            named.append((hf_name, tensor))
+            if hf_name in alias:
+                named.append((alias[hf_name], tensor))
+        yield named
 
 
 def stream_merged_weights(
@@ -140,19 +198,61 @@ def sync_weights(
     dtype: torch.dtype,
     lora_scaling: float | None = None,
     skip: Callable[[str], bool] | None = None,
+    *,
+    delta: DeltaSync | None = None,
+    overlap: bool = False,
 ) -> SyncStats:
     """Wake the engine's weights, stream the actor into it (with its LoRA adapters merged in
     when ``lora_scaling`` is given; without the parameters ``skip`` names, which never
     change), then wake its KV cache.
 
-    The KV cache comes back only after the sync so it never coexists with the gathered tensors
-    (the colocated OOM pattern). Returns bytes and seconds of the whole step.
+    ``delta``: sync by delta (not with ``lora_scaling``); ``overlap``: gather the next bucket
+    while the engine loads this one. The KV cache comes back only after the sync so it never
+    coexists with the gathered tensors (the colocated OOM pattern). Returns bytes and seconds
+    of the whole step.
     """
-    if lora_scaling is None:
-        weights = stream_actor_weights(actor, dtype, skip)
+    stats = DeltaStats()
+    if lora_scaling is not None:
+        if delta is not None:
+            raise ValueError("delta sync of merged LoRA weights is not supported")
+        buckets = ([w] for w in stream_merged_weights(actor, dtype, lora_scaling, skip))
     else:
-        weights = stream_merged_weights(actor, dtype, lora_scaling, skip)
-    return _timed_load(engine, lambda: engine.update_weights(weights))
+        buckets = actor_buckets(actor, dtype, skip, delta, stats)
+    times = StageTimes()
+    device = _param_device(actor)
+    wire = [0]
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        for bucket in staged(buckets, times, overlap=overlap, device=device):
+            if delta is None:
+                wire[0] += _unique_bytes(bucket)
+            yield from bucket
+
+    out = _timed_load(engine, lambda: engine.update_weights(weights()))
+    return SyncStats(
+        bytes=out.bytes,
+        seconds=out.seconds,
+        wire_bytes=wire[0] if delta is None else stats.gathered_bytes,
+        changed_frac=stats.changed_frac if stats.elements else None,
+        gather_s=times.produce_s,
+        wait_s=times.wait_s,
+        delta=stats if delta is not None else None,
+    )
+
+
+def _unique_bytes(bucket: list[tuple[str, torch.Tensor]]) -> int:
+    """Bytes of a bucket's tensors, a tensor named twice (the tied head) counted once."""
+    unique = {id(t): t for _, t in bucket}
+    return sum(t.numel() * t.element_size() for t in unique.values())
+
+
+def _param_device(model: nn.Module) -> torch.device:
+    """Where the weight sync's gathers put their tensors (the mesh's device)."""
+    p = next(model.parameters())
+    mesh = getattr(p, "device_mesh", None)
+    if mesh is not None and mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return p.device
 
 
 def stream_adapter_weights(

@@ -19,11 +19,13 @@ ALL = (PPO, *OFFLINE)
 FEATURES: dict[str, str] = {
     "async": "`--async_train`",
     "sequence parallel": "`--sequence_parallel_size` > 1",
+    "expert parallel": "`--expert_parallel_size` > 1",
     "router replay": "`--router_replay`",
     "aux loss": "`--aux_loss_coef` > 0",
     "packing": "`--packing_samples`",
     "LoRA": "`--lora_rank` > 0",
     "LoRA adapter sync": "`--lora_rank` with `--lora_sync adapter`",
+    "delta weight sync": "`--weight_sync delta`",
     "multi-turn": "`--env_file` / `--agent_func_path`",
     "critic": "`--advantage_estimator gae` or `--critic_pretrain`",
     "reward model": "`--reward_pretrain`",
@@ -103,6 +105,10 @@ class Refused(UserError):
 
 def sp_size(s: Setting) -> int:
     return s.cfg.fsdp.sequence_parallel_size
+
+
+def ep_size(s: Setting) -> int:
+    return s.cfg.fsdp.expert_parallel_size
 
 
 def is_async(s: Setting) -> bool:

@@ -10,11 +10,11 @@ from fsdp_rlhf.rules.base import (
     ALL,
     DPO,
     PPO,
-    RM,
     SFT,
     Rule,
     actor_moe,
     adapter_sync,
+    ep_size,
     is_async,
     multiturn,
     oversampling,
@@ -39,6 +39,17 @@ ASYNC = [
         ),
         "sequence parallelism is not combined with the split world yet (training ranks in "
         "sequence-parallel groups, rollout ranks apart)",
+        "drop one of them",
+    ),
+    Rule(
+        "async-expert-parallel",
+        ("async", "expert parallel"),
+        (PPO,),
+        when(
+            lambda s: is_async(s) and ep_size(s) > 1,
+            lambda s: f"--expert_parallel_size {ep_size(s)} with --async_train",
+        ),
+        "expert groups are not built over the split world's training ranks yet",
         "drop one of them",
     ),
     Rule(
@@ -189,6 +200,47 @@ SEQUENCE_PARALLEL = [
     ),
 ]
 
+# ---------------------------------------------------------------- expert parallelism
+
+
+def _moe_vlm(s) -> str | None:
+    """``--expert_parallel_size E: FLAG PATH is a vision-language MoE model``, or None."""
+    for flag, kind in s.models.items():
+        if kind.moe and kind.is_vlm:
+            what = f"{flag} {kind.path} is a vision-language MoE model"
+            return f"--expert_parallel_size {ep_size(s)}: {what}"
+    return None
+
+
+def _no_moe(s) -> str | None:
+    """``--expert_parallel_size E: no MoE model to split (FLAG PATH ... are dense)``, or None
+    (no model read yet: the flags alone)."""
+    if not s.models or any(kind.moe for kind in s.models.values()):
+        return None
+    named = ", ".join(f"{flag} {kind.path}" for flag, kind in s.models.items())
+    return f"--expert_parallel_size {ep_size(s)}: no MoE model to split ({named} are dense)"
+
+
+EXPERT_PARALLEL = [
+    Rule(
+        "expert-parallel-vlm",
+        ("expert parallel", "VLM"),
+        ALL,
+        lambda s: _moe_vlm(s) if ep_size(s) > 1 else None,
+        "expert parallelism is not tested with image inputs yet",
+        "use --expert_parallel_size 1",
+    ),
+    Rule(
+        "expert-parallel-needs-moe",
+        ("expert parallel", "MoE"),
+        ALL,
+        lambda s: _no_moe(s) if ep_size(s) > 1 else None,
+        "expert parallelism splits the routed experts of an MoE model's layers",
+        "use --expert_parallel_size 1",
+        needs=True,
+    ),
+]
+
 # ---------------------------------------------------------------- MoE and router replay
 
 
@@ -272,35 +324,59 @@ MOE = [
 
 # ---------------------------------------------------------------- vision-language models
 
-WHY_NO_CRITIC = (
-    "a critic is a value head on the model, and transformers has no *ForSequenceClassification "
-    "class for vision-language models to load or save one"
-)
+
+def _other_family(actor, kind) -> str | None:
+    """How a VLM critic or reward model reads images otherwise than the VLM actor, or None."""
+    if kind.vision != actor.vision:
+        return "names other image tokens than --pretrain (another model family?)"
+    for (key, mine), (_, theirs) in zip(actor.patches or (), kind.patches or (), strict=False):
+        if mine != theirs:
+            return (
+                f"takes other image patches than --pretrain (vision_config.{key} {theirs} != "
+                f"{mine})"
+            )
+    return None
+
+
+def _vlm_scalar_model(flag: str, problem):
+    """``fires`` of a row about the critic or reward model ``flag`` beside a VLM actor."""
+
+    def fires(s) -> str | None:
+        head, kind = vlm_actor(s), s.models.get(flag)
+        if head is None or kind is None:
+            return None
+        found = problem(s.actor, kind)
+        return None if found is None else f"{head}: {flag} {kind.path} {found}"
+
+    return fires
+
+
+def _vlm_scalar_rows(flag: str, feature: str, what: str) -> list[Rule]:
+    """A text-only or other-family critic / reward model (``flag``) beside a VLM actor."""
+    return [
+        Rule(
+            f"vlm-text-{what}",
+            ("VLM", feature),
+            (PPO,),
+            _vlm_scalar_model(flag, lambda a, k: None if k.is_vlm else "is text-only"),
+            "it would score the image placeholders without the images",
+            "pass a vision-language checkpoint (its scalar head goes on the language model, "
+            "docs/vlm.md)",
+        ),
+        Rule(
+            f"vlm-other-family-{what}",
+            ("VLM", feature),
+            (PPO,),
+            _vlm_scalar_model(flag, lambda a, k: _other_family(a, k) if k.is_vlm else None),
+            "it would read the actor's image placeholders and pixel patches otherwise than its own",
+            "pass a checkpoint of the actor's model family",
+        ),
+    ]
+
 
 VLM = [
-    Rule(
-        "vlm-critic",
-        ("VLM", "critic"),
-        (PPO,),
-        vlm_with(
-            lambda s: uses_critic(s) or bool(s.cfg.models.critic_pretrain),
-            lambda s: (
-                "--critic_pretrain"
-                if s.cfg.models.critic_pretrain
-                else f"--advantage_estimator {s.cfg.algo.advantage_estimator}"
-            ),
-        ),
-        WHY_NO_CRITIC,
-        "use --advantage_estimator grpo, rloo, reinforce++ or reinforce++-baseline",
-    ),
-    Rule(
-        "vlm-reward-model",
-        ("VLM", "reward model"),
-        (PPO,),
-        vlm_with(lambda s: bool(s.cfg.models.reward_pretrain), "--reward_pretrain"),
-        "a reward model would have to see the images, and there is no scalar-head format for VLMs",
-        "use a rule reward (--remote_rm_url)",
-    ),
+    *_vlm_scalar_rows("--critic_pretrain", "critic", "critic"),
+    *_vlm_scalar_rows("--reward_pretrain", "reward model", "reward-model"),
     Rule(
         "vlm-packing",
         ("VLM", "packing"),
@@ -334,15 +410,6 @@ VLM = [
         "routing replay is not implemented for vision-language models (their prompts reach "
         "vLLM with the image placeholders collapsed)",
         "drop it",
-    ),
-    Rule(
-        "vlm-reward-model-training",
-        ("VLM", "reward model"),
-        (RM,),
-        vlm_actor,
-        "reward models on VLMs are not implemented (transformers has no sequence-"
-        "classification class for them to load or save a scalar head)",
-        "PPO on a VLM takes a rule reward (--remote_rm_url)",
     ),
     Rule(
         "freeze-visual-encoder-text-model",
@@ -384,18 +451,6 @@ MULTI_TURN = [
         ),
         "the length penalty counts model tokens against one turn's --generate_max_len",
         "drop --overlong_buffer_len",
-    ),
-    Rule(
-        "multi-turn-router-replay",
-        ("multi-turn", "router replay"),
-        (PPO,),
-        when(
-            lambda s: multiturn(s) is not None and s.cfg.moe.router_replay,
-            lambda s: f"--router_replay with {multiturn(s)}",
-        ),
-        "the routing of one sample would span several engine calls, each turn's prompt reusing "
-        "the previous turns from the prefix cache: not assembled yet",
-        "drop --router_replay",
     ),
     Rule(
         "multi-turn-reward-model",
@@ -448,6 +503,18 @@ MULTI_TURN = [
 # ---------------------------------------------------------------- engines, models, the rest
 
 ENGINES_AND_MODELS = [
+    Rule(
+        "delta-weight-sync-lora",
+        ("delta weight sync", "LoRA"),
+        (PPO,),
+        when(
+            lambda s: s.cfg.rollout.weight_sync == "delta" and s.cfg.lora.enabled,
+            "--weight_sync delta with --lora_rank",
+        ),
+        "LoRA syncs only its adapters (--lora_sync adapter) or its merged weights in full "
+        "(--lora_sync merged)",
+        "drop --weight_sync delta",
+    ),
     Rule(
         "lora-hf-engine",
         ("LoRA", "HF engine"),
@@ -623,6 +690,7 @@ DEFAULTS = [
 RULES: list[Rule] = [
     *ASYNC,
     *SEQUENCE_PARALLEL,
+    *EXPERT_PARALLEL,
     *MOE,
     *VLM,
     *MULTI_TURN,

@@ -115,8 +115,13 @@ def launch(
             raise RuntimeError(f"world size {env.world_size} != WORLD_SIZE {world_size}")
     else:
         env, split = init(cfg.guard.dist_timeout_min)
-    parallel = build_layout(cfg.fsdp.sequence_parallel_size, split=split)
-    if parallel.sp.enabled or split is not None:
+    parallel = build_layout(
+        cfg.fsdp.sequence_parallel_size,
+        cfg.fsdp.expert_parallel_size,
+        split=split,
+        device_type=env.device.type,
+    )
+    if parallel.sp.enabled or parallel.ep.enabled or split is not None:
         log.info("parallel layout: %s", parallel.describe())
     # Multi-node: a host that vanishes ends every rank within a bound, not the collective timeout.
     heartbeat = start_heartbeat(
@@ -224,11 +229,12 @@ def prepare_model(
     grad_reduce: str = "mean",
 ) -> nn.Module:
     """Attention kernel (inside Ulysses with ``--sequence_parallel_size``), compiled blocks and
-    FSDP2 shards over all ranks; train or frozen.
+    FSDP2 shards over all ranks (an MoE model's experts split over ``parallel.ep``'s groups); train
+    or frozen.
 
     Args:
-        parallel: the run's parallel layout (its sequence-parallel size and data-parallel
-            degree).
+        parallel: the run's parallel layout (its sequence-parallel size, data-parallel degree
+            and expert-parallel groups).
         packed: micro-batches arrive packed into one row (``--packing_samples``).
         grad_reduce: ``"sum"`` when losses are normalised by a global count (PPO); ``"mean"``
             averages over the data-parallel ranks.
@@ -255,6 +261,7 @@ def prepare_model(
         cpu_offload=trainable and fsdp.adam_offload,
         frozen=not trainable,
         dp_size=parallel.dp_size,
+        ep=parallel.ep,
     )
     if trainable:
         model.train()  # from_pretrained returns eval mode: no dropout, no grad checkpointing

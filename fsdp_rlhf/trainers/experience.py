@@ -152,7 +152,8 @@ def batched_logprobs(
 def batched_values(
     model: nn.Module, exp: Experience, micro: int | MicroBatching, spec: InputSpec
 ) -> torch.Tensor:
-    """(N, T) critic values at the positions that predict each response token."""
+    """(N, T) critic values at the positions that predict each response token (a VLM critic
+    sees each row's images)."""
     out = torch.zeros_like(exp.response_mask)
     for rows, mb in micro_batches(exp, _batching(micro, spec)):
         T = mb.response_len
@@ -166,7 +167,8 @@ def batched_values(
 def batched_scores(
     model: nn.Module, exp: Experience, micro: int | MicroBatching, spec: InputSpec
 ) -> torch.Tensor:
-    """(N,) reward-model scores of prompt + response, read at the last real token."""
+    """(N,) reward-model scores of prompt + response (with its images), read at the last real
+    token."""
     out = torch.zeros(exp.num_sequences, device=exp.input_ids.device)
     for rows, mb in micro_batches(exp, _batching(micro, spec)):
         scores = sequence_scores(model, mb.forward_inputs(spec))

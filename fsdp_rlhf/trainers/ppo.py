@@ -67,7 +67,12 @@ from fsdp_rlhf.trainers.ppo_rewards import (
     observe_kl,
     rule_scores,
 )
-from fsdp_rlhf.trainers.ppo_rollout import RolloutSession, sampling_config, sleep_drops_weights
+from fsdp_rlhf.trainers.ppo_rollout import (
+    RolloutSession,
+    delta_state,
+    sampling_config,
+    sleep_drops_weights,
+)
 from fsdp_rlhf.trainers.ppo_setup import (
     adapter_spec,
     build_ema,
@@ -140,7 +145,7 @@ class PPOTrainer:
         self.models = build_models(cfg, env, tokenizer, parallel)
         # an MoE actor: router replay, routing statistics, the load-balancing loss (each rank
         # routing its slice of every row under sequence parallelism)
-        self.moe = MoEHooks.attach(self.models.actor, self.sp)
+        self.moe = MoEHooks.attach(self.models.actor, self.sp, parallel.ep)
         self.prompts = build_prompts(cfg, rows, tokenizer, self.images)
         # the ranks of a sequence-parallel group draw the same prompts (their data shard)
         self.sampler = PromptSampler(
@@ -192,7 +197,8 @@ class PPOTrainer:
         self.actor_inputs = InputSpec(
             row_layout(self.packed, self.group_size), self.group_size, vision, self.sp
         )
-        self.scalar_inputs = InputSpec(row_layout(self.packed), sp=self.sp)
+        # a VLM actor's critic and reward model are VLMs of its family (rules: vlm-*)
+        self.scalar_inputs = InputSpec(row_layout(self.packed), vision=vision, sp=self.sp)
         self.update_plan = UpdatePlan.from_config(cfg, self.plan, self.group_size, parallel)
         # the no-grad forwards' micro-batches: rows, or a token budget (--use_dynamic_batch)
         # (a token budget per GPU: a sequence-parallel group's micro-batch holds N times it)
@@ -251,6 +257,8 @@ class PPOTrainer:
             adapter=adapter_spec(self.cfg, self.models.actor),
             lora_scaling=merged_lora_scaling(self.cfg),
             unsynced=unsynced_params(self.cfg, self.models.actor),
+            delta=delta_state(self.cfg, self.env.device),
+            overlap=self.cfg.rollout.weight_sync_overlap,
         )
 
     def _trained_models(self) -> common.TrainedModels:
@@ -629,11 +637,12 @@ class PPOTrainer:
 
     def _export(self, model: nn.Module, path, head: str | None = None) -> None:
         """The HF model, or with LoRA its adapter folder (and the merged model if asked); a
-        VLM's processor (image processor, tokenizer, chat template) goes with the actor."""
+        VLM's processor (image processor, tokenizer, chat template) goes with the actor and
+        the critic."""
         m = self.cfg.models
         base = m.pretrain if head is None else (m.critic_pretrain or m.reward_pretrain)
         processor = self.models.tokenizer
-        if self.images is not None and head is None:
+        if self.images is not None:  # a VLM critic's folder loads with the processor too
             processor = self.images.vision.processor
         save_model(model, processor, path, self.cfg.lora, base_path=base, head=head)
 

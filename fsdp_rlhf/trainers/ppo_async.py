@@ -28,15 +28,19 @@ from fsdp_rlhf.config import PPOConfig, async_rollout_ranks
 from fsdp_rlhf.data.prompts import Prompt
 from fsdp_rlhf.distributed import weight_broadcast
 from fsdp_rlhf.distributed.bridge import Bridge, Channel, Patience, PeerLost, PeerSlow
-from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars, job_position
+from fsdp_rlhf.distributed.delta_sync import DeltaSender, DeltaStats
+from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars, job_hosts, job_position
 from fsdp_rlhf.distributed.heartbeat import peer_beats
 from fsdp_rlhf.distributed.layout import ParallelLayout
+from fsdp_rlhf.distributed.prefetch import StageTimes, staged
 from fsdp_rlhf.distributed.split_world import SplitWorld, init_split_world
 from fsdp_rlhf.distributed.weight_broadcast import WeightLink
 from fsdp_rlhf.rollout.weight_sync import (
-    stream_actor_weights,
+    actor_buckets,
+    hf_param_name,
     stream_adapter_weights,
     stream_merged_weights,
+    tied_head_alias,
 )
 from fsdp_rlhf.trainers import common
 from fsdp_rlhf.trainers.experience import Experience
@@ -124,6 +128,10 @@ class AsyncLearner(PPOTrainer):
         self.rollout_samplers_here: dict[int, dict] = {}
         self._batch_samplers: dict[int, dict] = {}
         self._ended = False
+        self.delta_sender = None
+        mode = cfg.weight_sync_mode(env.device.type, job_hosts())
+        if not adapter_sync(cfg) and mode == "delta":
+            self.delta_sender = DeltaSender(full_every=cfg.rollout.weight_sync_full_every)
         super().__init__(cfg, env, prepared, parallel)
         log.info(
             "asynchronous: ranks 0-%d train, %d-%d generate (%d engines x TP %d); batches "
@@ -179,6 +187,9 @@ class AsyncLearner(PPOTrainer):
             times["weight_sync"] = sent.seconds - waited
             moving = max(sent.seconds - waited, 1e-9)
             metrics["async/weight_sync_gbps"] = sent.bytes / moving / 1e9
+            metrics["async/weight_sync_wire_bytes"] = float(sent.bytes)
+            if sent.delta is not None and sent.delta.elements:
+                metrics["async/weight_sync_changed_frac"] = sent.delta.changed_frac
         return metrics
 
     def throughput(self, metrics: dict[str, float]) -> dict[str, float]:
@@ -276,15 +287,28 @@ class AsyncLearner(PPOTrainer):
 
     def publish(self, version: int) -> weight_broadcast.PublishStats:
         """Send the actor's weights as version ``version`` (collective over the training
-        ranks: the gathers)."""
+        ranks: the gathers, made one bucket ahead with --weight_sync_overlap)."""
         self._tell_rollout_ranks({"kind": WEIGHTS, "version": version})
         actor, dtype = self.models.actor, engine_dtype(self.cfg)
+        overlap, times = self.cfg.rollout.weight_sync_overlap, StageTimes()
+        device = self.env.device
+        if self.delta_sender is not None:
+            stats = DeltaStats()
+            deltas = self.delta_sender.deltas(actor, dtype, rename=hf_param_name, stats=stats)
+            return weight_broadcast.publish_delta(
+                self.job.link,
+                staged(deltas, times, overlap=overlap),
+                sender=self.sender,
+                aliases=tied_head_alias(actor),
+                stats=stats,
+            )
         if adapter_sync(self.cfg):
             stream = stream_adapter_weights(actor, dtype)
         elif (scaling := merged_lora_scaling(self.cfg)) is not None:
             stream = stream_merged_weights(actor, dtype, scaling)
         else:
-            stream = stream_actor_weights(actor, dtype)
+            buckets = staged(actor_buckets(actor, dtype), times, overlap=overlap, device=device)
+            stream = (w for bucket in buckets for w in bucket)
         return weight_broadcast.publish(self.job.link, stream, sender=self.sender)
 
     def _receive(self) -> list[BatchPart]:

@@ -35,6 +35,7 @@ from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.data.prompts import Prompt, PromptSampler
 from fsdp_rlhf.distributed import weight_broadcast
 from fsdp_rlhf.distributed.bridge import Channel
+from fsdp_rlhf.distributed.delta_sync import Mirror
 from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars
 from fsdp_rlhf.distributed.signals import GracefulStop
 from fsdp_rlhf.distributed.split_world import group_environment
@@ -127,6 +128,8 @@ class RolloutWorker:
         self.per_rank = b.rollout_batch_size // split.rollout_ranks
         self.version: int | None = None  # the weights in the engine (None: the pretrained)
         self.adapter: AdapterSpec | None = None
+        # the weights last received, for delta syncs (empty until the first one, which is full)
+        self.mirror = Mirror()
         self.stop: GracefulStop | None = None
         self._stop_told = False
         self.header = self._expect_header()
@@ -318,7 +321,7 @@ class RolloutWorker:
         if header["kind"] != WEIGHTS:
             raise RuntimeError(f"unexpected message {header['kind']!r} from training rank 0")
         with self.timer("weight_load"):
-            weights = weight_broadcast.receive(self.job.link)
+            weights = weight_broadcast.receive(self.job.link, self.mirror)
             if not load:
                 for _ in weights:
                     pass

@@ -20,6 +20,14 @@ Downstream, the response is ``[model turn | observation | model turn | ...]`` wi
 ``response_mask``: the estimators skip masked tokens (the next state of a model token is the
 next model token, as verl does), losses and KL average over model tokens only, and the forwards
 attend to every token through ``RolloutOutput.response_attention_mask``.
+
+Router replay (``--router_replay``): every turn's engine call reports the experts it routed
+each position of its sequence (the history in prefill, its model turn in decode) to; the
+trajectory keeps, for each position, the routing of the FIRST call that computed it
+(:meth:`Trajectory.add_routing`). So each model token takes the routing of the turn that
+generated it, and each observation token (and the last token of the turn before it) the
+prefill routing of the next turn's call, which read it first; the trajectory's last token was
+never run through the engine's model and routes for itself in training, as in single-turn.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from fsdp_rlhf.metrics import PhaseTimer
 from fsdp_rlhf.rollout.agent import load_agent
 from fsdp_rlhf.rollout.engine import RolloutOutput, SamplingConfig, pad_token_rows
 from fsdp_rlhf.rollout.env import Environment, NewPrompt, load_environment
+from fsdp_rlhf.rollout.routing import pad_routing
 from fsdp_rlhf.trainers.ppo_metrics import StatCollector
 from fsdp_rlhf.trainers.ppo_rollout import RolloutSession
 
@@ -101,6 +110,8 @@ class Trajectory:
     finish: str = "stop"
     done: bool = False
     slot: int = 0  # its index in the environment's batch
+    # (positions, Lm, k) the engine's experts of positions 0.. (router replay; None: none yet)
+    routing: np.ndarray | None = None
 
     @property
     def length(self) -> int:
@@ -115,6 +126,15 @@ class Trajectory:
         self.versions += versions if versions is not None else [0] * len(ids)
         self.turns += 1
         self.finish = finish
+
+    def add_routing(self, call: np.ndarray) -> None:
+        """One engine call's routing of this trajectory's first ``len(call)`` positions:
+        positions no earlier call computed are taken from it (see the module docstring)."""
+        have = 0 if self.routing is None else len(self.routing)
+        if len(call) < have:
+            raise ValueError(f"an engine call routed {len(call)} positions, {have} already held")
+        new = np.ascontiguousarray(call[have:])
+        self.routing = new if self.routing is None else np.concatenate([self.routing, new])
 
     def add_observation(self, ids: list[int]) -> None:
         self.response += ids
@@ -149,12 +169,14 @@ class MultiTurnRollout:
         self.env, self.tokenizer, self.budget, self.timer = env, tokenizer, budget, timer
         self.observations = ObservationTokens(tokenizer)
         self._versioned = False  # the engine reported token versions (asynchronous training)
+        self._routing_like: torch.Tensor | None = None  # the engine reported routed experts
 
     def run(
         self, generate: Generate, prompts: Sequence[Prompt], sampling: SamplingConfig
     ) -> tuple[RolloutOutput, list[Trajectory]]:
         """``sampling.n`` trajectories per prompt, prompt-major like ``engine.generate``."""
         n = sampling.n
+        self._routing_like = None
         trajs = [
             Trajectory(list(p.ids), [{"role": "user", "content": p.text, "label": p.label}])
             for p in prompts
@@ -199,11 +221,17 @@ class MultiTurnRollout:
     def _add_model_turns(self, live: list[Trajectory], out: RolloutOutput) -> list[str]:
         actions = []
         self._versioned = out.token_versions is not None
+        width = out.prompt_ids.shape[1]  # sequences(): prompts left-padded to this width
+        if out.routed_experts is not None:  # (0, 1, Lm, k): the store's dtype and shape
+            self._routing_like = out.routed_experts[:0, :1]
         for i, t in enumerate(live):
             keep = out.response_mask[i].bool()
             ids = out.response_ids[i][keep].tolist()
             lps = out.engine_logprobs[i][keep].tolist()
             versions = out.token_versions[i][keep].tolist() if self._versioned else None
+            if out.routed_experts is not None:  # positions 0 .. history + turn - 2
+                start = width - t.length
+                t.add_routing(out.routed_experts[i, start : width + len(ids) - 1].numpy())
             t.add_model_turn(ids, lps, out.finish_reasons[i], versions)
             action = self.tokenizer.decode(ids, skip_special_tokens=True)
             t.history.append({"role": "assistant", "content": action})
@@ -255,6 +283,23 @@ class MultiTurnRollout:
             response_mask=loss_mask.reshape(out.response_ids.shape),
             response_attention_mask=out.response_mask,
             token_versions=versions,
+            routed_experts=self._routed_experts(trajs, out),
+        )
+
+    def _routed_experts(self, trajs: list[Trajectory], out: RolloutOutput) -> torch.Tensor | None:
+        """(N, P + T, Lm, k) the trajectories' routing laid out like ``out.sequences()``
+        (None without router replay); a trajectory no call ran (a failed reset) routes for
+        itself everywhere."""
+        like = self._routing_like
+        if like is None:
+            return None
+        empty = like[:, 0].numpy()  # (0, Lm, k)
+        return pad_routing(
+            [t.routing if t.routing is not None else empty for t in trajs],
+            [len(t.prompt_ids) for t in trajs],
+            out.prompt_ids.shape[1],
+            out.response_ids.shape[1],
+            like.dtype,
         )
 
 

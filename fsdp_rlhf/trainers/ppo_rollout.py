@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 from fsdp_rlhf.config import PPOConfig
+from fsdp_rlhf.distributed.delta_sync import DeltaSync
+from fsdp_rlhf.distributed.env import job_hosts
 from fsdp_rlhf.distributed.offload import offload_optimizer
 from fsdp_rlhf.metrics import PhaseTimer
 from fsdp_rlhf.rollout import (
@@ -36,7 +38,9 @@ class RolloutSession:
     when it sleeps, so every wake-up syncs. With ``adapter`` (LoRA) a sync moves only the
     adapters; the engine keeps the base it loaded. With ``lora_scaling`` (LoRA synced merged)
     it moves every weight, the adapted ones with their adapters merged in. ``unsynced``
-    names the parameters no sync sends (a frozen vision tower).
+    names the parameters no sync sends (a frozen vision tower). ``delta``: sync by delta
+    (``--weight_sync delta``; its mirror is built by the first sync, so a resumed run's first
+    sync is full); ``overlap``: gather the next bucket while the engine loads this one.
     """
 
     def __init__(
@@ -52,6 +56,8 @@ class RolloutSession:
         adapter: AdapterSpec | None = None,
         lora_scaling: float | None = None,
         unsynced: Callable[[str], bool] | None = None,
+        delta: DeltaSync | None = None,
+        overlap: bool = False,
     ) -> None:
         self.engine, self.actor, self.actor_optimizer = engine, actor, actor_optimizer
         self.timer, self.device, self.dtype = timer, device, dtype
@@ -59,6 +65,7 @@ class RolloutSession:
         self.adapter = adapter
         self.lora_scaling = lora_scaling  # LoRA synced merged into the base weights
         self.unsynced = unsynced
+        self.delta, self.overlap = delta, overlap
         # the engine loaded the checkpoint the run started from; after a resume (or a first
         # sleep that dropped them) its weights are not the actor's: sync at the first rollout
         self.actor_version, self.engine_version = 0, -1
@@ -98,8 +105,7 @@ class RolloutSession:
                 sync = self._sync()
                 self.engine_version = self.actor_version
                 if metrics is not None:
-                    metrics["rollout/weight_sync_gbps"] = sync.bytes_per_s / 1e9
-                    metrics["rollout/weight_sync_bytes"] = float(sync.bytes)
+                    metrics.update(sync.metrics("rollout"))
             self.engine.wake_up(["kv_cache"])
         yield self.engine
         with self.timer("resharding_to_train"):
@@ -109,7 +115,13 @@ class RolloutSession:
         if self.adapter is not None:
             return sync_adapter(self.actor, self.engine, self.dtype, self.adapter)
         return sync_weights(
-            self.actor, self.engine, self.dtype, self.lora_scaling, skip=self.unsynced
+            self.actor,
+            self.engine,
+            self.dtype,
+            self.lora_scaling,
+            skip=self.unsynced,
+            delta=self.delta,
+            overlap=self.overlap,
         )
 
     def close(self) -> None:
@@ -122,6 +134,13 @@ def sleep_drops_weights(cfg: PPOConfig, device: torch.device) -> bool:
     r = cfg.rollout
     level2 = r.vllm_enable_sleep and r.vllm_sleep_level == 2 and not adapter_sync(cfg)
     return device.type == "cuda" and level2
+
+
+def delta_state(cfg: PPOConfig, device: torch.device) -> DeltaSync | None:
+    """A colocated rank's delta-sync state, or None for a full sync."""
+    if cfg.weight_sync_mode(device.type, job_hosts()) != "delta":
+        return None
+    return DeltaSync(full_every=cfg.rollout.weight_sync_full_every)
 
 
 def adapter_sync(cfg: PPOConfig) -> bool:

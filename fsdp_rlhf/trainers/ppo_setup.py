@@ -37,6 +37,7 @@ from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.models.compile import check_compile_toolchain
 from fsdp_rlhf.models.kind import ModelKind
 from fsdp_rlhf.models.load import (
+    check_expert_parallel,
     check_model_path,
     load_causal_lm,
     load_scalar_model,
@@ -48,13 +49,19 @@ from fsdp_rlhf.models.lora import add_lora, check_target_modules, target_module_
 from fsdp_rlhf.models.lora import scaling as lora_scaling
 from fsdp_rlhf.models.save import check_save_path, recover_interrupted_export
 from fsdp_rlhf.models.shared_prefix import shared_group_size, sharing_blocker
-from fsdp_rlhf.models.vision import VisionTokens, is_vision_param, prepare_policy, vision_prefix
+from fsdp_rlhf.models.vision import (
+    VisionTokens,
+    freeze_vision_tower,
+    is_vision_param,
+    prepare_policy,
+    vision_prefix,
+)
 from fsdp_rlhf.optim import build_optimizer, build_scheduler
 from fsdp_rlhf.rollout import AdapterSpec, HFEngine, RolloutEngine, build_rollout_groups
 from fsdp_rlhf.rollout.agent import load_agent_class
 from fsdp_rlhf.rollout.env import load_environment
 from fsdp_rlhf.rollout.memory_budget import check_device_budget
-from fsdp_rlhf.rules import PPO, check_command, check_flags
+from fsdp_rlhf.rules import PPO, check_command, check_flags, model_paths
 from fsdp_rlhf.trainers.common import load_and_prepare, log_startup
 from fsdp_rlhf.trainers.ppo_rollout import adapter_sync
 from fsdp_rlhf.trainers.ppo_vision import row_check
@@ -229,6 +236,9 @@ def prepare(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any, dict[st
     if cfg.backend.torch_compile:
         check_compile_toolchain()
     _check_rewards(cfg)
+    paths = model_paths(PPO, cfg)
+    trust = cfg.backend.trust_remote_code
+    check_expert_parallel(cfg.fsdp.expert_parallel_size, world_size, paths, trust)
     check_context_length(cfg)
     _check_outputs(cfg)
     vlm = kinds["--pretrain"].is_vlm
@@ -347,6 +357,8 @@ def build_models(cfg: PPOConfig, env: DistEnv, tokenizer, parallel: ParallelLayo
                 value_head_prefix=m.value_head_prefix,
                 weights=weights,
             )
+            if cfg.vision.freeze_visual_encoder and vision_prefix(model) is not None:
+                freeze_vision_tower(model)  # as the actor's: the language model trains
             if cfg.lora.enabled:
                 add_lora(model, cfg.lora, head="score", quiet=not weights)
             return model

@@ -1,9 +1,11 @@
 """PPO with a vision-language actor: the rows' images checked before any model loads, and each
 step's prompts turned into what the engine and the forwards take.
 
-What a vision-language actor does not combine with (a critic, a reward model, packing,
-multi-turn environments, asynchronous training, router replay, sequence parallelism) is refused
-by the rules table (``fsdp_rlhf.rules``, rows ``vlm-*``), before any model loads.
+What a vision-language actor does not combine with (a text-only or other-family critic or
+reward model, packing, multi-turn environments, asynchronous training, router replay, sequence
+parallelism) is refused by the rules table (``fsdp_rlhf.rules``, rows ``vlm-*``), before any
+model loads. A VLM critic or reward model holds its head on the language model
+(``models.vision_head``).
 ``--share_prompt_prefix`` (on by default) is turned off with a log line: the shared prompt pass
 has no image inputs.
 """
@@ -21,6 +23,33 @@ from fsdp_rlhf.models.vision import ImageBatch, ImageInputs, VisionTokens
 from fsdp_rlhf.rollout.engine import PromptImages, RolloutOutput
 
 log = logging.getLogger("fsdp_rlhf")
+
+
+def scalar_model_problem(actor: str, path: str, trust_remote_code: bool) -> str | None:
+    """Why the critic or reward model at ``path`` cannot score a VLM actor's rows, or None."""
+    from transformers import AutoConfig
+
+    from fsdp_rlhf.errors import reading
+    from fsdp_rlhf.models.vision import is_vision_config
+
+    configs = []
+    for p in (actor, path):
+        with reading("model config", p):
+            configs.append(AutoConfig.from_pretrained(p, trust_remote_code=trust_remote_code))
+    mine, theirs = configs
+    if not is_vision_config(theirs):
+        return (
+            "is text-only: it would score the image placeholders without the images; pass a "
+            "vision-language checkpoint (its value head goes on the language model, docs/vlm.md)"
+        )
+    if VisionTokens.from_config(theirs) != VisionTokens.from_config(mine):
+        return "names other image tokens than --pretrain (another model family?)"
+    sizes = ("patch_size", "temporal_patch_size", "spatial_merge_size", "in_channels")
+    for key in sizes:
+        a, b = (getattr(c.vision_config, key, None) for c in (mine, theirs))
+        if a != b:
+            return f"takes other image patches than --pretrain (vision_config.{key} {b} != {a})"
+    return None
 
 
 def row_check(cfg: VisionConfig, input_key: str, text_only: bool):

@@ -16,9 +16,10 @@ same order: branch conditions depend only on the step counter and agreed values.
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 from fsdp_rlhf.config import OfflineBatchPlan, RMConfig
-from fsdp_rlhf.data.preference import PairBatch
+from fsdp_rlhf.data.preference import PairBatch, collate_pairs
 from fsdp_rlhf.distributed.env import DistEnv
 from fsdp_rlhf.distributed.layout import ParallelLayout
 from fsdp_rlhf.models.inputs import InputSpec
@@ -59,9 +60,14 @@ class RMTrainer(OfflineTrainer):
     ):
         plan, data = prepared
         common.write_run_config(cfg, env)
-        model = build_reward_model(cfg, env, data.tokenizer.pad_token_id, parallel)
-        self.inputs = InputSpec(pair_layout(model, cfg.batch, data.model), sp=parallel.sp)
-        super().__init__(cfg, env, plan, data, model, parallel, guard_name="reward model")
+        model = build_reward_model(cfg, env, data.tokenizer.pad_token_id, parallel, data.model)
+        # a VLM's pairs: padded, with images
+        rows = pair_layout(model, cfg.batch, data.model)
+        self.inputs = InputSpec(rows, vision=data.model.vision, sp=parallel.sp)
+        collate = partial(collate_pairs, vision=data.vision)
+        super().__init__(
+            cfg, env, plan, data, model, parallel, collate=collate, guard_name="reward model"
+        )
 
     def update(self, batches: list[PairBatch]) -> dict[str, float]:
         return train_step(
@@ -109,7 +115,7 @@ class RMTrainer(OfflineTrainer):
         --save_hf_ckpt (no eval statistics there: they come from the final evaluation)."""
         return save_model(
             self.model,
-            self.data.tokenizer,
+            self.data.saved_processor,  # a VLM's processor: the folder loads its images
             path,
             self.cfg.lora,
             base_path=self.cfg.model.pretrain,

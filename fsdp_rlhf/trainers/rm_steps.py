@@ -27,7 +27,8 @@ def score_pairs(
     :func:`~fsdp_rlhf.trainers.offline.models.pair_layout`). Returns (B,) chosen and (B,)
     rejected scores (fp32)."""
     ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
-    scores = sequence_scores(model, spec.build(ids, mask))
+    # a VLM's pairs carry their images (padded rows)
+    scores = sequence_scores(model, spec.build(ids, mask, images=batch.images))
     return scores[: batch.num_pairs], scores[batch.num_pairs :]
 
 

@@ -10,6 +10,8 @@ What is measured:
     prefix          the shared prompt prefix on and off, one micro-batch in this process
     dynamic_batch   token-budget micro-batches against fixed-size ones
     logits_memory   peak host memory of one log-prob forward at a real vocabulary size
+    vocab_memory    what a 151,936 / 248,320-token vocabulary adds to a GRPO step's peak
+                    memory per rank, phase by phase, checkouts side by side; run on its own
     sequence_parallel
                     peak memory per rank and step time of one long sequence, SP=1 against SP=2
     memcpy          the weight-sync reference: a plain copy of the same bytes
@@ -20,6 +22,7 @@ What is measured:
 How:
     workload        sizes, the locally built model and the synthetic data both sides read
     launch          one torchrun job observed from outside: step times, peak RSS
+    phase_peaks     the CLI with each phase's own peak memory (anonymous and VmHWM)
     rates           steady-state rates and the statistics the report uses
     machine         CPU, cores, memory, load, library versions
     trl_rm_worker, trl_grpo_worker, trl_offline_worker

@@ -1,5 +1,5 @@
 """The point-to-point reduce-scatter and all-gather used on gloo against gloo's own, on 3
-ranks."""
+ranks (the reduce-scatter's kept receive buffer has a row per peer, not per rank)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ def _compare(rank: int, world: int) -> list[float]:
         diffs.append((out - expected).abs().max().item())
     with pytest.raises(ValueError, match="sums or averages"):
         comm(out, inp, group, dist.ReduceOp.MAX)
+    # the kept receive buffers hold the peers' chunks only: (W - 1) / W of each input
+    assert sorted(tuple(b.shape) for b in comm._recv.values()) == [(world - 1, 5), (world - 1, 7)]
     from fsdp_rlhf.distributed.gloo_comm import all_gather_into
 
     shard = torch.arange(4.0) + 10 * rank

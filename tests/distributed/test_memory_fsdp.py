@@ -205,7 +205,7 @@ def _buckets_under_adam_offload(rank: int, world: int):
     for i in range(3):  # 8 MiB each in fp32
         model.register_parameter(f"w{i}", _offloaded_shard(mesh, 2048))
     buckets = []
-    fsdp._gather_bucket = lambda bucket, dtype: buckets.append([n for n, _, _ in bucket]) or []
+    fsdp.gather_bucket = lambda bucket, dtype: buckets.append([n for n, _, _ in bucket]) or []
     list(fsdp.iter_full_params(model, torch.float32))
     return dict(devices={p.device.type for p in model.parameters()}, buckets=buckets)
 

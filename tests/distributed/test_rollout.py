@@ -136,10 +136,19 @@ def _rollout_checks(rank: int, world: int, model_path: str, tp: int) -> dict:
     res.update(_stop_checks(engine, hf, prompts, _responses(v0)))
     res.update(_sampled_checks(actor, engine, prompts, n=3))
 
-    # one optimizer step with a large lr, then sync into both engines
+    # one optimizer step with a large lr, then sync into both engines; at TP 2 by delta (its
+    # first sync: the mirror filled by the gathers) in 64 KiB buckets, each gathered while
+    # the engine loads the one before (a thread issuing gloo collectives beside vLLM's TP group)
     res.pop("loss").backward()
     opt.step()
-    stats = sync_weights(actor, engine, torch.float32)
+    if tp == 2:
+        from fsdp_rlhf.distributed.delta_sync import DeltaSync
+
+        delta = DeltaSync(bucket_bytes=64 << 10)
+        stats = sync_weights(actor, engine, torch.float32, delta=delta, overlap=True)
+        res["delta_buckets"] = len(delta.mirror.buffers)
+    else:
+        stats = sync_weights(actor, engine, torch.float32)
     hf.update_weights(stream_actor_weights(actor, torch.float32))
     v1, h1 = engine.generate(prompts, greedy), hf.generate(prompts, greedy)
     res.update(
@@ -159,6 +168,7 @@ def _rollout_checks(rank: int, world: int, model_path: str, tp: int) -> dict:
 
 def _assert_rollout(results: list[dict], tied: bool) -> None:
     for rank, r in enumerate(results):
+        assert r.get("delta_buckets", 2) > 1, r  # several buckets: the overlap had work
         n_prompts = len(TEXTS[rank])
         assert r["greedy_vs_hf"], (rank, r)
         assert r["greedy_logprob_gap"] < 1e-3, (rank, r)

@@ -22,7 +22,13 @@ from fsdp_rlhf.testing.synthetic import prompt_rows, write_jsonl
 from fsdp_rlhf.trainers.experience import Experience
 from fsdp_rlhf.trainers.ppo_update import _correction
 from tests.e2e.helpers import REPO, _env, read_metrics, torchrun
-from tests.e2e.test_ppo_cli import PARITY_REWARD, SHORT_REWARD_WITH_PREEMPTION, grpo_flags
+from tests.e2e.test_ppo_cli import (
+    PARITY_REWARD,
+    SHORT_REWARD_WITH_PREEMPTION,
+    check_delta_run,
+    delta_flags,
+    grpo_flags,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.asynchronous]
 
@@ -380,3 +386,28 @@ def test_a_live_but_slow_rollout_rank_is_named_alive_not_gone(tiny_qwen2, data, 
         line,
     ), line
     assert "is gone" not in line, line
+
+
+def test_delta_sync_to_the_rollout_rank_trains_exactly_as_full_sync(tiny_qwen2, data, tmp_path):
+    """20 bf16 GRPO steps, one step off policy: training rank 0 publishes only the changed
+    elements (a full publication every 7th; the rollout rank's mirror checks every bucket's
+    checksum) and the run samples and trains exactly as the one publishing every weight: the
+    rollout rank's engine held the same weights at every step."""
+    steps = 20
+    runs = {}
+    for mode in ("delta", "full"):
+        run = torchrun(["ppo", *delta_flags(tiny_qwen2, data, tmp_path / mode, mode), *ASYNC])
+        assert run.returncode == 0, (mode, run.stderr[-3000:])
+        runs[mode] = read_metrics(tmp_path / mode)
+    delta, full = runs["delta"], runs["full"]
+    assert [r["step"] for r in delta] == [r["step"] for r in full] == list(range(1, steps + 1))
+    same = (
+        "critic/score/mean",
+        "actor/pg_loss",
+        "response_length/mean",
+        "rollout/logprob_diff/max",
+    )
+    for d, f in zip(delta, full, strict=True):
+        assert all(d[k] == f[k] for k in same), (d["step"], {k: (d[k], f[k]) for k in same})
+    # publications after steps 1-19 (the start's is sync 0); the 7th and 14th syncs are full
+    check_delta_run(delta, "async", list(range(1, steps)), [7, 14])

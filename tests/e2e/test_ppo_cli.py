@@ -578,3 +578,74 @@ def test_bad_input_one_line_before_heavy_work(tiny_qwen2, ppo_data, tmp_path, ch
     assert message in lines[0], lines
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_truncated_checkpoint_is_one_line_naming_the_file(tiny_qwen2, ppo_data, tmp_path):
+    """model.safetensors cut in half under --pretrain: one line naming the file, before the
+    engine (or anything else) loads it."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_qwen2, model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    flags = grpo_flags(str(model), ppo_data, tmp_path / "out", 2)
+    proc = run_cli(["ppo", *flags], env={"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, lines
+    assert f"--pretrain {model}: model.safetensors is cut short" in lines[0], lines
+    assert not (tmp_path / "out").exists()
+
+
+def _with(flags: list[str], **values: str) -> list[str]:
+    """``flags`` with ``--name value`` set (replaced where present)."""
+    flags = list(flags)
+    for name, value in values.items():
+        flag = f"--{name}"
+        if flag in flags:
+            flags[flags.index(flag) + 1] = value
+        else:
+            flags += [flag, value]
+    return flags
+
+
+def delta_flags(model: str, data: Path, save: Path, mode: str, steps: int = 20) -> list[str]:
+    """bf16 GRPO at an RL learning rate (a few percent of the engine's bf16 weights change per
+    step), synced by ``mode`` with a full sync every 7th."""
+    base = grpo_flags(model, data, save, steps)
+    small = dict(rollout_batch_size="4", train_batch_size="16", generate_max_len="8")
+    base = _with(base, actor_learning_rate="1e-6", micro_rollout_batch_size="8", **small)
+    return [*base, "--bf16", "--weight_sync", mode, "--weight_sync_full_every", "7"]
+
+
+def check_delta_run(rows: list[dict], prefix: str, synced: list[int], full: list[int]) -> None:
+    """A delta-synced run's sync metrics: the steps ``synced`` synced, ``full`` of them in
+    full; the others compared a few percent of changed elements and carried a fraction of a
+    full sync's bytes."""
+    frac_key, wire_key = f"{prefix}/weight_sync_changed_frac", f"{prefix}/weight_sync_wire_bytes"
+    by_step = {r["step"]: r for r in rows}
+    assert sorted(s for s, r in by_step.items() if wire_key in r) == synced
+    assert sorted(s for s in synced if frac_key not in by_step[s]) == full
+    fracs = [by_step[s][frac_key] for s in synced if s not in full]
+    assert all(0 < frac < 0.2 for frac in fracs), fracs
+    most = max(by_step[s][wire_key] for s in synced)  # a full sync's
+    assert all(by_step[s][wire_key] < most / 3 for s in synced if s not in full)
+
+
+def test_delta_weight_sync_over_20_steps(tiny_qwen2, ppo_data, tmp_path):
+    """20 bf16 GRPO steps synced by delta: every sync's buckets pass their checksums (a
+    mismatch ends the run), the engine's log-probs agree with the trainer's at every step as
+    bf16 allows, and the delta syncs carry a fraction of the bytes. (That the engine holds
+    exactly the fully synced weights: tests/distributed/test_delta_sync.py, and the async
+    run against a fully synced one in test_ppo_async.py.)"""
+    steps = 20
+    run = torchrun(["ppo", *delta_flags(tiny_qwen2, ppo_data, tmp_path / "delta", "delta")])
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = read_metrics(tmp_path / "delta")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    # colocated: step s syncs before its rollout (sync s - 1), the 1st, 8th and 15th in full
+    check_delta_run(rows, "rollout", list(range(1, steps + 1)), [1, 8, 15])
+    for r in rows:
+        assert r["rollout/logprob_diff/max"] < 0.05, r["step"]
+        assert r["rollout/weight_sync_bytes"] == rows[0]["rollout/weight_sync_bytes"]

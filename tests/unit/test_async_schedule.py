@@ -163,3 +163,12 @@ def test_sequence_parallelism_is_refused_with_async_train():
     cfg = _cfg("--async_train", "--vllm_num_engines", "1", "--sequence_parallel_size", "2")
     with pytest.raises(Refused, match="sequence_parallel_size 2 with --async_train"):
         check_flags("ppo", cfg)
+
+
+def test_expert_parallelism_is_refused_with_async_train():
+    from fsdp_rlhf.rules import Refused, check_flags
+
+    cfg = _cfg("--async_train", "--vllm_num_engines", "1", "--expert_parallel_size", "2")
+    with pytest.raises(Refused, match="expert_parallel_size 2 with --async_train") as e:
+        check_flags("ppo", cfg)
+    assert e.value.rule.id == "async-expert-parallel"

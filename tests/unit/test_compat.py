@@ -485,9 +485,33 @@ def test_moe_load_balancing_loss_in_both_dialects():
 
 @pytest.mark.parametrize(
     "flag",
-    ["--ep_size", "--expert-model-parallel-size", "--enable_expert_parallel", "--ds.ep_size"],
+    [
+        "--ep_size",
+        "--expert-model-parallel-size",
+        "--ds.ep_size",
+        "--fsdp.ep_size",  # Molt
+        "--actor.fsdp_config.turbo_config.distributed.expert_parallel_size",  # verl FSDP-Turbo
+        "--expert_parallel_size",  # ours
+    ],
 )
-def test_expert_parallel_flags_are_refused_by_name(flag):
+def test_expert_parallel_spellings_become_expert_parallel_size(flag):
+    for command in ("ppo", "sft", "dpo", "train-rm"):
+        cfg = _cfg(command, flag, "2") if command == "ppo" else None
+        out = translate(command, ["--pretrain", "m", flag, "2"])
+        at = out.argv.index("--expert_parallel_size")
+        assert out.argv[at + 1] == "2" and flag not in out.argv[:at], (command, out.argv)
+        if cfg is not None:
+            assert cfg.fsdp.expert_parallel_size == 2
+        assert bool(out.notes) == (flag != "--expert_parallel_size"), (command, out.notes)
+
+
+@pytest.mark.parametrize(
+    "flag",
+    ["--enable_expert_parallel", "--vllm.enable_expert_parallel", "--expert_tensor_parallel_size"],
+)
+def test_engine_and_expert_tensor_parallel_flags_are_refused_by_name(flag):
     for command in ("ppo", "sft"):
-        with pytest.raises(ConfigError, match=rf"{flag}.*expert parallelism is not implemented"):
+        with pytest.raises(ConfigError, match=rf"{flag}.*expert"):
             translate(command, ["--pretrain", "m", flag, "2"])
+    kept = translate("ppo", ["--pretrain", "m", "--expert_tensor_parallel_size", "1"])
+    assert "--expert_tensor_parallel_size" not in kept.argv and kept.notes

@@ -375,6 +375,78 @@ def test_a_rollout_ranks_engine_is_its_worlds_only_never_sleeps_and_takes_the_ca
     assert rollout.vllm_gpu_memory_utilization == 0.9
 
 
+# Qwen/Qwen3-30B-A3B's config.json (the memory-relevant keys)
+QWEN3_30B_A3B = dict(
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_experts=128,
+    num_experts_per_tok=8,
+    num_hidden_layers=48,
+    vocab_size=151936,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    tie_word_embeddings=False,
+)
+
+
+def test_expert_parallelism_divides_the_gathered_experts_and_adds_the_all_to_all():
+    from fsdp_rlhf.distributed.memory import (
+        ModelShape,
+        activation_bytes,
+        all_to_all_bytes,
+        expert_parallel_options,
+        update_phase,
+    )
+
+    m = ModelShape.from_hf_config(QWEN3_30B_A3B)
+    per_layer = 128 * 3 * 2048 * 768  # routed expert values of one layer
+    assert m.experts == 48 * per_layer and m.params / 1e9 == pytest.approx(30.5, abs=0.2)
+    for e in (1, 2, 8):
+        assert m.gathered_layer_params(e) == m.layer_params - per_layer + per_layer // e
+    f = JobFlags(world=8, device_bytes=H100, zero_stage=3, micro_train_batch_size=2, seq_len=4096)
+    f8 = dataclasses.replace(f, expert_parallel=8)
+    one = update_phase(f, "actor update", m, logits=True, frozen=[])
+    eight = update_phase(f8, "actor update", m, logits=True, frozen=[])
+    saved = one.parts["gathered layers"] - eight.parts["gathered layers"]
+    assert saved == 2 * 2 * (per_layer - per_layer // 8)  # bf16, current + prefetched layer
+    assert all_to_all_bytes(f, m, 2) == 0
+    assert all_to_all_bytes(f8, m, 2) == 2 * 4 * 2 * 4096 * 8 * 2048  # b s k h, 4 buffers
+    assert activation_bytes(f8, m, 2) - activation_bytes(f, m, 2) == all_to_all_bytes(f8, m, 2)
+    assert expert_parallel_options(8, 128) == [1, 2, 4, 8]
+    assert expert_parallel_options(6, 128) == [1, 2]
+    assert expert_parallel_options(8, 0) == [1]
+
+
+def test_the_smallest_expert_parallel_size_that_fits_is_found(tmp_path):
+    """Qwen3-30B-A3B on 8 H100s at ZeRO-2 (every weight gathered, gradients unsharded):
+    the gathered experts do not fit at E=1; the memory model names the smallest E that does,
+    and every smaller E does not fit."""
+    import json
+
+    from fsdp_rlhf.config import PPOConfig
+    from fsdp_rlhf.config_base import build_config
+    from fsdp_rlhf.distributed.memory_plan import expert_parallel_fit, plan_job, plan_job_at
+
+    folder = tmp_path / "qwen3_30b_a3b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**QWEN3_30B_A3B, "model_type": "qwen3_moe"}))
+    argv = ["--pretrain", str(folder), "--remote_rm_url", "r.py", "--bf16", "--adam_offload"]
+    argv += ["--zero_stage", "2", "--vllm_gpu_memory_utilization", "0.3"]
+    argv += ["--gradient_checkpointing", "--micro_train_batch_size", "1"]
+    cfg = build_config(PPOConfig, [*argv, "--generate_max_len", "512"])[0]
+    device = H100
+    assert not verdict(plan_job(cfg, 8, device, cuda=True))[0]
+    e, gathered = expert_parallel_fit(cfg, 8, device, cuda=True)
+    assert sorted(gathered) == [1, 2, 4, 8]
+    assert gathered[1] == 2 * 128 * 3 * 2048 * 768 and gathered[8] == gathered[1] // 8
+    assert e is not None and e > 1, (e, verdict(plan_job(cfg, 8, device, cuda=True))[1])
+    for x in gathered:
+        phases = plan_job_at(cfg, 8, device, True, 1, expert_parallel=x)
+        assert verdict(phases)[0] == (x >= e), (x, verdict(phases)[1])
+
+
 # Qwen2.5-1.5B's shape (tied embeddings), as the GPU suite's memory check builds it
 QWEN25_1_5B = dict(
     hidden_size=1536,
@@ -457,3 +529,28 @@ def test_logprob_chunks_are_no_larger_than_the_logits():
     assert logprob_chunk_bytes(4 * 32, 499) == 4 * 4 * 4 * 32 * 499  # the whole of them
     assert logprob_chunk_bytes(4 * 256, 151936) <= LOGPROB_CHUNK_BYTES
     assert logprob_chunk_bytes(4 * 256, 151936) == 4 * 4 * (2**23 // 151936) * 151936
+
+
+def test_a_cpu_jobs_delta_sync_mirror_is_resident_in_every_phase(tmp_path):
+    """Delta sync keeps the synced weights (engine dtype) on every rank: host memory, which is
+    what a CPU job's phases count; a CUDA job's phases do not hold it, nor does a job synced
+    in full. auto: delta over several hosts, but colocated on CUDA."""
+    from fsdp_rlhf.distributed.memory_plan import model_shape, plan_job
+
+    cfg = _qwen7b_job(tmp_path)
+    actor = model_shape(cfg.models.pretrain)
+    assert cfg.weight_sync_mode("cpu", hosts=2) == "delta"
+    assert cfg.weight_sync_mode("cpu", hosts=1) == cfg.weight_sync_mode("cuda", 2) == "full"
+    for phase in plan_job(cfg, 4, 512 * GIB, cuda=False, hosts=2):
+        assert phase.parts["weight-sync mirror"] == 2 * actor.params, phase.name  # bf16
+    for phase in plan_job(cfg, 8, H100, cuda=True, hosts=2):
+        assert "weight-sync mirror" not in phase.parts, phase.name
+    for one_host in (cfg, _qwen7b_job(tmp_path, "--weight_sync", "full")):
+        assert all(
+            "weight-sync mirror" not in p.parts for p in plan_job(one_host, 2, 512 * GIB, False)
+        )
+    delta = _qwen7b_job(tmp_path, "--weight_sync", "delta")
+    assert all("weight-sync mirror" in p.parts for p in plan_job(delta, 2, 512 * GIB, False))
+    async_job = _qwen7b_job(tmp_path, "--async_train")
+    assert async_job.weight_sync_mode("cuda", 2) == "delta"
+    assert async_job.weight_sync_mode("cuda", 1) == "full"

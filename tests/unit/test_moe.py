@@ -288,3 +288,62 @@ def test_router_replay_with_vllm_tensor_parallelism_is_refused_on_cuda_only(
     assert "--router_replay with --vllm_tensor_parallel_size 2 on CUDA" in line
     assert "first tensor-parallel rank only" in line and "--vllm_tensor_parallel_size 1" in line
     assert "\n" not in line
+
+
+def test_expert_parallel_preflight_names_the_numbers(tiny_qwen2, tiny_qwen3_moe):
+    from fsdp_rlhf.models.load import check_expert_parallel
+
+    both = {"--pretrain": tiny_qwen3_moe, "--reward_pretrain": tiny_qwen2}
+    check_expert_parallel(1, 3, both)  # off: nothing to check
+    check_expert_parallel(2, 4, both)  # the dense reward model shards as before
+    check_expert_parallel(16, 16, both)
+    with pytest.raises(UserError, match="--expert_parallel_size 2 must divide the world size 3"):
+        check_expert_parallel(2, 3, both)
+    with pytest.raises(UserError, match=r"does not divide the model's 16 experts .*--pretrain"):
+        check_expert_parallel(3, 6, both)
+    with pytest.raises(UserError, match="no MoE model to split"):
+        check_expert_parallel(2, 2, {"--pretrain": tiny_qwen2})
+
+
+def test_expert_parallel_refuses_a_vision_language_moe(tmp_path):
+    import json
+
+    from fsdp_rlhf.models.load import check_expert_parallel
+
+    config = {"model_type": "qwen3_vl_moe", "architectures": ["Qwen3VLMoeForConditionalGeneration"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))  # Qwen3-VL-30B-A3B's kind
+    with pytest.raises(UserError, match="is a vision-language MoE model"):
+        check_expert_parallel(2, 2, {"--pretrain": str(tmp_path)})
+
+
+def test_expert_group_load_counts_each_groups_share_of_the_assignments():
+    from fsdp_rlhf.models.moe import expert_group_load
+
+    counts = torch.tensor([[4.0, 4, 4, 4], [6, 2, 0, 0]])  # 2 layers, 4 experts
+    even = expert_group_load(counts[:1], 2)
+    assert even == {"moe/ep_group_tokens_max": 8.0, "moe/ep_group_load_max_mean": 1.0}
+    skewed = expert_group_load(counts, 2)  # layer 1: group 0 ran all 8 assignments
+    assert skewed["moe/ep_group_load_max_mean"] == 2.0
+    assert skewed["moe/ep_group_tokens_max"] == 8.0
+    assert expert_group_load(counts, 4)["moe/ep_group_load_max_mean"] == 3.0  # 6 / mean 2
+
+
+def test_unsupported_fused_experts_are_named():
+    from fsdp_rlhf.distributed.expert_parallel import expert_parallel_problem, unsupported_experts
+
+    class BiasedExperts(torch.nn.Module):  # gpt-oss-like: biases beside the fused weights
+        num_experts = 4
+
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.zeros(4, 8, 4))
+            self.gate_up_proj_bias = torch.nn.Parameter(torch.zeros(4, 8))
+            self.down_proj = torch.nn.Parameter(torch.zeros(4, 4, 4))
+            self.act_fn = torch.nn.SiLU()
+
+    assert "gate_up_proj_bias" in unsupported_experts(BiasedExperts())
+    assert expert_parallel_problem(0, 4, 8) == "--expert_parallel_size 0: must be at least 1"
+    assert expert_parallel_problem(2, 4, 0).endswith(
+        "the model is dense (no routed experts to split)"
+    )
+    assert expert_parallel_problem(4, 8, 16) is None

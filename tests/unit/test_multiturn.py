@@ -250,6 +250,8 @@ def test_config_budgets():
 
     with pytest.raises(Refused, match="--overlong_buffer_len with --env_file e.py"):
         check_flags("ppo", ppo_config("--env_file", "e.py", "--overlong_buffer_len", "4"))
+    # router replay assembles each trajectory's routing from its turns (test below)
+    check_flags("ppo", ppo_config("--env_file", "e.py", "--router_replay"))
 
 
 def test_sample_log_shows_env_turns(tok, tmp_path):
@@ -306,3 +308,49 @@ def test_rank_without_live_trajectories_keeps_generating_with_its_tp_block(
     _, trajs, engine, _ = run(tok, env, max_turns=3)
     assert [len(c) for c in engine.calls] == [4, 0, 0]
     assert all(t.turns == 1 for t in trajs)
+
+
+class RoutingEngine(FakeEngine):
+    """A FakeEngine that reports routed experts as vLLM's adapter does (positions 0 .. L - 2 of
+    each sequence, laid out like ``sequences()``): expert ids ``[call, position % 7]`` in one
+    MoE layer, so each position shows which call routed it."""
+
+    def generate(self, histories, sampling):
+        from fsdp_rlhf.rollout.routing import pad_routing
+
+        out = super().generate(histories, sampling)
+        call = len(self.calls) - 1
+        routing = []
+        for h, n in zip(histories, out.response_mask.sum(-1).tolist(), strict=True):
+            pos = torch.arange(len(h) + int(n) - 1)
+            routing.append(torch.stack([torch.full_like(pos, call), pos % 7], -1)[:, None].numpy())
+        widths = out.prompt_ids.shape[1], out.response_ids.shape[1]
+        lens = [len(h) for h in histories]
+        return RolloutOutput(
+            **{**out.__dict__, "routed_experts": pad_routing(routing, lens, *widths, torch.uint8)}
+        )
+
+
+def test_router_replay_keeps_each_positions_first_call(tok, tmp_path):
+    """Model tokens keep the routing of the turn that generated them, observations (and the
+    model token before them) the next turn's prefill routing; the last token has none."""
+    from fsdp_rlhf.rollout.routing import no_expert
+
+    env = load_environment(write_env(tmp_path, TWO_TURN_ENV), 5.0)
+    runner = MultiTurnRollout(env, tok, TurnBudget(4, 4096, 8), PhaseTimer(torch.device("cpu")))
+    engine = RoutingEngine(tok)
+    ps = [Prompt(ids=[5, 6, 7], text="p0", label="L"), Prompt(ids=[8, 9], text="p1", label="L")]
+    out, trajs = runner.run(engine.generate, ps, SamplingConfig(max_new_tokens=8, n=2, seed=3))
+    exp = experience_from_rollout(out, torch.device("cpu"))
+    assert exp.routed_experts.shape == (*exp.input_ids.shape, 1, 2)
+    P = out.prompt_ids.shape[1]
+    for i, t in enumerate(trajs):
+        p, obs = len(t.prompt_ids), t.mask.count(0)
+        routing = exp.routed_experts[i, P - p : P + len(t.response), 0].long()
+        # call 0: prompt and turn 1 but its last token; call 1: that token, the observation,
+        # turn 2 but its last token (3 model tokens a turn)
+        calls = [0] * (p + 2) + [1] * (1 + obs + 2)
+        assert routing[:-1, 0].tolist() == calls
+        assert routing[:-1, 1].tolist() == [j % 7 for j in range(len(calls))]
+        assert (routing[-1] == no_expert(torch.uint8)).all()
+    assert (exp.routed_experts[0, : P - 3] == no_expert(torch.uint8)).all()  # left padding

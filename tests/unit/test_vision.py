@@ -60,6 +60,41 @@ def test_bad_references_are_named(tmp_path):
     assert "must be a path" in ref_problem(3.5)
 
 
+def _serve(tmp_path):
+    """A local HTTP server over ``tmp_path`` (404 for what is not there); its base URL."""
+    import functools
+    import http.server
+    import threading
+
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    handler.log_message = lambda *a, **k: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def test_unreadable_images_are_named_from_their_header(tmp_path):
+    """Random bytes saved as .png, in every form a row may hold them, and a URL answering 404:
+    each is one line naming the image, found before anything loads (the row check)."""
+    junk = b"\x89PNG" + bytes(range(7, 250)) * 8  # a PNG's first bytes, then none of a PNG
+    (tmp_path / "junk.png").write_bytes(junk)
+    solid_image(COLOURS["red"]).save(tmp_path / "ok.png")
+    encoded = base64.b64encode(junk).decode()
+    refs = (str(tmp_path / "junk.png"), encoded, "data:image/png;base64," + encoded, junk)
+    for ref in refs:
+        problem = ref_problem(ref)
+        assert problem is not None and "is not an image PIL can read" in problem, ref
+    assert "junk.png" in ref_problem(str(tmp_path / "junk.png"))
+    server, base = _serve(tmp_path)
+    try:
+        assert ref_problem(f"{base}/ok.png") is None
+        missing = ref_problem(f"{base}/missing.png")
+        assert missing.startswith(f"image URL {base}/missing.png: the server answered 404"), missing
+        assert "is not an image PIL can read" in ref_problem(f"{base}/junk.png")
+    finally:
+        server.shutdown()
+
+
 def test_placeholders_must_match_images(tmp_path):
     path = tmp_path / "a.png"
     solid_image(COLOURS["blue"]).save(path)
@@ -88,6 +123,15 @@ def test_row_check_names_the_row(tmp_path):
     )
     check = row_check(VisionConfig(), "prompt", text_only=False)
     with pytest.raises(UserError, match=r"--prompt_data x.jsonl: row 2: the prompt has 1 image"):
+        check_rows(rows, check, "--prompt_data x.jsonl")
+    (tmp_path / "junk.png").write_bytes(b"\x00garbage" * 50)
+    rows = datasets.Dataset.from_list(
+        [
+            {"prompt": PROMPT, "images": [str(path)]},
+            {"prompt": PROMPT, "images": [str(tmp_path / "junk.png")]},
+        ]
+    )
+    with pytest.raises(UserError, match=r"--prompt_data x.jsonl: row 2: image file .*junk.png"):
         check_rows(rows, check, "--prompt_data x.jsonl")
 
 

@@ -92,3 +92,41 @@ def test_grpo_learns_the_colour_and_blank_images_do_not(colour_vl, colour_data, 
     assert img_last > 0.8, runs["images"]
     assert blank_last < 0.5, runs["blank"]  # a third at best, whatever the policy learns
     assert img_last - img_first > 0.4
+
+
+def test_an_unreadable_image_or_a_404_is_one_line_naming_the_row(colour_vl, colour_data, tmp_path):
+    """Random bytes saved as .png in row 3, or row 2's image URL answering 404: one line
+    naming --prompt_data, the row and the image, before any model loads."""
+    import functools
+    import http.server
+    import threading
+
+    from tests.e2e.helpers import run_cli
+
+    rows = [json.loads(line) for line in (colour_data / "prompts.jsonl").read_text().splitlines()]
+    junk = tmp_path / "junk.png"
+    junk.write_bytes(bytes(range(256)) * 4)
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    handler.log_message = lambda *a, **k: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/gone.png"
+    cases = {
+        "junk.jsonl": (2, str(junk), f"image file '{junk}' is not an image PIL can read"),
+        "gone.jsonl": (1, url, f"image URL {url}: the server answered 404"),
+    }
+    try:
+        for name, (index, ref, message) in cases.items():
+            bad = [dict(r) for r in rows[:8]]
+            bad[index]["images"] = [ref]
+            (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in bad))
+            flags = grpo_flags(colour_vl, colour_data, "prompts.jsonl", tmp_path / "out")
+            flags[flags.index("--prompt_data") + 1] = str(tmp_path / name)
+            proc = run_cli(["ppo", *flags], env={"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
+            assert proc.returncode == 2, proc.stderr[-3000:]
+            lines = proc.stderr.strip().splitlines()
+            assert len(lines) == 1 and "Traceback" not in proc.stderr, lines
+            assert f"--prompt_data {tmp_path / name}: row {index + 1}: {message}" in lines[0]
+            assert not (tmp_path / "out").exists()
+    finally:
+        server.shutdown()

@@ -142,7 +142,11 @@ def _checks(rank: int, world: int, model_path: str, image_dir: str, tp: int) -> 
     (-(lp * s0.response_mask).sum() / s0.response_mask.sum()).backward()
     opt.step()
     opt.zero_grad()
-    stats = sync_weights(actor, engine, torch.float32)
+    # by delta (its first sync: the mirror filled), buckets made while the engine loads
+    from fsdp_rlhf.distributed.delta_sync import DeltaSync
+
+    delta = DeltaSync()
+    stats = sync_weights(actor, engine, torch.float32, delta=delta, overlap=True)
     s1 = engine.generate(ids, sampled, prompt_images)
     res["sampled_gap_after_sync"] = _trainer_gap(actor, s1, StepImages.rows(prompt_images, 4))
     res["sync_bytes"] = stats.bytes
@@ -158,7 +162,7 @@ def _checks(rank: int, world: int, model_path: str, image_dir: str, tp: int) -> 
     with torch.no_grad():  # the language model a little, the tower a lot
         for n, p in actor.named_parameters():
             p.mul_(1.5 if frozen(n) else 1.01)
-    stats = sync_weights(actor, engine, torch.float32, skip=frozen)
+    stats = sync_weights(actor, engine, torch.float32, skip=frozen, delta=delta, overlap=True)
     res["frozen_sync_bytes"] = stats.bytes
     s_moved = engine.generate(ids, sampled, prompt_images)
     # control: with the moved tower the trainer must disagree with the engine

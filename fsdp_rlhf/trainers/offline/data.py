@@ -61,7 +61,7 @@ def check_paths(cfg: RMConfig | SFTConfig | DPOConfig) -> None:
         raise UserError(f"--input_template {d.input_template!r}: must contain {{}} for the prompt")
 
 
-def vision_processor(cfg: SFTConfig | DPOConfig, model: ModelKind):
+def vision_processor(cfg: RMConfig | SFTConfig | DPOConfig, model: ModelKind):
     """A VLM's processor (None for a text model; ``model``: ``--pretrain``'s kind)."""
     from fsdp_rlhf.data.vision import VisionProcessor
 
@@ -75,7 +75,7 @@ def vision_processor(cfg: SFTConfig | DPOConfig, model: ModelKind):
 
 
 def with_images(
-    check: RowCheck | None, cfg: SFTConfig | DPOConfig, prompt_key: str | None, vlm: bool
+    check: RowCheck | None, cfg: RMConfig | SFTConfig | DPOConfig, prompt_key: str | None, vlm: bool
 ) -> RowCheck:
     """``check`` plus each row's images against the placeholders of its ``prompt_key``
     messages (a text model: no images at all)."""
@@ -144,17 +144,22 @@ def prepare_rm_data(
     """
     check_paths(cfg)
     d = cfg.data
-    train_raw, eval_raw, tokenizer = load_raw(cfg, pair_columns(cfg))
-    train, _ = tokenize_pairs(train_raw, tokenizer, d, what="train")
+    vision = vision_processor(cfg, kinds["--pretrain"])  # a VLM: the head on its LM
+    # a pair's images belong to its prompt (or, without one, to the chosen conversation)
+    check = with_images(None, cfg, d.prompt_key or d.chosen_key, vision is not None)
+    optional = (cfg.vision.image_key,)
+    train_raw, eval_raw, tokenizer = load_raw(cfg, pair_columns(cfg), check, vision, optional)
+    images = dict(vision=vision, image_key=cfg.vision.image_key)
+    train, _ = tokenize_pairs(train_raw, tokenizer, d, what="train", **images)
     if eval_raw is None:
         train, eval_pairs = hold_out(train, cfg.seed)
         log.info("eval set: %d pairs held out from the training data", len(eval_pairs))
     else:
-        eval_pairs, _ = tokenize_pairs(eval_raw, tokenizer, d, what="eval")
+        eval_pairs, _ = tokenize_pairs(eval_raw, tokenizer, d, what="eval", **images)
     if len(eval_pairs) == 0:
         raise UserError("the eval set is empty (after dropping identical pairs)")
     steps = steps_per_epoch(len(train), cfg, plan, len(eval_pairs), "pairs")
-    return TrainData(tokenizer, train, eval_pairs, steps, kinds=kinds)
+    return TrainData(tokenizer, train, eval_pairs, steps, vision, kinds)
 
 
 def prepare_sft_data(

@@ -20,20 +20,26 @@ from fsdp_rlhf.models.kind import ModelKind
 from fsdp_rlhf.models.load import load_causal_lm, load_scalar_model
 from fsdp_rlhf.models.lora import add_lora
 from fsdp_rlhf.models.ulysses import base_attention
-from fsdp_rlhf.models.vision import prepare_policy
+from fsdp_rlhf.models.vision import freeze_vision_tower, prepare_policy
 from fsdp_rlhf.trainers.common import load_and_prepare, log_startup
 
 log = logging.getLogger("fsdp_rlhf")
 
 
 def build_reward_model(
-    cfg: RMConfig, env: DistEnv, pad_token_id: int, parallel: ParallelLayout
+    cfg: RMConfig, env: DistEnv, pad_token_id: int, parallel: ParallelLayout, kind: ModelKind
 ) -> nn.Module:
-    """Load the SFT model with a scalar head and shard it over all ranks."""
+    """Load the SFT model with a scalar head and shard it over all ranks (a VLM's head on its
+    language model, ``models.vision_head``; ``--freeze_visual_encoder`` freezes its tower).
+    ``kind``: ``--pretrain``'s (read in prepare)."""
     log_startup(env, cfg.fsdp.zero_stage, cfg.backend.bf16)
     # A freshly initialised head is rank 0's (the others receive its values); the seed makes
     # it the same from run to run.
     torch.manual_seed(cfg.seed)
+    packed = packs(cfg, kind)
+    if cfg.batch.packing_samples and not packed:
+        log.info("--packing_samples: off for a vision-language model (its rows go padded)")
+        packed = False
 
     def load(weights: bool) -> nn.Module:
         model = load_scalar_model(
@@ -43,8 +49,12 @@ def build_reward_model(
             value_head_prefix=cfg.model.value_head_prefix,
             weights=weights,
         )
-        # HF (and vLLM) score the last token that is not pad_token_id: use the tokenizer's pad.
+        # HF (and vLLM) score the last token that is not pad_token_id: use the tokenizer's pad
+        # (a VLM's: in its text config, which its classification head reads)
         model.config.pad_token_id = pad_token_id
+        model.config.get_text_config().pad_token_id = pad_token_id
+        if cfg.vision.freeze_visual_encoder:
+            freeze_vision_tower(model)
         if cfg.lora.enabled:  # adapters on the decoder; the head is trained in full
             add_lora(model, cfg.lora, head="score", quiet=not weights)
         return model
@@ -56,7 +66,7 @@ def build_reward_model(
         cfg.backend,
         parallel=parallel,
         what="--pretrain",
-        packed=cfg.batch.packing_samples,
+        packed=packed,
         trainable=True,
     )
     # Different dropout masks per rank from here on.

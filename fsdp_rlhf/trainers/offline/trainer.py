@@ -36,10 +36,11 @@ from fsdp_rlhf.distributed.layout import ParallelLayout
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.metrics import Progress
 from fsdp_rlhf.models.kind import ModelKind
+from fsdp_rlhf.models.load import check_expert_parallel
 from fsdp_rlhf.models.lora import check_target_modules
 from fsdp_rlhf.models.save import save_model
 from fsdp_rlhf.optim import build_optimizer, build_scheduler
-from fsdp_rlhf.rules import check_command, check_flags
+from fsdp_rlhf.rules import check_command, check_flags, model_paths
 from fsdp_rlhf.trainers import common
 from fsdp_rlhf.trainers.guards import BadStepGuard, guarded_step
 
@@ -129,11 +130,14 @@ def prepare_command(
 ) -> tuple[Any, TrainData]:
     """``prepare`` of train-rm, sft and dpo (before the process group, no communication):
     batch plan, the rules table against the flags and the models' kinds (read here once),
-    ``prepare_data(cfg, plan, kinds)``, LoRA targets."""
+    the experts against --expert_parallel_size, ``prepare_data(cfg, plan, kinds)``, LoRA
+    targets."""
     quiet_progress_bars()
     check_flags(command, cfg)  # the rules table's rows of the flags alone, first
     plan = plan_offline_batches(cfg.batch, world_size, cfg.fsdp.sequence_parallel_size)
     kinds = check_command(command, cfg)
+    paths = model_paths(command, cfg)
+    check_expert_parallel(cfg.fsdp.expert_parallel_size, world_size, paths)
     data = prepare_data(cfg, plan, kinds)
     if cfg.lora.enabled:
         check_target_modules(cfg.model.pretrain, cfg.lora, cfg.backend.trust_remote_code)

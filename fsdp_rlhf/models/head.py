@@ -1,0 +1,116 @@
+"""Label log-probs computed inside a causal LM's output layer: no (..., V) logits.
+
+A policy forward's logits are its largest tensor: (B, T, V) with V = 151,936 (Qwen2/3) or
+248,320 (Qwen3.5), and the update keeps them for backward and then allocates their gradient,
+the same size again. Here the model runs as a whole (FSDP2 gathers the output layer's weight
+around the root's forward, as for any forward) while its output layer, for the length of one
+call, computes the label log-probs (and entropies) from the final hidden states it receives
+(``algorithms.head_logprobs``: vocabulary blocks, nothing vocabulary-sized kept for backward).
+The layer returns them stacked as (2, n) in place of logits and the model passes them out as
+its ``logits``: the results are the root's output, so FSDP2's pre-backward hook sees them.
+
+Models that change the logits after the output layer (Gemma's soft-capping, Cohere's and
+Granite's scaling, a cut padded vocabulary) and output layers that are not a plain bias-free
+``nn.Linear`` (LoRA on ``lm_head``) take the materialised path
+(``algorithms.gathered_logprobs``: the logits once, read chunk by chunk).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from fsdp_rlhf.algorithms import gathered_logprobs, head_logprobs
+
+# config keys of transformers models whose forward transforms the output layer's logits
+LOGITS_POST_PROCESSING = (
+    "final_logit_softcapping",
+    "logit_scale",
+    "logits_scaling",
+    "logits_soft_cap",
+    "output_multiplier",
+    "unpadded_vocab_size",
+)
+
+
+def fusable_head(model: nn.Module) -> nn.Linear | None:
+    """The output layer whose input the label log-probs can be computed from, or None when the
+    model's logits must be materialised (see the module docstring)."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if type(head) is not nn.Linear or head.bias is not None:
+        return None
+    config = getattr(model, "config", None)
+    configs = [config]
+    if config is not None and hasattr(config, "get_text_config"):
+        configs.append(config.get_text_config())
+    for cfg in configs:
+        if any(getattr(cfg, key, None) is not None for key in LOGITS_POST_PROCESSING):
+            return None
+    return head
+
+
+def model_logprobs(
+    model: nn.Module,
+    inputs: dict,
+    labels: torch.Tensor,
+    index: torch.Tensor | None,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies) of ``labels`` under ``model(**inputs)``, predicted at rows
+    ``index`` of its flattened logits (None: the logits are (B, T, V), aligned with the labels).
+
+    The same as ``gathered_logprobs(model(**inputs).logits, labels, index, ...)`` up to float
+    rounding; see the module docstring for when the logits are never made.
+    """
+    head = fusable_head(model)
+    if head is None:
+        logits = model(**inputs).logits
+        return gathered_logprobs(
+            logits,
+            labels,
+            index,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
+        )
+    made: list[torch.Tensor] = []
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        lp, ent = head_logprobs(
+            hidden,
+            head.weight,
+            labels,
+            index,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
+        )
+        made.append(torch.stack([lp, ent if ent is not None else torch.zeros_like(lp)]))
+        return made[-1]
+
+    with _forward_replaced(head, forward):
+        out = model(**inputs).logits
+    if len(made) != 1 or out is not made[0]:
+        raise RuntimeError(
+            f"{type(model).__name__} changes its output layer's logits before returning them; "
+            "add the config key that makes it do so to models.head.LOGITS_POST_PROCESSING"
+        )
+    if not with_entropy:
+        return out[0], None
+    return out[0], out[1] if entropy_grad else out[1].detach()
+
+
+@contextmanager
+def _forward_replaced(module: nn.Module, forward):
+    """``module``'s forward is ``forward`` for the duration (an instance attribute)."""
+    module.forward = forward
+    try:
+        yield
+    finally:
+        del module.forward
