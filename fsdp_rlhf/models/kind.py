@@ -94,10 +94,12 @@ def _patches(config: Any) -> tuple[tuple[str, Any], ...]:
 def _router_class(config: Any, trust_remote_code: bool) -> str | None:
     """The class name of the first MoE router of the causal LM ``config`` builds (on the
     meta device), or None when it has none that looks like one."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    # a VLM MoE (Qwen3-VL-MoE) has no causal-LM class: its image-text-to-text one
+    auto = AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        model = auto.from_config(config, trust_remote_code=trust_remote_code)
     for module in model.modules():
         name = type(module).__name__
         if name.endswith("Router") and hasattr(module, "top_k"):

@@ -98,7 +98,7 @@ def test_moe_grpo_ep2_replays_the_engines_routing_learns_and_resumes_at_ep1(moe_
             2,
             "--expert_parallel_size 3 must divide the world size 2",
         ),
-        (["--ep_size", "2", "--async_train"], 2, "--expert_parallel_size > 1 with --async_train"),
+        (["--ep_size", "2", "--async_train"], 2, "--expert_parallel_size 2 with --async_train"),
     ],
 )
 def test_sizes_that_cannot_split_are_refused_in_one_line(moe_run, tmp_path, extra, nproc, words):

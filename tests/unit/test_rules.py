@@ -22,7 +22,20 @@ NINE_HEADS = ModelKind("models/nine", "Qwen2ForCausalLM", heads=9, kv_heads=3)
 MOE = ModelKind("models/moe", "Qwen3MoeForCausalLM", 4, 2, experts=8, router="Qwen3MoeTopKRouter")
 ODD_ROUTER = ModelKind("models/odd", "OddMoeForCausalLM", 4, 2, experts=8, router="OddRouter")
 HYBRID = ModelKind("models/hybrid", "Qwen3_5ForCausalLM", 4, 2, linear_attention=True)
-VLM = ModelKind("models/vl", "Qwen2_5_VLForConditionalGeneration", 4, 2, vision=VisionTokens(9))
+PATCHES = (("patch_size", 14), ("temporal_patch_size", 2), ("spatial_merge_size", 2))
+VLM = ModelKind(
+    "models/vl", "Qwen2_5_VLForConditionalGeneration", 4, 2, vision=VisionTokens(9),
+    patches=PATCHES,
+)  # fmt: skip
+# another family's VLMs: other image patches (Qwen3-VL's 16 px), other image tokens
+VLM_PATCHES = ModelKind(
+    "models/vl16", "Qwen3VLForConditionalGeneration", 4, 2, vision=VisionTokens(9),
+    patches=(("patch_size", 16), *PATCHES[1:]),
+)  # fmt: skip
+VLM_TOKENS = ModelKind(
+    "models/vl10", "OtherVLForConditionalGeneration", 4, 2, vision=VisionTokens(10),
+    patches=PATCHES,
+)  # fmt: skip
 VLM_MOE = ModelKind(
     "models/vlmoe", "Qwen3_5MoeForConditionalGeneration", 4, 2, experts=8,
     router="Qwen3_5MoeTopKRouter", linear_attention=True, vision=VisionTokens(9),
@@ -39,6 +52,24 @@ CASES: dict[str, tuple] = {
     "async-sequence-parallel": (
         "ppo", [*ASYNC, "--sequence_parallel_size", "2"], None, False,
         "--sequence_parallel_size 2 with --async_train: sequence parallelism is not combined",
+    ),
+    "async-expert-parallel": (
+        "ppo", [*ASYNC, "--expert_parallel_size", "2"], {"--pretrain": MOE}, False,
+        "--expert_parallel_size 2 with --async_train: expert groups are not built over the "
+        "split world's training ranks",
+    ),
+    "expert-parallel-vlm": (
+        "ppo", ["--expert_parallel_size", "2"], {"--pretrain": VLM_MOE}, False,
+        "--expert_parallel_size 2: --pretrain models/vlmoe is a vision-language MoE model: "
+        "expert parallelism is not tested with image inputs",
+    ),
+    "expert-parallel-needs-moe": (
+        "sft", ["--expert_parallel_size", "2"], None, False,
+        "--expert_parallel_size 2: no MoE model to split (--pretrain models/dense are dense)",
+    ),
+    "delta-weight-sync-lora": (
+        "ppo", ["--weight_sync", "delta", "--lora_rank", "8"], None, False,
+        "--weight_sync delta with --lora_rank: LoRA syncs only its adapters",
     ),
     "async-router-replay": (
         "ppo", [*ASYNC, "--router_replay"], {"--pretrain": MOE}, False,
@@ -123,16 +154,27 @@ CASES: dict[str, tuple] = {
     "lora-adapter-moe-cpu": (
         "ppo", ["--lora_rank", "8"], {"--pretrain": MOE}, False, "use --lora_sync merged",
     ),
-    "vlm-critic": (
-        "ppo", ["--advantage_estimator", "gae", "--critic_pretrain", "models/vl"],
-        {"--pretrain": VLM, "--critic_pretrain": VLM}, False,
-        "--pretrain models/vl is a vision-language model: --critic_pretrain: a critic is a "
-        "value head",
+    "vlm-text-critic": (
+        "ppo", ["--advantage_estimator", "gae", "--critic_pretrain", "models/dense"],
+        {"--pretrain": VLM, "--critic_pretrain": DENSE}, False,
+        "--pretrain models/vl is a vision-language model: --critic_pretrain models/dense is "
+        "text-only: it would score the image placeholders without the images",
     ),
-    "vlm-reward-model": (
+    "vlm-text-reward-model": (
         "ppo", ["--reward_pretrain", "models/dense"],
         {"--pretrain": VLM, "--reward_pretrain": DENSE}, False,
-        "--reward_pretrain: a reward model would have to see the images",
+        "--reward_pretrain models/dense is text-only",
+    ),
+    "vlm-other-family-critic": (
+        "ppo", ["--advantage_estimator", "gae", "--critic_pretrain", "models/vl16"],
+        {"--pretrain": VLM, "--critic_pretrain": VLM_PATCHES}, False,
+        "--critic_pretrain models/vl16 takes other image patches than --pretrain "
+        "(vision_config.patch_size 16 != 14)",
+    ),
+    "vlm-other-family-reward-model": (
+        "ppo", ["--reward_pretrain", "models/vl10"],
+        {"--pretrain": VLM, "--reward_pretrain": VLM_TOKENS}, False,
+        "--reward_pretrain models/vl10 names other image tokens than --pretrain",
     ),
     "vlm-packing": (
         "ppo", ["--packing_samples"], {"--pretrain": VLM}, False,
@@ -150,10 +192,6 @@ CASES: dict[str, tuple] = {
         "ppo", ["--router_replay"], {"--pretrain": VLM_MOE}, False,
         "--router_replay: routing replay is not implemented for vision-language models",
     ),
-    "vlm-reward-model-training": (
-        "train-rm", [], {"--pretrain": VLM}, False,
-        "--pretrain models/vl is a vision-language model: reward models on VLMs are not",
-    ),
     "freeze-visual-encoder-text-model": (
         "sft", ["--freeze_visual_encoder"], None, False,
         "--freeze_visual_encoder: --pretrain models/dense is text-only",
@@ -165,10 +203,6 @@ CASES: dict[str, tuple] = {
     "multi-turn-overlong-buffer": (
         "ppo", [*ENV, "--overlong_buffer_len", "8"], None, False,
         "--overlong_buffer_len with --env_file env.py",
-    ),
-    "multi-turn-router-replay": (
-        "ppo", [*ENV, "--router_replay"], {"--pretrain": MOE}, False,
-        "--router_replay with --env_file env.py",
     ),
     "multi-turn-reward-model": (
         "ppo", [*ENV, "--reward_pretrain", "models/dense"],
@@ -279,6 +313,16 @@ def test_what_a_row_refuses_alone_runs_beside_everything_else():
     check_rules(_setting("sft", ["--packing_samples"], {"--pretrain": VLM}))
     check_rules(_setting("ppo", [], {"--pretrain": HYBRID}))
     check_rules(_setting("ppo", ["--no_bf16"], {"--pretrain": HYBRID}, cuda=True))
+    # lifted by main's pairs1: router replay across multi-turn trajectories, a VLM critic and
+    # reward model of the actor's family, train-rm on a VLM; EP with a dense model beside the
+    # MoE actor
+    check_rules(_setting("ppo", [*ENV, "--router_replay"], {"--pretrain": MOE}))
+    vlm_critic = ["--advantage_estimator", "gae", "--critic_pretrain", "models/vl"]
+    vlms = {"--pretrain": VLM, "--critic_pretrain": VLM, "--reward_pretrain": VLM}
+    check_rules(_setting("ppo", [*vlm_critic, "--reward_pretrain", "models/vl"], vlms))
+    check_rules(_setting("train-rm", [], {"--pretrain": VLM}))
+    ep = ["--expert_parallel_size", "2", "--reward_pretrain", "models/dense"]
+    check_rules(_setting("ppo", ep, {"--pretrain": MOE, "--reward_pretrain": DENSE}))
 
 
 # ---------------------------------------------------------------- the kinds, read from configs
@@ -318,6 +362,9 @@ def test_kinds_are_read_from_the_config_alone(tmp_path):
     vl = read_model_kind(str(tmp_path / "vl"), "--pretrain")
     assert vl.is_vlm and vl.vision.image == tok.convert_tokens_to_ids("<|image_pad|>")
     assert vl.label == "dense VLM"
+    vision_config = json.loads((tmp_path / "vl/config.json").read_text())["vision_config"]
+    assert dict(vl.patches)["patch_size"] == vision_config["patch_size"]
+    assert dense.patches is None
     with pytest.raises(UserError, match="--reward_pretrain .*does not exist"):
         read_model_kind(str(tmp_path / "missing"), "--reward_pretrain")
 
