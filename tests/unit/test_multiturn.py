@@ -251,7 +251,8 @@ def test_config_budgets():
     with pytest.raises(Refused, match="--overlong_buffer_len with --env_file e.py"):
         check_flags("ppo", ppo_config("--env_file", "e.py", "--overlong_buffer_len", "4"))
     # router replay assembles each trajectory's routing from its turns (test below)
-    check_flags("ppo", ppo_config("--env_file", "e.py", "--router_replay"))
+    replay = ("--env_file", "e.py", "--router_replay", "--advantage_estimator", "reinforce++")
+    check_flags("ppo", ppo_config(*replay))
 
 
 def test_sample_log_shows_env_turns(tok, tmp_path):

@@ -94,7 +94,7 @@ def test_values_are_the_head_on_the_language_models_hidden_states(tiny):
     from fsdp_rlhf.config import BackendConfig
     from fsdp_rlhf.models.forward import sequence_scores, token_values
     from fsdp_rlhf.models.load import load_causal_lm, load_scalar_model
-    from fsdp_rlhf.models.vision import VisionTokens, vision_model_inputs, vision_tower
+    from fsdp_rlhf.models.vision import vision_tower
 
     cpu = torch.device("cpu")
     critic = load_scalar_model(tiny, BackendConfig(), cpu)
@@ -103,11 +103,10 @@ def test_values_are_the_head_on_the_language_models_hidden_states(tiny):
     assert vision_tower(critic) is critic.model.visual
     assert critic.config.vision_config._attn_implementation == "sdpa"  # non-causal tower
     alone, ids, mask, images = _rows(tiny)
-    tokens = VisionTokens.from_config(critic.config)
     with torch.no_grad():
         values = token_values(critic, _inputs(critic, ids, mask, images))
         scores = sequence_scores(critic, _inputs(critic, ids, mask, images))
-        hidden = _lm_head_inputs(causal, vision_model_inputs(tokens, ids, mask, images))
+        hidden = _lm_head_inputs(causal, _inputs(critic, ids, mask, images).kwargs)
         expected = (hidden @ critic.score.weight.T).squeeze(-1)
         attended = mask.bool()
         rel = _close(values[attended], expected[attended])
@@ -214,7 +213,6 @@ def test_qwen3_5_vlm_values_and_round_trip(moe, tmp_path):
     from fsdp_rlhf.config import BackendConfig
     from fsdp_rlhf.models.forward import token_values
     from fsdp_rlhf.models.load import load_scalar_model
-    from fsdp_rlhf.models.vision import VisionTokens, vision_model_inputs
     from fsdp_rlhf.models.vision_head import vision_scalar_class
 
     config = _qwen3_5_vlm(moe)
@@ -232,7 +230,7 @@ def test_qwen3_5_vlm_values_and_round_trip(moe, tmp_path):
     images = ImageBatch([image])
     with torch.no_grad():
         values = token_values(critic, _inputs(critic, ids, mask, images))
-        inputs = vision_model_inputs(VisionTokens.from_config(config), ids, mask, images)
+        inputs = _inputs(critic, ids, mask, images).kwargs
         hidden = _lm_head_inputs(causal, inputs)
         _close(values[0], (hidden @ critic.score.weight.T)[0, :, 0])
         critic.save_pretrained(tmp_path / "critic")
