@@ -49,7 +49,7 @@ def _step(model, hooks, batch, routing, sp):
 
     ids, mask, rmask, adv = batch
     inputs = forward_inputs(ids, mask, response_len=T, sp=sp if sp.enabled else None)
-    with routing_scope(hooks, routing, mask, T):
+    with routing_scope(hooks, routing, inputs):
         lp, ent = response_logprobs(model, inputs, T, with_entropy=True)
         n = rmask.sum()
         aux = hooks.aux_loss()

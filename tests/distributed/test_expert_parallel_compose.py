@@ -54,8 +54,9 @@ def _run(path: str, kind: str, ep, world: int) -> tuple[torch.Tensor, dict]:
         (out * mask).sum().backward()
     else:
         hooks = MoEHooks.attach(model, None, ep)
-        with routing_scope(hooks, None, mask, 6):
-            out, _ = response_logprobs(model, forward_inputs(ids, mask, response_len=6), 6)
+        inputs = forward_inputs(ids, mask, response_len=6)
+        with routing_scope(hooks, None, inputs):
+            out, _ = response_logprobs(model, inputs, 6)
             (out.sum() + 0.1 * hooks.aux_loss()).backward()
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
     return out.detach(), grads

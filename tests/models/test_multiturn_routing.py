@@ -129,10 +129,11 @@ def _checks(rank: int, world: int, model_path: str, env_file: str) -> dict:
     hooks = MoEHooks.attach(model)
     ids, mask = out.sequences()
     T = out.response_ids.shape[1]
-    with torch.no_grad(), routing_scope(hooks, out.routed_experts, mask, T, collect=False):
-        whole, _ = response_logprobs(model, forward_inputs(ids, mask, response_len=T), T)
+    inputs = forward_inputs(ids, mask, response_len=T)
+    with torch.no_grad(), routing_scope(hooks, out.routed_experts, inputs, collect=False):
+        whole, _ = response_logprobs(model, inputs, T)
     with torch.no_grad():  # the control: the trainer routing for itself
-        own, _ = response_logprobs(model, forward_inputs(ids, mask, response_len=T), T)
+        own, _ = response_logprobs(model, inputs, T)
     trained = out.response_mask.bool()
     res["engine vs trainer"] = float((whole - out.engine_logprobs)[trained].abs().max())
     res["engine vs trainer, no replay"] = float((own - out.engine_logprobs)[trained].abs().max())
@@ -140,8 +141,9 @@ def _checks(rank: int, world: int, model_path: str, env_file: str) -> dict:
     for histories, call in calls:
         c_ids, c_mask = call.sequences()
         Tc = call.response_ids.shape[1]
-        with torch.no_grad(), routing_scope(hooks, call.routed_experts, c_mask, Tc):
-            alone, _ = response_logprobs(model, forward_inputs(c_ids, c_mask, response_len=Tc), Tc)
+        c_inputs = forward_inputs(c_ids, c_mask, response_len=Tc)
+        with torch.no_grad(), routing_scope(hooks, call.routed_experts, c_inputs):
+            alone, _ = response_logprobs(model, c_inputs, Tc)
         for j, h in enumerate(histories):
             i = next(
                 k
