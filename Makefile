@@ -9,7 +9,7 @@ STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml Makefile scripts/vllm_r
 MAX_JOBS ?= 8
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: install test test-async test-faults test-fast test-bench test-models test-vlm test-sp test-ep test-gpu test-vllm-compat test-transformers-compat test-cluster demo bench lint fmt clean gpu-smoke tcmalloc
+.PHONY: install test test-async test-async-resume test-faults test-fast test-long test-bench test-models test-models-full test-vlm test-sp test-ep test-gpu test-vllm-compat test-transformers-compat test-cluster demo bench lint fmt clean gpu-smoke tcmalloc
 
 install: $(STAMP)
 
@@ -70,12 +70,27 @@ tcmalloc:
 # runs (`make test-vlm`): under 15 minutes on 2 cores.
 test: install
 	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu --ignore=tests/models \
-	  -m "not asynchronous and not sp and not ep and not vlm and not faults"
+	  -m "not asynchronous and not async_resume_full and not sp and not ep and not vlm and not faults \
+	  and not long"
+
+# The longer runs beside a make test case of the same feature (LoRA GAE at TP 2 with export
+# and resume, vLLM serving a trained reward model, torch.compile against eager, RM packing
+# against padding): about 3.5 minutes, not in CI (its time budget); run them before a release.
+test-long: install
+	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu --ignore=tests/models -m long
 
 # --async_train end to end (tests marked asynchronous): rollout and training ranks under
-# torchrun with real vLLM, partial rollouts, OpenRLHF's async agent script, a lost rollout rank.
+# torchrun with real vLLM, partial rollouts, OpenRLHF's async agent script, a lost rollout rank,
+# one lossless-resume case (the full matrix is test-async-resume's).
 test-async: install
-	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu --ignore=tests/models -m asynchronous
+	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu --ignore=tests/models \
+	  -m "asynchronous and not async_resume_full"
+
+# Lossless async resume, the full matrix (marker async_resume_full): runs SIGKILLed while
+# generating, queued, training and syncing on 1 and 2 training ranks against an uninterrupted
+# run's ledger. About 28 minutes on 2 loaded cores: not part of .ci/run.
+test-async-resume: install
+	$(BIN)/python -m pytest -q tests/e2e/test_ppo_async_resume.py -m async_resume_full
 
 # Fault injection (pytest marker `faults`): a failure on one rank reported every time (10
 # launches), the same failure on every rank as one line, a reward function raising on rank 1,
@@ -97,6 +112,11 @@ test-ep: install
 # Llama 3, Gemma 3, Mistral, Phi-3, OLMo 2) runs GRPO with vLLM rollouts (docs/models.md).
 # About 10 minutes on 2 cores shared with other work (9.5 CPU-minutes).
 test-models: install
+	$(BIN)/python -m pytest -q tests/models -m "not models_full"
+
+# Every family of the matrix, also those beside a like family in CI's selection (gemma4 dense,
+# glm4_moe, ernie4_5_moe, lfm2_moe, olmo3, smollm3, qwen3_next): about 15 more minutes.
+test-models-full: install
 	$(BIN)/python -m pytest -q tests/models
 
 # Vision-language models (pytest marker `vlm`): a tiny Qwen2.5-VL under FSDP2 on 2 gloo ranks,

@@ -44,6 +44,7 @@ from fsdp_rlhf.distributed.memory_plan import (
     plan_job_at,
     resolve_vllm_utilization,
 )
+from fsdp_rlhf.hf_config import attention_layers
 from fsdp_rlhf.metrics import setup_logging
 from fsdp_rlhf.models.load import check_expert_parallel
 from fsdp_rlhf.rollout.memory_budget import check_device_budget
@@ -292,7 +293,10 @@ def sequence_parallel_fit(
     actor = model_shape(cfg.models.pretrain)
     config = json.loads((Path(cfg.models.pretrain) / "config.json").read_text())
     heads = config["num_attention_heads"]
-    options = sequence_parallel_options(world, heads, config.get("num_key_value_heads") or heads)
+    per_layer = tuple({(a.heads, a.kv_heads) for a in attention_layers(config)})
+    options = sequence_parallel_options(
+        world, heads, config.get("num_key_value_heads") or heads, per_layer
+    )
     flags = job_flags(cfg, world, device_bytes)
     acts = {
         n: activation_bytes(

@@ -128,7 +128,7 @@ class Bridge:
         # every gloo wait's own timeout: beyond any bound here (module docstring)
         self._gloo_wait = max(BACKGROUND_TIMEOUT, datetime.timedelta(seconds=3 * patience.wait_s))
         # isend work and its buffers, kept alive until waited on (oldest first)
-        self._sends: collections.deque = collections.deque()
+        self._sends = Outbox()
         self._abandoned: list = []
 
     @classmethod
@@ -265,29 +265,45 @@ class Bridge:
         return self._blocking(lambda: self._recv_now(tensor, src, channel, what), src, what)
 
     def isend(
-        self, tensors: list[torch.Tensor], dst: int, channel: Channel, what: str = "sending"
+        self,
+        tensors: list[torch.Tensor],
+        dst: int,
+        channel: Channel,
+        what: str = "sending",
+        outbox: Outbox | None = None,
     ) -> None:
-        """Send without waiting; the tensors stay alive until :meth:`flush` (gloo's transport
-        moves them meanwhile)."""
+        """Send without waiting; the tensors stay alive in ``outbox`` (default: the bridge's
+        own) until :meth:`flush` (gloo's transport moves them meanwhile)."""
+        outbox = self._sends if outbox is None else outbox
         for t in tensors:
             try:
                 work = self.backend.send([t], dst, int(channel))
             except RuntimeError as e:
                 raise self._lost(dst, what, e) from e
-            self._sends.append((work, t, dst))
+            outbox.append((work, t, dst))
 
-    def flush(self, keep: int = 0, what: str = "sending", wait_s: float | None = None) -> None:
-        """Wait for the oldest sends until at most ``keep`` are outstanding (``wait_s``: the
-        bound of each wait, instead of ``patience.wait_s``)."""
-        while len(self._sends) > keep:
-            work, _, dst = self._sends.popleft()
+    def flush(
+        self,
+        keep: int = 0,
+        what: str = "sending",
+        wait_s: float | None = None,
+        outbox: Outbox | None = None,
+    ) -> None:
+        """Wait for the oldest sends of ``outbox`` (default: the bridge's own) until at most
+        ``keep`` are outstanding (``wait_s``: the bound of each wait, instead of
+        ``patience.wait_s``)."""
+        outbox = self._sends if outbox is None else outbox
+        while len(outbox) > keep:
+            work, _, dst = outbox.popleft()
             self._blocking(lambda w=work, d=dst: self._finish(w, d, what), dst, what, wait_s)
 
-    def abandon_sends(self) -> None:
-        """Stop waiting for the outstanding sends (a failed step's, before a last message):
-        their buffers stay alive, gloo may still be reading them."""
-        self._abandoned.extend(self._sends)
-        self._sends.clear()
+    def abandon_sends(self, outbox: Outbox | None = None) -> None:
+        """Stop waiting for the outstanding sends of ``outbox`` (default: the bridge's own; a
+        failed step's, before a last message): their buffers stay alive, gloo may still be
+        reading them."""
+        outbox = self._sends if outbox is None else outbox
+        self._abandoned.extend(outbox)
+        outbox.clear()
 
     def _finish(self, work, dst: int, what: str) -> None:
         try:
@@ -298,7 +314,13 @@ class Bridge:
     # ------------------------------------------------------------ objects
 
     def send_object(
-        self, obj: Any, dst: int, channel: Channel, wait: bool = True, what: str = "sending"
+        self,
+        obj: Any,
+        dst: int,
+        channel: Channel,
+        wait: bool = True,
+        what: str = "sending",
+        outbox: Outbox | None = None,
     ) -> None:
         data = to_bytes(obj)
         size = torch.tensor([data.numel()], dtype=torch.int64)
@@ -306,7 +328,7 @@ class Bridge:
             self.send(size, dst, channel, what)
             self.send(data, dst, channel, what)
         else:
-            self.isend([size, data], dst, channel, what)
+            self.isend([size, data], dst, channel, what, outbox)
 
     def _recv_object_now(self, src: int, channel: Channel, what: str) -> Any:
         size = self._recv_now(torch.zeros(1, dtype=torch.int64), src, channel, what)
@@ -323,6 +345,12 @@ class Bridge:
             lambda: self._recv_object_now(src, channel, what),
             waiter=lambda pending: self.wait_for(pending, src, what),
         )
+
+
+class Outbox(collections.deque):
+    """Sends posted without waiting, ``(work, tensor, destination)`` oldest first, kept (and
+    their tensors alive) until waited on (:meth:`Bridge.flush`): gloo's work tells that it
+    finished only once waited on."""
 
 
 class Expected:

@@ -81,7 +81,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from fsdp_rlhf.algorithms.logprobs import CHUNK_ELEMENTS
-from fsdp_rlhf.hf_config import head_dim
+from fsdp_rlhf.hf_config import attention_layers, head_dim
 
 GIB = 2**30
 CONTEXT_BYTES = int(1.5 * GIB)  # ASSUMED: CUDA context + NCCL buffers per process
@@ -163,9 +163,22 @@ class ModelShape:
             attn = h * heads * per_head * 2 + 2 * h * kv * per_head
             mlp = 3 * h * inter if not n_experts else n_experts * h  # MoE: the router
             params = n_layers * (attn + mlp) + experts + embeddings * vocab * h
+        kv_dim = _mean_kv_dim(config, n_layers, kv * per_head)
         return ModelShape(
-            params, n_layers, h, inter, vocab, kv * per_head, embeddings, experts, n_experts, top_k
+            params, n_layers, h, inter, vocab, kv_dim, embeddings, experts, n_experts, top_k
         )
+
+
+def _mean_kv_dim(config: dict, n_layers: int, default: int) -> int:
+    """Key/value width per layer, averaged over all layers: each attention layer's own heads
+    and head size (Gemma 4's global layers are wider than its sliding ones), none for the
+    recurrent layers of hybrid models. ``default`` (the top config's) for a model type the
+    installed transformers does not parse."""
+    try:
+        layers = attention_layers(config)
+    except (KeyError, ValueError, TypeError):
+        return default
+    return max(1, round(sum(layer.kv_dim for layer in layers) / max(1, n_layers)))
 
 
 @dataclass(frozen=True)
@@ -566,14 +579,18 @@ def expert_parallel_options(world: int, num_experts: int) -> list[int]:
     return [e for e in range(1, world + 1) if world % e == 0 and num_experts % e == 0]
 
 
-def sequence_parallel_options(world: int, heads: int, kv_heads: int) -> list[int]:
+def sequence_parallel_options(
+    world: int, heads: int, kv_heads: int, more: tuple[tuple[int, int], ...] = ()
+) -> list[int]:
     """The ``--sequence_parallel_size`` values a job can use: divisors of the world size that
-    split the attention heads (``models.ulysses.head_problem``), ascending."""
+    split the attention heads (``models.ulysses.head_problem``) of every attention layer
+    (``more``: other layers' (heads, key/value heads), e.g. Gemma 4's global layers), ascending."""
+    shapes = [(heads, kv_heads), *more]
     out = []
     for n in range(1, world + 1):
         if world % n:
             continue
-        if n == 1 or (heads % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0)):
+        if n == 1 or all(h % n == 0 and (kv % n == 0 or n % kv == 0) for h, kv in shapes):
             out.append(n)
     return out
 

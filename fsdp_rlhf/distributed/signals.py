@@ -21,7 +21,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 
 from fsdp_rlhf.distributed.env import all_reduce_scalars
@@ -44,8 +44,13 @@ class GracefulStop:
                     break
     """
 
-    def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> None:
+    def __init__(
+        self,
+        signals: tuple[signal.Signals, ...] = STOP_SIGNALS,
+        also: Callable[[], bool] | None = None,
+    ) -> None:
         self.signals = signals
+        self.also = also  # another way this rank learns of a stop (local; polled at the vote)
         self.received: signal.Signals | None = None
         self.received_at: float | None = None  # time.monotonic() of the first signal
         self._previous: dict[signal.Signals, object] = {}
@@ -75,8 +80,9 @@ class GracefulStop:
 
     @property
     def requested(self) -> bool:
-        """Whether this rank received a stop signal (local; no communication)."""
-        return self.received is not None
+        """Whether this rank received a stop signal, or ``also`` says another process of the
+        job did (local; no communication)."""
+        return self.received is not None or (self.also is not None and self.also())
 
     def agreed(self) -> bool:
         """Collective: True on every rank if any rank received a stop signal.

@@ -1,12 +1,12 @@
 """Attention kernels registered with HF's ``AttentionInterface``, for the shapes trainers run.
 
-- ``fsdp_rlhf_sdpa`` (every padded forward): HF's SDPA, except on CPU when a backward follows,
+- ``fsdp_rlhf_padded`` (every padded forward): HF's SDPA, except on CPU when a backward follows,
   where an explicit masked matmul-softmax-matmul is faster (SDPA's CPU flash kernel is slow in
   backward at these sizes). Scores in bf16 with the mask added inside the matmul (``baddbmm``)
   and the softmax in float32, as HF's eager attention does, are faster than float32 scores
   with ``masked_fill``. Without a backward SDPA stays: it is the faster one there. Timings:
   benchmarks/grpo_rm_vs_trl_intel-xeon-amx-2core_2026-11-22.md.
-- ``fsdp_rlhf_varlen_sdpa`` (``--packing_samples`` on CPU or without flash-attn): causal
+- ``fsdp_rlhf_varlen`` (``--packing_samples`` on CPU or without flash-attn): causal
   attention per sequence of a packed row (models.packing.pack_rows), so its cost is the sum of
   squared lengths rather than the row's length squared. With ``--flash_attn`` on CUDA, packed
   forwards keep HF's flash_attention_2, whose varlen kernel does the same in one call per layer
@@ -14,6 +14,15 @@
 
 Both fall back to SDPA's kernels for sequences longer than ``CPU_EXPLICIT_ATTENTION_MAX_LEN``,
 whose memory does not grow with length squared.
+
+Attention sinks (gpt-oss: transformers passes each head's learned sink logit as ``s_aux``): a
+sink is one more score in every query's softmax, with no value, so it takes a share of the
+attention and the rest shrinks. Every kernel here honours it (padded, shared-prompt, packed,
+and Ulysses' inner call), through the explicit attention (SDPA has no sink input).
+
+The registered names say what the kernels are without naming SDPA: transformers decides by
+substring whether a model's attention "is SDPA" (``"sdpa" in attn_implementation``) and then
+refuses the models that declare no SDPA support (gpt-oss, for its sinks).
 """
 
 from __future__ import annotations
@@ -23,8 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-PADDED_ATTENTION = "fsdp_rlhf_sdpa"
-VARLEN_ATTENTION = "fsdp_rlhf_varlen_sdpa"
+PADDED_ATTENTION = "fsdp_rlhf_padded"
+VARLEN_ATTENTION = "fsdp_rlhf_varlen"
 # On CPU, sequences up to this long get an explicit attention when a backward follows. Packed,
 # at these sizes it beats SDPA's math kernel (whose per-call scaling and masking ops dominate)
 # and its flash kernel in forward + backward (timings in benchmarks/). Without a backward the
@@ -67,11 +76,12 @@ def padded_sdpa(
     With ``grouped_response_mask`` the rows are shared-prompt rows (models.shared_prefix) and
     ``attention_mask`` is their prompt mask: see :func:`shared_prompt_attention`.
     """
+    sinks = kwargs.pop("s_aux", None)
     if grouped_response_mask is not None:
         return shared_prompt_attention(
-            query, key, value, attention_mask, grouped_response_mask, dropout, scaling
+            query, key, value, attention_mask, grouped_response_mask, dropout, scaling, sinks
         ), None
-    if not _explicit_wanted(query, dropout, key.shape[-2]):
+    if sinks is None and not _explicit_wanted(query, dropout, key.shape[-2]):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(
@@ -84,7 +94,7 @@ def padded_sdpa(
     else:
         allowed = attention_mask[:, :, :, :S].bool()
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = _masked_attention(query, key, value, allowed, scale, dropout, explicit=True)
+    out = _masked_attention(query, key, value, allowed, scale, dropout, True, sinks)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -96,6 +106,7 @@ def shared_prompt_attention(
     response_mask: torch.Tensor,
     dropout: float = 0.0,
     scaling: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention over shared-prompt rows ``[prompt | response_1 | ... | response_s]``.
 
@@ -108,15 +119,16 @@ def shared_prompt_attention(
         query: (G, H, P + s*T, D); key/value: (G, KV, P + s*T, D).
         prompt_mask: (G, 1, 1, P) bool, True on real (not left-padding) prompt tokens.
         response_mask: (G*s, 1, 1, T) bool, True on attended response tokens.
+        sinks: (H,) attention-sink logits, or None.
     Returns:
-        (G, P + s*T, H, D).
+        (G, P + s*T, H, Dv).
     """
     key, value = _repeat_kv(query, key, value)
     G, H, L, D = query.shape
     P, T = prompt_mask.shape[-1], response_mask.shape[-1]
     s = response_mask.shape[0] // G
     scale = scaling if scaling is not None else D**-0.5
-    explicit = _explicit_wanted(query, dropout, P + T)
+    explicit = sinks is not None or _explicit_wanted(query, dropout, P + T)
     tril_p = torch.ones(P, P, dtype=torch.bool, device=query.device).tril()
     # a left-padding query attends to itself: never a row with nothing allowed (NaN in SDPA)
     eye_p = torch.eye(P, dtype=torch.bool, device=query.device)
@@ -126,7 +138,7 @@ def shared_prompt_attention(
         return x[:, :, P:].unflatten(2, (s, T)).transpose(1, 2).flatten(0, 1)
 
     def with_prompt(x: torch.Tensor) -> torch.Tensor:  # each response's keys: prompt + its own
-        prompt = x[:, :, :P].unsqueeze(1).expand(G, s, H, P, D).flatten(0, 1)
+        prompt = x[:, :, :P].unsqueeze(1).expand(G, s, H, P, x.shape[-1]).flatten(0, 1)
         return torch.cat([prompt, per_response(x)], dim=2)
 
     tril_t = torch.ones(T, T, dtype=torch.bool, device=query.device).tril()
@@ -138,7 +150,14 @@ def shared_prompt_attention(
         dim=-1,
     )  # (G*s, 1, T, P + T)
     out_p = _masked_attention(
-        query[:, :, :P], key[:, :, :P], value[:, :, :P], prompt_allowed, scale, dropout, explicit
+        query[:, :, :P],
+        key[:, :, :P],
+        value[:, :, :P],
+        prompt_allowed,
+        scale,
+        dropout,
+        explicit,
+        sinks,
     )
     out_r = _masked_attention(
         per_response(query),
@@ -148,7 +167,8 @@ def shared_prompt_attention(
         scale,
         dropout,
         explicit,
-    )  # (G*s, H, T, D)
+        sinks,
+    )  # (G*s, H, T, Dv)
     out_r = out_r.unflatten(0, (G, s)).transpose(1, 2).flatten(2, 3)  # (G, H, s*T, D)
     return torch.cat([out_p, out_r], dim=2).transpose(1, 2).contiguous()
 
@@ -161,14 +181,16 @@ def _masked_attention(
     scale: float,
     dropout: float,
     explicit: bool,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q (B, H, L, D), k/v (B, H, S, D), ``allowed`` (B, 1, L, S) bool -> (B, H, L, D)."""
-    if not explicit:
+    """q (B, H, L, D), k/v (B, H, S, D), ``allowed`` (B, 1, L, S) bool -> (B, H, L, Dv);
+    ``sinks`` (H,) attention-sink logits (explicit attention only)."""
+    if not explicit and sinks is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=allowed, dropout_p=dropout, scale=scale
         )
     B, H, L, D = q.shape
-    S = k.shape[-2]
+    S, Dv = k.shape[-2], v.shape[-1]
     # Additive mask in the input dtype, fused into the score matmul; a finite floor, not -inf: a
     # left-padding query attends to nothing, and an all -inf row would turn into NaN (then NaN
     # gradients, even where the loss masks that position out).
@@ -177,10 +199,11 @@ def _masked_attention(
     return _attend(
         q.reshape(B * H, L, D),
         k.reshape(B * H, S, D),
-        v.reshape(B * H, S, D),
+        v.reshape(B * H, S, Dv),
         bias.reshape(B * H, L, S),
         scale,
-    ).view(B, H, L, D)
+        None if sinks is None else sinks.repeat(B),
+    ).view(B, H, L, Dv)
 
 
 RowSpans = tuple[tuple[int, int], ...]
@@ -261,13 +284,15 @@ def varlen_sdpa(
     (models.shared_prefix.SharedPairRow): segment 2i is the chosen sequence, segment 2i + 1 the
     rest of the rejected one, whose queries also attend to the first ``shared_prefix_lens[i]``
     keys of segment 2i, as they would in the rejected sequence's own row.
+    ``s_aux`` (gpt-oss): (H,) attention-sink logits.
     """
     if cu_seq_lens_q is None or query.shape[0] != 1:
         raise ValueError(f"{VARLEN_ATTENTION} needs one packed row and cu_seq_lens_q (pack_rows)")
+    sinks = kwargs.get("s_aux")
     key, value = _repeat_kv(query, key, value)
     # split, not slicing: each slice's backward would allocate a zero gradient of the whole row
     lengths = cu_seq_lens_q.diff().tolist()
-    explicit = _explicit_wanted(query, dropout, max(lengths))
+    explicit = sinks is not None or _explicit_wanted(query, dropout, max(lengths))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     qs, ks, vs = (x[0].split(lengths, dim=1) for x in (query, key, value))  # (H, n, D) each
     prefixes = [0] * len(lengths)  # keys each segment sees before its own
@@ -278,7 +303,7 @@ def varlen_sdpa(
         if prefixes[i]:  # a rejected rest: the pair's prefix keys first (segment i - 1)
             k = torch.cat([ks[i - 1][:, : prefixes[i]], k], dim=1)
             v = torch.cat([vs[i - 1][:, : prefixes[i]], v], dim=1)
-        parts.append(_causal_attention(q, k, v, scale, dropout, explicit, sliding_window))
+        parts.append(_causal_attention(q, k, v, scale, dropout, explicit, sliding_window, sinks))
     return torch.cat(parts, dim=1).transpose(0, 1).unsqueeze(0).contiguous(), None
 
 
@@ -290,10 +315,11 @@ def _causal_attention(
     dropout: float,
     explicit: bool,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of one sequence whose last ``n`` tokens are the queries: q (H, n, D),
     k/v (H, S >= n, D) -> (H, n, D); with ``window`` each query sees its last ``window`` keys
-    (itself included) only."""
+    (itself included) only; ``sinks`` (H,) attention-sink logits (explicit only)."""
     n, S = q.shape[1], k.shape[1]
     if window is not None and window < S:
         allowed = torch.ones(n, S, dtype=torch.bool, device=q.device)
@@ -301,7 +327,7 @@ def _causal_attention(
         if explicit:
             bias = torch.zeros(n, S, dtype=q.dtype, device=q.device)
             bias = bias.masked_fill(~allowed, float("-inf"))
-            return _attend(q, k, v, bias.expand(q.shape[0], n, S), scale)
+            return _attend(q, k, v, bias.expand(q.shape[0], n, S), scale, sinks)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=allowed, dropout_p=dropout,
             scale=scale,
@@ -321,18 +347,31 @@ def _causal_attention(
                 )
         return out[0]
     causal = torch.full((n, S), float("-inf"), dtype=q.dtype, device=q.device).triu(S - n + 1)
-    return _attend(q, k, v, causal.expand(q.shape[0], n, S), scale)
+    return _attend(q, k, v, causal.expand(q.shape[0], n, S), scale, sinks)
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``softmax(q k^T * scale + bias) v`` over a batch of heads: q (N, L, D), k/v (N, S, D),
     bias (N, L, S) in q's dtype -> (N, L, D). Scores in the input dtype with the mask added
-    inside the matmul, softmax in float32 (as HF's eager attention does)."""
+    inside the matmul, softmax in float32 (as HF's eager attention does).
+
+    ``sinks`` (N,): each head's attention-sink logit, one more score of every query's softmax
+    whose probability is dropped (it has no value), as gpt-oss's eager attention computes it."""
     scores = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=scale)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.bmm(probs, v)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.bmm(probs, v)
+    N, L, S = scores.shape
+    sink = sinks.to(scores.dtype).view(N, 1, 1).expand(N, L, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)
+    return torch.bmm(probs[..., :S].to(q.dtype), v)
 
 
 FLASH_ATTENTION = "flash_attention_2"

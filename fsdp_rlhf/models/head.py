@@ -10,7 +10,8 @@ The layer returns them stacked as (2, n) in place of logits and the model passes
 its ``logits``: the results are the root's output, so FSDP2's pre-backward hook sees them.
 
 Models that change the logits after the output layer (Gemma's soft-capping, Cohere's and
-Granite's scaling, a cut padded vocabulary) and output layers that are not a plain bias-free
+Granite's scaling, a cut padded vocabulary, a forward hook on the output layer such as a VLM
+policy's suppressed placeholder tokens) and output layers that are not a plain bias-free
 ``nn.Linear`` (LoRA on ``lm_head``) take the materialised path
 (``algorithms.gathered_logprobs``: the logits once, read chunk by chunk).
 """
@@ -41,6 +42,10 @@ def fusable_head(model: nn.Module) -> nn.Linear | None:
     get = getattr(model, "get_output_embeddings", None)
     head = get() if callable(get) else None
     if type(head) is not nn.Linear or head.bias is not None:
+        return None
+    # a forward hook on the output layer reads its logits (a VLM policy's suppressed
+    # placeholder tokens, models.vision.suppress_tokens): those logits must exist
+    if head._forward_hooks:
         return None
     config = getattr(model, "config", None)
     configs = [config]

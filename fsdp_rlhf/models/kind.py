@@ -3,8 +3,10 @@
 A run reads the kind of every model it loads in ``prepare`` (:func:`read_model_kinds`), checks
 the rules table (``fsdp_rlhf.rules``) against it before anything loads, and carries it to what
 needs it: whether the actor is a vision-language model (and its special tokens), dense or MoE
-(and which router class its MoE layers use), hybrid (linear-attention layers, Qwen3.5's gated
-delta nets), and its attention heads. Nothing downstream re-reads the config from disk to ask.
+(and which router class its MoE layers use), hybrid (recurrent layers: Qwen3.5's gated delta
+nets, Nemotron-H's Mamba2, LFM2's short convolutions), and its attention heads (per layer
+where they differ: Gemma 4's global layers). Nothing downstream re-reads the config from disk
+to ask.
 """
 
 from __future__ import annotations
@@ -16,7 +18,13 @@ from typing import Any
 import torch
 
 from fsdp_rlhf.errors import reading
-from fsdp_rlhf.hf_config import config_num_experts, has_linear_attention
+from fsdp_rlhf.hf_config import (
+    GATED_DELTA_NET,
+    attention_layers,
+    config_num_experts,
+    has_recurrent_layers,
+    recurrent_kinds,
+)
 from fsdp_rlhf.models.load import check_model_path, quiet_transformers
 from fsdp_rlhf.models.vision import VisionTokens, is_vision_config
 
@@ -28,10 +36,15 @@ class ModelKind:
     Attributes:
         path: the model folder (or hub name) as the user passed it.
         architecture: its ``architectures`` (or model type), for messages.
-        heads, kv_heads: the text model's query and key/value attention heads.
+        heads, kv_heads: the text model's query and key/value attention heads (its top
+            config's).
+        attention: the distinct (heads, kv_heads) of its attention layers, read per layer
+            (Gemma 4's global layers have their own; empty: ``heads, kv_heads`` everywhere).
         experts: routed experts per MoE layer (0: dense).
         router: the class name of its MoE routers (None: dense, or none found).
-        linear_attention: it has linear-attention (gated-delta-net) layers.
+        linear_attention: it has recurrent layers of any kind (gated delta nets, Mamba2,
+            short convolutions): a hybrid model.
+        gated_delta_net: some of them are gated delta nets (Qwen3.5, Qwen3-Next).
         vision: a vision-language model's special tokens (None: text-only).
         patches: a vision-language model's image patching (``vision_config``'s patch,
             temporal patch and spatial merge sizes and input channels; None: text-only).
@@ -43,7 +56,9 @@ class ModelKind:
     kv_heads: int
     experts: int = 0
     router: str | None = None
+    attention: tuple[tuple[int, int], ...] = ()
     linear_attention: bool = False
+    gated_delta_net: bool = False
     vision: VisionTokens | None = None
     patches: tuple[tuple[str, Any], ...] | None = None
 
@@ -66,17 +81,26 @@ class ModelKind:
 def kind_from_config(path: str, config: Any, trust_remote_code: bool = False) -> ModelKind:
     """The kind of ``config`` (an HF config object), the MoE router found on a meta-device
     build of the model (no storage, nothing read)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = int(text.num_attention_heads)
+    # per layer: a heterogeneous config (Gemma 4) raises where its heads are read from the top
+    layers = attention_layers(config)
+    if layers:
+        heads, kv_heads = layers[0].heads, layers[0].kv_heads
+    else:  # no attention layer at all
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = int(text.num_attention_heads)
+        kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
     experts = config_num_experts(config)
+    recurrent = has_recurrent_layers(config)
     return ModelKind(
         path=path,
         architecture=",".join(getattr(config, "architectures", None) or [config.model_type]),
         heads=heads,
-        kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+        kv_heads=kv_heads,
         experts=experts,
         router=_router_class(config, trust_remote_code) if experts else None,
-        linear_attention=has_linear_attention(config),
+        attention=tuple(sorted({(a.heads, a.kv_heads) for a in layers})),
+        linear_attention=recurrent,
+        gated_delta_net=recurrent and GATED_DELTA_NET in recurrent_kinds(config, trust_remote_code),
         vision=VisionTokens.from_config(config) if is_vision_config(config) else None,
         patches=_patches(config) if is_vision_config(config) else None,
     )
@@ -94,15 +118,25 @@ def _patches(config: Any) -> tuple[tuple[str, Any], ...]:
 def _router_class(config: Any, trust_remote_code: bool) -> str | None:
     """The class name of the first MoE router of the causal LM ``config`` builds (on the
     meta device), or None when it has none that looks like one."""
+    import transformers
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from fsdp_rlhf.models.routers import ROUTER_RULES as ROUTERS
 
     # a VLM MoE (Qwen3-VL-MoE) has no causal-LM class: its image-text-to-text one
     auto = AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
     with torch.device("meta"):
-        model = auto.from_config(config, trust_remote_code=trust_remote_code)
+        try:
+            model = auto.from_config(config, trust_remote_code=trust_remote_code)
+        except ValueError:  # no auto class maps it (Mistral 4): its architecture's own class
+            arch = (getattr(config, "architectures", None) or [""])[0]
+            cls = getattr(transformers, arch, None)
+            if cls is None:
+                return None
+            model = cls(config)
     for module in model.modules():
         name = type(module).__name__
-        if name.endswith("Router") and hasattr(module, "top_k"):
+        if name in ROUTERS or (name.endswith("Router") and hasattr(module, "top_k")):
             return name
     return None
 

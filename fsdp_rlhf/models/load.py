@@ -76,9 +76,29 @@ def check_model_path(path: str, flag: str) -> None:
         what = "does not exist" if not p.exists() else "has no config.json"
         raise UserError(f"{flag} {path}: {what}")
     if looks_local:
+        _check_model_type(p / "config.json", path, flag)
         problem = safetensors_problem(p)
         if problem:
             raise UserError(f"{flag} {path}: {problem}")
+
+
+def _check_model_type(config_file: Path, path: str, flag: str) -> None:
+    """A model type the installed transformers does not know (a family newer than it, such as
+    LFM3 under transformers 5.19) is refused in one line naming the architecture."""
+    import transformers
+
+    with reading("model config", config_file):
+        config = json.loads(config_file.read_text())
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if not model_type or "auto_map" in config or model_type in transformers.CONFIG_MAPPING:
+        return
+    arch = ",".join(config.get("architectures") or []) or model_type
+    raise UserError(
+        f"{flag} {path}: the architecture {arch} (model type '{model_type}') is not in "
+        f"transformers {transformers.__version__}: neither the trainer nor vLLM's Transformers "
+        "backend can build it (a transformers release that has it, or --trust_remote_code for a "
+        "model that ships its own code)"
+    )
 
 
 def safetensors_problem(folder: Path) -> str | None:

@@ -24,9 +24,11 @@ mask the way ``shard_inputs`` cuts the token ids, the load-balancing loss sums i
 and router probabilities over the group (so every rank computes the unsplit forward's loss),
 and the statistics, each rank counting its own slice, are summed over the world as before.
 
-Supported routers (:data:`ROUTERS`) compute softmax probabilities and take the top k; others
-are refused by name where router replay or the auxiliary loss is asked for (the rules table,
-``fsdp_rlhf.rules``, row ``moe-flags-unknown-router``).
+Supported routers (:data:`ROUTERS`, ``models.routers.ROUTER_RULES``): every router class with
+a rule there (softmax, softmax over the chosen, sigmoid with correction bias, grouped top-k,
+normalisation and scaling, Gemma 4's per-expert scales); the replayed experts' weights are
+recomputed by that rule. Others are refused by name where router replay or the auxiliary loss
+is asked for (the rules table, ``fsdp_rlhf.rules``, row ``moe-flags-unknown-router``).
 """
 
 from __future__ import annotations
@@ -43,29 +45,23 @@ from fsdp_rlhf.distributed.collectives import all_reduce
 from fsdp_rlhf.distributed.expert_parallel import ExpertParallel, is_routed_experts
 from fsdp_rlhf.distributed.sequence_parallel import SequenceParallel
 from fsdp_rlhf.models.inputs import ForwardInputs
+from fsdp_rlhf.models.routers import (
+    ROUTER_RULES,
+    RouterRule,
+    expert_probs,
+    join_output,
+    replay_weights,
+    router_num_experts,
+    router_top_k,
+    split_output,
+)
 
-
-@dataclass(frozen=True)
-class RouterKind:
-    """How a router turns its probabilities into mixing weights: renormalised over the top k
-    (always, or as its ``norm_topk_prob`` says), and cast back to the logits' dtype or not."""
-
-    renormalize: bool | None  # None: the router's own ``norm_topk_prob``
-    cast_back: bool = True
-
-
-ROUTERS: dict[str, RouterKind] = {
-    "Qwen3MoeTopKRouter": RouterKind(None),
-    "Qwen2MoeTopKRouter": RouterKind(None),
-    "OlmoeTopKRouter": RouterKind(None),
-    "MixtralTopKRouter": RouterKind(True, cast_back=False),
-    "Qwen3_5MoeTopKRouter": RouterKind(True),
-}
+ROUTERS: dict[str, RouterRule] = ROUTER_RULES
 
 
 def _looks_like_router(module: nn.Module) -> bool:
     name = type(module).__name__
-    return name.endswith("Router") and hasattr(module, "top_k")
+    return name in ROUTERS or (name.endswith("Router") and hasattr(module, "top_k"))
 
 
 def moe_routers(model: nn.Module) -> list[nn.Module]:
@@ -125,7 +121,7 @@ def active_parameters(model: nn.Module) -> tuple[int, int]:
     routers = [m for m in model.modules() if _looks_like_router(m)]
     if not routers:
         return total, total
-    top_k = int(routers[0].top_k)
+    top_k = router_top_k(routers[0])
     inactive = 0
     for module in model.modules():
         if is_routed_experts(module):
@@ -200,9 +196,9 @@ class MoEHooks:
         self.routers = routers
         self.sp = sp if sp is not None and sp.enabled else None
         self.ep_size = ep.size if ep is not None else 1
-        self.num_experts = int(routers[0].num_experts)
-        self.top_k = int(routers[0].top_k)
-        self._kinds = [ROUTERS[type(r).__name__] for r in routers]
+        self.num_experts = router_num_experts(routers[0])
+        self.top_k = router_top_k(routers[0])
+        self._rules = [ROUTERS[type(r).__name__] for r in routers]
         self._current: _Forward | None = None
         # Where the routers run, known at the first routed forward: not the parameters' device,
         # which is the host under --adam_offload (CPUOffloadPolicy) while routers run on the GPU.
@@ -283,14 +279,15 @@ class MoEHooks:
         return hook
 
     def _route(self, slot: int, module: nn.Module, fwd: _Forward, output):
-        logits, weights, experts = output
-        if logits.shape[0] != fwd.valid.numel():
+        rule = self._rules[slot]
+        scores, weights, experts = split_output(rule, output)
+        if scores.shape[0] != fwd.valid.numel():
             raise RuntimeError(
-                f"MoE layer {slot}: {logits.shape[0]} tokens routed, {fwd.valid.numel()} expected"
+                f"MoE layer {slot}: {scores.shape[0]} tokens routed, {fwd.valid.numel()} expected"
             )
         first = slot not in fwd.seen  # a recomputation in backward is not counted again
         fwd.seen.add(slot)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        probs = expert_probs(rule, scores)
         if fwd.replay is not None:
             replay = fwd.replay[:, slot]
             has = ((replay >= 0) & (replay < self.num_experts)).all(-1, keepdim=True)
@@ -301,22 +298,15 @@ class MoEHooks:
                     t = self._totals_on(experts.device)
                     t["agree"] += (same & counted).sum()
                     t["replayed"] += counted.sum()
-            experts = torch.where(has, replay, experts)
-            weights = probs.gather(1, experts)
-            kind = self._kinds[slot]
-            renorm = kind.renormalize
-            if renorm is None:
-                renorm = bool(getattr(module, "norm_topk_prob", False))
-            if renorm:
-                weights = weights / weights.sum(-1, keepdim=True)
-            if kind.cast_back:
-                weights = weights.to(logits.dtype)
+            experts = torch.where(has, replay, experts.to(replay.dtype))
+            # the engine's experts, weighed by the router's own rule from its own scores
+            weights = replay_weights(rule, module, scores, experts, weights.dtype)
         # the same differentiable ops in a recomputation (activation checkpointing checks
         # that the recomputed forward saves what the forward saved); kept only the first time
         prob_sum = (probs * fwd.valid.to(probs.dtype).unsqueeze(-1)).sum(0)
         if first:
             self._count(slot, fwd, probs, prob_sum, experts)
-        return logits, weights, experts
+        return join_output(rule, output, weights, experts)
 
     def _count(
         self,

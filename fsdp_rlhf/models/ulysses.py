@@ -141,6 +141,8 @@ def ulysses_attention(
         key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
     q, k, v = (_seq_to_heads(x, n, sp.group)[:, :, :L] for x in (query, key, value))
     kwargs.pop("position_ids", None)  # this slice's: the kernels below see whole rows
+    if kwargs.get("s_aux") is not None:  # attention sinks (gpt-oss): this rank's heads' own
+        kwargs["s_aux"] = kwargs["s_aux"].view(n, -1)[dist.get_rank(sp.group)]
     out = _inner_attention(module, q, k, v, attention_mask, dropout, scaling, sp, kwargs)
     out = F.pad(out, (0, 0, 0, 0, 0, query.shape[2] * n - L))  # (B, n*Lr, H/n, D)
     return _heads_to_seq(out, n, sp.group), None
@@ -156,7 +158,10 @@ def _inner_attention(module, q, k, v, attention_mask, dropout, scaling, sp, kwar
     if kwargs.get("grouped_response_mask") is not None:  # shared-prompt rows
         return padded_sdpa(module, q, k, v, attention_mask, dropout, scaling, **kwargs)[0]
     window = kwargs.get("sliding_window")
-    return _padded_attention(q, k, v, sp.padding_mask, dropout, scaling, window, sp.spans)
+    sinks = kwargs.get("s_aux")
+    return _padded_attention(
+        q, k, v, sp.padding_mask, dropout, scaling, window, sp.spans, sinks=sinks
+    )
 
 
 def _flash_whole_rows(module, q, k, v, mask, dropout, scaling, kernel: str, kwargs):
@@ -199,6 +204,7 @@ def _padded_attention(
     scaling: float | None,
     window: int | None = None,
     spans: RowSpans | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of padded rows, padding keys masked: q (B, H, L, D), k/v (B, KV, L, D),
     ``padding_mask`` (B, L) bool or None -> (B, L, H, D). A padding query attends to itself
@@ -207,10 +213,11 @@ def _padded_attention(
     ``window``: a sliding-window layer's (Gemma 3's local layers), each query sees its last
     ``window`` keys only, as transformers' padded mask does. ``spans``: each row's run of
     attended tokens, for the mask-free path (SDPA's kernels then keep nothing of size L x L for
-    backward; :func:`models.attention.span_attention`)."""
+    backward; :func:`models.attention.span_attention`). ``sinks``: (H,) these heads'
+    attention-sink logits (gpt-oss)."""
     L = q.shape[-2]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    explicit = _explicit_wanted(q, dropout, L)
+    explicit = sinks is not None or _explicit_wanted(q, dropout, L)
     windowed = window is not None and window < L
     if padding_mask is not None and spans is not None and not explicit and not windowed:
         return span_attention(q, k, v, spans, dropout, scale).transpose(1, 2).contiguous()
@@ -230,7 +237,7 @@ def _padded_attention(
         allowed = (allowed & padding_mask[:, None, None, :]) | eye  # (B, 1, L, L)
     else:
         allowed = allowed.expand(q.shape[0], 1, L, L)
-    out = _masked_attention(q, k, v, allowed, scale, dropout, explicit)
+    out = _masked_attention(q, k, v, allowed, scale, dropout, explicit, sinks)
     return out.transpose(1, 2).contiguous()
 
 

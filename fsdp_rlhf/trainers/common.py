@@ -156,15 +156,17 @@ def save_due(step: int, total_steps: int, save_steps: int) -> bool:
     return save_steps > 0 and (step % save_steps == 0 or step == total_steps)
 
 
-def fit(trainer: Trainer, save_steps: int) -> int:
+def fit(trainer: Trainer, save_steps: int, also_stop: Callable[[], bool] | None = None) -> int:
     """Step until ``total_steps``; on SIGTERM/SIGUSR1 all ranks agree, checkpoint and exit 0.
 
     ``train_step(stop_agreed)`` may itself vote (PPO does, before its update) and return False
     when it abandoned the step without changing any state: the checkpoint is then the last
-    finished step's, written only if it is not on disk already.
+    finished step's, written only if it is not on disk already. ``also_stop``: another way a
+    rank learns of a stop, counted in every vote (asynchronous PPO's rollout ranks, which do
+    not vote, signal through the job's store).
     """
     saved_at = trainer.step
-    with GracefulStop() as stop:
+    with GracefulStop(also=also_stop) as stop:
         while trainer.step < trainer.total_steps:
             trainer.step += 1
             finished = trainer.train_step(stop.agreed)

@@ -1,10 +1,12 @@
-"""`fsdp-rlhf ppo`: colocated single-controller PPO. Every rank runs this same loop::
+"""`fsdp-rlhf ppo`: PPO with a single controller per rank. Every rank runs this same loop::
 
     torchrun --nproc_per_node 8 -m fsdp_rlhf.cli ppo --pretrain SFT --reward_pretrain RM ...
 
-One step = one rollout batch: sync weights into vLLM, generate, score, old/ref log-probs and
-values, advantages, critic update, actor update. Idle models leave the GPU between phases.
-The loop (stop vote, checkpoints) is :func:`fsdp_rlhf.trainers.common.fit`.
+One step = one rollout batch: the batch from the step's source of experiences (colocated: sync
+weights into this rank's vLLM engine, generate, score; ``--async_train``: the queue the rollout
+ranks fill, :mod:`~fsdp_rlhf.trainers.ppo_source`), old/ref log-probs and values, advantages,
+critic update, actor update, the new weights to the source. Idle models leave the GPU between
+phases. The loop (stop vote, checkpoints) is :func:`fsdp_rlhf.trainers.common.fit`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -19,8 +22,9 @@ from torch import nn
 
 from fsdp_rlhf.algorithms import clip_scores
 from fsdp_rlhf.config import PPOBatchPlan, PPOConfig
-from fsdp_rlhf.data.prompts import Prompt, PromptSampler
+from fsdp_rlhf.data.prompts import Prompt
 from fsdp_rlhf.distributed import checkpoint as ckpt
+from fsdp_rlhf.distributed import faults
 from fsdp_rlhf.distributed.env import DistEnv
 from fsdp_rlhf.distributed.layout import ParallelLayout
 from fsdp_rlhf.distributed.memory_census import census_from_env, owners_of
@@ -37,58 +41,37 @@ from fsdp_rlhf.models.load import load_tokenizer
 from fsdp_rlhf.models.lora import adapters_disabled
 from fsdp_rlhf.models.moe import MoEHooks
 from fsdp_rlhf.models.save import save_model
-from fsdp_rlhf.rollout import HFEngine, RolloutEngine, RolloutOutput, SamplingConfig
-from fsdp_rlhf.rollout.groups import gather_rollouts
-from fsdp_rlhf.trainers import common
+from fsdp_rlhf.rollout import HFEngine
+from fsdp_rlhf.trainers import common, ppo_async
 from fsdp_rlhf.trainers.experience import (
     Experience,
     batched_logprobs,
     batched_scores,
     batched_values,
-    experience_from_rollout,
 )
 from fsdp_rlhf.trainers.guards import BadStepGuard, check_finite_scores
 from fsdp_rlhf.trainers.micro_batches import MicroBatching
-from fsdp_rlhf.trainers.ppo_dynamic_filtering import dynamic_sample
+from fsdp_rlhf.trainers.ppo_colocated import ColocatedSource, start_engine
 from fsdp_rlhf.trainers.ppo_eval import Evaluator, build_evaluator
-from fsdp_rlhf.trainers.ppo_metrics import (
-    StatCollector,
-    add_rollout_stats,
-    collect_batch_stats,
-    log_samples,
-    throughput_metrics,
-)
-from fsdp_rlhf.trainers.ppo_multiturn import build_multiturn, multiturn_rollout
+from fsdp_rlhf.trainers.ppo_metrics import StatCollector, collect_batch_stats, log_samples
 from fsdp_rlhf.trainers.ppo_rewards import (
-    add_overlong_penalty,
-    add_stop_properly_penalty,
     build_kl_controller,
     compute_advantages,
     observe_kl,
     rule_scores,
 )
-from fsdp_rlhf.trainers.ppo_rollout import (
-    RolloutSession,
-    delta_state,
-    sampling_config,
-    sleep_drops_weights,
-)
 from fsdp_rlhf.trainers.ppo_setup import (
-    adapter_spec,
     build_ema,
-    build_engine,
     build_models,
     build_optimizers,
     build_prompts,
     check_ema_resumable,
     data_settings,
-    engine_dtype,
-    merged_lora_scaling,
     offload_idle,
     prepare,
     prompt_group_size,
-    unsynced_params,
 )
+from fsdp_rlhf.trainers.ppo_source import ExperienceSource, OpenSource, SourceInputs
 from fsdp_rlhf.trainers.ppo_update import (
     TrainedModel,
     UpdatePlan,
@@ -97,7 +80,7 @@ from fsdp_rlhf.trainers.ppo_update import (
     update_critic,
     update_generator,
 )
-from fsdp_rlhf.trainers.ppo_vision import StepImages, check_responses, image_limit
+from fsdp_rlhf.trainers.ppo_vision import StepImages, image_limit
 
 log = logging.getLogger("fsdp_rlhf")
 
@@ -114,32 +97,45 @@ CONSOLE_KEYS = [
 
 
 def main(cfg: PPOConfig, debug: bool = False) -> int:
+    """Colocated: every rank generates with its engine and trains. ``--async_train``: the job
+    splits into training ranks, whose PPO step takes its batches from the rollout ranks'
+    queue, and rollout ranks (:mod:`~fsdp_rlhf.trainers.ppo_async`)."""
     if cfg.asynchronous.async_train:
-        from fsdp_rlhf.trainers import ppo_async
+        return ppo_async.launch(cfg, debug, PPOTrainer)
+    return common.launch(cfg, debug, prepare, build_colocated)
 
-        return ppo_async.main(cfg, debug)
-    return common.launch(cfg, debug, prepare, PPOTrainer)
+
+def build_colocated(cfg: PPOConfig, env: DistEnv, prepared, parallel: ParallelLayout) -> PPOTrainer:
+    """A colocated rank: its engine, asleep before the models load, is the step's source."""
+    tokenizer = load_tokenizer(cfg.models.pretrain, cfg.backend)
+    _, rows, kinds = prepared
+    vision = kinds["--pretrain"].vision  # read once in prepare (models.kind)
+    engine = start_engine(cfg, env, tokenizer, image_limit(cfg.vision, rows), vision)
+    open_source = partial(ColocatedSource, engine)
+    return PPOTrainer(cfg, env, prepared, parallel, tokenizer, open_source)
 
 
 class PPOTrainer:
+    """The PPO step on one rank; its batches come from ``open_source``'s source."""
+
     def __init__(
         self,
         cfg: PPOConfig,
         env: DistEnv,
         prepared: tuple[PPOBatchPlan, list, dict[str, ModelKind]],
         parallel: ParallelLayout,
+        tokenizer,
+        open_source: OpenSource,
     ):
         self.cfg, self.env, self.parallel = cfg, env, parallel
         self.sp = parallel.sp  # the sequence-parallel group the forwards are split over
         self.plan, rows, kinds = prepared
         self.actor_kind = kinds["--pretrain"]  # read once in prepare (models.kind)
         common.write_run_config(cfg, env)
-        tokenizer = load_tokenizer(cfg.models.pretrain, cfg.backend)
         # a vision-language actor: its processor decodes each step's images (None: text)
         self.images = None
         if self.actor_kind.is_vlm:
             self.images = StepImages.from_pretrained(cfg.models.pretrain, cfg.backend)
-        engine = self.start_engine(tokenizer, image_limit(cfg.vision, rows))
         # after the engine, which seeds torch per engine: fresh heads must match on all ranks
         torch.manual_seed(cfg.seed)
         self.models = build_models(cfg, env, tokenizer, parallel)
@@ -147,24 +143,29 @@ class PPOTrainer:
         # routing its slice of every row under sequence parallelism)
         self.moe = MoEHooks.attach(self.models.actor, self.sp, parallel.ep)
         self.prompts = build_prompts(cfg, rows, tokenizer, self.images)
-        # the ranks of a sequence-parallel group draw the same prompts (their data shard)
-        self.sampler = PromptSampler(
-            len(self.prompts),
-            cfg.batch.rollout_batch_size,
-            parallel.dp_rank,
-            parallel.dp_size,
-            cfg.seed,
-        )
         self.total_steps = self._total_steps()
         updates = self.total_steps * cfg.algo.ppo_epochs * self.plan.optimizer_steps_per_epoch
         self.optimizers, self.schedulers = build_optimizers(cfg, self.models, updates)
         self.ema = build_ema(cfg, self.models.actor, self.optimizers["actor"])  # None: off
         self._plan_forwards(cfg, parallel)
         self.kl_ctl = build_kl_controller(cfg.algo)
-        self.evaluator = build_evaluator(cfg, env, tokenizer, parallel, self.images)
         self.timer = PhaseTimer(env.device, census_from_env(env.device, self.memory_owners))
-        self.rollout_session = None if engine is None else self._session(engine)
-        self.multiturn = build_multiturn(cfg, tokenizer, self.timer)  # None: single turn
+        self.source: ExperienceSource = open_source(
+            SourceInputs(
+                cfg,
+                env,
+                self.models.actor,
+                self.optimizers["actor"],
+                tokenizer,
+                self.prompts,
+                self.images,
+                parallel,
+                self.timer,
+                self.score,
+                self.total_steps,
+            )
+        )
+        self.evaluator = build_evaluator(cfg, env, tokenizer, parallel, self.images)
         self.trained = self._trained_models()
         self.guards = {
             name: BadStepGuard(cfg.guard.max_bad_steps, name) for name in self.optimizers
@@ -221,45 +222,16 @@ class PPOTrainer:
                 f"; x {self.sp.size} per sequence-parallel micro-batch" if self.sp.enabled else "",
             )
 
-    def start_engine(self, tokenizer, max_images: int = 1) -> RolloutEngine | None:
-        """This rank's rollout engine, asleep (None: the rank generates nothing, as the
-        training ranks of ``--async_train``); ``max_images`` per prompt (a VLM).
-
-        The engine first, then to sleep: vLLM sizes its memory from what is free when it
-        starts, so with four resident models it would refuse to start (TRL's colocate order).
-        """
-        vision = self.actor_kind.vision
-        engine = build_engine(self.cfg, self.env, tokenizer, max_images, vision=vision)
-        engine.sleep()
-        log.info("rollout engine started and asleep; loading the models")
-        return engine
-
     def memory_owners(self) -> dict[str, list[torch.Tensor]]:
         """The tensors the memory census (``FSDP_RLHF_MEMORY_CENSUS``) attributes the device's
         bytes to: each model's params and grads, each optimizer's state, the HF engine's copy
         and the actor's EMA."""
         m = self.models
-        engine = getattr(self.rollout_session, "engine", None)
+        engine = getattr(self.source, "engine", None)  # the colocated source's
         models = {"actor": m.actor, "critic": m.critic, "ref": m.ref, "reward": m.reward}
         models["engine copy"] = engine.model if isinstance(engine, HFEngine) else None
         ema = {"actor ema": list(self.ema.shadow.values())} if self.ema is not None else {}
         return owners_of(models, self.optimizers, ema)
-
-    def _session(self, engine: RolloutEngine) -> RolloutSession:
-        return RolloutSession(
-            engine,
-            self.models.actor,
-            self.optimizers["actor"],
-            self.timer,
-            device=self.env.device,
-            dtype=engine_dtype(self.cfg),
-            sleep_drops_weights=sleep_drops_weights(self.cfg, self.env.device),
-            adapter=adapter_spec(self.cfg, self.models.actor),
-            lora_scaling=merged_lora_scaling(self.cfg),
-            unsynced=unsynced_params(self.cfg, self.models.actor),
-            delta=delta_state(self.cfg, self.env.device),
-            overlap=self.cfg.rollout.weight_sync_overlap,
-        )
 
     def _trained_models(self) -> common.TrainedModels:
         """What a checkpoint holds: each trained model with its optimizer and schedule."""
@@ -273,18 +245,15 @@ class PPOTrainer:
 
     def _total_steps(self) -> int:
         b = self.cfg.batch
-        total = b.num_episodes * b.max_epochs * self.sampler.batches_per_epoch
+        batches_per_epoch = len(self.prompts) // b.rollout_batch_size
+        total = b.num_episodes * b.max_epochs * batches_per_epoch
         return min(total, b.max_steps) if b.max_steps > 0 else total
 
     # ------------------------------------------------------------------ one step
 
     def train_step(self, stop_agreed: Callable[[], bool]) -> bool:
-        sampler_state = self.sampler.state_dict()
-        metrics = self.run_phases(self.draw_prompts(), stop_agreed)
+        metrics = self.run_phases(stop_agreed)
         if metrics is None:
-            # a resumed run must redo this step: the prompts drawn (more than one batch with
-            # --dynamic_filtering) go back to the sampler
-            self.sampler.load_state_dict(sampler_state)
             return False
         last = self.step == self.total_steps
         if self.evaluator is not None and self.evaluator.due(self.step, self.total_steps):
@@ -294,26 +263,24 @@ class PPOTrainer:
         self.logger.log(self.step, metrics, CONSOLE_KEYS, console=console)
         return True
 
-    def draw_prompts(self) -> list[Prompt]:
-        return [self.prompts[i] for i in self.sampler.next_indices()]
-
-    def run_phases(
-        self, prompts: list[Prompt], stop_agreed: Callable[[], bool]
-    ) -> dict[str, float] | None:
+    def run_phases(self, stop_agreed: Callable[[], bool]) -> dict[str, float] | None:
         """The step's phases; None when a stop was agreed after the rollout (nothing has
-        changed but the engine's weights, which equal the actor's)."""
+        changed but the engine's weights, which equal the actor's; the source takes its
+        prompts back)."""
         stats = StatCollector()
         reuse = reuse_update_logprobs(
             self.cfg.algo, self.plan.optimizer_steps_per_epoch, self.actor_updates
         )
         with self.timer("all"):
-            # 1-2. rollout (current actor weights into the engine, sample responses) and score
-            #    (reward model and/or rule reward); with --dynamic_filtering, repeated on fresh
-            #    prompts until the batch holds only groups with a learning signal
-            exp, prompts, rollout_metrics = self.sample(prompts, stats)
+            # 1-2. the step's batch, scored (reward model and/or rule reward), from the source:
+            #    the engine here (the actor's weights synced into it), or the rollout ranks'
+            #    queue; with --dynamic_filtering, only groups with a learning signal
+            sampled = self.source.sample(self.step, stats)
+            exp, prompts = sampled.exp, sampled.prompts
             # a PPO step is long: vote again before the update, so a stop signal that came
             # during the rollout still leaves the whole window for the checkpoint
             if stop_agreed():
+                self.source.settle(sampled, trained=False)
                 return None
             # 3. reference log-probs, critic values, and the sampling policy's log-probs
             #    unless the actor update will supply them
@@ -332,90 +299,29 @@ class PPOTrainer:
                     {} if reuse else observe_kl(exp, self.cfg.algo, self.kl_ctl, self.parallel)
                 )
             # 5. critic then actor updates
+            faults.reached("training", self.step)
             update_metrics = self.update(exp, reuse)
             if reuse:
                 kl_metrics = observe_kl(exp, self.cfg.algo, self.kl_ctl, self.parallel)
+            # 6. the new weights to the source: the engine syncs them before its next rollout,
+            #    or they are published to the rollout ranks
+            update_metrics.update(self.source.after_update(self.step, self.actor_updates))
+        self.source.settle(sampled, trained=True)
         collect_batch_stats(stats, exp, trainer_old_logprobs=not self.rollout_logprobs_as_old)
-        metrics = {**rollout_metrics, **kl_metrics, **update_metrics, **stats.reduce()}
-        metrics.update(self.throughput(metrics))
+        metrics = {**sampled.metrics, **kl_metrics, **update_metrics, **stats.reduce()}
+        metrics.update(self.source.throughput(metrics, self.timer.times))
         metrics.update(self.timer.pop())
         self.maybe_log_samples(exp, prompts)
         return metrics
 
-    def throughput(self, metrics: dict[str, float]) -> dict[str, float]:
-        return throughput_metrics(
-            metrics, self.timer.times, self.cfg, self.env.world_size, engine_name=self.engine_name
-        )
-
     # ------------------------------------------------------------------ phases
 
-    def sample(
-        self, prompts: list[Prompt], stats: StatCollector
-    ) -> tuple[Experience, list[Prompt], dict[str, float]]:
-        """Rollout and score this step's prompts (and, with --dynamic_filtering, more)."""
-
-        def generate_and_score(batch: list[Prompt], round_: int):
-            exp, metrics = self.rollout(batch, stats, round_)
-            self.score(exp, batch)
-            add_overlong_penalty(exp, self.cfg.algo, self.cfg.rollout.generate_max_len)
-            add_stop_properly_penalty(exp, self.cfg.algo)
-            return exp, metrics
-
-        if not self.cfg.algo.dynamic_filtering:
-            exp, metrics = generate_and_score(prompts, 0)
-            return exp, prompts, metrics
-        n, pad_id = self.cfg.batch.n_samples_per_prompt, self.models.tokenizer.pad_token_id
-        return dynamic_sample(
-            prompts,
-            self.draw_prompts,
-            generate_and_score,
-            self.cfg.algo,
-            n,
-            pad_id,
-            self.parallel.data_group,
-        )
-
-    def rollout(
-        self, prompts: list[Prompt], stats: StatCollector, round_: int = 0
-    ) -> tuple[Experience, dict[str, float]]:
-        metrics: dict[str, float] = {}
-        sampling = sampling_config(self.cfg, self.step, round_)
-        env_scores = images = None
-        if self.images is not None:  # a VLM: each prompt's images, expanded prompt ids
-            ids, prompt_images = self.images.encode(prompts)
-            out = self.rollout_session.generate(ids, sampling, metrics, images=prompt_images)
-            images = StepImages.rows(prompt_images, sampling.n)
-            check_responses(out, self.images.vision.tokens)
-        elif self.multiturn is None:
-            out = self.generate(prompts, sampling, metrics)
-        else:  # --env_file: the environment's rewards are the scores
-            out, env_scores = multiturn_rollout(
-                self.multiturn,
-                self.rollout_session,
-                self.sp.share(prompts),
-                sampling,
-                metrics,
-                stats,
-            )
-            out, env_scores = gather_rollouts(out, self.sp, self.pad_id, env_scores)
-        exp = experience_from_rollout(out, self.env.device)
-        exp.images = images
-        exp.scores = env_scores.to(self.env.device) if env_scores is not None else None
-        # reduced with the step's other statistics: a collective here would make each rank
-        # wait for the slowest one's generation before scoring (with sequence parallelism the
-        # group's ranks hold the same rows: the mean over copies is the same)
-        add_rollout_stats(stats, out)
-        return exp, metrics
-
-    @property
-    def pad_id(self) -> int:
-        return self.models.tokenizer.pad_token_id
-
     def score(self, exp: Experience, prompts: list[Prompt], n: int | None = None) -> None:
-        """``exp.scores``; prompt i owns rows i*n .. i*n+n-1 (n: the training group size)."""
+        """``exp.scores``; prompt i owns rows i*n .. i*n+n-1 (n: the training group size).
+        Scores already set (an ``--env_file`` environment's rewards) are the base."""
         micro = self.scoring_batching
         scores = torch.zeros(exp.num_sequences, device=exp.input_ids.device)
-        if self.multiturn is not None:  # set by the rollout; --env_file excludes the others
+        if exp.scores is not None:  # set by the rollout; --env_file excludes the others
             scores = exp.scores
         if self.models.reward is not None:
             with self.timer("reward_model"), self.onloaded(self.models.reward, "reward"):
@@ -491,14 +397,9 @@ class PPOTrainer:
                 metrics.update(self.moe.pop_metrics())
             if reuse_logprobs:
                 exp.old_logprobs = old_logprobs
-            self.actor_updated()
         metrics["actor/lr"] = self.schedulers["actor"].get_last_lr()[0]
         metrics["actor/kl_coef"] = self.kl_ctl.value
         return metrics
-
-    def actor_updated(self) -> None:
-        """The actor's weights changed: the engine syncs them before its next rollout."""
-        self.rollout_session.actor_updated()
 
     def _trained_model(self, name: str) -> TrainedModel:
         optim_cfg = self.cfg.actor_optim if name == "actor" else self.cfg.critic_optim
@@ -536,7 +437,9 @@ class PPOTrainer:
     def evaluate(self) -> dict[str, float]:
         """``eval/*`` on the held-out prompts; keeps the best actor (--save_best_metric)."""
         evaluator: Evaluator = self.evaluator
-        metrics = evaluator.run(self.generate, self.score)
+        if self.source.generate is None:
+            raise RuntimeError("evaluation needs an engine on this rank (refused with async)")
+        metrics = evaluator.run(self.source.generate, self.score)
         # the phases eval ran (reward_model, resharding...) must not add to the next step's
         # timings; its total is timing/eval. (Eval also synced the new weights into the
         # engine, so the next step's rollout skips the sync and reports no weight_sync_gbps.)
@@ -548,23 +451,6 @@ class PPOTrainer:
                 lambda path: self._export(self.models.actor, path),
             )
         return metrics
-
-    def generate(
-        self,
-        prompts: list[Prompt],
-        sampling: SamplingConfig,
-        metrics: dict[str, float] | None = None,
-        phase: str = "rollout",
-    ) -> RolloutOutput:
-        """Responses to this rank's data shard of ``prompts`` (with their images, for a VLM).
-        With sequence parallelism each rank of a group generates its share of the group's
-        prompts and every rank gets all the group's rows (VLMs refuse sequence parallelism)."""
-        if self.images is not None:
-            ids, images = self.images.encode(prompts)
-            return self.rollout_session.generate(ids, sampling, metrics, phase, images=images)
-        ids = [p.ids for p in prompts]
-        out = self.rollout_session.generate(self.sp.share(ids), sampling, metrics, phase)
-        return gather_rollouts(out, self.sp, self.pad_id)[0]
 
     # ------------------------------------------------------------------ i/o
 
@@ -592,7 +478,7 @@ class PPOTrainer:
         """What a checkpoint holds besides the models, optimizers and schedules."""
         return {
             **self.data_settings(),
-            "sampler": self.sampler.state_dict(),
+            **self.source.state_dict(),
             "kl_ctl": self.kl_ctl.state_dict(),
             "guards": {name: g.state_dict() for name, g in self.guards.items()},
             "enable_ema": self.ema is not None,
@@ -613,7 +499,7 @@ class PPOTrainer:
     def load_trainer_state(self, saved: dict) -> None:
         """The counterpart of :meth:`trainer_state`, after a resume."""
         self.step = int(saved["step"])
-        self.sampler.load_state_dict(saved["sampler"])
+        self.source.load_state_dict(saved)
         self.kl_ctl.load_state_dict(saved["kl_ctl"])
         for name, state in saved.get("guards", {}).items():
             self.guards[name].load_state_dict(state)
@@ -648,8 +534,7 @@ class PPOTrainer:
 
     def close(self) -> None:
         self.logger.close()
-        if self.rollout_session is not None:
-            self.rollout_session.close()
+        self.source.close()
 
     # ------------------------------------------------------------------ properties
 
@@ -667,7 +552,3 @@ class PPOTrainer:
     @property
     def packed(self) -> bool:
         return self.cfg.batch.packing_samples
-
-    @property
-    def engine_name(self) -> str:
-        return self.cfg.rollout.rollout_engine

@@ -2,17 +2,20 @@
 
 The last ``vllm_num_engines x vllm_tensor_parallel_size`` ranks only generate
 (:mod:`fsdp_rlhf.trainers.ppo_async_rollout`); the others train, each step on a batch the
-rollout ranks generated while the previous steps trained. A training step is the colocated
-trainer's (:class:`~fsdp_rlhf.trainers.ppo.PPOTrainer`) with two phases swapped:
+rollout ranks generated while the previous steps trained. A training rank runs the PPO step
+with :class:`AsyncSource` as its source of experiences:
 
-    receive    the step's batch from the rollout ranks (timing/train_wait: waiting for them)
-    ...        scores (reward model), reference log-probs, values, advantages, updates
-    publish    the new actor weights to the rollout ranks (timing/weight_sync)
+    sample          the step's batch from the rollout ranks (timing/train_wait: waiting for
+                    them), scored where the reward model lives, and ``async/*`` metrics on how
+                    stale it is
+    ...             reference log-probs, values, advantages, updates (the PPO step's own)
+    after_update    the new actor weights to the rollout ranks (timing/weight_sync)
 
-and ``async/*`` metrics on how stale the batch was. Checkpoints hold what the colocated
-trainer's do plus each rollout rank's prompt-sampler state after the last trained batch: a
-resumed run regenerates the batches after it from the checkpointed weights, so no step runs
-twice and none is skipped.
+Checkpoints hold what a colocated run's do plus each rollout rank's prompt-sampler state after
+the last trained batch: a resumed run regenerates the batches after it from the checkpointed
+weights (the queue is not saved; the checkpoint says from which batch on), so no step runs
+twice and none is skipped. The run's ledger (``ppo_async_ledger``) records which prompts were
+generated, queued and trained, by which attempt.
 """
 
 from __future__ import annotations
@@ -20,13 +23,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from fsdp_rlhf.config import PPOConfig, async_rollout_ranks
-from fsdp_rlhf.data.prompts import Prompt
-from fsdp_rlhf.distributed import weight_broadcast
+from fsdp_rlhf.distributed import faults, weight_broadcast
 from fsdp_rlhf.distributed.bridge import Bridge, Channel, Patience, PeerLost, PeerSlow
 from fsdp_rlhf.distributed.delta_sync import DeltaSender, DeltaStats
 from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars, job_hosts, job_position
@@ -35,6 +39,7 @@ from fsdp_rlhf.distributed.layout import ParallelLayout
 from fsdp_rlhf.distributed.prefetch import StageTimes, staged
 from fsdp_rlhf.distributed.split_world import SplitWorld, init_split_world
 from fsdp_rlhf.distributed.weight_broadcast import WeightLink
+from fsdp_rlhf.models.load import load_tokenizer
 from fsdp_rlhf.rollout.weight_sync import (
     actor_buckets,
     hf_param_name,
@@ -44,28 +49,41 @@ from fsdp_rlhf.rollout.weight_sync import (
 )
 from fsdp_rlhf.trainers import common
 from fsdp_rlhf.trainers.experience import Experience
-from fsdp_rlhf.trainers.ppo import PPOTrainer
+from fsdp_rlhf.trainers.ppo_async_ledger import (
+    TRAIN,
+    LedgerWriter,
+    attempts,
+    generated_after,
+    ledger_folder,
+)
 from fsdp_rlhf.trainers.ppo_async_queue import (
     END,
     START,
     WEIGHTS,
     BatchPart,
+    Route,
+    first_then,
     needed_version,
     reports_to,
     routes,
     staleness,
     stop_key,
 )
+from fsdp_rlhf.trainers.ppo_async_rollout import RolloutWorker
 from fsdp_rlhf.trainers.ppo_dynamic_filtering import concat_experiences
 from fsdp_rlhf.trainers.ppo_metrics import StatCollector, throughput
 from fsdp_rlhf.trainers.ppo_rewards import add_overlong_penalty, add_stop_properly_penalty
 from fsdp_rlhf.trainers.ppo_rollout import adapter_sync
 from fsdp_rlhf.trainers.ppo_setup import adapter_spec, engine_dtype, merged_lora_scaling, prepare
+from fsdp_rlhf.trainers.ppo_source import OpenSource, Sampled, SourceInputs
 
 log = logging.getLogger("fsdp_rlhf")
 
 # seconds closing waits for the rollout ranks to take "end" (at once, when nothing failed)
 END_WAIT_S = 10.0
+
+# (cfg, env, prepared, parallel, tokenizer, open_source) -> the PPO trainer of a training rank
+BuildTrainer = Callable[[PPOConfig, DistEnv, Any, ParallelLayout, Any, OpenSource], common.Trainer]
 
 
 @dataclass
@@ -79,8 +97,12 @@ class AsyncJob:
     store: dist.Store
 
 
-def main(cfg: PPOConfig, debug: bool = False) -> int:
+def launch(cfg: PPOConfig, debug: bool, build_trainer: BuildTrainer) -> int:
+    """The asynchronous job through the shared skeleton (``common.launch``): the split world
+    instead of one process group; a rollout rank runs :class:`RolloutWorker`, a training rank
+    the PPO trainer that ``build_trainer`` makes, fed by :class:`AsyncSource`."""
     job: list[AsyncJob] = []
+    sources: list[AsyncSource] = []
 
     def init(timeout_min: int) -> tuple[DistEnv, SplitWorld]:
         rank, world, _ = job_position()
@@ -92,47 +114,55 @@ def main(cfg: PPOConfig, debug: bool = False) -> int:
         patience = Patience(60.0 * timeout_min, peer_beats(cfg.guard.heartbeat_timeout_s))
         bridge = Bridge.connect(store, rank, world, patience, split.describe)
         receivers = [split.rollout_rank(i) for i in range(split.rollout_ranks)]
-        link = WeightLink.build(bridge, store, receivers, env.device, timeout_min)
+        # versions on their way to the rollout ranks at once: the staleness bound's
+        depth = cfg.asynchronous.async_queue_size + 1
+        link = WeightLink.build(bridge, store, receivers, env.device, timeout_min, depth)
         job.append(AsyncJob(split, rank, bridge, link, store))
         return env, split
 
+    def open_source(parts: SourceInputs) -> AsyncSource:
+        sources.append(AsyncSource(job[0], parts))
+        return sources[0]
+
     def build(cfg: PPOConfig, env: DistEnv, prepared, parallel: ParallelLayout):
         if job[0].split.is_rollout(job[0].rank):
-            from fsdp_rlhf.trainers.ppo_async_rollout import RolloutWorker
-
             _, rows, kinds = prepared
             return RolloutWorker(cfg, env, job[0], rows, kinds["--pretrain"])
-        return AsyncLearner(cfg, env, prepared, job[0], parallel)
+        tokenizer = load_tokenizer(cfg.models.pretrain, cfg.backend)
+        return build_trainer(cfg, env, prepared, parallel, tokenizer, open_source)
 
     def run(trainer) -> int:
-        if isinstance(trainer, AsyncLearner):
-            return common.fit(trainer, cfg.ckpt.save_steps)
-        return trainer.run()
+        if isinstance(trainer, RolloutWorker):
+            return trainer.run()
+        # a stop signal on a rollout rank reaches the training ranks' vote through the store
+        return common.fit(trainer, cfg.ckpt.save_steps, also_stop=sources[0].rollout_stopped)
 
     return common.launch(cfg, debug, prepare, build, init=init, run=run, beat_on_one_node=True)
 
 
-class AsyncLearner(PPOTrainer):
-    """A training rank of an asynchronous job (see the module docstring)."""
+class AsyncSource:
+    """A training rank's source of experiences: the rollout ranks' queue (module docstring)."""
 
-    def __init__(
-        self, cfg: PPOConfig, env: DistEnv, prepared, job: AsyncJob, parallel: ParallelLayout
-    ) -> None:
-        self.job = job
+    generate = None  # the training ranks hold no engine
+
+    def __init__(self, job: AsyncJob, parts: SourceInputs) -> None:
+        cfg, env = parts.cfg, parts.env
+        self.cfg, self.env, self.job, self.parts = cfg, env, job, parts
         split = job.split
         self.routes = routes(cfg.batch.rollout_batch_size, split.rollout_ranks, env.world_size)
         self.my_routes = [r for r in self.routes if r.dest == env.rank]
         # each rollout rank's prompt-sampler state after the last trained batch (None: the
-        # start of the data); those this rank accounts for; those of the batch in training
+        # start of the data), and those this rank accounts for
         self.rollout_samplers: list[dict] | None = None
         self.rollout_samplers_here: dict[int, dict] = {}
-        self._batch_samplers: dict[int, dict] = {}
+        self.trained_step = 0  # the last step trained (the weights a resume starts from)
+        self.ledger: LedgerWriter | None = None  # training rank 0's, from the start
+        self.started = False
         self._ended = False
         self.delta_sender = None
         mode = cfg.weight_sync_mode(env.device.type, job_hosts())
         if not adapter_sync(cfg) and mode == "delta":
             self.delta_sender = DeltaSender(full_every=cfg.rollout.weight_sync_full_every)
-        super().__init__(cfg, env, prepared, parallel)
         log.info(
             "asynchronous: ranks 0-%d train, %d-%d generate (%d engines x TP %d); batches "
             "at most %d weight version(s) old%s",
@@ -144,60 +174,70 @@ class AsyncLearner(PPOTrainer):
             cfg.asynchronous.async_queue_size,
             ", partial rollouts" if cfg.asynchronous.partial_rollout else "",
         )
-        self._start_rollouts()
 
-    # ------------------------------------------------------------------ the trainer's hooks
+    # ------------------------------------------------------------------ the source
 
-    def start_engine(self, tokenizer, max_images: int = 1) -> None:
-        return None  # the rollout ranks hold the engines
-
-    def draw_prompts(self) -> list[Prompt]:
-        return []  # the rollout ranks draw them; the batch says which they were
-
-    def actor_updated(self) -> None:
-        pass  # every step publishes the new weights (update)
-
-    def train_step(self, stop_agreed: Callable[[], bool]) -> bool:
-        finished = super().train_step(lambda: stop_agreed() or self._rollout_stop_agreed())
-        if finished:
-            self._record_samplers()
-        return finished
-
-    def sample(self, prompts, stats: StatCollector):
-        """This step's batch from the rollout ranks, scored."""
-        parts = self._receive()
-        exp = concat_experiences([p.rows for p in parts], self.models.tokenizer.pad_token_id)
-        prompts = [self.prompts[i] for p in parts for i in p.prompts]
+    def sample(self, step: int, stats: StatCollector) -> Sampled:
+        """Step ``step``'s batch from the rollout ranks, scored."""
+        if not self.started:
+            self.start(step - 1)
+        received = self._receive(step)
+        parts = [part for _, part in received]
+        exp = concat_experiences([p.rows for p in parts], self.parts.tokenizer.pad_token_id)
+        prompts = [self.parts.prompts[i] for p in parts for i in p.prompts]
         metrics = self._reports(parts, stats)
         if exp.scores is None:  # the reward model lives here: score as the colocated step does
-            self.score(exp, prompts)
+            self.parts.score(exp, prompts)
             add_overlong_penalty(exp, self.cfg.algo, self.cfg.rollout.generate_max_len)
             add_stop_properly_penalty(exp, self.cfg.algo)
-        self._staleness(exp, stats)
-        return exp, prompts, metrics
+        self._staleness(exp, stats, step)
+        samplers = {route.source: part.sampler for route, part in received}
+        groups = [(i, p.rows.num_sequences // len(p.prompts)) for p in parts for i in p.prompts]
+        position = {"step": step, "samplers": samplers, "groups": groups}
+        return Sampled(exp, prompts, metrics, position)
 
-    def update(self, exp: Experience, reuse_logprobs: bool) -> dict[str, float]:
-        metrics = super().update(exp, reuse_logprobs)
-        if self.step < self.total_steps:  # the rollout ranks generate with it
-            sent = self.publish(self.step)
-            # waiting for the rollout ranks to take the weights is waiting for the rollout
-            waited = all_reduce_scalars({"w": sent.waited}, "max")["w"]
-            times = self.timer.times
-            times["train_wait"] = times.get("train_wait", 0.0) + waited
-            times["weight_sync"] = sent.seconds - waited
-            moving = max(sent.seconds - waited, 1e-9)
-            metrics["async/weight_sync_gbps"] = sent.bytes / moving / 1e9
-            metrics["async/weight_sync_wire_bytes"] = float(sent.bytes)
-            if sent.delta is not None and sent.delta.elements:
-                metrics["async/weight_sync_changed_frac"] = sent.delta.changed_frac
+    def settle(self, sampled: Sampled, trained: bool) -> None:
+        """A trained batch's sampler states are the ones a resume starts from, and its prompts
+        go into the ledger (collective over the training ranks when ``trained``)."""
+        if trained:
+            step = self.trained_step = sampled.position["step"]
+            self.rollout_samplers_here = {
+                source: state
+                for source, state in sampled.position["samplers"].items()
+                if reports_to(source, self.routes) == self.env.rank
+            }
+            everyone: list[list] = [[] for _ in range(self.env.world_size)]
+            dist.all_gather_object(everyone, sampled.position["groups"])
+            if self.ledger is not None:
+                groups = sorted(g for rank_groups in everyone for g in rank_groups)
+                prompts, samples = [g[0] for g in groups], [g[1] for g in groups]
+                self.ledger.record("trained", step=step, prompts=prompts, samples=samples)
+
+    def after_update(self, step: int, actor_updated: bool) -> dict[str, float]:
+        """Every step but the last publishes the actor (the rollout ranks count versions by
+        step, changed or not); each rollout rank takes it when it is ready for it."""
+        if step >= self.parts.total_steps:
+            return {}
+        sent = self.publish(step)
+        # waiting for rollout ranks to take weights (over NCCL, or beyond the schedule's bound
+        # over gloo) is waiting for the rollout
+        waited = all_reduce_scalars({"w": sent.waited}, "max")["w"]
+        times = self.parts.timer.times
+        times["train_wait"] = times.get("train_wait", 0.0) + waited
+        times["weight_sync"] = sent.seconds - waited
+        moving = max(sent.seconds - waited, 1e-9)
+        metrics = {"async/weight_sync_gbps": sent.bytes / moving / 1e9}
+        metrics["async/weight_sync_wire_bytes"] = float(sent.bytes)
+        if sent.delta is not None and sent.delta.elements:
+            metrics["async/weight_sync_changed_frac"] = sent.delta.changed_frac
         return metrics
 
-    def throughput(self, metrics: dict[str, float]) -> dict[str, float]:
+    def throughput(self, metrics: dict[str, float], times: dict[str, float]) -> dict[str, float]:
         """e2e over every rank of the job, update over the training ranks, rollout over the
         rollout ranks (their generation time)."""
         tokens = metrics["response_length/mean"] + metrics["prompt_length/mean"]
         n = self.cfg.batch.rollout_batch_size * self.cfg.batch.n_samples_per_prompt
-        split, times = self.job.split, self.timer.times
+        split = self.job.split
         rounds = metrics.get("dynamic_filter/gen_rounds", 1.0)
         rollout_tps = throughput(
             metrics["rollout/generated_length"],
@@ -212,30 +252,28 @@ class AsyncLearner(PPOTrainer):
             "vllm_tps": rollout_tps,
         }
 
-    # ------------------------------------------------------------------ checkpoints
-
-    def data_settings(self) -> dict[str, int]:
-        generated = self.cfg.asynchronous.vllm_generate_batch_size
-        return {
-            **super().data_settings(),
-            "generate_batch_size": generated or self.cfg.batch.rollout_batch_size,
-        }
-
-    def trainer_state(self) -> dict:
-        """Also every rollout rank's sampler state (collective: gathered from the training
-        ranks that received them); ``sampler`` is rollout rank 0's, for a colocated resume."""
-        state = super().trainer_state()
+    def state_dict(self) -> dict:
+        """Every rollout rank's sampler state (collective: gathered from the training ranks
+        that received them); ``sampler`` is rollout rank 0's, for a colocated resume."""
         gathered: list[dict] = [{} for _ in range(self.env.world_size)]
         dist.all_gather_object(gathered, self.rollout_samplers_here)
         merged = {int(k): v for part in gathered for k, v in part.items()}
-        if merged:
-            samplers = [merged[i] for i in range(self.job.split.rollout_ranks)]
-            state["sampler"] = samplers[0]
-            state["async"] = {"samplers": samplers, "weight_version": self.step}
-        return state
+        if not merged:  # nothing trained yet: the start of the data
+            return {"sampler": {"epoch": 0, "index": 0}}
+        samplers = [merged[i] for i in range(self.job.split.rollout_ranks)]
+        # the queue (batches generated, queued or in generation after this step) is not
+        # saved: a resume generates every batch from the next one on again, from the
+        # samplers' positions and this step's weights
+        return {
+            "sampler": samplers[0],
+            "async": {
+                "samplers": samplers,
+                "weight_version": self.trained_step,
+                "regenerated_from_batch": self.trained_step + 1,
+            },
+        }
 
-    def load_trainer_state(self, saved: dict) -> None:
-        super().load_trainer_state(saved)
+    def load_state_dict(self, saved: dict) -> None:
         samplers = saved.get("async", {}).get("samplers")
         if samplers is None or len(samplers) != self.job.split.rollout_ranks:
             # a colocated checkpoint, or other rollout ranks: every rank's shard of the
@@ -248,11 +286,35 @@ class AsyncLearner(PPOTrainer):
             if reports_to(i, self.routes) == self.env.rank
         }
 
+    def close(self) -> None:
+        """Tell the rollout ranks to end (their last batches, if any, are not trained on).
+        Once started they always listen for it, so it is taken at once unless something
+        failed: then nothing waits for a failed step's sends, the end gets ``END_WAIT_S``,
+        and the error that ends the job is the one reported. Before the start (a resumed run
+        with no step left) a rollout rank may still be starting its engine: it is waited
+        for as for any message."""
+        if self.ledger is not None:
+            self.ledger.close()
+        try:
+            if not self._ended:
+                self._ended = True
+                self.job.link.abandon()  # taken before "end" unless something failed
+                self.job.bridge.abandon_sends()
+                wait_s = END_WAIT_S if self.started else None
+                self._tell_rollout_ranks({"kind": END}, wait_s=wait_s)
+        except (PeerLost, PeerSlow):
+            pass
+
     # ------------------------------------------------------------------ the rollout ranks
 
     @property
     def sender(self) -> bool:
         return self.env.rank == 0
+
+    def rollout_stopped(self) -> bool:
+        """Whether a rollout rank got a stop signal (it sets a key in the job's store; this
+        rank's side of the training ranks' stop vote)."""
+        return self.sender and self.job.store.check([stop_key()])
 
     def _tell_rollout_ranks(self, header: dict, wait_s: float | None = None) -> None:
         if not self.sender:
@@ -262,46 +324,74 @@ class AsyncLearner(PPOTrainer):
             bridge.send_object(header, r, Channel.CONTROL, wait=False, what=what)
         bridge.flush(what=what, wait_s=wait_s)
 
-    def _start_rollouts(self) -> None:
-        """Where the rollout ranks start (the resumed step and sampler states), then the
-        weights they start from. Collective over the training ranks."""
-        spec = adapter_spec(self.cfg, self.models.actor)
+    def start(self, step: int) -> None:
+        """Where the rollout ranks start (the step resumed from and their sampler states),
+        then the weights they start from. Collective over the training ranks."""
+        self.started, self.trained_step = True, step
+        spec = adapter_spec(self.cfg, self.parts.actor)
+        attempt = self._open_ledger(step) if self.sender else 0
         self._tell_rollout_ranks(
             {
                 "kind": START,
-                "step": self.step,
-                "total_steps": self.total_steps,
+                "step": step,
+                "total_steps": self.parts.total_steps,
                 "samplers": self.rollout_samplers,
                 "adapter": None if spec is None else vars(spec),
+                "attempt": attempt,
             }
         )
-        sent = self.publish(self.step)
+        sent = self.publish(step)
         log.info(
             "asynchronous: rollout ranks start at step %d with weights of step %d (%.1f MB, "
             "%.1f s)",
-            self.step + 1,
-            self.step,
+            step + 1,
+            step,
             sent.bytes / 1e6,
             sent.seconds,
         )
 
+    def _open_ledger(self, step: int) -> int:
+        """Training rank 0's ledger, from this attempt's ``start``: the step it starts after,
+        and the batches after it that an interrupted attempt had generated (they are
+        generated again). Returns the attempt."""
+        folder = ledger_folder(self.cfg)
+        attempt = attempts(folder) + 1
+        again = generated_after(folder, step)
+        self.ledger = LedgerWriter(folder, TRAIN, attempt)
+        self.ledger.record("start", step=step, regenerated=again)
+        if step > 0:
+            log.info(
+                "asynchronous resume at step %d (attempt %d): batches %d on are generated "
+                "again from step %d's weights%s",
+                step,
+                attempt,
+                step + 1,
+                step,
+                f" (an interrupted attempt had generated batches {again})" if again else "",
+            )
+        return attempt
+
     def publish(self, version: int) -> weight_broadcast.PublishStats:
         """Send the actor's weights as version ``version`` (collective over the training
-        ranks: the gathers, made one bucket ahead with --weight_sync_overlap)."""
-        self._tell_rollout_ranks({"kind": WEIGHTS, "version": version})
-        actor, dtype = self.models.actor, engine_dtype(self.cfg)
+        ranks: the gathers, made one bucket ahead with --weight_sync_overlap); each rollout
+        rank takes it when it is ready."""
+        header = {"kind": WEIGHTS, "version": version}
+        actor, dtype = self.parts.actor, engine_dtype(self.cfg)
         overlap, times = self.cfg.rollout.weight_sync_overlap, StageTimes()
         device = self.env.device
+        syncing = partial(faults.reached, "syncing", version)  # a fault point (tests)
         if self.delta_sender is not None:
             stats = DeltaStats()
             deltas = self.delta_sender.deltas(actor, dtype, rename=hf_param_name, stats=stats)
-            return weight_broadcast.publish_delta(
+            sent = weight_broadcast.publish_delta(
                 self.job.link,
-                staged(deltas, times, overlap=overlap),
+                first_then(staged(deltas, times, overlap=overlap), syncing),
                 sender=self.sender,
                 aliases=tied_head_alias(actor),
+                header=header,
                 stats=stats,
             )
+            return self._published(version, sent)
         if adapter_sync(self.cfg):
             stream = stream_adapter_weights(actor, dtype)
         elif (scaling := merged_lora_scaling(self.cfg)) is not None:
@@ -309,35 +399,36 @@ class AsyncLearner(PPOTrainer):
         else:
             buckets = staged(actor_buckets(actor, dtype), times, overlap=overlap, device=device)
             stream = (w for bucket in buckets for w in bucket)
-        return weight_broadcast.publish(self.job.link, stream, sender=self.sender)
+        stream = first_then(stream, syncing)
+        sent = weight_broadcast.publish(self.job.link, stream, sender=self.sender, header=header)
+        return self._published(version, sent)
 
-    def _receive(self) -> list[BatchPart]:
-        """This rank's routes of batch ``self.step``, in route order (timing/train_wait)."""
+    def _published(
+        self, version: int, sent: weight_broadcast.PublishStats
+    ) -> weight_broadcast.PublishStats:
+        if self.ledger is not None:
+            self.ledger.record("published", version=version)
+        return sent
+
+    def _receive(self, step: int) -> list[tuple[Route, BatchPart]]:
+        """This rank's routes of batch ``step`` and their parts, in route order
+        (timing/train_wait)."""
         parts = []
-        with self.timer("train_wait"):
+        with self.parts.timer("train_wait"):
             for route in self.my_routes:
                 src = self.job.split.rollout_rank(route.source)
                 msg = self.job.bridge.recv_object(
-                    src, Channel.EXPERIENCE, f"receiving batch {self.step}"
+                    src, Channel.EXPERIENCE, f"receiving batch {step}"
                 )
                 parts.append(BatchPart.from_message(msg, self.env.device))
         for route, part in zip(self.my_routes, parts, strict=True):
-            if part.batch != self.step or len(part.prompts) != route.stop - route.start:
+            if part.batch != step or len(part.prompts) != route.stop - route.start:
                 raise RuntimeError(
                     f"rollout rank {route.source} sent batch {part.batch} with "
-                    f"{len(part.prompts)} prompts; step {self.step} expected "
+                    f"{len(part.prompts)} prompts; step {step} expected "
                     f"{route.stop - route.start}"
                 )
-            self._batch_samplers[route.source] = part.sampler
-        return parts
-
-    def _record_samplers(self) -> None:
-        """The step is done: its batch's sampler states are the ones to resume from."""
-        self.rollout_samplers_here = {
-            r.source: self._batch_samplers[r.source]
-            for r in self.routes
-            if r.dest == self.env.rank and reports_to(r.source, self.routes) == self.env.rank
-        }
+        return list(zip(self.my_routes, parts, strict=True))
 
     def _reports(self, parts: list[BatchPart], stats: StatCollector) -> dict[str, float]:
         """The rollout ranks' statistics (into ``stats``) and their metrics and timings,
@@ -352,14 +443,13 @@ class AsyncLearner(PPOTrainer):
         keys = sorted({k for r in reports for k in r})
         return {k: sum(r.get(k, 0.0) for r in reports) / len(reports) for k in keys}
 
-    def _staleness(self, exp: Experience, stats: StatCollector) -> None:
+    def _staleness(self, exp: Experience, stats: StatCollector, step: int) -> None:
         """``async/*``: how many versions the batch's tokens lag behind the policy trained on
         them (the weights before this step's update: version ``step - 1``)."""
-        trained = self.step - 1
-        s = staleness(exp, trained)
+        s = staleness(exp, step - 1)
         mask, lag = s["mask"], s["lag"].float()
         tokens = mask.sum()
-        allowed = self.step - 1 - needed_version(self.step, self.cfg.asynchronous.async_queue_size)
+        allowed = step - 1 - needed_version(step, self.cfg.asynchronous.async_queue_size)
         stats.add_weighted_mean(
             "async/staleness_mean", (lag * mask).sum() / tokens.clamp(min=1), tokens
         )
@@ -373,26 +463,6 @@ class AsyncLearner(PPOTrainer):
         worst = int(lag.where(mask, torch.zeros_like(lag)).amax()) if lag.numel() else 0
         if worst > allowed:
             raise RuntimeError(
-                f"batch {self.step} holds tokens {worst} weight versions old, more than "
+                f"batch {step} holds tokens {worst} weight versions old, more than "
                 f"--async_queue_size {allowed} allows"
             )
-
-    def _rollout_stop_agreed(self) -> bool:
-        """Whether a rollout rank got a stop signal (it sets a key in the job's store)."""
-        seen = self.sender and self.job.store.check([stop_key()])
-        return all_reduce_scalars({"stop": float(seen)}, "max")["stop"] > 0
-
-    def close(self) -> None:
-        """Tell the rollout ranks to end (their last batches, if any, are not trained on).
-        They always listen for it, so it is taken at once unless something failed: then
-        nothing waits for a failed step's sends, the end gets ``END_WAIT_S``, and the error
-        that ends the job is the one reported."""
-        try:
-            if not self._ended:
-                self._ended = True
-                self.job.bridge.abandon_sends()
-                self._tell_rollout_ranks({"kind": END, "step": self.step}, wait_s=END_WAIT_S)
-        except (PeerLost, PeerSlow):
-            pass
-        finally:
-            super().close()

@@ -24,6 +24,7 @@ and trained on by training rank ``i // (B / T)``; its ``n`` samples stay togethe
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -150,3 +151,11 @@ def stop_key() -> str:
     run = os.environ.get("TORCHELASTIC_RUN_ID", "")
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return f"fsdp_rlhf/async/{run}/{attempt}/stop"
+
+
+def first_then(items: Iterator, then: Callable[[], None]) -> Iterator:
+    """``items``, calling ``then()`` after the first one (a fault point inside a stream)."""
+    for i, item in enumerate(items):
+        yield item
+        if i == 0:
+            then()

@@ -3,7 +3,8 @@ ranks, within the staleness bound (the schedule is in ``ppo_async_queue``).
 
 Loop, for each batch ``j`` from the step resumed from::
 
-    wait       for the weights of version j - 1 - K (timing/rollout_wait, timing/weight_load)
+    wait       for the weights of version j - 1 - K (timing/rollout_wait, timing/weight_load);
+               older versions still queued for this rank are received, not loaded
     generate   step by step; with --partial_rollout, new weights are loaded between engine
                steps as they arrive (requests in flight continue under them) and at the next
                boundary; over-sampling stops at the first groups to finish
@@ -12,12 +13,17 @@ Loop, for each batch ``j`` from the step resumed from::
     send       each training rank its prompts' rows, this rank's statistics and timings
 
 then it takes the remaining weight versions until training rank 0 says ``end`` (also how a
-stopping job ends it, in the middle of a batch). Without partial rollouts batch ``j`` is
-sampled by exactly version ``j - 1 - K`` (after a resume at step ``s``, by version ``s`` until
-``j - 1 - K`` passes it): a run samples the same batches from the same weights every time.
+stopping job ends it, in the middle of a batch). Each rollout rank takes versions at its own
+pace: training rank 0 posts them to every rollout rank without waiting for any
+(``distributed.weight_broadcast``), so a fast engine is not held back by a slow one. Without
+partial rollouts batch ``j`` is sampled by exactly version ``j - 1 - K`` (after a resume at
+step ``s``, by version ``s`` until ``j - 1 - K`` passes it): a run samples the same batches
+from the same weights every time.
 
 The engine never sleeps: nothing else shares its device. A stop signal here is passed on
 through the job's store to the training ranks' vote, which checkpoints and ends the job.
+Each batch generated and queued, and each version taken, goes into the run's ledger
+(``ppo_async_ledger``: ``rollout<i>.jsonl``).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import torch
 from fsdp_rlhf.algorithms import clip_scores
 from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.data.prompts import Prompt, PromptSampler
-from fsdp_rlhf.distributed import weight_broadcast
+from fsdp_rlhf.distributed import faults, weight_broadcast
 from fsdp_rlhf.distributed.bridge import Channel
 from fsdp_rlhf.distributed.delta_sync import Mirror
 from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars
@@ -45,11 +51,13 @@ from fsdp_rlhf.models.load import load_tokenizer
 from fsdp_rlhf.rollout import AdapterSpec, SamplingConfig
 from fsdp_rlhf.rollout.streaming import stream_rollout
 from fsdp_rlhf.trainers.experience import Experience, experience_from_rollout
+from fsdp_rlhf.trainers.ppo_async_ledger import LedgerWriter, ledger_folder, rollout_file
 from fsdp_rlhf.trainers.ppo_async_queue import (
     END,
     START,
     WEIGHTS,
     BatchPart,
+    first_then,
     needed_version,
     reports_to,
     routes,
@@ -132,6 +140,9 @@ class RolloutWorker:
         self.mirror = Mirror()
         self.stop: GracefulStop | None = None
         self._stop_told = False
+        self.ledger: LedgerWriter | None = None  # opened at the start (its attempt)
+        self.batch = 0  # the batch being generated
+        self._drawn: list[int] = []  # the prompts it drew (over-sampling, filtering: more)
         self.header = self._expect_header()
 
     # ------------------------------------------------------------------ the loop
@@ -140,6 +151,8 @@ class RolloutWorker:
         with GracefulStop() as self.stop:
             try:
                 start = self.header.result()
+                if start["kind"] == END:  # a resumed run with no step left
+                    return 0
                 if start["kind"] != START:
                     raise RuntimeError(f"expected the start message, got {start['kind']}")
                 self.header = self._expect_header()
@@ -148,6 +161,8 @@ class RolloutWorker:
                     self.sampler.load_state_dict(start["samplers"][self.index])
                 if start.get("adapter") is not None:
                     self.adapter = AdapterSpec(**start["adapter"])
+                folder, name = ledger_folder(self.cfg), rollout_file(self.index)
+                self.ledger = LedgerWriter(folder, name, int(start["attempt"]))
                 queue = self.cfg.asynchronous.async_queue_size
                 partial = self.cfg.asynchronous.partial_rollout
                 for batch in range(first, total + 1):
@@ -158,6 +173,7 @@ class RolloutWorker:
                     self.job.bridge.flush(
                         keep=2 * len(self.my_routes) * (queue + 1), what="sending batches"
                     )
+                    faults.reached("queued", batch)
                 while True:  # the training ranks publish versions until their last step
                     self._take(self.header.result(), in_flight=False, load=False)
             except RolloutEnded:
@@ -168,6 +184,7 @@ class RolloutWorker:
         """Batch ``batch``'s messages, one per route: ``(training rank, message)``."""
         t0 = time.perf_counter()
         stats = StatCollector()
+        self.batch, self._drawn = batch, []
         first = self._draw()
         if self.cfg.algo.dynamic_filtering:
 
@@ -191,12 +208,30 @@ class RolloutWorker:
             "stats": stats.export(),
             "metrics": {**metrics, **times, "timing/rollout": seconds},
         }
+        self._record_generated(batch, exp, prompts)
         return self._messages(batch, exp, prompts, report)
+
+    def _record_generated(self, batch: int, exp: Experience, prompts: list[Prompt]) -> None:
+        """The ledger's ``generated``: the prompts kept (with their samples) and the prompts
+        drawn for this batch but dropped (over-sampling's stragglers, filtered groups)."""
+        kept = [self.prompt_index[id(p)] for p in prompts]
+        dropped = list(self._drawn)
+        for i in kept:
+            dropped.remove(i)
+        mask, span = exp.response_mask.bool(), []  # the weight versions that sampled it
+        if exp.token_versions is not None and mask.any():
+            versions = exp.token_versions[mask]
+            span = [int(versions.min()), int(versions.max())]
+        samples = [exp.num_sequences // max(len(kept), 1)] * len(kept)
+        record = {"prompts": kept, "samples": samples, "dropped": dropped, "versions": span}
+        self.ledger.record("generated", batch=batch, **record)
 
     # ------------------------------------------------------------------ generation
 
     def _draw(self) -> list[Prompt]:
-        return [self.prompts[i] for i in self.sampler.next_indices()]
+        indices = self.sampler.next_indices()
+        self._drawn.extend(indices)
+        return [self.prompts[i] for i in indices]
 
     def _sampling(self, batch: int, round_: int) -> SamplingConfig:
         sampling = sampling_config(self.cfg, batch, round_)
@@ -283,6 +318,7 @@ class RolloutWorker:
         for dest, msg in messages:
             what = f"sending batch {msg['batch']}"
             self.job.bridge.send_object(msg, dest, Channel.EXPERIENCE, wait=False, what=what)
+        self.ledger.record("queued", batch=messages[0][1]["batch"])
 
     # ------------------------------------------------------------------ weights and control
 
@@ -292,14 +328,17 @@ class RolloutWorker:
 
     def _poll(self, boundary: bool = False) -> int:
         """Between engine steps (and at batch boundaries with --partial_rollout): take what
-        training rank 0 sent; new weights only with --partial_rollout. Returns the version
+        training rank 0 sent; new weights only with --partial_rollout (the newest that
+        arrived: an older one still queued is received, not loaded). Returns the version
         sampling from now on. Collective over the engine's ranks (they must agree)."""
         self._tell_stop()
+        if not boundary:
+            faults.reached("generating", self.batch)
         while self._header_ready():
             header = self.header.result()
             if header["kind"] == WEIGHTS and not self.cfg.asynchronous.partial_rollout:
                 break  # taken when the batch that needs it starts (_wait_for)
-            self._take(header, in_flight=not boundary)
+            self._take(header, in_flight=not boundary, load=None)
         return -1 if self.version is None else self.version
 
     def _header_ready(self) -> bool:
@@ -309,19 +348,32 @@ class RolloutWorker:
         return ready
 
     def _wait_for(self, version: int) -> None:
+        """Until the engine holds ``version`` (the versions before it are received, not
+        loaded: the next batch needs this one)."""
         with self.timer("rollout_wait"):
             while self.version is None or self.version < version:
                 self._tell_stop()
-                self._take(self.header.result(), in_flight=False)
+                header = self.header.result()
+                load = header["kind"] != WEIGHTS or int(header["version"]) >= version
+                self._take(header, in_flight=False, load=load)
 
-    def _take(self, header: dict, *, in_flight: bool, load: bool = True) -> None:
-        """Act on one message from training rank 0, then wait for the next."""
+    def _take(self, header: dict, *, in_flight: bool, load: bool | None = True) -> None:
+        """Act on one message from training rank 0 and start receiving the next. New
+        weights are loaded into the engine if ``load`` (None: unless a newer version is
+        already here), else only received."""
         if header["kind"] == END:
             raise RolloutEnded
         if header["kind"] != WEIGHTS:
             raise RuntimeError(f"unexpected message {header['kind']!r} from training rank 0")
+        self.header = self._expect_header()  # the next one, while these weights arrive
+        if load is None:
+            load = not self._header_ready()
+        version = int(header["version"])
         with self.timer("weight_load"):
-            weights = weight_broadcast.receive(self.job.link, self.mirror)
+            weights = first_then(
+                weight_broadcast.receive(self.job.link, self.mirror),
+                lambda: faults.reached("syncing", version),
+            )
             if not load:
                 for _ in weights:
                     pass
@@ -329,8 +381,9 @@ class RolloutWorker:
                 self.engine.update_adapter(weights, self.adapter)
             else:
                 self.engine.update_weights(weights, in_flight=in_flight)
-        self.version = int(header["version"])
-        self.header = self._expect_header()
+        if load:
+            self.version = version
+        self.ledger.record("weights", version=version, loaded=load)
 
     def _tell_stop(self) -> None:
         """A stop signal here reaches the training ranks' vote through the job's store."""
@@ -343,4 +396,6 @@ class RolloutWorker:
             )
 
     def close(self) -> None:
+        if self.ledger is not None:
+            self.ledger.close()
         self.engine.close()

@@ -93,13 +93,20 @@ def flags(paths: dict[str, str], model: str, reward: str, save: Path, steps: int
     ]
 
 
-def run(args: list[str], save: Path, timeout: float = 1800) -> dict:
-    """One torchrun run; the wall time between consecutive metrics rows, and the rows."""
+def run(
+    args: list[str],
+    save: Path,
+    timeout: float = 1800,
+    nproc: int = 2,
+    extra_env: dict[str, str] | None = None,
+) -> dict:
+    """One torchrun run on ``nproc`` ranks (``extra_env`` added); the wall time between
+    consecutive metrics rows, and the rows."""
     from fsdp_rlhf.testing.launch import local_torchrun
 
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **(extra_env or {})}
     env["TOKENIZERS_PARALLELISM"] = "false"
-    cmd = local_torchrun(2, ["-m", "fsdp_rlhf.cli", "ppo", *args])
+    cmd = local_torchrun(nproc, ["-m", "fsdp_rlhf.cli", "ppo", *args])
     metrics = save / "metrics.jsonl"
     arrivals: list[float] = []
     load = os.getloadavg()[0]

@@ -39,8 +39,16 @@ GRPO_FLAGS = (
 ).split()
 
 # Metrics that vary from run to run on the same inputs (wall time, speed, memory).
-NOISY_PREFIXES = ("timing/", "memory/")
-NOISY_SUFFIXES = ("tps", "gbps")
+# timings and per-host memory; and the weight sync's wire accounting, which differs by design
+# after a resume (its first sync is full: the mirror starts empty) and between delta and full
+NOISY_PREFIXES = (
+    "timing/",
+    "memory/",
+    "memory_",  # memory_reserved/, memory_owner/, ...
+    "rollout/weight_sync_changed_frac",
+    "rollout/weight_sync_wire_bytes",
+)
+NOISY_SUFFIXES = ("tps", "gbps", "_s")  # rates and wall times (e.g. rollout/weight_sync_s)
 
 
 def base_env(**extra: str) -> dict[str, str]:
@@ -99,21 +107,34 @@ def run_local(cmd: str, flags: list[str], log: Path, nproc: int = 2, timeout=600
     return Run(proc.returncode, time.monotonic() - t0, {"local": log.read_text()})
 
 
-def torchrun_argv(cluster: Cluster, cmd: str, flags: list[str], port: int, run_id: str):
-    """torchrun on every node, one rank each, c10d rendezvous on node1 (as the sbatch does)."""
+def torchrun_argv(
+    cluster: Cluster, cmd: str, flags: list[str], port: int, run_id: str, nproc: int = 1
+):
+    """torchrun on every node, ``nproc`` ranks each, c10d rendezvous on node1 (as the sbatch
+    does)."""
     return [
         str(VENV_BIN / "torchrun"),
-        *("--nnodes", str(cluster.nodes), "--nproc_per_node", "1"),
+        *("--nnodes", str(cluster.nodes), "--nproc_per_node", str(nproc)),
         *("--rdzv_backend", "c10d", "--rdzv_endpoint", f"node1:{port}"),
         *("--rdzv_id", run_id, "--max_restarts", "0"),
         *("-m", "fsdp_rlhf.cli", cmd, *flags),
     ]
 
 
-def start_hosts(cluster: Cluster, cmd: str, flags: list[str], logs: Path, port=29400, tag="run"):
-    """Start the 2-host torchrun; returns {host: Popen} (logs under ``logs/<tag>-<host>.log``)."""
-    env = base_env(GLOO_SOCKET_IFNAME="eth0")
-    argv = torchrun_argv(cluster, cmd, flags, port, tag)
+def start_hosts(
+    cluster: Cluster,
+    cmd: str,
+    flags: list[str],
+    logs: Path,
+    port=29400,
+    tag="run",
+    nproc: int = 1,
+    env: dict[str, str] | None = None,
+):
+    """Start the 2-host torchrun (``nproc`` ranks per host, ``env`` added to the base one);
+    returns {host: Popen} (logs under ``logs/<tag>-<host>.log``)."""
+    env = base_env(GLOO_SOCKET_IFNAME="eth0", **(env or {}))
+    argv = torchrun_argv(cluster, cmd, flags, port, tag, nproc)
     return {
         name: cluster.hosts[name].popen(argv, env=env, cwd=REPO, log=logs / f"{tag}-{name}.log")
         for name in cluster.node_names
@@ -127,8 +148,8 @@ def wait_hosts(procs: dict[str, subprocess.Popen], logs: Path, tag: str, timeout
     return Run(max(codes, key=abs), time.monotonic() - t0, texts)
 
 
-def run_hosts(cluster: Cluster, cmd: str, flags: list[str], logs: Path, tag: str) -> Run:
-    return wait_hosts(start_hosts(cluster, cmd, flags, logs, tag=tag), logs, tag)
+def run_hosts(cluster: Cluster, cmd: str, flags: list[str], logs: Path, tag: str, **kw) -> Run:
+    return wait_hosts(start_hosts(cluster, cmd, flags, logs, tag=tag, **kw), logs, tag)
 
 
 def read_metrics(save_path: str | Path) -> list[dict]:

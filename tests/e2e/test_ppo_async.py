@@ -95,7 +95,11 @@ def test_rollout_stop_signal_checkpoints_and_resume_does_no_step_twice(tiny_qwen
     assert "checkpoint at step 5 on disk" in log
     assert [r["step"] for r in read_metrics(save)] == list(range(1, kill_at))
     state = json.loads((save / "ckpt" / "step_5" / "trainer.json").read_text())
-    assert state["async"] == {"samplers": [{"epoch": 0, "index": 5}], "weight_version": 5}
+    assert state["async"] == {
+        "samplers": [{"epoch": 0, "index": 5}],
+        "weight_version": 5,
+        "regenerated_from_batch": 6,
+    }
     resumed = torchrun(["ppo", *flags, "--load_checkpoint"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows = read_metrics(save)
@@ -362,9 +366,10 @@ def test_a_rollout_rank_that_dies_ends_the_job_naming_it(tiny_qwen2, data, tmp_p
 
 def test_a_live_but_slow_rollout_rank_is_named_alive_not_gone(tiny_qwen2, data, tmp_path):
     """The rollout rank's reward function takes 75 s at the 2nd batch, longer than
-    --dist_timeout_min 1: the training rank, waiting for it to take step 1's weights, gives up
-    after a minute with one line saying who waited for what and that the rollout rank is
-    alive (its heartbeat moves), not "gone" as a lost rank is."""
+    --dist_timeout_min 1: the training rank, which published step 1's weights without
+    waiting for the rollout rank to take them, waits for batch 2 and gives up after a minute
+    with one line saying who waited for what and that the rollout rank is alive (its
+    heartbeat moves), not "gone" as a lost rank is."""
     reward = tmp_path / "slow_reward.py"
     reward.write_text(
         "import time\ncalls = 0\n\n\ndef reward_func(queries, prompts, labels):\n"
@@ -380,7 +385,7 @@ def test_a_live_but_slow_rollout_rank_is_named_alive_not_gone(tiny_qwen2, data, 
     assert lines, proc.stderr[-3000:]
     line = lines[0]
     assert re.search(
-        r"training rank 0 waited 6\d s for rollout rank 1 \(engine 0\), sending new weights, "
+        r"training rank 0 waited 6\d s for rollout rank 1 \(engine 0\), receiving batch 2, "
         r"and gave up \(--dist_timeout_min 1\); rollout rank 1 \(engine 0\) is alive \(its "
         r"heartbeat moved \d+ s ago\), so it is slow, not gone",
         line,

@@ -62,6 +62,7 @@ def _run_following_the_trainer(flags: list[str], save) -> list[dict]:
     return rows
 
 
+@pytest.mark.long
 def test_lora_gae_tp2_adapter_sync_export_and_resume(tiny_qwen2, ppo_data, tmp_path):  # noqa: F811
     save = tmp_path / "full"
     flags = grpo_flags(tiny_qwen2, ppo_data, save, 3)

@@ -23,6 +23,7 @@ def _train(model: str, data, out, *extra: str) -> tuple[list[dict], str]:
     return [r for r in read_metrics(out) if "loss" in r], " ".join(proc.stdout.split())
 
 
+@pytest.mark.long
 def test_packing_matches_padded_first_step_and_learns(tiny_qwen2, tmp_path):
     data = write_jsonl(tmp_path / "pairs.jsonl", synthetic_pairs(88, seed=1))
     # hh-rlhf shaped: "Human: ... Assistant: <filler>" is common to both sides of a pair

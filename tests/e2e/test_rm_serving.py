@@ -36,6 +36,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_vllm_serves_the_saved_reward_model(trained_rm, tmp_path):
     script = tmp_path / "serve_rm.py"
     script.write_text(SCRIPT)

@@ -74,6 +74,7 @@ def test_padded_kernel_is_sdpa_without_a_backward(tiny_qwen2, monkeypatch):
     assert all(calls[-2:])  # both layers, with grad: the explicit kernel
 
 
+@pytest.mark.long
 def test_torch_compile_matches_eager(tiny_qwen2):
     from fsdp_rlhf.models.compile import compile_blocks
 

@@ -175,3 +175,20 @@ def test_a_model_that_changes_its_logits_unannounced_is_refused():
     with pytest.raises(RuntimeError, match="LOGITS_POST_PROCESSING"):
         model_logprobs(model, inputs, ids[:, 1:], None)
     assert "forward" not in vars(model.lm_head)  # the layer's own forward is back
+
+
+def test_a_policy_with_suppressed_tokens_keeps_the_masked_logits():
+    """A VLM policy masks its placeholder tokens with a hook on the output layer
+    (models.vision.suppress_tokens): its log-probs come from the masked logits (the fused
+    path would skip the hook; it failed every VLM forward in make test-vlm)."""
+    from fsdp_rlhf.algorithms import gathered_logprobs
+    from fsdp_rlhf.models.vision import suppress_tokens
+
+    model = _vocab_model(64)
+    ids = torch.randint(0, 60, (1, 6))
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=5)
+    suppress_tokens(model, [61, 62, 63])
+    assert fusable_head(model) is None
+    lp, _ = model_logprobs(model, inputs, ids[:, 1:], None)
+    want, _ = gathered_logprobs(model(**inputs).logits, ids[:, 1:], None)
+    torch.testing.assert_close(lp, want)

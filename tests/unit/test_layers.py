@@ -46,7 +46,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("trainers",),
     ("cli", "doctor", "testing"),
 )
-TRAINER_ENTRIES = tuple(f"fsdp_rlhf.trainers.{m}" for m in ("ppo", "ppo_async", "rm", "sft", "dpo"))
+# ppo_async is a part of ppo (the source of a training rank's batches), not an entry of its own
+TRAINER_ENTRIES = tuple(f"fsdp_rlhf.trainers.{m}" for m in ("ppo", "rm", "sft", "dpo"))
 _ENTRY_PREFIXES = tuple(f"{m}." for m in TRAINER_ENTRIES)
 
 

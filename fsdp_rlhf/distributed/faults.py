@@ -1,0 +1,42 @@
+"""Fault injection for the tests of lossless resume: a rank that kills itself, with SIGKILL as
+the OOM killer or a lost node would, at a named point of its work.
+
+``FSDP_RLHF_KILL_AT=<rank>:<phase>:<n>`` (``<rank>``: the rank in the whole job) makes that
+rank SIGKILL itself when it reaches ``phase`` with number ``n`` (a batch, step or weight
+version; the phase says which). Unset, :func:`reached` only compares two strings. The points:
+
+    generating  a rollout rank, between two engine steps of batch n
+    queued      a rollout rank, batch n sent and not yet trained, waiting for weights
+    syncing     a rollout rank receiving weight version n, after its first bucket; a training
+                rank publishing version n, after its first bucket
+    training    a training rank in step n, before its updates
+
+Not a setting: the tests set it (docs/testing.md).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+ENV = "FSDP_RLHF_KILL_AT"
+
+
+def _spec() -> tuple[int, str, int] | None:
+    raw = os.environ.get(ENV, "").strip()
+    if not raw:
+        return None
+    rank, phase, n = raw.split(":")
+    return int(rank), phase, int(n)
+
+
+_SPEC = _spec()
+
+
+def reached(phase: str, n: int) -> None:
+    """This rank reached ``phase`` with number ``n``: dies here if the test said so."""
+    if _SPEC is None:
+        return
+    rank, want, at = _SPEC
+    if want == phase and at == n and int(os.environ.get("RANK", "-1")) == rank:
+        os.kill(os.getpid(), signal.SIGKILL)
