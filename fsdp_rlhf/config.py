@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from fsdp_rlhf.algorithms.names import (
-    ESTIMATORS_NEEDING_GROUPS,
     AdvantageEstimator,
     ISGating,
     LossAgg,
@@ -53,11 +52,6 @@ class BackendConfig:
         "Deterministic kernels where PyTorch has them (transformers.enable_full_determinism): "
         "slower, bitwise-repeatable runs on the same hardware.",
     )
-
-    def __post_init__(self) -> None:
-        # flash-attn kernels take only fp16/bf16 inputs; fp32 would fail in the first forward
-        if self.flash_attn and not self.bf16:
-            raise ConfigError("--flash_attn needs --bf16 (flash-attn has no fp32 kernels)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -285,8 +279,6 @@ class LoraConfig:
             raise ConfigError("target_modules needs at least one module name")
         if "all-linear" in self.target_modules and len(self.target_modules) > 1:
             raise ConfigError("target_modules: all-linear stands alone (it names every Linear)")
-        if self.merge_lora and not self.enabled:
-            raise ConfigError("merge_lora needs lora_rank > 0")
 
     @property
     def enabled(self) -> bool:
@@ -791,11 +783,6 @@ class PPOAlgoConfig:
             raise ConfigError(f"dual_clip must be > 1, got {self.dual_clip}")
         self._check_clips()
         self._check_is_correction()
-        if self.kl_unbiased_gradient and not self.use_kl_loss:
-            raise ConfigError(
-                "--kl_unbiased_gradient changes the gradient of the KL loss: add --use_kl_loss "
-                "(a KL penalty in the reward has no gradient)"
-            )
         if self.dynamic_filtering_reward_range:
             _pair(
                 self.dynamic_filtering_reward_range, "dynamic_filtering_reward_range", ordered=True
@@ -890,8 +877,6 @@ class PPOEvalConfig:
                 f"save_best_metric must be pass@K with 1 <= K <= eval_n_samples_per_prompt "
                 f"({self.eval_n_samples_per_prompt}), got {self.save_best_metric!r}"
             )
-        if self.eval_dataset is None:
-            raise ConfigError("save_best_metric needs --eval_dataset")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -923,10 +908,6 @@ class MultiTurnConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.env_file is not None and self.agent_func_path is not None:
-            raise ConfigError(
-                "--env_file and --agent_func_path both name the environment; pass one"
-            )
         if self.max_turns < 1:
             raise ConfigError(f"max_turns must be >= 1, got {self.max_turns}")
         if self.max_total_len is not None and self.max_total_len < 1:
@@ -1015,62 +996,13 @@ class PPOConfig:
                 f"overlong_buffer_len ({buffer}) must be <= generate_max_len "
                 f"({self.rollout.generate_max_len})"
             )
-        self._check_multiturn()
-        self._check_moe()
-        self._check_async()
-        if self.rollout.weight_sync == "delta" and self.lora.enabled:
-            raise ConfigError(
-                "--weight_sync delta with --lora_rank: LoRA syncs only its adapters "
-                "(--lora_sync adapter) or its merged weights in full (--lora_sync merged); "
-                "drop --weight_sync delta"
-            )
-
-    def _check_async(self) -> None:
-        a = self.asynchronous
-        if a.async_train:
-            if self.fsdp.sequence_parallel_size > 1:
-                raise ConfigError(
-                    "--sequence_parallel_size > 1 with --async_train: not supported yet "
-                    "(sequence parallelism is not combined with the split world); drop one"
-                )
-            if self.fsdp.expert_parallel_size > 1:
-                raise ConfigError(
-                    "--expert_parallel_size > 1 with --async_train: not supported yet (expert "
-                    "groups are not built over the split world's training ranks); drop one"
-                )
-            return
-        for flag, value in (
-            ("--partial_rollout", a.partial_rollout),
-            ("--vllm_generate_batch_size", a.vllm_generate_batch_size is not None),
-            ("--async_queue_size", a.async_queue_size != 1),
-        ):
-            if value:
-                raise ConfigError(f"{flag} applies to asynchronous training: add --async_train")
-
-    def _check_moe(self) -> None:
-        if self.asynchronous.async_train and self.moe.router_replay:
-            # the step-by-step engine of asynchronous training does not record routing
-            raise ConfigError(
-                "--router_replay with --async_train: not supported yet (the step-by-step "
-                "rollout engine does not record routed experts); drop one"
-            )
-
-    def _check_multiturn(self) -> None:
+        # feature combinations that are refused are rows of the rules table (fsdp_rlhf.rules)
         mt = self.multiturn
-        if mt.source is None:
-            return
         shortest = self.data.prompt_max_len + self.rollout.generate_max_len
-        if mt.max_total_len is not None and mt.max_total_len < shortest:
+        if mt.source is not None and mt.max_total_len is not None and mt.max_total_len < shortest:
             raise ConfigError(
                 f"max_total_len ({mt.max_total_len}) must be >= prompt_max_len + "
                 f"generate_max_len ({shortest}): the first turn must fit"
-            )
-        if self.rollout.max_len is not None:
-            raise ConfigError("--max_len is single-turn; with --env_file use --max_total_len")
-        # the length penalty counts model tokens against one turn's generate_max_len
-        if self.algo.overlong_buffer_len is not None:
-            raise ConfigError(
-                f"--overlong_buffer_len is single-turn only; drop it with {mt.source[0]}"
             )
 
     def weight_sync_mode(self, device_type: str, hosts: int = 1) -> str:
@@ -1209,12 +1141,6 @@ def plan_ppo_batches(cfg: PPOConfig, world_size: int) -> PPOBatchPlan:
             f"micro_train_batch_size ({per_step}) and divide rollout_batch_size x "
             f"n_samples_per_prompt ({samples})"
         )
-    if cfg.algo.advantage_estimator in ESTIMATORS_NEEDING_GROUPS and b.n_samples_per_prompt < 2:
-        raise ConfigError(
-            f"advantage_estimator {cfg.algo.advantage_estimator} needs n_samples_per_prompt >= 2"
-        )
-    if cfg.algo.dynamic_filtering and b.n_samples_per_prompt < 2:
-        raise ConfigError("dynamic_filtering needs n_samples_per_prompt >= 2 (it filters groups)")
     return PPOBatchPlan(
         world_size=world_size,
         dp_size=dp,
@@ -1275,12 +1201,6 @@ class SFTDataConfig:
     def __post_init__(self) -> None:
         if self.max_len < 2:
             raise ConfigError(f"max_len must be >= 2, got {self.max_len}")
-        if self.multiturn and self.output_key is not None:
-            raise ConfigError(
-                "--multiturn reads whole conversations from --input_key; drop --output_key"
-            )
-        if self.multiturn and not self.apply_chat_template:
-            raise ConfigError("--multiturn needs --apply_chat_template (conversations)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -1349,8 +1269,6 @@ class DPOLossConfig:
             raise ConfigError(f"beta must be > 0, got {self.beta}")
         if not 0.0 <= self.label_smoothing < 0.5:
             raise ConfigError(f"label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
-        if self.ipo and self.label_smoothing:
-            raise ConfigError("--label_smoothing is cDPO's; IPO has no label smoothing")
         if self.nll_loss_coef < 0:
             raise ConfigError(f"nll_loss_coef must be >= 0, got {self.nll_loss_coef}")
 

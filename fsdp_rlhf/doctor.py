@@ -28,7 +28,8 @@ from fsdp_rlhf.allocator import preloaded_allocator
 from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.distributed.collectives import collective_device
 from fsdp_rlhf.distributed.env import DistEnv, init_distributed, job_hosts, teardown
-from fsdp_rlhf.distributed.expert_parallel import ExpertParallel, new_expert_parallel_groups
+from fsdp_rlhf.distributed.expert_parallel import new_expert_parallel_groups
+from fsdp_rlhf.distributed.layout import ParallelLayout, build_layout
 from fsdp_rlhf.distributed.memory import (
     activation_bytes,
     lora_reference_savings,
@@ -43,10 +44,9 @@ from fsdp_rlhf.distributed.memory_plan import (
     plan_job_at,
     resolve_vllm_utilization,
 )
-from fsdp_rlhf.distributed.sequence_parallel import init_sequence_parallel
 from fsdp_rlhf.hf_config import attention_layers
 from fsdp_rlhf.metrics import setup_logging
-from fsdp_rlhf.models.load import check_expert_parallel, check_sequence_parallel
+from fsdp_rlhf.models.load import check_expert_parallel
 from fsdp_rlhf.rollout.memory_budget import check_device_budget
 
 log = logging.getLogger("fsdp_rlhf")
@@ -123,20 +123,22 @@ def _try(name: str, fn) -> Check:
         return Check(name, False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
 
 
-def _check_models(cfg: PPOConfig, env: DistEnv, held: list) -> list[Check]:
-    """Load and shard actor and reward model as the trainer does, beside the sleeping engine;
-    the sharded models are kept in ``held`` for the wake check that follows."""
+def _check_models(
+    cfg: PPOConfig, env: DistEnv, held: list, parallel: ParallelLayout
+) -> list[Check]:
+    """Load and shard actor and reward model as the trainer does (over ``parallel``), beside the
+    sleeping engine; the sharded models are kept in ``held`` for the wake check that follows."""
     from fsdp_rlhf.models.load import load_causal_lm
     from fsdp_rlhf.models.moe import active_parameters
     from fsdp_rlhf.trainers.ppo_setup import load_ppo_model, load_reward_model
 
     def shard(load, trainable: bool, what: str) -> str:
-        held.append(load_ppo_model(load, cfg, env, trainable=trainable, what=what))
+        held.append(load_ppo_model(load, cfg, env, trainable, what, parallel))
         total, active = active_parameters(held[-1])
         count = f"{total / 1e6:.1f}M params"
         if active != total:  # MoE: a token runs top_k of each layer's experts
             count += f" ({active / 1e6:.1f}M active per token)"
-            count += _experts_per_rank(held[-1], env)
+            count += _experts_per_rank(held[-1], parallel.ep.size)
         return f"{count}, sharded: {_local_mib(held[-1]):.0f} MiB on this rank"
 
     checks = []
@@ -156,7 +158,7 @@ def _check_models(cfg: PPOConfig, env: DistEnv, held: list) -> list[Check]:
     return checks
 
 
-def _experts_per_rank(model, env: DistEnv) -> str:
+def _experts_per_rank(model, e: int) -> str:
     """What one rank gathers of each MoE layer's routed experts (its expert group's 1/E)."""
     from fsdp_rlhf.models.moe import expert_parameter_names
 
@@ -164,7 +166,6 @@ def _experts_per_rank(model, env: DistEnv) -> str:
     names = expert_parameter_names(model)
     layers = {n.rsplit(".", 1)[0] for n in names}
     per_layer = sum(params[n].numel() for n in names) / max(1, len(layers))
-    e = env.ep.size
     return (
         f"; per rank: {_total_local(model) / 1e6:.1f}M held, an MoE layer's forward gathers "
         f"{per_layer / e / 1e6:.2f}M of its {per_layer / 1e6:.2f}M expert params "
@@ -190,10 +191,24 @@ def _prompt(tok) -> list[int]:
     return tok("hello", add_special_tokens=False)["input_ids"] or [tok.eos_token_id]
 
 
-def _check_engine(cfg: PPOConfig, env: DistEnv, engines: list) -> Check:
+def _check_rules(cfg: PPOConfig, kinds: list) -> Check:
+    """The rules table (``fsdp_rlhf.rules``) against these flags and the models' kinds (read
+    from their configs, kept in ``kinds`` for the engine check)."""
+    from fsdp_rlhf.rules import PPO, check_command
+
+    def run() -> str:
+        kinds.append(check_command(PPO, cfg))
+        models = ", ".join(f"{flag} {kind.label}" for flag, kind in kinds[-1].items())
+        return f"{models}: no row of the rules table refuses these flags"
+
+    return _try("settings combine", run)
+
+
+def _check_engine(cfg: PPOConfig, env: DistEnv, engines: list, vision) -> Check:
     """Build the engine, generate a few tokens and put it to sleep, before any model loads (the
     job's order: vLLM sizes its pool from what is free when it starts). The engine is kept in
-    ``engines``: the wake check uses it, the caller closes it after the last collective."""
+    ``engines``: the wake check uses it, the caller closes it after the last collective.
+    ``vision``: the actor's special tokens when it is a vision-language model."""
     from fsdp_rlhf.models.load import load_tokenizer
     from fsdp_rlhf.rollout import SamplingConfig
     from fsdp_rlhf.trainers.ppo_setup import build_engine
@@ -206,7 +221,7 @@ def _check_engine(cfg: PPOConfig, env: DistEnv, engines: list) -> Check:
             util, line = resolve_vllm_utilization(cfg, env.world_size, total)
             budget = f"; {line}; {check_device_budget(env.device, util)}"
         start = time.perf_counter()
-        engine = build_engine(cfg, env, tok)
+        engine = build_engine(cfg, env, tok, vision=vision)
         engines.append(engine)
         built = time.perf_counter() - start
         out = engine.generate([_prompt(tok)], SamplingConfig(max_new_tokens=4, greedy=True))
@@ -335,17 +350,18 @@ def main(cfg: PPOConfig, debug: bool = False) -> int:
     reports = [None] * env.world_size
     dist.all_gather_object(reports, device_report(env))
     checks = [_try("all-reduce", lambda: _all_reduce_str(env))]
-    layout = _try("--sequence_parallel_size", lambda: _sequence_parallel_groups(cfg, env))
-    checks.append(layout)
-    ep = [ExpertParallel()]
-    experts = _try("--expert_parallel_size", lambda: _expert_parallel_groups(cfg, env, ep))
+    built: list[ParallelLayout] = []
+    groups = _try("--sequence_parallel_size", lambda: _sequence_parallel_groups(cfg, env, built))
+    checks.append(groups)
+    experts = _try("--expert_parallel_size", lambda: _expert_parallel_groups(cfg, env, built))
     checks.append(experts)
-    env = dataclasses.replace(env, ep=ep[0])  # the models shard over its groups
-    engines, held = [], []
+    engines, held, kinds = [], [], []
     if cfg.models.pretrain:
-        checks.append(_check_engine(cfg, env, engines))  # the job's order: the engine first
-        if layout.ok and experts.ok:  # the models are prepared as the job prepares them
-            checks += _check_models(cfg, env, held)
+        checks.append(_check_rules(cfg, kinds))
+        vision = kinds[0]["--pretrain"].vision if kinds else None
+        checks.append(_check_engine(cfg, env, engines, vision))  # the engine first
+        if groups.ok and experts.ok:  # the models are prepared as the job prepares them
+            checks += _check_models(cfg, env, held, built[0])
         if engines and held:
             checks.append(_check_wake(cfg, env, engines[0], held[0]))
         held.clear()
@@ -369,28 +385,31 @@ def main(cfg: PPOConfig, debug: bool = False) -> int:
     return 0 if ok else 1
 
 
-def _sequence_parallel_groups(cfg: PPOConfig, env: DistEnv) -> str:
-    """Build the job's sequence-parallel groups (collective) and say what they are."""
+def _sequence_parallel_groups(cfg: PPOConfig, env: DistEnv, built: list) -> str:
+    """Build the job's parallel layout (collective; kept in ``built``) and say what its
+    sequence-parallel groups are."""
     n = cfg.fsdp.sequence_parallel_size
     if n > 1 and env.world_size % n:  # every rank fails alike before the collective
         raise RuntimeError(f"{n} does not divide the world size {env.world_size}")
-    sp = init_sequence_parallel(n)
-    if not sp.enabled:
+    parallel = build_layout(n)
+    built.append(parallel)
+    if not parallel.sp.enabled:
         return "off (each rank holds whole sequences)"
-    if cfg.models.pretrain:
-        check_sequence_parallel(n, env.world_size, {"--pretrain": cfg.models.pretrain})
-    return f"{sp.dp_size} groups of {sp.size} ranks (data-parallel size {sp.dp_size})"
+    return f"{parallel.dp_size} groups of {n} ranks (data-parallel size {parallel.dp_size})"
 
 
-def _expert_parallel_groups(cfg: PPOConfig, env: DistEnv, out: list) -> str:
-    """Build the job's expert-parallel groups (collective) into ``out[0]``; say what they are."""
+def _expert_parallel_groups(cfg: PPOConfig, env: DistEnv, built: list) -> str:
+    """Build the job's expert-parallel groups (collective) into the layout in ``built``; say
+    what they are."""
     e = cfg.fsdp.expert_parallel_size
     if e > 1 and env.world_size % e:  # every rank fails alike before the collective
         raise RuntimeError(f"{e} does not divide the world size {env.world_size}")
     if e > 1 and cfg.models.pretrain:
         check_expert_parallel(e, env.world_size, {"--pretrain": cfg.models.pretrain})
-    out[0] = new_expert_parallel_groups(e, env.device.type)
-    if not out[0].enabled:
+    ep = new_expert_parallel_groups(e, env.device.type)
+    base = built[0] if built else ParallelLayout(world_size=env.world_size, rank=env.rank)
+    built[:] = [dataclasses.replace(base, ep=ep)]  # the models shard over its groups
+    if not ep.enabled:
         return "off (each rank's forwards gather every expert)"
     groups = env.world_size // e
     return f"{groups} groups of {e} ranks split each MoE layer's experts"

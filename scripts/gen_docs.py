@@ -1,4 +1,5 @@
-"""Write the generated pages of docs/: the flag reference and the OpenRLHF migration table.
+"""Write the generated pages of docs/: the flag reference, the OpenRLHF migration table and the
+matrix of what combines (the rules table).
 
     python -m scripts.gen_docs          # rewrite them (from the repository root)
     python -m scripts.gen_docs --check  # exit 1 when a page is stale (tests/unit/test_docs.py)
@@ -19,6 +20,7 @@ def pages() -> dict[Path, str]:
     from fsdp_rlhf.commands import WITH_OWN_FLAGS
     from fsdp_rlhf.compat.migration import render
     from fsdp_rlhf.flag_help import render_markdown
+    from fsdp_rlhf.rules.docs import render as render_rules
 
     reference = [
         "# Configuration reference",
@@ -37,6 +39,7 @@ def pages() -> dict[Path, str]:
     return {
         REPO / "docs" / "configuration.md": "\n".join(reference).rstrip() + "\n",
         REPO / "docs" / "migrating_from_openrlhf.md": render().rstrip() + "\n",
+        REPO / "docs" / "compatibility.md": render_rules(),
     }
 
 

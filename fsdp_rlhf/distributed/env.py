@@ -17,15 +17,14 @@ import torch
 import torch.distributed as dist
 
 from fsdp_rlhf.distributed.collectives import all_reduce
-from fsdp_rlhf.distributed.expert_parallel import ExpertParallel
 
 T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class DistEnv:
-    """Where this process sits in the job. ``ep``: its expert-parallel groups, built once at
-    launch (``trainers.common.launch``; every rank holding every expert until then)."""
+    """Where this process sits in the job (how its work is split: the run's
+    :class:`~fsdp_rlhf.distributed.layout.ParallelLayout`, passed beside it)."""
 
     rank: int
     world_size: int
@@ -33,7 +32,6 @@ class DistEnv:
     local_world_size: int
     device: torch.device
     backend: str
-    ep: ExpertParallel = ExpertParallel()
 
     @property
     def is_rank0(self) -> bool:

@@ -13,9 +13,9 @@ all-to-all turns sequence shards into head shards and back (``models.ulysses``).
 - outputs (log-probs, values) are gathered along the sequence once per forward
   (:func:`gather_sequence`), and every rank of a group computes the same loss from them.
 
-The layout is process-wide (like the default process group): :func:`init_sequence_parallel`
-sets it once after the process group exists, :func:`layout` reads it anywhere. Without it the
-layout is the trivial one (N = 1: every rank of the world its own data shard).
+The groups are built once at launch (:func:`new_sequence_parallel_groups`, inside
+``distributed.layout.build_layout``) and travel in the run's
+:class:`~fsdp_rlhf.distributed.layout.ParallelLayout`, passed to what needs them.
 """
 
 from __future__ import annotations
@@ -33,27 +33,20 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class SequenceParallel:
-    """This rank's place in the (dp, sp) layout.
+    """This rank's sequence-parallel group (the SP slot of the run's ``ParallelLayout``).
 
     Attributes:
         size: N, ranks per sequence-parallel group (1: off).
         rank: this rank's position in its group (which 1/N slice of each sequence it holds).
-        dp_size: W / N data-parallel groups; dp_rank: this rank's group.
         group: the N ranks of this rank's group (None when N == 1): the all-to-alls and the
             output gathers run on it.
-        data_group: the ranks holding the same slice position in every group, one rank per
-            data shard (None when N == 1: the whole world is the data group). Statistics over
-            the global batch (token counts, advantage whitening, summed metrics) reduce on it.
         cpu_group: a gloo group over ``group`` for small host-side exchanges (rollouts);
             ``group`` itself on CPU.
     """
 
     size: int = 1
     rank: int = 0
-    dp_size: int = 1
-    dp_rank: int = 0
     group: ProcessGroup | None = None
-    data_group: ProcessGroup | None = None
     cpu_group: ProcessGroup | None = None
 
     @property
@@ -69,9 +62,6 @@ class SequenceParallel:
         return list(items[start:stop])
 
 
-_LAYOUT: SequenceParallel | None = None  # None: the trivial layout of the current world
-
-
 def share_range(n: int, parts: int, index: int) -> tuple[int, int]:
     """``[start, stop)`` of part ``index`` when ``n`` items are cut into ``parts`` contiguous
     parts, the first ``n % parts`` one item larger.
@@ -84,35 +74,19 @@ def share_range(n: int, parts: int, index: int) -> tuple[int, int]:
     return start, start + base + (1 if index < extra else 0)
 
 
-def layout() -> SequenceParallel:
-    """The process-wide layout; until :func:`init_sequence_parallel` (or with N = 1) the
-    trivial one: every rank of the world a data rank of its own."""
-    if _LAYOUT is not None:
-        return _LAYOUT
-    if dist.is_initialized():
-        world, rank = dist.get_world_size(), dist.get_rank()
-        return SequenceParallel(dp_size=world, dp_rank=rank)
-    return SequenceParallel()
-
-
-def data_group() -> ProcessGroup | None:
-    """The group that statistics over the global batch reduce on (None: the world)."""
-    return _LAYOUT.data_group if _LAYOUT is not None else None
-
-
-def init_sequence_parallel(size: int) -> SequenceParallel:
-    """Build the groups of ``--sequence_parallel_size size`` (collective: every rank, once, after
-    the default process group exists) and make them the process-wide layout.
+def new_sequence_parallel_groups(size: int) -> tuple[SequenceParallel, ProcessGroup | None]:
+    """The groups of ``--sequence_parallel_size size`` over the default group's world
+    (collective: every rank, once, after the default process group exists): this rank's
+    :class:`SequenceParallel` and its data group, the ranks holding the same slice position in
+    every group (one rank per data shard; None when ``size`` is 1: the whole world).
 
     Groups are blocks of ``size`` consecutive ranks, like vLLM's tensor-parallel blocks: with
     ``--vllm_tensor_parallel_size`` equal to N an engine serves exactly one group.
     """
-    global _LAYOUT
-    if size == 1 or not dist.is_initialized():
-        if size != 1:
-            raise RuntimeError("sequence parallelism needs an initialised process group")
-        _LAYOUT = None
-        return layout()
+    if size == 1:
+        return SequenceParallel(), None
+    if not dist.is_initialized():
+        raise RuntimeError("sequence parallelism needs an initialised process group")
     world, rank = dist.get_world_size(), dist.get_rank()
     if world % size:
         raise ValueError(f"sequence_parallel_size {size} does not divide the world size {world}")
@@ -129,22 +103,7 @@ def init_sequence_parallel(size: int) -> SequenceParallel:
         g = dist.new_group(list(range(offset, world, size)))
         if rank % size == offset:
             data = g
-    _LAYOUT = SequenceParallel(
-        size=size,
-        rank=rank % size,
-        dp_size=world // size,
-        dp_rank=rank // size,
-        group=group,
-        data_group=data,
-        cpu_group=cpu,
-    )
-    return _LAYOUT
-
-
-def reset_sequence_parallel() -> None:
-    """Back to the trivial layout (tests that build several layouts in one process)."""
-    global _LAYOUT
-    _LAYOUT = None
+    return SequenceParallel(size=size, rank=rank % size, group=group, cpu_group=cpu), data
 
 
 # ---------------------------------------------------------------- autograd collectives

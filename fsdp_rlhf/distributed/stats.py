@@ -9,9 +9,9 @@ sums and counts (never means, which cannot be combined without their weights).
 All functions fall back to single-process behaviour when ``torch.distributed`` is unavailable
 or not initialised, so the same trainer code runs in unit tests and on one GPU.
 
-``group=None`` means the data-parallel group (``distributed.sequence_parallel.data_group``):
-the whole world, or with sequence parallelism one rank of each group, whose ranks all hold the
-same rows (counting every copy would count each token N times).
+``group=None`` means the whole default group. With sequence parallelism the ranks of a group
+all hold the same rows, so statistics over the global batch pass the layout's data group
+(``ParallelLayout.data_group``: one rank of each group), else each token counts N times.
 
 The all-reduces are not differentiable: statistics are computed under ``no_grad`` and treated
 as constants, which is what advantage whitening and loss normalisation need.
@@ -25,18 +25,10 @@ import torch
 import torch.distributed as dist
 
 from fsdp_rlhf.distributed.collectives import all_reduce
-from fsdp_rlhf.distributed.sequence_parallel import data_group
-
-
-def _is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 def _all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    # over the data-parallel ranks unless told otherwise (sequence-parallel peers hold the same
-    # samples), on the group's device (an NCCL group cannot reduce host tensors), back on tensor's
-    if _is_distributed() and group is None:
-        group = data_group()
+    # on the group's device (an NCCL group cannot reduce host tensors), back on tensor's
     return all_reduce(tensor, dist.ReduceOp.SUM, group)
 
 
@@ -51,7 +43,7 @@ def global_token_count(
 
     Args:
         mask: A response mask (B, T), or a sequence of them (one per micro-batch).
-        group: Process group; ``None``: the data-parallel group (see the module doc).
+        group: Process group; ``None``: the default group (see the module doc).
 
     Returns:
         The global count as a Python int (identical on every rank).
@@ -76,7 +68,7 @@ def global_masked_mean(
     Args:
         values: Tensor of any shape, e.g. (B, T); B may differ between ranks.
         mask: Same shape as ``values``.
-        group: Process group; ``None``: the data-parallel group.
+        group: Process group; ``None``: the default group.
 
     Returns:
         Scalar tensor in ``values.dtype`` (0 when no rank has a valid entry).
@@ -104,7 +96,7 @@ def global_masked_var(
         values: Tensor of any shape, e.g. (B, T).
         mask: Same shape as ``values``.
         unbiased: Apply Bessel's correction with the global count.
-        group: Process group; ``None``: the data-parallel group.
+        group: Process group; ``None``: the default group.
 
     Returns:
         Scalar tensor in ``values.dtype``.
@@ -146,7 +138,7 @@ def global_masked_whiten(
         mask: Same shape as ``values``.
         shift_mean: Subtract the global mean; ``False`` only rescales.
         eps: Added to the variance before the square root.
-        group: Process group; ``None``: the data-parallel group.
+        group: Process group; ``None``: the default group.
 
     Returns:
         Tensor shaped like ``values``, 0 where ``mask`` is 0. Carries no gradient.

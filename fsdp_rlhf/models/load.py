@@ -31,7 +31,6 @@ from torch import nn
 
 from fsdp_rlhf.config import BackendConfig
 from fsdp_rlhf.errors import UserError, reading
-from fsdp_rlhf.hf_config import attention_layers, has_recurrent_layers
 from fsdp_rlhf.models.attention import PADDED_ATTENTION, register_attention
 from fsdp_rlhf.models.vision import is_vision_config
 
@@ -157,51 +156,15 @@ def text_config(path: str, trust_remote_code: bool = False):
     return cfg.get_text_config()
 
 
-def check_sequence_parallel(
-    n: int, world_size: int, paths: dict[str, str | None], trust_remote_code: bool = False
-) -> None:
-    """``--sequence_parallel_size n`` against the world and each model's attention heads
-    (``paths``: flag -> model folder), before anything loads: one line naming the numbers."""
-    if n == 1:
-        return
-    if world_size % n:
-        raise UserError(
-            f"--sequence_parallel_size {n} must divide the world size {world_size} "
-            "(torchrun --nproc_per_node x --nnodes)"
-        )
-    from fsdp_rlhf.models.ulysses import head_problem
-
-    for flag, path in paths.items():
-        if not path:
-            continue
-        check_model_path(path, flag)
-        if is_vision_language(path, trust_remote_code):
-            raise UserError(
-                f"--sequence_parallel_size {n}: {flag} {path} is a vision-language model: its "
-                "images and M-RoPE positions go through the model with whole rows (use 1)"
-            )
-        cfg = text_config(path, trust_remote_code)
-        problem = None
-        for layer in attention_layers(cfg):  # Gemma 4's global layers have their own heads
-            problem = problem or head_problem(layer.heads, layer.kv_heads, n)
-        if problem is None and has_recurrent_layers(cfg):
-            # Ulysses exchanges shards around attention calls only: a recurrent layer's state
-            # would run over each rank's slice of the sequence on its own
-            problem = (
-                "its recurrent layers (gated delta nets, Mamba2 or short convolutions) need "
-                "the whole sequence on one rank; sequence parallelism splits it"
-            )
-        if problem is not None:
-            raise UserError(f"--sequence_parallel_size {n}: {flag} {path}: {problem}")
-
-
 def check_expert_parallel(
     n: int, world_size: int, paths: dict[str, str | None], trust_remote_code: bool = False
 ) -> None:
     """``--expert_parallel_size n`` against the world and each MoE model's experts (``paths``:
     flag -> model folder; dense models are left as they are), before anything loads: one line
     naming the numbers. Each MoE model is built empty on the meta device to check that its
-    fused experts are a layout the expert-parallel forward handles."""
+    fused experts are a layout the expert-parallel forward handles. Which models expert
+    parallelism combines with (no MoE model at all, a vision-language MoE) is the rules
+    table's (``fsdp_rlhf.rules``, rows ``expert-parallel-*``)."""
     if n == 1:
         return
     from fsdp_rlhf.distributed.expert_parallel import (
@@ -216,7 +179,6 @@ def check_expert_parallel(
             f"--expert_parallel_size {n} must divide the world size {world_size} "
             "(torchrun --nproc_per_node x --nnodes)"
         )
-    moe = []
     for flag, path in paths.items():
         if not path:
             continue
@@ -224,11 +186,6 @@ def check_expert_parallel(
         num_experts = config_num_experts(text_config(path, trust_remote_code))
         if not num_experts:
             continue  # a dense model beside an MoE actor: sharded as without the flag
-        if is_vision_language(path, trust_remote_code):
-            raise UserError(
-                f"--expert_parallel_size {n}: {flag} {path} is a vision-language MoE model; "
-                "expert parallelism is not tested with image inputs yet (use 1)"
-            )
         if problem := expert_parallel_problem(n, world_size, num_experts):
             raise UserError(f"{problem} ({flag} {path})")
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -243,12 +200,6 @@ def check_expert_parallel(
                 "a layout expert parallelism splits (gate_up_proj and down_proj, no biases; "
                 "use 1)"
             )
-        moe.append(flag)
-    if not moe:
-        named = ", ".join(f"{f} {p}" for f, p in paths.items() if p)
-        raise UserError(
-            f"--expert_parallel_size {n}: no MoE model to split ({named} are dense; use 1)"
-        )
 
 
 def load_tokenizer(

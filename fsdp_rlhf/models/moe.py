@@ -28,7 +28,7 @@ Supported routers (:data:`ROUTERS`, ``models.routers.ROUTER_RULES``): every rout
 a rule there (softmax, softmax over the chosen, sigmoid with correction bias, grouped top-k,
 normalisation and scaling, Gemma 4's per-expert scales); the replayed experts' weights are
 recomputed by that rule. Others are refused by name where router replay or the auxiliary loss
-is asked for.
+is asked for (the rules table, ``fsdp_rlhf.rules``, row ``moe-flags-unknown-router``).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from torch import nn
 from fsdp_rlhf.distributed.collectives import all_reduce
 from fsdp_rlhf.distributed.expert_parallel import ExpertParallel, is_routed_experts
 from fsdp_rlhf.distributed.sequence_parallel import SequenceParallel
-from fsdp_rlhf.hf_config import config_num_experts
+from fsdp_rlhf.models.inputs import ForwardInputs
 from fsdp_rlhf.models.routers import (
     ROUTER_RULES,
     RouterRule,
@@ -69,43 +69,12 @@ def moe_routers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in ROUTERS]
 
 
-def unsupported_router(model: nn.Module) -> str | None:
-    """The class name of an MoE router this module cannot replay, or None."""
-    for m in model.modules():
-        if _looks_like_router(m) and type(m).__name__ not in ROUTERS:
-            return type(m).__name__
-    return None
-
-
 def is_moe(model: nn.Module) -> bool:
     return any(_looks_like_router(m) for m in model.modules())
 
 
 def is_router(module: nn.Module) -> bool:
     return type(module).__name__ in ROUTERS
-
-
-def check_moe_model(path: str, flags: str, trust_remote_code: bool = False) -> None:
-    """Preflight: the model at ``path`` is an MoE model with routers this module handles
-    (built empty on the meta device: nothing is loaded)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from fsdp_rlhf.errors import UserError, reading
-
-    with reading("model config", path):
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    arch = ",".join(getattr(config, "architectures", None) or [config.model_type])
-    if config_num_experts(config) == 0:
-        raise UserError(f"{flags}: {path} is a dense model ({arch}); they apply to MoE models")
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    unsupported = unsupported_router(model)
-    if unsupported is not None or not moe_routers(model):
-        raise UserError(
-            f"{flags}: {arch}'s router ({unsupported or 'none found'}) is not one this trainer "
-            "replays or balances: it has no rule for how that router weighs its experts "
-            "(models/routers.py)"
-        )
 
 
 # ---------------------------------------------------------------- parameters
@@ -164,54 +133,23 @@ def active_parameters(model: nn.Module) -> tuple[int, int]:
 # ---------------------------------------------------------------- layouts
 
 
-def to_forward_layout(
-    x: torch.Tensor,
-    attention_mask: torch.Tensor,
-    response_len: int,
-    *,
-    packed: bool = False,
-    group_size: int = 1,
-) -> torch.Tensor:
-    """``x`` (B, L, ...), aligned with a forward's padded ``input_ids``, in the token order the
-    model sees: (B, L, ...) padded; (1, n, ...) packed (``models.packing.pack_rows`` keeps the
-    attended tokens in row order); (G, P' + s*T, ...) with shared prompts
-    (``models.shared_prefix.share_prompts``: each group's prompt once, from its first row, with
-    the left padding every prompt of the batch has cut, then its s responses)."""
-    if group_size > 1:
-        s, T = group_size, response_len
-        B, L = attention_mask.shape
-        G, P = B // s, L - T
-        lengths = attention_mask[::s, :P].bool().sum(-1)
-        cut = P - int(lengths.max())
-        prompts = x[::s, cut:P]
-        responses = x[:, P:].reshape(G, s * T, *x.shape[2:])
-        return torch.cat([prompts, responses], dim=1)
-    if packed:
-        return x[attention_mask.bool()].unsqueeze(0)
-    return x
-
-
 @contextmanager
 def routing_scope(
     moe: MoEHooks | None,
     routed: torch.Tensor | None,
-    attention_mask: torch.Tensor,
-    response_len: int,
+    inputs: ForwardInputs,
     *,
-    packed: bool = False,
-    group_size: int = 1,
     collect: bool = True,
 ) -> Iterator[None]:
-    """``moe.routing`` for one forward of padded rows (``attention_mask`` (B, L)), replaying
-    ``routed`` (B, L, Lm, k) when given; nothing for a dense model (``moe`` None)."""
+    """``moe.routing`` for one forward (``inputs``, ``models.inputs``), replaying ``routed``
+    (B, L, Lm, k), aligned with the padded rows, when given; nothing for a dense model
+    (``moe`` None). Both the replay and the real-token mask are laid out as the model rows
+    hold their tokens (``ForwardInputs.arrange``), whatever parts built them."""
     if moe is None:
         yield
         return
-    layout = dict(packed=packed, group_size=group_size)
-    replay = None
-    if routed is not None:
-        replay = to_forward_layout(routed, attention_mask, response_len, **layout)
-    valid = to_forward_layout(attention_mask, attention_mask, response_len, **layout)
+    replay = inputs.arrange(routed) if routed is not None else None
+    valid = inputs.arrange(inputs.attention_mask)
     with moe.routing(replay=replay, valid=valid, collect=collect):
         yield
 
@@ -306,7 +244,7 @@ class MoEHooks:
 
         Args:
             replay: (B', L', Lm, k) expert ids in the forward's token layout
-                (:func:`to_forward_layout`), or None to route as the model does.
+                (``ForwardInputs.arrange``), or None to route as the model does.
             valid: (B', L') real tokens in the same layout.
             (Whole rows: under sequence parallelism this rank's slice is taken here.)
             collect: count this forward in the step's statistics (its aux loss is there

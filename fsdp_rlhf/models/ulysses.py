@@ -13,7 +13,8 @@ share. Activations, logits and the attention's q/k/v per rank shrink N-fold; the
 FSDP2's shards as before.
 
 Outputs are read on the slices and combined once per forward: log-probs and entropies of the
-positions each rank holds (from the output layer's input, ``models.head``) are summed over the group
+positions each rank holds (from the output layer's input, ``models.forward.logprobs_at``
+and ``models.head``) are summed over the group
 (each entry lives on one rank), values are all-gathered along the sequence. Both backward
 passes hand each rank the gradient of its own entries (every rank computes the same loss), so
 the gradients summed by FSDP equal the unsplit forward's.
@@ -36,6 +37,8 @@ from torch.distributed import ProcessGroup
 from fsdp_rlhf.distributed.sequence_parallel import SequenceParallel, all_to_all
 from fsdp_rlhf.models.attention import (
     FLASH_ATTENTION,
+    PADDED_ATTENTION,
+    VARLEN_ATTENTION,
     RowSpans,
     _explicit_wanted,
     _masked_attention,
@@ -46,11 +49,19 @@ from fsdp_rlhf.models.attention import (
     span_attention,
     varlen_sdpa,
 )
-from fsdp_rlhf.models.head import model_logprobs
 
 ULYSSES_ATTENTION = "fsdp_rlhf_ulysses"
-_SP_ATTR = "_fsdp_rlhf_sequence_parallel"
-_INNER_ATTR = "_fsdp_rlhf_inner_attention"
+# The name a Ulysses-wrapped model's attention runs under, per kernel inside: the model's own
+# ``config._attn_implementation`` then says which kernel runs on whole rows (no attribute is
+# stuck onto the model). No name holds "flash": transformers reads such names as flash-attn.
+_ULYSSES_NAMES = {
+    PADDED_ATTENTION: ULYSSES_ATTENTION,
+    VARLEN_ATTENTION: f"{ULYSSES_ATTENTION}_varlen",
+    FLASH_ATTENTION: f"{ULYSSES_ATTENTION}_fa2",
+    "sdpa": f"{ULYSSES_ATTENTION}_hf_sdpa",
+    "eager": f"{ULYSSES_ATTENTION}_eager",
+}
+_INNER_KERNELS = {name: inner for inner, name in _ULYSSES_NAMES.items()}
 
 
 def head_problem(num_heads: int, kv_heads: int, n: int) -> str | None:
@@ -233,35 +244,33 @@ def _padded_attention(
 # ---------------------------------------------------------------- models and inputs
 
 
-def use_ulysses_attention(model: nn.Module, sp: SequenceParallel) -> None:
+def use_ulysses_attention(model: nn.Module) -> None:
     """Route ``model``'s attention through :func:`ulysses_attention` around the kernel it uses
-    now (call after the packed/padded choice); its forwards must then go through
-    :func:`shard_inputs` (``models.forward`` and ``models.label_logprobs`` do)."""
+    now (call after the packed/padded choice); its forwards must then get the
+    ``sequence_parallel`` keyword (:func:`shard_inputs`, which ``models.inputs`` applies for an
+    input builder with a sequence-parallel part)."""
+    inner = model.config._attn_implementation
+    if inner not in _ULYSSES_NAMES:
+        raise ValueError(f"sequence parallelism: no Ulysses wrapper for attention {inner!r}")
     register_attention()
     register_ulysses()
-    setattr(model, _INNER_ATTR, model.config._attn_implementation)
-    setattr(model, _SP_ATTR, sp)
-    model.set_attn_implementation(ULYSSES_ATTENTION)
+    model.set_attn_implementation(_ULYSSES_NAMES[inner])
 
 
 def register_ulysses() -> None:
-    """Make :func:`ulysses_attention` known to HF (idempotent). No mask function is registered:
-    HF then passes no mask (or a prepared 4D one unchanged), and the inner kernel gets the
-    whole row's padding from :class:`UlyssesContext`."""
+    """Make :func:`ulysses_attention` known to HF under each of its names (idempotent). No
+    mask function is registered: HF then passes no mask (or a prepared 4D one unchanged), and
+    the inner kernel gets the whole row's padding from :class:`UlyssesContext`."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(ULYSSES_ATTENTION, ulysses_attention)
-
-
-def sequence_parallel_of(model: nn.Module) -> SequenceParallel | None:
-    """The layout ``model``'s forwards are split over, or None (not split)."""
-    sp = getattr(model, _SP_ATTR, None)
-    return sp if sp is not None and sp.enabled else None
+    for name in (ULYSSES_ATTENTION, *_ULYSSES_NAMES.values()):
+        AttentionInterface.register(name, ulysses_attention)
 
 
 def base_attention(model: nn.Module) -> str:
     """The attention kernel ``model`` runs on whole rows (inside Ulysses, when split)."""
-    return getattr(model, _INNER_ATTR, None) or model.config._attn_implementation
+    impl = model.config._attn_implementation
+    return _INNER_KERNELS.get(impl, impl)
 
 
 def shard_inputs(model: nn.Module, inputs: dict, sp: SequenceParallel) -> dict:
@@ -315,58 +324,3 @@ class _CombineDisjoint(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad, None
-
-
-def sharded_logprobs(
-    model: nn.Module,
-    inputs: dict,
-    index: torch.Tensor,
-    labels: torch.Tensor,
-    sp: SequenceParallel,
-    *,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-    entropy_grad: bool = True,
-    keep_logits: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropies) of ``labels`` predicted at row positions ``index``, with each
-    rank computing the entries whose position it holds.
-
-    Args:
-        inputs: whole-row model inputs, (B, L) rows (no ``logits_to_keep``).
-        index: (...) flat position ``b * L + l`` predicting each label; may repeat.
-        labels: (...) token ids, the shape of ``index``.
-        keep_logits: the model takes ``logits_to_keep`` (only the needed positions' logits).
-    Returns:
-        (...) log-probs and entropies (or None), the same on every rank of the group.
-    """
-    B, L = inputs["input_ids"].shape
-    start, stop = local_range(L, sp)
-    flat, target = index.reshape(-1), labels.reshape(-1)
-    b, col = flat // L, flat % L
-    mine = ((col >= start) & (col < stop)).nonzero().squeeze(1)
-    local_col = col[mine] - start
-    sharded = shard_inputs(model, inputs, sp)
-    if keep_logits:
-        cols, slot = torch.unique(local_col, return_inverse=True)
-        sharded = {**sharded, "logits_to_keep": cols}  # logits (B, k, V)
-        rows = b[mine] * cols.numel() + slot
-    else:
-        rows = b[mine] * (stop - start) + local_col  # logits (B, Lr, V)
-    lp, ent = model_logprobs(
-        model,
-        sharded,
-        target[mine],
-        rows,
-        temperature=temperature,
-        with_entropy=with_entropy,
-        entropy_grad=entropy_grad,
-    )
-    dtype = lp.dtype
-    out_lp = torch.zeros(flat.shape, dtype=dtype, device=lp.device).index_put((mine,), lp)
-    logp = combine_disjoint(out_lp, sp.group).view(index.shape)
-    entropy = None
-    if ent is not None:
-        out_ent = torch.zeros(flat.shape, dtype=dtype, device=lp.device).index_put((mine,), ent)
-        entropy = combine_disjoint(out_ent, sp.group).view(index.shape)
-    return logp, entropy

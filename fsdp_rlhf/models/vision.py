@@ -1,5 +1,6 @@
 """Vision-language models (``AutoModelForImageTextToText``: Qwen2.5-VL, Qwen3-VL): detection,
-the vision tower, the images that travel with each sample, and the forward inputs they add.
+the vision tower, the images that travel with each sample (the forward inputs they add are the
+images part of ``models.inputs``).
 
 A checkpoint is a VLM when its config has a ``vision_config`` (OpenRLHF's test). Its forward
 takes, besides the tokens, the processed images of the batch:
@@ -18,10 +19,8 @@ and minibatch shuffles pick them with their rows; the n samples of one prompt sh
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,14 +38,6 @@ def is_vision_config(config: Any) -> bool:
     if isinstance(config, dict):
         return config.get("vision_config") is not None
     return getattr(config, "vision_config", None) is not None
-
-
-def is_vision_checkpoint(path: str) -> bool:
-    """Whether a local model folder holds a VLM (config.json read directly: cheap)."""
-    cfg = Path(path) / "config.json"
-    if not cfg.is_file():
-        return False
-    return is_vision_config(json.loads(cfg.read_text()))
 
 
 @dataclass(frozen=True)
@@ -139,7 +130,6 @@ def suppress_tokens(model: nn.Module, token_ids: Sequence[int]) -> None:
         return logits.masked_fill(blocked, SUPPRESSED_LOGIT)
 
     head.register_forward_hook(mask)
-    model._fsdp_rlhf_suppressed = tuple(ids.tolist())
 
 
 def prepare_policy(model: nn.Module, *, freeze_tower: bool = False) -> VisionTokens | None:
@@ -226,24 +216,3 @@ class ImageBatch:
             pixels = pixels.to(dtype)
         grid = torch.cat([r.grid_thw for r in present]).to(device)
         return {"pixel_values": pixels, "image_grid_thw": grid}
-
-
-def vision_model_inputs(
-    tokens: VisionTokens,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    images: ImageBatch | None,
-) -> dict:
-    """Forward kwargs of a VLM for (B, L) rows (any padding side) and their images.
-
-    With images the model computes its M-RoPE positions from ``mm_token_type_ids``,
-    ``image_grid_thw`` and the attention mask (``position_ids`` not passed); without, the
-    positions are the text positions of the attended tokens, (B, L), as for text models.
-    """
-    from fsdp_rlhf.models.forward import position_ids_from_mask
-
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    mm = images.model_kwargs(input_ids.device) if images is not None else {}
-    if not mm:
-        return {**inputs, "position_ids": position_ids_from_mask(attention_mask)}
-    return {**inputs, **mm, "mm_token_type_ids": tokens.token_types(input_ids)}

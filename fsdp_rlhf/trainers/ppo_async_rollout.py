@@ -46,6 +46,7 @@ from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars
 from fsdp_rlhf.distributed.signals import GracefulStop
 from fsdp_rlhf.distributed.split_world import group_environment
 from fsdp_rlhf.metrics import PhaseTimer
+from fsdp_rlhf.models.kind import ModelKind
 from fsdp_rlhf.models.load import load_tokenizer
 from fsdp_rlhf.rollout import AdapterSpec, SamplingConfig
 from fsdp_rlhf.rollout.streaming import stream_rollout
@@ -91,7 +92,7 @@ def engine_seed(seed: int | None, engine: int) -> int | None:
 class RolloutWorker:
     """One rollout rank (see the module docstring). ``run()`` is its whole life."""
 
-    def __init__(self, cfg: PPOConfig, env: DistEnv, job, rows) -> None:
+    def __init__(self, cfg: PPOConfig, env: DistEnv, job, rows, actor: ModelKind) -> None:
         self.cfg, self.env, self.job = cfg, env, job
         split = job.split
         self.index = split.rollout_index(job.rank)
@@ -113,7 +114,12 @@ class RolloutWorker:
         self.timer = PhaseTimer(env.device)
         with group_environment(env):  # vLLM reads the rank of its world from the environment
             self.engine = build_engine(
-                cfg, env, self.tokenizer, streaming=True, engine_id=self.engine_id
+                cfg,
+                env,
+                self.tokenizer,
+                vision=actor.vision,
+                streaming=True,
+                engine_id=self.engine_id,
             )
         # the reward model lives on the training ranks: then they score everything
         self.scores_here = not cfg.models.reward_pretrain

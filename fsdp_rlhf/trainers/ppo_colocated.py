@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 
 from fsdp_rlhf.data.prompts import Prompt, PromptSampler
+from fsdp_rlhf.models.vision import VisionTokens
 from fsdp_rlhf.rollout import RolloutEngine, RolloutOutput, SamplingConfig
 from fsdp_rlhf.rollout.groups import gather_rollouts
 from fsdp_rlhf.trainers.experience import Experience, experience_from_rollout
@@ -38,13 +39,16 @@ from fsdp_rlhf.trainers.ppo_vision import StepImages, check_responses
 log = logging.getLogger("fsdp_rlhf")
 
 
-def start_engine(cfg, env, tokenizer, max_images: int = 1) -> RolloutEngine:
-    """This rank's rollout engine, asleep; ``max_images`` per prompt (a VLM).
+def start_engine(
+    cfg, env, tokenizer, max_images: int = 1, vision: VisionTokens | None = None
+) -> RolloutEngine:
+    """This rank's rollout engine, asleep; ``max_images`` per prompt and ``vision``, the
+    actor's special tokens (a VLM; its kind, read in prepare).
 
     The engine first, then to sleep: vLLM sizes its memory from what is free when it starts,
     so with four resident models it would refuse to start (TRL's colocate order).
     """
-    engine = build_engine(cfg, env, tokenizer, max_images)
+    engine = build_engine(cfg, env, tokenizer, max_images, vision=vision)
     engine.sleep()
     log.info("rollout engine started and asleep; loading the models")
     return engine
@@ -72,9 +76,13 @@ class ColocatedSource:
             overlap=cfg.rollout.weight_sync_overlap,
         )
         # the ranks of a sequence-parallel group draw the same prompts (their data shard)
-        sp = parts.sp
+        parallel = parts.parallel
         self.sampler = PromptSampler(
-            len(parts.prompts), cfg.batch.rollout_batch_size, sp.dp_rank, sp.dp_size, cfg.seed
+            len(parts.prompts),
+            cfg.batch.rollout_batch_size,
+            parallel.dp_rank,
+            parallel.dp_size,
+            cfg.seed,
         )
         self.multiturn = build_multiturn(cfg, parts.tokenizer, parts.timer)  # None: one turn
         self.pad_id = parts.tokenizer.pad_token_id
@@ -98,7 +106,13 @@ class ColocatedSource:
         else:
             n = self.cfg.batch.n_samples_per_prompt
             exp, prompts, metrics = dynamic_sample(
-                prompts, self.draw, generate_and_score, self.cfg.algo, n, self.pad_id
+                prompts,
+                self.draw,
+                generate_and_score,
+                self.cfg.algo,
+                n,
+                self.pad_id,
+                self.parts.parallel.data_group,
             )
         return Sampled(exp, prompts, metrics, {"sampler_before": before})
 

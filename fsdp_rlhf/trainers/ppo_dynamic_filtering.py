@@ -23,13 +23,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from fsdp_rlhf.algorithms import dynamic_filter_groups, expand_group_mask
 from fsdp_rlhf.config import PPOAlgoConfig
 from fsdp_rlhf.data.prompts import Prompt
 from fsdp_rlhf.distributed.env import all_reduce_scalars
-from fsdp_rlhf.distributed.sequence_parallel import data_group
 from fsdp_rlhf.models.vision import ImageBatch
 from fsdp_rlhf.rollout.routing import no_expert
 from fsdp_rlhf.trainers.experience import Experience
@@ -131,11 +131,13 @@ def dynamic_sample(
     algo: PPOAlgoConfig,
     n: int,
     pad_id: int,
+    data_group: dist.ProcessGroup | None = None,
 ) -> tuple[Experience, list[Prompt], dict[str, float]]:
     """Generate, score and filter until every rank is full (collective, see the module doc).
 
     Returns this rank's experience (``len(first)`` groups, scored), its prompts, and the
-    rollout metrics plus ``dynamic_filter/*`` (global).
+    rollout metrics plus ``dynamic_filter/*`` (global: summed over ``data_group``, the
+    layout's one rank per sequence-parallel group; None: every rank).
     """
     pool = GroupPool(n=n, target=len(first))
     reward_range = tuple(algo.dynamic_filtering_reward_range) or None
@@ -151,7 +153,7 @@ def dynamic_sample(
         prompts = draw()
     exp, prompts, filled = pool.take(pad_id)
     counts = all_reduce_scalars(
-        {"kept": pool.kept_groups, "seen": pool.seen_groups, "filled": filled}, "sum", data_group()
+        {"kept": pool.kept_groups, "seen": pool.seen_groups, "filled": filled}, "sum", data_group
     )
     if counts["filled"] > 0:
         log.warning(

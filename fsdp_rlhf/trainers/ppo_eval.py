@@ -34,8 +34,7 @@ from fsdp_rlhf.algorithms import eval_pass_metrics
 from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.data.prompts import Prompt, tokenize_prompts
 from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars, barrier, broadcast_object
-from fsdp_rlhf.distributed.sequence_parallel import SequenceParallel, data_group
-from fsdp_rlhf.distributed.sequence_parallel import layout as sequence_parallel_layout
+from fsdp_rlhf.distributed.layout import ParallelLayout
 from fsdp_rlhf.errors import UserError, reading, writing
 from fsdp_rlhf.rollout import RolloutOutput, SamplingConfig
 from fsdp_rlhf.trainers.experience import Experience, experience_from_rollout
@@ -124,11 +123,13 @@ class Evaluator:
         cfg: PPOConfig,
         env: DistEnv,
         prompts: list[Prompt],
-        sp: SequenceParallel | None = None,
+        parallel: ParallelLayout | None = None,
     ) -> None:
         self.cfg, self.env = cfg, env
-        sp = sp or sequence_parallel_layout()  # a sequence-parallel group shares a data shard
-        idx, self.real = shard(len(prompts), sp.dp_rank, sp.dp_size)
+        # a sequence-parallel group shares a data shard (None: every rank its own)
+        parallel = parallel or ParallelLayout(world_size=env.world_size, rank=env.rank)
+        self.data_group = parallel.data_group
+        idx, self.real = shard(len(prompts), parallel.dp_rank, parallel.dp_size)
         self.prompts = [prompts[i] for i in idx]
         self.n = cfg.eval.eval_n_samples_per_prompt
         self.ks = pass_budgets(self.n, cfg.eval.save_best_metric)
@@ -173,7 +174,7 @@ class Evaluator:
         greedy = self._scores(generate, score, greedy=True)[:, 0]
         sampled = self._scores(generate, score, greedy=False)
         local = local_eval_sums(greedy, sampled, self.real, self.ks)
-        sums = all_reduce_scalars(local, "sum", data_group())
+        sums = all_reduce_scalars(local, "sum", self.data_group)
         metrics = finish_eval(sums)
         metrics["timing/eval"] = time.perf_counter() - start
         return metrics
@@ -223,7 +224,7 @@ class Evaluator:
 
 
 def build_evaluator(
-    cfg: PPOConfig, env: DistEnv, tokenizer, sp: SequenceParallel | None = None, images=None
+    cfg: PPOConfig, env: DistEnv, tokenizer, parallel: ParallelLayout | None = None, images=None
 ) -> Evaluator | None:
     """``images``: a VLM's ``ppo_vision.StepImages`` (eval prompts may hold images)."""
     if cfg.eval.eval_dataset is None:
@@ -233,4 +234,4 @@ def build_evaluator(
     prompts = tokenize_prompts(rows, tokenizer, cfg.data, vision, cfg.vision.image_key)
     if not prompts:
         raise UserError(f"--eval_dataset {cfg.eval.eval_dataset}: no non-empty prompts")
-    return Evaluator(cfg, env, prompts, sp)
+    return Evaluator(cfg, env, prompts, parallel)

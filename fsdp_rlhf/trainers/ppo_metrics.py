@@ -8,11 +8,11 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from fsdp_rlhf.algorithms import rollout_mismatch_metrics
 from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.distributed.env import all_reduce_scalars
-from fsdp_rlhf.distributed.sequence_parallel import data_group
 from fsdp_rlhf.distributed.stats import to_host
 from fsdp_rlhf.errors import writing
 from fsdp_rlhf.metrics import MetricLogger
@@ -134,10 +134,16 @@ class RunningAverages:
                 self.totals[k] = self.totals[k] + v
             self.counts[k] += 1
 
-    def reduce(self, sum_keys: tuple[str, ...] = (), steps: int = 1) -> dict[str, float]:
+    def reduce(
+        self,
+        sum_keys: tuple[str, ...] = (),
+        steps: int = 1,
+        data_group: dist.ProcessGroup | None = None,
+    ) -> dict[str, float]:
         """Means over micro-batches and ranks; ``sum_keys`` are summed over micro-batches and
         ranks and divided by ``steps`` instead (loss terms that are fractions of a step's
-        global mean: ranks may run different numbers of micro-batches)."""
+        global mean: ranks may run different numbers of micro-batches), over ``data_group``
+        (the layout's: one rank per sequence-parallel group; None: every rank)."""
         host = to_host(self.totals)
         sums = {k: host.pop(k) / max(steps, 1) for k in sum_keys if k in host}
         means = {k: v / self.counts[k] for k, v in host.items() if not k.endswith("_max")}
@@ -146,7 +152,7 @@ class RunningAverages:
         return {
             **all_reduce_scalars(means, "mean"),
             **all_reduce_scalars(maxs, "max"),
-            **all_reduce_scalars(sums, "sum", data_group()),
+            **all_reduce_scalars(sums, "sum", data_group),
         }
 
 
@@ -171,8 +177,11 @@ def explained_variance(
     )
 
 
-def reduce_explained_variance(local: dict[str, float]) -> float:
-    s = all_reduce_scalars(local, "sum", data_group())
+def reduce_explained_variance(
+    local: dict[str, float], data_group: dist.ProcessGroup | None = None
+) -> float:
+    """The explained variance of the global batch from every data rank's local sums."""
+    s = all_reduce_scalars(local, "sum", data_group)
     n = max(s["n"], 1.0)
     var_r = s["r2"] / n - (s["r"] / n) ** 2
     var_d = s["d2"] / n - (s["d"] / n) ** 2

@@ -4,8 +4,10 @@ the KL controller and its observation. Collectives are marked; every rank calls 
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import torch
+import torch.distributed as dist
 
 from fsdp_rlhf.algorithms import (
     AdaptiveKLController,
@@ -18,8 +20,7 @@ from fsdp_rlhf.algorithms import (
 )
 from fsdp_rlhf.config import PPOAlgoConfig
 from fsdp_rlhf.distributed.env import all_reduce_scalars
-from fsdp_rlhf.distributed.sequence_parallel import data_group
-from fsdp_rlhf.distributed.sequence_parallel import layout as sequence_parallel_layout
+from fsdp_rlhf.distributed.layout import ParallelLayout
 from fsdp_rlhf.distributed.stats import (
     global_masked_center,
     global_masked_mean,
@@ -46,21 +47,29 @@ def _kl(exp: Experience, algo: PPOAlgoConfig) -> torch.Tensor:
     )
 
 
-def _global_mean(scores: torch.Tensor) -> torch.Tensor:
-    """The mean score of the rollout batch over all data-parallel ranks. Collective."""
-    return global_masked_mean(scores, torch.ones_like(scores, dtype=torch.bool))
+def _global_mean(scores: torch.Tensor, group=None) -> torch.Tensor:
+    """The mean score of the rollout batch over the data-parallel ranks (``group``: the
+    layout's data group; None: every rank). Collective."""
+    return global_masked_mean(scores, torch.ones_like(scores, dtype=torch.bool), group)
 
 
 @torch.no_grad()
 def compute_advantages(
-    exp: Experience, algo: PPOAlgoConfig, kl_coef: float, n_samples_per_prompt: int
+    exp: Experience,
+    algo: PPOAlgoConfig,
+    kl_coef: float,
+    n_samples_per_prompt: int,
+    parallel: ParallelLayout | None = None,
 ) -> None:
-    """Fill ``exp.rewards/advantages/returns``. Collective (global whitening).
+    """Fill ``exp.rewards/advantages/returns``. Collective (global whitening over the
+    layout's data group; None: every rank holds different rows).
 
     The KL penalty joins the reward unless ``--use_kl_loss`` puts it in the actor loss; only
     then may ``exp.old_logprobs`` still be missing (taken from the update's forward later).
     """
     coef = 0.0 if algo.use_kl_loss else kl_coef
+    whiten = global_masked_whiten if algo.advantage_std_norm else global_masked_center
+    group = parallel.data_group if parallel is not None else None
     kl = _kl(exp, algo) if coef != 0 else torch.zeros_like(exp.response_mask)
     out = estimate_advantages(
         algo.advantage_estimator,
@@ -72,24 +81,33 @@ def compute_advantages(
         gamma=algo.gamma,
         lam=algo.lam,
         n_samples_per_prompt=n_samples_per_prompt,
-        whiten_fn=global_masked_whiten if algo.advantage_std_norm else global_masked_center,
-        mean_fn=_global_mean,
+        whiten_fn=partial(whiten, group=group),
+        mean_fn=partial(_global_mean, group=group),
     )
     exp.rewards, exp.advantages, exp.returns = out
 
 
 @torch.no_grad()
-def observe_kl(exp: Experience, algo: PPOAlgoConfig, kl_ctl) -> dict[str, float]:
-    """KL(old || ref) of the global batch, fed to the KL controller. Collective.
+def observe_kl(
+    exp: Experience, algo: PPOAlgoConfig, kl_ctl, parallel: ParallelLayout | None = None
+) -> dict[str, float]:
+    """KL(old || ref) of the global batch, fed to the KL controller. Collective (over the
+    layout's data group; None: every rank holds different rows).
 
     The mean of per-sequence token means (as OpenRLHF and verl feed their controllers): every
     response counts once whatever its length; sequences without valid tokens are left out.
     """
     num, den = kl_mean_parts(_kl(exp, algo), exp.response_mask, mode="seq-mean-token-mean")
-    total = all_reduce_scalars({"num": float(num), "den": float(den)}, "sum", data_group())
+    group = parallel.data_group if parallel is not None else None
+    total = all_reduce_scalars({"num": float(num), "den": float(den)}, "sum", group)
     mean_kl = total["num"] / max(total["den"], 1.0)
-    kl_ctl.update(mean_kl, exp.num_sequences * sequence_parallel_layout().dp_size)
+    dp_size = parallel.dp_size if parallel is not None else _world_size()
+    kl_ctl.update(mean_kl, exp.num_sequences * dp_size)
     return {"actor/kl": mean_kl}
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 @torch.no_grad()

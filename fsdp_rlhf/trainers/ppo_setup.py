@@ -30,15 +30,15 @@ from fsdp_rlhf.config import (
 from fsdp_rlhf.data.prompts import Prompt, check_chat_template, tokenize_prompts
 from fsdp_rlhf.distributed.ema import ShardedEMA
 from fsdp_rlhf.distributed.env import DistEnv
+from fsdp_rlhf.distributed.layout import ParallelLayout
 from fsdp_rlhf.distributed.memory_plan import resolve_vllm_utilization
 from fsdp_rlhf.distributed.offload import offload_model, offload_optimizer
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.models.compile import check_compile_toolchain
+from fsdp_rlhf.models.kind import ModelKind
 from fsdp_rlhf.models.load import (
     check_expert_parallel,
     check_model_path,
-    check_sequence_parallel,
-    is_vision_language,
     load_causal_lm,
     load_scalar_model,
     load_tokenizer,
@@ -61,9 +61,10 @@ from fsdp_rlhf.rollout import AdapterSpec, HFEngine, RolloutEngine, build_rollou
 from fsdp_rlhf.rollout.agent import load_agent_class
 from fsdp_rlhf.rollout.env import load_environment
 from fsdp_rlhf.rollout.memory_budget import check_device_budget
+from fsdp_rlhf.rules import PPO, check_command, check_flags, model_paths
 from fsdp_rlhf.trainers.common import load_and_prepare, log_startup
 from fsdp_rlhf.trainers.ppo_rollout import adapter_sync
-from fsdp_rlhf.trainers.ppo_vision import refuse_unsupported, row_check
+from fsdp_rlhf.trainers.ppo_vision import row_check
 from fsdp_rlhf.trainers.rule_reward import RewardFn, auth_headers, build_rule_reward
 
 log = logging.getLogger("fsdp_rlhf")
@@ -100,8 +101,6 @@ def _check_world(cfg: PPOConfig, world_size: int) -> None:
             f"span parts of two nodes (an all-reduce over the network every decoded token); "
             f"use a divisor of the ranks per node"
         )
-    if not p.colocate_all:  # AIAK-RLHF's scripts pass it; there is no other placement
-        raise UserError("--no_colocate_all: every rank holds every model (the only placement)")
 
 
 def _check_async_world(cfg: PPOConfig, world_size: int, local: int) -> None:
@@ -137,97 +136,12 @@ def _check_async_world(cfg: PPOConfig, world_size: int, local: int) -> None:
             "per host (vLLM names its CPU shared-memory segments per host and engine world); "
             "use fewer engines per host or TP 1"
         )
-    if not p.colocate_all:
-        raise UserError(
-            "--no_colocate_all: the training models share the training ranks (the only "
-            "placement beside the rollout ranks)"
-        )
-
-
-def _check_async(cfg: PPOConfig) -> None:
-    """Features asynchronous training does not combine with, refused before any model loads."""
-    if not cfg.asynchronous.async_train:
-        return
-    a, m = cfg.asynchronous, cfg.models
-    if cfg.rollout.rollout_engine != "vllm":
-        raise UserError("--async_train needs --rollout_engine vllm (it drives vLLM step by step)")
-    if cfg.eval.eval_dataset:
-        raise UserError(
-            "--eval_dataset with --async_train: evaluation needs an engine on the training "
-            "ranks; evaluate the saved checkpoints instead"
-        )
-    if cfg.algo.dynamic_filtering and m.reward_pretrain:
-        raise UserError(
-            "--dynamic_filtering with --async_train filters on the rollout ranks, which hold no "
-            "reward model: use a rule reward (--remote_rm_url) or an environment"
-        )
-    oversampling = (a.vllm_generate_batch_size or 0) > cfg.batch.rollout_batch_size
-    if oversampling and (cfg.multiturn.source is not None or cfg.algo.dynamic_filtering):
-        flag = cfg.multiturn.source[0] if cfg.multiturn.source else "--dynamic_filtering"
-        raise UserError(
-            f"--vllm_generate_batch_size > --rollout_batch_size (over-sampling) with {flag}: "
-            "over-sampling keeps the first single-turn groups to finish; drop one of them"
-        )
-    if a.partial_rollout and adapter_sync(cfg):
-        raise UserError(
-            "--partial_rollout with --lora_sync adapter: requests in flight keep the adapter "
-            "they started with; use --lora_sync merged"
-        )
 
 
 def _check_lora(cfg: PPOConfig) -> None:
-    if not cfg.lora.enabled:
-        return
-    if cfg.rollout.rollout_engine != "vllm":
-        raise UserError(
-            "--lora_rank needs --rollout_engine vllm: the HF engine takes full weights, not "
-            "adapters"
-        )
-    check_target_modules(cfg.models.pretrain, cfg.lora, cfg.backend.trust_remote_code)
-    if adapter_sync(cfg) and not torch.cuda.is_available():
-        from transformers import AutoConfig
-
-        from fsdp_rlhf.hf_config import config_num_experts
-
-        config = AutoConfig.from_pretrained(
-            cfg.models.pretrain, trust_remote_code=cfg.backend.trust_remote_code
-        )
-        if config_num_experts(config):
-            raise UserError(
-                "--lora_rank on an MoE model with --lora_sync adapter: vLLM serves adapters on "
-                "an MoE model through its LoRA MoE layers, whose kernels need Triton, which the "
-                "CPU build lacks; use --lora_sync merged"
-            )
-
-
-def _check_moe(cfg: PPOConfig) -> None:
-    """--router_replay and --aux_loss_coef need an MoE actor whose router is supported."""
-    moe = cfg.moe
-    flags = [f for f, on in (("--router_replay", moe.router_replay),) if on]
-    if moe.aux_loss_coef > 0:
-        flags.append(f"--aux_loss_coef {moe.aux_loss_coef:g}")
-    if not flags:
-        return
-    if moe.router_replay and cfg.rollout.rollout_engine != "vllm":
-        raise UserError(
-            "--router_replay needs --rollout_engine vllm: the HF engine does not report the "
-            "experts it routed to"
-        )
-    tp = cfg.rollout.vllm_tensor_parallel_size
-    if moe.router_replay and tp > 1 and torch.cuda.is_available():
-        # vLLM's own capture (CUDA) hands the routed experts to its first TP rank only
-        # (distributed/aux_output_connector/worker.py); under the external launcher every
-        # rank runs a scheduler that expects them, and the others would fail on the first
-        # step. On CPU the adapter records them on every rank itself (rollout/vllm_moe.py).
-        raise UserError(
-            f"--router_replay with --vllm_tensor_parallel_size {tp} on CUDA: vLLM 0.32 returns "
-            "the routed experts on its first tensor-parallel rank only, and the other ranks' "
-            "schedulers (one per rank under the external launcher) fail without them; use "
-            "--vllm_tensor_parallel_size 1"
-        )
-    from fsdp_rlhf.models.moe import check_moe_model
-
-    check_moe_model(cfg.models.pretrain, " and ".join(flags), cfg.backend.trust_remote_code)
+    """--target_modules against the actor's modules (built empty, nothing loaded)."""
+    if cfg.lora.enabled:
+        check_target_modules(cfg.models.pretrain, cfg.lora, cfg.backend.trust_remote_code)
 
 
 def _check_rewards(cfg: PPOConfig) -> None:
@@ -255,19 +169,9 @@ def _check_rewards(cfg: PPOConfig) -> None:
 
 
 def _check_env(cfg: PPOConfig) -> None:
-    """--env_file / --agent_func_path: its rewards are the scores; it must load and define
-    the contract."""
-    m, (source, path) = cfg.models, cfg.multiturn.source
-    for flag, value in (
-        ("--reward_pretrain", m.reward_pretrain),
-        ("--remote_rm_url", m.remote_rm_url),
-    ):
-        if value:
-            raise UserError(
-                f"{source} {path}: the environment's rewards are the scores; drop {flag}"
-            )
-    if cfg.eval.eval_dataset:
-        raise UserError(f"{source} {path}: --eval_dataset evaluates single-turn only; drop it")
+    """--env_file / --agent_func_path: it must load and define the contract (its rewards are
+    the scores: the rules table refuses other reward sources beside it)."""
+    path = cfg.multiturn.source[1]
     if cfg.multiturn.env_file is not None:
         load_environment(path, cfg.multiturn.env_timeout_s)
     else:
@@ -316,44 +220,30 @@ def _check_outputs(cfg: PPOConfig) -> None:
         recover_interrupted_export(cfg.ckpt.save_path)
 
 
-def prepare(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any]:
-    """Validate flags, paths, data and sizes. Returns the batch plan and the raw prompt rows."""
+def prepare(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any, dict[str, ModelKind]]:
+    """Validate flags, paths, data and sizes; the rules table (``fsdp_rlhf.rules``) refuses
+    what does not combine. Returns the batch plan, the raw prompt rows and the kind of every
+    model the run loads (flag -> kind, read here once)."""
     from fsdp_rlhf.data.sources import check_keys, load_sources
     from fsdp_rlhf.data.vision import load_processor
 
+    check_flags(PPO, cfg)  # the rules table's rows of the flags alone, first
     _check_world(cfg, world_size)
     plan = plan_ppo_batches(cfg, world_size)
-    _check_async(cfg)
+    kinds = check_command(PPO, cfg)  # every model's config read once, every row checked
     m = cfg.models
-    check_model_path(m.pretrain, "--pretrain")
     _check_lora(cfg)
-    _check_moe(cfg)
     if cfg.backend.torch_compile:
         check_compile_toolchain()
     _check_rewards(cfg)
-    if m.critic_pretrain:
-        check_model_path(m.critic_pretrain, "--critic_pretrain")
-    if uses_critic(cfg) and not critic_path(cfg):
-        raise UserError("--advantage_estimator gae needs a critic: pass --critic_pretrain")
-    paths = {
-        "--pretrain": m.pretrain,
-        "--reward_pretrain": m.reward_pretrain,
-        "--critic_pretrain": critic_path(cfg) if uses_critic(cfg) else None,
-    }
+    paths = model_paths(PPO, cfg)
     trust = cfg.backend.trust_remote_code
-    check_sequence_parallel(cfg.fsdp.sequence_parallel_size, world_size, paths, trust)
     check_expert_parallel(cfg.fsdp.expert_parallel_size, world_size, paths, trust)
     check_context_length(cfg)
     _check_outputs(cfg)
-    vlm = is_vision_language(m.pretrain, cfg.backend.trust_remote_code)
+    vlm = kinds["--pretrain"].is_vlm
     if vlm:
-        scalar = {"--critic_pretrain": critic_path(cfg)} if uses_critic(cfg) else {}
-        if m.reward_pretrain:
-            scalar["--reward_pretrain"] = m.reward_pretrain
-        refuse_unsupported(cfg, m.pretrain, scalar)
         load_processor(m.pretrain, cfg.backend.trust_remote_code)  # torchvision, the processor
-    elif cfg.vision.freeze_visual_encoder:
-        raise UserError(f"--freeze_visual_encoder: --pretrain {m.pretrain} is text-only")
     if cfg.data.apply_chat_template:
         check_chat_template(load_tokenizer(m.pretrain, cfg.backend), m.pretrain)
     if not cfg.data.prompt_data:
@@ -383,8 +273,8 @@ def prepare(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any]:
     if cfg.rollout.rollout_engine == "vllm":  # last: importing vLLM prints lines of its own
         from fsdp_rlhf.rollout.vllm_engine import check_architecture
 
-        check_architecture(m.pretrain, cfg.backend.trust_remote_code, engine_dtype(cfg))
-    return plan, rows
+        check_architecture(m.pretrain, cfg.backend.trust_remote_code)
+    return plan, rows, kinds
 
 
 @dataclass
@@ -402,17 +292,26 @@ class Models:
 
 
 def load_ppo_model(
-    load: Callable[[bool], nn.Module], cfg: PPOConfig, env: DistEnv, trainable: bool, what: str
+    load: Callable[[bool], nn.Module],
+    cfg: PPOConfig,
+    env: DistEnv,
+    trainable: bool,
+    what: str,
+    parallel: ParallelLayout | None = None,
 ) -> nn.Module:
     """``common.load_and_prepare`` with PPO's settings (also used by ``doctor``): ``load(True)``
     the model with its weights (rank 0 only when there are several), ``load(False)`` the
-    meta-device skeleton every rank shards."""
+    meta-device skeleton every rank shards. ``parallel``: the run's layout (None: one data shard per
+    rank, no sequence parallelism)."""
+    if parallel is None:
+        parallel = ParallelLayout(world_size=env.world_size, rank=env.rank)
     # Token-mean losses are normalised by the global token count, so ranks must sum grads.
     return load_and_prepare(
         load,
         env,
         cfg.fsdp,
         cfg.backend,
+        parallel=parallel,
         what=what,
         packed=cfg.batch.packing_samples,
         trainable=trainable,
@@ -420,7 +319,7 @@ def load_ppo_model(
     )
 
 
-def build_models(cfg: PPOConfig, env: DistEnv, tokenizer) -> Models:
+def build_models(cfg: PPOConfig, env: DistEnv, tokenizer, parallel: ParallelLayout) -> Models:
     m, backend = cfg.models, cfg.backend
     log_startup(env, cfg.fsdp.zero_stage, cfg.backend.bf16)
 
@@ -432,7 +331,7 @@ def build_models(cfg: PPOConfig, env: DistEnv, tokenizer) -> Models:
             add_lora(model, cfg.lora, quiet=not weights)
         return model
 
-    actor = load_ppo_model(actor_model, cfg, env, trainable=True, what="--pretrain")
+    actor = load_ppo_model(actor_model, cfg, env, True, "--pretrain", parallel)
     # Frozen models never run backward: recomputation would only cost time.
     no_ckpt = dataclasses.replace(backend, gradient_checkpointing=False)
     # Frozen weights need no fp32 master copy: bf16 shards under --bf16 halve their memory.
@@ -445,7 +344,7 @@ def build_models(cfg: PPOConfig, env: DistEnv, tokenizer) -> Models:
             prepare_policy(model)
             return model
 
-        ref = load_ppo_model(ref_model, cfg, env, trainable=False, what="the reference model")
+        ref = load_ppo_model(ref_model, cfg, env, False, "the reference model", parallel)
     critic = reward = None
     norm = None
     if uses_critic(cfg):
@@ -464,14 +363,15 @@ def build_models(cfg: PPOConfig, env: DistEnv, tokenizer) -> Models:
                 add_lora(model, cfg.lora, head="score", quiet=not weights)
             return model
 
-        critic = load_ppo_model(critic_model, cfg, env, trainable=True, what="the critic")
+        critic = load_ppo_model(critic_model, cfg, env, True, "the critic", parallel)
     if m.reward_pretrain:
         reward = load_ppo_model(
             lambda w: load_reward_model(cfg, no_ckpt, env.device, weights=w),
             cfg,
             env,
-            trainable=False,
-            what="--reward_pretrain",
+            False,
+            "--reward_pretrain",
+            parallel,
         )
         # prepare already refused --normalize_reward without the statistics
         norm = reward_normalization(m.reward_pretrain) if m.normalize_reward else None
@@ -592,11 +492,13 @@ def build_engine(
     tokenizer,
     max_images: int = 1,
     *,
+    vision: VisionTokens | None,
     streaming: bool = False,
     engine_id: int = 0,
 ) -> RolloutEngine:
     """The rollout engine of this rank (collective: all ranks build theirs together).
-    ``max_images``: images per prompt a vision-language model's engine accepts.
+    ``vision``: the actor's special tokens when it is a vision-language model (its
+    ``ModelKind.vision``; None: text), ``max_images`` the images per prompt its engine accepts.
 
     ``streaming``: asynchronous training's engine, alone in its default group (so it is
     engine 0 of its world; ``engine_id`` is its place in the job, for its seed), driven step
@@ -608,14 +510,6 @@ def build_engine(
     rollout = cfg.rollout
     if streaming:  # its world holds this engine only, and nothing else shares its device
         rollout = dataclasses.replace(rollout, vllm_num_engines=None, vllm_enable_sleep=False)
-    vision = None
-    if is_vision_language(cfg.models.pretrain, cfg.backend.trust_remote_code):
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(
-            cfg.models.pretrain, trust_remote_code=cfg.backend.trust_remote_code
-        )
-        vision = VisionTokens.from_config(config)
     if cfg.rollout.rollout_engine == "vllm":
         from fsdp_rlhf.rollout.vllm_engine import VLLMEngine
 

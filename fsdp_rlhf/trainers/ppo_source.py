@@ -33,6 +33,7 @@ from torch import nn
 from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.data.prompts import Prompt
 from fsdp_rlhf.distributed.env import DistEnv
+from fsdp_rlhf.distributed.layout import ParallelLayout
 from fsdp_rlhf.distributed.sequence_parallel import SequenceParallel
 from fsdp_rlhf.metrics import PhaseTimer
 from fsdp_rlhf.rollout import RolloutOutput
@@ -55,7 +56,9 @@ class SourceInputs:
         tokenizer: the actor's.
         prompts: the prompt data, in data order (a batch names its prompts by index).
         images: a VLM's ``ppo_vision.StepImages`` (None: text).
-        sp: the sequence-parallel layout (its groups draw the same prompts).
+        parallel: the run's parallel layout (the ranks of a sequence-parallel group draw the
+            same prompts: the data shard is ``dp_rank`` of ``dp_size``; dynamic filtering
+            counts over ``data_group``).
         timer: the step's phase timer.
         score: the trainer's scoring of a batch.
         total_steps: the run's steps.
@@ -68,10 +71,15 @@ class SourceInputs:
     tokenizer: Any
     prompts: list[Prompt]
     images: Any
-    sp: SequenceParallel
+    parallel: ParallelLayout
     timer: PhaseTimer
     score: Score
     total_steps: int
+
+    @property
+    def sp(self) -> SequenceParallel:
+        """The sequence-parallel group (its ranks share their rows)."""
+        return self.parallel.sp
 
 
 @dataclass

@@ -27,8 +27,10 @@ from fsdp_rlhf.algorithms import (
 )
 from fsdp_rlhf.config import PPOAlgoConfig, PPOBatchPlan, PPOConfig
 from fsdp_rlhf.distributed.fsdp import accumulate
+from fsdp_rlhf.distributed.layout import ParallelLayout
 from fsdp_rlhf.distributed.stats import global_token_count
 from fsdp_rlhf.models.forward import response_logprobs, token_values
+from fsdp_rlhf.models.inputs import ForwardInputs, InputSpec
 from fsdp_rlhf.models.moe import MoEHooks, routing_scope
 from fsdp_rlhf.trainers.experience import Experience, micro_batches, minibatches
 from fsdp_rlhf.trainers.guards import BadStepGuard, finite_mean, guarded_step
@@ -39,10 +41,12 @@ from fsdp_rlhf.trainers.ppo_metrics import (
     reduce_explained_variance,
 )
 
-# loss_fn(micro_batch, num_tokens, num_seqs) -> (loss, detached stats)
-LossFn = Callable[[Experience, int, int], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-# scope(micro_batch, counted) -> held over the micro-batch's forward and backward
-Scope = Callable[[Experience, bool], AbstractContextManager]
+# loss_fn(micro_batch, its forward inputs, num_tokens, num_seqs) -> (loss, detached stats)
+LossFn = Callable[
+    [Experience, ForwardInputs, int, int], tuple[torch.Tensor, dict[str, torch.Tensor]]
+]
+# scope(micro_batch, its forward inputs, counted) -> held over its forward and backward
+Scope = Callable[[Experience, ForwardInputs, bool], AbstractContextManager]
 
 
 @dataclass(frozen=True)
@@ -63,13 +67,21 @@ class UpdatePlan:
     # --use_dynamic_batch: micro-batches of at most this many tokens (trainers.micro_batches);
     # per sequence-parallel group: --train_max_tokens_per_gpu x its ranks
     max_tokens: int | None = None
+    # the run's parallel layout: the data group the token counts and sums reduce over
+    parallel: ParallelLayout = ParallelLayout()
 
     @property
     def batching(self) -> MicroBatching:
         return MicroBatching(self.micro_batch_size, self.max_tokens, self.packed, self.group_size)
 
     @classmethod
-    def from_config(cls, cfg: PPOConfig, plan: PPOBatchPlan, group_size: int = 1) -> UpdatePlan:
+    def from_config(
+        cls,
+        cfg: PPOConfig,
+        plan: PPOBatchPlan,
+        group_size: int = 1,
+        parallel: ParallelLayout | None = None,
+    ) -> UpdatePlan:
         dynamic = cfg.batch.use_dynamic_batch
         sp = plan.world_size // plan.dp_size  # a group's ranks each hold 1/sp of its tokens
         return cls(
@@ -83,6 +95,7 @@ class UpdatePlan:
             norm_len=cfg.rollout.generate_max_len,
             group_size=group_size,
             max_tokens=cfg.batch.train_max_tokens_per_gpu * sp if dynamic else None,
+            parallel=parallel if parallel is not None else ParallelLayout(),
         )
 
 
@@ -132,20 +145,22 @@ def _update_loop(
     plan: UpdatePlan,
     generator: torch.Generator,
     loss_fn: LossFn,
+    spec: InputSpec,
     on_micro: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     sum_keys: tuple[str, ...] = (),
     scope: Scope | None = None,
 ) -> tuple[dict[str, float], float]:
     """Run the epochs; returns the rank-averaged loss statistics and the mean grad norm of
     the optimizer steps taken (a non-finite norm skips its step, see ``guarded_step``).
+    Each micro-batch's forward inputs are built by ``spec`` (``models.inputs``).
 
     ``sum_keys`` are loss terms that are fractions of the step's global mean: their sum over
     micro-batches and ranks, averaged over the optimizer steps, is the value.
     ``on_micro(rows, logprobs)`` sees each micro-batch's row indices in ``exp`` after its
     backward (the actor collects its log-probs through it; dynamic micro-batches give them
-    cut to their own response length). ``scope(mb, counted)`` is held over each micro-batch's
-    forward and backward (an MoE actor's router replay; ``counted`` False for a padding
-    micro-batch).
+    cut to their own response length). ``scope(mb, inputs, counted)`` is held over each
+    micro-batch's forward and backward (an MoE actor's router replay; ``counted`` False for a
+    padding micro-batch).
     """
     stats, norms = RunningAverages(), []
     for _ in range(plan.ppo_epochs):
@@ -153,12 +168,14 @@ def _update_loop(
             exp.num_sequences, plan.batch_size_per_rank, generator, plan.group_size
         ):
             minibatch = exp.rows(idx)
-            num_tokens = global_token_count(minibatch.response_mask)
+            num_tokens = global_token_count(minibatch.response_mask, plan.parallel.data_group)
             micros = list(micro_batches(minibatch, plan.batching))
             for i, (rows, mb) in enumerate(micros):
                 accumulate(opt.model, i == len(micros) - 1, plan.zero_stage)
-                with scope(mb, rows is not None) if scope is not None else nullcontext():
-                    loss, step_stats = loss_fn(mb, num_tokens, plan.global_batch_size)
+                inputs = mb.forward_inputs(spec)
+                held = scope(mb, inputs, rows is not None) if scope is not None else nullcontext()
+                with held:
+                    loss, step_stats = loss_fn(mb, inputs, num_tokens, plan.global_batch_size)
                     logprobs = step_stats.pop("logprobs", None)
                     # padding: the collectives run, nothing is learned
                     (loss * 0.0 if rows is None else loss).backward()
@@ -177,7 +194,8 @@ def _update_loop(
                     opt.step,
                 )
             )
-    return stats.reduce(sum_keys=sum_keys, steps=len(norms)), finite_mean(norms)
+    reduced = stats.reduce(sum_keys=sum_keys, steps=len(norms), data_group=plan.parallel.data_group)
+    return reduced, finite_mean(norms)
 
 
 def _correction(
@@ -252,18 +270,14 @@ def _actor_loss_fn(
     moe: MoEHooks | None = None,
     aux_loss_coef: float = 0.0,
 ) -> LossFn:
-    def loss_fn(mb: Experience, num_tokens: int, num_seqs: int):
+    def loss_fn(mb: Experience, inputs: ForwardInputs, num_tokens: int, num_seqs: int):
         logprobs, entropy = response_logprobs(
             model,
-            mb.input_ids,
-            mb.attention_mask,
+            inputs,
             mb.response_len,
             temperature=temperature,
             with_entropy=True,
             entropy_grad=algo.entropy_loss_coef > 0,  # else a metric only
-            packed=plan.packed,
-            group_size=plan.group_size,
-            images=mb.images,
         )
         old_logprobs = logprobs.detach() * mb.response_mask if reuse_logprobs else mb.old_logprobs
         is_weights, corr_stats = _correction(algo, logprobs, old_logprobs, mb)
@@ -321,6 +335,7 @@ def update_actor(
     plan: UpdatePlan,
     generator: torch.Generator,
     *,
+    spec: InputSpec,
     kl_coef: float,
     temperature: float,
     reuse_logprobs: bool = False,
@@ -331,6 +346,7 @@ def update_actor(
 
     Args:
         exp: this rank's batch; ``old_logprobs`` may be None when ``reuse_logprobs``.
+        spec: the parts the actor's forwards are built from (``models.inputs``).
         reuse_logprobs: take the old log-probs from this update's own forward (see
             :func:`reuse_update_logprobs`); they are returned rather than written into ``exp``.
         moe: an MoE actor's router hooks: its forwards replay ``exp.routed_experts`` when set,
@@ -349,22 +365,14 @@ def update_actor(
         if collected is not None:
             collected[rows, : logprobs.shape[1]] = logprobs
 
-    def scope(mb: Experience, counted: bool):
-        return routing_scope(
-            moe,
-            mb.routed_experts,
-            mb.attention_mask,
-            mb.response_len,
-            packed=plan.packed,
-            group_size=plan.group_size,
-            collect=counted,
-        )
+    def scope(mb: Experience, inputs: ForwardInputs, counted: bool):
+        return routing_scope(moe, mb.routed_experts, inputs, collect=counted)
 
     sums = ("actor/pg_loss", "actor/kl_loss", "actor/entropy")
     if moe is not None:
         sums += ("moe/aux_loss",)
     out, grad_norm = _update_loop(
-        actor, exp, plan, generator, loss_fn, keep, sums, scope if moe is not None else None
+        actor, exp, plan, generator, loss_fn, spec, keep, sums, scope if moe is not None else None
     )
     out["actor/grad_norm"] = grad_norm
     out.update(actor.guard.metrics("actor/"))
@@ -378,12 +386,14 @@ def update_critic(
     algo: PPOAlgoConfig,
     plan: UpdatePlan,
     generator: torch.Generator,
+    spec: InputSpec,
 ) -> dict[str, float]:
-    """Value-function updates on one rollout batch (``exp.values`` and ``exp.returns`` set)."""
+    """Value-function updates on one rollout batch (``exp.values`` and ``exp.returns`` set),
+    the critic's forwards built by ``spec`` (``models.inputs``)."""
 
-    def loss_fn(mb: Experience, num_tokens: int, num_seqs: int):
+    def loss_fn(mb: Experience, inputs: ForwardInputs, num_tokens: int, num_seqs: int):
         T = mb.response_len
-        values = token_values(critic.model, mb.input_ids, mb.attention_mask, plan.packed, mb.images)
+        values = token_values(critic.model, inputs)
         loss, st = value_loss(
             values[:, -T - 1 : -1],
             mb.values,
@@ -397,12 +407,14 @@ def update_critic(
         )
         return loss, {"critic/vf_loss": loss.detach(), "critic/vf_clipfrac": st["vf_clipfrac"]}
 
-    out, grad_norm = _update_loop(critic, exp, plan, generator, loss_fn, None, ("critic/vf_loss",))
+    out, grad_norm = _update_loop(
+        critic, exp, plan, generator, loss_fn, spec, None, ("critic/vf_loss",)
+    )
     out["critic/grad_norm"] = grad_norm
     out.update(critic.guard.metrics("critic/"))
     out["critic/lr"] = critic.scheduler.get_last_lr()[0]
     out["critic/vf_explained_var"] = reduce_explained_variance(
-        explained_variance(exp.values, exp.returns, exp.response_mask)
+        explained_variance(exp.values, exp.returns, exp.response_mask), plan.parallel.data_group
     )
     return out
 

@@ -1,15 +1,11 @@
-"""PPO with a vision-language actor: what is refused and why, the rows' images checked before
-any model loads, and each step's prompts turned into what the engine and the forwards take.
+"""PPO with a vision-language actor: the rows' images checked before any model loads, and each
+step's prompts turned into what the engine and the forwards take.
 
-Refused by name, with the reason (one line, before heavy work):
-
-- a critic or reward model that is text-only: it would read the image placeholders without
-  the images (a VLM critic or reward model holds its head on the language model:
-  ``models.vision_head``);
-- ``--packing_samples``: a packed row would need M-RoPE positions per packed sequence and
-  images regrouped per segment; padded rows carry both as the model computes them;
-- multi-turn environments: the environment's turns carry no images.
-
+What a vision-language actor does not combine with (a text-only or other-family critic or
+reward model, packing, multi-turn environments, asynchronous training, router replay, sequence
+parallelism) is refused by the rules table (``fsdp_rlhf.rules``, rows ``vlm-*``), before any
+model loads. A VLM critic or reward model holds its head on the language model
+(``models.vision_head``).
 ``--share_prompt_prefix`` (on by default) is turned off with a log line: the shared prompt pass
 has no image inputs.
 """
@@ -19,46 +15,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from fsdp_rlhf.config import PPOConfig, VisionConfig
+from fsdp_rlhf.config import VisionConfig
 from fsdp_rlhf.data.images import image_problem, image_refs, load_images
 from fsdp_rlhf.data.prompts import Prompt
 from fsdp_rlhf.data.vision import VisionProcessor
-from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.models.vision import ImageBatch, ImageInputs, VisionTokens
 from fsdp_rlhf.rollout.engine import PromptImages, RolloutOutput
 
 log = logging.getLogger("fsdp_rlhf")
-
-
-def refuse_unsupported(cfg: PPOConfig, model: str, scalar_paths: dict[str, str]) -> None:
-    """One line naming the first setting a vision-language actor cannot run with.
-    ``scalar_paths``: flag -> folder of each critic or reward model, which must be a VLM that
-    reads the actor's image tokens and pixel patches."""
-    head = f"--pretrain {model} is a vision-language model"
-    for flag, path in scalar_paths.items():
-        problem = scalar_model_problem(model, path, cfg.backend.trust_remote_code)
-        if problem is not None:
-            raise UserError(f"{head}: {flag} {path} {problem}")
-    if cfg.batch.packing_samples:
-        raise UserError(
-            f"{head}: --packing_samples: packed rows would need M-RoPE positions and images "
-            "per packed sequence; VLM rows go through the model padded (drop the flag)"
-        )
-    if cfg.multiturn.source is not None:
-        raise UserError(
-            f"{head}: {cfg.multiturn.source[0]}: multi-turn environments return text only; "
-            "single-turn rollouts take images"
-        )
-    if cfg.asynchronous.async_train:
-        raise UserError(
-            f"{head}: --async_train: the step-by-step rollout engine of asynchronous training "
-            "does not take images yet; drop --async_train"
-        )
-    if cfg.moe.router_replay:
-        raise UserError(
-            f"{head}: --router_replay: routing replay is not implemented for vision-language "
-            "models (their prompts reach vLLM with the image placeholders collapsed); drop it"
-        )
 
 
 def scalar_model_problem(actor: str, path: str, trust_remote_code: bool) -> str | None:

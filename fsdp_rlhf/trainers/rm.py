@@ -21,6 +21,8 @@ from functools import partial
 from fsdp_rlhf.config import OfflineBatchPlan, RMConfig
 from fsdp_rlhf.data.preference import PairBatch, collate_pairs
 from fsdp_rlhf.distributed.env import DistEnv
+from fsdp_rlhf.distributed.layout import ParallelLayout
+from fsdp_rlhf.models.inputs import InputSpec
 from fsdp_rlhf.models.save import save_model
 from fsdp_rlhf.trainers import common
 from fsdp_rlhf.trainers.offline.data import prepare_rm_data
@@ -39,7 +41,7 @@ def main(cfg: RMConfig, debug: bool = False) -> int:
 
 
 def prepare(cfg: RMConfig, world_size: int) -> tuple[OfflineBatchPlan, TrainData]:
-    return prepare_command(cfg, world_size, prepare_rm_data)
+    return prepare_command("train-rm", cfg, world_size, prepare_rm_data)
 
 
 class RMTrainer(OfflineTrainer):
@@ -49,13 +51,23 @@ class RMTrainer(OfflineTrainer):
     model_name = "rm"
     train_keys = TRAIN_KEYS
 
-    def __init__(self, cfg: RMConfig, env: DistEnv, prepared: tuple[OfflineBatchPlan, TrainData]):
+    def __init__(
+        self,
+        cfg: RMConfig,
+        env: DistEnv,
+        prepared: tuple[OfflineBatchPlan, TrainData],
+        parallel: ParallelLayout,
+    ):
         plan, data = prepared
         common.write_run_config(cfg, env)
-        model = build_reward_model(cfg, env, data.tokenizer.pad_token_id)
-        self.layout = pair_layout(model, cfg.batch)  # a VLM's pairs: padded, with images
+        model = build_reward_model(cfg, env, data.tokenizer.pad_token_id, parallel, data.model)
+        # a VLM's pairs: padded, with images
+        rows = pair_layout(model, cfg.batch, data.model)
+        self.inputs = InputSpec(rows, vision=data.model.vision, sp=parallel.sp)
         collate = partial(collate_pairs, vision=data.vision)
-        super().__init__(cfg, env, plan, data, model, collate=collate, guard_name="reward model")
+        super().__init__(
+            cfg, env, plan, data, model, parallel, collate=collate, guard_name="reward model"
+        )
 
     def update(self, batches: list[PairBatch]) -> dict[str, float]:
         return train_step(
@@ -67,11 +79,13 @@ class RMTrainer(OfflineTrainer):
             self.env.device,
             self.guard,
             self.step,
-            self.layout,
+            self.inputs,
         )
 
     def evaluate(self) -> dict[str, float]:
-        return evaluate(self.model, self.eval_batches(), self.cfg, self.env.device, self.layout)
+        return evaluate(
+            self.model, self.eval_batches(), self.cfg, self.env.device, self.inputs, self.parallel
+        )
 
     def finish(self) -> None:
         """Final eval, then the HF model (atomically) with the eval reward mean/std.

@@ -13,24 +13,22 @@ from fsdp_rlhf.config import RMConfig, RMLossConfig
 from fsdp_rlhf.data.preference import PairBatch
 from fsdp_rlhf.distributed.env import all_reduce_scalars
 from fsdp_rlhf.distributed.fsdp import accumulate
-from fsdp_rlhf.distributed.sequence_parallel import data_group
+from fsdp_rlhf.distributed.layout import ParallelLayout
 from fsdp_rlhf.distributed.stats import to_host
-from fsdp_rlhf.models.forward import sequence_scores, shared_pair_scores
+from fsdp_rlhf.models.forward import sequence_scores
+from fsdp_rlhf.models.inputs import InputSpec
 from fsdp_rlhf.trainers.guards import BadStepGuard, guarded_step
-from fsdp_rlhf.trainers.offline.models import PairLayout
 
 
 def score_pairs(
-    model: nn.Module, batch: PairBatch, device: torch.device, layout: PairLayout = "padded"
+    model: nn.Module, batch: PairBatch, device: torch.device, spec: InputSpec
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward over the 2B sequences (``layout``: see
+    """One forward over the 2B sequences, built by ``spec`` (its rows part:
     :func:`~fsdp_rlhf.trainers.offline.models.pair_layout`). Returns (B,) chosen and (B,)
     rejected scores (fp32)."""
     ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
-    if layout == "shared":
-        scores = shared_pair_scores(model, ids, mask)
-    else:  # a VLM's pairs carry their images (padded layout)
-        scores = sequence_scores(model, ids, mask, layout == "packed", batch.images)
+    # a VLM's pairs carry their images (padded rows)
+    scores = sequence_scores(model, spec.build(ids, mask, images=batch.images))
     return scores[: batch.num_pairs], scores[batch.num_pairs :]
 
 
@@ -60,10 +58,10 @@ def train_step(
     device: torch.device,
     guard: BadStepGuard,
     step: int,
-    layout: PairLayout,
+    spec: InputSpec,
 ) -> dict[str, float]:
-    """Forward/backward over this rank's micro-batches (``layout``: see
-    :func:`~fsdp_rlhf.trainers.offline.models.pair_layout`), clip, optimizer and scheduler step
+    """Forward/backward over this rank's micro-batches (built by ``spec``: see
+    :func:`score_pairs`), clip, optimizer and scheduler step
     (skipped by ``guard`` when the gradient norm is NaN/Inf; ``step`` names it).
 
     Gradients are synchronised (reduce-scattered) only after the last micro-batch; each
@@ -78,7 +76,7 @@ def train_step(
     )
     for i, batch in enumerate(batches):
         accumulate(model, i == len(batches) - 1, cfg.fsdp.zero_stage)
-        chosen, rejected = score_pairs(model, batch, device, layout)
+        chosen, rejected = score_pairs(model, batch, device, spec)
         margin = batch.margin.to(device) if batch.margin is not None else None
         loss = objective(chosen, rejected, margin, cfg.loss)
         (loss / len(batches)).backward()
@@ -104,9 +102,12 @@ def evaluate(
     batches: Iterable[PairBatch],
     cfg: RMConfig,
     device: torch.device,
-    layout: PairLayout,
+    spec: InputSpec,
+    parallel: ParallelLayout | None = None,
 ) -> dict[str, float]:
-    """Loss, accuracy and reward mean/std (over chosen and rejected) on the eval set.
+    """Loss, accuracy and reward mean/std (over chosen and rejected) on the eval set
+    (forwards built by ``spec``; sums reduced over ``parallel``'s data group, None: every
+    rank).
 
     Every rank runs the same number of forwards (shards are padded); sums are reduced once.
     The std is the unbiased one over all 2 x N eval rewards.
@@ -114,7 +115,7 @@ def evaluate(
     model.eval()
     sums = dict.fromkeys(("loss", "correct", "pairs", "reward_sum", "reward_sq"), 0.0)
     for batch in batches:
-        chosen, rejected = score_pairs(model, batch, device, layout)
+        chosen, rejected = score_pairs(model, batch, device, spec)
         n = batch.num_valid
         if n == 0:
             continue  # padding only: the forward above kept the collectives in step
@@ -127,7 +128,8 @@ def evaluate(
         sums["reward_sum"] += rewards.sum().item()
         sums["reward_sq"] += rewards.pow(2).sum().item()
     model.train()
-    tot = all_reduce_scalars(sums, op="sum", group=data_group())
+    group = parallel.data_group if parallel is not None else None
+    tot = all_reduce_scalars(sums, op="sum", group=group)
     n_rewards = 2 * tot["pairs"]
     mean = tot["reward_sum"] / n_rewards
     var = (tot["reward_sq"] - n_rewards * mean**2) / (n_rewards - 1)

@@ -27,9 +27,10 @@ from fsdp_rlhf.config import OfflineBatchPlan, SFTConfig
 from fsdp_rlhf.data.sft import SFTBatch, collate_samples
 from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars
 from fsdp_rlhf.distributed.fsdp import accumulate
-from fsdp_rlhf.distributed.sequence_parallel import data_group
+from fsdp_rlhf.distributed.layout import ParallelLayout
 from fsdp_rlhf.distributed.stats import global_token_count, to_host
-from fsdp_rlhf.models.label_logprobs import Layout, label_logprobs
+from fsdp_rlhf.models.inputs import InputSpec
+from fsdp_rlhf.models.label_logprobs import label_logprobs
 from fsdp_rlhf.trainers import common
 from fsdp_rlhf.trainers.offline.data import prepare_sft_data
 from fsdp_rlhf.trainers.offline.models import build_policy, packs
@@ -46,30 +47,37 @@ def main(cfg: SFTConfig, debug: bool = False) -> int:
 
 
 def prepare(cfg: SFTConfig, world_size: int) -> tuple[OfflineBatchPlan, TrainData]:
-    return prepare_command(cfg, world_size, prepare_sft_data)
+    return prepare_command("sft", cfg, world_size, prepare_sft_data)
 
 
-def _forward(model: nn.Module, batch: SFTBatch, device: torch.device, layout: Layout):
+def _forward(model: nn.Module, batch: SFTBatch, device: torch.device, spec: InputSpec):
     ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
     learned = batch.loss_mask.to(device)
-    return label_logprobs(model, ids, mask, learned, layout, batch.images), learned
+    inputs = spec.build(ids, mask, images=batch.images)
+    return label_logprobs(model, inputs, learned), learned
 
 
 @torch.no_grad()
 def sft_evaluate(
-    model: nn.Module, batches: list[SFTBatch], device: torch.device, layout: Layout
+    model: nn.Module,
+    batches: list[SFTBatch],
+    device: torch.device,
+    spec: InputSpec,
+    parallel: ParallelLayout | None = None,
 ) -> dict[str, float]:
-    """Token-mean NLL over every learned token of the eval set (a collective)."""
+    """Token-mean NLL over every learned token of the eval set (a collective over
+    ``parallel``'s data group; None: every rank), the forwards built by ``spec``."""
+    data_group = parallel.data_group if parallel is not None else None
     model.eval()
     sums: dict[str, float | torch.Tensor] = {"nll": 0.0, "tokens": 0.0}
     for batch in batches:
-        logprobs, learned = _forward(model, batch, device, layout)
+        logprobs, learned = _forward(model, batch, device, spec)
         learned[batch.num_valid :] = False  # rows padding an uneven shard
         # on the device: one host copy below, not a synchronisation per batch
         sums["nll"] -= logprobs[learned].double().sum()
         sums["tokens"] += learned.sum()
     model.train()
-    tot = all_reduce_scalars(to_host(sums), op="sum", group=data_group())
+    tot = all_reduce_scalars(to_host(sums), op="sum", group=data_group)
     return {"eval/loss": tot["nll"] / max(tot["tokens"], 1.0)}
 
 
@@ -80,13 +88,23 @@ class SFTTrainer(OfflineTrainer):
     model_name = "policy"
     train_keys = TRAIN_KEYS
 
-    def __init__(self, cfg: SFTConfig, env: DistEnv, prepared: tuple[OfflineBatchPlan, TrainData]):
+    def __init__(
+        self,
+        cfg: SFTConfig,
+        env: DistEnv,
+        prepared: tuple[OfflineBatchPlan, TrainData],
+        parallel: ParallelLayout,
+    ):
         plan, data = prepared
         common.write_run_config(cfg, env)
-        model = build_policy(cfg, env, grad_reduce="sum")
-        self.layout: Layout = "packed" if packs(cfg, model) else "padded"
+        model = build_policy(cfg, env, parallel, data.model, grad_reduce="sum")
+        vision = data.vision.tokens if data.vision is not None else None
+        rows = "packed" if packs(cfg, data.model) else "padded"
+        self.inputs = InputSpec(rows, vision=vision, sp=parallel.sp)
         collate = partial(collate_samples, vision=data.vision)
-        super().__init__(cfg, env, plan, data, model, collate=collate, guard_name="policy")
+        super().__init__(
+            cfg, env, plan, data, model, parallel, collate=collate, guard_name="policy"
+        )
 
     def update(self, batches: list[SFTBatch]) -> dict[str, float]:
         """Forward/backward over this rank's micro-batches, then the optimizer step.
@@ -96,20 +114,23 @@ class SFTTrainer(OfflineTrainer):
         ``tokens``, the global ``grad_norm`` and the ``lr`` this step used. (The ranks of a
         sequence-parallel group hold the same rows: the shares are per data-parallel rank.)
         """
-        n_global = global_token_count([b.loss_mask for b in batches])  # one all-reduce
+        masks = [b.loss_mask for b in batches]
+        n_global = global_token_count(masks, self.parallel.data_group)  # one all-reduce
         nll: float | torch.Tensor = 0.0
         for i, batch in enumerate(batches):
             accumulate(self.model, i == len(batches) - 1, self.cfg.fsdp.zero_stage)
-            logprobs, _ = _forward(self.model, batch, self.env.device, self.layout)
+            logprobs, _ = _forward(self.model, batch, self.env.device, self.inputs)
             loss = -logprobs.sum() / n_global
             loss.backward()
             nll += loss.detach().double()  # on the device: one host copy per step
         tokens = float(sum(int(b.loss_mask.sum()) for b in batches))  # host masks: no copy
         share = to_host({"loss": nll})["loss"]
-        stats = {"loss": share * self.sp.dp_size, "tokens": tokens}
+        stats = {"loss": share * self.parallel.dp_size, "tokens": tokens}
         return {**stats, **self.optimizer_step()}
 
     def evaluate(self) -> dict[str, float] | None:
         if self.data.eval is None:
             return None
-        return sft_evaluate(self.model, self.eval_batches(), self.env.device, self.layout)
+        return sft_evaluate(
+            self.model, self.eval_batches(), self.env.device, self.inputs, self.parallel
+        )

@@ -67,6 +67,7 @@ def cases(w: Workload, s: Sizes, rows: int, max_response: int) -> tuple[dict, di
     """The two calls (fixed, dynamic) and what each computes."""
     from fsdp_rlhf.config import BackendConfig
     from fsdp_rlhf.models.forward import response_logprobs
+    from fsdp_rlhf.models.inputs import InputSpec, forward_inputs
     from fsdp_rlhf.models.load import load_causal_lm, load_tokenizer
     from fsdp_rlhf.trainers.experience import Experience, batched_logprobs, micro_batches
     from fsdp_rlhf.trainers.micro_batches import MicroBatching, padded_tokens
@@ -82,9 +83,11 @@ def cases(w: Workload, s: Sizes, rows: int, max_response: int) -> tuple[dict, di
     tokens = float(rmask.sum())
 
     def step(batching: MicroBatching) -> None:
-        batched_logprobs(actor, exp, batching, 1.0)  # old log-probs (no grad)
+        batched_logprobs(actor, exp, batching, 1.0, InputSpec())  # old log-probs (no grad)
         for _rows, mb in micro_batches(exp, batching):  # the update's forward + backward
-            lp, _ = response_logprobs(actor, mb.input_ids, mb.attention_mask, mb.response_len)
+            lp, _ = response_logprobs(
+                actor, forward_inputs(mb.input_ids, mb.attention_mask), mb.response_len
+            )
             ((lp * mb.response_mask).sum() / tokens).backward()
         actor.zero_grad(set_to_none=True)
 

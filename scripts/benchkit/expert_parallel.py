@@ -98,6 +98,7 @@ def worker(ep_size: int, steps: int) -> dict:
     from fsdp_rlhf.distributed.fsdp import build_mesh, decoder_layers, shard_model
     from fsdp_rlhf.models.attention import PADDED_ATTENTION, register_attention
     from fsdp_rlhf.models.forward import response_logprobs
+    from fsdp_rlhf.models.inputs import forward_inputs
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -155,17 +156,18 @@ def worker(ep_size: int, steps: int) -> dict:
     g = torch.Generator().manual_seed(100 + rank)
     ids = torch.randint(3, SHAPE["vocab_size"], (ROWS, LENGTH), generator=g)
     mask = torch.ones_like(ids)
+    T = LENGTH - PROMPT  # response tokens
 
     def step() -> float:
         start = time.perf_counter()
-        lp, _ = response_logprobs(model, ids, mask, LENGTH - PROMPT)
+        lp, _ = response_logprobs(model, forward_inputs(ids, mask, response_len=T), T)
         (-lp.mean()).backward()
         return time.perf_counter() - start
 
     step()  # warm-up: kernels, thread pools, gloo buffers, the gradient shards
     with torch.no_grad():  # one forward, counted inside its decoder layers
         counted[0] = True
-        response_logprobs(model, ids, mask, LENGTH - PROMPT)
+        response_logprobs(model, forward_inputs(ids, mask, response_len=T), T)
         counted[0] = False
     n_layers = len(layers)
     held = sum(

@@ -51,6 +51,7 @@ def measure(
 
     sys.path.insert(0, str(repo))
     from fsdp_rlhf.models.forward import response_logprobs
+    from fsdp_rlhf.models.inputs import forward_inputs
 
     torch.manual_seed(0)
     torch.set_num_threads(2)
@@ -73,15 +74,15 @@ def measure(
     for i in range(batch):  # left-padded prompts of different lengths
         mask[i, : 8 * i] = 0
     # warm-up on a small batch: one-time allocations (kernels, thread pools) are not counted
-    response_logprobs(model, ids[:1, -40:], mask[:1, -40:], 8, with_entropy=True)
+    response_logprobs(model, forward_inputs(ids[:1, -40:], mask[:1, -40:]), 8, with_entropy=True)
     base = _status_kib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     if case == "no_grad":
         with torch.no_grad():
-            lp, _ = response_logprobs(model, ids, mask, response)
+            lp, _ = response_logprobs(model, forward_inputs(ids, mask), response)
     else:
         lp, ent = response_logprobs(
-            model, ids, mask, response, with_entropy=True, entropy_grad=False
+            model, forward_inputs(ids, mask), response, with_entropy=True, entropy_grad=False
         )
         loss = -lp.mean()
         loss.backward()

@@ -66,7 +66,8 @@ def cases(w: Workload, s: Sizes, compile: bool = True) -> dict[str, Callable[[],
     from fsdp_rlhf.config import BackendConfig
     from fsdp_rlhf.models.attention import use_varlen_attention
     from fsdp_rlhf.models.compile import compile_blocks
-    from fsdp_rlhf.models.forward import response_logprobs, sequence_scores, shared_pair_scores
+    from fsdp_rlhf.models.forward import response_logprobs, sequence_scores
+    from fsdp_rlhf.models.inputs import forward_inputs
     from fsdp_rlhf.models.load import load_causal_lm, load_scalar_model, load_tokenizer
 
     tok = load_tokenizer(str(w.model))
@@ -84,17 +85,25 @@ def cases(w: Workload, s: Sizes, compile: bool = True) -> dict[str, Callable[[],
         compile_blocks(rm)
 
     def update(group: int) -> None:
-        lp, _ = response_logprobs(actor, ids, mask, s.rl_resp_len, group_size=group)
+        lp, _ = response_logprobs(
+            actor,
+            forward_inputs(ids, mask, group_size=group, response_len=s.rl_resp_len),
+            s.rl_resp_len,
+        )
         lp.sum().backward()
         actor.zero_grad(set_to_none=True)
 
     @torch.no_grad()
     def reference(group: int) -> None:
-        response_logprobs(actor, ids, mask, s.rl_resp_len, group_size=group)
+        response_logprobs(
+            actor,
+            forward_inputs(ids, mask, group_size=group, response_len=s.rl_resp_len),
+            s.rl_resp_len,
+        )
 
     def reward(shared: bool) -> None:
-        scores = (shared_pair_scores(rm, pair_ids, pair_mask) if shared
-                  else sequence_scores(rm, pair_ids, pair_mask, packed=True))  # fmt: skip
+        inputs = forward_inputs(pair_ids, pair_mask, packed=not shared, pairs=shared)
+        scores = sequence_scores(rm, inputs)
         scores.sum().backward()
         rm.zero_grad(set_to_none=True)
 

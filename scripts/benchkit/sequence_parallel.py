@@ -62,25 +62,27 @@ def worker(length: int, sp_size: int, steps: int) -> dict:
 
     from fsdp_rlhf.config import FSDPConfig
     from fsdp_rlhf.distributed.fsdp import build_mesh, shard_model
-    from fsdp_rlhf.distributed.sequence_parallel import init_sequence_parallel
+    from fsdp_rlhf.distributed.layout import build_layout
     from fsdp_rlhf.models.attention import PADDED_ATTENTION, register_attention
     from fsdp_rlhf.models.forward import response_logprobs
+    from fsdp_rlhf.models.inputs import forward_inputs
     from fsdp_rlhf.models.ulysses import use_ulysses_attention
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    sp = init_sequence_parallel(sp_size)
+    parallel = build_layout(sp_size)
+    sp = parallel.sp
     register_attention()
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(**SHAPE)).float()
     model.set_attn_implementation(PADDED_ATTENTION)
     if sp.enabled:
-        use_ulysses_attention(model, sp)
+        use_ulysses_attention(model)
     mesh = build_mesh(torch.device("cpu"), dist.get_world_size())
-    shard_model(model, mesh, FSDPConfig(), bf16=False, grad_reduce="sum", dp_size=sp.dp_size)
+    shard_model(model, mesh, FSDPConfig(), bf16=False, grad_reduce="sum", dp_size=parallel.dp_size)
     model.train()
     # SP=1: each rank its own sequence; SP=2: the group's one sequence on both ranks
-    g = torch.Generator().manual_seed(100 + sp.dp_rank)
+    g = torch.Generator().manual_seed(100 + parallel.dp_rank)
 
     def batch(n: int):
         ids = torch.randint(3, SHAPE["vocab_size"], (1, n), generator=g)
@@ -88,7 +90,7 @@ def worker(length: int, sp_size: int, steps: int) -> dict:
 
     def step(ids, mask) -> float:
         start = time.perf_counter()
-        lp, _ = response_logprobs(model, ids, mask, ids.shape[1] - PROMPT)
+        lp, _ = response_logprobs(model, forward_inputs(ids, mask, sp=sp), ids.shape[1] - PROMPT)
         (-lp.mean()).backward()
         return time.perf_counter() - start
 

@@ -58,18 +58,20 @@ def _rows():
     return ids, mask, rmask
 
 
-def _logprobs(model, layout: str):
+def _logprobs(model, layout: str, sp=None):
     from fsdp_rlhf.models.forward import response_logprobs
+    from fsdp_rlhf.models.inputs import forward_inputs
 
     ids, mask, rmask = _rows()
-    lp, _ = response_logprobs(
-        model,
+    inputs = forward_inputs(
         ids,
         mask,
-        T,
         packed=layout == "packed",
         group_size=2 if layout == "shared" else 1,
+        sp=sp,
+        response_len=T,
     )
+    lp, _ = response_logprobs(model, inputs, T)
     return lp * rmask, rmask
 
 
@@ -96,11 +98,11 @@ def test_sinks_in_padded_packed_and_shared_prompt_forwards_match_eager():
 def _compare(rank: int, world: int) -> dict:
     from fsdp_rlhf.config import FSDPConfig
     from fsdp_rlhf.distributed.fsdp import build_mesh, shard_model
-    from fsdp_rlhf.distributed.sequence_parallel import init_sequence_parallel
+    from fsdp_rlhf.distributed.layout import build_layout
     from fsdp_rlhf.models.attention import PADDED_ATTENTION
     from fsdp_rlhf.models.ulysses import use_ulysses_attention
 
-    sp = init_sequence_parallel(2)
+    sp = build_layout(2).sp
     out = {}
     for layout in ("padded", "packed"):
         ref_model = _model("eager")
@@ -109,10 +111,10 @@ def _compare(rank: int, world: int) -> dict:
         ref_loss.backward()
         ref_grads = {n: p.grad.clone() for n, p in ref_model.named_parameters()}
         model = _model(PADDED_ATTENTION, layout)
-        use_ulysses_attention(model, sp)
+        use_ulysses_attention(model)
         mesh = build_mesh(torch.device("cpu"), 2)
         model = shard_model(model, mesh, FSDPConfig(), bf16=False, grad_reduce="mean", dp_size=1)
-        got, _ = _logprobs(model, layout)
+        got, _ = _logprobs(model, layout, sp)
         (-got.sum() / rmask.sum()).backward()
         grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
         out[layout] = (got.detach(), ref.detach())

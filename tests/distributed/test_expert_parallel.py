@@ -27,28 +27,30 @@ def _fresh(path: str):
     return model
 
 
-def _sharded(path: str, world: int, sp, ep):
+def _sharded(path: str, world: int, layout, ep):
     from fsdp_rlhf.config import FSDPConfig
     from fsdp_rlhf.distributed.fsdp import build_mesh, shard_model
     from fsdp_rlhf.models.ulysses import use_ulysses_attention
 
     model = _fresh(path)
-    if sp.enabled:
-        use_ulysses_attention(model, sp)
+    if layout.sp.enabled:
+        use_ulysses_attention(model)
     mesh = build_mesh(torch.device("cpu"), world)
-    return shard_model(model, mesh, FSDPConfig(), bf16=False, dp_size=sp.dp_size, ep=ep)
+    return shard_model(model, mesh, FSDPConfig(), bf16=False, dp_size=layout.dp_size, ep=ep)
 
 
-def _step(model, hooks, batch, routing):
+def _step(model, hooks, batch, routing, sp):
     """One forward inside the hooks' routing, a PPO-like loss plus AUX x the load-balancing
     loss, and its backward; returns (log-probs, loss, aux loss)."""
     from fsdp_rlhf.models.forward import response_logprobs
+    from fsdp_rlhf.models.inputs import forward_inputs
     from fsdp_rlhf.models.moe import routing_scope
     from tests.unit.test_shared_prefix import T
 
     ids, mask, rmask, adv = batch
-    with routing_scope(hooks, routing, mask, T):
-        lp, ent = response_logprobs(model, ids, mask, T, with_entropy=True)
+    inputs = forward_inputs(ids, mask, response_len=T, sp=sp if sp.enabled else None)
+    with routing_scope(hooks, routing, inputs):
+        lp, ent = response_logprobs(model, inputs, T, with_entropy=True)
         n = rmask.sum()
         aux = hooks.aux_loss()
         loss = -(lp * adv).sum() / n - 0.01 * (ent * rmask).sum() / n + AUX * aux
@@ -57,15 +59,14 @@ def _step(model, hooks, batch, routing):
 
 
 def _compare(rank: int, world: int, path: str, ep_size: int, sp_size: int) -> dict:
-    from fsdp_rlhf.distributed.expert_parallel import new_expert_parallel_groups
-    from fsdp_rlhf.distributed.sequence_parallel import init_sequence_parallel
+    from fsdp_rlhf.distributed.layout import build_layout
     from fsdp_rlhf.models.moe import MoEHooks
     from tests.unit.test_moe import own_routing, shifted
     from tests.unit.test_shared_prefix import grouped_batch
 
-    sp = init_sequence_parallel(sp_size)
-    ep = new_expert_parallel_groups(ep_size, "cpu")
-    ids, mask, rmask = grouped_batch(400, seed=3 + sp.dp_rank)  # each data rank its own rows
+    layout = build_layout(sp_size, ep_size)
+    sp, ep = layout.sp, layout.ep
+    ids, mask, rmask = grouped_batch(400, seed=3 + layout.dp_rank)  # each data rank its own rows
     adv = torch.randn(rmask.shape, generator=torch.Generator().manual_seed(5)) * rmask
     batch = (ids, mask, rmask, adv)
     plain = _fresh(path)  # a routing other than the model's own, to replay
@@ -74,10 +75,10 @@ def _compare(rank: int, world: int, path: str, ep_size: int, sp_size: int) -> di
     for replay in (False, True):
         routing = shifted_routing if replay else None
         res = {}
-        for name, layout in (("ep1", None), ("ep", ep)):
-            model = _sharded(path, world, sp, layout)
+        for name, experts in (("ep1", None), ("ep", ep)):
+            model = _sharded(path, world, layout, experts)
             hooks = MoEHooks.attach(model, sp)
-            got = _step(model, hooks, batch, routing)
+            got = _step(model, hooks, batch, routing, sp)
             grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
             res[name] = dict(got=got, grads=grads, metrics=hooks.pop_metrics())
         out[replay] = res

@@ -39,6 +39,7 @@ def _run(path: str, kind: str, ep, world: int) -> tuple[torch.Tensor, dict]:
     from fsdp_rlhf.config import FSDPConfig
     from fsdp_rlhf.distributed.fsdp import build_mesh, shard_model
     from fsdp_rlhf.models.forward import response_logprobs, row_values
+    from fsdp_rlhf.models.inputs import forward_inputs
     from fsdp_rlhf.models.moe import MoEHooks, routing_scope
 
     model = _model(path, kind)
@@ -49,12 +50,13 @@ def _run(path: str, kind: str, ep, world: int) -> tuple[torch.Tensor, dict]:
     mask = torch.ones_like(ids)
     mask[0, :3] = 0  # a left-padded prompt
     if kind == "critic":
-        out = row_values(model, {"input_ids": ids, "attention_mask": mask})
+        out = row_values(model, forward_inputs(ids, mask))
         (out * mask).sum().backward()
     else:
         hooks = MoEHooks.attach(model, None, ep)
-        with routing_scope(hooks, None, mask, 6):
-            out, _ = response_logprobs(model, ids, mask, 6)
+        inputs = forward_inputs(ids, mask, response_len=6)
+        with routing_scope(hooks, None, inputs):
+            out, _ = response_logprobs(model, inputs, 6)
             (out.sum() + 0.1 * hooks.aux_loss()).backward()
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
     return out.detach(), grads

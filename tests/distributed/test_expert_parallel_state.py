@@ -64,6 +64,7 @@ def _states(rank: int, world: int, path: str, ckpt: str) -> dict:
     from fsdp_rlhf.distributed import checkpoint as ckpt_mod
     from fsdp_rlhf.distributed import fsdp
     from fsdp_rlhf.models.forward import response_logprobs
+    from fsdp_rlhf.models.inputs import forward_inputs
     from fsdp_rlhf.models.load import load_causal_lm
     from fsdp_rlhf.optim import build_optimizer
 
@@ -92,7 +93,7 @@ def _states(rank: int, world: int, path: str, ckpt: str) -> dict:
     opt = build_optimizer(model, OptimConfig(lr=1e-2))
     g = torch.Generator().manual_seed(rank)
     ids = torch.randint(5, 400, (2, 12), generator=g)
-    lp, _ = response_logprobs(model, ids, torch.ones_like(ids), 6)
+    lp, _ = response_logprobs(model, forward_inputs(ids, torch.ones_like(ids), response_len=6), 6)
     lp.sum().backward()
     opt.step()
     after = dict(fsdp.iter_full_params(model))

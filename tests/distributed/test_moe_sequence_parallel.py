@@ -35,22 +35,31 @@ def _split(model, sp):
     from fsdp_rlhf.distributed.fsdp import build_mesh, shard_model
     from fsdp_rlhf.models.ulysses import use_ulysses_attention
 
-    use_ulysses_attention(model, sp)
+    use_ulysses_attention(model)
     mesh = build_mesh(torch.device("cpu"), 2)
     return shard_model(model, mesh, FSDPConfig(), bf16=False, grad_reduce="mean", dp_size=1)
 
 
-def _step(model, hooks, batch, routing, layout: str):
-    """One forward of the batch inside the hooks' routing, the PPO-like loss plus AUX x the
-    load-balancing loss, and its backward; returns (log-probs, loss, aux loss)."""
+def _step(model, hooks, batch, routing, layout: str, sp=None):
+    """One forward of the batch (split over ``sp`` when given) inside the hooks' routing, the
+    PPO-like loss plus AUX x the load-balancing loss, and its backward; returns (log-probs,
+    loss, aux loss)."""
     from fsdp_rlhf.models.forward import response_logprobs
+    from fsdp_rlhf.models.inputs import forward_inputs
     from fsdp_rlhf.models.moe import routing_scope
     from tests.unit.test_shared_prefix import S, T
 
     ids, mask, rmask, adv = batch
-    layout_kw = dict(packed=layout == "packed", group_size=S if layout == "shared" else 1)
-    with routing_scope(hooks, routing, mask, T, **layout_kw):
-        lp, ent = response_logprobs(model, ids, mask, T, with_entropy=True, **layout_kw)
+    inputs = forward_inputs(
+        ids,
+        mask,
+        packed=layout == "packed",
+        group_size=S if layout == "shared" else 1,
+        response_len=T,
+        sp=sp,
+    )
+    with routing_scope(hooks, routing, inputs):
+        lp, ent = response_logprobs(model, inputs, T, with_entropy=True)
         n = rmask.sum()
         aux = hooks.aux_loss()
         loss = -(lp * adv).sum() / n - 0.01 * (ent * rmask).sum() / n + AUX * aux
@@ -61,12 +70,12 @@ def _step(model, hooks, batch, routing, layout: str):
 def _compare(rank: int, world: int, path: str) -> dict:
     import torch.distributed as dist
 
-    from fsdp_rlhf.distributed.sequence_parallel import init_sequence_parallel
+    from fsdp_rlhf.distributed.layout import build_layout
     from fsdp_rlhf.models.moe import MoEHooks
     from tests.unit.test_moe import own_routing, shifted
     from tests.unit.test_shared_prefix import grouped_batch
 
-    sp = init_sequence_parallel(2)
+    sp = build_layout(2).sp
     solo = [dist.new_group([r]) for r in range(world)][rank]  # the reference's metrics: local
     ids, mask, rmask = grouped_batch(400, seed=3)
     adv = torch.randn(rmask.shape, generator=torch.Generator().manual_seed(5)) * rmask
@@ -83,7 +92,7 @@ def _compare(rank: int, world: int, path: str) -> dict:
             ref_grads = {n: p.grad.clone() for n, p in ref_model.named_parameters()}
             model = _split(_fresh(path, layout), sp)
             hooks = MoEHooks.attach(model, sp)
-            got = _step(model, hooks, batch, routing, layout)
+            got = _step(model, hooks, batch, routing, layout, sp)
             grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
             out[layout, replay] = dict(
                 got=got,

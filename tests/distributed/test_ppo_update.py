@@ -60,6 +60,7 @@ def _one_update(
     from fsdp_rlhf.config_base import build_config
     from fsdp_rlhf.distributed.fsdp import build_mesh, shard_model
     from fsdp_rlhf.models.attention import use_varlen_attention
+    from fsdp_rlhf.models.inputs import InputSpec, row_layout
     from fsdp_rlhf.trainers.experience import batched_logprobs
     from fsdp_rlhf.trainers.guards import BadStepGuard
     from fsdp_rlhf.trainers.ppo_setup import prompt_group_size
@@ -90,16 +91,18 @@ def _one_update(
     exp = _experience(actor.config.vocab_size, rank)
     assert reuse_update_logprobs(cfg.algo, plan.optimizer_steps_per_epoch, actor_updates=True)
     update_plan = UpdatePlan.from_config(cfg, plan, group)
+    spec = InputSpec(row_layout(packed, group), group)
     assert (update_plan.max_tokens is not None) == dynamic
     if not reuse:
         micro = update_plan.batching if dynamic else 2
-        exp.old_logprobs = batched_logprobs(actor, exp, micro, 1.0, packed=packed, group_size=group)
+        exp.old_logprobs = batched_logprobs(actor, exp, micro, 1.0, spec)
     metrics, reused = update_actor(
         TrainedModel(actor, opt, sched, cfg.actor_optim.max_norm, BadStepGuard(0, "actor"), 1),
         exp,
         cfg.algo,
         update_plan,
         update_generator(cfg.seed, 1, env.rank),
+        spec=spec,
         kl_coef=cfg.algo.init_kl_coef,
         temperature=1.0,
         reuse_logprobs=reuse,

@@ -18,6 +18,12 @@ def _shard_both_ways(rank: int, world: int, cases: list[tuple[str, bool]]):
     return [_compare(rank, path, scalar) for path, scalar in cases]
 
 
+def _layout(env):
+    from fsdp_rlhf.distributed.layout import ParallelLayout
+
+    return ParallelLayout(world_size=env.world_size, rank=env.rank)
+
+
 def _compare(rank: int, path: str, scalar: bool):
     from fsdp_rlhf.models.load import load_causal_lm, load_scalar_model
     from fsdp_rlhf.trainers.common import load_and_prepare, prepare_model
@@ -32,7 +38,7 @@ def _compare(rank: int, path: str, scalar: bool):
             return load_scalar_model(path, backend, env.device, weights=weights)
         return load_causal_lm(path, backend, env.device, weights=weights)
 
-    kw = dict(packed=False, trainable=True)
+    kw = dict(packed=False, trainable=True, parallel=_layout(env))
     old = prepare_model(load(True), env, fsdp, backend, **kw)  # every rank loads
     new = load_and_prepare(load, env, fsdp, backend, what="test", **kw)
     diffs = {
@@ -94,7 +100,7 @@ def _peak_host_memory(rank: int, world: int, path: str, rank0_only: bool):
     gc.collect()
     before = _status_kib("VmRSS")
     load = lambda weights: load_causal_lm(path, backend, env.device, weights=weights)  # noqa: E731
-    kw = dict(packed=False, trainable=True)
+    kw = dict(packed=False, trainable=True, parallel=_layout(env))
     if rank0_only:
         model = load_and_prepare(load, env, fsdp, backend, what="test", **kw)
     else:  # what every rank did before

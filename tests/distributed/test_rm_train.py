@@ -112,6 +112,7 @@ def _hf_scores(model_dir: Path, data_dir: Path):
     from fsdp_rlhf.config import PreferenceDataConfig
     from fsdp_rlhf.data.preference import collate_pairs, tokenize_pairs
     from fsdp_rlhf.models.forward import sequence_scores
+    from fsdp_rlhf.models.inputs import forward_inputs
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
@@ -120,7 +121,7 @@ def _hf_scores(model_dir: Path, data_dir: Path):
     batch = collate_pairs(pairs[:], tok.pad_token_id)
     with torch.no_grad():
         hf = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, 0]
-        ours = sequence_scores(model, batch.input_ids, batch.attention_mask)
+        ours = sequence_scores(model, forward_inputs(batch.input_ids, batch.attention_mask))
     return hf.double(), ours.double(), batch.num_pairs
 
 

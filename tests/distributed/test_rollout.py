@@ -32,13 +32,14 @@ def _logprob_gap(a, b) -> float:
 def _sampled_checks(actor, engine, prompts, n: int) -> dict:
     """Sampled rollouts: prompt-major rows, seeded reproducibility, logprobs vs the trainer."""
     from fsdp_rlhf.models.forward import response_logprobs
+    from fsdp_rlhf.models.inputs import forward_inputs
     from fsdp_rlhf.rollout import SamplingConfig
 
     sampling = SamplingConfig(max_new_tokens=MAX_NEW, temperature=1.0, n=n, seed=11)
     out = engine.generate(prompts, sampling)
     again = engine.generate(prompts, sampling)
     ids, mask = out.sequences()
-    lp, _ = response_logprobs(actor, ids, mask, out.response_ids.shape[1])
+    lp, _ = response_logprobs(actor, forward_inputs(ids, mask), out.response_ids.shape[1])
     gap = ((lp.detach() - out.engine_logprobs).abs() * out.response_mask).max().item()
     rows = _responses(out)
     prompt_rows = [

@@ -73,7 +73,7 @@ def _split(model, sp):
     from fsdp_rlhf.distributed.fsdp import build_mesh, shard_model
     from fsdp_rlhf.models.ulysses import use_ulysses_attention
 
-    use_ulysses_attention(model, sp)
+    use_ulysses_attention(model)
     mesh = build_mesh(torch.device("cpu"), 2)
     return shard_model(model, mesh, FSDPConfig(), bf16=False, grad_reduce="mean", dp_size=1)
 
@@ -111,55 +111,62 @@ def _pair_rows():
     return ids, mask, labels
 
 
-def _run(model, kind: str, layout: str):
-    """One forward + a loss of every output; returns (outputs, loss)."""
-    from fsdp_rlhf.models.forward import (
-        response_logprobs,
-        sequence_scores,
-        shared_pair_scores,
-        token_values,
-    )
+def _run(model, kind: str, layout: str, sp=None):
+    """One forward + a loss of every output (split over ``sp`` when given); returns
+    (outputs, loss)."""
+    from fsdp_rlhf.models.forward import response_logprobs, sequence_scores, token_values
+    from fsdp_rlhf.models.inputs import forward_inputs
     from fsdp_rlhf.models.label_logprobs import label_logprobs
 
     if kind == "policy":
         ids, mask, rmask, adv = _ppo_rows()
         lp, ent = response_logprobs(
             model,
-            ids,
-            mask,
+            forward_inputs(
+                ids,
+                mask,
+                packed=layout == "packed",
+                group_size=2 if layout == "shared" else 1,
+                sp=sp,
+                response_len=T,
+            ),
             T,
             temperature=0.7,
             with_entropy=True,
-            packed=layout == "packed",
-            group_size=2 if layout == "shared" else 1,
         )
         n = rmask.sum()
         loss = -(lp * adv).sum() / n - 0.01 * (ent * rmask).sum() / n
         return torch.stack([lp * rmask, ent * rmask]), loss
     if kind == "long_padded":  # SDPA's kernels on rows with padding: no mask under Ulysses
         ids, mask, rmask, adv = _long_padded_rows()
-        lp, _ = response_logprobs(model, ids, mask, LONG_T)
+        lp, _ = response_logprobs(model, forward_inputs(ids, mask, sp=sp), LONG_T)
         return lp * rmask, -(lp * adv).sum() / rmask.sum()
     if kind == "long":  # no padding, over the explicit kernel's length: SDPA's causal kernel
         g = torch.Generator().manual_seed(3)
         ids = torch.randint(3, VOCAB, (2, 530), generator=g)
         mask = torch.ones_like(ids)
-        lp, _ = response_logprobs(model, ids, mask, 500, packed=layout == "packed")
+        lp, _ = response_logprobs(
+            model, forward_inputs(ids, mask, packed=layout == "packed", sp=sp), 500
+        )
         return lp, -lp.mean()
     if kind == "labels":  # sft/dpo: label log-probs of the responses of preference pairs
         ids, mask, labels = _pair_rows()
-        lp = label_logprobs(model, ids, mask, labels, layout.replace("shared_pairs", "shared"))
+        inputs = forward_inputs(
+            ids, mask, packed=layout == "packed", pairs=layout == "shared_pairs", sp=sp
+        )
+        lp = label_logprobs(model, inputs, labels)
         return lp, -lp.sum() / labels.sum()
     if kind == "values":
         ids, mask, rmask, adv = _ppo_rows()
-        v = token_values(model, ids, mask, packed=layout == "packed")[:, -T - 1 : -1] * rmask
+        v = token_values(model, forward_inputs(ids, mask, packed=layout == "packed", sp=sp))
+        v = v[:, -T - 1 : -1] * rmask
         return v, ((v - adv) ** 2).sum() / rmask.sum()
     # scores: the reward model over pairs (shared prefixes with the packed layout)
     ids, mask, _ = _pair_rows()
-    if layout == "shared_pairs":
-        s = shared_pair_scores(model, ids, mask)
-    else:
-        s = sequence_scores(model, ids, mask, packed=layout == "packed")
+    inputs = forward_inputs(
+        ids, mask, packed=layout == "packed", pairs=layout == "shared_pairs", sp=sp
+    )
+    s = sequence_scores(model, inputs)
     return s, -torch.nn.functional.logsigmoid(s[:2] - s[2:]).mean()
 
 
@@ -181,10 +188,11 @@ CASES = [
 
 
 def _compare(rank: int, world: int, shape: str) -> dict:
-    from fsdp_rlhf.distributed.sequence_parallel import init_sequence_parallel
+    from fsdp_rlhf.distributed.layout import build_layout
 
-    sp = init_sequence_parallel(2)
-    assert sp.size == 2 and sp.dp_size == 1 and sp.rank == rank
+    parallel = build_layout(2)
+    sp = parallel.sp
+    assert sp.size == 2 and parallel.dp_size == 1 and sp.rank == rank
     out = {}
     for kind, layout in CASES:
         scalar = kind in ("values", "scores")
@@ -193,7 +201,7 @@ def _compare(rank: int, world: int, shape: str) -> dict:
         ref_loss.backward()
         ref_grads = {n: p.grad.clone() for n, p in ref_model.named_parameters()}
         model = _split(_fresh(shape, scalar, layout), sp)
-        got, loss = _run(model, kind, layout)
+        got, loss = _run(model, kind, layout, sp)
         loss.backward()
         grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
         out[(kind, layout)] = (got.detach(), ref.detach(), float(loss), float(ref_loss))
@@ -229,10 +237,11 @@ def test_sp2_equals_the_unsplit_forward_and_backward(shape):
 def _saved_for_backward(rank: int, world: int) -> dict:
     """The tensors an SP=2 forward of padded rows (left and right padding, SDPA's kernels)
     saves for backward, by size."""
-    from fsdp_rlhf.distributed.sequence_parallel import init_sequence_parallel
+    from fsdp_rlhf.distributed.layout import build_layout
     from fsdp_rlhf.models.forward import response_logprobs
+    from fsdp_rlhf.models.inputs import forward_inputs
 
-    sp = init_sequence_parallel(2)
+    sp = build_layout(2).sp
     model = _split(_fresh("gqa_6_2", False, "padded"), sp)
     ids, mask, rmask, adv = _long_padded_rows()
     sizes = []
@@ -242,7 +251,7 @@ def _saved_for_backward(rank: int, world: int) -> dict:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        lp, _ = response_logprobs(model, ids, mask, LONG_T)
+        lp, _ = response_logprobs(model, forward_inputs(ids, mask, sp=sp), LONG_T)
     (-(lp * adv).sum()).backward()
     return {"sizes": sizes, "L": ids.shape[1], "rows": ids.shape[0]}
 

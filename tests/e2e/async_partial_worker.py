@@ -21,6 +21,7 @@ from fsdp_rlhf.distributed.bridge import Bridge, Channel, Patience
 from fsdp_rlhf.distributed.split_world import SplitWorld, group_environment, init_split_world
 from fsdp_rlhf.distributed.weight_broadcast import WeightLink
 from fsdp_rlhf.models.forward import response_logprobs
+from fsdp_rlhf.models.inputs import forward_inputs
 from fsdp_rlhf.rollout import SamplingConfig, build_rollout_groups
 from fsdp_rlhf.rollout.streaming import stream_rollout
 from fsdp_rlhf.trainers.experience import experience_from_rollout
@@ -63,7 +64,9 @@ def train_side(model_path: str, bridge: Bridge, link: WeightLink, out: str) -> N
     T = exp.response_len
     logprobs = {}
     for version, model in ((0, before), (1, after)):
-        lp, _ = response_logprobs(model, exp.input_ids, exp.attention_mask, T, temperature=1.0)
+        lp, _ = response_logprobs(
+            model, forward_inputs(exp.input_ids, exp.attention_mask), T, temperature=1.0
+        )
         logprobs[version] = (lp * exp.response_mask).detach()
     torch.save({"rows": vars(exp), "logprobs": logprobs}, out)
 

@@ -206,6 +206,7 @@ def test_packed_vs_padded_training(model, detail):
     from fsdp_rlhf.config import BackendConfig
     from fsdp_rlhf.models.attention import use_varlen_attention
     from fsdp_rlhf.models.forward import response_logprobs
+    from fsdp_rlhf.models.inputs import forward_inputs
     from fsdp_rlhf.models.load import load_causal_lm
 
     cuda = HAVE["cuda"]
@@ -232,7 +233,7 @@ def test_packed_vs_padded_training(model, detail):
             m.zero_grad(set_to_none=True)
             _sync(dev)
             t0 = time.perf_counter()
-            lp, _ = response_logprobs(m, ids, mask, response, packed=is_packed)
+            lp, _ = response_logprobs(m, forward_inputs(ids, mask, packed=is_packed), response)
             (-lp.float().mean()).backward()
             _sync(dev)
         grad = torch.cat([p.grad.float().flatten() for p in m.parameters()])

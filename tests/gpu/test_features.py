@@ -76,6 +76,7 @@ def _moe_update_with_adam_offload(model_path: str, device: torch.device) -> dict
     from fsdp_rlhf.distributed.env import init_distributed
     from fsdp_rlhf.distributed.fsdp import clip_grad_norm_
     from fsdp_rlhf.models.forward import response_logprobs
+    from fsdp_rlhf.models.inputs import forward_inputs
     from fsdp_rlhf.models.load import load_causal_lm
     from fsdp_rlhf.models.moe import MoEHooks
     from fsdp_rlhf.optim import build_optimizer
@@ -96,7 +97,7 @@ def _moe_update_with_adam_offload(model_path: str, device: torch.device) -> dict
     ids = torch.randint(5, 400, (4, 64), generator=g).to(device)
     mask = torch.ones_like(ids)
     with hooks.routing(replay=None, valid=mask.bool(), collect=True):
-        lp, _ = response_logprobs(actor, ids, mask, 32)
+        lp, _ = response_logprobs(actor, forward_inputs(ids, mask), 32)
         loss = -lp.mean() + 0.01 * hooks.aux_loss()
         loss.backward()
     norm = clip_grad_norm_(list(actor.parameters()), 1.0)
@@ -124,6 +125,7 @@ def _vlm_training_step(model_path: str, device: torch.device) -> dict:
     from fsdp_rlhf.config import BackendConfig
     from fsdp_rlhf.data.vision import VisionProcessor
     from fsdp_rlhf.models.forward import response_logprobs
+    from fsdp_rlhf.models.inputs import forward_inputs
     from fsdp_rlhf.models.load import load_causal_lm
     from fsdp_rlhf.models.vision import ImageBatch, vision_tower
     from fsdp_rlhf.testing.tiny_vlm import COLOURS, solid_image
@@ -140,7 +142,8 @@ def _vlm_training_step(model_path: str, device: torch.device) -> dict:
         images.append(inputs)
     x = torch.tensor(rows, device=device)
     mask = torch.ones_like(x)
-    lp, _ = response_logprobs(model, x, mask, 2, images=ImageBatch(images))
+    built = forward_inputs(x, mask, images=ImageBatch(images), vision=vision.tokens)
+    lp, _ = response_logprobs(model, built, 2)
     (-lp.float().mean()).backward()
     tower = vision_tower(model)
     tower_grads = [p.grad for p in tower.parameters() if p.grad is not None]

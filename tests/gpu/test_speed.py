@@ -109,6 +109,7 @@ def test_actor_update_speed(big_model, detail):
     from fsdp_rlhf.distributed.env import init_distributed
     from fsdp_rlhf.distributed.fsdp import clip_grad_norm_
     from fsdp_rlhf.models.forward import response_logprobs
+    from fsdp_rlhf.models.inputs import forward_inputs
     from fsdp_rlhf.optim import build_optimizer
 
     env = init_distributed()
@@ -127,7 +128,7 @@ def test_actor_update_speed(big_model, detail):
         _sync()
         t0 = time.perf_counter()
         for ids in batches:
-            lp, _ = response_logprobs(actor, ids, mask, RESPONSE, packed=True)
+            lp, _ = response_logprobs(actor, forward_inputs(ids, mask, packed=True), RESPONSE)
             ratio = torch.exp(lp - lp.detach())
             loss = -(torch.clamp(ratio, 0.8, 1.2) * adv).mean() / MICRO
             loss.backward()

@@ -33,7 +33,7 @@ def state(tmp_path_factory):
     cfg = build_config(PPOConfig, [*flags, "--vllm_gpu_memory_utilization", "0.3"])[0]
     env = init_distributed()
     tok = load_tokenizer(model)
-    engine = build_engine(cfg, env, tok)  # the job's order: the engine first, then to sleep
+    engine = build_engine(cfg, env, tok, vision=None)  # the engine first, then to sleep
     engine.sleep()
 
     def loader(dtype):
@@ -105,20 +105,21 @@ def test_greedy_vllm_agrees_with_hf(state, detail):
 
 def test_logprob_gap_after_an_update_and_a_sync(state, detail):
     from fsdp_rlhf.models.forward import response_logprobs
+    from fsdp_rlhf.models.inputs import forward_inputs
     from fsdp_rlhf.rollout import SamplingConfig, sync_weights
 
     actor, engine, prompts = state["actor"], state["engine"], _prompts(state["tok"], 16)
     opt = torch.optim.AdamW(actor.parameters(), lr=1e-3)
     out = engine.generate(prompts, SamplingConfig(max_new_tokens=16, seed=1))
     ids, mask = (t.cuda() for t in out.sequences())
-    lp, _ = response_logprobs(actor, ids, mask, out.response_ids.shape[1])
+    lp, _ = response_logprobs(actor, forward_inputs(ids, mask), out.response_ids.shape[1])
     (-(lp * out.response_mask.cuda()).sum() / out.response_mask.sum()).backward()
     opt.step()
     stats = sync_weights(actor, engine, torch.bfloat16)
     out = engine.generate(prompts, SamplingConfig(max_new_tokens=32, seed=2))
     ids, mask = (t.cuda() for t in out.sequences())
     with torch.no_grad():
-        lp, _ = response_logprobs(actor, ids, mask, out.response_ids.shape[1])
+        lp, _ = response_logprobs(actor, forward_inputs(ids, mask), out.response_ids.shape[1])
     rmask = out.response_mask.cuda().bool()
     gap = (lp - out.engine_logprobs.cuda()).abs()[rmask].mean().item()
     detail(f"mean |engine - trainer| {gap:.4f} over {int(rmask.sum())} tokens; sync "

@@ -8,6 +8,7 @@ import torch
 
 from fsdp_rlhf.config import BackendConfig
 from fsdp_rlhf.models.forward import response_logprobs
+from fsdp_rlhf.models.inputs import forward_inputs
 from fsdp_rlhf.models.load import load_causal_lm
 from fsdp_rlhf.models.moe import MoEHooks, routing_scope
 from tests.unit.test_moe import own_routing, shifted
@@ -36,8 +37,9 @@ def test_gradient_checkpointing_recompute_replays_and_counts_once(tiny_qwen3_moe
     for model in (ref_model, ckpt_model):
         model.train()
         hooks = MoEHooks.attach(model)
-        with routing_scope(hooks, routing, mask, T):
-            lp, _ = response_logprobs(model, ids, mask, T)
+        inputs = forward_inputs(ids, mask)
+        with routing_scope(hooks, routing, inputs):
+            lp, _ = response_logprobs(model, inputs, T)
             (lp * rmask).sum().backward()
         grads.append(model.model.layers[0].mlp.gate.weight.grad.clone())
         metrics.append(hooks.pop_metrics())

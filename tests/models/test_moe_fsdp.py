@@ -18,6 +18,7 @@ def _checks(rank: int, world: int, model_path: str) -> dict[str, bool]:
 
     from fsdp_rlhf.distributed.fsdp import build_mesh, shard_model
     from fsdp_rlhf.models.forward import response_logprobs
+    from fsdp_rlhf.models.inputs import forward_inputs
     from fsdp_rlhf.models.load import load_causal_lm
     from fsdp_rlhf.models.moe import MoEHooks, expert_parameter_names, routing_scope
     from fsdp_rlhf.rollout.weight_sync import stream_actor_weights
@@ -51,8 +52,9 @@ def _checks(rank: int, world: int, model_path: str) -> dict[str, bool]:
     mask = torch.ones_like(ids)
     routing = torch.randint(0, E, (2, 12, hooks.num_layers, 1), generator=g).to(torch.uint8)
     routing = torch.cat([routing, (routing + 1) % E, (routing + 2) % E, (routing + 3) % E], -1)
-    with routing_scope(hooks, routing, mask, 6):
-        lp, _ = response_logprobs(model, ids, mask, 6)
+    inputs = forward_inputs(ids, mask)
+    with routing_scope(hooks, routing, inputs):
+        lp, _ = response_logprobs(model, inputs, 6)
         (lp.sum() + 0.1 * hooks.aux_loss()).backward()
     gate = params["model.layers.0.mlp.gate.weight"]
     out["the router is trained"] = bool(

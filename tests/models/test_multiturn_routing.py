@@ -46,6 +46,7 @@ def _checks(rank: int, world: int, model_path: str, env_file: str) -> dict:
     from fsdp_rlhf.data.prompts import Prompt
     from fsdp_rlhf.metrics import PhaseTimer
     from fsdp_rlhf.models.forward import response_logprobs
+    from fsdp_rlhf.models.inputs import forward_inputs
     from fsdp_rlhf.models.load import load_causal_lm, load_tokenizer
     from fsdp_rlhf.models.moe import MoEHooks, routing_scope
     from fsdp_rlhf.rollout import SamplingConfig, build_rollout_groups
@@ -128,10 +129,11 @@ def _checks(rank: int, world: int, model_path: str, env_file: str) -> dict:
     hooks = MoEHooks.attach(model)
     ids, mask = out.sequences()
     T = out.response_ids.shape[1]
-    with torch.no_grad(), routing_scope(hooks, out.routed_experts, mask, T, collect=False):
-        whole, _ = response_logprobs(model, ids, mask, T)
+    inputs = forward_inputs(ids, mask, response_len=T)
+    with torch.no_grad(), routing_scope(hooks, out.routed_experts, inputs, collect=False):
+        whole, _ = response_logprobs(model, inputs, T)
     with torch.no_grad():  # the control: the trainer routing for itself
-        own, _ = response_logprobs(model, ids, mask, T)
+        own, _ = response_logprobs(model, inputs, T)
     trained = out.response_mask.bool()
     res["engine vs trainer"] = float((whole - out.engine_logprobs)[trained].abs().max())
     res["engine vs trainer, no replay"] = float((own - out.engine_logprobs)[trained].abs().max())
@@ -139,8 +141,9 @@ def _checks(rank: int, world: int, model_path: str, env_file: str) -> dict:
     for histories, call in calls:
         c_ids, c_mask = call.sequences()
         Tc = call.response_ids.shape[1]
-        with torch.no_grad(), routing_scope(hooks, call.routed_experts, c_mask, Tc):
-            alone, _ = response_logprobs(model, c_ids, c_mask, Tc)
+        c_inputs = forward_inputs(c_ids, c_mask, response_len=Tc)
+        with torch.no_grad(), routing_scope(hooks, call.routed_experts, c_inputs):
+            alone, _ = response_logprobs(model, c_inputs, Tc)
         for j, h in enumerate(histories):
             i = next(
                 k

@@ -191,7 +191,7 @@ def test_unmappable_agent_files_are_refused_by_name(tmp_path, body, message):
 
 
 def test_agent_flag_in_config_and_prepare(tmp_path):
-    from fsdp_rlhf.config_base import ConfigError
+    from fsdp_rlhf.rules import Refused, check_flags
     from fsdp_rlhf.trainers.ppo_setup import _check_rewards
 
     path = write_agent(tmp_path, COUNTING_AGENT)
@@ -199,7 +199,7 @@ def test_agent_flag_in_config_and_prepare(tmp_path):
     assert cfg.multiturn.source == ("--agent_func_path", path)
     assert cfg.total_len == 10 + 3 * cfg.rollout.generate_max_len
     _check_rewards(cfg)  # a valid reward source on its own
-    with pytest.raises(UserError, match="--agent_func_path .*drop --remote_rm_url"):
-        _check_rewards(ppo_config("--agent_func_path", path, "--remote_rm_url", "r.py"))
-    with pytest.raises(ConfigError, match="pass one"):
-        ppo_config("--agent_func_path", path, "--env_file", path)
+    with pytest.raises(Refused, match="--agent_func_path .*drop --remote_rm_url"):
+        check_flags("ppo", ppo_config("--agent_func_path", path, "--remote_rm_url", "r.py"))
+    with pytest.raises(Refused, match="pass one of them"):
+        check_flags("ppo", ppo_config("--agent_func_path", path, "--env_file", path))

@@ -148,18 +148,27 @@ def test_async_placements_that_cannot_be_honoured(argv, world, words):
 
 
 def test_async_only_flags_need_async_train():
+    from fsdp_rlhf.rules import Refused, check_flags
+
     for flag in (["--partial_rollout"], ["--async_queue_size", "2"]):
-        with pytest.raises(ConfigError, match="add --async_train"):
-            _cfg(*flag)
+        with pytest.raises(Refused, match="add --async_train"):
+            check_flags("ppo", _cfg(*flag))
     with pytest.raises(ConfigError, match="async_queue_size must be >= 1"):
         _cfg("--async_train", "--async_queue_size", "0")
 
 
 def test_sequence_parallelism_is_refused_with_async_train():
-    with pytest.raises(ConfigError, match="sequence_parallel_size > 1 with --async_train"):
-        _cfg("--async_train", "--vllm_num_engines", "1", "--sequence_parallel_size", "2")
+    from fsdp_rlhf.rules import Refused, check_flags
+
+    cfg = _cfg("--async_train", "--vllm_num_engines", "1", "--sequence_parallel_size", "2")
+    with pytest.raises(Refused, match="sequence_parallel_size 2 with --async_train"):
+        check_flags("ppo", cfg)
 
 
 def test_expert_parallelism_is_refused_with_async_train():
-    with pytest.raises(ConfigError, match="expert_parallel_size > 1 with --async_train"):
-        _cfg("--async_train", "--vllm_num_engines", "1", "--expert_parallel_size", "2")
+    from fsdp_rlhf.rules import Refused, check_flags
+
+    cfg = _cfg("--async_train", "--vllm_num_engines", "1", "--expert_parallel_size", "2")
+    with pytest.raises(Refused, match="expert_parallel_size 2 with --async_train") as e:
+        check_flags("ppo", cfg)
+    assert e.value.rule.id == "async-expert-parallel"

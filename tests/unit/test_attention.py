@@ -12,6 +12,7 @@ from fsdp_rlhf.config import BackendConfig
 from fsdp_rlhf.models import attention
 from fsdp_rlhf.models.attention import PADDED_ATTENTION
 from fsdp_rlhf.models.forward import response_logprobs, sequence_scores
+from fsdp_rlhf.models.inputs import forward_inputs
 from fsdp_rlhf.models.load import load_causal_lm, load_scalar_model
 from tests.ppo_batches import ppo_layout_batch
 
@@ -45,7 +46,7 @@ def test_padded_kernel_matches_sdpa_on_left_padded_batches(model_fixture, reques
     T = rmask.shape[1]
     outs = []
     for model in (ref, ours):
-        lp, _ = response_logprobs(model, ids, mask, T)
+        lp, _ = response_logprobs(model, forward_inputs(ids, mask), T)
         # the whole row, padding included, feeds the loss: a NaN anywhere would reach the grads
         (lp * torch.arange(1.0, 5.0)[:, None]).sum().backward()
         outs.append(lp)
@@ -67,9 +68,9 @@ def test_padded_kernel_is_sdpa_without_a_backward(tiny_qwen2, monkeypatch):
     model = load_causal_lm(tiny_qwen2, BackendConfig(), "cpu")
     ids, mask, rmask = _ppo_batch(model.config.vocab_size)
     with torch.no_grad():
-        response_logprobs(model, ids, mask, rmask.shape[1])
+        response_logprobs(model, forward_inputs(ids, mask), rmask.shape[1])
     assert calls and not any(calls)
-    response_logprobs(model, ids, mask, rmask.shape[1])
+    response_logprobs(model, forward_inputs(ids, mask), rmask.shape[1])
     assert all(calls[-2:])  # both layers, with grad: the explicit kernel
 
 
@@ -85,8 +86,8 @@ def test_torch_compile_matches_eager(tiny_qwen2):
     ids, mask, _ = _ppo_batch(eager.config.vocab_size)
     for model in (eager, compiled):
         for rows in (slice(0, 4), slice(1, 3)):  # a second shape: recompiled, not wrong
-            sequence_scores(model, ids[rows], mask[rows]).sum().backward()
-    a, b = (sequence_scores(m, ids, mask) for m in (eager, compiled))
+            sequence_scores(model, forward_inputs(ids[rows], mask[rows])).sum().backward()
+    a, b = (sequence_scores(m, forward_inputs(ids, mask)) for m in (eager, compiled))
     torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
     for name, g in _grads(eager).items():
         torch.testing.assert_close(_grads(compiled)[name], g, rtol=1e-3, atol=1e-5, msg=name)

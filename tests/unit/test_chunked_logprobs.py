@@ -15,6 +15,7 @@ from fsdp_rlhf.config import BackendConfig
 from fsdp_rlhf.models import forward
 from fsdp_rlhf.models.attention import use_varlen_attention
 from fsdp_rlhf.models.forward import position_ids_from_mask, response_logprobs
+from fsdp_rlhf.models.inputs import forward_inputs
 from fsdp_rlhf.models.load import load_causal_lm
 from tests.ppo_batches import ppo_layout_batch
 
@@ -121,13 +122,16 @@ def test_response_logprobs_equal_the_full_logits_formula(tiny_qwen2, layout, dty
     ((ref_lp + 0.1 * ref_ent) * weights).sum().backward()
     lp, ent = response_logprobs(
         new,
-        ids,
-        mask,
+        forward_inputs(
+            ids,
+            mask,
+            packed=layout == "packed",
+            group_size=2 if layout == "shared" else 1,
+            response_len=T,
+        ),
         T,
         temperature=0.7,
         with_entropy=True,
-        packed=layout == "packed",
-        group_size=2 if layout == "shared" else 1,
     )
     ((lp + 0.1 * ent) * weights).sum().backward()
     on = rmask.bool()

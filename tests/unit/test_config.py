@@ -311,9 +311,7 @@ def test_plan_ppo_batches():
         )
     with pytest.raises(ConfigError, match="rollout_batch_size"):
         plan_ppo_batches(cfg, world_size=6)
-    grpo, _ = build_config(PPOConfig, ["--advantage_estimator", "grpo"])
-    with pytest.raises(ConfigError, match="n_samples_per_prompt"):
-        plan_ppo_batches(grpo, world_size=1)
+    # grpo with one sample per prompt: a row of the rules table (tests/unit/test_rules.py)
 
 
 def test_cli_help_lists_every_command_of_the_table():
@@ -404,10 +402,12 @@ def test_eps_clip_low_high_sets_both_sides_and_gspo_clip():
 
 
 def test_advantage_estimators_and_loss_agg_modes():
+    from fsdp_rlhf.rules import Refused, check_flags
+
     for est in ("reinforce_plus_plus_baseline", "reinforce_baseline"):
         cfg, _ = build_config(PPOConfig, ["--advantage_estimator", est])
-        with pytest.raises(ConfigError, match="n_samples_per_prompt"):
-            plan_ppo_batches(cfg, world_size=1)
+        with pytest.raises(Refused, match="n_samples_per_prompt 1"):
+            check_flags("ppo", cfg)
     for mode in (
         "token-mean",
         "seq-mean-token-mean",
@@ -459,9 +459,13 @@ def test_dynamic_filtering_and_overlong_flags():
     assert algo.dynamic_filtering and algo.dynamic_filtering_reward_range == (0.0, 1.0)
     assert (algo.max_num_gen_batches, algo.overlong_buffer_len) == (5, 256)
     assert algo.overlong_penalty_factor == 0.5
-    cfg, _ = build_config(PPOConfig, ["--dynamic_filtering"])
-    with pytest.raises(ConfigError, match="dynamic_filtering"):
-        plan_ppo_batches(cfg, world_size=1)
+    from fsdp_rlhf.rules import Refused, check_flags
+
+    cfg, _ = build_config(
+        PPOConfig, ["--dynamic_filtering", "--advantage_estimator", "reinforce++"]
+    )
+    with pytest.raises(Refused, match="--dynamic_filtering with --n_samples_per_prompt 1"):
+        check_flags("ppo", cfg)
     with pytest.raises(ConfigError, match="dynamic_filtering_reward_range"):
         _algo("--dynamic_filtering_reward_range", "1", "0")
     with pytest.raises(ConfigError, match="max_num_gen_batches"):
@@ -486,8 +490,10 @@ def test_eval_flags():
     for bad in ("pass@9", "pass@0", "reward", "pass@k"):
         with pytest.raises(ConfigError, match="save_best_metric"):
             build_config(PPOConfig, [*argv, "--save_best_metric", bad])
-    with pytest.raises(ConfigError, match="eval_dataset"):
-        build_config(PPOConfig, ["--save_best_metric", "pass@1"])
+    from fsdp_rlhf.rules import Refused, check_flags
+
+    with pytest.raises(Refused, match="--save_best_metric without --eval_dataset"):
+        check_flags("ppo", build_config(PPOConfig, ["--save_best_metric", "pass@1"])[0])
     with pytest.raises(ConfigError, match="eval_n_samples_per_prompt"):
         build_config(PPOConfig, ["--eval_n_samples_per_prompt", "0"])
     assert cfg.eval.eval_temperature == 0.6
@@ -523,15 +529,17 @@ def test_new_algo_flags_round_trip_through_yaml_and_show_in_help():
 
 
 def test_flash_attn_without_bf16_is_one_line_and_exit_2(tmp_path):
-    for cls in (RMConfig, PPOConfig):
-        with pytest.raises(ConfigError, match="--flash_attn needs --bf16"):
-            build_config(cls, ["--flash_attn"])
+    from fsdp_rlhf.rules import Refused, check_flags
+
+    for cls, command in ((RMConfig, "train-rm"), (PPOConfig, "ppo")):
+        with pytest.raises(Refused, match="--flash_attn without --bf16"):
+            check_flags(command, build_config(cls, ["--flash_attn"])[0])
         cfg, _ = build_config(cls, ["--flash_attn", "--bf16"])
         assert cfg.backend.flash_attn and cfg.backend.bf16
-    config = tmp_path / "c.yaml"  # the section's own check, whichever way the values come in
+    config = tmp_path / "c.yaml"  # the rules see the resolved config, whichever way it came
     config.write_text("backend:\n  flash_attn: true\n")
-    with pytest.raises(ConfigError, match="needs --bf16"):
-        build_config(PPOConfig, ["--config", str(config)])
+    with pytest.raises(Refused, match="without --bf16"):
+        check_flags("ppo", build_config(PPOConfig, ["--config", str(config)])[0])
     proc = subprocess.run(
         [sys.executable, "-m", "fsdp_rlhf.cli", "ppo", "--flash_attn", "--pretrain", "/nope"],
         capture_output=True,
@@ -539,7 +547,7 @@ def test_flash_attn_without_bf16_is_one_line_and_exit_2(tmp_path):
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        "error: --flash_attn needs --bf16 (flash-attn has no fp32 kernels)"
+        "error: --flash_attn without --bf16: flash-attn has no fp32 kernels; add --bf16"
     ]
 
 

@@ -32,7 +32,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 PKG = REPO / "fsdp_rlhf"
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
-GENERATED = ("configuration.md", "migrating_from_openrlhf.md")
+GENERATED = ("configuration.md", "migrating_from_openrlhf.md", "compatibility.md")
 # the projects whose own paths and names our docs quote
 FOREIGN = re.compile(r"(OpenRLHF|AIAK|verl|TRL|torchtitan|torchtune|vLLM's|HF's)[^`]{0,60}$")
 # flags of the tools around us that the docs show in command lines
@@ -56,8 +56,9 @@ def test_generated_pages_are_current():
 
 
 def _anchors(path: Path) -> set[str]:
-    """GitHub's heading anchors: lower case, punctuation dropped, spaces to dashes."""
-    out = set()
+    """GitHub's heading anchors (lower case, punctuation dropped, spaces to dashes) and the
+    page's own ``<a id="...">`` anchors (the generated rules table's rows)."""
+    out = set(re.findall(r'<a id="([\w-]+)"></a>', path.read_text()))
     in_code = False
     for line in path.read_text().splitlines():
         if line.startswith("```"):

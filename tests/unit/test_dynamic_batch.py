@@ -84,21 +84,24 @@ def test_no_grad_forwards_equal_fixed_micro_batches(tiny_qwen2, packed):
     if packed:
         use_varlen_attention(actor)
         use_varlen_attention(critic)
+    from fsdp_rlhf.models.inputs import InputSpec, row_layout
+
+    spec = InputSpec(row_layout(packed))
     dynamic = MicroBatching(2, max_tokens=24)
     assert len(dynamic.split(exp.lengths)) > 1  # really several micro-batches
-    fixed_lp = batched_logprobs(actor, exp, 2, 0.7, packed)
-    dyn_lp = batched_logprobs(actor, exp, dynamic, 0.7, packed)
+    fixed_lp = batched_logprobs(actor, exp, 2, 0.7, spec)
+    dyn_lp = batched_logprobs(actor, exp, dynamic, 0.7, spec)
     torch.testing.assert_close(dyn_lp, fixed_lp, rtol=1e-5, atol=1e-5)
     assert (fixed_lp[exp.response_mask.bool()] < 0).all()
     torch.testing.assert_close(
-        batched_values(critic, exp, dynamic, packed),
-        batched_values(critic, exp, 2, packed),
+        batched_values(critic, exp, dynamic, spec),
+        batched_values(critic, exp, 2, spec),
         rtol=1e-5,
         atol=1e-5,
     )
     torch.testing.assert_close(
-        batched_scores(critic, exp, dynamic, packed),
-        batched_scores(critic, exp, 2, packed),
+        batched_scores(critic, exp, dynamic, spec),
+        batched_scores(critic, exp, 2, spec),
         rtol=1e-5,
         atol=1e-5,
     )
@@ -112,6 +115,7 @@ def test_critic_update_equals_fixed_micro_batches(tiny_qwen2, monkeypatch):
     monkeypatch.setattr("fsdp_rlhf.trainers.ppo_update.accumulate", lambda *a: None)
 
     from fsdp_rlhf.config import PPOAlgoConfig
+    from fsdp_rlhf.models.inputs import InputSpec
     from fsdp_rlhf.models.load import load_scalar_model
     from fsdp_rlhf.trainers.guards import BadStepGuard
     from fsdp_rlhf.trainers.ppo_update import TrainedModel, UpdatePlan, update_critic
@@ -131,6 +135,7 @@ def test_critic_update_equals_fixed_micro_batches(tiny_qwen2, monkeypatch):
             PPOAlgoConfig(),
             plan,
             torch.Generator().manual_seed(0),
+            InputSpec(),
         )
         results.append((metrics, {n: p.detach().clone() for n, p in model.named_parameters()}))
     (fixed, fixed_params), (dyn, dyn_params) = results
@@ -170,6 +175,7 @@ def test_unbiased_kl_gradient_reaches_the_actor_update(tiny_qwen2, monkeypatch):
     monkeypatch.setattr("fsdp_rlhf.trainers.ppo_update.accumulate", lambda *a: None)
 
     from fsdp_rlhf.config import PPOAlgoConfig
+    from fsdp_rlhf.models.inputs import InputSpec
     from fsdp_rlhf.models.load import load_causal_lm
     from fsdp_rlhf.trainers.guards import BadStepGuard
     from fsdp_rlhf.trainers.ppo_update import TrainedModel, UpdatePlan, update_actor
@@ -190,6 +196,7 @@ def test_unbiased_kl_gradient_reaches_the_actor_update(tiny_qwen2, monkeypatch):
             algo,
             UpdatePlan(1, 6, 6, 3, 1, 2, False, 7),
             torch.Generator().manual_seed(0),
+            spec=InputSpec(),
             kl_coef=0.5,
             temperature=1.0,
             reuse_logprobs=True,

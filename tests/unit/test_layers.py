@@ -8,6 +8,7 @@ The layers, lowest first (a module may import its own layer and the ones below i
     distributed               process group, FSDP2, checkpoints, offload, memory model
     data, models              datasets; loading, forwards, LoRA, compile, HF export
     rollout                   engines, weight sync, environments
+    rules                     what combines: the table of refused combinations
     trainers                  the only place that wires everything
     cli, doctor, testing      entry points and the test fixtures
 
@@ -41,6 +42,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("distributed",),
     ("data", "models"),
     ("rollout",),
+    ("rules",),
     ("trainers",),
     ("cli", "doctor", "testing"),
 )
@@ -148,3 +150,64 @@ def test_the_import_scanner_sees_relative_and_absolute_imports():
     assert "fsdp_rlhf.algorithms.masked" in _imports(PKG / "algorithms" / "advantages.py")
     assert "fsdp_rlhf.trainers.common" in _imports(PKG / "trainers" / "rm.py")
     assert "fsdp_rlhf.rollout.engine" in _imports(PKG / "rollout" / "__init__.py")
+
+
+# Circles still open, each with the step of issue #47 that removes it: PPO's entry point
+# dispatches into the asynchronous trainer, which subclasses it (async as a part, not a
+# subclass). Removing a circle means deleting its row; adding one fails the test below.
+KNOWN_CIRCLES = {("fsdp_rlhf.trainers.ppo", "fsdp_rlhf.trainers.ppo_async")}
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[tuple[str, ...]]:
+    """The strongly connected groups of more than one module in ``graph`` (module -> the
+    modules it imports, function-level imports included), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[tuple[str, ...]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while (w := stack.pop()) != v:
+                group.append(w)
+            if group:
+                out.append(tuple(sorted([v, *group])))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _module_graph() -> dict[str, set[str]]:
+    files = {_module_name(f): f for f in _files()}
+    graph = {}
+    for module, path in files.items():
+        deps = set()
+        for name in _imports(path):
+            while name and name not in files:  # `from pkg.mod import attr` -> pkg.mod
+                name = name.rpartition(".")[0]
+            if name and name not in (module, "fsdp_rlhf"):
+                deps.add(name)
+        graph[module] = deps
+    return graph
+
+
+def test_no_import_circles():
+    circles = set(import_circles(_module_graph()))
+    assert circles <= KNOWN_CIRCLES, f"import circles: {sorted(circles - KNOWN_CIRCLES)}"
+
+
+def test_the_circle_check_finds_a_circle():
+    # the circle this test was written for: forward.py <-> vision.py (issue #47)
+    graph = {"f": {"v", "p"}, "v": {"f"}, "p": set(), "a": {"b"}, "b": {"c"}, "c": {"a"}}
+    assert sorted(import_circles(graph)) == [("a", "b", "c"), ("f", "v")]

@@ -56,7 +56,6 @@ def test_flags_are_openrlhf_names_for_both_commands():
         (dict(lora_rank=-1), "lora_rank must be >= 0"),
         (dict(lora_rank=8, lora_alpha=0), "lora_alpha must be > 0"),
         (dict(lora_rank=8, lora_dropout=1.0), "lora_dropout must be in"),
-        (dict(merge_lora=True), "merge_lora needs lora_rank > 0"),
         (dict(lora_rank=8, target_modules=("all-linear", "q_proj")), "all-linear stands alone"),
     ],
 )

@@ -369,7 +369,7 @@ def test_a_rollout_ranks_engine_is_its_worlds_only_never_sleeps_and_takes_the_ca
     env = DistEnv(0, 1, 0, 1, torch.device("cuda", 0), "nccl")  # the engine's own group
     tokenizer = types.SimpleNamespace(pad_token_id=0)
     cfg = _async_job(tmp_path, QWEN25_7B)
-    ppo_setup.build_engine(cfg, env, tokenizer, streaming=True, engine_id=1)
+    ppo_setup.build_engine(cfg, env, tokenizer, vision=None, streaming=True, engine_id=1)
     rollout = seen["rollout"]
     assert rollout.vllm_num_engines is None and not rollout.vllm_enable_sleep
     assert rollout.vllm_gpu_memory_utilization == 0.9

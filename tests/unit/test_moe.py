@@ -12,15 +12,14 @@ from fsdp_rlhf.config import BackendConfig
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.models.attention import use_varlen_attention
 from fsdp_rlhf.models.forward import response_logprobs
+from fsdp_rlhf.models.inputs import forward_inputs
 from fsdp_rlhf.models.load import load_causal_lm
 from fsdp_rlhf.models.moe import (
     MoEHooks,
     active_parameters,
-    check_moe_model,
     expert_parameter_names,
     moe_routers,
     routing_scope,
-    to_forward_layout,
 )
 from fsdp_rlhf.models.packing import pack_rows
 from fsdp_rlhf.models.shared_prefix import share_prompts
@@ -63,13 +62,14 @@ def shifted(routing: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 def test_layouts_follow_the_packed_and_shared_forwards():
     ids, mask, _ = grouped_batch(100)
-    packed = to_forward_layout(ids, mask, T, packed=True)
+    packed = forward_inputs(ids, mask, packed=True).arrange(ids)
     assert torch.equal(packed, pack_rows(ids, mask).input_ids)
-    shared = to_forward_layout(ids, mask, T, group_size=S)
+    shared_inputs = forward_inputs(ids, mask, group_size=S, response_len=T)
+    shared = shared_inputs.arrange(ids)
     assert torch.equal(shared, share_prompts(ids, mask, T, S).input_ids)
     # trailing dimensions (layers, experts) travel along with their token
     where = torch.arange(ids.numel()).view(*ids.shape, 1, 1).expand(*ids.shape, 2, 3)
-    laid = to_forward_layout(where, mask, T, group_size=S)
+    laid = shared_inputs.arrange(where)
     assert torch.equal(ids.flatten()[laid[..., 1, 2]], shared)
 
 
@@ -79,9 +79,9 @@ def test_replaying_the_models_own_routing_changes_nothing(moe_model):
     ids, mask, _ = grouped_batch(model.config.vocab_size)
     routing = own_routing(model, ids, mask)
     with torch.no_grad():
-        ref, _ = response_logprobs(model, ids, mask, T)
-        with routing_scope(hooks, routing, mask, T, collect=True):
-            got, _ = response_logprobs(model, ids, mask, T)
+        ref, _ = response_logprobs(model, forward_inputs(ids, mask), T)
+        with routing_scope(hooks, routing, forward_inputs(ids, mask), collect=True):
+            got, _ = response_logprobs(model, forward_inputs(ids, mask), T)
     assert torch.equal(got, ref)
     assert hooks.pop_metrics()["moe/router_replay_agreement"] == 1.0
 
@@ -95,15 +95,16 @@ def test_replay_gives_the_padded_forwards_logprobs_in_every_layout(moe_model, la
     ids, mask, rmask = grouped_batch(model.config.vocab_size, seed=1)
     routing = shifted(own_routing(model, ids, mask), model.config.num_experts)
     with torch.no_grad():
-        plain, _ = response_logprobs(model, ids, mask, T)
-        with routing_scope(hooks, routing, mask, T):
-            padded, _ = response_logprobs(model, ids, mask, T)
+        plain, _ = response_logprobs(model, forward_inputs(ids, mask), T)
+        with routing_scope(hooks, routing, forward_inputs(ids, mask)):
+            padded, _ = response_logprobs(model, forward_inputs(ids, mask), T)
         packed = layout == "packed"
         group = S if layout == "shared" else 1
         if packed:
             use_varlen_attention(model, "cpu")
-        with routing_scope(hooks, routing, mask, T, packed=packed, group_size=group):
-            got, _ = response_logprobs(model, ids, mask, T, packed=packed, group_size=group)
+        inputs = forward_inputs(ids, mask, packed=packed, group_size=group, response_len=T)
+        with routing_scope(hooks, routing, inputs):
+            got, _ = response_logprobs(model, inputs, T)
     on = rmask.bool()
     assert (padded[on] - plain[on]).abs().max() > 1e-3  # the replay is not the model's routing
     torch.testing.assert_close(got[on], padded[on], rtol=1e-5, atol=1e-5)
@@ -117,14 +118,14 @@ def test_replayed_weights_train_the_router_and_unrouted_tokens_route_themselves(
     routing = shifted(own, model.config.num_experts)
     routing[:, :] = 255  # no routing anywhere ...
     with torch.no_grad():
-        ref, _ = response_logprobs(model, ids, mask, T)
-        with routing_scope(hooks, routing, mask, T):
-            got, _ = response_logprobs(model, ids, mask, T)
+        ref, _ = response_logprobs(model, forward_inputs(ids, mask), T)
+        with routing_scope(hooks, routing, forward_inputs(ids, mask)):
+            got, _ = response_logprobs(model, forward_inputs(ids, mask), T)
     torch.testing.assert_close(got, ref)  # ... is the model's own routing
     routing = shifted(own, model.config.num_experts)
     model.zero_grad()
-    with routing_scope(hooks, routing, mask, T):
-        lp, _ = response_logprobs(model, ids, mask, T)
+    with routing_scope(hooks, routing, forward_inputs(ids, mask)):
+        lp, _ = response_logprobs(model, forward_inputs(ids, mask), T)
         (lp * rmask).sum().backward()
     gate = model.model.layers[0].mlp.gate.weight
     assert gate.grad is not None and gate.grad.abs().sum() > 0
@@ -137,7 +138,7 @@ def test_aux_loss_is_transformers_load_balancing_loss(moe_model):
     hooks = MoEHooks.attach(model)
     ids, mask, _ = grouped_batch(model.config.vocab_size, seed=5)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    with routing_scope(hooks, None, mask, T, collect=False):
+    with routing_scope(hooks, None, forward_inputs(ids, mask), collect=False):
         out = model(ids, attention_mask=mask, position_ids=pos, output_router_logits=True)
         ours = hooks.aux_loss()
     ref = load_balancing_loss_func(
@@ -155,8 +156,8 @@ def test_metrics_count_what_was_routed(moe_model):
     ids, mask, _ = grouped_batch(model.config.vocab_size, seed=6)
     routing = own_routing(model, ids, mask)
     routing[..., :] = torch.arange(k, dtype=torch.uint8)  # every token to experts 0..k-1
-    with torch.no_grad(), routing_scope(hooks, routing, mask, T):
-        response_logprobs(model, ids, mask, T)
+    with torch.no_grad(), routing_scope(hooks, routing, forward_inputs(ids, mask)):
+        response_logprobs(model, forward_inputs(ids, mask), T)
     m = hooks.pop_metrics()
     # k of E experts take all the load: max share = 1/k, mean share = 1/E
     assert m["moe/expert_load_max_mean/layer_0"] == pytest.approx(E / k)
@@ -176,10 +177,22 @@ def test_parameter_counts_and_expert_names(moe_model):
     assert not any("gate.weight" in n for n in names)
 
 
+def _ppo(*argv: str):
+    """A critic-free PPO config (the rules table's critic row stays quiet)."""
+    from fsdp_rlhf.config import PPOConfig
+    from fsdp_rlhf.config_base import build_config
+
+    return build_config(PPOConfig, ["--advantage_estimator", "reinforce++", *argv])[0]
+
+
 def test_moe_flags_need_an_moe_model_with_a_known_router(tiny_qwen2, tiny_qwen3_moe):
-    check_moe_model(tiny_qwen3_moe, "--router_replay")
+    """The rules table reads the router from the model's config (a meta-device build)."""
+    from fsdp_rlhf.rules import check_command
+
+    kinds = check_command("ppo", _ppo("--pretrain", tiny_qwen3_moe, "--router_replay"))
+    assert kinds["--pretrain"].router == "Qwen3MoeTopKRouter"
     with pytest.raises(UserError, match=r"--router_replay: .* is a dense model \(Qwen2ForCausalLM"):
-        check_moe_model(tiny_qwen2, "--router_replay")
+        check_command("ppo", _ppo("--pretrain", tiny_qwen2, "--router_replay"))
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
@@ -206,19 +219,14 @@ def test_lora_adapts_attention_and_dense_parts_never_experts_or_gates(family, tm
 
 
 def test_lora_adapter_sync_of_an_moe_model_is_refused_on_cpu(tiny_qwen3_moe):
-    from fsdp_rlhf.config import PPOConfig
-    from fsdp_rlhf.config_base import build_config
-    from fsdp_rlhf.trainers.ppo_setup import _check_lora
+    from fsdp_rlhf.rules import check_command
 
-    if torch.cuda.is_available():
-        pytest.skip("vLLM's LoRA MoE layers run on CUDA")
-    cfg, _ = build_config(PPOConfig, ["--pretrain", tiny_qwen3_moe, "--lora_rank", "8"])
+    cfg = _ppo("--pretrain", tiny_qwen3_moe, "--lora_rank", "8")
     with pytest.raises(UserError, match="use --lora_sync merged"):
-        _check_lora(cfg)
-    merged, _ = build_config(
-        PPOConfig, ["--pretrain", tiny_qwen3_moe, "--lora_rank", "8", "--lora_sync", "merged"]
-    )
-    _check_lora(merged)
+        check_command("ppo", cfg, cuda=False)
+    check_command("ppo", cfg, cuda=True)  # vLLM's LoRA MoE layers run on CUDA
+    check_command("ppo", _ppo("--pretrain", tiny_qwen3_moe, "--lora_rank", "8", "--lora_sync",
+                              "merged"), cuda=False)  # fmt: skip
 
 
 def test_sequence_parallelism_takes_router_replay_and_the_aux_loss_not_linear_attention(
@@ -227,18 +235,16 @@ def test_sequence_parallelism_takes_router_replay_and_the_aux_loss_not_linear_at
     """Ulysses gives each rank a slice of every sequence: the hooks slice the replayed routing
     and sum the balancing loss's counts over the group (tests/distributed/
     test_moe_sequence_parallel.py); a gated-delta-net's recurrence is not split with it."""
-    from fsdp_rlhf.config import PPOConfig
-    from fsdp_rlhf.config_base import build_config
-    from fsdp_rlhf.models.load import check_sequence_parallel
+    from fsdp_rlhf.rules import check_command
     from fsdp_rlhf.testing.tiny import build_family
 
-    base = ["--pretrain", tiny_qwen3_moe, "--sequence_parallel_size", "2"]
-    cfg, _ = build_config(PPOConfig, [*base, "--router_replay", "--aux_loss_coef", "0.01"])
+    base = ["--sequence_parallel_size", "2", "--bf16"]
+    cfg = _ppo("--pretrain", tiny_qwen3_moe, *base, "--router_replay", "--aux_loss_coef", "0.01")
     assert cfg.moe.router_replay and cfg.moe.aux_loss_coef == 0.01
-    check_sequence_parallel(2, 2, {"--pretrain": tiny_qwen3_moe})
+    check_command("ppo", cfg)
     hybrid = str(build_family(tmp_path / "qwen3_5", "qwen3_5"))
     with pytest.raises(UserError, match="recurrent layers .* sequence parallelism splits it"):
-        check_sequence_parallel(2, 2, {"--pretrain": hybrid})
+        check_command("ppo", _ppo("--pretrain", hybrid, *base))
 
 
 def test_metrics_live_where_the_routers_run_not_where_the_parameters_are(moe_model):
@@ -255,8 +261,8 @@ def test_metrics_live_where_the_routers_run_not_where_the_parameters_are(moe_mod
     hooks = MoEHooks(Offloaded(), moe_routers(model))
     ids, mask, _ = grouped_batch(model.config.vocab_size, seed=6)
     routing = own_routing(model, ids, mask)
-    with torch.no_grad(), routing_scope(hooks, routing, mask, T):
-        response_logprobs(model, ids, mask, T)
+    with torch.no_grad(), routing_scope(hooks, routing, forward_inputs(ids, mask)):
+        response_logprobs(model, forward_inputs(ids, mask), T)
     m = hooks.pop_metrics()
     assert m["moe/router_replay_agreement"] == pytest.approx(1.0)
     assert m["moe/expert_load_max_mean"] >= 1.0
@@ -268,20 +274,16 @@ def test_router_replay_with_vllm_tensor_parallelism_is_refused_on_cuda_only(
     """vLLM's own capture (CUDA) keeps the routed experts on its first TP rank; the other
     ranks' schedulers fail without them. On CPU every rank records them itself (the TP=2
     engine's routing is checked in tests/e2e/test_sequence_parallel_cli.py)."""
-    from fsdp_rlhf.config import PPOConfig
-    from fsdp_rlhf.config_base import build_config
-    from fsdp_rlhf.trainers.ppo_setup import _check_moe
+    from fsdp_rlhf.rules import check_command
 
     def cfg(tp: int):
         argv = ["--pretrain", tiny_qwen3_moe, "--router_replay"]
-        return build_config(PPOConfig, [*argv, "--vllm_tensor_parallel_size", str(tp)])[0]
+        return _ppo(*argv, "--vllm_tensor_parallel_size", str(tp))
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    _check_moe(cfg(2))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    _check_moe(cfg(1))
+    check_command("ppo", cfg(2), cuda=False)
+    check_command("ppo", cfg(1), cuda=True)
     with pytest.raises(UserError) as e:
-        _check_moe(cfg(2))
+        check_command("ppo", cfg(2), cuda=True)
     line = str(e.value)
     assert "--router_replay with --vllm_tensor_parallel_size 2 on CUDA" in line
     assert "first tensor-parallel rank only" in line and "--vllm_tensor_parallel_size 1" in line
@@ -299,19 +301,26 @@ def test_expert_parallel_preflight_names_the_numbers(tiny_qwen2, tiny_qwen3_moe)
         check_expert_parallel(2, 3, both)
     with pytest.raises(UserError, match=r"does not divide the model's 16 experts .*--pretrain"):
         check_expert_parallel(3, 6, both)
-    with pytest.raises(UserError, match="no MoE model to split"):
-        check_expert_parallel(2, 2, {"--pretrain": tiny_qwen2})
+    check_expert_parallel(2, 2, {"--pretrain": tiny_qwen2})  # no MoE at all: the rules table's
 
 
 def test_expert_parallel_refuses_a_vision_language_moe(tmp_path):
+    """The rules table's row expert-parallel-vlm, on the kind read from the config alone."""
     import json
 
-    from fsdp_rlhf.models.load import check_expert_parallel
+    from fsdp_rlhf.config import PPOConfig
+    from fsdp_rlhf.config_base import build_config
+    from fsdp_rlhf.models.kind import read_model_kind
+    from fsdp_rlhf.rules import RULES, Setting
 
     config = {"model_type": "qwen3_vl_moe", "architectures": ["Qwen3VLMoeForConditionalGeneration"]}
     (tmp_path / "config.json").write_text(json.dumps(config))  # Qwen3-VL-30B-A3B's kind
-    with pytest.raises(UserError, match="is a vision-language MoE model"):
-        check_expert_parallel(2, 2, {"--pretrain": str(tmp_path)})
+    kind = read_model_kind(str(tmp_path), "--pretrain")
+    assert kind.moe and kind.is_vlm
+    (row,) = [r for r in RULES if r.id == "expert-parallel-vlm"]
+    cfg = build_config(PPOConfig, ["--pretrain", str(tmp_path), "--expert_parallel_size", "2"])[0]
+    line = row.message(Setting("ppo", cfg, {"--pretrain": kind}))
+    assert line is not None and "is a vision-language MoE model" in line
 
 
 def test_expert_group_load_counts_each_groups_share_of_the_assignments():

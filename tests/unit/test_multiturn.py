@@ -246,10 +246,13 @@ def test_config_budgets():
         ppo_config("--env_file", "e.py", "--prompt_max_len", "10", "--max_total_len", "20")
     with pytest.raises(ConfigError, match="max_turns"):
         ppo_config("--max_turns", "0")
-    with pytest.raises(ConfigError, match="overlong_buffer_len"):
-        ppo_config("--env_file", "e.py", "--overlong_buffer_len", "4")
+    from fsdp_rlhf.rules import Refused, check_flags
+
+    with pytest.raises(Refused, match="--overlong_buffer_len with --env_file e.py"):
+        check_flags("ppo", ppo_config("--env_file", "e.py", "--overlong_buffer_len", "4"))
     # router replay assembles each trajectory's routing from its turns (test below)
-    assert ppo_config("--env_file", "e.py", "--router_replay").moe.router_replay
+    replay = ("--env_file", "e.py", "--router_replay", "--advantage_estimator", "reinforce++")
+    check_flags("ppo", ppo_config(*replay))
 
 
 def test_sample_log_shows_env_turns(tok, tmp_path):
@@ -282,11 +285,13 @@ def test_sample_log_shows_env_turns(tok, tmp_path):
     ],
 )
 def test_prepare_refuses_other_reward_sources(tmp_path, extra, message):
+    from fsdp_rlhf.rules import check_flags
     from fsdp_rlhf.trainers.ppo_setup import _check_rewards
 
     env = write_env(tmp_path, TWO_TURN_ENV)
-    with pytest.raises(UserError, match=message):
-        _check_rewards(ppo_config("--env_file", env, *extra))
+    with pytest.raises(UserError, match=message):  # the rules table's rows
+        check_flags("ppo", ppo_config("--env_file", env, *extra))
+    check_flags("ppo", ppo_config("--env_file", env, "--advantage_estimator", "reinforce++"))
     _check_rewards(ppo_config("--env_file", env))  # alone: a valid reward source
     with pytest.raises(UserError, match="--env_file .*no such file"):
         _check_rewards(ppo_config("--env_file", str(tmp_path / "missing.py")))

@@ -17,6 +17,7 @@ from fsdp_rlhf.models.attention import (
     varlen_attention_impl,
 )
 from fsdp_rlhf.models.forward import sequence_scores
+from fsdp_rlhf.models.inputs import forward_inputs
 from fsdp_rlhf.models.load import load_scalar_model
 from fsdp_rlhf.models.packing import pack_rows
 from tests.ppo_batches import ppo_layout_batch
@@ -74,6 +75,7 @@ def test_packing_keeps_flash_attention_2_of_a_flash_loaded_model(tiny_qwen2, mon
 def test_flash_attention_packed_logprobs_match_padded_sdpa_on_cuda(tiny_llama):
     pytest.importorskip("flash_attn")
     from fsdp_rlhf.models.forward import response_logprobs
+    from fsdp_rlhf.models.inputs import forward_inputs
     from fsdp_rlhf.models.load import load_causal_lm
 
     cuda = torch.device("cuda")
@@ -86,8 +88,8 @@ def test_flash_attention_packed_logprobs_match_padded_sdpa_on_cuda(tiny_llama):
     ids, mask, rmask = _ppo_batch(packed.config.vocab_size, pad=0)
     ids, mask, rmask = ids.to(cuda), mask.to(cuda), rmask.to(cuda)
     T = rmask.shape[1]
-    ref, _ = response_logprobs(padded, ids, mask, T)
-    got, _ = response_logprobs(packed, ids, mask, T, packed=True)
+    ref, _ = response_logprobs(padded, forward_inputs(ids, mask), T)
+    got, _ = response_logprobs(packed, forward_inputs(ids, mask, packed=True), T)
     on = rmask.bool()
     torch.testing.assert_close(got[on].float(), ref[on].float(), rtol=0, atol=5e-2)
 
@@ -124,7 +126,10 @@ def test_packed_scores_and_grads_match_padded(
     packed = copy.deepcopy(padded)
     use_varlen_attention(packed)
     ids, mask = _batch(padded.config.vocab_size, pad=0)
-    a, b = sequence_scores(padded, ids, mask), sequence_scores(packed, ids, mask, packed=True)
+    a, b = (
+        sequence_scores(padded, forward_inputs(ids, mask)),
+        sequence_scores(packed, forward_inputs(ids, mask, packed=True)),
+    )
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     (a * torch.arange(1.0, 6.0)).sum().backward()
     (b * torch.arange(1.0, 6.0)).sum().backward()
@@ -142,6 +147,7 @@ def _ppo_batch(vocab: int, pad: int, P: int = 7, T: int = 6):
 @pytest.mark.parametrize("model_fixture", ["tiny_qwen2", "tiny_gqa", "tiny_llama"])
 def test_packed_response_logprobs_and_grads_match_padded(model_fixture, request):
     from fsdp_rlhf.models.forward import response_logprobs
+    from fsdp_rlhf.models.inputs import forward_inputs
     from fsdp_rlhf.models.load import load_causal_lm
 
     torch.manual_seed(0)
@@ -153,7 +159,7 @@ def test_packed_response_logprobs_and_grads_match_padded(model_fixture, request)
     outs = []
     for model, flag in ((padded, False), (packed, True)):
         lp, ent = response_logprobs(
-            model, ids, mask, T, temperature=0.7, with_entropy=True, packed=flag
+            model, forward_inputs(ids, mask, packed=flag), T, temperature=0.7, with_entropy=True
         )
         ((lp + 0.1 * ent) * rmask * torch.arange(1.0, 5.0)[:, None]).sum().backward()
         outs.append((lp * rmask, ent * rmask))
@@ -166,6 +172,7 @@ def test_packed_response_logprobs_and_grads_match_padded(model_fixture, request)
 
 def test_packed_token_values_match_padded_at_attended_positions(tiny_qwen2):
     from fsdp_rlhf.models.forward import token_values
+    from fsdp_rlhf.models.inputs import forward_inputs
 
     torch.manual_seed(0)
     padded = load_scalar_model(tiny_qwen2, BackendConfig(), "cpu", value_head_prefix="score")
@@ -173,8 +180,8 @@ def test_packed_token_values_match_padded_at_attended_positions(tiny_qwen2):
     packed = copy.deepcopy(padded)
     use_varlen_attention(packed)
     ids, mask, _ = _ppo_batch(padded.config.vocab_size, pad=0)
-    a = token_values(padded, ids, mask)
-    b = token_values(packed, ids, mask, packed=True)
+    a = token_values(padded, forward_inputs(ids, mask))
+    b = token_values(packed, forward_inputs(ids, mask, packed=True))
     assert b.shape == a.shape
     on = mask.bool()
     torch.testing.assert_close(b[on], a[on], rtol=1e-5, atol=1e-5)
@@ -183,13 +190,16 @@ def test_packed_token_values_match_padded_at_attended_positions(tiny_qwen2):
 
 def test_entropy_keeps_no_graph_unless_its_gradient_is_wanted(tiny_qwen2):
     from fsdp_rlhf.models.forward import response_logprobs
+    from fsdp_rlhf.models.inputs import forward_inputs
     from fsdp_rlhf.models.load import load_causal_lm
 
     model = load_causal_lm(tiny_qwen2, BackendConfig(), "cpu")
     ids, mask, rmask = _ppo_batch(model.config.vocab_size, pad=0)
     T = rmask.shape[1]
-    lp, metric = response_logprobs(model, ids, mask, T, with_entropy=True, entropy_grad=False)
-    _, trained = response_logprobs(model, ids, mask, T, with_entropy=True)
+    lp, metric = response_logprobs(
+        model, forward_inputs(ids, mask), T, with_entropy=True, entropy_grad=False
+    )
+    _, trained = response_logprobs(model, forward_inputs(ids, mask), T, with_entropy=True)
     assert lp.requires_grad and not metric.requires_grad and trained.requires_grad
     torch.testing.assert_close(metric, trained.detach())
 
@@ -199,6 +209,7 @@ def test_packed_sliding_window_layers_match_the_padded_forward(tmp_path, grad):
     """Gemma 3's local layers see their last ``sliding_window`` keys in packed forwards too
     (sequences here are twice the window of the tiny model)."""
     from fsdp_rlhf.models.forward import response_logprobs
+    from fsdp_rlhf.models.inputs import forward_inputs
     from fsdp_rlhf.models.load import load_causal_lm
     from fsdp_rlhf.testing.tiny import build_family
 
@@ -209,9 +220,9 @@ def test_packed_sliding_window_layers_match_the_padded_forward(tmp_path, grad):
         g, model.config.vocab_size, [12, 20, 7], [20, 14, 25], 20, 25
     )
     with torch.set_grad_enabled(grad):
-        padded, _ = response_logprobs(model, ids, mask, 25)
+        padded, _ = response_logprobs(model, forward_inputs(ids, mask), 25)
         use_varlen_attention(model, "cpu")
-        packed, _ = response_logprobs(model, ids, mask, 25, packed=True)
+        packed, _ = response_logprobs(model, forward_inputs(ids, mask, packed=True), 25)
     on = rmask.bool()
     torch.testing.assert_close(packed[on], padded[on], rtol=1e-5, atol=1e-5)
 
@@ -221,6 +232,7 @@ def test_packed_linear_attention_restarts_at_each_sequence(tmp_path, grad):
     """Qwen3.5's gated-delta-net layers (transformers' PyTorch fallback, no kernel package)
     carry no state from one packed sequence into the next: packed equals padded."""
     from fsdp_rlhf.models.forward import response_logprobs
+    from fsdp_rlhf.models.inputs import forward_inputs
     from fsdp_rlhf.models.load import load_causal_lm
     from fsdp_rlhf.testing.tiny import build_family
 
@@ -228,8 +240,8 @@ def test_packed_linear_attention_restarts_at_each_sequence(tmp_path, grad):
     g = torch.Generator().manual_seed(1)
     ids, mask, rmask = ppo_layout_batch(g, model.config.vocab_size, [12, 20, 7], [9, 14, 5], 20, 14)
     with torch.set_grad_enabled(grad):
-        padded, _ = response_logprobs(model, ids, mask, 14)
+        padded, _ = response_logprobs(model, forward_inputs(ids, mask), 14)
         use_varlen_attention(model, "cpu")
-        packed, _ = response_logprobs(model, ids, mask, 14, packed=True)
+        packed, _ = response_logprobs(model, forward_inputs(ids, mask, packed=True), 14)
     on = rmask.bool()
     torch.testing.assert_close(packed[on], padded[on], rtol=1e-4, atol=1e-4)

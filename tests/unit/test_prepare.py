@@ -64,8 +64,9 @@ def _one_process(monkeypatch):
 
 
 def test_prepare_accepts_a_good_config(models, tmp_path):
-    plan, rows = prepare(ppo_cfg(models, tmp_path / "out", "--apply_chat_template"), 1)
+    plan, rows, kinds = prepare(ppo_cfg(models, tmp_path / "out", "--apply_chat_template"), 1)
     assert len(rows) == 8 and not (tmp_path / "out").exists()
+    assert kinds["--pretrain"].label == "dense"  # read once here, carried to the trainer
 
 
 def test_normalize_reward_without_statistics_is_an_error(models, tmp_path):
@@ -175,5 +176,5 @@ def test_no_colocate_all_is_refused_not_ignored(models, tmp_path):
 
 def test_lora_with_the_hf_engine_is_refused(models, tmp_path):
     cfg = ppo_cfg(models, tmp_path / "out", "--lora_rank", "8", "--rollout_engine", "hf")
-    with pytest.raises(UserError, match="--lora_rank needs --rollout_engine vllm"):
+    with pytest.raises(UserError, match="--lora_rank with --rollout_engine hf: .* full weights"):
         prepare(cfg, 1)

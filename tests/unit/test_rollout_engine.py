@@ -143,6 +143,7 @@ PROMPTS = [[20, 21, 22, 23, 24], [30, 31], [40, 41, 42]]
 
 def test_hf_engine_greedy_stop_and_logprobs(tiny_qwen2):
     from fsdp_rlhf.models.forward import response_logprobs
+    from fsdp_rlhf.models.inputs import forward_inputs
 
     model = _model(tiny_qwen2)
     engine = HFEngine(copy.deepcopy(model), pad_token_id=PAD, eos_token_ids=[EOS], seed=0)
@@ -163,7 +164,9 @@ def test_hf_engine_greedy_stop_and_logprobs(tiny_qwen2):
     out = engine.generate(PROMPTS, sampling)
     ids, mask = out.sequences()
     with torch.no_grad():
-        lp, _ = response_logprobs(model, ids, mask, out.response_ids.shape[1], temperature=0.7)
+        lp, _ = response_logprobs(
+            model, forward_inputs(ids, mask), out.response_ids.shape[1], temperature=0.7
+        )
     assert ((lp - out.engine_logprobs).abs() * out.response_mask).max() < 1e-4
     assert (out.engine_logprobs[out.response_mask == 0] == 0).all()
 

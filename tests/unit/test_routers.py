@@ -136,7 +136,10 @@ def test_rule_recomputes_the_routers_own_weights(name, dtype):
 
 
 def test_every_family_of_the_matrix_has_a_rule():
-    from fsdp_rlhf.models.moe import is_moe, unsupported_router
+    """Every router of every MoE family has a rule, and the kind the rules table reads (its
+    router, found on a meta-device build) names a router with one."""
+    from fsdp_rlhf.models.kind import kind_from_config
+    from fsdp_rlhf.models.moe import ROUTERS, is_moe
     from fsdp_rlhf.testing.tiny import FAMILIES
 
     for fam in FAMILIES.values():
@@ -150,7 +153,12 @@ def test_every_family_of_the_matrix_has_a_rule():
         with torch.device("meta"):
             model = getattr(transformers, fam.model_class)(config)
         assert is_moe(model), fam.name
-        assert unsupported_router(model) is None, fam.name
+        routers = {type(m).__name__ for m in model.modules()}
+        routers = {name for name in routers if name.lower().endswith("router")}
+        assert routers and routers <= set(ROUTERS), (fam.name, routers)
+        config.architectures = [fam.model_class]
+        kind = kind_from_config(fam.name, config)
+        assert kind.moe and kind.router in ROUTERS, (fam.name, kind.router)
 
 
 # ---------------------------------------------------------------- replayed experts

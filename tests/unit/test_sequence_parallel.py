@@ -19,6 +19,7 @@ from fsdp_rlhf.config import (
     plan_ppo_batches,
 )
 from fsdp_rlhf.config_base import ConfigError, build_config
+from fsdp_rlhf.distributed.layout import ParallelLayout, build_layout
 from fsdp_rlhf.distributed.memory import (
     GIB,
     JobFlags,
@@ -29,9 +30,8 @@ from fsdp_rlhf.distributed.memory import (
     sequence_parallel_needed,
     sequence_parallel_options,
 )
-from fsdp_rlhf.distributed.sequence_parallel import SequenceParallel, layout, share_range
+from fsdp_rlhf.distributed.sequence_parallel import SequenceParallel, share_range
 from fsdp_rlhf.errors import UserError
-from fsdp_rlhf.models.load import check_sequence_parallel
 from fsdp_rlhf.models.ulysses import head_problem
 from fsdp_rlhf.rollout import RolloutOutput
 
@@ -54,7 +54,12 @@ def test_shares_are_contiguous_and_cover_everything():
     parts = [SequenceParallel(size=3, rank=r).share(items) for r in range(3)]
     assert sum(parts, []) == items and [len(p) for p in parts] == [3, 2, 2]
     assert SequenceParallel().share(items) == items
-    assert layout().size == 1 and layout().dp_size == 1  # no process group: one data rank
+    one = build_layout()  # no process group: one rank, its own data shard
+    assert one.sp.size == 1 and one.dp_size == 1 and one.data_group is None
+    four = ParallelLayout(world_size=4, rank=3, sp=SequenceParallel(size=2, rank=1))
+    assert (four.dp_size, four.dp_rank) == (2, 1)
+    with pytest.raises(ValueError, match="does not divide"):
+        ParallelLayout(world_size=3, sp=SequenceParallel(size=2))
 
 
 def test_batch_plans_count_data_parallel_ranks():
@@ -88,19 +93,28 @@ def _config_only(root: Path, heads: int, kv: int, **extra) -> str:
 
 
 def test_sizes_are_checked_against_every_model_before_loading(tmp_path):
+    """The rules table's sequence-parallel rows read every model's heads from its config."""
+    from fsdp_rlhf.rules import check_command
+
     ok = _config_only(tmp_path / "ok", 6, 2)
     one_kv = _config_only(tmp_path / "kv1", 4, 1)
     nine = _config_only(tmp_path / "nine", 9, 3)
-    check_sequence_parallel(2, 2, {"--pretrain": ok, "--reward_pretrain": one_kv})
-    check_sequence_parallel(1, 3, {"--pretrain": nine})  # off: nothing to check
+
+    def ppo(n: int, pretrain: str, reward: str | None = None):
+        argv = ["--pretrain", pretrain, "--sequence_parallel_size", str(n)]
+        argv += (
+            ["--reward_pretrain", reward] if reward else ["--advantage_estimator", "reinforce++"]
+        )
+        return build_config(PPOConfig, argv)[0]
+
+    check_command("ppo", ppo(2, ok, one_kv))
+    check_command("ppo", ppo(1, nine))  # off: nothing to check
     with pytest.raises(UserError) as e:
-        check_sequence_parallel(2, 4, {"--pretrain": ok, "--reward_pretrain": nine})
+        check_command("ppo", ppo(2, ok, nine))
     assert "--reward_pretrain" in str(e.value) and "9 attention heads" in str(e.value)
     assert "sequence_parallel_size 2" in str(e.value) and "\n" not in str(e.value)
-    with pytest.raises(UserError, match="must divide the world size 3"):
-        check_sequence_parallel(2, 3, {"--pretrain": ok})
     with pytest.raises(UserError, match="--pretrain .*does not exist"):
-        check_sequence_parallel(2, 2, {"--pretrain": str(tmp_path / "missing")})
+        check_command("ppo", ppo(2, str(tmp_path / "missing")))
 
 
 def test_rollouts_of_a_group_merge_in_rank_order():

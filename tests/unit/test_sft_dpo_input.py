@@ -120,7 +120,7 @@ def bad(tiny_qwen2, tmp_path):
         "empty side": (dpo + ["--dataset", str(tmp_path / "empty.jsonl")],
                        r"empty\.jsonl: row 1: 'chosen' is empty"),
         "ipo + smoothing": (dpo + ["--dataset", str(tmp_path / "pairs.jsonl"), "--ipo",
-                                   "--label_smoothing", "0.1"], r"IPO has no label smoothing"),
+                                   "--label_smoothing", "0.1"], r"--label_smoothing with --ipo"),
         "margin key": (dpo + ["--dataset", str(tmp_path / "pairs.jsonl"), "--margin_key", "m"],
                        r"--margin_key is train-rm's"),
         "missing ref": (dpo + ["--dataset", str(tmp_path / "pairs.jsonl"), "--ref_pretrain",
@@ -167,7 +167,9 @@ def test_tokenizer_chat_template_replaces_the_tokenizers(tiny_qwen2, tmp_path):
             template, "--save_path", str(tmp_path / "out"), "--train_batch_size", "2",
             "--micro_train_batch_size", "1"]  # fmt: skip
     cfg, _ = build_config(SFTConfig, argv)
-    data = prepare_sft_data(cfg, plan_offline_batches(cfg.batch, 1))
+    from fsdp_rlhf.rules import check_command
+
+    data = prepare_sft_data(cfg, plan_offline_batches(cfg.batch, 1), check_command("sft", cfg))
     ids, mask = data.train[0]["input_ids"], data.train[0]["loss_mask"]
     assert data.tokenizer.decode(ids) == "[user]hello[assistant]one two"
     assert data.tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m]) == "one two"
@@ -195,6 +197,7 @@ def test_dpo_and_sft_end_chat_rows_with_the_templates_end_of_turn(tiny_qwen2, tm
 
     from fsdp_rlhf.config import DPOConfig, SFTConfig, plan_offline_batches
     from fsdp_rlhf.config_base import build_config
+    from fsdp_rlhf.rules import check_command
     from fsdp_rlhf.trainers.offline.data import prepare_dpo_data, prepare_sft_data
 
     model = tmp_path / "model"
@@ -219,8 +222,12 @@ def test_dpo_and_sft_end_chat_rows_with_the_templates_end_of_turn(tiny_qwen2, tm
     dpo, _ = build_config(DPOConfig, [*common, "--dataset", str(tmp_path / "pairs.jsonl"), *keys])
     sft, _ = build_config(SFTConfig, [*common, "--dataset", str(tmp_path / "sft.jsonl"),
                           "--input_key", "i", "--output_key", "o"])  # fmt: skip
-    pairs = prepare_dpo_data(dpo, plan_offline_batches(dpo.batch, 1)).train
-    samples = prepare_sft_data(sft, plan_offline_batches(sft.batch, 1)).train
+
+    def prepared(prepare_data, command, cfg):
+        return prepare_data(cfg, plan_offline_batches(cfg.batch, 1), check_command(command, cfg))
+
+    pairs = prepared(prepare_dpo_data, "dpo", dpo).train
+    samples = prepared(prepare_sft_data, "sft", sft).train
     full = tok.apply_chat_template(user + good, tokenize=False)
     assert full.endswith("red<|im_end|>\n")
     expected = tok(full, add_special_tokens=False)["input_ids"]
@@ -231,5 +238,5 @@ def test_dpo_and_sft_end_chat_rows_with_the_templates_end_of_turn(tiny_qwen2, tm
     plain = [a for a in common if a != "--apply_chat_template"]
     write_jsonl(tmp_path / "plain.jsonl", [strings] * 8)
     dpo, _ = build_config(DPOConfig, [*plain, "--dataset", str(tmp_path / "plain.jsonl"), *keys])
-    ids = prepare_dpo_data(dpo, plan_offline_batches(dpo.batch, 1)).train[0]["chosen_ids"]
+    ids = prepared(prepare_dpo_data, "dpo", dpo).train[0]["chosen_ids"]
     assert ids[-1] == tok.eos_token_id and tok.decode(ids[:-1]) == "cat dogred"

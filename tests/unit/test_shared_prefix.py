@@ -12,6 +12,7 @@ import torch
 from fsdp_rlhf.config import BackendConfig
 from fsdp_rlhf.models.compile import compile_blocks
 from fsdp_rlhf.models.forward import response_logprobs
+from fsdp_rlhf.models.inputs import forward_inputs
 from fsdp_rlhf.models.load import load_causal_lm
 from fsdp_rlhf.models.shared_prefix import (
     share_prompts,
@@ -43,7 +44,12 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 def _logprobs_and_grads(model, ids, mask, group_size):
     model.zero_grad(set_to_none=True)
-    lp, ent = response_logprobs(model, ids, mask, T, with_entropy=True, group_size=group_size)
+    lp, ent = response_logprobs(
+        model,
+        forward_inputs(ids, mask, group_size=group_size, response_len=T),
+        T,
+        with_entropy=True,
+    )
     weights = torch.linspace(0.5, 2.0, lp.shape[0])[:, None]
     (lp * weights + 0.1 * ent).sum().backward()
     return lp.detach(), ent.detach(), _grads(model)
@@ -70,8 +76,10 @@ def test_shared_prompt_no_grad_forward_matches_padded(model_fixture, request):
     model = load_causal_lm(request.getfixturevalue(model_fixture), BackendConfig(), "cpu")
     ids, mask, rmask = grouped_batch(model.config.vocab_size, seed=3)
     with torch.no_grad():
-        ref, _ = response_logprobs(model, ids, mask, T, temperature=0.7)
-        got, _ = response_logprobs(model, ids, mask, T, temperature=0.7, group_size=S)
+        ref, _ = response_logprobs(model, forward_inputs(ids, mask), T, temperature=0.7)
+        got, _ = response_logprobs(
+            model, forward_inputs(ids, mask, group_size=S, response_len=T), T, temperature=0.7
+        )
     on = rmask.bool()
     torch.testing.assert_close(got[on], ref[on], rtol=1e-5, atol=1e-5)
 
@@ -84,8 +92,10 @@ def test_shared_prompt_sees_masked_response_tokens_as_the_padded_row_does(tiny_q
     mask[1, P + 1] = 0
     rmask[1, 1] = 0
     with torch.no_grad():
-        ref, _ = response_logprobs(model, ids, mask, T)
-        got, _ = response_logprobs(model, ids, mask, T, group_size=S)
+        ref, _ = response_logprobs(model, forward_inputs(ids, mask), T)
+        got, _ = response_logprobs(
+            model, forward_inputs(ids, mask, group_size=S, response_len=T), T
+        )
     on = rmask.bool()
     torch.testing.assert_close(got[on], ref[on], rtol=1e-5, atol=1e-5)
 
@@ -147,9 +157,11 @@ def test_shared_prompt_compiled_blocks_match_eager_without_recompiling(tiny_qwen
         cut = int(rmask.sum(-1).max()) if i == 1 else T  # a narrower response window too
         ids, mask, rmask = ids[:, : P + cut], mask[:, : P + cut], rmask[:, :cut]
         with torch._dynamo.config.patch(error_on_recompile=i > 0):
-            got, _ = response_logprobs(compiled, ids, mask, cut, group_size=S)
+            got, _ = response_logprobs(
+                compiled, forward_inputs(ids, mask, group_size=S, response_len=cut), cut
+            )
             got.sum().backward()
-        ref, _ = response_logprobs(eager, ids, mask, cut)
+        ref, _ = response_logprobs(eager, forward_inputs(ids, mask), cut)
         on = rmask.bool()
         torch.testing.assert_close(got[on], ref[on].detach(), rtol=1e-4, atol=1e-4)
 
@@ -203,7 +215,8 @@ def test_shared_pair_scores_and_grads_match_padded(
 ):
     from fsdp_rlhf.models import attention
     from fsdp_rlhf.models.attention import use_varlen_attention
-    from fsdp_rlhf.models.forward import sequence_scores, shared_pair_scores
+    from fsdp_rlhf.models.forward import sequence_scores
+    from fsdp_rlhf.models.inputs import forward_inputs
     from fsdp_rlhf.models.load import load_scalar_model
 
     monkeypatch.setattr(attention, "CPU_EXPLICIT_ATTENTION_MAX_LEN", explicit_max_len)
@@ -213,7 +226,8 @@ def test_shared_pair_scores_and_grads_match_padded(
     shared = copy.deepcopy(padded)
     use_varlen_attention(shared)
     ids, mask = pair_batch(padded.config.vocab_size, seed=1)
-    a, b = sequence_scores(padded, ids, mask), shared_pair_scores(shared, ids, mask)
+    a = sequence_scores(padded, forward_inputs(ids, mask))
+    b = sequence_scores(shared, forward_inputs(ids, mask, pairs=True))
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     weights = torch.linspace(1.0, 2.0, a.shape[0])
     (a * weights).sum().backward()

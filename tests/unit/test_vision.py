@@ -170,14 +170,14 @@ def test_image_batch_follows_its_rows():
 
 
 def test_token_types_and_inputs_without_images():
-    from fsdp_rlhf.models.vision import vision_model_inputs
+    from fsdp_rlhf.models.inputs import forward_inputs
 
     tokens = VisionTokens(image=6, video=7, start=4, end=5)
     ids = torch.tensor([[0, 4, 6, 6, 5, 9], [4, 7, 7, 5, 9, 9]])
     assert tokens.token_types(ids).tolist() == [[0, 0, 1, 1, 0, 0], [0, 2, 2, 0, 0, 0]]
     assert tokens.placeholders == (6, 7, 4, 5)
     mask = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
-    text = vision_model_inputs(tokens, ids, mask, ImageBatch([None, None]))
+    text = forward_inputs(ids, mask, images=ImageBatch([None, None]), vision=tokens).kwargs
     assert text["position_ids"].tolist()[0] == [0, 0, 1, 2, 3, 4] and "pixel_values" not in text
 
 
@@ -203,6 +203,7 @@ def test_suppressed_tokens_have_no_probability_and_finite_entropy(tiny_vl):
 def test_vlm_loads_with_a_non_causal_vision_tower_and_images_change_logits(tiny_vl, vision):
     from fsdp_rlhf.config import BackendConfig
     from fsdp_rlhf.models.forward import response_logprobs
+    from fsdp_rlhf.models.inputs import forward_inputs
     from fsdp_rlhf.models.load import load_causal_lm
     from fsdp_rlhf.models.vision import vision_tower
 
@@ -217,7 +218,8 @@ def test_vlm_loads_with_a_non_causal_vision_tower_and_images_change_logits(tiny_
         x = torch.tensor([row])
         mask = (torch.arange(len(row)) >= left_pad).long()[None]
         with torch.no_grad():
-            return response_logprobs(model, x, mask, 2, images=ImageBatch([inputs]))[0]
+            built = forward_inputs(x, mask, images=ImageBatch([inputs]), vision=vision.tokens)
+            return response_logprobs(model, built, 2)[0]
 
     red = logprobs("red")
     assert not torch.allclose(red, logprobs("blue"))  # the pixels reach the logits

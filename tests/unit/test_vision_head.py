@@ -48,6 +48,14 @@ def _close(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return rel
 
 
+def _inputs(model, ids: torch.Tensor, mask: torch.Tensor, images: ImageBatch):
+    """The forward of padded VLM rows with their images (``models.inputs``)."""
+    from fsdp_rlhf.models.inputs import forward_inputs
+    from fsdp_rlhf.models.vision import VisionTokens
+
+    return forward_inputs(ids, mask, images=images, vision=VisionTokens.from_config(model.config))
+
+
 def _lm_head_inputs(causal, inputs: dict) -> torch.Tensor:
     """The hidden states the causal VLM's LM head reads at every position: (B, L, H)."""
     seen: list[torch.Tensor] = []
@@ -86,7 +94,7 @@ def test_values_are_the_head_on_the_language_models_hidden_states(tiny):
     from fsdp_rlhf.config import BackendConfig
     from fsdp_rlhf.models.forward import sequence_scores, token_values
     from fsdp_rlhf.models.load import load_causal_lm, load_scalar_model
-    from fsdp_rlhf.models.vision import VisionTokens, vision_model_inputs, vision_tower
+    from fsdp_rlhf.models.vision import vision_tower
 
     cpu = torch.device("cpu")
     critic = load_scalar_model(tiny, BackendConfig(), cpu)
@@ -95,22 +103,23 @@ def test_values_are_the_head_on_the_language_models_hidden_states(tiny):
     assert vision_tower(critic) is critic.model.visual
     assert critic.config.vision_config._attn_implementation == "sdpa"  # non-causal tower
     alone, ids, mask, images = _rows(tiny)
-    tokens = VisionTokens.from_config(critic.config)
     with torch.no_grad():
-        values = token_values(critic, ids, mask, images=images)
-        scores = sequence_scores(critic, ids, mask, images=images)
-        hidden = _lm_head_inputs(causal, vision_model_inputs(tokens, ids, mask, images))
+        values = token_values(critic, _inputs(critic, ids, mask, images))
+        scores = sequence_scores(critic, _inputs(critic, ids, mask, images))
+        hidden = _lm_head_inputs(causal, _inputs(critic, ids, mask, images).kwargs)
         expected = (hidden @ critic.score.weight.T).squeeze(-1)
         attended = mask.bool()
         rel = _close(values[attended], expected[attended])
         # each row alone, unpadded: the same values at its tokens (left and right padding)
         padding = 0.0
         for row, (x, inputs) in enumerate(alone):
-            one = token_values(critic, x, torch.ones_like(x), images=ImageBatch([inputs]))[0]
+            one = token_values(
+                critic, _inputs(critic, x, torch.ones_like(x), ImageBatch([inputs]))
+            )[0]
             padding = max(padding, _close(values[row][attended[row]], one))
             _close(scores[row : row + 1], one[-1:])
         # the pixels reach the values: the red row with the blue image differs
-        swapped = token_values(critic, ids[:1], mask[:1], images=images[[1]])
+        swapped = token_values(critic, _inputs(critic, ids[:1], mask[:1], images[[1]]))
         assert (swapped - values[:1]).abs().max() > 1e-4
     print(f"{tiny}: relative difference to head(hidden) {rel:.1e}, padded/alone {padding:.1e}")
 
@@ -137,8 +146,8 @@ def test_scalar_checkpoint_format_and_round_trip(tiny, tmp_path):
     assert shapes == {n: p.shape for n, p in skeleton.named_parameters()}
     _, ids, mask, images = _rows(tiny)
     with torch.no_grad():
-        before = token_values(critic, ids, mask, images=images)
-        after = token_values(again, ids, mask, images=images)
+        before = token_values(critic, _inputs(critic, ids, mask, images))
+        after = token_values(again, _inputs(again, ids, mask, images))
     assert torch.equal(before, after)
 
 
@@ -204,7 +213,6 @@ def test_qwen3_5_vlm_values_and_round_trip(moe, tmp_path):
     from fsdp_rlhf.config import BackendConfig
     from fsdp_rlhf.models.forward import token_values
     from fsdp_rlhf.models.load import load_scalar_model
-    from fsdp_rlhf.models.vision import VisionTokens, vision_model_inputs
     from fsdp_rlhf.models.vision_head import vision_scalar_class
 
     config = _qwen3_5_vlm(moe)
@@ -221,14 +229,14 @@ def test_qwen3_5_vlm_values_and_round_trip(moe, tmp_path):
     ids, mask = torch.tensor([row]), torch.ones(1, len(row), dtype=torch.long)
     images = ImageBatch([image])
     with torch.no_grad():
-        values = token_values(critic, ids, mask, images=images)
-        inputs = vision_model_inputs(VisionTokens.from_config(config), ids, mask, images)
+        values = token_values(critic, _inputs(critic, ids, mask, images))
+        inputs = _inputs(critic, ids, mask, images).kwargs
         hidden = _lm_head_inputs(causal, inputs)
         _close(values[0], (hidden @ critic.score.weight.T)[0, :, 0])
         critic.save_pretrained(tmp_path / "critic")
         saved = str(tmp_path / "critic")
         again = load_scalar_model(saved, BackendConfig(), torch.device("cpu"))
-        assert torch.equal(token_values(again, ids, mask, images=images), values)
+        assert torch.equal(token_values(again, _inputs(again, ids, mask, images)), values)
 
 
 def test_ppo_values_and_scores_take_each_rows_images(built):
@@ -237,7 +245,9 @@ def test_ppo_values_and_scores_take_each_rows_images(built):
     padded batch gives, and dropping the images changes the result."""
     from fsdp_rlhf.config import BackendConfig
     from fsdp_rlhf.models.forward import sequence_scores, token_values
+    from fsdp_rlhf.models.inputs import InputSpec
     from fsdp_rlhf.models.load import load_scalar_model
+    from fsdp_rlhf.models.vision import VisionTokens
     from fsdp_rlhf.trainers.experience import Experience, batched_scores, batched_values
 
     path = built("qwen2_5_vl")
@@ -254,24 +264,51 @@ def test_ppo_values_and_scores_take_each_rows_images(built):
         images=images,
     )
     with torch.no_grad():
-        whole = token_values(critic, ids, mask, images=images)[:, -T - 1 : -1] * response_mask
-        _close(batched_values(critic, exp, 1), whole)
-        _close(batched_scores(critic, exp, 1), sequence_scores(critic, ids, mask, images=images))
-        blind = batched_values(critic, Experience(**{**exp.__dict__, "images": None}), 1)
+        whole = (
+            token_values(critic, _inputs(critic, ids, mask, images))[:, -T - 1 : -1] * response_mask
+        )
+        spec = InputSpec("padded", vision=VisionTokens.from_config(critic.config))
+        _close(batched_values(critic, exp, 1, spec), whole)
+        _close(
+            batched_scores(critic, exp, 1, spec),
+            sequence_scores(critic, _inputs(critic, ids, mask, images)),
+        )
+        blind = batched_values(critic, Experience(**{**exp.__dict__, "images": None}), 1, spec)
     assert (blind - whole).abs().max() > 1e-4
 
 
 def test_a_vlm_actor_refuses_a_critic_that_cannot_see_its_images(built, tmp_path):
+    """The rules table's rows about a VLM actor's critic and reward model (read from the
+    models' kinds): one of the actor's family passes, a text-only one and one with other
+    patches are refused by name."""
     from transformers import Qwen2Config
 
-    from fsdp_rlhf.trainers.ppo_vision import scalar_model_problem
+    from fsdp_rlhf.models.kind import read_model_kind
+    from fsdp_rlhf.rules import RULES, Setting
 
     actor, other = built("qwen2_5_vl"), built("qwen3_vl")
     Qwen2Config(hidden_size=64, num_attention_heads=2).save_pretrained(tmp_path / "text")
-    assert scalar_model_problem(actor, actor, False) is None
-    assert "text-only" in scalar_model_problem(actor, str(tmp_path / "text"), False)
-    # the same tokenizer, other patches (14 px against 16 px)
-    assert "vision_config.patch_size" in scalar_model_problem(actor, other, False)
+    rows = {r.id: r for r in RULES}
+
+    def refused(flag: str, path: str) -> list[str]:
+        models = {
+            "--pretrain": read_model_kind(actor, "--pretrain"),
+            flag: read_model_kind(path, flag),
+        }
+        lines = [
+            rows[f"vlm-{k}-{w}"].message(Setting("ppo", None, models))
+            for k in ("text", "other-family")
+            for w in ("critic", "reward-model")
+        ]
+        return [line for line in lines if line is not None]
+
+    for flag in ("--critic_pretrain", "--reward_pretrain"):
+        assert refused(flag, actor) == []
+        (text,) = refused(flag, str(tmp_path / "text"))
+        assert f"{flag} {tmp_path / 'text'} is text-only" in text
+        # the same tokenizer, other patches (14 px against 16 px)
+        (patches,) = refused(flag, other)
+        assert "vision_config.patch_size" in patches and flag in patches
 
 
 def test_lora_on_a_vlm_critic_skips_the_tower_and_trains_the_head(built):

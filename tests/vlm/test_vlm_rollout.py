@@ -28,10 +28,17 @@ def _responses(out) -> list[list[int]]:
 
 def _trainer_gap(actor, out, images) -> float:
     from fsdp_rlhf.models.forward import response_logprobs
+    from fsdp_rlhf.models.inputs import forward_inputs
+    from fsdp_rlhf.models.vision import VisionTokens
 
     ids, mask = out.sequences()
+    vision = VisionTokens.from_config(actor.config)
     with torch.no_grad():
-        lp, _ = response_logprobs(actor, ids, mask, out.response_ids.shape[1], images=images)
+        lp, _ = response_logprobs(
+            actor,
+            forward_inputs(ids, mask, images=images, vision=vision),
+            out.response_ids.shape[1],
+        )
     return ((lp - out.engine_logprobs).abs() * out.response_mask).max().item()
 
 
@@ -124,9 +131,14 @@ def _checks(rank: int, world: int, model_path: str, image_dir: str, tp: int) -> 
 
     # one update on the sampled rows (images included), then a full sync
     from fsdp_rlhf.models.forward import response_logprobs
+    from fsdp_rlhf.models.inputs import forward_inputs
+    from fsdp_rlhf.models.vision import VisionTokens
 
     sq, sm = s0.sequences()
-    lp, _ = response_logprobs(actor, sq, sm, s0.response_ids.shape[1], images=rows_s0)
+    vision = VisionTokens.from_config(actor.config)
+    lp, _ = response_logprobs(
+        actor, forward_inputs(sq, sm, images=rows_s0, vision=vision), s0.response_ids.shape[1]
+    )
     (-(lp * s0.response_mask).sum() / s0.response_mask.sum()).backward()
     opt.step()
     opt.zero_grad()
@@ -172,7 +184,7 @@ def _checks(rank: int, world: int, model_path: str, image_dir: str, tp: int) -> 
         from fsdp_rlhf.models.vision import ImageBatch
 
         x, m, im = text_ids, mask, ImageBatch([None])
-    lp, _ = response_logprobs(actor, x, m, 2, images=im)
+    lp, _ = response_logprobs(actor, forward_inputs(x, m, images=im, vision=vision), 2)
     lp.sum().backward()  # gradients reduced over both ranks, the tower's included
     res["mixed_step_ok"] = all(
         torch.isfinite(p.grad.full_tensor()).all() for p in actor.parameters() if p.grad is not None

@@ -24,7 +24,8 @@ from fsdp_rlhf.data.sft import row_problem, tokenize_samples
 from fsdp_rlhf.data.sources import RowCheck, load_sources
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.models.compile import check_compile_toolchain
-from fsdp_rlhf.models.load import check_model_path, is_vision_language, load_tokenizer
+from fsdp_rlhf.models.kind import ModelKind
+from fsdp_rlhf.models.load import check_model_path, load_tokenizer
 from fsdp_rlhf.models.save import check_save_path, recover_interrupted_export
 from fsdp_rlhf.trainers.offline.trainer import TrainData, steps_per_epoch
 
@@ -60,14 +61,12 @@ def check_paths(cfg: RMConfig | SFTConfig | DPOConfig) -> None:
         raise UserError(f"--input_template {d.input_template!r}: must contain {{}} for the prompt")
 
 
-def vision_processor(cfg: RMConfig | SFTConfig | DPOConfig):
-    """A VLM's processor (None for a text model); ``--freeze_visual_encoder`` needs a VLM."""
+def vision_processor(cfg: RMConfig | SFTConfig | DPOConfig, model: ModelKind):
+    """A VLM's processor (None for a text model; ``model``: ``--pretrain``'s kind)."""
     from fsdp_rlhf.data.vision import VisionProcessor
 
     path, trust = cfg.model.pretrain, cfg.backend.trust_remote_code
-    if not is_vision_language(path, trust):
-        if cfg.vision.freeze_visual_encoder:
-            raise UserError(f"--freeze_visual_encoder: --pretrain {path} is text-only")
+    if not model.is_vlm:
         return None
     vision = VisionProcessor.from_pretrained(path, trust)
     if cfg.data.tokenizer_chat_template is not None:
@@ -134,7 +133,9 @@ def load_raw(
     return train_raw, eval_raw, tokenizer
 
 
-def prepare_rm_data(cfg: RMConfig, plan: OfflineBatchPlan) -> TrainData:
+def prepare_rm_data(
+    cfg: RMConfig, plan: OfflineBatchPlan, kinds: dict[str, ModelKind]
+) -> TrainData:
     """Validate flags and data, then tokenize train and eval pairs once (columns
     ``chosen_ids``, ``rejected_ids``[, ``margin``]).
 
@@ -143,7 +144,7 @@ def prepare_rm_data(cfg: RMConfig, plan: OfflineBatchPlan) -> TrainData:
     """
     check_paths(cfg)
     d = cfg.data
-    vision = vision_processor(cfg)  # a VLM: the head goes on its language model
+    vision = vision_processor(cfg, kinds["--pretrain"])  # a VLM: the head on its LM
     # a pair's images belong to its prompt (or, without one, to the chosen conversation)
     check = with_images(None, cfg, d.prompt_key or d.chosen_key, vision is not None)
     optional = (cfg.vision.image_key,)
@@ -158,14 +159,16 @@ def prepare_rm_data(cfg: RMConfig, plan: OfflineBatchPlan) -> TrainData:
     if len(eval_pairs) == 0:
         raise UserError("the eval set is empty (after dropping identical pairs)")
     steps = steps_per_epoch(len(train), cfg, plan, len(eval_pairs), "pairs")
-    return TrainData(tokenizer, train, eval_pairs, steps, vision)
+    return TrainData(tokenizer, train, eval_pairs, steps, vision, kinds)
 
 
-def prepare_sft_data(cfg: SFTConfig, plan: OfflineBatchPlan) -> TrainData:
+def prepare_sft_data(
+    cfg: SFTConfig, plan: OfflineBatchPlan, kinds: dict[str, ModelKind]
+) -> TrainData:
     """Validate flags and every row, then tokenize train (and eval) samples once."""
     check_paths(cfg)
     d = cfg.data
-    vision = vision_processor(cfg)
+    vision = vision_processor(cfg, kinds["--pretrain"])
     columns = {"--input_key": d.input_key}
     if d.output_key is not None:
         columns["--output_key"] = d.output_key
@@ -180,7 +183,7 @@ def prepare_sft_data(cfg: SFTConfig, plan: OfflineBatchPlan) -> TrainData:
         eval_samples, _ = tokenize_samples(eval_raw, tokenizer, d, what="eval", **images)
     n_eval = len(eval_samples) if eval_samples is not None else 0
     steps = steps_per_epoch(len(train), cfg, plan, n_eval, "samples")
-    return TrainData(tokenizer, train, eval_samples, steps, vision)
+    return TrainData(tokenizer, train, eval_samples, steps, vision, kinds)
 
 
 def pair_problem(row: dict, chosen_key: str, rejected_key: str) -> str | None:
@@ -194,14 +197,14 @@ def pair_problem(row: dict, chosen_key: str, rejected_key: str) -> str | None:
     return None
 
 
-def prepare_dpo_data(cfg: DPOConfig, plan: OfflineBatchPlan) -> TrainData:
+def prepare_dpo_data(
+    cfg: DPOConfig, plan: OfflineBatchPlan, kinds: dict[str, ModelKind]
+) -> TrainData:
     """Validate flags and every pair, then tokenize train (and eval) pairs once, with each
     pair's prompt length."""
     check_paths(cfg)
-    if cfg.model.ref_pretrain:
-        check_model_path(cfg.model.ref_pretrain, "--ref_pretrain")
     d = cfg.data
-    vision = vision_processor(cfg)
+    vision = vision_processor(cfg, kinds["--pretrain"])
 
     def pair_check(row: dict) -> str | None:
         return pair_problem(row, d.chosen_key, d.rejected_key)
@@ -227,4 +230,4 @@ def prepare_dpo_data(cfg: DPOConfig, plan: OfflineBatchPlan) -> TrainData:
             raise UserError("--eval_dataset: no pair left after truncation to --max_len")
     n_eval = len(eval_pairs) if eval_pairs is not None else 0
     steps = steps_per_epoch(len(train), cfg, plan, n_eval, "pairs")
-    return TrainData(tokenizer, train, eval_pairs, steps, vision)
+    return TrainData(tokenizer, train, eval_pairs, steps, vision, kinds)

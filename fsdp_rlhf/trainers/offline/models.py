@@ -6,34 +6,38 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
 from fsdp_rlhf.config import PairBatchConfig, RMConfig
 from fsdp_rlhf.distributed.env import DistEnv
+from fsdp_rlhf.distributed.layout import ParallelLayout
 from fsdp_rlhf.models.attention import VARLEN_ATTENTION
-from fsdp_rlhf.models.load import is_vision_language, load_causal_lm, load_scalar_model
+from fsdp_rlhf.models.inputs import RowLayout
+from fsdp_rlhf.models.kind import ModelKind
+from fsdp_rlhf.models.load import load_causal_lm, load_scalar_model
 from fsdp_rlhf.models.lora import add_lora
 from fsdp_rlhf.models.ulysses import base_attention
-from fsdp_rlhf.models.vision import freeze_vision_tower, is_vision_config, prepare_policy
+from fsdp_rlhf.models.vision import freeze_vision_tower, prepare_policy
 from fsdp_rlhf.trainers.common import load_and_prepare, log_startup
 
 log = logging.getLogger("fsdp_rlhf")
 
-PairLayout = Literal["padded", "packed", "shared"]
 
-
-def build_reward_model(cfg: RMConfig, env: DistEnv, pad_token_id: int) -> nn.Module:
+def build_reward_model(
+    cfg: RMConfig, env: DistEnv, pad_token_id: int, parallel: ParallelLayout, kind: ModelKind
+) -> nn.Module:
     """Load the SFT model with a scalar head and shard it over all ranks (a VLM's head on its
-    language model, ``models.vision_head``; ``--freeze_visual_encoder`` freezes its tower)."""
+    language model, ``models.vision_head``; ``--freeze_visual_encoder`` freezes its tower).
+    ``kind``: ``--pretrain``'s (read in prepare)."""
     log_startup(env, cfg.fsdp.zero_stage, cfg.backend.bf16)
     # A freshly initialised head is rank 0's (the others receive its values); the seed makes
     # it the same from run to run.
     torch.manual_seed(cfg.seed)
-    packed = cfg.batch.packing_samples
-    if packed and is_vision_language(cfg.model.pretrain, cfg.backend.trust_remote_code):
+    packed = packs(cfg, kind)
+    if cfg.batch.packing_samples and not packed:
         log.info("--packing_samples: off for a vision-language model (its rows go padded)")
         packed = False
 
@@ -60,6 +64,7 @@ def build_reward_model(cfg: RMConfig, env: DistEnv, pad_token_id: int) -> nn.Mod
         env,
         cfg.fsdp,
         cfg.backend,
+        parallel=parallel,
         what="--pretrain",
         packed=packed,
         trainable=True,
@@ -69,27 +74,35 @@ def build_reward_model(cfg: RMConfig, env: DistEnv, pad_token_id: int) -> nn.Mod
     return model
 
 
-def packs(cfg: Any, model: nn.Module) -> bool:
-    """Whether the batches go through ``model`` packed: ``--packing_samples``, except for a
-    vision-language model (its M-RoPE positions and images are per padded row)."""
-    return cfg.batch.packing_samples and not is_vision_config(model.config)
+def packs(cfg: Any, kind: ModelKind) -> bool:
+    """Whether the batches go through a model of ``kind`` packed: ``--packing_samples``,
+    except for a vision-language model (its M-RoPE positions and images are per padded row;
+    the offline commands pad it, PPO refuses the pair: rules row ``vlm-packing``)."""
+    return cfg.batch.packing_samples and not kind.is_vlm
 
 
-def build_policy(cfg: Any, env: DistEnv, *, grad_reduce: str = "mean") -> nn.Module:
+def build_policy(
+    cfg: Any,
+    env: DistEnv,
+    parallel: ParallelLayout,
+    kind: ModelKind,
+    *,
+    grad_reduce: str = "mean",
+) -> nn.Module:
     """Load ``--pretrain`` as a causal LM (with adapters under ``--lora_rank``) and shard it.
     A VLM's placeholders are suppressed and, with ``--freeze_visual_encoder``, its vision
     tower frozen.
 
-    ``grad_reduce``: ``"sum"`` when the loss is normalised by a global token count (SFT).
+    ``kind``: ``--pretrain``'s (read in prepare). ``grad_reduce``: ``"sum"`` when the loss is
+    normalised by a global token count (SFT).
     """
     log_startup(env, cfg.fsdp.zero_stage, cfg.backend.bf16)
     torch.manual_seed(cfg.seed)  # the adapters' init (rank 0's reaches every rank)
     vision = getattr(cfg, "vision", None)
     freeze = vision is not None and vision.freeze_visual_encoder
-    packed = cfg.batch.packing_samples
-    if packed and is_vision_language(cfg.model.pretrain, cfg.backend.trust_remote_code):
+    packed = packs(cfg, kind)
+    if cfg.batch.packing_samples and not packed:
         log.info("--packing_samples: off for a vision-language model (its rows go padded)")
-        packed = False
 
     def load(weights: bool) -> nn.Module:
         model = load_causal_lm(cfg.model.pretrain, cfg.backend, env.device, weights=weights)
@@ -103,6 +116,7 @@ def build_policy(cfg: Any, env: DistEnv, *, grad_reduce: str = "mean") -> nn.Mod
         env,
         cfg.fsdp,
         cfg.backend,
+        parallel=parallel,
         what="--pretrain",
         packed=packed,
         trainable=True,
@@ -121,9 +135,11 @@ def reference_path(cfg: Any) -> str | None:
     return path
 
 
-def build_reference(cfg: Any, env: DistEnv) -> nn.Module | None:
+def build_reference(
+    cfg: Any, env: DistEnv, parallel: ParallelLayout, kinds: dict[str, ModelKind]
+) -> nn.Module | None:
     """The frozen reference (bf16 weights under ``--bf16``: no master copy to keep), or None
-    (see :func:`reference_path`)."""
+    (see :func:`reference_path`); ``kinds``: the command's models (read in prepare)."""
     path = reference_path(cfg)
     if path is None:
         log.info("reference: the policy with its LoRA adapters disabled")
@@ -137,28 +153,30 @@ def build_reference(cfg: Any, env: DistEnv) -> nn.Module | None:
         prepare_policy(model)  # a VLM: placeholders suppressed, as in the policy
         return model
 
-    vlm = is_vision_language(path, backend.trust_remote_code)
+    kind = kinds.get("--ref_pretrain") or kinds["--pretrain"]
     return load_and_prepare(
         load,
         env,
         cfg.fsdp,
         backend,
+        parallel=parallel,
         what="the reference model",
-        packed=cfg.batch.packing_samples and not vlm,
+        packed=packs(cfg, kind),
         trainable=False,
     )
 
 
-def pair_layout(model: nn.Module, batch: PairBatchConfig) -> PairLayout:
-    """How the pairs go through ``model``: padded, packed into one row, or packed with each
-    pair's shared prefix once (``--share_prompt_prefix``, needs the varlen attention of
-    ``--packing_samples``; flash-attn's kernels take no shared prefix)."""
-    if not batch.packing_samples or is_vision_config(model.config):
+def pair_layout(model: nn.Module, batch: PairBatchConfig, kind: ModelKind) -> RowLayout:
+    """The rows part of the pairs' forwards through ``model`` (``models.inputs``): padded,
+    packed into one row, or packed with each pair's shared prefix once
+    (``--share_prompt_prefix``, needs the varlen attention of ``--packing_samples``;
+    flash-attn's kernels take no shared prefix)."""
+    if not batch.packing_samples or kind.is_vlm:  # a VLM's rows go padded (see packs)
         return "padded"
     impl = base_attention(model)  # inside Ulysses when the model is sequence-parallel
     if batch.share_prompt_prefix and impl == VARLEN_ATTENTION:
         log.info("shared prompt prefix: each pair's common prefix runs once")
-        return "shared"
+        return "shared_pairs"
     if batch.share_prompt_prefix:
         log.info("shared prompt prefix: off, the model's attention is %s", impl)
     return "packed"

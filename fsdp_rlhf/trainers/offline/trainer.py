@@ -32,13 +32,15 @@ from fsdp_rlhf.data.preference import PreferenceLoader, collate_pairs, eval_batc
 from fsdp_rlhf.data.schedule import DataPosition, StepSchedule
 from fsdp_rlhf.distributed import checkpoint as ckpt
 from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars
-from fsdp_rlhf.distributed.sequence_parallel import layout as sequence_parallel_layout
+from fsdp_rlhf.distributed.layout import ParallelLayout
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.metrics import Progress
-from fsdp_rlhf.models.load import check_expert_parallel, check_sequence_parallel
+from fsdp_rlhf.models.kind import ModelKind
+from fsdp_rlhf.models.load import check_expert_parallel
 from fsdp_rlhf.models.lora import check_target_modules
 from fsdp_rlhf.models.save import save_model
 from fsdp_rlhf.optim import build_optimizer, build_scheduler
+from fsdp_rlhf.rules import check_command, check_flags, model_paths
 from fsdp_rlhf.trainers import common
 from fsdp_rlhf.trainers.guards import BadStepGuard, guarded_step
 
@@ -60,6 +62,13 @@ class TrainData:
     eval: datasets.Dataset | None
     steps_per_epoch: int
     vision: Any = None
+    # flag -> kind of every model the command loads (models.kind), read once in prepare
+    kinds: dict[str, ModelKind] = field(default_factory=dict)
+
+    @property
+    def model(self) -> ModelKind:
+        """``--pretrain``'s kind."""
+        return self.kinds["--pretrain"]
 
     @property
     def saved_processor(self) -> Any:
@@ -113,27 +122,23 @@ def resume_state(cfg: Any, num_train: int, steps_per_epoch: int, step: int) -> d
     }
 
 
-def model_paths(cfg: Any) -> dict[str, str]:
-    """Flag -> model folder of every model a one-model command loads (dpo: and its reference)."""
-    paths = {"--pretrain": cfg.model.pretrain}
-    ref = getattr(cfg.model, "ref_pretrain", None)
-    if ref:
-        paths["--ref_pretrain"] = ref
-    return paths
-
-
 def prepare_command(
-    cfg: Any, world_size: int, prepare_data: Callable[[Any, Any], TrainData]
+    command: str,
+    cfg: Any,
+    world_size: int,
+    prepare_data: Callable[[Any, Any, dict[str, ModelKind]], TrainData],
 ) -> tuple[Any, TrainData]:
     """``prepare`` of train-rm, sft and dpo (before the process group, no communication):
-    batch plan, the models' heads against --sequence_parallel_size and experts against
-    --expert_parallel_size, ``prepare_data(cfg,
-    plan)`` (checks --pretrain first), LoRA targets."""
+    batch plan, the rules table against the flags and the models' kinds (read here once),
+    the experts against --expert_parallel_size, ``prepare_data(cfg, plan, kinds)``, LoRA
+    targets."""
     quiet_progress_bars()
+    check_flags(command, cfg)  # the rules table's rows of the flags alone, first
     plan = plan_offline_batches(cfg.batch, world_size, cfg.fsdp.sequence_parallel_size)
-    check_sequence_parallel(cfg.fsdp.sequence_parallel_size, world_size, model_paths(cfg))
-    check_expert_parallel(cfg.fsdp.expert_parallel_size, world_size, model_paths(cfg))
-    data = prepare_data(cfg, plan)
+    kinds = check_command(command, cfg)
+    paths = model_paths(command, cfg)
+    check_expert_parallel(cfg.fsdp.expert_parallel_size, world_size, paths)
+    data = prepare_data(cfg, plan, kinds)
     if cfg.lora.enabled:
         check_target_modules(cfg.model.pretrain, cfg.lora, cfg.backend.trust_remote_code)
     return plan, data
@@ -177,11 +182,13 @@ class OfflineTrainer:
         plan: Any,
         data: Any,
         model: nn.Module,
+        parallel: ParallelLayout,
         *,
         collate: Callable = collate_pairs,
         guard_name: str = "model",
     ) -> None:
         self.cfg, self.env, self.plan, self.data = cfg, env, plan, data
+        self.parallel = parallel
         self.model = model
         self.collate = collate
         self.optimizer = build_optimizer(model, cfg.optim)
@@ -197,9 +204,12 @@ class OfflineTrainer:
         if saved:
             self.guard.load_state_dict(saved.get("guard", {}))
         # the ranks of a sequence-parallel group run the same rows: one data shard per group
-        self.sp = sequence_parallel_layout()
         schedule = StepSchedule(
-            len(data.train), cfg.batch.train_batch_size, self.sp.dp_size, self.sp.dp_rank, cfg.seed
+            len(data.train),
+            cfg.batch.train_batch_size,
+            parallel.dp_size,
+            parallel.dp_rank,
+            cfg.seed,
         )
         self.pad_id = data.tokenizer.pad_token_id
         self.loader = PreferenceLoader(
@@ -275,8 +285,8 @@ class OfflineTrainer:
         return list(
             eval_batches(
                 self.data.eval,
-                self.sp.dp_size,
-                self.sp.dp_rank,
+                self.parallel.dp_size,
+                self.parallel.dp_rank,
                 self.plan.micro_batch_size_per_rank,
                 self.pad_id,
                 self.collate,
