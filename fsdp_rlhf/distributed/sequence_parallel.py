@@ -173,3 +173,64 @@ def gather_objects(obj: T, sp: SequenceParallel) -> list[T]:
     out: list = [None] * sp.size
     dist.all_gather_object(out, obj, group=sp.cpu_group)
     return out
+
+
+class _GatherRows(torch.autograd.Function):
+    """All-gather along dim 1 (the sequence) whose backward sums the gradient over the group
+    and keeps this rank's slice (a reduce-scatter): for a layer every rank of the group runs
+    on the whole row, each contributing part of the result (a head slice)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _gather_dim1(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_scatter_dim1(grad, ctx.group), None
+
+
+class _ReduceScatterRows(torch.autograd.Function):
+    """Sum over the group of each rank's whole-row partial result, this rank's slice of the
+    sequence kept (dim 1); the backward all-gathers the slices' gradients."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _reduce_scatter_dim1(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather_dim1(grad, ctx.group), None
+
+
+def _gather_dim1(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """(B, Lr, ...) slices -> (B, N * Lr, ...), rank order."""
+    n = dist.get_world_size(group)
+    moved = x.transpose(0, 1).contiguous()  # (Lr, B, ...): the collective's chunks are dim 0
+    out = moved.new_empty((n * moved.shape[0], *moved.shape[1:]))
+    dist.all_gather_into_tensor(out, moved, group=group)
+    return out.transpose(0, 1)
+
+
+def _reduce_scatter_dim1(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """(B, N * Lr, ...) partial sums -> this rank's (B, Lr, ...) slice of their sum."""
+    n = dist.get_world_size(group)
+    moved = x.transpose(0, 1).contiguous()
+    out = moved.new_empty((moved.shape[0] // n, *moved.shape[1:]))
+    dist.reduce_scatter_tensor(out, moved, group=group)
+    return out.transpose(0, 1)
+
+
+@torch.compiler.disable
+def gather_rows(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """This rank's (B, Lr, ...) slice -> the whole (B, N * Lr, ...) rows; the backward sums the
+    group's gradients (see :class:`_GatherRows`). Differentiable."""
+    return _GatherRows.apply(x, group)
+
+
+@torch.compiler.disable
+def reduce_scatter_rows(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Each rank's (B, N * Lr, ...) partial result -> this rank's (B, Lr, ...) slice of the
+    group's sum. Differentiable."""
+    return _ReduceScatterRows.apply(x, group)

@@ -45,6 +45,9 @@ class ModelKind:
         linear_attention: it has recurrent layers of any kind (gated delta nets, Mamba2,
             short convolutions): a hybrid model.
         gated_delta_net: some of them are gated delta nets (Qwen3.5, Qwen3-Next).
+        split_heads: the value heads of its recurrent layers when sequence parallelism can
+            split them by heads (all of them Qwen3.5's gated delta nets,
+            ``models.linear_attention``); 0 otherwise.
         vision: a vision-language model's special tokens (None: text-only).
         patches: a vision-language model's image patching (``vision_config``'s patch,
             temporal patch and spatial merge sizes and input channels; None: text-only).
@@ -59,6 +62,7 @@ class ModelKind:
     attention: tuple[tuple[int, int], ...] = ()
     linear_attention: bool = False
     gated_delta_net: bool = False
+    split_heads: int = 0
     vision: VisionTokens | None = None
     patches: tuple[tuple[str, Any], ...] | None = None
 
@@ -91,6 +95,9 @@ def kind_from_config(path: str, config: Any, trust_remote_code: bool = False) ->
         kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
     experts = config_num_experts(config)
     recurrent = has_recurrent_layers(config)
+    kinds = recurrent_kinds(config, trust_remote_code) if recurrent else set()
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    split = kinds == {GATED_DELTA_NET} and text.model_type in SPLIT_BY_HEADS
     return ModelKind(
         path=path,
         architecture=",".join(getattr(config, "architectures", None) or [config.model_type]),
@@ -100,11 +107,16 @@ def kind_from_config(path: str, config: Any, trust_remote_code: bool = False) ->
         router=_router_class(config, trust_remote_code) if experts else None,
         attention=tuple(sorted({(a.heads, a.kv_heads) for a in layers})),
         linear_attention=recurrent,
-        gated_delta_net=recurrent and GATED_DELTA_NET in recurrent_kinds(config, trust_remote_code),
+        gated_delta_net=GATED_DELTA_NET in kinds,
+        split_heads=int(text.linear_num_value_heads) if split else 0,
         vision=VisionTokens.from_config(config) if is_vision_config(config) else None,
         patches=_patches(config) if is_vision_config(config) else None,
     )
 
+
+# text model types whose gated delta nets sequence parallelism splits by heads (separate q/k/v,
+# z, b, a projections; Qwen3-Next fuses and interleaves them)
+SPLIT_BY_HEADS = ("qwen3_5_text", "qwen3_5_moe_text")
 
 PATCH_KEYS = ("patch_size", "temporal_patch_size", "spatial_merge_size", "in_channels")
 

