@@ -70,8 +70,8 @@ tcmalloc:
 # runs (`make test-vlm`): under 15 minutes on 2 cores.
 test: install
 	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu --ignore=tests/models \
-	  -m "not asynchronous and not async_resume_full and not sp and not ep and not vlm and not faults \
-	  and not long"
+	  -m "featured or (not asynchronous and not async_resume_full and not sp and not ep and not vlm \
+	  and not faults and not long)"
 
 # The longer runs beside a make test case of the same feature (LoRA GAE at TP 2 with export
 # and resume, vLLM serving a trained reward model, torch.compile against eager, RM packing

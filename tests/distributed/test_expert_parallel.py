@@ -111,7 +111,9 @@ def _check(per_rank: list[dict]) -> None:
             assert ("moe/router_replay_agreement" in m) == replay, case
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize(
+    "family", [pytest.param("qwen3_moe", marks=pytest.mark.featured), "qwen2_moe"]
+)
 def test_ep2_equals_ep1_on_two_ranks(family, tmp_path):
     from fsdp_rlhf.testing.tiny import build_family
 

