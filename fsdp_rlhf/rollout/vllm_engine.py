@@ -626,14 +626,7 @@ class VLLMEngine:
             self.llm = LLM(**kwargs)
         _check_tp_layout(groups)
         self._shm_segment = _cpu_shm_segment()
-        self.runner, runner_class = model_runner(self.llm)
-        log.info(
-            "vLLM %s: model runner %s (%s)%s",
-            self.version,
-            self.runner.upper(),
-            runner_class,
-            "; VLLM_USE_V2_MODEL_RUNNER=0 selects V1" if self.runner == "v2" else "",
-        )
+        self.runner = self._log_runner()
         self._submissions = 0  # batches submitted step-wise (request ids stay unique)
         self._running: set[str] = set()  # their ids, until finished or aborted
         self._routing: _Routing | None = None
@@ -644,6 +637,18 @@ class VLLMEngine:
         self._checkpoint = checkpoint_format(model_path, trust_remote_code)
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         self._architectures = tuple(getattr(config, "architectures", None) or ())
+
+    def _log_runner(self) -> str:
+        """The model runner vLLM picked (``v1`` or ``v2``), logged."""
+        runner, runner_class = model_runner(self.llm)
+        log.info(
+            "vLLM %s: model runner %s (%s)%s",
+            self.version,
+            runner.upper(),
+            runner_class,
+            "; VLLM_USE_V2_MODEL_RUNNER=0 selects V1" if runner == "v2" else "",
+        )
+        return runner
 
     def _start_routing(self, model_path: str, trust_remote_code: bool) -> _Routing:
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
