@@ -130,7 +130,7 @@ def _check_models(
     sleeping engine; the sharded models are kept in ``held`` for the wake check that follows."""
     from fsdp_rlhf.models.load import load_causal_lm
     from fsdp_rlhf.models.moe import active_parameters
-    from fsdp_rlhf.trainers.ppo_setup import load_ppo_model, load_reward_model
+    from fsdp_rlhf.trainers.ppo.setup import load_ppo_model, load_reward_model
 
     def shard(load, trainable: bool, what: str) -> str:
         held.append(load_ppo_model(load, cfg, env, trainable, what, parallel))
@@ -211,7 +211,7 @@ def _check_engine(cfg: PPOConfig, env: DistEnv, engines: list, vision) -> Check:
     ``vision``: the actor's special tokens when it is a vision-language model."""
     from fsdp_rlhf.models.load import load_tokenizer
     from fsdp_rlhf.rollout import SamplingConfig
-    from fsdp_rlhf.trainers.ppo_setup import build_engine
+    from fsdp_rlhf.trainers.ppo.setup import build_engine
 
     def run() -> str:
         tok = load_tokenizer(cfg.models.pretrain, cfg.backend)
@@ -240,8 +240,8 @@ def _check_wake(cfg: PPOConfig, env: DistEnv, engine, actor) -> Check:
     weights synced into them, KV cache awake (vLLM's pool back at full size), a few tokens."""
     from fsdp_rlhf.models.load import load_tokenizer
     from fsdp_rlhf.rollout import SamplingConfig, sync_weights
-    from fsdp_rlhf.trainers.ppo_rollout import adapter_sync
-    from fsdp_rlhf.trainers.ppo_setup import engine_dtype
+    from fsdp_rlhf.trainers.ppo.rollout import adapter_sync
+    from fsdp_rlhf.trainers.ppo.setup import engine_dtype
 
     def run() -> str:
         tok = load_tokenizer(cfg.models.pretrain, cfg.backend)

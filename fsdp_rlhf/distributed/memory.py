@@ -215,7 +215,7 @@ class JobFlags:
     @property
     def ema_on_device(self) -> bool:
         """The EMA stays beside the shards unless an offload flag sends it to the host
-        (``ppo_setup.build_ema``)."""
+        (``ppo.setup.build_ema``)."""
         return self.ema and not (self.adam_offload or self.ref_reward_offload)
 
     sequence_parallel: int = 1  # --sequence_parallel_size: ranks sharing each sequence

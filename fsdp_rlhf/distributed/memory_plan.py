@@ -73,7 +73,7 @@ def job_flags(cfg: PPOConfig, world: int, device_bytes: int) -> JobFlags:
     :func:`resolve_vllm_utilization` for the value the job uses)."""
     util = cfg.rollout.vllm_gpu_memory_utilization
     n = cfg.batch.n_samples_per_prompt
-    # the actor's rows share their prompt pass (ppo_setup.prompt_group_size: padded attention
+    # the actor's rows share their prompt pass (ppo.setup.prompt_group_size: padded attention
     # only); taken as n here, the batch sizes may let a smaller group share
     sharing = cfg.batch.share_prompt_prefix and n > 1
     sharing = sharing and not (cfg.batch.packing_samples or cfg.backend.flash_attn)

@@ -119,7 +119,7 @@ def suppress_tokens(model: nn.Module, token_ids: Sequence[int]) -> None:
 
     The policy is then the model restricted to the other tokens, in the update, the old and
     reference log-probs and HF generation alike; vLLM gets the same restriction as a logit bias
-    (``rollout.vllm_engine``), so engine and trainer log-probs describe one distribution.
+    (``rollout.vllm.engine``), so engine and trainer log-probs describe one distribution.
     """
     ids = torch.as_tensor(sorted(set(token_ids)), dtype=torch.long)
     head = model.get_output_embeddings()

@@ -1,7 +1,7 @@
 """Rollout generation: the engine contract, HF and vLLM engines, TP groups and weight sync.
 
-``vllm_engine`` is not imported here: importing vLLM takes seconds and it must only happen when
-the vLLM engine is used (``from fsdp_rlhf.rollout.vllm_engine import VLLMEngine``).
+The ``vllm`` subpackage is not imported here: importing vLLM takes seconds and it must only
+happen when the vLLM engine is used (``from fsdp_rlhf.rollout.vllm.engine import VLLMEngine``).
 """
 
 from .engine import AdapterSpec, RolloutEngine, RolloutOutput, SamplingConfig

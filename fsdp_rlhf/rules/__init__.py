@@ -13,8 +13,8 @@ their row.
 
 Not here: sizes that do not divide (batch plans, world and tensor-parallel sizes,
 ``config.plan_ppo_batches``), values out of range (each config section's own checks), paths
-and data that are missing or malformed, the placement of ranks on nodes (``ppo_setup``), and
-what only vLLM can tell (``rollout.vllm_engine.check_architecture``).
+and data that are missing or malformed, the placement of ranks on nodes (``ppo.setup``), and
+what only vLLM can tell (``rollout.vllm.engine.check_architecture``).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ work takes it as an argument.
 A trainer (``build``'s result) is any object with ``step``, ``total_steps``,
 ``train_step(stop_agreed)``, ``save_checkpoint()``, ``finish()`` and ``close()``: the
 offline commands' :class:`~fsdp_rlhf.trainers.offline.trainer.OfflineTrainer` and
-:class:`~fsdp_rlhf.trainers.ppo.PPOTrainer`.
+:class:`~fsdp_rlhf.trainers.ppo.trainer.PPOTrainer`.
 """
 
 from __future__ import annotations

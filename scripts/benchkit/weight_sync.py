@@ -187,7 +187,7 @@ def sync_worker(
     from fsdp_rlhf.distributed.fsdp import build_mesh, shard_model
     from fsdp_rlhf.models.load import load_causal_lm, load_tokenizer
     from fsdp_rlhf.rollout import build_rollout_groups, sync_weights
-    from fsdp_rlhf.rollout.vllm_engine import VLLMEngine
+    from fsdp_rlhf.rollout.vllm.engine import VLLMEngine
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -17,7 +17,7 @@ import signal
 import time
 
 from fsdp_rlhf.testing.synthetic import prompt_rows, write_jsonl
-from fsdp_rlhf.trainers.ppo_async_ledger import trained
+from fsdp_rlhf.trainers.ppo.async_ledger import trained
 from tests.cluster import runs
 from tests.cluster.test_lost_node import children, complete_checkpoints
 from tests.e2e import test_ppo_async_resume as lossless

@@ -63,8 +63,8 @@ def _one_update(
     from fsdp_rlhf.models.inputs import InputSpec, row_layout
     from fsdp_rlhf.trainers.experience import batched_logprobs
     from fsdp_rlhf.trainers.guards import BadStepGuard
-    from fsdp_rlhf.trainers.ppo_setup import prompt_group_size
-    from fsdp_rlhf.trainers.ppo_update import (
+    from fsdp_rlhf.trainers.ppo.setup import prompt_group_size
+    from fsdp_rlhf.trainers.ppo.update import (
         TrainedModel,
         UpdatePlan,
         reuse_update_logprobs,

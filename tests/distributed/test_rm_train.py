@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from fsdp_rlhf.trainers.rm import TRAIN_KEYS
+from fsdp_rlhf.trainers.offline.rm import TRAIN_KEYS
 from tests.dist_utils import run_distributed
 from tests.rm_utils import synthetic_pairs, write_jsonl
 
@@ -42,7 +42,7 @@ def _argv(model: str, data: Path, out: Path, *extra: str) -> list[str]:
 def _run_rm(argv: list[str]) -> int:
     from fsdp_rlhf.config import RMConfig
     from fsdp_rlhf.config_base import build_config
-    from fsdp_rlhf.trainers.rm import main
+    from fsdp_rlhf.trainers.offline.rm import main
 
     cfg, _ = build_config(RMConfig, argv)
     return main(cfg)
@@ -54,7 +54,7 @@ class _Interrupt(Exception):
 
 def _interrupt_at(step: int, act):
     """Wrap RMTrainer.train_step so that ``act()`` runs after step ``step``."""
-    from fsdp_rlhf.trainers.rm import RMTrainer
+    from fsdp_rlhf.trainers.offline.rm import RMTrainer
 
     original = RMTrainer.train_step
 
@@ -69,7 +69,7 @@ def _interrupt_at(step: int, act):
 
 
 def _run_interrupted(argv: list[str], step: int, act) -> int | str:
-    from fsdp_rlhf.trainers.rm import RMTrainer
+    from fsdp_rlhf.trainers.offline.rm import RMTrainer
 
     original = _interrupt_at(step, act)
     try:

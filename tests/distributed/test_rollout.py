@@ -92,7 +92,7 @@ def _rollout_checks(rank: int, world: int, model_path: str, tp: int) -> dict:
         stream_actor_weights,
         sync_weights,
     )
-    from fsdp_rlhf.rollout.vllm_engine import VLLMEngine
+    from fsdp_rlhf.rollout.vllm.engine import VLLMEngine
     from tests.dist_utils import current_env
 
     env = current_env()
@@ -203,7 +203,7 @@ def _sleep_wake_cuda(rank: int, world: int, model_path: str) -> dict:
     from fsdp_rlhf.config import BackendConfig, RolloutConfig
     from fsdp_rlhf.models.load import load_causal_lm, load_tokenizer
     from fsdp_rlhf.rollout import SamplingConfig, build_rollout_groups, sync_weights
-    from fsdp_rlhf.rollout.vllm_engine import VLLMEngine
+    from fsdp_rlhf.rollout.vllm.engine import VLLMEngine
     from tests.dist_utils import current_env
 
     env = current_env()

@@ -25,7 +25,7 @@ from fsdp_rlhf.models.inputs import forward_inputs
 from fsdp_rlhf.rollout import SamplingConfig, build_rollout_groups
 from fsdp_rlhf.rollout.streaming import stream_rollout
 from fsdp_rlhf.trainers.experience import experience_from_rollout
-from fsdp_rlhf.trainers.ppo_async_queue import BatchPart
+from fsdp_rlhf.trainers.ppo.async_queue import BatchPart
 
 SWITCH_AFTER = 6  # engine steps under version 0
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [20, 21, 22, 23], [30, 31]]
@@ -72,7 +72,7 @@ def train_side(model_path: str, bridge: Bridge, link: WeightLink, out: str) -> N
 
 
 def rollout_side(model_path: str, env, bridge: Bridge, link: WeightLink) -> None:
-    from fsdp_rlhf.rollout.vllm_engine import VLLMEngine
+    from fsdp_rlhf.rollout.vllm.engine import VLLMEngine
 
     cfg = RolloutConfig(generate_max_len=24, vllm_enable_sleep=False)
     with group_environment(env):

@@ -20,7 +20,7 @@ from fsdp_rlhf.distributed.env import free_port
 from fsdp_rlhf.testing.launch import local_torchrun
 from fsdp_rlhf.testing.synthetic import prompt_rows, write_jsonl
 from fsdp_rlhf.trainers.experience import Experience
-from fsdp_rlhf.trainers.ppo_update import _correction
+from fsdp_rlhf.trainers.ppo.update import _correction
 from tests.e2e.helpers import REPO, _env, read_metrics, torchrun
 from tests.e2e.test_ppo_cli import (
     PARITY_REWARD,

@@ -24,7 +24,7 @@ import pytest
 
 from fsdp_rlhf.data.prompts import PromptSampler
 from fsdp_rlhf.testing.synthetic import prompt_rows, write_jsonl
-from fsdp_rlhf.trainers.ppo_async_ledger import read, trained
+from fsdp_rlhf.trainers.ppo.async_ledger import read, trained
 from tests.e2e.helpers import read_metrics, torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.asynchronous]

@@ -41,7 +41,7 @@ def _cfg(model: str, *extra: str):
 
 def _load(model: str, cfg, env, trainable: bool):
     from fsdp_rlhf.models.load import load_causal_lm
-    from fsdp_rlhf.trainers.ppo_setup import load_ppo_model
+    from fsdp_rlhf.trainers.ppo.setup import load_ppo_model
 
     dtype = torch.float32 if trainable else torch.bfloat16
 

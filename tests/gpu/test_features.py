@@ -80,7 +80,7 @@ def _moe_update_with_adam_offload(model_path: str, device: torch.device) -> dict
     from fsdp_rlhf.models.load import load_causal_lm
     from fsdp_rlhf.models.moe import MoEHooks
     from fsdp_rlhf.optim import build_optimizer
-    from fsdp_rlhf.trainers.ppo_setup import load_ppo_model
+    from fsdp_rlhf.trainers.ppo.setup import load_ppo_model
 
     flags = ["--pretrain", model_path, "--bf16", "--adam_offload", "--zero_stage", "3",
              "--aux_loss_coef", "0.01"]  # fmt: skip

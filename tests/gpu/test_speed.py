@@ -79,7 +79,7 @@ def _cfg(model: str, *extra: str):
 
 def _actor(model: str, cfg, env):
     from fsdp_rlhf.models.load import load_causal_lm
-    from fsdp_rlhf.trainers.ppo_setup import load_ppo_model
+    from fsdp_rlhf.trainers.ppo.setup import load_ppo_model
 
     def load(weights: bool):
         return load_causal_lm(model, cfg.backend, env.device, weights=weights)

@@ -26,7 +26,7 @@ def state(tmp_path_factory):
     from fsdp_rlhf.distributed.env import init_distributed
     from fsdp_rlhf.models.load import load_causal_lm, load_tokenizer
     from fsdp_rlhf.rollout import sync_weights
-    from fsdp_rlhf.trainers.ppo_setup import build_engine, load_ppo_model
+    from fsdp_rlhf.trainers.ppo.setup import build_engine, load_ppo_model
 
     model = build_odd_model(tmp_path_factory.mktemp("vllm") / "model")
     flags = ["--pretrain", model, "--bf16", "--prompt_max_len", "64", "--generate_max_len", "32"]

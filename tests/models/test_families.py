@@ -190,7 +190,7 @@ def test_near_tied_routers_mismatch_without_router_replay_and_agree_with_it(data
 
 @pytest.mark.parametrize("family", _selected(HYBRID))
 def test_hybrid_family_runs_or_is_refused_by_name(family, data, tmp_path):
-    from fsdp_rlhf.rollout.vllm_engine import check_architecture
+    from fsdp_rlhf.rollout.vllm.engine import check_architecture
 
     model = build_family(tmp_path / "model", family)
     try:
@@ -227,7 +227,7 @@ def test_family_vllm_cannot_run_here_is_refused_by_name(family, data, tmp_path):
     it for one family (the same check refuses the others)."""
     from fsdp_rlhf.config import PPOConfig
     from fsdp_rlhf.config_base import build_config
-    from fsdp_rlhf.rollout.vllm_engine import check_architecture
+    from fsdp_rlhf.rollout.vllm.engine import check_architecture
     from fsdp_rlhf.rules import check_command
 
     model = build_family(tmp_path / "model", family)

@@ -17,8 +17,8 @@ from fsdp_rlhf.metrics import PhaseTimer
 from fsdp_rlhf.rollout.agent import load_agent, load_agent_class
 from fsdp_rlhf.rollout.engine import SamplingConfig
 from fsdp_rlhf.testing.tiny import build_tokenizer
-from fsdp_rlhf.trainers.ppo_metrics import StatCollector
-from fsdp_rlhf.trainers.ppo_multiturn import MultiTurnRollout, TurnBudget, add_agent_logs
+from fsdp_rlhf.trainers.ppo.metrics import StatCollector
+from fsdp_rlhf.trainers.ppo.multiturn import MultiTurnRollout, TurnBudget, add_agent_logs
 from tests.unit.test_multiturn import FakeEngine, ppo_config
 
 # Written the way OpenRLHF's agent examples are: async reset/step on an AgentInstance, tensors
@@ -192,7 +192,7 @@ def test_unmappable_agent_files_are_refused_by_name(tmp_path, body, message):
 
 def test_agent_flag_in_config_and_prepare(tmp_path):
     from fsdp_rlhf.rules import Refused, check_flags
-    from fsdp_rlhf.trainers.ppo_setup import _check_rewards
+    from fsdp_rlhf.trainers.ppo.setup import _check_rewards
 
     path = write_agent(tmp_path, COUNTING_AGENT)
     cfg = ppo_config("--agent_func_path", path, "--max_turns", "3", "--prompt_max_len", "10")

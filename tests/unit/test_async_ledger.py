@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fsdp_rlhf.trainers.ppo_async_ledger import (
+from fsdp_rlhf.trainers.ppo.async_ledger import (
     TRAIN,
     LedgerWriter,
     attempts,

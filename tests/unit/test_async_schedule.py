@@ -12,14 +12,14 @@ from fsdp_rlhf.config_base import ConfigError, build_config
 from fsdp_rlhf.distributed.bridge import from_bytes, to_bytes
 from fsdp_rlhf.distributed.split_world import SplitWorld
 from fsdp_rlhf.trainers.experience import Experience
-from fsdp_rlhf.trainers.ppo_async_queue import (
+from fsdp_rlhf.trainers.ppo.async_queue import (
     BatchPart,
     needed_version,
     reports_to,
     routes,
     staleness,
 )
-from fsdp_rlhf.trainers.ppo_metrics import StatCollector
+from fsdp_rlhf.trainers.ppo.metrics import StatCollector
 
 
 @pytest.mark.parametrize(

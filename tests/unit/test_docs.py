@@ -178,17 +178,28 @@ def _path_problem(token: str, bare: bool = False) -> str | None:
     return None
 
 
+# Files moved since a dated benchmark report named them (the report keeps the path of its day;
+# the file must exist under its new path). Issue #47's layout: one folder per feature.
+MOVED_SINCE_REPORTED = {
+    "fsdp_rlhf/rollout/vllm_engine.py": "fsdp_rlhf/rollout/vllm/engine.py",
+    "fsdp_rlhf/trainers/ppo_setup.py": "fsdp_rlhf/trainers/ppo/setup.py",
+}
+
+
 def test_every_path_a_page_names_exists():
     bad = []
     for doc in _docs():
         if doc.name in GENERATED:
             continue
+        dated = doc.parent == REPO / "benchmarks"
         spans = _spans(doc, code_blocks=True)
         ours = {n for n, span, _ in spans if re.match(r"fsdp_rlhf/|[a-z_]+/\w+\.py", span)}
         for n, span, before in spans:
             if FOREIGN.search(before):
                 continue
             for token in span.replace(",", " ").split():
+                if dated and token in MOVED_SINCE_REPORTED:
+                    token = MOVED_SINCE_REPORTED[token]
                 if problem := _path_problem(token, bare=n in ours):
                     bad.append(f"{_rel(doc)}:{n}: `{token}`: {problem}")
     assert not bad, "\n".join(bad)

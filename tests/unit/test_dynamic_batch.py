@@ -112,13 +112,13 @@ def test_critic_update_equals_fixed_micro_batches(tiny_qwen2, monkeypatch):
     unsharded model: FSDP's gradient-sync switch is not the subject here)."""
     import copy
 
-    monkeypatch.setattr("fsdp_rlhf.trainers.ppo_update.accumulate", lambda *a: None)
+    monkeypatch.setattr("fsdp_rlhf.trainers.ppo.update.accumulate", lambda *a: None)
 
     from fsdp_rlhf.config import PPOAlgoConfig
     from fsdp_rlhf.models.inputs import InputSpec
     from fsdp_rlhf.models.load import load_scalar_model
     from fsdp_rlhf.trainers.guards import BadStepGuard
-    from fsdp_rlhf.trainers.ppo_update import TrainedModel, UpdatePlan, update_critic
+    from fsdp_rlhf.trainers.ppo.update import TrainedModel, UpdatePlan, update_critic
 
     exp = _experience()
     results = []
@@ -172,13 +172,13 @@ def test_unbiased_kl_gradient_reaches_the_actor_update(tiny_qwen2, monkeypatch):
     log_ratio), and unlike plain k1 (gradient 1 per token)."""
     import copy
 
-    monkeypatch.setattr("fsdp_rlhf.trainers.ppo_update.accumulate", lambda *a: None)
+    monkeypatch.setattr("fsdp_rlhf.trainers.ppo.update.accumulate", lambda *a: None)
 
     from fsdp_rlhf.config import PPOAlgoConfig
     from fsdp_rlhf.models.inputs import InputSpec
     from fsdp_rlhf.models.load import load_causal_lm
     from fsdp_rlhf.trainers.guards import BadStepGuard
-    from fsdp_rlhf.trainers.ppo_update import TrainedModel, UpdatePlan, update_actor
+    from fsdp_rlhf.trainers.ppo.update import TrainedModel, UpdatePlan, update_actor
 
     exp = _experience()
     exp.advantages = torch.zeros_like(exp.advantages)

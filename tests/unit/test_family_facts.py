@@ -65,7 +65,7 @@ def test_gemma4_attention_is_read_per_layer(families):
 
 def test_kv_cache_is_sized_per_layer(families):
     pytest.importorskip("vllm")
-    from fsdp_rlhf.rollout.vllm_engine import kv_bytes_per_token
+    from fsdp_rlhf.rollout.vllm.engine import kv_bytes_per_token
 
     gemma = _config(families("gemma4"))
     # sliding layer: K and V of 2 heads of 256; global: 1 head of 512; fp32
@@ -128,7 +128,7 @@ def test_sync_streams_what_save_pretrained_writes(families):
 
 def test_engine_arguments_each_family_needs_on_cpu(families):
     pytest.importorskip("vllm")
-    from fsdp_rlhf.rollout.vllm_engine import CPU_NATIVE_OPS, cpu_model_kwargs
+    from fsdp_rlhf.rollout.vllm.engine import CPU_NATIVE_OPS, cpu_model_kwargs
 
     for name, caching in (("lfm2_moe", False), ("nemotron_h", False), ("gemma4", True)):
         kw = cpu_model_kwargs(_config(families(name)), torch.float32)
@@ -150,7 +150,7 @@ def test_fp32_is_refused_for_gated_delta_nets_only_and_cpu_limits_by_name(famili
 
     from fsdp_rlhf.config import PPOConfig
     from fsdp_rlhf.config_base import build_config
-    from fsdp_rlhf.rollout.vllm_engine import check_architecture
+    from fsdp_rlhf.rollout.vllm.engine import check_architecture
     from fsdp_rlhf.rules import Refused, check_command
 
     def ppo(name: str, *flags: str):

@@ -278,12 +278,12 @@ def test_vllm_fraction_is_chosen_or_refused_from_the_plan(tmp_path):
 
 
 def test_the_job_refuses_the_fraction_before_any_model_loads(tmp_path, monkeypatch):
-    """ppo_setup.cuda_pool runs first in build_engine (the job builds the engine before the
+    """ppo.setup.cuda_pool runs first in build_engine (the job builds the engine before the
     models): a device as an H100 reports it, nothing resident yet."""
     import torch
 
     from fsdp_rlhf.distributed.env import DistEnv
-    from fsdp_rlhf.trainers.ppo_setup import cuda_pool
+    from fsdp_rlhf.trainers.ppo.setup import cuda_pool
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (H100 - GIB // 2, H100))
     env = DistEnv(0, 8, 0, 8, torch.device("cuda", 0), "nccl")
@@ -347,7 +347,7 @@ def test_a_rollout_rank_plans_its_engine_only(tmp_path):
 def test_a_rollout_ranks_engine_is_its_worlds_only_never_sleeps_and_takes_the_cap(
     tmp_path, monkeypatch
 ):
-    """ppo_setup.build_engine on an async rollout rank of a 2-engine job (a device reporting
+    """ppo.setup.build_engine on an async rollout rank of a 2-engine job (a device reporting
     as an H100): the engine gets a config for a world of its own (not the job's 2 engines),
     sleep off, and the engine-only pool fraction. The engine itself is a recorder here; the
     real one runs in tests/e2e/test_ppo_async.py."""
@@ -358,18 +358,18 @@ def test_a_rollout_ranks_engine_is_its_worlds_only_never_sleeps_and_takes_the_ca
 
     from fsdp_rlhf.distributed.env import DistEnv
     from fsdp_rlhf.rollout.groups import RolloutGroups
-    from fsdp_rlhf.trainers import ppo_setup
+    from fsdp_rlhf.trainers.ppo import setup
 
     seen = {}
-    fake = types.ModuleType("fsdp_rlhf.rollout.vllm_engine")
+    fake = types.ModuleType("fsdp_rlhf.rollout.vllm.engine")
     fake.VLLMEngine = lambda path, rollout, **kw: seen.setdefault("rollout", rollout)
-    monkeypatch.setitem(sys.modules, "fsdp_rlhf.rollout.vllm_engine", fake)
-    monkeypatch.setattr(ppo_setup, "build_rollout_groups", lambda tp: RolloutGroups(tp, 1, 0, None))
+    monkeypatch.setitem(sys.modules, "fsdp_rlhf.rollout.vllm.engine", fake)
+    monkeypatch.setattr(setup, "build_rollout_groups", lambda tp: RolloutGroups(tp, 1, 0, None))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (H100 - GIB // 2, H100))
     env = DistEnv(0, 1, 0, 1, torch.device("cuda", 0), "nccl")  # the engine's own group
     tokenizer = types.SimpleNamespace(pad_token_id=0)
     cfg = _async_job(tmp_path, QWEN25_7B)
-    ppo_setup.build_engine(cfg, env, tokenizer, vision=None, streaming=True, engine_id=1)
+    setup.build_engine(cfg, env, tokenizer, vision=None, streaming=True, engine_id=1)
     rollout = seen["rollout"]
     assert rollout.vllm_num_engines is None and not rollout.vllm_enable_sleep
     assert rollout.vllm_gpu_memory_utilization == 0.9

@@ -126,7 +126,7 @@ def test_tp_engines_stay_inside_a_node(monkeypatch, local: int, tp: int, ok: boo
     from fsdp_rlhf.config import PPOConfig
     from fsdp_rlhf.config_base import build_config
     from fsdp_rlhf.errors import UserError
-    from fsdp_rlhf.trainers.ppo_setup import _check_world
+    from fsdp_rlhf.trainers.ppo.setup import _check_world
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
     cfg, _ = build_config(PPOConfig, ["--vllm_tensor_parallel_size", str(tp)])

@@ -18,7 +18,7 @@ from fsdp_rlhf.rollout.engine import RolloutOutput, SamplingConfig
 from fsdp_rlhf.rollout.env import load_environment
 from fsdp_rlhf.testing.tiny import build_tokenizer
 from fsdp_rlhf.trainers.experience import experience_from_rollout
-from fsdp_rlhf.trainers.ppo_multiturn import MultiTurnRollout, TurnBudget, trajectory_stats
+from fsdp_rlhf.trainers.ppo.multiturn import MultiTurnRollout, TurnBudget, trajectory_stats
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +256,7 @@ def test_config_budgets():
 
 
 def test_sample_log_shows_env_turns(tok, tmp_path):
-    from fsdp_rlhf.trainers.ppo_metrics import log_samples
+    from fsdp_rlhf.trainers.ppo.metrics import log_samples
 
     out, trajs, _, _ = run(tok, write_env(tmp_path, TWO_TURN_ENV))
     exp = experience_from_rollout(out, torch.device("cpu"))
@@ -286,7 +286,7 @@ def test_sample_log_shows_env_turns(tok, tmp_path):
 )
 def test_prepare_refuses_other_reward_sources(tmp_path, extra, message):
     from fsdp_rlhf.rules import check_flags
-    from fsdp_rlhf.trainers.ppo_setup import _check_rewards
+    from fsdp_rlhf.trainers.ppo.setup import _check_rewards
 
     env = write_env(tmp_path, TWO_TURN_ENV)
     with pytest.raises(UserError, match=message):  # the rules table's rows
@@ -302,9 +302,9 @@ def test_rank_without_live_trajectories_keeps_generating_with_its_tp_block(
 ):
     """Another rank of the engine still has live trajectories (the all-reduce says so): this
     rank must join every turn's generate, with no prompts, or the TP block would hang."""
-    from fsdp_rlhf.trainers import ppo_multiturn
+    from fsdp_rlhf.trainers.ppo import multiturn
 
-    monkeypatch.setattr(ppo_multiturn, "all_reduce_scalars", lambda values, op: {"live": 1.0})
+    monkeypatch.setattr(multiturn, "all_reduce_scalars", lambda values, op: {"live": 1.0})
     env = write_env(tmp_path, TWO_TURN_ENV.replace("turn >= 2", "True"))
     _, trajs, engine, _ = run(tok, env, max_turns=3)
     assert [len(c) for c in engine.calls] == [4, 0, 0]

@@ -14,7 +14,8 @@ class Block:
             raise ImportError("datasets hidden by the test")
 sys.meta_path.insert(0, Block())
 import fsdp_rlhf.cli, fsdp_rlhf.doctor
-import fsdp_rlhf.trainers.rm, fsdp_rlhf.trainers.sft, fsdp_rlhf.trainers.dpo, fsdp_rlhf.trainers.ppo
+import fsdp_rlhf.trainers.offline.rm, fsdp_rlhf.trainers.offline.sft, fsdp_rlhf.trainers.offline.dpo
+import fsdp_rlhf.trainers.ppo
 assert "datasets" not in sys.modules
 print("ok")
 """

@@ -1,4 +1,4 @@
-"""``trainers/ppo_dynamic_filtering.py`` (DAPO's dynamic filtering) on one process: the group
+"""``trainers/ppo/dynamic_filtering.py`` (DAPO's dynamic filtering) on one process: the group
 pool, the re-padding of batches of different widths, the round loop and its cap."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from fsdp_rlhf.config import PPOAlgoConfig
 from fsdp_rlhf.data.prompts import Prompt
 from fsdp_rlhf.trainers.experience import Experience
-from fsdp_rlhf.trainers.ppo_dynamic_filtering import (
+from fsdp_rlhf.trainers.ppo.dynamic_filtering import (
     MAX_ROUNDS_WHEN_UNLIMITED,
     GroupPool,
     concat_experiences,

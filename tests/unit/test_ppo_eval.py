@@ -1,4 +1,4 @@
-"""``trainers/ppo_eval.py`` on one process: eval sharding, the pass@k assembly from rank sums,
+"""``trainers/ppo/eval.py`` on one process: eval sharding, the pass@k assembly from rank sums,
 and the best-model swap."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from fsdp_rlhf.config import CheckpointConfig, PPOConfig, PPOEvalConfig
 from fsdp_rlhf.data.prompts import Prompt
 from fsdp_rlhf.distributed.env import DistEnv
-from fsdp_rlhf.trainers.ppo_eval import (
+from fsdp_rlhf.trainers.ppo.eval import (
     BEST_FILE,
     Evaluator,
     finish_eval,

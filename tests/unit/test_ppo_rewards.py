@@ -16,13 +16,13 @@ from fsdp_rlhf.config_base import ConfigError
 from fsdp_rlhf.errors import Fault, UserError
 from fsdp_rlhf.rollout.engine import RolloutOutput
 from fsdp_rlhf.trainers.experience import Experience, experience_from_rollout, truncated
-from fsdp_rlhf.trainers.ppo_rewards import (
+from fsdp_rlhf.trainers.ppo.rewards import (
     add_overlong_penalty,
     add_stop_properly_penalty,
     compute_advantages,
     observe_kl,
 )
-from fsdp_rlhf.trainers.ppo_update import _correction, reuse_update_logprobs
+from fsdp_rlhf.trainers.ppo.update import _correction, reuse_update_logprobs
 from fsdp_rlhf.trainers.rule_reward import build_rule_reward, http_reward
 
 
@@ -236,7 +236,7 @@ def test_http_rule_reward_gives_up_after_retries(monkeypatch):
 
 
 def test_stat_collector_mean_only_entry():
-    from fsdp_rlhf.trainers.ppo_metrics import StatCollector
+    from fsdp_rlhf.trainers.ppo.metrics import StatCollector
 
     stats = StatCollector()
     stats.add_mean("response_length/clip_ratio", truncated(["length", "stop", "stop", "stop"]))
@@ -260,7 +260,7 @@ def _eight_samples_config():
 
 @pytest.mark.parametrize("engine", ["vllm", "hf"])
 def test_rollout_tps_always_and_vllm_tps_only_when_vllm_generated(engine):
-    from fsdp_rlhf.trainers.ppo_metrics import throughput_metrics
+    from fsdp_rlhf.trainers.ppo.metrics import throughput_metrics
 
     cfg = _eight_samples_config()
     metrics = {
@@ -276,7 +276,7 @@ def test_rollout_tps_always_and_vllm_tps_only_when_vllm_generated(engine):
 
 
 def test_rollout_tps_counts_every_dynamic_sampling_round():
-    from fsdp_rlhf.trainers.ppo_metrics import throughput_metrics
+    from fsdp_rlhf.trainers.ppo.metrics import throughput_metrics
 
     cfg = _eight_samples_config()
     # three rounds generated 3 x 8 sequences of 12 tokens on average in 3 s; the kept batch
@@ -292,7 +292,7 @@ def test_rollout_tps_counts_every_dynamic_sampling_round():
 
 
 def test_running_averages_take_the_max_of_max_entries():
-    from fsdp_rlhf.trainers.ppo_metrics import RunningAverages
+    from fsdp_rlhf.trainers.ppo.metrics import RunningAverages
 
     avg = RunningAverages()
     avg.add({"rollout_corr/mismatch_abs_diff": 0.1, "rollout_corr/mismatch_abs_diff_max": 0.5})
@@ -303,7 +303,7 @@ def test_running_averages_take_the_max_of_max_entries():
 
 
 def test_actor_loss_pieces_follow_the_correction_and_loss_flags():
-    from fsdp_rlhf.trainers.ppo_update import _correction, _policy_term
+    from fsdp_rlhf.trainers.ppo.update import _correction, _policy_term
 
     exp = _experience(n_prompts=1, n=4, T=6)
     exp.advantages = torch.ones_like(exp.response_mask)

@@ -18,7 +18,7 @@ from fsdp_rlhf.data.prompts import check_chat_template, tokenize_prompts
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.models.save import check_save_path, recover_interrupted_export
 from fsdp_rlhf.trainers.offline.data import check_paths
-from fsdp_rlhf.trainers.ppo_setup import prepare
+from fsdp_rlhf.trainers.ppo.setup import prepare
 
 
 @pytest.fixture(scope="module")

@@ -233,7 +233,7 @@ def test_vllm_adapter_assumptions(tiny_qwen2):
     pytest.importorskip("vllm")  # the adapter imports vLLM (absent on the GPU box)
     import vllm
 
-    from fsdp_rlhf.rollout import vllm_engine as ve
+    from fsdp_rlhf.rollout.vllm import engine as ve
 
     assert ve.check_vllm_internals() == vllm.__version__
     assert vllm.__version__ in ve.TESTED_VLLM_VERSIONS, (
@@ -283,10 +283,10 @@ def test_vllm_adapter_assumptions(tiny_qwen2):
 def test_vllm_lora_assumptions_and_rank_sizes(tiny_qwen2):
     pytest.importorskip("vllm")  # the adapter imports vLLM (absent on the GPU box)
     from fsdp_rlhf.errors import UserError
-    from fsdp_rlhf.rollout import vllm_engine as ve
-    from fsdp_rlhf.rollout import vllm_lora
+    from fsdp_rlhf.rollout.vllm import engine as ve
+    from fsdp_rlhf.rollout.vllm import lora
 
-    assert vllm_lora.check_lora_internals() == []
+    assert lora.check_lora_internals() == []
     ve.check_vllm_internals(lora=True)
     kw = ve.engine_kwargs(
         tiny_qwen2,
@@ -299,9 +299,9 @@ def test_vllm_lora_assumptions_and_rank_sizes(tiny_qwen2):
         lora_rank=12,
     )
     assert (kw["enable_lora"], kw["max_lora_rank"], kw["max_loras"]) == (True, 16, 1)
-    assert vllm_lora.max_lora_rank(8) == 8 and vllm_lora.max_lora_rank(1) == 1
+    assert lora.max_lora_rank(8) == 8 and lora.max_lora_rank(1) == 1
     with pytest.raises(UserError, match="--lora_rank 600"):
-        vllm_lora.max_lora_rank(600)
+        lora.max_lora_rank(600)
 
 
 def test_adapter_sync_moves_only_the_adapters(tiny_qwen2):
@@ -332,7 +332,7 @@ def test_adapter_sync_moves_only_the_adapters(tiny_qwen2):
 
 def test_cpu_engine_uses_the_compile_cache_that_loads_unless_the_user_chose(monkeypatch):
     pytest.importorskip("vllm")  # the adapter imports vLLM (absent on the GPU box)
-    from fsdp_rlhf.rollout import vllm_engine as ve
+    from fsdp_rlhf.rollout.vllm import engine as ve
 
     monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
     ve._cpu_compile_cache()
@@ -348,7 +348,7 @@ def test_model_runner_is_named_v1_or_v2_from_the_worker():
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1
 
-    from fsdp_rlhf.rollout import vllm_engine as ve
+    from fsdp_rlhf.rollout.vllm import engine as ve
 
     class Worker:
         def __init__(self, runner):
@@ -372,8 +372,8 @@ def test_a_weight_reload_drops_the_served_adapter_until_the_next_sync(monkeypatc
     name the old one (the worker would look for it at its placeholder path), nor answer with the
     base model silently."""
     pytest.importorskip("vllm")
-    from fsdp_rlhf.rollout import vllm_engine as ve
     from fsdp_rlhf.rollout.sleep import SleepTracker
+    from fsdp_rlhf.rollout.vllm import engine as ve
 
     class FakeLLM:
         def collective_rpc(self, fn, args=(), kwargs=None):
@@ -404,7 +404,7 @@ def test_vllm_decorates_a_private_decoder_class_not_transformers_own(tmp_path):
     from transformers.models.olmo2.modeling_olmo2 import Olmo2Model
     from vllm.compilation.decorators import support_torch_compile
 
-    from fsdp_rlhf.rollout import vllm_engine as ve
+    from fsdp_rlhf.rollout.vllm import engine as ve
     from fsdp_rlhf.testing.tiny import build_family
 
     path = str(build_family(tmp_path, "olmo2"))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from fsdp_rlhf.metrics import PhaseTimer
-from fsdp_rlhf.trainers import ppo_rollout
-from fsdp_rlhf.trainers.ppo_rollout import RolloutSession
+from fsdp_rlhf.trainers.ppo import rollout
+from fsdp_rlhf.trainers.ppo.rollout import RolloutSession
 
 
 class SleepyEngine:
@@ -30,9 +30,9 @@ def test_the_actor_adam_state_stays_on_the_host_after_the_rollout(monkeypatch):
     memory plan (distributed.memory) counts them. It used to come back as the engine slept:
     8 bytes per actor parameter per rank through scoring and the critic update."""
     calls: list[str] = []
-    monkeypatch.setattr(ppo_rollout, "offload_optimizer", lambda opt, dev: calls.append("off"))
+    monkeypatch.setattr(rollout, "offload_optimizer", lambda opt, dev: calls.append("off"))
     monkeypatch.setattr(
-        ppo_rollout, "onload_optimizer", lambda opt, dev: calls.append("on"), raising=False
+        rollout, "onload_optimizer", lambda opt, dev: calls.append("on"), raising=False
     )
     actor = torch.nn.Linear(2, 2)
     session = RolloutSession(

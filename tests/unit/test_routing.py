@@ -105,7 +105,7 @@ def test_routing_dtype_is_compact():
 
 def test_routing_travels_through_trimming_and_concatenation():
     from fsdp_rlhf.trainers.experience import Experience
-    from fsdp_rlhf.trainers.ppo_dynamic_filtering import concat_experiences
+    from fsdp_rlhf.trainers.ppo.dynamic_filtering import concat_experiences
 
     def exp(P, T, fill):
         N = 2
@@ -134,7 +134,7 @@ def test_routing_travels_through_trimming_and_concatenation():
 def test_vllms_own_routing_keeps_the_moe_layers_and_checks_its_length():
     from types import SimpleNamespace
 
-    from fsdp_rlhf.rollout.vllm_moe import routing_from_outputs
+    from fsdp_rlhf.rollout.vllm.moe import routing_from_outputs
 
     all_layers = np.arange(5 * 4 * K).reshape(5, 4, K).astype(np.uint16)  # 4 decoder layers
     comp = SimpleNamespace(index=0, token_ids=[7, 8], routed_experts=all_layers)

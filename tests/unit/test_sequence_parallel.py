@@ -222,7 +222,7 @@ def _ppo(model: str, *argv: str) -> PPOConfig:
 
 
 def test_long_generation_must_fit_the_model_context(tmp_path):
-    from fsdp_rlhf.trainers.ppo_setup import check_context_length
+    from fsdp_rlhf.trainers.ppo.setup import check_context_length
 
     short = _config_only(tmp_path / "short", 2, 2, max_position_embeddings=4096)
     long = _config_only(tmp_path / "long", 2, 2, max_position_embeddings=40960)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fsdp_rlhf.distributed.stats import to_host
-from fsdp_rlhf.trainers.ppo_metrics import RunningAverages, StatCollector
+from fsdp_rlhf.trainers.ppo.metrics import RunningAverages, StatCollector
 
 
 @pytest.fixture

@@ -55,7 +55,7 @@ def test_generation_config_lists_two_eos_ids(tiny_qwen2, tiny_llama):
 
 def test_cpu_kv_cache_size_without_head_dim_key(tiny_qwen2, tiny_llama):
     pytest.importorskip("vllm")  # the adapter imports vLLM (absent on the GPU box)
-    from fsdp_rlhf.rollout.vllm_engine import CPU_KV_CONCURRENT_SEQS, cpu_kv_cache_bytes
+    from fsdp_rlhf.rollout.vllm.engine import CPU_KV_CONCURRENT_SEQS, cpu_kv_cache_bytes
 
     long = 1 << 15  # large enough to clear the 1 GiB floor
     for path, kv_heads in ((tiny_qwen2, 2), (tiny_llama, 3)):

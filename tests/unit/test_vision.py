@@ -114,7 +114,7 @@ def test_row_check_names_the_row(tmp_path):
     from fsdp_rlhf.config import VisionConfig
     from fsdp_rlhf.data.sources import check_rows
     from fsdp_rlhf.errors import UserError
-    from fsdp_rlhf.trainers.ppo_vision import row_check
+    from fsdp_rlhf.trainers.ppo.vision import row_check
 
     path = tmp_path / "a.png"
     solid_image(COLOURS["blue"]).save(path)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_rlhf.rollout.vllm_api import (
+from fsdp_rlhf.rollout.vllm.api import (
     ENGINE_CALLS,
     LORA_CALLS,
     MOE_CALLS,
@@ -113,7 +113,7 @@ def test_a_lost_keyword_is_still_reported():
 
 def test_the_installed_vllm_passes_and_is_in_range():
     vllm = pytest.importorskip("vllm")
-    from fsdp_rlhf.rollout import vllm_engine as ve
+    from fsdp_rlhf.rollout.vllm import engine as ve
 
     assert check_calls(ENGINE_CALLS) == [] and check_calls(LORA_CALLS) == []
     low, high = ve.SUPPORTED_VLLM

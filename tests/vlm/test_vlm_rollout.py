@@ -56,9 +56,9 @@ def _checks(rank: int, world: int, model_path: str, image_dir: str, tp: int) -> 
         vision_prefix,
     )
     from fsdp_rlhf.rollout import HFEngine, SamplingConfig, build_rollout_groups, sync_weights
-    from fsdp_rlhf.rollout.vllm_engine import VLLMEngine
+    from fsdp_rlhf.rollout.vllm.engine import VLLMEngine
     from fsdp_rlhf.testing.tiny_vlm import colour_rows
-    from fsdp_rlhf.trainers.ppo_vision import StepImages
+    from fsdp_rlhf.trainers.ppo.vision import StepImages
     from tests.dist_utils import current_env
 
     env = current_env()

@@ -4,9 +4,9 @@ advantages, updates) is the same whichever source it is.
 
 Two sources:
 
-    ColocatedSource (ppo_colocated)   the engine beside the actor on this rank: sync the
+    ColocatedSource (colocated.py)    the engine beside the actor on this rank: sync the
                                       actor's weights into it, generate, score
-    AsyncSource (ppo_async)           the queue that the rollout ranks of ``--async_train``
+    AsyncSource (async_train.py)      the queue that the rollout ranks of ``--async_train``
                                       fill: receive the batch, score what they did not,
                                       measure its staleness; publish each new actor
 
@@ -38,7 +38,7 @@ from fsdp_rlhf.distributed.sequence_parallel import SequenceParallel
 from fsdp_rlhf.metrics import PhaseTimer
 from fsdp_rlhf.rollout import RolloutOutput
 from fsdp_rlhf.trainers.experience import Experience
-from fsdp_rlhf.trainers.ppo_metrics import StatCollector
+from fsdp_rlhf.trainers.ppo.metrics import StatCollector
 
 # fills exp.scores for the batch's prompts (prompt i owns rows i*n .. i*n+n-1): the reward
 # model and the rule reward, clipped (the trainer's: the reward model lives with the trainer)
@@ -55,7 +55,7 @@ class SourceInputs:
         actor, actor_optimizer: the policy whose weights the rollouts use.
         tokenizer: the actor's.
         prompts: the prompt data, in data order (a batch names its prompts by index).
-        images: a VLM's ``ppo_vision.StepImages`` (None: text).
+        images: a VLM's ``ppo.vision.StepImages`` (None: text).
         parallel: the run's parallel layout (the ranks of a sequence-parallel group draw the
             same prompts: the data shard is ``dp_rank`` of ``dp_size``; dynamic filtering
             counts over ``data_group``).

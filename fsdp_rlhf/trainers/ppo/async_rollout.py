@@ -1,5 +1,5 @@
 """A rollout rank of `fsdp-rlhf ppo --async_train`: generate batches ahead of the training
-ranks, within the staleness bound (the schedule is in ``ppo_async_queue``).
+ranks, within the staleness bound (the schedule is in ``ppo.async_queue``).
 
 Loop, for each batch ``j`` from the step resumed from::
 
@@ -23,7 +23,7 @@ from the same weights every time.
 The engine never sleeps: nothing else shares its device. A stop signal here is passed on
 through the job's store to the training ranks' vote, which checkpoints and ends the job.
 Each batch generated and queued, and each version taken, goes into the run's ledger
-(``ppo_async_ledger``: ``rollout<i>.jsonl``).
+(``ppo.async_ledger``: ``rollout<i>.jsonl``).
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ from fsdp_rlhf.models.load import load_tokenizer
 from fsdp_rlhf.rollout import AdapterSpec, SamplingConfig
 from fsdp_rlhf.rollout.streaming import stream_rollout
 from fsdp_rlhf.trainers.experience import Experience, experience_from_rollout
-from fsdp_rlhf.trainers.ppo_async_ledger import LedgerWriter, ledger_folder, rollout_file
-from fsdp_rlhf.trainers.ppo_async_queue import (
+from fsdp_rlhf.trainers.ppo.async_ledger import LedgerWriter, ledger_folder, rollout_file
+from fsdp_rlhf.trainers.ppo.async_queue import (
     END,
     START,
     WEIGHTS,
@@ -63,16 +63,16 @@ from fsdp_rlhf.trainers.ppo_async_queue import (
     routes,
     stop_key,
 )
-from fsdp_rlhf.trainers.ppo_dynamic_filtering import dynamic_sample
-from fsdp_rlhf.trainers.ppo_metrics import StatCollector, add_rollout_stats
-from fsdp_rlhf.trainers.ppo_multiturn import build_multiturn, run_multiturn
-from fsdp_rlhf.trainers.ppo_rewards import (
+from fsdp_rlhf.trainers.ppo.dynamic_filtering import dynamic_sample
+from fsdp_rlhf.trainers.ppo.metrics import StatCollector, add_rollout_stats
+from fsdp_rlhf.trainers.ppo.multiturn import build_multiturn, run_multiturn
+from fsdp_rlhf.trainers.ppo.rewards import (
     add_overlong_penalty,
     add_stop_properly_penalty,
     rule_scores,
 )
-from fsdp_rlhf.trainers.ppo_rollout import sampling_config
-from fsdp_rlhf.trainers.ppo_setup import build_engine, build_prompts
+from fsdp_rlhf.trainers.ppo.rollout import sampling_config
+from fsdp_rlhf.trainers.ppo.setup import build_engine, build_prompts
 from fsdp_rlhf.trainers.rule_reward import build_rule_reward
 
 log = logging.getLogger("fsdp_rlhf")

@@ -1,7 +1,7 @@
 """Mixture-of-experts models in the in-process vLLM engine: the weight sync of CPU experts, and
 recording the experts each token was routed to (router replay).
 
-Only :mod:`fsdp_rlhf.rollout.vllm_engine` imports this module; the functions taking ``worker``
+Only :mod:`fsdp_rlhf.rollout.vllm.engine` imports this module; the functions taking ``worker``
 run inside the engine's worker through ``LLM.collective_rpc`` (in this process, under the
 external launcher).
 

@@ -1,7 +1,7 @@
 """`fsdp-rlhf ppo --async_train`: asynchronous PPO in one torchrun world (docs/async.md).
 
 The last ``vllm_num_engines x vllm_tensor_parallel_size`` ranks only generate
-(:mod:`fsdp_rlhf.trainers.ppo_async_rollout`); the others train, each step on a batch the
+(:mod:`fsdp_rlhf.trainers.ppo.async_rollout`); the others train, each step on a batch the
 rollout ranks generated while the previous steps trained. A training rank runs the PPO step
 with :class:`AsyncSource` as its source of experiences:
 
@@ -14,7 +14,7 @@ with :class:`AsyncSource` as its source of experiences:
 Checkpoints hold what a colocated run's do plus each rollout rank's prompt-sampler state after
 the last trained batch: a resumed run regenerates the batches after it from the checkpointed
 weights (the queue is not saved; the checkpoint says from which batch on), so no step runs
-twice and none is skipped. The run's ledger (``ppo_async_ledger``) records which prompts were
+twice and none is skipped. The run's ledger (``ppo.async_ledger``) records which prompts were
 generated, queued and trained, by which attempt.
 """
 
@@ -49,14 +49,14 @@ from fsdp_rlhf.rollout.weight_sync import (
 )
 from fsdp_rlhf.trainers import common
 from fsdp_rlhf.trainers.experience import Experience
-from fsdp_rlhf.trainers.ppo_async_ledger import (
+from fsdp_rlhf.trainers.ppo.async_ledger import (
     TRAIN,
     LedgerWriter,
     attempts,
     generated_after,
     ledger_folder,
 )
-from fsdp_rlhf.trainers.ppo_async_queue import (
+from fsdp_rlhf.trainers.ppo.async_queue import (
     END,
     START,
     WEIGHTS,
@@ -69,13 +69,13 @@ from fsdp_rlhf.trainers.ppo_async_queue import (
     staleness,
     stop_key,
 )
-from fsdp_rlhf.trainers.ppo_async_rollout import RolloutWorker
-from fsdp_rlhf.trainers.ppo_dynamic_filtering import concat_experiences
-from fsdp_rlhf.trainers.ppo_metrics import StatCollector, throughput
-from fsdp_rlhf.trainers.ppo_rewards import add_overlong_penalty, add_stop_properly_penalty
-from fsdp_rlhf.trainers.ppo_rollout import adapter_sync
-from fsdp_rlhf.trainers.ppo_setup import adapter_spec, engine_dtype, merged_lora_scaling, prepare
-from fsdp_rlhf.trainers.ppo_source import OpenSource, Sampled, SourceInputs
+from fsdp_rlhf.trainers.ppo.async_rollout import RolloutWorker
+from fsdp_rlhf.trainers.ppo.dynamic_filtering import concat_experiences
+from fsdp_rlhf.trainers.ppo.metrics import StatCollector, throughput
+from fsdp_rlhf.trainers.ppo.rewards import add_overlong_penalty, add_stop_properly_penalty
+from fsdp_rlhf.trainers.ppo.rollout import adapter_sync
+from fsdp_rlhf.trainers.ppo.setup import adapter_spec, engine_dtype, merged_lora_scaling, prepare
+from fsdp_rlhf.trainers.ppo.source import OpenSource, Sampled, SourceInputs
 
 log = logging.getLogger("fsdp_rlhf")
 

@@ -63,8 +63,8 @@ from fsdp_rlhf.rollout.env import load_environment
 from fsdp_rlhf.rollout.memory_budget import check_device_budget
 from fsdp_rlhf.rules import PPO, check_command, check_flags, model_paths
 from fsdp_rlhf.trainers.common import load_and_prepare, log_startup
-from fsdp_rlhf.trainers.ppo_rollout import adapter_sync
-from fsdp_rlhf.trainers.ppo_vision import row_check
+from fsdp_rlhf.trainers.ppo.rollout import adapter_sync
+from fsdp_rlhf.trainers.ppo.vision import row_check
 from fsdp_rlhf.trainers.rule_reward import RewardFn, auth_headers, build_rule_reward
 
 log = logging.getLogger("fsdp_rlhf")
@@ -267,11 +267,11 @@ def prepare(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any, dict[st
             f"{cfg.batch.rollout_batch_size}"
         )
     if cfg.eval.eval_dataset is not None:
-        from fsdp_rlhf.trainers.ppo_eval import load_eval_rows
+        from fsdp_rlhf.trainers.ppo.eval import load_eval_rows
 
         load_eval_rows(cfg)  # bad eval data fails here, not after the models are loaded
     if cfg.rollout.rollout_engine == "vllm":  # last: importing vLLM prints lines of its own
-        from fsdp_rlhf.rollout.vllm_engine import check_architecture
+        from fsdp_rlhf.rollout.vllm.engine import check_architecture
 
         check_architecture(m.pretrain, cfg.backend.trust_remote_code)
     return plan, rows, kinds
@@ -459,7 +459,7 @@ def check_ema_resumable(path: Path, enabled: bool) -> None:
 
 
 def build_prompts(cfg: PPOConfig, rows, tokenizer, images=None) -> list[Prompt]:
-    """Every prompt, tokenized (``images``: a VLM's ``ppo_vision.StepImages``)."""
+    """Every prompt, tokenized (``images``: a VLM's ``ppo.vision.StepImages``)."""
     vision = images.vision if images is not None else None
     prompts = tokenize_prompts(rows, tokenizer, cfg.data, vision, cfg.vision.image_key)
     if len(prompts) < cfg.batch.rollout_batch_size:
@@ -511,7 +511,7 @@ def build_engine(
     if streaming:  # its world holds this engine only, and nothing else shares its device
         rollout = dataclasses.replace(rollout, vllm_num_engines=None, vllm_enable_sleep=False)
     if cfg.rollout.rollout_engine == "vllm":
-        from fsdp_rlhf.rollout.vllm_engine import VLLMEngine
+        from fsdp_rlhf.rollout.vllm.engine import VLLMEngine
 
         if env.device.type == "cuda":
             util = cuda_pool(cfg, env, engine_only=streaming)

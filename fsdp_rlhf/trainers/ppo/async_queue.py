@@ -1,6 +1,6 @@
 """What travels between the rollout ranks and the training ranks of an asynchronous job, and
 the schedule both sides follow (pure functions and message formats; the loops are in
-``ppo_async`` and ``ppo_async_rollout``).
+``ppo.async_train`` and ``ppo.async_rollout``).
 
 Schedule (every rank knows it, so no one waits for a message that will not come):
 

@@ -35,7 +35,7 @@ from fsdp_rlhf.models.moe import MoEHooks, routing_scope
 from fsdp_rlhf.trainers.experience import Experience, micro_batches, minibatches
 from fsdp_rlhf.trainers.guards import BadStepGuard, finite_mean, guarded_step
 from fsdp_rlhf.trainers.micro_batches import MicroBatching
-from fsdp_rlhf.trainers.ppo_metrics import (
+from fsdp_rlhf.trainers.ppo.metrics import (
     RunningAverages,
     explained_variance,
     reduce_explained_variance,

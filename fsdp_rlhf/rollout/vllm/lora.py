@@ -1,6 +1,6 @@
 """LoRA adapters for the in-process vLLM engine, from tensors in memory (no files).
 
-Only :mod:`fsdp_rlhf.rollout.vllm_engine` imports this module; like it, it touches vLLM
+Only :mod:`fsdp_rlhf.rollout.vllm.engine` imports this module; like it, it touches vLLM
 internals, all checked by :func:`check_lora_internals` when an engine with LoRA is built.
 
 vLLM loads adapters by path: a request names ``(lora_name, lora_int_id, lora_path)`` and the
@@ -26,7 +26,7 @@ from vllm.lora.request import LoRARequest
 from vllm.lora.worker_manager import WorkerLoRAManager
 
 from fsdp_rlhf.errors import UserError
-from fsdp_rlhf.rollout.vllm_api import LORA_CALLS, check_calls
+from fsdp_rlhf.rollout.vllm.api import LORA_CALLS, check_calls
 
 # Never opened (see the module docstring); LoRARequest refuses an empty path.
 IN_MEMORY_PATH = "fsdp-rlhf://in-memory-adapter"

@@ -16,25 +16,25 @@ from fsdp_rlhf.models.vision import VisionTokens
 from fsdp_rlhf.rollout import RolloutEngine, RolloutOutput, SamplingConfig
 from fsdp_rlhf.rollout.groups import gather_rollouts
 from fsdp_rlhf.trainers.experience import Experience, experience_from_rollout
-from fsdp_rlhf.trainers.ppo_dynamic_filtering import dynamic_sample
-from fsdp_rlhf.trainers.ppo_metrics import StatCollector, add_rollout_stats, throughput_metrics
-from fsdp_rlhf.trainers.ppo_multiturn import build_multiturn, multiturn_rollout
-from fsdp_rlhf.trainers.ppo_rewards import add_overlong_penalty, add_stop_properly_penalty
-from fsdp_rlhf.trainers.ppo_rollout import (
+from fsdp_rlhf.trainers.ppo.dynamic_filtering import dynamic_sample
+from fsdp_rlhf.trainers.ppo.metrics import StatCollector, add_rollout_stats, throughput_metrics
+from fsdp_rlhf.trainers.ppo.multiturn import build_multiturn, multiturn_rollout
+from fsdp_rlhf.trainers.ppo.rewards import add_overlong_penalty, add_stop_properly_penalty
+from fsdp_rlhf.trainers.ppo.rollout import (
     RolloutSession,
     delta_state,
     sampling_config,
     sleep_drops_weights,
 )
-from fsdp_rlhf.trainers.ppo_setup import (
+from fsdp_rlhf.trainers.ppo.setup import (
     adapter_spec,
     build_engine,
     engine_dtype,
     merged_lora_scaling,
     unsynced_params,
 )
-from fsdp_rlhf.trainers.ppo_source import Sampled, SourceInputs
-from fsdp_rlhf.trainers.ppo_vision import StepImages, check_responses
+from fsdp_rlhf.trainers.ppo.source import Sampled, SourceInputs
+from fsdp_rlhf.trainers.ppo.vision import StepImages, check_responses
 
 log = logging.getLogger("fsdp_rlhf")
 

@@ -44,7 +44,6 @@ from fsdp_rlhf.hf_config import (  # noqa: E402
 )
 from fsdp_rlhf.models.checkpoint_format import checkpoint_format  # noqa: E402
 from fsdp_rlhf.models.vision import VisionTokens  # noqa: E402
-from fsdp_rlhf.rollout import vllm_lora, vllm_moe, vllm_reload  # noqa: E402
 from fsdp_rlhf.rollout.engine import (  # noqa: E402
     AdapterSpec,
     CountingWeights,
@@ -62,7 +61,10 @@ from fsdp_rlhf.rollout.routing import (  # noqa: E402
     routing_dtype,
 )
 from fsdp_rlhf.rollout.sleep import SleepTracker  # noqa: E402
-from fsdp_rlhf.rollout.vllm_api import (  # noqa: E402
+from fsdp_rlhf.rollout.vllm import lora as lora_ops  # noqa: E402
+from fsdp_rlhf.rollout.vllm import moe as moe_ops  # noqa: E402
+from fsdp_rlhf.rollout.vllm import reload as reload_ops  # noqa: E402
+from fsdp_rlhf.rollout.vllm.api import (  # noqa: E402
     ENGINE_CALLS,
     MOE_CALLS,
     STREAMING_CALLS,
@@ -97,19 +99,19 @@ def check_vllm_internals(
 ) -> str:
     """Raise if a vLLM API this adapter relies on is missing or changed; returns the version.
 
-    Checked (``vllm_api.ENGINE_CALLS``): ``Worker.reload_weights`` forwarding to
+    Checked (``vllm.api.ENGINE_CALLS``): ``Worker.reload_weights`` forwarding to
     ``GPUModelRunner.reload_weights(weights_iterator=...)`` (v1 and v2 runners; the CPU runners
     subclass them), the in-process external-launcher executor and engine client (``close``),
     the ``LLM`` methods used here, with ``lora`` the adapter APIs of
-    :mod:`fsdp_rlhf.rollout.vllm_lora`, with ``streaming`` (asynchronous training) the
-    step-by-step engine calls (``vllm_api.STREAMING_CALLS``), with ``router_replay`` on CPU
-    those of :mod:`fsdp_rlhf.rollout.vllm_moe` (``vllm_api.MOE_CALLS``), and with ``vision``
+    :mod:`fsdp_rlhf.rollout.vllm.lora`, with ``streaming`` (asynchronous training) the
+    step-by-step engine calls (``vllm.api.STREAMING_CALLS``), with ``router_replay`` on CPU
+    those of :mod:`fsdp_rlhf.rollout.vllm.moe` (``vllm.api.MOE_CALLS``), and with ``vision``
     the encoder-cache reset. A version outside ``SUPPORTED_VLLM`` is only warned about: these
     checks, not the number, decide.
     """
     problems = check_calls(ENGINE_CALLS)
     if lora:
-        problems += vllm_lora.check_lora_internals()
+        problems += lora_ops.check_lora_internals()
     if streaming:
         problems += check_calls(STREAMING_CALLS)
     if router_replay and not torch.cuda.is_available():
@@ -152,23 +154,23 @@ def _reload_weights_inplace(
     external-launcher executor runs the worker in this process.
 
     On CPU the MoE experts' kernels are dropped first, so the reload repacks the experts it
-    loads (``vllm_moe.repack_cpu_experts_on_reload``); without it every sync after the first
+    loads (``vllm.moe.repack_cpu_experts_on_reload``); without it every sync after the first
     load scrambled them. Weights of ``architectures`` whose loader the reload does not see go
-    their own way (``vllm_reload``: gpt-oss's experts and attention sinks).
+    their own way (``vllm.reload``: gpt-oss's experts and attention sinks).
     """
     if not torch.cuda.is_available():
-        llm.collective_rpc(vllm_moe.repack_cpu_experts_on_reload)
-    adapter = vllm_reload.reload_adapter(architectures)
+        llm.collective_rpc(moe_ops.repack_cpu_experts_on_reload)
+    adapter = reload_ops.reload_adapter(architectures)
     if adapter is not None:
         weights = adapter.stream(weights)
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
     if adapter is not None and adapter.sinks:
-        llm.collective_rpc(vllm_reload.copy_attention_sinks, args=(adapter.sinks,))
+        llm.collective_rpc(reload_ops.copy_attention_sinks, args=(adapter.sinks,))
 
 
 # vLLM picks its model runner at start-up: V2 (vllm/v1/worker/gpu/) on CUDA when Triton is there
 # and no feature it lacks is asked for, V1 otherwise (every CPU engine). VLLM_USE_V2_MODEL_RUNNER=0
-# forces V1. What the adapter relies on is the same in both (vllm_api.ENGINE_CALLS; LoRA through
+# forces V1. What the adapter relies on is the same in both (vllm.api.ENGINE_CALLS; LoRA through
 # the same LoRAModelRunnerMixin); their seeded samplers differ (V1: a torch generator per
 # request; V2: Gumbel noise hashed from the request seed and the token position), so the same
 # seeds sample other tokens under the other runner.
@@ -343,7 +345,7 @@ def engine_kwargs(
         dtype=_DTYPE_NAMES[dtype],
         seed=seed,
         max_model_len=max_model_len,
-        # on CUDA resolved from the memory plan before the engine is built (ppo_setup); on CPU
+        # on CUDA resolved from the memory plan before the engine is built (ppo.setup); on CPU
         # the KV cache is sized in bytes below and the fraction is not used
         gpu_memory_utilization=cfg.vllm_gpu_memory_utilization or CPU_MEMORY_UTILIZATION,
         enforce_eager=cfg.enforce_eager,
@@ -353,7 +355,7 @@ def engine_kwargs(
         trust_remote_code=trust_remote_code,
     )
     if lora_rank > 0:
-        kwargs.update(vllm_lora.lora_engine_kwargs(lora_rank))
+        kwargs.update(lora_ops.lora_engine_kwargs(lora_rank))
     if router_replay and torch.cuda.is_available():
         kwargs["enable_return_routed_experts"] = True
     elif router_replay:
@@ -522,7 +524,7 @@ class _Routing:
 
     layers: list[int]
     store: torch.dtype
-    recorder: vllm_moe.RoutingRecorder | None
+    recorder: moe_ops.RoutingRecorder | None
 
     @property
     def np_store(self):
@@ -654,9 +656,9 @@ class VLLMEngine:
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         store = routing_dtype(config_num_experts(config))
         if torch.cuda.is_available():
-            return _Routing(self.llm.collective_rpc(vllm_moe.moe_layer_ids)[0], store, None)
+            return _Routing(self.llm.collective_rpc(moe_ops.moe_layer_ids)[0], store, None)
         np_store = _Routing([], store, None).np_store
-        recorder = self.llm.collective_rpc(vllm_moe.install_recorder, args=(np_store,))[0]
+        recorder = self.llm.collective_rpc(moe_ops.install_recorder, args=(np_store,))[0]
         log.info(
             "router replay: the engine records the experts of %d MoE layers (eager vLLM on CPU)",
             len(recorder.layers),
@@ -742,7 +744,7 @@ class VLLMEngine:
         """(L - 1, Lm, k) routing of every completion of ``outputs``, in output order."""
         routing = self._routing
         if routing.recorder is None:
-            return vllm_moe.routing_from_outputs(outputs, routing.layers, routing.np_store)
+            return moe_ops.routing_from_outputs(outputs, routing.layers, routing.np_store)
         sequences = []
         for req in outputs:
             for comp in sorted(req.outputs, key=lambda c: c.index):
@@ -848,14 +850,14 @@ class VLLMEngine:
         tensors = {name: tensor.clone() for name, tensor in counted}
         new_id = self._lora_id + 1
         self.llm.collective_rpc(
-            vllm_lora.install_adapter,
+            lora_ops.install_adapter,
             args=(new_id, tensors, spec.peft_config(), self._lora_id or None),
         )
         self._lora_id, self._adapter_dropped = new_id, False
         return counted.nbytes
 
     def _lora_request(self):
-        return vllm_lora.request(self._lora_id) if self._lora_id else None
+        return lora_ops.request(self._lora_id) if self._lora_id else None
 
     def sleep(self) -> None:
         if self._sleep.sleep():

@@ -13,7 +13,7 @@ one at a time under the names of the loader's per-expert path (``experts.{i}.w13
 which goes through ``weight_loader``) and copies the sinks into the engine's parameters itself
 after the reload (:func:`copy_attention_sinks`, run in the worker).
 
-Only :mod:`fsdp_rlhf.rollout.vllm_engine` imports this module.
+Only :mod:`fsdp_rlhf.rollout.vllm.engine` imports this module.
 """
 
 from __future__ import annotations

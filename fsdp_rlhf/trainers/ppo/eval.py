@@ -226,7 +226,7 @@ class Evaluator:
 def build_evaluator(
     cfg: PPOConfig, env: DistEnv, tokenizer, parallel: ParallelLayout | None = None, images=None
 ) -> Evaluator | None:
-    """``images``: a VLM's ``ppo_vision.StepImages`` (eval prompts may hold images)."""
+    """``images``: a VLM's ``ppo.vision.StepImages`` (eval prompts may hold images)."""
     if cfg.eval.eval_dataset is None:
         return None
     vision = images.vision if images is not None else None

@@ -47,8 +47,8 @@ from fsdp_rlhf.rollout.agent import load_agent
 from fsdp_rlhf.rollout.engine import RolloutOutput, SamplingConfig, pad_token_rows
 from fsdp_rlhf.rollout.env import Environment, NewPrompt, load_environment
 from fsdp_rlhf.rollout.routing import pad_routing
-from fsdp_rlhf.trainers.ppo_metrics import StatCollector
-from fsdp_rlhf.trainers.ppo_rollout import RolloutSession
+from fsdp_rlhf.trainers.ppo.metrics import StatCollector
+from fsdp_rlhf.trainers.ppo.rollout import RolloutSession
 
 Generate = Callable[[list[list[int]], SamplingConfig], RolloutOutput]
 

@@ -2,7 +2,7 @@
 it was written for.
 
 Kept free of vLLM imports: the tables are checked against the installed vLLM at engine start
-(``vllm_engine.check_vllm_internals``) and against recorded signatures of other vLLM versions
+(``engine.check_vllm_internals``) and against recorded signatures of other vLLM versions
 in the tests (tests/unit/test_vllm_versions.py), without installing them.
 """
 
@@ -65,7 +65,7 @@ STREAMING_CALLS: Calls = {
     ),
 }
 
-# rollout/vllm_moe.py, recording routed experts on CPU (--router_replay; checked only then, and
+# rollout/vllm/moe.py, recording routed experts on CPU (--router_replay; checked only then, and
 # only against the installed vLLM: the recorder runs on 0.32): the capture hook vLLM's own
 # recorder uses, and the V1 runner calling the model with the flat batch's ids and positions.
 MOE_CALLS: Calls = {
@@ -94,7 +94,7 @@ VISION_CALLS: Calls = {
     ),
 }
 
-# rollout/vllm_lora.py: adapters built from tensors in memory.
+# rollout/vllm/lora.py: adapters built from tensors in memory.
 LORA_CALLS: Calls = {
     "LoRAModel.from_lora_tensors": (
         "vllm.lora.lora_model",

@@ -4,7 +4,7 @@
 
 One step = one rollout batch: the batch from the step's source of experiences (colocated: sync
 weights into this rank's vLLM engine, generate, score; ``--async_train``: the queue the rollout
-ranks fill, :mod:`~fsdp_rlhf.trainers.ppo_source`), old/ref log-probs and values, advantages,
+ranks fill, :mod:`~fsdp_rlhf.trainers.ppo.source`), old/ref log-probs and values, advantages,
 critic update, actor update, the new weights to the source. Idle models leave the GPU between
 phases. The loop (stop vote, checkpoints) is :func:`fsdp_rlhf.trainers.common.fit`.
 """
@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+import fsdp_rlhf.trainers.ppo.async_train as async_train
 from fsdp_rlhf.algorithms import clip_scores
 from fsdp_rlhf.config import PPOBatchPlan, PPOConfig
 from fsdp_rlhf.data.prompts import Prompt
@@ -42,7 +43,7 @@ from fsdp_rlhf.models.lora import adapters_disabled
 from fsdp_rlhf.models.moe import MoEHooks
 from fsdp_rlhf.models.save import save_model
 from fsdp_rlhf.rollout import HFEngine
-from fsdp_rlhf.trainers import common, ppo_async
+from fsdp_rlhf.trainers import common
 from fsdp_rlhf.trainers.experience import (
     Experience,
     batched_logprobs,
@@ -51,16 +52,16 @@ from fsdp_rlhf.trainers.experience import (
 )
 from fsdp_rlhf.trainers.guards import BadStepGuard, check_finite_scores
 from fsdp_rlhf.trainers.micro_batches import MicroBatching
-from fsdp_rlhf.trainers.ppo_colocated import ColocatedSource, start_engine
-from fsdp_rlhf.trainers.ppo_eval import Evaluator, build_evaluator
-from fsdp_rlhf.trainers.ppo_metrics import StatCollector, collect_batch_stats, log_samples
-from fsdp_rlhf.trainers.ppo_rewards import (
+from fsdp_rlhf.trainers.ppo.colocated import ColocatedSource, start_engine
+from fsdp_rlhf.trainers.ppo.eval import Evaluator, build_evaluator
+from fsdp_rlhf.trainers.ppo.metrics import StatCollector, collect_batch_stats, log_samples
+from fsdp_rlhf.trainers.ppo.rewards import (
     build_kl_controller,
     compute_advantages,
     observe_kl,
     rule_scores,
 )
-from fsdp_rlhf.trainers.ppo_setup import (
+from fsdp_rlhf.trainers.ppo.setup import (
     build_ema,
     build_models,
     build_optimizers,
@@ -71,8 +72,8 @@ from fsdp_rlhf.trainers.ppo_setup import (
     prepare,
     prompt_group_size,
 )
-from fsdp_rlhf.trainers.ppo_source import ExperienceSource, OpenSource, SourceInputs
-from fsdp_rlhf.trainers.ppo_update import (
+from fsdp_rlhf.trainers.ppo.source import ExperienceSource, OpenSource, SourceInputs
+from fsdp_rlhf.trainers.ppo.update import (
     TrainedModel,
     UpdatePlan,
     reuse_update_logprobs,
@@ -80,7 +81,7 @@ from fsdp_rlhf.trainers.ppo_update import (
     update_critic,
     update_generator,
 )
-from fsdp_rlhf.trainers.ppo_vision import StepImages, image_limit
+from fsdp_rlhf.trainers.ppo.vision import StepImages, image_limit
 
 log = logging.getLogger("fsdp_rlhf")
 
@@ -99,9 +100,9 @@ CONSOLE_KEYS = [
 def main(cfg: PPOConfig, debug: bool = False) -> int:
     """Colocated: every rank generates with its engine and trains. ``--async_train``: the job
     splits into training ranks, whose PPO step takes its batches from the rollout ranks'
-    queue, and rollout ranks (:mod:`~fsdp_rlhf.trainers.ppo_async`)."""
+    queue, and rollout ranks (:mod:`~fsdp_rlhf.trainers.ppo.async_train`)."""
     if cfg.asynchronous.async_train:
-        return ppo_async.launch(cfg, debug, PPOTrainer)
+        return async_train.launch(cfg, debug, PPOTrainer)
     return common.launch(cfg, debug, prepare, build_colocated)
 
 

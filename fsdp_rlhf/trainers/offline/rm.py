@@ -27,8 +27,8 @@ from fsdp_rlhf.models.save import save_model
 from fsdp_rlhf.trainers import common
 from fsdp_rlhf.trainers.offline.data import prepare_rm_data
 from fsdp_rlhf.trainers.offline.models import build_reward_model, pair_layout
+from fsdp_rlhf.trainers.offline.rm_steps import evaluate, train_step
 from fsdp_rlhf.trainers.offline.trainer import OfflineTrainer, TrainData, prepare_command
-from fsdp_rlhf.trainers.rm_steps import evaluate, train_step
 
 log = logging.getLogger(__name__)
 
