@@ -158,10 +158,9 @@ def test_the_import_scanner_sees_relative_and_absolute_imports():
     assert "fsdp_rlhf.rollout.engine" in _imports(PKG / "rollout" / "__init__.py")
 
 
-# Circles still open, each with the step of issue #47 that removes it: PPO's entry point
-# dispatches into the asynchronous trainer, which subclasses it (async as a part, not a
-# subclass). Removing a circle means deleting its row; adding one fails the test below.
-KNOWN_CIRCLES = {("fsdp_rlhf.trainers.ppo.async_train", "fsdp_rlhf.trainers.ppo.trainer")}
+# Circles still open, each with the step of issue #47 that removes it (none since async
+# became a part, not a subclass). Adding one fails the test below.
+KNOWN_CIRCLES: set[tuple[str, ...]] = set()
 
 
 def import_circles(graph: dict[str, set[str]]) -> list[tuple[str, ...]]:
