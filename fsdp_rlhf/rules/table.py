@@ -19,7 +19,6 @@ from fsdp_rlhf.rules.base import (
     multiturn,
     oversampling,
     sp_models,
-    sp_size,
     uses_critic,
     vlm_actor,
     vlm_with,
@@ -29,18 +28,6 @@ from fsdp_rlhf.rules.base import (
 # ---------------------------------------------------------------- asynchronous training
 
 ASYNC = [
-    Rule(
-        "async-sequence-parallel",
-        ("async", "sequence parallel"),
-        (PPO,),
-        when(
-            lambda s: is_async(s) and sp_size(s) > 1,
-            lambda s: f"--sequence_parallel_size {sp_size(s)} with --async_train",
-        ),
-        "sequence parallelism is not combined with the split world yet (training ranks in "
-        "sequence-parallel groups, rollout ranks apart)",
-        "drop one of them",
-    ),
     Rule(
         "async-expert-parallel",
         ("async", "expert parallel"),

@@ -115,9 +115,11 @@ def launch(
             raise RuntimeError(f"world size {env.world_size} != WORLD_SIZE {world_size}")
     else:
         env, split = init(cfg.guard.dist_timeout_min)
+    # a rollout rank's default group is its engine's ranks: the training layout is not its
+    rollout = split is not None and split.is_rollout(job_position()[0])
     parallel = build_layout(
-        cfg.fsdp.sequence_parallel_size,
-        cfg.fsdp.expert_parallel_size,
+        1 if rollout else cfg.fsdp.sequence_parallel_size,
+        1 if rollout else cfg.fsdp.expert_parallel_size,
         split=split,
         device_type=env.device.type,
     )

@@ -251,7 +251,8 @@ class AgentExecutor(MultiTurnAgentExecutor):
 @pytest.mark.parametrize("script", ["agent_async_v0.10_flat.sh", "agent_async_v0.11_dotted.sh"])
 def test_openrlhf_async_agent_script(tiny_qwen2, tmp_path, script):
     """OpenRLHF's train_reinforce_baseline_ray_agent_async.sh in both spellings, at test
-    sizes: async training with partial rollouts, an agent over two tries, dynamic filtering,
+    sizes, ring attention included (2 training ranks in one sequence-parallel group beside a
+    rollout rank): async training with partial rollouts, an agent over two tries, dynamic filtering,
     token-budget micro-batches, packing, icepop, bf16, HF checkpoints; run again it resumes
     from its last checkpoint (--load_checkpoint) and has nothing left to do."""
     data = tmp_path / "data"
@@ -274,6 +275,8 @@ def test_openrlhf_async_agent_script(tiny_qwen2, tmp_path, script):
 
     proc = run()
     assert proc.returncode == 0, proc.stderr[-4000:]
+    logged = " ".join((proc.stdout + proc.stderr).split())  # the log wraps long lines
+    assert "data-parallel 1, sequence-parallel 2 (Ulysses)" in logged
     rows = read_metrics(save)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # --max_samples 32 / rollout batch 8
     for r in rows:
@@ -288,6 +291,7 @@ def test_openrlhf_async_agent_script(tiny_qwen2, tmp_path, script):
         "use_dynamic_batch: true",
         "dynamic_filtering: true",
         "bf16: true",
+        "sequence_parallel_size: 2",  # the script's ring attention, as Ulysses
     ):
         assert line in config, line
     assert (save / "ckpt" / "step_4" / "hf" / "model.safetensors").is_file()

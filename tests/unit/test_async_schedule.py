@@ -157,12 +157,18 @@ def test_async_only_flags_need_async_train():
         _cfg("--async_train", "--async_queue_size", "0")
 
 
-def test_sequence_parallelism_is_refused_with_async_train():
-    from fsdp_rlhf.rules import Refused, check_flags
+def test_sequence_parallelism_runs_with_async_train():
+    """The training ranks form sequence-parallel groups; routes end at data-parallel ranks and
+    reach every rank of a group (#48)."""
+    from fsdp_rlhf.rules import check_flags
+    from fsdp_rlhf.trainers.ppo.async_queue import route_ranks
 
-    cfg = _cfg("--async_train", "--vllm_num_engines", "1", "--sequence_parallel_size", "2")
-    with pytest.raises(Refused, match="sequence_parallel_size 2 with --async_train"):
-        check_flags("ppo", cfg)
+    sp = ("--async_train", "--vllm_num_engines", "1", "--sequence_parallel_size", "2")
+    check_flags("ppo", _cfg(*sp, "--advantage_estimator", "grpo", "--n_samples_per_prompt", "4"))
+    table = routes(8, 2, 2)  # 8 prompts, 2 rollout ranks, 4 training ranks at SP 2
+    assert [(r.source, r.dest, r.start, r.stop) for r in table] == [(0, 0, 0, 4), (1, 1, 4, 8)]
+    assert [list(route_ranks(r.dest, 2)) for r in table] == [[0, 1], [2, 3]]
+    assert list(route_ranks(1, 1)) == [1]
 
 
 def test_expert_parallelism_is_refused_with_async_train():

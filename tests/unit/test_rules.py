@@ -68,10 +68,6 @@ ENV = ["--env_file", "env.py"]
 # row id -> (command, flags, models (flag -> kind; default: a dense --pretrain), cuda, words
 # of the line)
 CASES: dict[str, tuple] = {
-    "async-sequence-parallel": (
-        "ppo", [*ASYNC, "--sequence_parallel_size", "2"], None, False,
-        "--sequence_parallel_size 2 with --async_train: sequence parallelism is not combined",
-    ),
     "async-expert-parallel": (
         "ppo", [*ASYNC, "--expert_parallel_size", "2"], {"--pretrain": MOE}, False,
         "--expert_parallel_size 2 with --async_train: expert groups are not built over the "

@@ -60,6 +60,7 @@ from fsdp_rlhf.trainers.ppo.async_queue import (
     first_then,
     needed_version,
     reports_to,
+    route_ranks,
     routes,
     stop_key,
 )
@@ -130,7 +131,10 @@ class RolloutWorker:
             else None
         )
         self.multiturn = build_multiturn(cfg, self.tokenizer, self.timer)
-        self.table = routes(b.rollout_batch_size, split.rollout_ranks, split.training_ranks)
+        # a route's destination is a data-parallel rank: its sequence-parallel group
+        self.sp_size = cfg.fsdp.sequence_parallel_size
+        dp = split.training_ranks // self.sp_size
+        self.table = routes(b.rollout_batch_size, split.rollout_ranks, dp)
         self.my_routes = [r for r in self.table if r.source == self.index]
         self.reports_to = reports_to(self.index, self.table)
         self.per_rank = b.rollout_batch_size // split.rollout_ranks
@@ -310,7 +314,8 @@ class RolloutWorker:
                 self.sampler.state_dict(),
                 report if route.dest == self.reports_to else None,
             )
-            out.append((route.dest, part.to_message()))
+            message = part.to_message()
+            out.extend((rank, message) for rank in route_ranks(route.dest, self.sp_size))
         return out
 
     def _send(self, messages: list[tuple[int, dict]]) -> None:

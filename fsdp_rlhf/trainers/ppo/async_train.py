@@ -37,6 +37,7 @@ from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars, job_hosts, jo
 from fsdp_rlhf.distributed.heartbeat import peer_beats
 from fsdp_rlhf.distributed.layout import ParallelLayout
 from fsdp_rlhf.distributed.prefetch import StageTimes, staged
+from fsdp_rlhf.distributed.sequence_parallel import gather_objects
 from fsdp_rlhf.distributed.split_world import SplitWorld, init_split_world
 from fsdp_rlhf.distributed.weight_broadcast import WeightLink
 from fsdp_rlhf.models.load import load_tokenizer
@@ -149,8 +150,13 @@ class AsyncSource:
         cfg, env = parts.cfg, parts.env
         self.cfg, self.env, self.job, self.parts = cfg, env, job, parts
         split = job.split
-        self.routes = routes(cfg.batch.rollout_batch_size, split.rollout_ranks, env.world_size)
-        self.my_routes = [r for r in self.routes if r.dest == env.rank]
+        # routes end at data-parallel ranks: the ranks of a sequence-parallel group all get
+        # their group's rows; its first rank alone adds them to the ledger
+        parallel = parts.parallel
+        self.sp = parallel.sp
+        self.dp_rank, self.lead = parallel.dp_rank, parallel.sp.rank == 0
+        self.routes = routes(cfg.batch.rollout_batch_size, split.rollout_ranks, parallel.dp_size)
+        self.my_routes = [r for r in self.routes if r.dest == self.dp_rank]
         # each rollout rank's prompt-sampler state after the last trained batch (None: the
         # start of the data), and those this rank accounts for
         self.rollout_samplers: list[dict] | None = None
@@ -204,10 +210,10 @@ class AsyncSource:
             self.rollout_samplers_here = {
                 source: state
                 for source, state in sampled.position["samplers"].items()
-                if reports_to(source, self.routes) == self.env.rank
+                if reports_to(source, self.routes) == self.dp_rank
             }
             everyone: list[list] = [[] for _ in range(self.env.world_size)]
-            dist.all_gather_object(everyone, sampled.position["groups"])
+            dist.all_gather_object(everyone, sampled.position["groups"] if self.lead else [])
             if self.ledger is not None:
                 groups = sorted(g for rank_groups in everyone for g in rank_groups)
                 prompts, samples = [g[0] for g in groups], [g[1] for g in groups]
@@ -283,7 +289,7 @@ class AsyncSource:
         self.rollout_samplers_here = {
             i: state
             for i, state in enumerate(samplers)
-            if reports_to(i, self.routes) == self.env.rank
+            if reports_to(i, self.routes) == self.dp_rank
         }
 
     def close(self) -> None:
@@ -427,6 +433,13 @@ class AsyncSource:
                     f"rollout rank {route.source} sent batch {part.batch} with "
                     f"{len(part.prompts)} prompts; step {step} expected "
                     f"{route.stop - route.start}"
+                )
+        if self.sp.enabled:  # a group's ranks split the same rows: they must hold the same
+            held = gather_objects([p.prompts for p in parts], self.sp)
+            if any(h != held[0] for h in held):
+                raise RuntimeError(
+                    f"batch {step}: the ranks of a sequence-parallel group received different "
+                    f"prompts ({held}); report it"
                 )
         return list(zip(self.my_routes, parts, strict=True))
 

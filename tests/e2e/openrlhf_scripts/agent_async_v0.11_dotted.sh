@@ -2,9 +2,9 @@
 # Asynchronous agent RL written like OpenRLHF v0.11's
 # examples/scripts/train_reinforce_baseline_ray_agent_async.sh (dotted flags), `ray job submit
 # ... -- python3 -m openrlhf.cli.train_ppo_ray` swapped for torchrun. Sizes are the test's: a
-# tiny model on 2 CPU ranks, 1 training rank (the actor pool) and 1 vLLM engine of TP 1 (the
-# original: 4 + 2 engines of TP 2). Left out: --ds.ring_attn_size 2 --ds.ring_attn_head_stride
-# 2 (ring attention is refused here by name). Inputs: MODEL DATA SAVE PORT (PYTHON).
+# tiny model on 3 CPU ranks, 2 training ranks (the actor pool, one ring-attention group of 2:
+# Ulysses sequence parallelism here) and 1 vLLM engine of TP 1 (the original: 4 + 2 engines of
+# TP 2). Inputs: MODEL DATA SAVE PORT (PYTHON).
 set -x
 
 AGENT_FUNC_PATH="${DATA}/agent_func.py"
@@ -30,6 +30,8 @@ ROLLOUT_ARGS=(
    --rollout.max_new_tokens 16
    --data.apply_chat_template
    --ds.packing_samples
+   --ds.ring_attn_size 2
+   --ds.ring_attn_head_stride 2
 
    --rollout.batch_size 8
    --rollout.n_samples_per_prompt 4
@@ -53,9 +55,9 @@ ENGINE_ARGS=(
    --train.partial_rollout_enable
 
    --ref.num_nodes 1
-   --ref.num_gpus_per_node 1
+   --ref.num_gpus_per_node 2
    --actor.num_nodes 1
-   --actor.num_gpus_per_node 1
+   --actor.num_gpus_per_node 2
    --vllm.num_engines 1
    --vllm.tensor_parallel_size 1
    --vllm.gpu_memory_utilization 0.95
@@ -86,7 +88,7 @@ LOG_ARGS=(
    --eval.steps -1
 )
 
-"${PYTHON:-python3}" -m torch.distributed.run --nproc_per_node 2 \
+"${PYTHON:-python3}" -m torch.distributed.run --nproc_per_node 3 \
    --master_addr 127.0.0.1 --master_port ${PORT} \
    -m fsdp_rlhf.cli ppo \
    ${CKPT_ARGS[@]} \
