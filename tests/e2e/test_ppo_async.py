@@ -420,3 +420,24 @@ def test_delta_sync_to_the_rollout_rank_trains_exactly_as_full_sync(tiny_qwen2, 
         assert all(d[k] == f[k] for k in same), (d["step"], {k: (d[k], f[k]) for k in same})
     # publications after steps 1-19 (the start's is sync 0); the 7th and 14th syncs are full
     check_delta_run(delta, "async", list(range(1, steps)), [7, 14])
+
+
+def test_sequence_parallel_training_ranks_train_as_one_rank(tiny_qwen2, data, tmp_path):
+    """Two training ranks in one sequence-parallel group (3 ranks: SP 2 beside 1 rollout rank)
+    against one training rank (2 ranks), the same rollout rank and seed, fp32: the rollout
+    rank generates the same batches, both ranks of the group receive them, and the steps'
+    losses and scores agree (packed rows split over the group; 4 steps, one off policy)."""
+    runs = {}
+    for sp, nproc in ((1, 2), (2, 3)):
+        save = tmp_path / f"sp{sp}"
+        flags = [*grpo_flags(tiny_qwen2, data, save, 4), *ASYNC]
+        run = torchrun(["ppo", *flags, "--sequence_parallel_size", str(sp)], nproc=nproc)
+        assert run.returncode == 0, (sp, run.stderr[-3000:])
+        runs[sp] = read_metrics(save)
+    one, two = runs[1], runs[2]
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3, 4]
+    for a, b in zip(one, two, strict=True):
+        assert a["critic/score/mean"] == b["critic/score/mean"], a["step"]
+        assert a["response_length/mean"] == b["response_length/mean"], a["step"]
+        for key in ("actor/pg_loss", "actor/grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
