@@ -157,14 +157,19 @@ def text_config(path: str, trust_remote_code: bool = False):
 
 
 def check_expert_parallel(
-    n: int, world_size: int, paths: dict[str, str | None], trust_remote_code: bool = False
+    n: int,
+    world_size: int,
+    paths: dict[str, str | None],
+    trust_remote_code: bool = False,
+    ranks: str = "the world size",
 ) -> None:
     """``--expert_parallel_size n`` against the world and each MoE model's experts (``paths``:
     flag -> model folder; dense models are left as they are), before anything loads: one line
     naming the numbers. Each MoE model is built empty on the meta device to check that its
     fused experts are a layout the expert-parallel forward handles. Which models expert
     parallelism combines with (no MoE model at all, a vision-language MoE) is the rules
-    table's (``fsdp_rlhf.rules``, rows ``expert-parallel-*``)."""
+    table's (``fsdp_rlhf.rules``, rows ``expert-parallel-*``). ``ranks``: what
+    ``world_size`` counts, for the error line (asynchronous training: the training ranks)."""
     if n == 1:
         return
     from fsdp_rlhf.distributed.expert_parallel import (
@@ -176,8 +181,9 @@ def check_expert_parallel(
 
     if world_size % n:
         raise UserError(
-            f"--expert_parallel_size {n} must divide the world size {world_size} "
-            "(torchrun --nproc_per_node x --nnodes)"
+            f"--expert_parallel_size {n} must divide {ranks} {world_size} "
+            "(torchrun --nproc_per_node x --nnodes"
+            + (", less the rollout ranks)" if ranks != "the world size" else ")")
         )
     for flag, path in paths.items():
         if not path:

@@ -29,17 +29,6 @@ from fsdp_rlhf.rules.base import (
 
 ASYNC = [
     Rule(
-        "async-expert-parallel",
-        ("async", "expert parallel"),
-        (PPO,),
-        when(
-            lambda s: is_async(s) and ep_size(s) > 1,
-            lambda s: f"--expert_parallel_size {ep_size(s)} with --async_train",
-        ),
-        "expert groups are not built over the split world's training ranks yet",
-        "drop one of them",
-    ),
-    Rule(
         "async-router-replay",
         ("async", "router replay"),
         (PPO,),

@@ -98,7 +98,12 @@ def test_moe_grpo_ep2_replays_the_engines_routing_learns_and_resumes_at_ep1(moe_
             2,
             "--expert_parallel_size 3 must divide the world size 2",
         ),
-        (["--ep_size", "2", "--async_train"], 2, "--expert_parallel_size 2 with --async_train"),
+        # 2 ranks under --async_train: 1 training rank beside 1 rollout rank
+        (
+            ["--ep_size", "2", "--async_train", "--vllm_num_engines", "1"],
+            2,
+            "--expert_parallel_size 2 must divide the training ranks 1",
+        ),
     ],
 )
 def test_sizes_that_cannot_split_are_refused_in_one_line(moe_run, tmp_path, extra, nproc, words):

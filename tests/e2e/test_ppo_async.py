@@ -441,3 +441,29 @@ def test_sequence_parallel_training_ranks_train_as_one_rank(tiny_qwen2, data, tm
         assert a["response_length/mean"] == b["response_length/mean"], a["step"]
         for key in ("actor/pg_loss", "actor/grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
+
+
+def test_an_moe_actor_on_two_training_ranks_with_and_without_expert_parallelism(tmp_path):
+    """An MoE actor (tiny Qwen3-MoE) on 2 training ranks beside 1 rollout rank, at EP 1 and
+    EP 2: both run (a rollout rank's report reaches one training rank, whose statistics then
+    held names the other lacked: the ranks' metric reductions mismatched and gloo aborted), and
+    the expert-parallel run trains as the other does (same scores, losses within 1e-5)."""
+    from fsdp_rlhf.testing.tiny import build_family
+
+    model = str(build_family(tmp_path / "model", "qwen3_moe"))
+    data = tmp_path / "data"
+    write_jsonl(prompt_rows(256, chat=True), data / "prompts.jsonl")
+    (data / "reward.py").write_text(SHORT_REWARD_WITH_PREEMPTION)
+    runs = {}
+    for ep in (1, 2):
+        save = tmp_path / f"ep{ep}"
+        flags = [*grpo_flags(model, data, save, 3), *ASYNC, "--expert_parallel_size", str(ep)]
+        run = torchrun(["ppo", *flags], nproc=3)
+        assert run.returncode == 0, (ep, run.stderr[-3000:])
+        runs[ep] = read_metrics(save)
+    assert [r["step"] for r in runs[1]] == [r["step"] for r in runs[2]] == [1, 2, 3]
+    for a, b in zip(runs[1], runs[2], strict=True):
+        assert a["critic/score/mean"] == b["critic/score/mean"], a["step"]
+        assert "moe/expert_load_max_mean" in b and "moe/ep_group_tokens_max" in b, sorted(b)
+        for key in ("actor/pg_loss", "actor/grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)

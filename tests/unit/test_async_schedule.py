@@ -171,10 +171,35 @@ def test_sequence_parallelism_runs_with_async_train():
     assert list(route_ranks(1, 1)) == [1]
 
 
-def test_expert_parallelism_is_refused_with_async_train():
-    from fsdp_rlhf.rules import Refused, check_flags
+def test_expert_parallelism_runs_with_async_train():
+    """The expert groups are built over the training ranks (a rollout rank's layout has none):
+    the async-expert-parallel row is gone (#48)."""
+    from fsdp_rlhf.rules import check_flags
 
-    cfg = _cfg("--async_train", "--vllm_num_engines", "1", "--expert_parallel_size", "2")
-    with pytest.raises(Refused, match="expert_parallel_size 2 with --async_train") as e:
-        check_flags("ppo", cfg)
-    assert e.value.rule.id == "async-expert-parallel"
+    ep = ("--async_train", "--vllm_num_engines", "1", "--expert_parallel_size", "2")
+    check_flags("ppo", _cfg(*ep, "--advantage_estimator", "grpo", "--n_samples_per_prompt", "4"))
+
+
+def test_statistics_held_by_one_rank_are_reduced_under_the_same_names_on_every_rank():
+    """A rollout rank's report reaches one training rank: after include(), the other holds
+    the same names with values that change no sum, max or min."""
+    with_report, without = StatCollector(), StatCollector()
+    for stats in (with_report, without):
+        stats.add("response_length", torch.tensor([3.0, 5.0]))
+    rollout = StatCollector()
+    rollout.add("rollout/engine_length", torch.tensor([7.0]))
+    rollout.add_max("rollout/peak", torch.tensor(2.0))
+    rollout.add_mean("rollout/frac", torch.tensor([0.5, 1.0]))
+    with_report.merge(rollout.export())
+    names = [with_report.names(), without.names()]
+    for stats in (with_report, without):
+        for other in names:
+            stats.include(other)
+    assert with_report.names() == without.names()
+    assert without.sums["rollout/engine_length/sum"] == 0.0
+    assert without.maxs["rollout/engine_length"] == float("-inf")
+    assert without.mins["rollout/engine_length"] == float("inf")
+    assert without.only_maxs["rollout/peak"] == float("-inf")
+    # the reporting rank's own values are untouched
+    assert float(with_report.sums["rollout/engine_length/sum"]) == 7.0
+    assert with_report.reduce()["rollout/frac"] == 0.75

@@ -68,11 +68,6 @@ ENV = ["--env_file", "env.py"]
 # row id -> (command, flags, models (flag -> kind; default: a dense --pretrain), cuda, words
 # of the line)
 CASES: dict[str, tuple] = {
-    "async-expert-parallel": (
-        "ppo", [*ASYNC, "--expert_parallel_size", "2"], {"--pretrain": MOE}, False,
-        "--expert_parallel_size 2 with --async_train: expert groups are not built over the "
-        "split world's training ranks",
-    ),
     "expert-parallel-vlm": (
         "ppo", ["--expert_parallel_size", "2"], {"--pretrain": VLM_MOE}, False,
         "--expert_parallel_size 2: --pretrain models/vlmoe is a vision-language MoE model: "

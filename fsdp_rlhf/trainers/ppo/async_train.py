@@ -450,6 +450,11 @@ class AsyncSource:
         for part in parts:
             if part.report is not None:
                 stats.merge(part.report["stats"])
+        # the reports reach some training ranks only: every rank reduces the same names
+        names: list = [None] * self.env.world_size
+        dist.all_gather_object(names, stats.names())
+        for other in names:
+            stats.include(other)
         everyone: list[list[dict]] = [[] for _ in range(self.env.world_size)]
         dist.all_gather_object(everyone, mine)  # the training ranks share no fixed key set
         reports = [r for rank_reports in everyone for r in rank_reports]

@@ -90,6 +90,28 @@ class StatCollector:
                 mine[k] = pick(float(mine[k]), v) if k in mine else v
         self.means += [m for m in part["means"] if m not in self.means]
 
+    def names(self) -> tuple[list[str], ...]:
+        """The names this rank holds (for :meth:`include` on the others)."""
+        return (
+            sorted(self.sums), sorted(self.maxs), sorted(self.mins), sorted(self.only_maxs),
+            list(self.means),
+        )  # fmt: skip
+
+    def include(self, names: tuple[list[str], ...]) -> None:
+        """Hold ``names`` (another rank's :meth:`names`) too, with values that change no
+        reduction (0 summed, -inf for maxima, inf for minima): every rank must reduce the same
+        names, though some statistics reach one rank only (a rollout rank's report)."""
+        sums, maxs, mins, only_maxs, means = names
+        for keys, store, neutral in (
+            (sums, self.sums, 0.0),
+            (maxs, self.maxs, -math.inf),
+            (mins, self.mins, math.inf),
+            (only_maxs, self.only_maxs, -math.inf),
+        ):
+            for k in keys:
+                store.setdefault(k, neutral)
+        self.means += [m for m in means if m not in self.means]
+
     def reduce(self) -> dict[str, float]:
         host = to_host({**self.sums, **{f"max:{k}": v for k, v in self.maxs.items()}})
         host.update(to_host({f"only_max:{k}": v for k, v in self.only_maxs.items()}))

@@ -238,7 +238,9 @@ def prepare(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any, dict[st
     _check_rewards(cfg)
     paths = model_paths(PPO, cfg)
     trust = cfg.backend.trust_remote_code
-    check_expert_parallel(cfg.fsdp.expert_parallel_size, world_size, paths, trust)
+    # over the training ranks (--async_train: the world less the rollout ranks)
+    ranks = "the training ranks" if plan.rollout_ranks else "the world size"
+    check_expert_parallel(cfg.fsdp.expert_parallel_size, plan.world_size, paths, trust, ranks)
     check_context_length(cfg)
     _check_outputs(cfg)
     vlm = kinds["--pretrain"].is_vlm
