@@ -130,6 +130,18 @@ def test_ppo_with_critic_and_reward_model_sp2_steps_like_sp1(tiny_qwen2, trained
     assert 0.0 <= b["eval/pass@1"] <= 1.0 and "eval/score_mean" in b
 
 
+def _short_grpo(model: str, tmp_path: Path, save: Path) -> list[str]:
+    """Two SP=2 GRPO steps of 24 new tokens on ``model``, with prompts and the reward written
+    under ``tmp_path``."""
+    data = tmp_path / "data"
+    data.mkdir()
+    write_jsonl(prompt_rows(64, chat=True), data / "prompts.jsonl")
+    (data / "reward.py").write_text(SHORT_REWARD)
+    args = _grpo(model, data, save, 2, steps=2)
+    args[args.index("--generate_max_len") + 1] = "24"
+    return args
+
+
 def test_moe_grpo_sp2_replays_the_tp2_engines_routing_with_the_aux_loss(tmp_path):
     """An MoE actor with near-tied routers (the engine and the trainer route some tokens
     differently) under SP=2, its rollouts from one vLLM engine over both ranks (TP=2, each rank
@@ -139,13 +151,8 @@ def test_moe_grpo_sp2_replays_the_tp2_engines_routing_with_the_aux_loss(tmp_path
     from fsdp_rlhf.testing.tiny import build_family
 
     model = str(build_family(tmp_path / "model", "qwen3_moe", router_spread=1e-6))
-    data = tmp_path / "data"
-    data.mkdir()
-    write_jsonl(prompt_rows(64, chat=True), data / "prompts.jsonl")
-    (data / "reward.py").write_text(SHORT_REWARD)
     save = tmp_path / "run"
-    args = _grpo(model, data, save, 2, steps=2)
-    args[args.index("--generate_max_len") + 1] = "24"
+    args = _short_grpo(model, tmp_path, save)
     extra = ["--vllm_tensor_parallel_size", "2", "--router_replay", "--aux_loss_coef", "0.01"]
     proc = torchrun([*args, *extra, "--enforce_eager"])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -169,13 +176,8 @@ def test_hybrid_moe_grpo_sp2_packed_with_router_replay(tmp_path):
     from fsdp_rlhf.testing.tiny import build_family
 
     model = str(build_family(tmp_path / "model", "qwen3_5_moe"))
-    data = tmp_path / "data"
-    data.mkdir()
-    write_jsonl(prompt_rows(64, chat=True), data / "prompts.jsonl")
-    (data / "reward.py").write_text(SHORT_REWARD)
     save = tmp_path / "run"
-    args = _grpo(model, data, save, 2, steps=2)
-    args[args.index("--generate_max_len") + 1] = "24"
+    args = _short_grpo(model, tmp_path, save)
     extra = ["--bf16", "--packing_samples", "--router_replay", "--enforce_eager"]
     proc = torchrun([*args, *extra])
     assert proc.returncode == 0, proc.stderr[-3000:]
