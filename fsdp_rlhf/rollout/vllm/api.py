@@ -100,7 +100,10 @@ LORA_CALLS: Calls = {
         "vllm.lora.lora_model",
         "LoRAModel",
         "from_lora_tensors",
-        ("lora_model_id", "tensors", "peft_helper", "device", "dtype", "model_vocab_size"),
+        (
+            "lora_model_id", "tensors", "peft_helper", "device", "dtype", "model_vocab_size",
+            "weights_mapper",
+        ),
     ),
     "PEFTHelper.from_dict": ("vllm.lora.peft_helper", "PEFTHelper", "from_dict", ("config_dict",)),
     "PEFTHelper.validate_legal": (

@@ -77,6 +77,11 @@ def install_adapter(
         {**config, "vllm_max_position_embeddings": manager.max_position_embeddings}
     )
     helper.validate_legal(manager.lora_config)
+    # a VLM's checkpoint names (``model.language_model.layers...``) are not its vLLM module
+    # names: vLLM's own adapter loader renames them by the model's mapper, and so do we
+    mapper = getattr(adapters.model, "hf_to_vllm_mapper", None)
+    if mapper is not None and hasattr(mapper, "get_rename_mapper"):
+        mapper = mapper.get_rename_mapper()
     lora = LoRAModel.from_lora_tensors(
         lora_model_id=lora_id,
         tensors=dict(tensors),
@@ -84,6 +89,7 @@ def install_adapter(
         device="cpu",
         dtype=manager.lora_config.lora_dtype,
         model_vocab_size=manager.vocab_size,
+        weights_mapper=mapper,
     )
     if previous is not None:
         manager.remove_adapter(previous)
