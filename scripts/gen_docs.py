@@ -1,5 +1,5 @@
 """Write the generated pages of docs/: the flag reference, the OpenRLHF migration table and the
-matrix of what combines (the rules table).
+matrix of what combines (the rules table), and the README status's count of feature pairs.
 
     python -m scripts.gen_docs          # rewrite them (from the repository root)
     python -m scripts.gen_docs --check  # exit 1 when a page is stale (tests/unit/test_docs.py)
@@ -20,6 +20,7 @@ def pages() -> dict[Path, str]:
     from fsdp_rlhf.commands import WITH_OWN_FLAGS
     from fsdp_rlhf.compat.migration import render
     from fsdp_rlhf.flag_help import render_markdown
+    from fsdp_rlhf.rules.docs import readme_with_status
     from fsdp_rlhf.rules.docs import render as render_rules
 
     reference = [
@@ -40,6 +41,7 @@ def pages() -> dict[Path, str]:
         REPO / "docs" / "configuration.md": "\n".join(reference).rstrip() + "\n",
         REPO / "docs" / "migrating_from_openrlhf.md": render().rstrip() + "\n",
         REPO / "docs" / "compatibility.md": render_rules(),
+        REPO / "README.md": readme_with_status((REPO / "README.md").read_text()),
     }
 
 

@@ -4,6 +4,7 @@ features x features matrix whose refused cells link to their row, then every row
 from __future__ import annotations
 
 from fsdp_rlhf.rules.base import FEATURES, Rule
+from fsdp_rlhf.rules.pairs import NAMES, PAIRS, Plan, plan
 from fsdp_rlhf.rules.table import RULES
 
 HEADER = """# What combines
@@ -64,6 +65,75 @@ def _matrix(rules: list[Rule]) -> list[str]:
     return lines
 
 
+def pairs_status(p: Plan) -> str:
+    """The README status's count of the pairwise matrix."""
+    runs = len(PAIRS) - len(p.refused)
+    return (
+        f"{runs} of {len(PAIRS)} pairs run ({len(p.jobs)} jobs), {len(p.refused)} refused by a row"
+    )
+
+
+MODELS = {
+    "dense": "Qwen2 (GQA 4/2)",
+    "moe": "Qwen3-MoE",
+    "vlm": "Qwen2.5-VL",
+    "vlm_moe": "Qwen3.5-MoE VLM",
+}
+
+
+README_SPAN = ("<!-- pairs -->", "<!-- /pairs -->")
+
+
+def readme_with_status(text: str) -> str:
+    """README.md's ``text`` with the count between its markers rewritten from the table."""
+    begin, end = README_SPAN
+    head, found, rest = text.partition(begin)
+    if not found or end not in rest:
+        raise ValueError(f"README.md lacks the markers {begin} ... {end}")
+    return head + begin + pairs_status(plan(RULES)) + end + rest.partition(end)[2]
+
+
+def _short(name: str) -> str:
+    return {"sequence parallel": "SP", "router replay": "RR", "multi-turn": "MT"}.get(name, name)
+
+
+def _pairs(p: Plan) -> list[str]:
+    """The pairwise matrix of ``p``: each cell the job running the pair or its rows."""
+    lines = [
+        "## Feature pairs",
+        "",
+        f"Every pair of {', '.join(NAMES)}: {pairs_status(p)}. Each pair's flags are checked "
+        "against the rows above with the kind of the tiny model its job loads, on CPU "
+        "(`fsdp_rlhf/rules/pairs.py`); the pairs no row refuses are covered by as few 2-step "
+        "`fsdp-rlhf ppo` jobs as the greedy cover finds, each on 2-3 CPU ranks with real vLLM "
+        "rollouts, run by `make test-pairs` (`tests/e2e/test_pairs.py`: both steps finish with "
+        "finite losses, engine and trainer log-probs agree). Deleting a row adds its pairs to "
+        "the jobs.",
+        "",
+        "| | " + " | ".join(_short(n) for n in NAMES) + " |",
+        "|---|" + "---|" * len(NAMES),
+    ]
+    for a in NAMES:
+        row = []
+        for b in NAMES:
+            cell = p.cell(a, b) if a != b else None
+            if a == b:
+                row.append("-")
+            elif isinstance(cell, tuple):
+                row.append(" ".join(f"[{r.id}](#{r.id})" for r in cell))
+            else:
+                row.append(f"runs (job {cell.number})")
+        lines.append(f"| {_short(a)} | " + " | ".join(row) + " |")
+    lines += ["", "| job | features | their flags | model | ranks |", "|---|---|---|---|---|"]
+    for job in p.jobs:
+        features = ", ".join(job.features)
+        flags = " ".join(job.flags).replace("{env}", "configs/calculator_env.py")
+        flags = flags.replace("{model}", "<the actor>")
+        model = MODELS[job.model]
+        lines.append(f"| {job.number} | {features} | `{flags}` | {model} | {job.nproc} |")
+    return lines
+
+
 def _row(rule: Rule) -> str:
     kind = " needs " if rule.needs else " x "
     features = kind.join(rule.features)
@@ -84,6 +154,8 @@ def render() -> str:
         "another or are refused alone.",
         "",
         *_matrix(RULES),
+        "",
+        *_pairs(plan(RULES)),
         "",
         "## Every row",
         "",

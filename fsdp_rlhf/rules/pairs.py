@@ -61,8 +61,12 @@ PAIR_FEATURES: tuple[PairFeature, ...] = (
         "critic",
         (
             (
-                "--advantage_estimator", "gae", "--critic_pretrain", "{model}",
-                "--critic_learning_rate", "1e-3",
+                "--advantage_estimator",
+                "gae",
+                "--critic_pretrain",
+                "{model}",
+                "--critic_learning_rate",
+                "1e-3",
             ),
         ),
         drops=("--advantage_estimator",),
@@ -121,6 +125,7 @@ class Job:
     data: str
     nproc: int
     argv: tuple[str, ...]
+    flags: tuple[str, ...] = ()  # the features' own flags (of argv)
 
     @property
     def pairs(self) -> list[tuple[str, str]]:
@@ -195,26 +200,28 @@ def first_refusal(argv: Sequence[str], model: str, rules: Sequence[Rule]) -> Rul
     return None
 
 
-def _try(features: Sequence[str], rules: Sequence[Rule]) -> tuple[list[str] | None, list[Rule]]:
+def _try(
+    features: Sequence[str], rules: Sequence[Rule]
+) -> tuple[list[str] | None, list[Rule], tuple[str, ...]]:
     """The argv of the first spelling of ``features`` no row refuses (None if every one is
-    refused), and the rows refusing those that were."""
+    refused), the rows refusing those that were, and the features' flags in that argv."""
     on = [f for f in PAIR_FEATURES if f.name in features]
     fired: list[Rule] = []
     for spelling in itertools.product(*(f.spellings for f in on)):
         argv = _argv(features, spelling)
         rule = first_refusal(argv, model_of(features), rules)
         if rule is None:
-            return argv, fired
+            return argv, fired, tuple(t for flags in spelling for t in flags)
         if rule not in fired:
             fired.append(rule)
-    return None, fired
+    return None, fired, ()
 
 
 def plan(rules: Sequence[Rule] = RULES) -> Plan:
     """The jobs covering every pair ``rules`` let run, and the rows refusing the others."""
     refused: dict[tuple[str, str], tuple[Rule, ...]] = {}
     for pair in PAIRS:
-        argv, fired = _try(pair, rules)
+        argv, fired, _ = _try(pair, rules)
         if argv is None:
             refused[pair] = tuple(fired)
     runnable = [p for p in PAIRS if p not in refused]
@@ -232,16 +239,16 @@ def plan(rules: Sequence[Rule] = RULES) -> Plan:
             gain = sum(1 for p in uncovered if p[0] in subset and p[1] in subset)
             score = (gain, -nproc_of(subset), -len(subset))
             if gain and (best is None or score > best[0]):
-                argv, _ = _try(subset, rules)
+                argv, _, flags = _try(subset, rules)
                 if argv is not None:
-                    best = (score, subset, argv)
+                    best = (score, subset, argv, flags)
                 else:
                     candidates = [c for c in candidates if c != subset]
         if best is None:  # a runnable pair is a candidate of its own
             raise AssertionError(f"no job covers {sorted(uncovered)}")
-        _, subset, argv = best
+        _, subset, argv, flags = best
         job = Job(len(jobs) + 1, subset, model_of(subset), data_of(subset), nproc_of(subset),
-                  tuple(argv))  # fmt: skip
+                  tuple(argv), flags)  # fmt: skip
         jobs.append(job)
         uncovered -= set(job.pairs)
     return Plan(tuple(jobs), refused)

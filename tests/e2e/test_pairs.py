@@ -18,16 +18,12 @@ import pytest
 from fsdp_rlhf.rules.pairs import MODEL_KINDS, Job, plan
 from fsdp_rlhf.testing.synthetic import prompt_rows, write_jsonl, write_reward_file
 from tests.e2e.helpers import REPO, read_metrics, torchrun
+from tests.vlm.conftest import COLOUR_REWARD
 
 pytestmark = [pytest.mark.slow, pytest.mark.pairs]
 
 PLAN = plan()
 
-COLOUR_REWARD = '''
-def reward_func(queries, prompts, labels):
-    """1 when the answer's first word is the image's colour, else 0."""
-    return [float(q[len(p):].split()[:1] == [label]) for q, p, label in zip(queries, prompts, labels)]
-'''
 
 # a metric each feature's code writes at every step: the feature ran, not only its flag
 EVIDENCE = {
@@ -37,7 +33,11 @@ EVIDENCE = {
     "async": "async/staleness_max",
 }
 # what the start-up log says for the feature
-LOG: dict[str, str] = {}
+LOG = {"sequence parallel": "sequence-parallel 2 (Ulysses)", "async": "+ 1 rollout ranks"}
+# engine vs trainer log-probs of the sampled tokens after each sync (measured: <= 1e-6 in fp32;
+# bf16: the hybrid SP test's bound); under async only step 1's rollouts are on-policy
+LOGPROB_DIFF_MAX = {"fp32": 1e-4}
+LOGPROB_DIFF_MEAN = {"bf16": 0.02}
 
 
 def _build(role: str, root: Path) -> Path:
@@ -123,8 +123,15 @@ def test_pair_job_runs_two_steps(job: Job, models, tmp_path):
         for feature in job.features:
             if feature in EVIDENCE:
                 assert math.isfinite(r[EVIDENCE[feature]]), (feature, r)
+    dtype = "bf16" if "--bf16" in job.argv else "fp32"
+    for r in rows[:1] if "async" in job.features else rows:
+        if dtype in LOGPROB_DIFF_MAX:
+            assert r["rollout/logprob_diff/max"] < LOGPROB_DIFF_MAX[dtype], r
+        else:
+            assert r["rollout/logprob_diff/mean"] < LOGPROB_DIFF_MEAN[dtype], r
     log = " ".join((proc.stdout + proc.stderr).split())
     for feature in job.features:
         if feature in LOG:
             assert LOG[feature] in log, (feature, log[-3000:])
-    print(job.number, job.features, {k: rows[-1][k] for k in sorted(rows[-1]) if "loss" in k})
+    keys = [k for k in sorted(rows[-1]) if "loss" in k or k.startswith("rollout/logprob_diff")]
+    print(job.number, job.features, [{k: r.get(k) for k in keys} for r in rows])

@@ -101,7 +101,12 @@ LORA_CALLS: Calls = {
         "LoRAModel",
         "from_lora_tensors",
         (
-            "lora_model_id", "tensors", "peft_helper", "device", "dtype", "model_vocab_size",
+            "lora_model_id",
+            "tensors",
+            "peft_helper",
+            "device",
+            "dtype",
+            "model_vocab_size",
             "weights_mapper",
         ),
     ),
