@@ -155,9 +155,11 @@ def model_of(features: Sequence[str]) -> str:
 
 
 def data_of(features: Sequence[str]) -> str:
-    if "multi-turn" in features:
-        return "calculator"
-    return "images" if "VLM" in features else "text"
+    """The prompts: colour questions on images for a VLM (with an environment too: it then
+    answers turns about images), the calculator's for multi-turn, else plain text."""
+    if "VLM" in features:
+        return "images"
+    return "calculator" if "multi-turn" in features else "text"
 
 
 def nproc_of(features: Sequence[str]) -> int:

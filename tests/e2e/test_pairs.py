@@ -77,17 +77,15 @@ def models(tmp_path_factory):
 
 def _data(kind: str, root: Path) -> dict[str, str]:
     """The placeholders of the job's data: prompts, reward, environment."""
+    env = {"{env}": str(REPO / "configs/calculator_env.py")}
     if kind == "calculator":
-        return {
-            "{prompts}": str(REPO / "configs/calculator_prompts.jsonl"),
-            "{env}": str(REPO / "configs/calculator_env.py"),
-        }
+        return {"{prompts}": str(REPO / "configs/calculator_prompts.jsonl"), **env}
     if kind == "images":
         from fsdp_rlhf.testing.tiny_vlm import colour_rows, write_rows
 
         prompts = write_rows(colour_rows(32, root / "images", seed=0), root / "prompts.jsonl")
         (root / "reward.py").write_text(COLOUR_REWARD)
-        return {"{prompts}": str(prompts), "{reward}": str(root / "reward.py")}
+        return {"{prompts}": str(prompts), "{reward}": str(root / "reward.py"), **env}
     prompts = write_jsonl(prompt_rows(32, chat=True), root / "prompts.jsonl")
     return {"{prompts}": str(prompts), "{reward}": str(write_reward_file(root / "r.py", "short"))}
 
