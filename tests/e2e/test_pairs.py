@@ -100,12 +100,6 @@ def _fill(argv: tuple[str, ...], values: dict[str, str]) -> list[str]:
     return out
 
 
-def test_the_plan_covers_every_pair():
-    """Each pair is refused by a row or run by a job (also checked in tests/unit)."""
-    for a, b in ((a, b) for j in PLAN.jobs for a, b in j.pairs):
-        assert PLAN.cell(a, b) is not None
-
-
 @pytest.mark.parametrize("job", PLAN.jobs, ids=lambda j: f"job{j.number}-" + "+".join(
     f.replace(" ", "_") for f in j.features))  # fmt: skip
 def test_pair_job_runs_two_steps(job: Job, models, tmp_path):
