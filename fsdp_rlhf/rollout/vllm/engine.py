@@ -781,29 +781,42 @@ class VLLMEngine:
 
     # ------------------------------------------------------------ step by step
 
-    def submit(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[int]:
+    def submit(
+        self,
+        prompt_token_ids: list[list[int]],
+        sampling: SamplingConfig,
+        images: list[PromptImages | None] | None = None,
+    ) -> list[int]:
         """Queue ``sampling.n`` samples of each of this rank's prompts, one request each
         (sample j of prompt i seeded like ``generate``'s: the prompt's seed + j), then drive
         them with :meth:`step`. Collective over the TP block, like ``generate``: the block
         queues every rank's prompts. Returns how many prompts each rank of the block sent
-        (keys of the deltas index the block's prompts in rank order)."""
+        (keys of the deltas index the block's prompts in rank order).
+
+        ``images``: as ``generate``'s. Each request holds its images to the end: a request
+        preempted by an in-flight weight update (:meth:`update_weights`) has them encoded
+        again, by the new vision tower, when it resumes."""
         self._sleep.check_ready()
-        prompts, counts = gather_prompts(self.groups, prompt_token_ids, sampling)
+        if images is not None and self.vision is None:
+            raise ValueError("images given to the engine of a text-only model")
+        items = list(zip(prompt_token_ids, images or [None] * len(prompt_token_ids), strict=True))
+        gathered, counts = gather_prompts(self.groups, items, sampling)
         seeded = sampling.seed is not None and not sampling.is_greedy
         self._submissions += 1
-        for i, p in enumerate(prompts):
+        for i, (p, img) in enumerate(gathered):
             seed = request_seed(sampling.seed, self.groups.engine_index, i) if seeded else None
             for j in range(sampling.n):
                 params = sampling_params(
                     replace(sampling, n=1),
                     None if seed is None else seed + j,
                     sampling.budget(len(p)),
+                    suppressed=self.suppressed,
                 )
                 params.output_kind = RequestOutputKind.DELTA
                 request_id = f"{self._submissions}:{i}:{j}"
                 self.llm.llm_engine.add_request(
                     request_id,
-                    TokensPrompt(prompt_token_ids=p),
+                    self._request(p, img),
                     params,
                     lora_request=self._lora_request(),
                 )
