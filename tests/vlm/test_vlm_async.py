@@ -17,7 +17,7 @@ import torch
 from fsdp_rlhf.testing.launch import local_torchrun
 from fsdp_rlhf.trainers.experience import Experience
 from tests.e2e.helpers import REPO, _env, read_metrics, torchrun
-from tests.vlm.test_vlm_grpo import colour_data, colour_vl, grpo_flags  # noqa: F401
+from tests.vlm.test_vlm_grpo import grpo_flags
 
 pytestmark = [pytest.mark.vlm, pytest.mark.slow]
 
@@ -29,9 +29,10 @@ LOGPROB_TOL = 1e-4
 
 def test_async_grpo_on_images_learns_within_the_queue_bound(colour_vl, colour_data, tmp_path):
     """2 training ranks, 1 rollout rank (its own vLLM engine; each batch's rows and images
-    split over two routes), --partial_rollout: the colour task's score rises (only the pixels tell the colour), every batch is at most
-    --async_queue_size 1 version old, and on the first batch (sampled by the weights the
-    trainer holds) engine and trainer log-probs agree as in the colocated run."""
+    split over two routes), --partial_rollout: the colour task's score rises (only the
+    pixels tell the colour), every batch is at most --async_queue_size 1 version old, and on
+    the first batch (sampled by the weights the trainer holds) engine and trainer log-probs
+    agree as in the colocated run."""
     save = tmp_path / "async"
     extra = ["--async_train", "--vllm_num_engines", "1", "--partial_rollout"]
     flags = grpo_flags(colour_vl, colour_data, "prompts.jsonl", save, extra)
