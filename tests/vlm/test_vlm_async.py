@@ -10,6 +10,7 @@ runs these (marker ``vlm``).
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,3 +81,24 @@ def test_a_partial_rollout_of_image_prompts_keeps_its_images(tiny_vl, tmp_path):
     assert gaps["stale_tower"] > 100 * LOGPROB_TOL, gaps
     assert gaps["other_image"] > 100 * LOGPROB_TOL, gaps
     assert (lp[1] - lp[0])[mask].abs().max() > 0.1  # the versions are far apart
+
+
+def test_a_frozen_vision_tower_is_not_published(colour_vl, colour_data, tmp_path):
+    """--freeze_visual_encoder: each version published to the rollout rank holds the language
+    model only (the engine keeps the tower it loaded), as the colocated sync sends it."""
+    from safetensors import safe_open
+
+    save = tmp_path / "frozen"
+    extra = ["--async_train", "--vllm_num_engines", "1", "--freeze_visual_encoder"]
+    flags = grpo_flags(colour_vl, colour_data, "prompts.jsonl", save, extra)
+    flags[flags.index("--max_steps") + 1] = "3"
+    run = torchrun(["ppo", *flags], nproc=2, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    rows = read_metrics(save)
+    with safe_open(str(Path(colour_vl) / "model.safetensors"), "pt") as f:
+        sizes = {k: f.get_tensor(k).numel() * 4 for k in f.keys()}  # fp32
+    language = sum(v for k, v in sizes.items() if not k.startswith("visual."))
+    assert language < sum(sizes.values())
+    sent = [r["async/weight_sync_wire_bytes"] for r in rows[:-1]]  # the last step publishes none
+    assert sent == [language] * 2, (sent, language, sum(sizes.values()))
+    assert rows[0]["rollout/logprob_diff/max"] < LOGPROB_TOL
