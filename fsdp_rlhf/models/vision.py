@@ -206,6 +206,36 @@ class ImageBatch:
         seen = {id(r): r.nbytes for r in self.rows if r is not None}
         return sum(seen.values())
 
+    def to_payload(self) -> dict[str, Any]:
+        """These rows' images as plain tensors on the host (a message between ranks): each
+        distinct ``ImageInputs`` once (the n samples of a prompt share one), and per row the
+        index of its images among them (-1: none). :meth:`from_payload` rebuilds the batch,
+        the sharing included."""
+        slot: dict[int, int] = {}
+        unique: list[ImageInputs] = []
+        index = []
+        for r in self.rows:
+            if r is None:
+                index.append(-1)
+                continue
+            if id(r) not in slot:
+                slot[id(r)] = len(unique)
+                unique.append(r)
+            index.append(slot[id(r)])
+        return {
+            "pixel_values": [r.pixel_values.cpu() for r in unique],
+            "grid_thw": [r.grid_thw.cpu() for r in unique],
+            "index": index,
+        }
+
+    @classmethod
+    def from_payload(cls, payload: dict[str, Any]) -> ImageBatch:
+        unique = [
+            ImageInputs(pixels, grid)
+            for pixels, grid in zip(payload["pixel_values"], payload["grid_thw"], strict=True)
+        ]
+        return cls([None if i < 0 else unique[i] for i in payload["index"]])
+
     def model_kwargs(self, device: torch.device, dtype: torch.dtype | None = None) -> dict:
         """``pixel_values`` and ``image_grid_thw`` of these rows in order ({} without images)."""
         present = [r for r in self.rows if r is not None]

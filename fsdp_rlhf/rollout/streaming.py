@@ -18,13 +18,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from fsdp_rlhf.rollout.engine import RolloutOutput, SamplingConfig, TokenDelta, pad_token_rows
+from fsdp_rlhf.rollout.engine import (
+    PromptImages,
+    RolloutOutput,
+    SamplingConfig,
+    TokenDelta,
+    pad_token_rows,
+)
 from fsdp_rlhf.rollout.groups import own_prompt_range
 
 
 class StreamingEngine(Protocol):
     def submit(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[int]:
-        """Queue the prompts (collective over the engine's ranks); how many each rank sent."""
+        """Queue the prompts (collective over the engine's ranks); how many each rank sent.
+        An engine of a vision-language model also takes ``images=`` (each prompt's, or
+        None), as ``rollout.vllm.engine.VLLMEngine.submit`` does."""
         ...
 
     def step(self) -> list[TokenDelta]: ...
@@ -66,6 +74,7 @@ def stream_rollout(
     pad_id: int,
     poll: Callable[[], int],
     keep: int | None = None,
+    images: Sequence[PromptImages | None] | None = None,
 ) -> StreamedRollout:
     """Generate ``sampling.n`` samples of each prompt; see the module docstring.
 
@@ -74,8 +83,14 @@ def stream_rollout(
         poll: called before the first step and after every step; returns the weight version
             sampling the next tokens.
         keep: prompts to keep per rank (over-sampling); None keeps all.
+        images: each prompt's images (a vision-language model; its ids expanded, as the
+            colocated engine takes them); the kept prompts are ``kept``'s.
     """
-    counts = engine.submit([list(p) for p in prompt_ids], sampling)
+    ids = [list(p) for p in prompt_ids]
+    if images is None:
+        counts = engine.submit(ids, sampling)
+    else:
+        counts = engine.submit(ids, sampling, images=list(images))
     ranges = [own_prompt_range(counts, b) for b in range(len(counts))]
     wanted = [(stop - start) if keep is None else min(keep, stop - start) for start, stop in ranges]
     owner = {i: b for b, (start, stop) in enumerate(ranges) for i in range(start, stop)}

@@ -101,7 +101,7 @@ def tied_head_alias(actor: nn.Module) -> dict[str, str]:
     return {f"{embed}.weight": f"{head}.weight"}
 
 
-def _kept(skip: Callable[[str], bool] | None) -> Callable[[str], bool] | None:
+def kept_params(skip: Callable[[str], bool] | None) -> Callable[[str], bool] | None:
     """``iter_full_params``' filter from a predicate on HF names (None: every parameter)."""
     if skip is None:
         return None
@@ -133,9 +133,9 @@ def actor_buckets(
     synced by delta (their full tensors from the rank's mirror; ``stats`` filled)."""
     alias = tied_head_alias(actor)
     if delta is None:
-        source = iter_full_buckets(actor, dtype, include=_kept(skip))
+        source = iter_full_buckets(actor, dtype, include=kept_params(skip))
     else:
-        source = delta.buckets(actor, dtype, _kept(skip), stats=stats)
+        source = delta.buckets(actor, dtype, kept_params(skip), stats=stats)
     for bucket in source:
         named = []
         for name, tensor in bucket:
@@ -160,7 +160,7 @@ def stream_merged_weights(
     """
     alias = tied_head_alias(actor)
     held: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in iter_full_params(actor, dtype, include=_kept(skip)):
+    for name, tensor in iter_full_params(actor, dtype, include=kept_params(skip)):
         hf_name = hf_param_name(name)
         part = _lora_part(hf_name)
         if part is None:

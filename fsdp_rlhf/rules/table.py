@@ -386,14 +386,6 @@ VLM = [
         "use single-turn rollouts, which take images",
     ),
     Rule(
-        "vlm-async",
-        ("VLM", "async"),
-        (PPO,),
-        vlm_with(is_async, "--async_train"),
-        "the step-by-step rollout engine of asynchronous training does not take images yet",
-        "drop --async_train",
-    ),
-    Rule(
         "vlm-router-replay",
         ("VLM", "router replay"),
         (PPO,),

@@ -11,6 +11,7 @@ from fsdp_rlhf.config import PPOConfig, plan_ppo_batches
 from fsdp_rlhf.config_base import ConfigError, build_config
 from fsdp_rlhf.distributed.bridge import from_bytes, to_bytes
 from fsdp_rlhf.distributed.split_world import SplitWorld
+from fsdp_rlhf.models.vision import ImageBatch, ImageInputs
 from fsdp_rlhf.trainers.experience import Experience
 from fsdp_rlhf.trainers.ppo.async_queue import (
     BatchPart,
@@ -19,6 +20,7 @@ from fsdp_rlhf.trainers.ppo.async_queue import (
     routes,
     staleness,
 )
+from fsdp_rlhf.trainers.ppo.dynamic_filtering import concat_experiences
 from fsdp_rlhf.trainers.ppo.metrics import StatCollector
 
 
@@ -80,6 +82,49 @@ def test_a_batch_part_survives_the_wire():
     for name in ("input_ids", "response_mask", "engine_logprobs", "token_versions", "scores"):
         assert torch.equal(getattr(back.rows, name), getattr(exp, name)), name
     assert back.rows.old_logprobs is None and back.report["stats"]["means"] == []
+
+
+def _image_inputs(seed: int, grids: list[list[int]]) -> ImageInputs:
+    g = torch.Generator().manual_seed(seed)
+    grid = torch.tensor(grids)
+    return ImageInputs(torch.randn(int(grid.prod(-1).sum()), 12, generator=g), grid)
+
+
+def test_a_vlm_batch_keeps_its_images_across_the_wire():
+    """A rollout rank's rows of 3 prompts x 2 samples (2 images, none, 1 image), sent over
+    two routes and joined again on the training rank: every row gets its own prompt's pixel
+    values and grids back (the forward's pixel_values, image_grid_thw, and so the M-RoPE
+    positions built from them), each prompt's images travel once for its samples, and the
+    samples of one prompt share them again."""
+    n = 2
+    per_prompt = [_image_inputs(0, [[1, 4, 4], [1, 2, 6]]), None, _image_inputs(1, [[1, 6, 2]])]
+    images = ImageBatch.repeat(per_prompt, n)
+    exp = Experience(
+        input_ids=torch.arange(36).reshape(6, 6),
+        attention_mask=torch.ones(6, 6, dtype=torch.long),
+        response_mask=torch.ones(6, 3),
+        engine_logprobs=-torch.rand(6, 3),
+        token_versions=torch.zeros(6, 3, dtype=torch.long),
+        images=images,
+    )
+    back = []
+    for rows in (torch.arange(0, 2), torch.arange(2, 6)):  # two routes: prompt 0; prompts 1-2
+        part = BatchPart(3, exp.rows(rows), [0], {"epoch": 0, "index": 0})
+        message = from_bytes(to_bytes(part.to_message()))
+        sent = message["rows"]["images"]
+        assert len(sent["pixel_values"]) == len({id(r) for r in part.rows.images.rows if r})
+        back.append(BatchPart.from_message(message, torch.device("cpu")).rows)
+    joined = concat_experiences(back, pad_id=0)
+    assert [r is None for r in joined.images.rows] == [r is None for r in images.rows]
+    cpu = torch.device("cpu")
+    want, got = images.model_kwargs(cpu), joined.images.model_kwargs(cpu)
+    assert want.keys() == got.keys() == {"pixel_values", "image_grid_thw"}
+    for key in want:
+        assert torch.equal(want[key], got[key]), key
+    for i in range(len(per_prompt)):  # a prompt's samples share one copy again
+        assert joined.images.rows[i * n] is joined.images.rows[i * n + 1]
+    assert joined.images.nbytes == images.nbytes
+    assert torch.equal(joined.input_ids, exp.input_ids)
 
 
 def test_stat_collectors_merge_across_processes():

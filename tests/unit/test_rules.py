@@ -194,11 +194,6 @@ CASES: dict[str, tuple] = {
     "vlm-multi-turn": (
         "ppo", ENV, {"--pretrain": VLM}, False, "--env_file: multi-turn environments return text",
     ),
-    "vlm-async": (
-        "ppo", ASYNC, {"--pretrain": VLM}, False,
-        "--async_train: the step-by-step rollout engine of asynchronous training does not take "
-        "images yet",
-    ),
     "vlm-router-replay": (
         "ppo", ["--router_replay"], {"--pretrain": VLM_MOE}, False,
         "--router_replay: routing replay is not implemented for vision-language models",

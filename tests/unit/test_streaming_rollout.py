@@ -79,6 +79,38 @@ def test_over_sampling_keeps_the_first_groups_to_finish():
     assert streamed.output.response_ids.shape[0] == 4 and streamed.steps == 3
 
 
+class ImageEngine(ScriptedEngine):
+    """A vision-language model's engine: takes each prompt's images with it."""
+
+    def submit(self, prompt_token_ids, sampling, images=None):
+        self.images = images
+        return super().submit(prompt_token_ids, sampling)
+
+
+def test_image_prompts_reach_the_engine_with_their_images():
+    """Each prompt's images go to the engine with it (a text engine is never handed any);
+    over-sampling's kept prompts name whose images the kept rows carry."""
+    engine = ImageEngine([[9, 2], [1, 2], [3, 3]])
+    images = ["img0", None, "img2"]  # stands for PromptImages; None: a text prompt
+    sampling = SamplingConfig(max_new_tokens=16, n=2)
+    streamed = stream_rollout(
+        engine,
+        [[1], [2], [3]],
+        sampling,
+        rank_in_engine=0,
+        pad_id=0,
+        poll=lambda: 0,
+        keep=2,
+        images=images,
+    )
+    assert engine.images == images
+    assert [images[i] for i in streamed.kept] == [None, "img2"]
+    text = ScriptedEngine([[1]])  # its submit takes no images: none are passed
+    stream_rollout(
+        text, [[1]], SamplingConfig(max_new_tokens=4), rank_in_engine=0, pad_id=0, poll=lambda: 0
+    )
+
+
 def test_over_sampling_waits_for_every_rank_of_the_engine():
     # two ranks of one engine sent 2 prompts each; rank 1's groups finish last
     engine = ScriptedEngine([[1, 1], [1, 1], [2, 2], [6, 6]], counts=[2, 2])

@@ -38,3 +38,30 @@ def vl_colour_data(tmp_path_factory) -> Path:
     write_rows(held_out, root / "eval.jsonl")
     (root / "reward.py").write_text(COLOUR_REWARD)
     return root
+
+
+# the colour task of the GRPO runs (test_vlm_grpo, test_vlm_async): a word-level vocabulary
+COLOUR_WORDS = [
+    *("what", "colour", "is", "it", "the", "a"),
+    *("red", "green", "blue", "user", "assistant"),
+]
+
+
+@pytest.fixture(scope="session")
+def colour_vl(tmp_path_factory) -> str:
+    from fsdp_rlhf.testing.tiny_vlm import build_vl_model
+
+    return str(build_vl_model(tmp_path_factory.mktemp("colour_vl"), words=COLOUR_WORDS, seed=3))
+
+
+@pytest.fixture(scope="session")
+def colour_data(tmp_path_factory) -> Path:
+    """``prompts.jsonl`` (96 colour rows), ``blank.jsonl`` (the same labels, grey images) and
+    ``reward.py``."""
+    from fsdp_rlhf.testing.tiny_vlm import colour_rows, write_rows
+
+    root = tmp_path_factory.mktemp("colour_data")
+    write_rows(colour_rows(96, root / "images", seed=0), root / "prompts.jsonl")
+    write_rows(colour_rows(96, root / "blank", seed=0, blank=True), root / "blank.jsonl")
+    (root / "reward.py").write_text(COLOUR_REWARD)
+    return root

@@ -16,30 +16,10 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.helpers import read_metrics, torchrun
-from tests.vlm.conftest import COLOUR_REWARD
 
 pytestmark = [pytest.mark.vlm, pytest.mark.slow]
 
-WORDS = ["what", "colour", "is", "it", "the", "a", "red", "green", "blue", "user", "assistant"]
 STEPS = 40
-
-
-@pytest.fixture(scope="module")
-def colour_vl(tmp_path_factory) -> str:
-    from fsdp_rlhf.testing.tiny_vlm import build_vl_model
-
-    return str(build_vl_model(tmp_path_factory.mktemp("colour_vl"), words=WORDS, seed=3))
-
-
-@pytest.fixture(scope="module")
-def colour_data(tmp_path_factory) -> Path:
-    from fsdp_rlhf.testing.tiny_vlm import colour_rows, write_rows
-
-    root = tmp_path_factory.mktemp("colour_data")
-    write_rows(colour_rows(96, root / "images", seed=0), root / "prompts.jsonl")
-    write_rows(colour_rows(96, root / "blank", seed=0, blank=True), root / "blank.jsonl")
-    (root / "reward.py").write_text(COLOUR_REWARD)
-    return root
 
 
 def grpo_flags(model: str, data: Path, prompts: str, save: Path, extra=()) -> list[str]:

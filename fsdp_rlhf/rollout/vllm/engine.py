@@ -469,6 +469,17 @@ def _sampled_logprobs(completion) -> list[float]:
     return list(flat.logprobs)
 
 
+def check_expanded(prompt_token_ids: Sequence[int], expected: list[int]) -> None:
+    """vLLM's prompt is the trainer's (with images: vLLM expanded each placeholder itself,
+    with its own copy of the processor)."""
+    if list(prompt_token_ids) != expected:
+        raise RuntimeError(
+            f"vLLM's prompt has {len(prompt_token_ids)} tokens where the trainer's has "
+            f"{len(expected)}: vLLM expanded the image placeholders differently from the "
+            "trainer's processor (are their image processor settings the same?)"
+        )
+
+
 def to_rollout_output(
     request_outputs,
     sampling: SamplingConfig,
@@ -484,12 +495,8 @@ def to_rollout_output(
     vLLM expanded each placeholder itself, with its own copy of the processor)."""
     prompts, responses, reasons, logprobs = [], [], [], []
     for i, req in enumerate(request_outputs):
-        if expected is not None and list(req.prompt_token_ids) != expected[i]:
-            raise RuntimeError(
-                f"vLLM's prompt has {len(req.prompt_token_ids)} tokens where the trainer's has "
-                f"{len(expected[i])}: vLLM expanded the image placeholders differently from the "
-                "trainer's processor (are their image processor settings the same?)"
-            )
+        if expected is not None:
+            check_expanded(req.prompt_token_ids, expected[i])
         if len(req.outputs) != sampling.n:
             raise RuntimeError(f"vLLM returned {len(req.outputs)} samples, asked {sampling.n}")
         for comp in sorted(req.outputs, key=lambda c: c.index):
@@ -631,6 +638,8 @@ class VLLMEngine:
         self.runner = self._log_runner()
         self._submissions = 0  # batches submitted step-wise (request ids stay unique)
         self._running: set[str] = set()  # their ids, until finished or aborted
+        # image requests' expanded prompts, checked against vLLM's at their first output
+        self._unchecked: dict[str, list[int]] = {}
         self._routing: _Routing | None = None
         if router_replay:
             self._routing = self._start_routing(model_path, trust_remote_code)
@@ -781,33 +790,48 @@ class VLLMEngine:
 
     # ------------------------------------------------------------ step by step
 
-    def submit(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[int]:
+    def submit(
+        self,
+        prompt_token_ids: list[list[int]],
+        sampling: SamplingConfig,
+        images: list[PromptImages | None] | None = None,
+    ) -> list[int]:
         """Queue ``sampling.n`` samples of each of this rank's prompts, one request each
         (sample j of prompt i seeded like ``generate``'s: the prompt's seed + j), then drive
         them with :meth:`step`. Collective over the TP block, like ``generate``: the block
         queues every rank's prompts. Returns how many prompts each rank of the block sent
-        (keys of the deltas index the block's prompts in rank order)."""
+        (keys of the deltas index the block's prompts in rank order).
+
+        ``images``: as ``generate``'s. Each request holds its images to the end: a request
+        preempted by an in-flight weight update (:meth:`update_weights`) has them encoded
+        again, by the new vision tower, when it resumes."""
         self._sleep.check_ready()
-        prompts, counts = gather_prompts(self.groups, prompt_token_ids, sampling)
+        if images is not None and self.vision is None:
+            raise ValueError("images given to the engine of a text-only model")
+        items = list(zip(prompt_token_ids, images or [None] * len(prompt_token_ids), strict=True))
+        gathered, counts = gather_prompts(self.groups, items, sampling)
         seeded = sampling.seed is not None and not sampling.is_greedy
         self._submissions += 1
-        for i, p in enumerate(prompts):
+        for i, (p, img) in enumerate(gathered):
             seed = request_seed(sampling.seed, self.groups.engine_index, i) if seeded else None
             for j in range(sampling.n):
                 params = sampling_params(
                     replace(sampling, n=1),
                     None if seed is None else seed + j,
                     sampling.budget(len(p)),
+                    suppressed=self.suppressed,
                 )
                 params.output_kind = RequestOutputKind.DELTA
                 request_id = f"{self._submissions}:{i}:{j}"
                 self.llm.llm_engine.add_request(
                     request_id,
-                    TokensPrompt(prompt_token_ids=p),
+                    self._request(p, img),
                     params,
                     lora_request=self._lora_request(),
                 )
                 self._running.add(request_id)
+                if img is not None:
+                    self._unchecked[request_id] = p
         return counts
 
     def step(self) -> list[TokenDelta]:
@@ -820,6 +844,9 @@ class VLLMEngine:
             comp = out.outputs[0]
             request_id = out.request_id.split("-")[0]  # vLLM may append a suffix of its own
             _, i, j = request_id.split(":")
+            expected = self._unchecked.pop(request_id, None)
+            if expected is not None:
+                check_expanded(out.prompt_token_ids, expected)
             ids = list(comp.token_ids)
             lps = list(comp.logprobs.logprobs) if comp.logprobs is not None else []
             if len(lps) != len(ids):
@@ -838,6 +865,7 @@ class VLLMEngine:
         if self._running:
             self.llm.llm_engine.abort_request(sorted(self._running))
             self._running.clear()
+        self._unchecked.clear()
 
     def update_adapter(self, weights: Iterable[tuple[str, torch.Tensor]], spec: AdapterSpec) -> int:
         """Serve a new adapter under a new id (the old one is dropped); returns bytes received.

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from fsdp_rlhf.models.vision import ImageBatch
 from fsdp_rlhf.trainers.experience import Experience
 
 START, WEIGHTS, END = "start", "weights", "end"
@@ -81,15 +82,27 @@ def needed_version(batch: int, queue_size: int) -> int:
 # ------------------------------------------------------------------ messages
 
 
-def experience_fields(exp: Experience) -> dict[str, torch.Tensor]:
-    """The set tensor fields of ``exp``, on the host (for a message)."""
-    return {
-        f.name: getattr(exp, f.name).cpu() for f in fields(exp) if getattr(exp, f.name) is not None
-    }
+def experience_fields(exp: Experience) -> dict[str, Any]:
+    """The set fields of ``exp``, on the host (for a message): its tensors, and a VLM's
+    images as ``ImageBatch.to_payload`` writes them (pixel values, image grids, each
+    prompt's images once for its n samples; the M-RoPE positions are rebuilt from the
+    grids and the placeholder tokens by the training rank's forward)."""
+    out: dict[str, Any] = {}
+    for f in fields(exp):
+        value = getattr(exp, f.name)
+        if value is None:
+            continue
+        out[f.name] = value.to_payload() if isinstance(value, ImageBatch) else value.cpu()
+    return out
 
 
-def experience_from_fields(data: dict[str, torch.Tensor], device: torch.device) -> Experience:
-    return Experience(**{k: v.to(device) for k, v in data.items()})
+def experience_from_fields(data: dict[str, Any], device: torch.device) -> Experience:
+    """The experience :func:`experience_fields` wrote, its tensors on ``device`` (images
+    stay on the host: the forwards move each micro-batch's)."""
+    rebuilt = {k: v.to(device) for k, v in data.items() if k != "images"}
+    if "images" in data:
+        rebuilt["images"] = ImageBatch.from_payload(data["images"])
+    return Experience(**rebuilt)
 
 
 @dataclass

@@ -48,7 +48,8 @@ from fsdp_rlhf.distributed.split_world import group_environment
 from fsdp_rlhf.metrics import PhaseTimer
 from fsdp_rlhf.models.kind import ModelKind
 from fsdp_rlhf.models.load import load_tokenizer
-from fsdp_rlhf.rollout import AdapterSpec, SamplingConfig
+from fsdp_rlhf.models.vision import ImageBatch
+from fsdp_rlhf.rollout import AdapterSpec, RolloutOutput, SamplingConfig
 from fsdp_rlhf.rollout.streaming import stream_rollout
 from fsdp_rlhf.trainers.experience import Experience, experience_from_rollout
 from fsdp_rlhf.trainers.ppo.async_ledger import LedgerWriter, ledger_folder, rollout_file
@@ -74,6 +75,7 @@ from fsdp_rlhf.trainers.ppo.rewards import (
 )
 from fsdp_rlhf.trainers.ppo.rollout import sampling_config
 from fsdp_rlhf.trainers.ppo.setup import build_engine, build_prompts
+from fsdp_rlhf.trainers.ppo.vision import StepImages, check_responses, image_limit
 from fsdp_rlhf.trainers.rule_reward import build_rule_reward
 
 log = logging.getLogger("fsdp_rlhf")
@@ -107,7 +109,11 @@ class RolloutWorker:
         )
         self.n = b.n_samples_per_prompt
         self.tokenizer = load_tokenizer(cfg.models.pretrain, cfg.backend)
-        self.prompts = build_prompts(cfg, rows, self.tokenizer)
+        # a vision-language actor: the processor decodes each batch's images (None: text)
+        self.images = None
+        if actor.is_vlm:
+            self.images = StepImages.from_pretrained(cfg.models.pretrain, cfg.backend)
+        self.prompts = build_prompts(cfg, rows, self.tokenizer, self.images)
         self.prompt_index = {id(p): i for i, p in enumerate(self.prompts)}
         self.sampler = PromptSampler(
             len(self.prompts), generated, self.index, split.rollout_ranks, cfg.seed
@@ -118,6 +124,7 @@ class RolloutWorker:
                 cfg,
                 env,
                 self.tokenizer,
+                image_limit(cfg.vision, rows),
                 vision=actor.vision,
                 streaming=True,
                 engine_id=self.engine_id,
@@ -258,22 +265,40 @@ class RolloutWorker:
                 self.multiturn, self._generate_turn, prompts, sampling, stats
             )
         else:
-            streamed = stream_rollout(
-                self.engine,
-                [p.ids for p in prompts],
-                sampling,
-                rank_in_engine=self.env.rank,
-                pad_id=self.tokenizer.pad_token_id,
-                poll=self._poll,
-                keep=keep,
-            )
-            out, prompts = streamed.output, [prompts[i] for i in streamed.kept]
+            out, prompts, images = self._stream(prompts, sampling, keep)
         exp = experience_from_rollout(out, torch.device("cpu"))
         exp.scores = env_scores
+        exp.images = images
         add_rollout_stats(stats, out)
         if self.scores_here:
             self._score(exp, prompts)
         return exp, prompts
+
+    def _stream(
+        self, prompts: list[Prompt], sampling: SamplingConfig, keep: int | None
+    ) -> tuple[RolloutOutput, list[Prompt], ImageBatch | None]:
+        """Generate step by step; returns the kept prompts' samples, the kept prompts and,
+        for a VLM, their rows' images (each prompt's decoded, processed and sent to the
+        engine with it; the rows keep the processor's tensors for the training ranks)."""
+        ids, per_prompt = [p.ids for p in prompts], None
+        if self.images is not None:
+            ids, per_prompt = self.images.encode(prompts)
+        streamed = stream_rollout(
+            self.engine,
+            ids,
+            sampling,
+            rank_in_engine=self.env.rank,
+            pad_id=self.tokenizer.pad_token_id,
+            poll=self._poll,
+            keep=keep,
+            images=per_prompt,
+        )
+        out, kept = streamed.output, [prompts[i] for i in streamed.kept]
+        if per_prompt is None:
+            return out, kept, None
+        check_responses(out, self.images.vision.tokens)
+        rows = StepImages.rows([per_prompt[i] for i in streamed.kept], sampling.n)
+        return out, kept, rows
 
     def _generate_turn(self, prompt_ids: list[list[int]], sampling: SamplingConfig):
         """One turn of a multi-turn rollout (the runner's ``generate``)."""

@@ -44,6 +44,7 @@ from fsdp_rlhf.models.load import load_tokenizer
 from fsdp_rlhf.rollout.weight_sync import (
     actor_buckets,
     hf_param_name,
+    kept_params,
     stream_adapter_weights,
     stream_merged_weights,
     tied_head_alias,
@@ -75,7 +76,13 @@ from fsdp_rlhf.trainers.ppo.dynamic_filtering import concat_experiences
 from fsdp_rlhf.trainers.ppo.metrics import StatCollector, throughput
 from fsdp_rlhf.trainers.ppo.rewards import add_overlong_penalty, add_stop_properly_penalty
 from fsdp_rlhf.trainers.ppo.rollout import adapter_sync
-from fsdp_rlhf.trainers.ppo.setup import adapter_spec, engine_dtype, merged_lora_scaling, prepare
+from fsdp_rlhf.trainers.ppo.setup import (
+    adapter_spec,
+    engine_dtype,
+    merged_lora_scaling,
+    prepare,
+    unsynced_params,
+)
 from fsdp_rlhf.trainers.ppo.source import OpenSource, Sampled, SourceInputs
 
 log = logging.getLogger("fsdp_rlhf")
@@ -386,9 +393,12 @@ class AsyncSource:
         overlap, times = self.cfg.rollout.weight_sync_overlap, StageTimes()
         device = self.env.device
         syncing = partial(faults.reached, "syncing", version)  # a fault point (tests)
+        skip = unsynced_params(self.cfg, actor)  # a frozen vision tower: the engines keep theirs
         if self.delta_sender is not None:
             stats = DeltaStats()
-            deltas = self.delta_sender.deltas(actor, dtype, rename=hf_param_name, stats=stats)
+            deltas = self.delta_sender.deltas(
+                actor, dtype, kept_params(skip), rename=hf_param_name, stats=stats
+            )
             sent = weight_broadcast.publish_delta(
                 self.job.link,
                 first_then(staged(deltas, times, overlap=overlap), syncing),
@@ -401,9 +411,10 @@ class AsyncSource:
         if adapter_sync(self.cfg):
             stream = stream_adapter_weights(actor, dtype)
         elif (scaling := merged_lora_scaling(self.cfg)) is not None:
-            stream = stream_merged_weights(actor, dtype, scaling)
+            stream = stream_merged_weights(actor, dtype, scaling, skip)
         else:
-            buckets = staged(actor_buckets(actor, dtype), times, overlap=overlap, device=device)
+            buckets = actor_buckets(actor, dtype, skip)
+            buckets = staged(buckets, times, overlap=overlap, device=device)
             stream = (w for bucket in buckets for w in bucket)
         stream = first_then(stream, syncing)
         sent = weight_broadcast.publish(self.job.link, stream, sender=self.sender, header=header)
