@@ -46,7 +46,9 @@ from fsdp_rlhf.models.attention import (
     padded_sdpa,
     register_attention,
     row_spans,
+    set_text_attention,
     span_attention,
+    text_attention,
     varlen_sdpa,
 )
 
@@ -251,12 +253,12 @@ def use_ulysses_attention(model: nn.Module) -> None:
     input builder with a sequence-parallel part)."""
     from fsdp_rlhf.models.linear_attention import use_ulysses_linear_attention
 
-    inner = model.config._attn_implementation
+    inner = text_attention(model)
     if inner not in _ULYSSES_NAMES:
         raise ValueError(f"sequence parallelism: no Ulysses wrapper for attention {inner!r}")
     register_attention()
     register_ulysses()
-    model.set_attn_implementation(_ULYSSES_NAMES[inner])
+    set_text_attention(model, _ULYSSES_NAMES[inner])  # a VLM's tower keeps its own
     use_ulysses_linear_attention(model)  # gated delta nets: by heads over whole rows
 
 
@@ -272,7 +274,7 @@ def register_ulysses() -> None:
 
 def base_attention(model: nn.Module) -> str:
     """The attention kernel ``model`` runs on whole rows (inside Ulysses, when split)."""
-    impl = model.config._attn_implementation
+    impl = text_attention(model)
     return _INNER_KERNELS.get(impl, impl)
 
 

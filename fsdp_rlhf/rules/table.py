@@ -369,15 +369,6 @@ VLM = [
     *_vlm_scalar_rows("--critic_pretrain", "critic", "critic"),
     *_vlm_scalar_rows("--reward_pretrain", "reward model", "reward-model"),
     Rule(
-        "vlm-packing",
-        ("VLM", "packing"),
-        (PPO,),
-        vlm_with(lambda s: s.cfg.batch.packing_samples, "--packing_samples"),
-        "packed rows would need M-RoPE positions and images per packed sequence; VLM rows go "
-        "through the model padded",
-        "drop the flag",
-    ),
-    Rule(
         "vlm-multi-turn",
         ("VLM", "multi-turn"),
         (PPO,),

@@ -187,10 +187,6 @@ CASES: dict[str, tuple] = {
         {"--pretrain": VLM, "--reward_pretrain": VLM_TOKENS}, False,
         "--reward_pretrain models/vl10 names other image tokens than --pretrain",
     ),
-    "vlm-packing": (
-        "ppo", ["--packing_samples"], {"--pretrain": VLM}, False,
-        "--packing_samples: packed rows would need M-RoPE positions",
-    ),
     "vlm-multi-turn": (
         "ppo", ENV, {"--pretrain": VLM}, False, "--env_file: multi-turn environments return text",
     ),
