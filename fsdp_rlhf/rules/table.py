@@ -163,14 +163,6 @@ def _heads(kind, n: int) -> str | None:
 
 SEQUENCE_PARALLEL = [
     Rule(
-        "sequence-parallel-vlm",
-        ("sequence parallel", "VLM"),
-        ALL,
-        sp_models(lambda kind, n: "a vision-language model" if kind.is_vlm else None),
-        "its images and M-RoPE positions go through the model with whole rows",
-        "use --sequence_parallel_size 1",
-    ),
-    Rule(
         "sequence-parallel-hybrid",
         ("sequence parallel", "hybrid"),
         ALL,

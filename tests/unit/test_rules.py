@@ -122,10 +122,6 @@ CASES: dict[str, tuple] = {
     "queue-size-needs-async": (
         "ppo", ["--async_queue_size", "2"], None, False, "--async_queue_size without --async_train",
     ),
-    "sequence-parallel-vlm": (
-        "sft", ["--sequence_parallel_size", "2"], {"--pretrain": VLM}, False,
-        "--sequence_parallel_size 2: --pretrain models/vl: a vision-language model: its images",
-    ),
     "sequence-parallel-hybrid": (
         "ppo", ["--sequence_parallel_size", "2"], {"--pretrain": QWEN3_NEXT}, False,
         "--sequence_parallel_size 2: --pretrain models/q3n: recurrent layers other than "
