@@ -401,16 +401,53 @@ def use_varlen_attention(model: nn.Module, device_type: str | None = None) -> No
     """
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    wants_flash = model.config._attn_implementation == FLASH_ATTENTION
+    wants_flash = text_attention(model) == FLASH_ATTENTION
     impl = varlen_attention_impl(device_type, wants_flash, flash_attn_importable())
     if impl == VARLEN_ATTENTION:
         register_attention()
-    if model.config._attn_implementation != impl:
-        model.set_attn_implementation(impl)
+    if text_attention(model) != impl:
+        set_text_attention(model, impl)
     # linear-attention layers (Qwen3.5) restart their recurrence at each sequence of the row
     from fsdp_rlhf.models.linear_attention import split_packed_linear_attention
 
     split_packed_linear_attention(model)
+
+
+def text_attention(model: nn.Module) -> str:
+    """The attention kernel of ``model``'s decoder (a VLM's language model; its vision tower
+    keeps its own)."""
+    return model.config.get_text_config()._attn_implementation
+
+
+# The keywords of the text rows' attention (packed rows' offsets, the Ulysses context) that a
+# VLM's forward also hands its vision tower, whose attention has its own.
+_TEXT_ROW_KWARGS = (
+    "cu_seq_lens_q",
+    "cu_seq_lens_k",
+    "max_length_q",
+    "max_length_k",
+    "sequence_parallel",
+)
+
+
+def set_text_attention(model: nn.Module, impl: str) -> None:
+    """Run ``model``'s decoder attention through ``impl``. A VLM's vision tower keeps its
+    kernel (each image's patches, no causal mask) and no longer sees the text rows' attention
+    keywords (``_TEXT_ROW_KWARGS``: transformers passes the forward's keywords on to the
+    tower, whose flash-attn path would get ``cu_seq_lens_q`` twice)."""
+    from fsdp_rlhf.distributed.vision_units import vision_tower
+
+    if getattr(model.config, "vision_config", None) is None:
+        model.set_attn_implementation(impl)
+        return
+    model.set_attn_implementation({"text_config": impl})
+    tower = vision_tower(model)
+    if tower is not None and _drop_text_row_kwargs not in tower._forward_pre_hooks.values():
+        tower.register_forward_pre_hook(_drop_text_row_kwargs, with_kwargs=True)
+
+
+def _drop_text_row_kwargs(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return args, {k: v for k, v in kwargs.items() if k not in _TEXT_ROW_KWARGS}
 
 
 def register_attention() -> None:

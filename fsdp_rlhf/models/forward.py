@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fsdp_rlhf.distributed.sequence_parallel import gather_sequence
@@ -159,9 +160,22 @@ def row_values(model: nn.Module, inputs: ForwardInputs) -> torch.Tensor:
 
 
 def _head_values(model: nn.Module, **kwargs) -> torch.Tensor:
-    """The scalar head's output at every position of ``model(**kwargs)``: (R, Lm) float32."""
+    """The scalar head's output at every position of ``model(**kwargs)``: (R, Lm) float32
+    (this rank's slice of them under sequence parallelism).
+
+    A VLM split after its embedding (``UlyssesContext.whole_rows``) has whole rows of ``L``
+    input ids but its head sees this rank's slice, and HF pools the head's output at the
+    whole-row position of each row's last token: the output goes on padded to ``L`` (zeros;
+    the pooled values only enter as 0 x, below)."""
     captured: list[torch.Tensor] = []
-    handle = model.score.register_forward_hook(lambda _m, _args, out: captured.append(out))
+    sp = kwargs.get("sequence_parallel")
+    whole = sp.seq_len if sp is not None and sp.whole_rows else 0
+
+    def capture(_module, _args, out: torch.Tensor) -> torch.Tensor:
+        captured.append(out)
+        return F.pad(out, (0, 0, 0, max(0, whole - out.shape[1])))
+
+    handle = model.score.register_forward_hook(capture)
     try:
         out = model(**kwargs)
     finally:

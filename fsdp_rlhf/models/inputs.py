@@ -11,8 +11,10 @@ as R model rows of Lm tokens, composed of:
   one row ``[prompt | s responses]``, ``models.shared_prefix.share_prompts``);
   ``shared_pairs`` (preference pairs packed with each pair's common prefix once,
   ``models.shared_prefix.share_pair_prefixes``);
-- **images**: a vision-language model's pixel values, image grids and token types, from which
-  the model computes its M-RoPE positions (padded rows only);
+- **images**: a vision-language model's pixel values and image grids, in row order, and its
+  M-RoPE positions: left to the model (from the token types) for whole padded rows, else
+  computed by the model's own rule over each padded row and laid out as its tokens are (packed
+  rows: each segment its own positions; sequence-parallel slices: sliced with the tokens);
 - **the sequence-parallel slice**: each rank of a group runs its 1/N of every model row
   (``models.ulysses.shard_inputs``), applied when the model is called.
 
@@ -44,7 +46,7 @@ from fsdp_rlhf.distributed.sequence_parallel import SequenceParallel
 from fsdp_rlhf.models.packing import pack_rows
 from fsdp_rlhf.models.shared_prefix import share_pair_prefixes, share_prompts
 from fsdp_rlhf.models.ulysses import shard_inputs
-from fsdp_rlhf.models.vision import ImageBatch, VisionTokens
+from fsdp_rlhf.models.vision import ImageBatch, ImagePositions, VisionTokens
 
 RowLayout = Literal["padded", "packed", "shared_prompts", "shared_pairs"]
 ROW_LAYOUTS: tuple[str, ...] = ("padded", "packed", "shared_prompts", "shared_pairs")
@@ -160,17 +162,26 @@ def with_images(
     tokens: VisionTokens,
     input_ids: torch.Tensor,
     images: ImageBatch | None,
-) -> ModelRows:
-    """A vision-language model's image inputs added to padded rows: ``pixel_values``,
-    ``image_grid_thw`` (``ImageBatch.model_kwargs``) and ``mm_token_type_ids`` (B, L), from
-    which the model computes its M-RoPE positions over the attended tokens, so
-    ``position_ids`` is left to it. Rows without any image keep the text positions."""
+    whole_padded: bool,
+) -> tuple[ModelRows, ImagePositions | None]:
+    """A vision-language model's image inputs added to its rows: ``pixel_values`` and
+    ``image_grid_thw`` of every row's images in row order (``ImageBatch.model_kwargs``: packed
+    rows keep the rows' order, so each segment's placeholders meet its own images).
+
+    ``whole_padded`` (padded rows, not split): ``mm_token_type_ids`` (B, L) too, from which the
+    model computes its M-RoPE positions over the attended tokens, so ``position_ids`` is left
+    to it. Otherwise the positions are computed beforehand (:class:`ImagePositions`, returned;
+    ``ForwardInputs.model_kwargs``). Rows without any image keep the text positions."""
     mm = images.model_kwargs(input_ids.device) if images is not None else {}
     if not mm:
-        return rows
-    kwargs = {k: v for k, v in rows.kwargs.items() if k != "position_ids"}
-    kwargs.update(mm, mm_token_type_ids=tokens.token_types(input_ids))
-    return replace(rows, kwargs=kwargs)
+        return rows, None
+    types = tokens.token_types(input_ids)
+    kwargs = dict(rows.kwargs, **mm)
+    if not whole_padded:
+        return replace(rows, kwargs=kwargs), ImagePositions(types, mm["image_grid_thw"])
+    del kwargs["position_ids"]
+    kwargs["mm_token_type_ids"] = types
+    return replace(rows, kwargs=kwargs), None
 
 
 # ---------------------------------------------------------------- the composition
@@ -187,6 +198,8 @@ class ForwardInputs:
         where: (B, L) flat position in the model rows of each padded token.
         source: (R, Lm) flat position in the padded rows of each model position.
         sp: the sequence-parallel group the forward is split over (None: whole rows).
+        image_positions: a VLM's M-RoPE inputs where the model cannot compute the positions
+            itself (packed rows, sequence-parallel slices; None: the kwargs hold them).
     """
 
     input_ids: torch.Tensor
@@ -195,6 +208,7 @@ class ForwardInputs:
     where: torch.Tensor
     source: torch.Tensor
     sp: SequenceParallel | None = None
+    image_positions: ImagePositions | None = None
 
     @property
     def row_shape(self) -> tuple[int, int]:
@@ -204,10 +218,25 @@ class ForwardInputs:
 
     def model_kwargs(self, model: nn.Module) -> dict:
         """The keyword arguments of this rank's forward: whole rows, or its slice of them
-        under sequence parallelism (``models.ulysses.shard_inputs``)."""
+        under sequence parallelism (``models.ulysses.shard_inputs``). A VLM's M-RoPE positions
+        computed here where needed (:meth:`mrope_positions`)."""
+        kwargs = self.kwargs
+        if self.image_positions is not None:
+            kwargs = {**kwargs, "position_ids": self.mrope_positions(model)}
         if self.sp is None:
-            return self.kwargs
-        return shard_inputs(model, self.kwargs, self.sp)
+            return kwargs
+        return shard_inputs(model, kwargs, self.sp)
+
+    def mrope_positions(self, model: nn.Module) -> torch.Tensor:
+        """(4, R, Lm): the model rows' text positions (each sequence's own, as the rows part
+        made them), then the three M-RoPE rows (time, height, width) of every token, computed
+        by the model's rule over each padded row and laid out as its tokens are."""
+        if self.image_positions is None:
+            raise ValueError("rows without images have text positions only")
+        mrope = self.image_positions.positions(model, self.input_ids, self.attention_mask)
+        arranged = self.arrange(mrope.permute(1, 2, 0)).permute(2, 0, 1)  # (3, R, Lm)
+        text = self.kwargs["position_ids"].to(arranged.dtype)
+        return torch.cat([text.unsqueeze(0), arranged])
 
     def arrange(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (B, L, ...), aligned with the padded rows, in the model rows' order:
@@ -251,17 +280,19 @@ class InputSpec:
     ) -> ForwardInputs:
         """The forward inputs of (B, L) padded rows (``response_len`` T: the shared-prompt
         part's response length; ``images``: a VLM's, one entry per row)."""
-        if images is not None and self.rows != "padded":
-            raise ValueError(f"vision-language rows go through the model padded, not {self.rows}")
+        if images is not None and self.rows not in ("padded", "packed"):
+            raise ValueError(f"vision-language rows go padded or packed, not {self.rows}")
         sp = self.sp if self.sp is not None and self.sp.enabled else None
-        if images is not None and sp is not None:
-            raise ValueError("vision-language rows are not split by sequence parallelism")
         rows = _ROWS[self.rows](input_ids, attention_mask, response_len, self.group_size)
+        positions = None
         if images is not None:
             if self.vision is None:
                 raise ValueError("images for a model without vision tokens (a text model)")
-            rows = with_images(rows, self.vision, input_ids, images)
-        return ForwardInputs(input_ids, attention_mask, rows.kwargs, rows.where, rows.source, sp)
+            whole_padded = self.rows == "padded" and sp is None
+            rows, positions = with_images(rows, self.vision, input_ids, images, whole_padded)
+        return ForwardInputs(
+            input_ids, attention_mask, rows.kwargs, rows.where, rows.source, sp, positions
+        )
 
 
 def _shared_prompts(ids, mask, response_len, group_size) -> ModelRows:

@@ -46,7 +46,9 @@ from fsdp_rlhf.models.attention import (
     padded_sdpa,
     register_attention,
     row_spans,
+    set_text_attention,
     span_attention,
+    text_attention,
     varlen_sdpa,
 )
 
@@ -85,6 +87,9 @@ class UlyssesContext:
     (their 4D mask is the attention mask) and rows without padding. ``spans``: with
     ``padding_mask``, each row's run of attended tokens when every row has one
     (``models.attention.row_spans``; the padded kernel then needs no mask), else None.
+    ``rank``: this rank's place in the group (which slice it holds). ``whole_rows``: the model
+    got whole rows (a VLM: its image features merge into the whole rows' embeddings) and its
+    language model takes this rank's slice (:func:`slice_language_inputs`).
     """
 
     group: ProcessGroup
@@ -93,6 +98,8 @@ class UlyssesContext:
     inner: str
     padding_mask: torch.Tensor | None = None
     spans: RowSpans | None = None
+    rank: int = 0
+    whole_rows: bool = False
 
 
 # ---------------------------------------------------------------- the attention function
@@ -251,12 +258,15 @@ def use_ulysses_attention(model: nn.Module) -> None:
     input builder with a sequence-parallel part)."""
     from fsdp_rlhf.models.linear_attention import use_ulysses_linear_attention
 
-    inner = model.config._attn_implementation
+    inner = text_attention(model)
     if inner not in _ULYSSES_NAMES:
         raise ValueError(f"sequence parallelism: no Ulysses wrapper for attention {inner!r}")
     register_attention()
     register_ulysses()
-    model.set_attn_implementation(_ULYSSES_NAMES[inner])
+    set_text_attention(model, _ULYSSES_NAMES[inner])  # a VLM's tower keeps its own
+    language = _language_model(model)
+    if language is not None and slice_language_inputs not in language._forward_pre_hooks.values():
+        language.register_forward_pre_hook(slice_language_inputs, with_kwargs=True)
     use_ulysses_linear_attention(model)  # gated delta nets: by heads over whole rows
 
 
@@ -272,7 +282,7 @@ def register_ulysses() -> None:
 
 def base_attention(model: nn.Module) -> str:
     """The attention kernel ``model`` runs on whole rows (inside Ulysses, when split)."""
-    impl = model.config._attn_implementation
+    impl = text_attention(model)
     return _INNER_KERNELS.get(impl, impl)
 
 
@@ -282,12 +292,12 @@ def shard_inputs(model: nn.Module, inputs: dict, sp: SequenceParallel) -> dict:
     ``input_ids``/``position_ids`` (B, L) are padded to N * Lr and sliced; a 2D
     ``attention_mask`` (padded rows) moves into the :class:`UlyssesContext` (HF gets none); a
     4D mask (shared-prompt rows) and the packed-row keywords pass through, describing the
-    whole row as the inner kernel needs.
+    whole row as the inner kernel needs. A VLM (its language model found) gets its inputs whole
+    (its images merge into the whole rows' embeddings, every rank running the vision tower),
+    M-RoPE ``position_ids`` (3 or 4, B, L) included, and its language model slices the merged
+    embeddings and positions (:func:`slice_language_inputs`).
     """
-    ids = inputs["input_ids"]
-    L = ids.shape[1]
-    Lr = math.ceil(L / sp.size)
-    local = slice(sp.rank * Lr, (sp.rank + 1) * Lr)
+    L = inputs["input_ids"].shape[1]
     out = dict(inputs)
     padding = spans = None
     mask = out.get("attention_mask")
@@ -296,11 +306,57 @@ def shard_inputs(model: nn.Module, inputs: dict, sp: SequenceParallel) -> dict:
         if not bool(mask.bool().all()):
             padding = mask.bool()
             spans = row_spans(padding)
-    for name in ("input_ids", "position_ids"):
-        out[name] = F.pad(out[name], (0, Lr * sp.size - L))[:, local]
-    inner = base_attention(model)
-    out["sequence_parallel"] = UlyssesContext(sp.group, sp.size, L, inner, padding, spans)
+    whole = _language_model(model) is not None
+    context = UlyssesContext(
+        sp.group, sp.size, L, base_attention(model), padding, spans, sp.rank, whole
+    )
+    if not whole:
+        for name in ("input_ids", "position_ids"):
+            out[name] = _slice_seq(out[name], context)
+    out["sequence_parallel"] = context
     return out
+
+
+def _slice_seq(x: torch.Tensor, sp: UlyssesContext, dim: int = -1) -> torch.Tensor:
+    """``x`` with whole rows of L along ``dim`` -> this rank's Lr positions (padded first)."""
+    dim = dim % x.dim()
+    Lr = math.ceil(sp.seq_len / sp.size)
+    pad = [0, 0] * (x.dim() - 1 - dim) + [0, Lr * sp.size - sp.seq_len]
+    return F.pad(x, pad).narrow(dim, sp.rank * Lr, Lr)
+
+
+def _language_model(model: nn.Module) -> nn.Module | None:
+    """A VLM's language model (``model.model.language_model``: the Qwen-VL families' causal
+    and scalar-head classes), or None for a text model."""
+    if getattr(model.config, "vision_config", None) is None:
+        return None
+    return getattr(getattr(model, "model", None), "language_model", None)
+
+
+def slice_language_inputs(
+    _module: nn.Module, args: tuple, kwargs: dict
+) -> tuple[tuple, dict] | None:
+    """Forward pre-hook of a VLM's language model under Ulysses: the whole rows' merged
+    embeddings ``inputs_embeds`` (B, L, H) and ``position_ids`` ((B, L) or (3|4, B, L)) ->
+    this rank's slice; Qwen3-VL's deepstack inputs (``visual_pos_masks`` (B, L) and each
+    layer's features of the image tokens, in row order) -> those of the slice. Acts only on a
+    forward whose ``sequence_parallel`` context says so (``UlyssesContext.whole_rows``)."""
+    sp = kwargs.get("sequence_parallel")
+    if sp is None or not sp.whole_rows:
+        return None
+    out = dict(kwargs)
+    out["inputs_embeds"] = _slice_seq(kwargs["inputs_embeds"], sp, dim=1)
+    if kwargs.get("position_ids") is not None:
+        out["position_ids"] = _slice_seq(kwargs["position_ids"], sp)
+    visual = kwargs.get("visual_pos_masks")
+    if visual is not None:
+        B = visual.shape[0]
+        order = (visual.reshape(-1).long().cumsum(0) - 1).view(B, -1)  # each token's feature
+        local = _slice_seq(visual, sp)
+        picked = _slice_seq(order, sp)[local]
+        out["visual_pos_masks"] = local
+        out["deepstack_visual_embeds"] = [x[picked] for x in kwargs["deepstack_visual_embeds"]]
+    return args, out
 
 
 def local_range(seq_len: int, sp: SequenceParallel) -> tuple[int, int]:

@@ -11,7 +11,10 @@ takes, besides the tokens, the processed images of the batch:
   image fills ``t * h * w / merge**2`` placeholder tokens (``<|image_pad|>``) in its row;
 - ``mm_token_type_ids`` (B, L): 1 on image tokens, 2 on video tokens, 0 on text, from which the
   model builds its M-RoPE positions (3 position rows: time, height, width) over the attended
-  tokens of each row, so ``position_ids`` is left to the model.
+  tokens of each row, so ``position_ids`` is left to the model for padded rows. Rows the model
+  cannot read them from (packed rows, sequence-parallel slices) get them computed beforehand
+  by the model's own rule over the padded rows (:class:`ImagePositions`), then laid out as the
+  tokens are.
 
 :class:`ImageBatch` keeps each row's images apart so micro-batching (fixed or by token budget)
 and minibatch shuffles pick them with their rows; the n samples of one prompt share one copy.
@@ -246,3 +249,38 @@ class ImageBatch:
             pixels = pixels.to(dtype)
         grid = torch.cat([r.grid_thw for r in present]).to(device)
         return {"pixel_values": pixels, "image_grid_thw": grid}
+
+
+# ---------------------------------------------------------------- M-RoPE positions
+
+
+def rope_index(model: nn.Module) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The model's own M-RoPE rule (``get_rope_index`` of its base model, ``model.model``:
+    one signature across transformers' Qwen-VL families)."""
+    for m in (getattr(model, "model", None), model):
+        if m is not None and hasattr(m, "get_rope_index"):
+            return m.get_rope_index
+    raise ValueError(f"{type(model).__name__} has no M-RoPE rule (get_rope_index)")
+
+
+@dataclass(frozen=True)
+class ImagePositions:
+    """What a VLM's M-RoPE positions are computed from when the model cannot compute them
+    itself (packed rows, sequence-parallel slices): the padded rows' token types (B, L) and
+    the K images' grids (K, 3) in row order."""
+
+    token_types: torch.Tensor
+    grid_thw: torch.Tensor
+
+    def positions(
+        self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """(B, L) padded rows -> (3, B, L) positions (time, height, width) of each row's
+        attended tokens counted from its first, by the model's rule (0 at padding)."""
+        positions, _ = rope_index(model)(
+            input_ids,
+            mm_token_type_ids=self.token_types,
+            image_grid_thw=self.grid_thw,
+            attention_mask=attention_mask,
+        )
+        return positions

@@ -163,14 +163,6 @@ def _heads(kind, n: int) -> str | None:
 
 SEQUENCE_PARALLEL = [
     Rule(
-        "sequence-parallel-vlm",
-        ("sequence parallel", "VLM"),
-        ALL,
-        sp_models(lambda kind, n: "a vision-language model" if kind.is_vlm else None),
-        "its images and M-RoPE positions go through the model with whole rows",
-        "use --sequence_parallel_size 1",
-    ),
-    Rule(
         "sequence-parallel-hybrid",
         ("sequence parallel", "hybrid"),
         ALL,
@@ -368,15 +360,6 @@ def _vlm_scalar_rows(flag: str, feature: str, what: str) -> list[Rule]:
 VLM = [
     *_vlm_scalar_rows("--critic_pretrain", "critic", "critic"),
     *_vlm_scalar_rows("--reward_pretrain", "reward model", "reward-model"),
-    Rule(
-        "vlm-packing",
-        ("VLM", "packing"),
-        (PPO,),
-        vlm_with(lambda s: s.cfg.batch.packing_samples, "--packing_samples"),
-        "packed rows would need M-RoPE positions and images per packed sequence; VLM rows go "
-        "through the model padded",
-        "drop the flag",
-    ),
     Rule(
         "vlm-multi-turn",
         ("VLM", "multi-turn"),

@@ -266,3 +266,41 @@ def write_rows(rows: list[dict], path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def mixed_image_rows(vision, response_len: int, *, seed: int = 0):
+    """Four (prompt | response) rows for exactness tests of a VLM's forwards: images of three
+    sizes (2x2, 4x2 and 2x4 merged tokens: different M-RoPE grids) and a text-only row,
+    prompts left-padded, responses of random tokens right-padded to ``response_len``.
+    ``vision``: a ``data.vision.VisionProcessor``. Returns ``(input_ids, attention_mask,
+    ImageBatch)`` with rows (4, P + T)."""
+    from fsdp_rlhf.models.vision import ImageBatch
+
+    processor = vision.image_processor
+    merged = processor.patch_size * processor.merge_size  # pixels a side of one merged token
+    sizes = [(2, 2), None, (4, 2), (2, 4)]
+    names = list(COLOURS)
+    prompts, images = [], []
+    for k, size in enumerate(sizes):
+        content = [{"type": "text", "text": "what colour"}]
+        inputs = None
+        if size is not None:
+            content.insert(0, {"type": "image"})
+            picture = solid_image(COLOURS[names[k % 3]], (size[0] * merged, size[1] * merged))
+            inputs = vision.process([picture])
+        text = vision.render([{"role": "user", "content": content}], True)
+        ids = vision.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if inputs is not None:
+            ids = vision.expand(ids, inputs.tokens(vision.tokens.merge_size))
+        prompts.append(ids)
+        images.append(inputs)
+    g = torch.Generator().manual_seed(seed)
+    T, P, B = response_len, max(len(p) for p in prompts), len(prompts)
+    ids = torch.zeros(B, P + T, dtype=torch.long)
+    mask = torch.zeros(B, P + T, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p) : P] = torch.tensor(p)
+        n = T - i % 3
+        ids[i, P : P + n] = torch.randint(len(VL_SPECIAL_TOKENS) + 1, 200, (n,), generator=g)
+        mask[i, P - len(p) : P + n] = 1
+    return ids, mask, ImageBatch(images)

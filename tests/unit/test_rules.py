@@ -122,10 +122,6 @@ CASES: dict[str, tuple] = {
     "queue-size-needs-async": (
         "ppo", ["--async_queue_size", "2"], None, False, "--async_queue_size without --async_train",
     ),
-    "sequence-parallel-vlm": (
-        "sft", ["--sequence_parallel_size", "2"], {"--pretrain": VLM}, False,
-        "--sequence_parallel_size 2: --pretrain models/vl: a vision-language model: its images",
-    ),
     "sequence-parallel-hybrid": (
         "ppo", ["--sequence_parallel_size", "2"], {"--pretrain": QWEN3_NEXT}, False,
         "--sequence_parallel_size 2: --pretrain models/q3n: recurrent layers other than "
@@ -186,10 +182,6 @@ CASES: dict[str, tuple] = {
         "ppo", ["--reward_pretrain", "models/vl10"],
         {"--pretrain": VLM, "--reward_pretrain": VLM_TOKENS}, False,
         "--reward_pretrain models/vl10 names other image tokens than --pretrain",
-    ),
-    "vlm-packing": (
-        "ppo", ["--packing_samples"], {"--pretrain": VLM}, False,
-        "--packing_samples: packed rows would need M-RoPE positions",
     ),
     "vlm-multi-turn": (
         "ppo", ENV, {"--pretrain": VLM}, False, "--env_file: multi-turn environments return text",

@@ -93,8 +93,12 @@ def test_train_rm_on_image_pairs_prefers_the_images_colour(vl_reward_model, pair
     assert (out / "processor_config.json").is_file()  # the folder loads its images
 
 
+# the critic and reward model packed and split too (their values of each rank's slice)
+@pytest.mark.parametrize(
+    "extra", [[], ["--packing_samples", "--sequence_parallel_size", "2"]], ids=["padded", "sp2"]
+)
 def test_ppo_with_gae_on_a_vlm_with_a_vlm_reward_model(
-    tiny_vl, vl_reward_model, pair_data, tmp_path
+    tiny_vl, vl_reward_model, pair_data, tmp_path, extra
 ):
     rm, rm_proc = vl_reward_model
     assert rm_proc.returncode == 0, rm_proc.stderr[-4000:]
@@ -111,6 +115,7 @@ def test_ppo_with_gae_on_a_vlm_with_a_vlm_reward_model(
             "--micro_rollout_batch_size", "8", "--generate_max_len", "4",
             "--prompt_max_len", "24", "--max_steps", "2", "--save_path", str(save),
             "--save_steps", "-1", "--seed", "1", "--vllm_kvcache_space_gib", "0.25",
+            *extra,
         ],
         timeout=1200,
     )  # fmt: skip

@@ -110,3 +110,28 @@ def test_an_unreadable_image_or_a_404_is_one_line_naming_the_row(colour_vl, colo
             assert not (tmp_path / "out").exists()
     finally:
         server.shutdown()
+
+
+@pytest.mark.parametrize(
+    "name, flags",
+    [
+        ("packed", ["--packing_samples"]),
+        ("sp2", ["--sequence_parallel_size", "2"]),
+        ("sp2_packed", ["--sequence_parallel_size", "2", "--packing_samples"]),
+    ],
+)
+def test_grpo_packed_or_split_agrees_with_the_engine(colour_vl, colour_data, tmp_path, name, flags):
+    """--packing_samples (each packed sequence its own images and M-RoPE positions) and
+    --sequence_parallel_size 2 (the images merged into whole rows, the language model on each
+    rank's slice) on images: the trainer's log-probs of the sampled answers are the engine's
+    (fp32) after every sync."""
+    save = tmp_path / name
+    steps = 3
+    extra = [*flags, "--max_steps", str(steps), "--rollout_batch_size", "8",
+             "--n_samples_per_prompt", "4", "--train_batch_size", "32",
+             "--micro_train_batch_size", "8", "--micro_rollout_batch_size", "8"]  # fmt: skip
+    proc = torchrun(["ppo", *grpo_flags(colour_vl, colour_data, "prompts.jsonl", save, extra)])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    diffs = [r["rollout/logprob_diff/max"] for r in read_metrics(save)]
+    print(name, "rollout/logprob_diff/max", diffs)
+    assert len(diffs) == steps and max(diffs) < 1e-3, diffs

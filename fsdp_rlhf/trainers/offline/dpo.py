@@ -98,8 +98,8 @@ class DPOTrainer(OfflineTrainer):
     ):
         plan, data = prepared
         common.write_run_config(cfg, env)
-        model = build_policy(cfg, env, parallel, data.model)
-        self.ref = build_reference(cfg, env, parallel, data.kinds)
+        model = build_policy(cfg, env, parallel)
+        self.ref = build_reference(cfg, env, parallel)
         if self.ref is not None and cfg.model.ref_offload:
             offload_model(self.ref, env.device)
         vision = data.vision.tokens if data.vision is not None else None

@@ -27,19 +27,15 @@ log = logging.getLogger("fsdp_rlhf")
 
 
 def build_reward_model(
-    cfg: RMConfig, env: DistEnv, pad_token_id: int, parallel: ParallelLayout, kind: ModelKind
+    cfg: RMConfig, env: DistEnv, pad_token_id: int, parallel: ParallelLayout
 ) -> nn.Module:
     """Load the SFT model with a scalar head and shard it over all ranks (a VLM's head on its
-    language model, ``models.vision_head``; ``--freeze_visual_encoder`` freezes its tower).
-    ``kind``: ``--pretrain``'s (read in prepare)."""
+    language model, ``models.vision_head``; ``--freeze_visual_encoder`` freezes its tower)."""
     log_startup(env, cfg.fsdp.zero_stage, cfg.backend.bf16)
     # A freshly initialised head is rank 0's (the others receive its values); the seed makes
     # it the same from run to run.
     torch.manual_seed(cfg.seed)
-    packed = packs(cfg, kind)
-    if cfg.batch.packing_samples and not packed:
-        log.info("--packing_samples: off for a vision-language model (its rows go padded)")
-        packed = False
+    packed = cfg.batch.packing_samples  # a VLM's too (models.inputs)
 
     def load(weights: bool) -> nn.Module:
         model = load_scalar_model(
@@ -74,18 +70,10 @@ def build_reward_model(
     return model
 
 
-def packs(cfg: Any, kind: ModelKind) -> bool:
-    """Whether the batches go through a model of ``kind`` packed: ``--packing_samples``,
-    except for a vision-language model (its M-RoPE positions and images are per padded row;
-    the offline commands pad it, PPO refuses the pair: rules row ``vlm-packing``)."""
-    return cfg.batch.packing_samples and not kind.is_vlm
-
-
 def build_policy(
     cfg: Any,
     env: DistEnv,
     parallel: ParallelLayout,
-    kind: ModelKind,
     *,
     grad_reduce: str = "mean",
 ) -> nn.Module:
@@ -93,16 +81,13 @@ def build_policy(
     A VLM's placeholders are suppressed and, with ``--freeze_visual_encoder``, its vision
     tower frozen.
 
-    ``kind``: ``--pretrain``'s (read in prepare). ``grad_reduce``: ``"sum"`` when the loss is
-    normalised by a global token count (SFT).
+    ``grad_reduce``: ``"sum"`` when the loss is normalised by a global token count (SFT).
     """
     log_startup(env, cfg.fsdp.zero_stage, cfg.backend.bf16)
     torch.manual_seed(cfg.seed)  # the adapters' init (rank 0's reaches every rank)
     vision = getattr(cfg, "vision", None)
     freeze = vision is not None and vision.freeze_visual_encoder
-    packed = packs(cfg, kind)
-    if cfg.batch.packing_samples and not packed:
-        log.info("--packing_samples: off for a vision-language model (its rows go padded)")
+    packed = cfg.batch.packing_samples  # a VLM's too (models.inputs)
 
     def load(weights: bool) -> nn.Module:
         model = load_causal_lm(cfg.model.pretrain, cfg.backend, env.device, weights=weights)
@@ -135,11 +120,9 @@ def reference_path(cfg: Any) -> str | None:
     return path
 
 
-def build_reference(
-    cfg: Any, env: DistEnv, parallel: ParallelLayout, kinds: dict[str, ModelKind]
-) -> nn.Module | None:
+def build_reference(cfg: Any, env: DistEnv, parallel: ParallelLayout) -> nn.Module | None:
     """The frozen reference (bf16 weights under ``--bf16``: no master copy to keep), or None
-    (see :func:`reference_path`); ``kinds``: the command's models (read in prepare)."""
+    (see :func:`reference_path`)."""
     path = reference_path(cfg)
     if path is None:
         log.info("reference: the policy with its LoRA adapters disabled")
@@ -153,7 +136,6 @@ def build_reference(
         prepare_policy(model)  # a VLM: placeholders suppressed, as in the policy
         return model
 
-    kind = kinds.get("--ref_pretrain") or kinds["--pretrain"]
     return load_and_prepare(
         load,
         env,
@@ -161,7 +143,7 @@ def build_reference(
         backend,
         parallel=parallel,
         what="the reference model",
-        packed=packs(cfg, kind),
+        packed=cfg.batch.packing_samples,
         trainable=False,
     )
 
@@ -170,9 +152,14 @@ def pair_layout(model: nn.Module, batch: PairBatchConfig, kind: ModelKind) -> Ro
     """The rows part of the pairs' forwards through ``model`` (``models.inputs``): padded,
     packed into one row, or packed with each pair's shared prefix once
     (``--share_prompt_prefix``, needs the varlen attention of ``--packing_samples``;
-    flash-attn's kernels take no shared prefix)."""
-    if not batch.packing_samples or kind.is_vlm:  # a VLM's rows go padded (see packs)
+    flash-attn's kernels take no shared prefix; nor a VLM's pairs, whose rejected rest would
+    need the M-RoPE positions of the chosen segment's images)."""
+    if not batch.packing_samples:
         return "padded"
+    if kind.is_vlm:
+        if batch.share_prompt_prefix:
+            log.info("shared prompt prefix: off for a vision-language model's pairs (packed)")
+        return "packed"
     impl = base_attention(model)  # inside Ulysses when the model is sequence-parallel
     if batch.share_prompt_prefix and impl == VARLEN_ATTENTION:
         log.info("shared prompt prefix: each pair's common prefix runs once")

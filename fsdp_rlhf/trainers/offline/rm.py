@@ -60,8 +60,8 @@ class RMTrainer(OfflineTrainer):
     ):
         plan, data = prepared
         common.write_run_config(cfg, env)
-        model = build_reward_model(cfg, env, data.tokenizer.pad_token_id, parallel, data.model)
-        # a VLM's pairs: padded, with images
+        model = build_reward_model(cfg, env, data.tokenizer.pad_token_id, parallel)
+        # a VLM's pairs: padded or packed, with images
         rows = pair_layout(model, cfg.batch, data.model)
         self.inputs = InputSpec(rows, vision=data.model.vision, sp=parallel.sp)
         collate = partial(collate_pairs, vision=data.vision)

@@ -33,7 +33,7 @@ from fsdp_rlhf.models.inputs import InputSpec
 from fsdp_rlhf.models.label_logprobs import label_logprobs
 from fsdp_rlhf.trainers import common
 from fsdp_rlhf.trainers.offline.data import prepare_sft_data
-from fsdp_rlhf.trainers.offline.models import build_policy, packs
+from fsdp_rlhf.trainers.offline.models import build_policy
 from fsdp_rlhf.trainers.offline.trainer import OfflineTrainer, TrainData, prepare_command
 
 log = logging.getLogger(__name__)
@@ -97,9 +97,9 @@ class SFTTrainer(OfflineTrainer):
     ):
         plan, data = prepared
         common.write_run_config(cfg, env)
-        model = build_policy(cfg, env, parallel, data.model, grad_reduce="sum")
+        model = build_policy(cfg, env, parallel, grad_reduce="sum")
         vision = data.vision.tokens if data.vision is not None else None
-        rows = "packed" if packs(cfg, data.model) else "padded"
+        rows = "packed" if cfg.batch.packing_samples else "padded"
         self.inputs = InputSpec(rows, vision=vision, sp=parallel.sp)
         collate = partial(collate_samples, vision=data.vision)
         super().__init__(

@@ -152,8 +152,7 @@ class ColocatedSource:
         env_scores = images = None
         step_images: StepImages | None = self.parts.images
         if step_images is not None:  # a VLM: each prompt's images, expanded prompt ids
-            ids, prompt_images = step_images.encode(prompts)
-            out = self.session.generate(ids, sampling, metrics, images=prompt_images)
+            out, prompt_images = self._generate_with_images(prompts, sampling, metrics)
             images = StepImages.rows(prompt_images, sampling.n)
             check_responses(out, step_images.vision.tokens)
         elif self.multiturn is None:
@@ -182,10 +181,25 @@ class ColocatedSource:
     ) -> RolloutOutput:
         """Responses to this rank's data shard of ``prompts`` (with their images, for a VLM).
         With sequence parallelism each rank of a group generates its share of the group's
-        prompts and every rank gets all the group's rows (VLMs refuse sequence parallelism)."""
+        prompts and every rank gets all the group's rows."""
         if self.parts.images is not None:
-            ids, images = self.parts.images.encode(prompts)
-            return self.session.generate(ids, sampling, metrics, phase, images=images)
+            return self._generate_with_images(prompts, sampling, metrics, phase)[0]
         ids = [p.ids for p in prompts]
         out = self.session.generate(self.parts.sp.share(ids), sampling, metrics, phase)
         return gather_rollouts(out, self.parts.sp, self.pad_id)[0]
+
+    def _generate_with_images(
+        self,
+        prompts: list[Prompt],
+        sampling: SamplingConfig,
+        metrics: dict[str, float] | None,
+        phase: str = "rollout",
+    ) -> tuple[RolloutOutput, list]:
+        """A VLM's :meth:`generate`: the rows and every prompt's images (processed on each rank
+        of a sequence-parallel group, which trains on all the group's rows)."""
+        ids, images = self.parts.images.encode(prompts)
+        sp = self.parts.sp
+        out = self.session.generate(
+            sp.share(ids), sampling, metrics, phase, images=sp.share(images)
+        )
+        return gather_rollouts(out, sp, self.pad_id)[0], images
