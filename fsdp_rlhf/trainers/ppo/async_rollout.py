@@ -259,7 +259,7 @@ class RolloutWorker:
         """One round: generate (step by step), then score here unless a reward model does.
         Returns the experience on the host and its prompts (fewer with ``keep``)."""
         sampling = self._sampling(batch, round_)
-        env_scores = None
+        env_scores, images = None, None  # multi-turn environments return text only
         if self.multiturn is not None:
             out, env_scores = run_multiturn(
                 self.multiturn, self._generate_turn, prompts, sampling, stats
