@@ -1,4 +1,7 @@
-"""Multi-turn rollouts against an ``--env_file`` environment (one PPO step's generation).
+"""Multi-turn rollouts against an ``--env_file`` environment or an ``--agent_func_path`` agent:
+driving the engine across turns and assembling the trajectories (one PPO step's generation).
+The PPO glue (the engine's wake-up, the step's statistics, building the runner from the config)
+is :mod:`fsdp_rlhf.trainers.ppo.multiturn`.
 
 Per turn, ONE batched ``generate`` over the token histories of all live trajectories, then one
 ``env.step`` per trajectory (in parallel, each under ``--env_timeout_s``). Tokens are never
@@ -37,18 +40,13 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.data.prompts import Prompt
 from fsdp_rlhf.distributed.env import all_reduce_scalars
 from fsdp_rlhf.metrics import PhaseTimer
-from fsdp_rlhf.rollout.agent import load_agent
 from fsdp_rlhf.rollout.engine import RolloutOutput, SamplingConfig, pad_token_rows
-from fsdp_rlhf.rollout.env import Environment, NewPrompt, load_environment
+from fsdp_rlhf.rollout.env import Environment, NewPrompt
 from fsdp_rlhf.rollout.routing import pad_routing
-from fsdp_rlhf.trainers.ppo.metrics import StatCollector
-from fsdp_rlhf.trainers.ppo.rollout import RolloutSession
 
 Generate = Callable[[list[list[int]], SamplingConfig], RolloutOutput]
 
@@ -311,65 +309,3 @@ def trajectory_stats(trajs: Sequence[Trajectory]) -> dict[str, torch.Tensor]:
         "env_tokens": torch.tensor([float(t.env_tokens) for t in trajs]),
         "errors": torch.tensor([float(t.error) for t in trajs]),
     }
-
-
-def multiturn_rollout(
-    runner: MultiTurnRollout,
-    session: RolloutSession,
-    prompts: Sequence[Prompt],
-    sampling: SamplingConfig,
-    metrics: dict[str, float],
-    stats: StatCollector,
-) -> tuple[RolloutOutput, torch.Tensor]:
-    """One wake-up (and weight sync) of ``session``'s engine for all turns; returns the batch
-    and the (N,) summed environment rewards. ``stats`` gets ``multiturn/*`` (reduced with the
-    step's other statistics). Collective: one scalar all-reduce per turn."""
-    with session.awake(metrics) as engine:
-        return run_multiturn(runner, engine.generate, prompts, sampling, stats)
-
-
-def run_multiturn(
-    runner: MultiTurnRollout,
-    generate: Generate,
-    prompts: Sequence[Prompt],
-    sampling: SamplingConfig,
-    stats: StatCollector,
-) -> tuple[RolloutOutput, torch.Tensor]:
-    """All turns with ``generate``; the batch, the (N,) summed rewards and ``multiturn/*``."""
-    out, trajs = runner.run(generate, prompts, sampling)
-    s = trajectory_stats(trajs)
-    logs = runner.env.trajectory_logs()
-    if logs is not None:  # the same on every rank: it depends on the environment's kind
-        add_agent_logs(stats, logs)
-    stats.add("multiturn/turns", s["turns"])
-    stats.add("multiturn/env_tokens", s["env_tokens"])
-    stats.add_mean("multiturn/tool_error_ratio", s["errors"])
-    return out, s["scores"]
-
-
-def add_agent_logs(stats: StatCollector, logs: Sequence[dict[str, float]]) -> None:
-    """``agent/<key>``: the global mean of each number an agent's last step reported in
-    ``extra_logs``, over the trajectories that reported it. Collective: ranks agree on the
-    keys first (a rank whose trajectories all failed has none)."""
-    keys = sorted({k for row in logs for k in row})
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        everyone: list[list[str]] = [[] for _ in range(dist.get_world_size())]
-        dist.all_gather_object(everyone, keys)
-        keys = sorted({k for ks in everyone for k in ks})
-    for key in keys:
-        values = [row[key] for row in logs if key in row]
-        mean = sum(values) / len(values) if values else 0.0
-        stats.add_weighted_mean(f"agent/{key}", mean, float(len(values)))
-
-
-def build_multiturn(cfg: PPOConfig, tokenizer, timer: PhaseTimer) -> MultiTurnRollout | None:
-    """The runner of ``--env_file`` or ``--agent_func_path`` (None without either)."""
-    mt = cfg.multiturn
-    if mt.env_file is not None:
-        env = load_environment(mt.env_file, mt.env_timeout_s)
-    elif mt.agent_func_path is not None:
-        env = load_agent(mt.agent_func_path, mt.env_timeout_s)
-    else:
-        return None
-    budget = TurnBudget(mt.max_turns, cfg.total_len, cfg.rollout.generate_max_len)
-    return MultiTurnRollout(env, tokenizer, budget, timer)
