@@ -13,6 +13,7 @@ fsdp_rlhf.distributed.exit_report).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -20,20 +21,41 @@ import sys
 import traceback
 from typing import TYPE_CHECKING
 
-import typer
-
 from fsdp_rlhf.allocator import maybe_reexec
 from fsdp_rlhf.commands import BY_NAME, COMMANDS, Command
 from fsdp_rlhf.errors import Fault, UserError, exception_line
 
 if TYPE_CHECKING:
+    import typer
+
     from fsdp_rlhf.distributed.exit_report import Failure
 
-app = typer.Typer(
-    add_completion=False,
-    no_args_is_help=True,
-    help="Pure-PyTorch RLHF on FSDP2: SFT, reward models, DPO and colocated PPO (no Ray).",
-)
+# typer (half of this module's import time) is imported only once the process is past its
+# tcmalloc re-exec (main), so the process that re-executes itself does not pay for it:
+# benchmarks/2026-11-27-make-test-startup.md.
+
+
+@functools.cache
+def build_app() -> typer.Typer:
+    """The `fsdp-rlhf` typer app: one subcommand per row of the command table."""
+    import typer
+
+    app = typer.Typer(
+        add_completion=False,
+        no_args_is_help=True,
+        help="Pure-PyTorch RLHF on FSDP2: SFT, reward models, DPO and colocated PPO (no Ray).",
+    )
+    for command in COMMANDS:
+        _register(app, command)
+    return app
+
+
+def __getattr__(name: str):
+    """``from fsdp_rlhf.cli import app`` (tests invoke it with typer's runner)."""
+    if name == "app":
+        return build_app()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # Flags are parsed by fsdp_rlhf.config_base against the config tree, not by click, so that
 # every OpenRLHF spelling works and YAML/flag precedence lives in one place.
@@ -55,6 +77,8 @@ def _translate(command: str, argv: list[str]) -> list[str]:
 def _run(argv: list[str], command: Command) -> None:
     """Parse ``argv`` into the command's config and run its module's ``main`` on it (both
     imported only now: ``--help`` stays fast); every failure ends in the job's error report."""
+    import typer
+
     config_cls = command.config_class()
     if "--help" in argv or "-h" in argv:
         from fsdp_rlhf.flag_help import render_help
@@ -83,22 +107,32 @@ def _run(argv: list[str], command: Command) -> None:
     raise typer.Exit(code)
 
 
+def _raised_class(module: str, name: str) -> type | None:
+    """``module.name`` when ``module`` is imported, else None. An exception of that class can only
+    have been raised once its module was imported, so ruling it out needs no import: a bad flag's
+    report does not import torch (which the modules of the peer failures import)."""
+    loaded = sys.modules.get(module)
+    return getattr(loaded, name, None) if loaded is not None else None
+
+
 def describe_failure(e: Exception, debug: bool) -> Failure:
     """The line (and exit code) a failure is reported with. Bad input and faults are one line
     (and the user's own frames), their traceback only with ``--debug``; anything else is
     unexpected and shows its traceback, unless another rank failed first (then it is most
     likely a collective that rank broke)."""
-    from fsdp_rlhf.distributed.bridge import PeerLost
-    from fsdp_rlhf.distributed.env import PeerFailure
     from fsdp_rlhf.distributed.exit_report import Failure, first_to_fail
 
-    if isinstance(e, PeerLost) and not first_to_fail():  # the peer failed first and says why
-        return Failure(1, str(e), secondary=True)
-    if isinstance(e, UserError | Fault | PeerFailure):
+    peer_lost = _raised_class("fsdp_rlhf.distributed.bridge", "PeerLost")
+    peer_failure = _raised_class("fsdp_rlhf.distributed.env", "PeerFailure")
+    if peer_lost is not None and isinstance(e, peer_lost) and not first_to_fail():
+        return Failure(1, str(e), secondary=True)  # the peer failed first and says why
+    if peer_failure is not None and isinstance(e, peer_failure):
         if debug:
             traceback.print_exc()
-        if isinstance(e, PeerFailure):
-            return Failure(1, str(e), secondary=True)
+        return Failure(1, str(e), secondary=True)
+    if isinstance(e, UserError | Fault):
+        if debug:
+            traceback.print_exc()
         detail = getattr(e, "detail", "")
         return Failure(e.exit_code, str(e) + (f"\n{detail}" if detail else ""))
     line = exception_line(e)
@@ -110,16 +144,17 @@ def describe_failure(e: Exception, debug: bool) -> Failure:
     return Failure(1, f"{line} (unexpected: the traceback above shows where)")
 
 
-def _register(command: Command) -> None:
-    def run(ctx: typer.Context) -> None:
+def _register(app: typer.Typer, command: Command) -> None:
+    import typer
+
+    def run(ctx) -> None:
         _run(list(ctx.args), command)
 
+    # the class itself, not the string annotation: typer finds the context parameter by its
+    # type, and this module has no global ``typer`` to resolve a string against
+    run.__annotations__ = {"ctx": typer.Context, "return": None}
     run.__doc__ = f"{command.summary} --help lists every flag."
     app.command(command.name, context_settings=_RAW)(run)
-
-
-for _command in COMMANDS:
-    _register(_command)
 
 
 def strip_launcher_args(argv: list[str]) -> list[str]:
@@ -166,7 +201,7 @@ def main() -> None:
     if runs:
         maybe_reexec()  # CPU hosts: once, with tcmalloc preloaded (see fsdp_rlhf.allocator)
     try:
-        app()
+        build_app()()
     except SystemExit as done:
         if runs:
             code = done.code

@@ -5,7 +5,7 @@ An OpenRLHF agent file imports ``AgentInstanceBase`` and ``MultiTurnAgentExecuto
 ``reset(states)`` and ``step(states)``, and ``AgentExecutor = MultiTurnAgentExecutor(...)``
 bound to it. The file is imported with stand-ins for those classes (OpenRLHF need not be
 installed); its ``AgentInstance`` then runs inside our multi-turn rollout
-(:mod:`fsdp_rlhf.trainers.ppo.multiturn`), which generates the turns:
+(:mod:`fsdp_rlhf.rollout.multiturn`), which generates the turns:
 
 ==============================  ==========================================================
 OpenRLHF                        here

@@ -51,9 +51,9 @@ def _checks(rank: int, world: int, model_path: str, env_file: str) -> dict:
     from fsdp_rlhf.models.moe import MoEHooks, routing_scope
     from fsdp_rlhf.rollout import SamplingConfig, build_rollout_groups
     from fsdp_rlhf.rollout.env import load_environment
+    from fsdp_rlhf.rollout.multiturn import MultiTurnRollout, TurnBudget
     from fsdp_rlhf.rollout.routing import no_expert
     from fsdp_rlhf.rollout.vllm.engine import VLLMEngine
-    from fsdp_rlhf.trainers.ppo.multiturn import MultiTurnRollout, TurnBudget
     from tests.dist_utils import current_env
 
     env = current_env()

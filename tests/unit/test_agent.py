@@ -16,9 +16,10 @@ from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.metrics import PhaseTimer
 from fsdp_rlhf.rollout.agent import load_agent, load_agent_class
 from fsdp_rlhf.rollout.engine import SamplingConfig
+from fsdp_rlhf.rollout.multiturn import MultiTurnRollout, TurnBudget
 from fsdp_rlhf.testing.tiny import build_tokenizer
 from fsdp_rlhf.trainers.ppo.metrics import StatCollector
-from fsdp_rlhf.trainers.ppo.multiturn import MultiTurnRollout, TurnBudget, add_agent_logs
+from fsdp_rlhf.trainers.ppo.multiturn import add_agent_logs
 from tests.unit.test_multiturn import FakeEngine, ppo_config
 
 # Written the way OpenRLHF's agent examples are: async reset/step on an AgentInstance, tensors

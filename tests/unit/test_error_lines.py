@@ -237,3 +237,34 @@ def test_a_sigterm_while_failing_second_leaves_the_line_to_the_first(monkeypatch
     monkeypatch.setenv("WORLD_SIZE", "2")
     exit_report.report(Failure(1, "stopped after another rank failed", secondary=True))
     assert capsys.readouterr().err == ""
+
+
+# A bad flag in a fresh process: the report, then what the process had imported by then.
+BAD_FLAG_PROBE = """
+import sys
+from fsdp_rlhf.cli import _run
+from fsdp_rlhf.commands import BY_NAME
+try:
+    _run(["--bogus_flag"], BY_NAME["sft"])
+except BaseException as e:
+    print(type(e).__name__, e.exit_code)
+print("torch" in sys.modules)
+"""
+
+
+def test_a_bad_flag_is_reported_without_importing_torch():
+    """A flag error is found in the config tree, before any model: the line that reports it
+    must not cost a torch import (seconds per process; benchmarks/2026-11-27-make-test-startup.md).
+    Importing the CLI itself does not import typer either: the tcmalloc re-exec comes first."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    proc = subprocess.run(
+        [sys.executable, "-c", BAD_FLAG_PROBE], env=env, capture_output=True, text=True
+    )
+    assert proc.stdout.split() == ["Exit", "2", "False"], proc.stderr
+    assert "unknown flag --bogus_flag" in proc.stderr
+    probe = "import sys, fsdp_rlhf.cli; print(sorted({'typer', 'torch'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "[]", out.stderr

@@ -16,9 +16,9 @@ from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.metrics import PhaseTimer
 from fsdp_rlhf.rollout.engine import RolloutOutput, SamplingConfig
 from fsdp_rlhf.rollout.env import load_environment
+from fsdp_rlhf.rollout.multiturn import MultiTurnRollout, TurnBudget, trajectory_stats
 from fsdp_rlhf.testing.tiny import build_tokenizer
 from fsdp_rlhf.trainers.experience import experience_from_rollout
-from fsdp_rlhf.trainers.ppo.multiturn import MultiTurnRollout, TurnBudget, trajectory_stats
 
 
 @pytest.fixture(scope="module")
@@ -302,7 +302,7 @@ def test_rank_without_live_trajectories_keeps_generating_with_its_tp_block(
 ):
     """Another rank of the engine still has live trajectories (the all-reduce says so): this
     rank must join every turn's generate, with no prompts, or the TP block would hang."""
-    from fsdp_rlhf.trainers.ppo import multiturn
+    from fsdp_rlhf.rollout import multiturn
 
     monkeypatch.setattr(multiturn, "all_reduce_scalars", lambda values, op: {"live": 1.0})
     env = write_env(tmp_path, TWO_TURN_ENV.replace("turn >= 2", "True"))

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from fsdp_rlhf.rollout.multiturn import OBSERVATION_ROLE, ObservationTokens
 from fsdp_rlhf.testing.tiny import CHAT_TEMPLATE, build_tokenizer
-from fsdp_rlhf.trainers.ppo.multiturn import OBSERVATION_ROLE, ObservationTokens
 
 SHIPPED_TEMPLATES = {"tiny": CHAT_TEMPLATE}
 

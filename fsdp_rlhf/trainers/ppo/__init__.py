@@ -7,7 +7,7 @@ experiences, the asynchronous trainer). ``PPOTrainer`` and ``main`` are re-expor
     source.py             where a step's batch comes from (colocated engine or async queue)
     colocated.py          the engine beside the actor on this rank
     rollout.py            the engine beside the actor: wake, sync weights, sample, sleep
-    multiturn.py          multi-turn rollouts against an --env_file environment
+    multiturn.py          multi-turn rollouts in a step: one wake-up, statistics, the runner
     vision.py             a vision-language actor: images checked, prompts per step
     rewards.py            from scores to advantages: rule rewards, the KL term, the estimators
     dynamic_filtering.py  DAPO dynamic sampling (--dynamic_filtering)
