@@ -56,6 +56,15 @@ class StepRecord:
     experts: np.ndarray
 
 
+@dataclass(frozen=True)
+class RecordedRouting:
+    """A rollout's routing from a step-by-step engine: one ``(L - 1, Lm, k)`` array per
+    finished sequence asked for, and the compact dtype to store it as."""
+
+    sequences: list[np.ndarray]
+    store: torch.dtype
+
+
 class RoutingError(RuntimeError):
     """The records do not cover a finished sequence (a vLLM change this adapter missed)."""
 
@@ -67,9 +76,13 @@ class _Request:
     experts: list[np.ndarray]
 
 
-def _by_request(records: Sequence[StepRecord]) -> dict[str, tuple[np.ndarray, ...]]:
-    """Per request: (positions, tokens, experts), later records winning over earlier ones at
-    the same position (a preempted request is computed again)."""
+def _by_request(
+    records: Sequence[StepRecord], keep_first: bool = False
+) -> dict[str, tuple[np.ndarray, ...]]:
+    """Per request: (covered, tokens, experts, size). A position computed again (a preempted
+    request) keeps its last computation, or with ``keep_first`` its first; with ``keep_first``
+    positions below the request's first forward (its head, from the prefix cache) are left to
+    a donor even where the request computed them itself later (see :func:`assemble_routing`)."""
     parts: dict[str, _Request] = {}
     for rec in records:
         for i, req in enumerate(rec.requests):
@@ -87,6 +100,9 @@ def _by_request(records: Sequence[StepRecord]) -> dict[str, tuple[np.ndarray, ..
         exp = np.concatenate(part.experts)
         size = int(pos.max()) + 1
         order = np.arange(len(pos))
+        if keep_first:
+            own = pos >= int(part.positions[0].min())
+            pos, order = pos[own][::-1], order[own][::-1]
         last = np.full(size, -1)
         last[pos] = order  # numpy assigns in order: the last write of a position wins
         covered = last >= 0
@@ -99,19 +115,27 @@ def _key(tokens: np.ndarray) -> bytes:
 
 
 def assemble_routing(
-    records: Sequence[StepRecord], sequences: Sequence[Sequence[int]], fill: int
+    records: Sequence[StepRecord],
+    sequences: Sequence[Sequence[int]],
+    fill: int,
+    keep_first: bool = False,
 ) -> list[np.ndarray]:
     """The routing of each finished sequence (prompt + response token ids), (L - 1, Lm, k).
 
     Requests are matched to sequences by content (the tokens each forward saw), so nothing
     depends on how the engine names requests. A request whose prompt started from the prefix
     cache computed only its tail; its cached head was computed by another request of the same
-    records with the same leading tokens, whose routing it takes (the cache must hold nothing
-    from before the records: the adapter resets it).
+    records with the same leading tokens (kept or not), whose routing it takes (the cache must
+    hold nothing from before the records: the adapter resets it).
+
+    A position computed twice (a preempted request computed again) keeps the last computation,
+    or with ``keep_first`` the first, the cached head included: a partial rollout's requests
+    are computed again under new weights, and each position keeps the routing of the forward
+    that sampled the token after it (docs/async.md#router-replay).
 
     Raises RoutingError when a sequence has no matching request or a head no donor.
     """
-    requests = _by_request(records)
+    requests = _by_request(records, keep_first)
     # (last position, first computed position, tokens from there on) -> request
     index: dict[tuple[int, int, bytes], list[str]] = {}
     for req, (covered, tok, _, size) in requests.items():
@@ -135,8 +159,8 @@ def assemble_routing(
         if found is None:
             raise RoutingError(f"sequence {i} ({len(ids)} tokens): no engine forward computed it")
         matched.append(found)
-    heads: dict[tuple[int, bytes], np.ndarray] = {}  # (length, tokens) -> routing of that head
     heads_needed = sorted({first for first, _ in matched if first > 0})
+    heads = _whole_heads(requests, heads_needed)
     out: list[np.ndarray | None] = [None] * len(sequences)
     for i in sorted(range(len(sequences)), key=lambda j: matched[j][0]):
         first, req = matched[i]
@@ -157,6 +181,22 @@ def assemble_routing(
                 heads.setdefault((n, _key(ids[:n])), routing[:n])
         out[i] = routing
     return out  # type: ignore[return-value]
+
+
+def _whole_heads(
+    requests: dict[str, tuple[np.ndarray, ...]], lengths: Sequence[int]
+) -> dict[tuple[int, bytes], np.ndarray]:
+    """(length, tokens) -> routing of every head of ``lengths`` that a request computed from
+    position 0 (a donor whose own sequence was not kept: an aborted straggler, another
+    prompt sharing the chat template's opening)."""
+    heads: dict[tuple[int, bytes], np.ndarray] = {}
+    for covered, tok, experts, size in requests.values():
+        if not covered[0]:
+            continue
+        for n in lengths:
+            if n <= size:
+                heads.setdefault((n, _key(tok[:n])), experts[:n])
+    return heads
 
 
 def pad_routing(

@@ -55,6 +55,7 @@ from fsdp_rlhf.rollout.engine import (  # noqa: E402
 from fsdp_rlhf.rollout.groups import RolloutGroups, gather_prompts, own_prompt_range  # noqa: E402
 from fsdp_rlhf.rollout.rng import GenerationRng  # noqa: E402
 from fsdp_rlhf.rollout.routing import (  # noqa: E402
+    RecordedRouting,
     assemble_routing,
     no_expert,
     pad_routing,
@@ -791,6 +792,11 @@ class VLLMEngine:
         prompts, counts = gather_prompts(self.groups, prompt_token_ids, sampling)
         seeded = sampling.seed is not None and not sampling.is_greedy
         self._submissions += 1
+        recorder = self._routing.recorder if self._routing is not None else None
+        if recorder is not None and not self._running:
+            # a new rollout: what the cache holds was computed (and recorded) by earlier ones
+            self.llm.reset_prefix_cache()
+            recorder.take()
         for i, p in enumerate(prompts):
             seed = request_seed(sampling.seed, self.groups.engine_index, i) if seeded else None
             for j in range(sampling.n):
@@ -814,8 +820,15 @@ class VLLMEngine:
         """One engine step of the submitted requests: the tokens each request gained, with
         their log-probs, and its finish reason once done."""
         deltas = []
-        with self._rng.active():
-            outputs = self.llm.llm_engine.step()
+        recorder = self._routing.recorder if self._routing is not None else None
+        if recorder is not None:
+            recorder.armed = True
+        try:
+            with self._rng.active():
+                outputs = self.llm.llm_engine.step()
+        finally:
+            if recorder is not None:
+                recorder.armed = False
         for out in outputs:
             comp = out.outputs[0]
             request_id = out.request_id.split("-")[0]  # vLLM may append a suffix of its own
@@ -832,6 +845,24 @@ class VLLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self._running) and self.llm.llm_engine.has_unfinished_requests()
+
+    def take_routing(self, sequences: list[list[int]]) -> RecordedRouting | None:
+        """The experts each of ``sequences`` (finished samples of the rollout driven since the
+        last :meth:`submit` with nothing running: prompt + response ids) was routed to,
+        (L - 1, Lm, k) each; None without router replay. A position computed again after
+        weights loaded in flight keeps its first routing (``assemble_routing``'s
+        ``keep_first``)."""
+        if self._routing is None:
+            return None
+        recorder = self._routing.recorder
+        if recorder is None:
+            raise RuntimeError(
+                "router replay: the step-by-step engine reads routed experts from this "
+                "adapter's CPU recorder only (the rules table refuses it on CUDA)"
+            )
+        fill = no_expert(self._routing.store)
+        routing = assemble_routing(recorder.take(), sequences, fill, keep_first=True)
+        return RecordedRouting(routing, self._routing.store)
 
     def abort_unfinished(self) -> None:
         """Drop every submitted request still running (over-sampling's stragglers, a stop)."""
