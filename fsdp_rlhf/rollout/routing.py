@@ -79,10 +79,9 @@ class _Request:
 def _by_request(
     records: Sequence[StepRecord], keep_first: bool = False
 ) -> dict[str, tuple[np.ndarray, ...]]:
-    """Per request: (covered, tokens, experts, size). A position computed again (a preempted
-    request) keeps its last computation, or with ``keep_first`` its first; with ``keep_first``
-    positions below the request's first forward (its head, from the prefix cache) are left to
-    a donor even where the request computed them itself later (see :func:`assemble_routing`)."""
+    """Per request: (covered, tokens, experts, size), later records winning over earlier ones
+    at the same position (a preempted request is computed again), or earlier ones with
+    ``keep_first``."""
     parts: dict[str, _Request] = {}
     for rec in records:
         for i, req in enumerate(rec.requests):
@@ -101,8 +100,7 @@ def _by_request(
         size = int(pos.max()) + 1
         order = np.arange(len(pos))
         if keep_first:
-            own = pos >= int(part.positions[0].min())
-            pos, order = pos[own][::-1], order[own][::-1]
+            pos, order = pos[::-1], order[::-1]
         last = np.full(size, -1)
         last[pos] = order  # numpy assigns in order: the last write of a position wins
         covered = last >= 0
@@ -125,13 +123,13 @@ def assemble_routing(
     Requests are matched to sequences by content (the tokens each forward saw), so nothing
     depends on how the engine names requests. A request whose prompt started from the prefix
     cache computed only its tail; its cached head was computed by another request of the same
-    records with the same leading tokens (kept or not), whose routing it takes (the cache must
-    hold nothing from before the records: the adapter resets it).
+    records with the same leading tokens, whose routing it takes (the cache must hold nothing
+    from before the records: the adapter resets it).
 
-    A position computed twice (a preempted request computed again) keeps the last computation,
-    or with ``keep_first`` the first, the cached head included: a partial rollout's requests
-    are computed again under new weights, and each position keeps the routing of the forward
-    that sampled the token after it (docs/async.md#router-replay).
+    A position computed more than once keeps its last computation: a preempted request's,
+    and a partial rollout's request computed again from its tokens under new weights (the
+    routing of one forward of the newest weights that sampled it, docs/async.md); with
+    ``keep_first`` its first (the alternative the tests measure).
 
     Raises RoutingError when a sequence has no matching request or a head no donor.
     """
@@ -159,8 +157,8 @@ def assemble_routing(
         if found is None:
             raise RoutingError(f"sequence {i} ({len(ids)} tokens): no engine forward computed it")
         matched.append(found)
+    heads: dict[tuple[int, bytes], np.ndarray] = {}  # (length, tokens) -> routing of that head
     heads_needed = sorted({first for first, _ in matched if first > 0})
-    heads = _whole_heads(requests, heads_needed)
     out: list[np.ndarray | None] = [None] * len(sequences)
     for i in sorted(range(len(sequences)), key=lambda j: matched[j][0]):
         first, req = matched[i]
@@ -181,22 +179,6 @@ def assemble_routing(
                 heads.setdefault((n, _key(ids[:n])), routing[:n])
         out[i] = routing
     return out  # type: ignore[return-value]
-
-
-def _whole_heads(
-    requests: dict[str, tuple[np.ndarray, ...]], lengths: Sequence[int]
-) -> dict[tuple[int, bytes], np.ndarray]:
-    """(length, tokens) -> routing of every head of ``lengths`` that a request computed from
-    position 0 (a donor whose own sequence was not kept: an aborted straggler, another
-    prompt sharing the chat template's opening)."""
-    heads: dict[tuple[int, bytes], np.ndarray] = {}
-    for covered, tok, experts, size in requests.values():
-        if not covered[0]:
-            continue
-        for n in lengths:
-            if n <= size:
-                heads.setdefault((n, _key(tok[:n])), experts[:n])
-    return heads
 
 
 def pad_routing(

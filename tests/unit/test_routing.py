@@ -77,42 +77,31 @@ def test_a_recomputed_position_keeps_the_last_computation():
     np.testing.assert_array_equal(got[0][1:], experts_of(9, [1, 2]))
 
 
-def test_a_partial_rollouts_positions_keep_the_routing_of_the_version_that_sampled_on():
-    """Two samples of one prompt; b's first 2 prompt tokens come from a's cache. After 2 steps
-    new weights load in flight: both requests are computed again from position 0 (their KV
-    recomputed under the new weights), then a goes on. With ``keep_first`` every position keeps
-    its first routing (the forward that sampled the token after it: the old weights' up to the
-    switch, the new weights' after it), b's cached head a's; without, the recomputation wins."""
+def test_a_partial_rollouts_positions_keep_the_routing_of_their_last_computation():
+    """Two samples of one prompt (the step-by-step engine of router replay caches no prefix:
+    each computes its own prompt). After 2 steps new weights load in flight: both requests
+    are computed again from position 0 under the new weights (their KV recomputed), then a
+    goes on. Each position keeps its last computation: one forward of the new weights over
+    the prefix, then the new weights' decode; ``keep_first`` (the alternative the e2e test
+    measures) keeps the old weights' up to the switch."""
     prompt = [11, 12, 13, 14]
     a, b = [*prompt, 21, 22, 23, 24], [*prompt, 31, 32, 33]
     records = [
-        record([("a", 0, prompt, 0), ("b", 1, prompt[2:], 2)]),  # old weights
+        record([("a", 0, prompt, 0), ("b", 1, prompt, 0)]),  # old weights
         record([("a", 0, [21], 4), ("b", 1, [31], 4)]),
-        # new weights: both recomputed from 0 (a sibling's cache donates nothing after a reset)
+        # new weights: both computed again from 0, then decoding
         record([("a", 5, [*prompt, 21, 22], 0), ("b", 6, [*prompt, 31, 32], 0)]),
         record([("a", 5, [23], 6)]),
     ]
-    got = assemble_routing(records, [a, b], fill=255, keep_first=True)
+    got = assemble_routing(records, [a, b], fill=255)
     assert [g.shape[0] for g in got] == [len(a) - 1, len(b) - 1]
-    np.testing.assert_array_equal(got[0][:5], experts_of(0, range(5)))  # prompt, 21: old
-    np.testing.assert_array_equal(got[0][5:], experts_of(5, [5, 6]))  # 22, 23: new
-    np.testing.assert_array_equal(got[1][:2], experts_of(0, range(2)))  # a's cached head
-    np.testing.assert_array_equal(got[1][2:5], experts_of(1, range(2, 5)))
-    np.testing.assert_array_equal(got[1][5], experts_of(6, [5])[0])  # 32: new
-    last = assemble_routing(records, [a, b], fill=255)
-    np.testing.assert_array_equal(last[0][:6], experts_of(5, range(6)))
-    np.testing.assert_array_equal(last[1], experts_of(6, range(6)))
-
-
-def test_a_head_is_donated_by_a_request_whose_sample_was_not_kept():
-    """Over-sampling aborts stragglers: the request that computed a cached head may be one of
-    them (or another prompt sharing the chat template's opening)."""
-    seq = [1, 2, 3, 4, 5]
-    records = [record([("dropped", 3, [1, 2, 3, 9], 0)]), record([("kept", 0, [3, 4], 2)])]
-    for keep_first in (False, True):
-        (got,) = assemble_routing(records, [seq], fill=255, keep_first=keep_first)
-        np.testing.assert_array_equal(got[:2], experts_of(3, range(2)))
-        np.testing.assert_array_equal(got[2:], experts_of(0, range(2, 4)))
+    np.testing.assert_array_equal(got[0], experts_of(5, range(7)))  # all the new weights'
+    np.testing.assert_array_equal(got[1], experts_of(6, range(6)))
+    first = assemble_routing(records, [a, b], fill=255, keep_first=True)
+    np.testing.assert_array_equal(first[0][:5], experts_of(0, range(5)))  # prompt, 21: old
+    np.testing.assert_array_equal(first[0][5:], experts_of(5, [5, 6]))  # 22, 23: new
+    np.testing.assert_array_equal(first[1][:5], experts_of(1, range(5)))
+    np.testing.assert_array_equal(first[1][5], experts_of(6, [5])[0])
 
 
 def test_missing_routing_is_an_error_not_a_guess():

@@ -614,6 +614,11 @@ class VLLMEngine:
             router_replay=router_replay,
             max_images=max_images if vision is not None else 0,
         )
+        if streaming and router_replay:
+            # every request computes its own prompt, and computes it again whole when weights
+            # load in flight: a position's routing is then that of its request's last
+            # computation, never a cached block's from another request or another version
+            kwargs["enable_prefix_caching"] = False
         if not torch.cuda.is_available():
             _cpu_compile_cache()
         kv = kwargs.get("kv_cache_memory_bytes")
@@ -794,9 +799,7 @@ class VLLMEngine:
         self._submissions += 1
         recorder = self._routing.recorder if self._routing is not None else None
         if recorder is not None and not self._running:
-            # a new rollout: what the cache holds was computed (and recorded) by earlier ones
-            self.llm.reset_prefix_cache()
-            recorder.take()
+            recorder.take()  # a new rollout: its records start here
         for i, p in enumerate(prompts):
             seed = request_seed(sampling.seed, self.groups.engine_index, i) if seeded else None
             for j in range(sampling.n):
@@ -849,9 +852,8 @@ class VLLMEngine:
     def take_routing(self, sequences: list[list[int]]) -> RecordedRouting | None:
         """The experts each of ``sequences`` (finished samples of the rollout driven since the
         last :meth:`submit` with nothing running: prompt + response ids) was routed to,
-        (L - 1, Lm, k) each; None without router replay. A position computed again after
-        weights loaded in flight keeps its first routing (``assemble_routing``'s
-        ``keep_first``)."""
+        (L - 1, Lm, k) each; None without router replay. A request computed again from its
+        tokens after weights loaded in flight keeps the routing of that last computation."""
         if self._routing is None:
             return None
         recorder = self._routing.recorder
@@ -861,7 +863,7 @@ class VLLMEngine:
                 "adapter's CPU recorder only (the rules table refuses it on CUDA)"
             )
         fill = no_expert(self._routing.store)
-        routing = assemble_routing(recorder.take(), sequences, fill, keep_first=True)
+        routing = assemble_routing(recorder.take(), sequences, fill)
         return RecordedRouting(routing, self._routing.store)
 
     def abort_unfinished(self) -> None:
