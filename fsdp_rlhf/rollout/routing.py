@@ -126,10 +126,10 @@ def assemble_routing(
     records with the same leading tokens, whose routing it takes (the cache must hold nothing
     from before the records: the adapter resets it).
 
-    A position computed more than once keeps its last computation: a preempted request's,
-    and a partial rollout's request computed again from its tokens under new weights (the
-    routing of one forward of the newest weights that sampled it, docs/async.md); with
-    ``keep_first`` its first (the alternative the tests measure).
+    A position computed more than once (a preempted request computed again) keeps its last
+    computation, or with ``keep_first`` its first: a partial rollout's request, computed again
+    from its tokens under new weights, keeps at each position the routing of the forward that
+    sampled the token after it (docs/async.md#router-replay).
 
     Raises RoutingError when a sequence has no matching request or a head no donor.
     """

@@ -4,9 +4,10 @@ mid-generation, the engine recording the experts it routed every token to.
 
 As async_partial_worker.py (rank 1 generates step by step and loads version 1 after
 SWITCH_AFTER engine steps, requests in flight; rank 0 moves the weights), with
-``router_replay``. Rank 1 also assembles the routing the other way (a position computed again
-under the new weights keeps its first computation, the old weights') and sends it beside the
-batch. Rank 0 writes to OUT (argv[2]) the batch, and each token's log-prob under both
+``router_replay``, and version 1 the weights moved by SCALE (argv[3]) x a normal draw (0: the
+same weights loaded again). Rank 1 also assembles the routing the other way (a position
+computed again under the new weights keeps the recomputation's experts) and sends it beside
+the batch. Rank 0 writes to OUT (argv[2]) the batch, and each token's log-prob under both
 versions: routing for itself, replaying the batch's routing, and replaying the other
 assembly.
 """
@@ -33,14 +34,14 @@ SWITCH_AFTER = 6  # engine steps under version 0
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [20, 21, 22, 23], [30, 31]]
 
 
-def main(model_path: str, out: str) -> None:
+def main(model_path: str, out: str, scale: float) -> None:
     split = SplitWorld(world_size=2, rollout_ranks=1, tp_size=1)
     rank = int(os.environ["RANK"])
     env, store = init_split_world(split, timeout_min=5)
     bridge = Bridge.connect(store, rank, 2, Patience(300.0), split.describe)
     link = WeightLink.build(bridge, store, [1], env.device, 5)
     if rank == 0:
-        train_side(model_path, bridge, link, out)
+        train_side(model_path, bridge, link, out, scale)
     else:
         rollout_side(model_path, env, bridge, link)
 
@@ -49,7 +50,9 @@ def _stream(model):
     return [(n, p.detach()) for n, p in model.named_parameters()]
 
 
-def train_side(model_path: str, bridge: Bridge, link: WeightLink, out: str) -> None:
+def train_side(
+    model_path: str, bridge: Bridge, link: WeightLink, out: str, scale: float
+) -> None:
     from fsdp_rlhf.config import BackendConfig
     from fsdp_rlhf.models.forward import response_logprobs
     from fsdp_rlhf.models.inputs import forward_inputs
@@ -63,17 +66,17 @@ def train_side(model_path: str, bridge: Bridge, link: WeightLink, out: str) -> N
     torch.manual_seed(0)
     with torch.no_grad():
         for p in after.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+            p.add_(torch.randn_like(p) * scale)
     weight_broadcast.publish(link, _stream(after), sender=True)
     msg = bridge.recv_object(1, Channel.EXPERIENCE)
     exp = BatchPart.from_message(msg, torch.device("cpu")).rows
-    first = msg["first_routing"]
+    recomputed = msg["recomputed_routing"]
     T = exp.response_len
     inputs = forward_inputs(exp.input_ids, exp.attention_mask, response_len=T)
     logprobs, metrics = {}, {}
     for version, model in ((0, before), (1, after)):
         hooks = MoEHooks.attach(model)
-        for name, routing in (("own", None), ("last", exp.routed_experts), ("first", first)):
+        for name, routing in (("own", None), ("first", exp.routed_experts), ("last", recomputed)):
             with torch.no_grad(), routing_scope(hooks, routing, inputs, collect=routing is not None):
                 lp, _ = response_logprobs(model, inputs, T)
             logprobs[(version, name)] = (lp * exp.response_mask).detach()
@@ -83,11 +86,11 @@ def train_side(model_path: str, bridge: Bridge, link: WeightLink, out: str) -> N
 
 
 class _BothAssemblies:
-    """The engine, also assembling the rollout's routing with each first computation kept."""
+    """The engine, also assembling the rollout's routing with each recomputation kept."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
-        self.first = None
+        self.recomputed = None
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
@@ -95,7 +98,7 @@ class _BothAssemblies:
     def take_routing(self, sequences):
         records = list(self.engine._routing.recorder.records)
         fill = no_expert(self.engine._routing.store)
-        self.first = assemble_routing(records, sequences, fill, keep_first=True)
+        self.recomputed = assemble_routing(records, sequences, fill)
         return self.engine.take_routing(sequences)
 
 
@@ -131,8 +134,8 @@ def rollout_side(model_path: str, env, bridge: Bridge, link: WeightLink) -> None
     out = streamed.output
     exp = experience_from_rollout(out, torch.device("cpu"))
     msg = BatchPart(1, exp, [0, 1, 2, 3], {}).to_message()
-    msg["first_routing"] = pad_routing(
-        both.first,
+    msg["recomputed_routing"] = pad_routing(
+        both.recomputed,
         [len(PROMPTS[i]) for i in streamed.kept for _ in range(sampling.n)],
         out.prompt_ids.shape[1],
         out.response_ids.shape[1],
@@ -143,4 +146,4 @@ def rollout_side(model_path: str, env, bridge: Bridge, link: WeightLink) -> None
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], float(sys.argv[3]))

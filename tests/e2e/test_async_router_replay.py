@@ -36,7 +36,13 @@ def moe(tmp_path_factory):
 
 
 def _grpo(
-    moe, save, *extra: str, nproc: int = 2, steps: int = 3, sizes: dict | None = None
+    moe,
+    save,
+    *extra: str,
+    nproc: int = 2,
+    steps: int = 3,
+    sizes: dict | None = None,
+    no_kl: bool = False,
 ) -> list[dict]:
     """GRPO with the actor held still (a learning rate of 1e-12: Adam's steps, ~1e-12, are
     below the float32 resolution of weights ~1e-2, so they round away): every step's
@@ -44,6 +50,9 @@ def _grpo(
     --async_train too (whose batches are otherwise a version behind the policy)."""
     model, data = moe
     flags = grpo_flags(model, data, save, steps)
+    if no_kl:  # no reference model: a shorter training step
+        i = flags.index("--use_kl_loss")
+        del flags[i : i + 3]  # --use_kl_loss --init_kl_coef 0.001
     for flag, value in {"--actor_learning_rate": "1e-12", **(sizes or {})}.items():
         if flag in flags:
             flags[flags.index(flag) + 1] = value
@@ -99,13 +108,24 @@ def test_partial_rollouts_replay_every_token_and_expert_parallelism_composes(moe
     computation; the engine and the trainer agree at every step as without partial rollouts.
     Then router replay with 2 training ranks at --expert_parallel_size 2 beside the rollout
     rank: the replayed experts reach every rank, which runs its experts' share."""
+    # long responses, 4x the prompts generated (over-sampling keeps the first 16 to finish)
+    # and a short training step (no reference model, 2 micro-batches): generating a batch
+    # outlasts a training step, so weights arrive mid-rollout
     long = {"--generate_max_len": "96", "--max_len": "128", "--prompt_max_len": "32"}
-    flags = [*ASYNC, "--router_replay", "--partial_rollout", "--async_queue_size", "2"]
-    partial = _grpo(moe, tmp_path / "partial", *flags, sizes=long)
+    long["--micro_train_batch_size"] = "32"
+    flags = [*ASYNC, "--router_replay", "--partial_rollout", "--vllm_generate_batch_size", "64"]
+    partial = _grpo(moe, tmp_path / "partial", *flags, sizes=long, steps=6, no_kl=True)
     print("async partial replay (mean, max):", _gaps(partial))
     print("partial responses:", [r["async/partial_response_frac"] for r in partial])
-    assert any(r["async/partial_response_frac"] > 0 for r in partial)
-    assert all(r["rollout/logprob_diff/max"] < TOLERANCE for r in partial), _gaps(partial)
+    mixed = [r for r in partial if r["async/partial_response_frac"] > 0]
+    assert mixed, "no weights arrived mid-rollout"
+    for r in partial:
+        if r["async/partial_response_frac"] == 0:  # as without partial rollouts
+            assert r["rollout/logprob_diff/max"] < TOLERANCE, _gaps(partial)
+        else:  # the recomputation routed some near ties otherwise: measured mean 8e-6, max
+            # 2.3e-3 (replaying the recomputation's experts instead: 1.9e-4, 0.023)
+            assert r["rollout/logprob_diff/mean"] < 5e-5, _gaps(partial)
+            assert r["rollout/logprob_diff/max"] < 1e-2, _gaps(partial)
     ep = _grpo(moe, tmp_path / "ep", *ASYNC, "--router_replay", "--expert_parallel_size", "2",
                nproc=3, steps=2)  # fmt: skip
     print("async replay, EP 2 (mean, max):", _gaps(ep))
@@ -114,26 +134,28 @@ def test_partial_rollouts_replay_every_token_and_expert_parallelism_composes(moe
     assert "moe/ep_group_tokens_max" in ep[0]
 
 
-def test_a_partial_rollouts_tokens_replay_the_experts_of_the_newest_weights_that_sampled(
-    tmp_path,
-):
-    """An MoE model with near-tied routers; the weights change after 6 engine steps, requests
-    in flight, which vLLM then computes again from their tokens under the new weights. The
-    batch (through the queue's message) carries each position's experts from its last
-    computation: one forward of the new weights over the prefix, then their decode steps.
+@pytest.mark.parametrize("scale", [0.0, 0.05])
+def test_a_partial_rollouts_tokens_replay_the_experts_that_sampled_them(scale, tmp_path):
+    """An MoE model with near-tied routers; after 6 engine steps weights load in flight (the
+    same weights again, or every weight moved by 0.05 x a normal draw), and vLLM computes the
+    requests again from their tokens. The batch (through the queue's message) carries at each
+    position the experts of the forward that sampled the token after it: the old weights' up
+    to the switch, the new weights' after it.
 
-    Replaying them, the trainer under version 1 gives the engine's log-probs of every
-    version-1 token (fp32 rounding, as colocated replay; routing for itself it does not). The
-    version-0 tokens replay experts the new weights chose. Assembled the other way (each
-    position's first computation), the version-0 tokens would be exact and the version-1
-    tokens replay a prefix the old weights routed, which the engine no longer attended to:
-    measured, that gap is the larger (numbers in docs/async.md)."""
+    Replaying them, the trainer under version 0 gives the engine's log-prob of every version-0
+    token (fp32 rounding, as colocated replay; routing for itself it does not). The version-1
+    tokens' own positions replay their sampling forward's experts, their prefix the first
+    computation's, where the engine attended to the recomputation: exact too when the
+    recomputation routed alike (the same weights: measured 4.8e-7), not when every weight
+    moved by 0.05 (0.13), where the other assembly (the recomputation's experts everywhere,
+    exact on the version-1 tokens) is off by 0.03 on the version-0 tokens. Numbers and the
+    choice in docs/async.md#router-replay."""
     from fsdp_rlhf.testing.tiny import build_family
 
     model = build_family(tmp_path / "model", "qwen3_moe", router_spread=1e-6)
     out = tmp_path / "replay.pt"
     worker = str(REPO / "tests" / "e2e" / "async_replay_worker.py")
-    cmd = local_torchrun(2, [worker, str(model), str(out)])
+    cmd = local_torchrun(2, [worker, str(model), str(out), str(scale)])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(None), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     saved = torch.load(out, weights_only=False)
@@ -147,17 +169,12 @@ def test_a_partial_rollouts_tokens_replay_the_experts_of_the_newest_weights_that
     old, new = mask & (versions == 0), mask & (versions == 1)
     gaps = {
         (name, part): _gap(saved, name, m)
-        for name in ("own", "last", "first")
+        for name in ("own", "first", "last")
         for part, m in (("old", old), ("new", new))
     }
     agreement = {k: v["moe/router_replay_agreement"] for k, v in saved["metrics"].items()}
-    print("engine vs trainer, max |diff| per version's tokens:", gaps)
-    print("router replay agreement:", agreement)
-    assert gaps[("last", "new")] < 1e-5, gaps  # the new weights' experts: exact
-    assert gaps[("first", "old")] < 1e-5, gaps  # the alternative: exact on the old tokens
+    print(f"scale {scale}: engine vs trainer, max |diff| per version's tokens:", gaps)
+    print(f"scale {scale}: router replay agreement:", agreement)
+    assert gaps[("first", "old")] < 1e-5, gaps  # the old weights' experts: exact
+    assert gaps[("last", "new")] < 1e-5, gaps  # the other assembly: exact on the new tokens
     assert gaps[("own", "old")] > 1e-3, gaps  # the near ties: routing for itself differs
-    # the alternative's worst token is further off than ours
-    assert max(gaps[("first", "old")], gaps[("first", "new")]) > gaps[("last", "old")], gaps
-    # the trainer's own top k under the new weights (whose routers no longer tie) is what
-    # the engine recorded at nearly every replayed position: the experts sit on their tokens
-    assert agreement[(1, "last")] > 0.95, agreement

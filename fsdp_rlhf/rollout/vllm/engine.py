@@ -615,9 +615,9 @@ class VLLMEngine:
             max_images=max_images if vision is not None else 0,
         )
         if streaming and router_replay:
-            # every request computes its own prompt, and computes it again whole when weights
-            # load in flight: a position's routing is then that of its request's last
-            # computation, never a cached block's from another request or another version
+            # every request computes its own prompt (and its whole sequence again when weights
+            # load in flight): each position's first computation is then its own request's,
+            # never a cached block's computed by another request, possibly under other weights
             kwargs["enable_prefix_caching"] = False
         if not torch.cuda.is_available():
             _cpu_compile_cache()
@@ -853,7 +853,8 @@ class VLLMEngine:
         """The experts each of ``sequences`` (finished samples of the rollout driven since the
         last :meth:`submit` with nothing running: prompt + response ids) was routed to,
         (L - 1, Lm, k) each; None without router replay. A request computed again from its
-        tokens after weights loaded in flight keeps the routing of that last computation."""
+        tokens after weights loaded in flight keeps, at each position, the routing of its
+        first computation: that of the forward that sampled the next token (docs/async.md)."""
         if self._routing is None:
             return None
         recorder = self._routing.recorder
@@ -863,7 +864,7 @@ class VLLMEngine:
                 "adapter's CPU recorder only (the rules table refuses it on CUDA)"
             )
         fill = no_expert(self._routing.store)
-        routing = assemble_routing(recorder.take(), sequences, fill)
+        routing = assemble_routing(recorder.take(), sequences, fill, keep_first=True)
         return RecordedRouting(routing, self._routing.store)
 
     def abort_unfinished(self) -> None:
