@@ -50,9 +50,7 @@ def _stream(model):
     return [(n, p.detach()) for n, p in model.named_parameters()]
 
 
-def train_side(
-    model_path: str, bridge: Bridge, link: WeightLink, out: str, scale: float
-) -> None:
+def train_side(model_path: str, bridge: Bridge, link: WeightLink, out: str, scale: float) -> None:
     from fsdp_rlhf.config import BackendConfig
     from fsdp_rlhf.models.forward import response_logprobs
     from fsdp_rlhf.models.inputs import forward_inputs
@@ -77,7 +75,8 @@ def train_side(
     for version, model in ((0, before), (1, after)):
         hooks = MoEHooks.attach(model)
         for name, routing in (("own", None), ("first", exp.routed_experts), ("last", recomputed)):
-            with torch.no_grad(), routing_scope(hooks, routing, inputs, collect=routing is not None):
+            replay = routing_scope(hooks, routing, inputs, collect=routing is not None)
+            with torch.no_grad(), replay:
                 lp, _ = response_logprobs(model, inputs, T)
             logprobs[(version, name)] = (lp * exp.response_mask).detach()
             if routing is not None:
