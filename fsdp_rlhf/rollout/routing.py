@@ -129,7 +129,7 @@ def assemble_routing(
     A position computed more than once (a preempted request computed again) keeps its last
     computation, or with ``keep_first`` its first: a partial rollout's request, computed again
     from its tokens under new weights, keeps at each position the routing of the forward that
-    sampled the token after it (docs/async.md#router-replay).
+    sampled the token after it (docs/async.md, "Router replay").
 
     Raises RoutingError when a sequence has no matching request or a head no donor.
     """

@@ -149,7 +149,7 @@ def test_a_partial_rollouts_tokens_replay_the_experts_that_sampled_them(scale, t
     recomputation routed alike (the same weights: measured 4.8e-7), not when every weight
     moved by 0.05 (0.13), where the other assembly (the recomputation's experts everywhere,
     exact on the version-1 tokens) is off by 0.03 on the version-0 tokens. Numbers and the
-    choice in docs/async.md#router-replay."""
+    choice in docs/async.md, "Router replay"."""
     from fsdp_rlhf.testing.tiny import build_family
 
     model = build_family(tmp_path / "model", "qwen3_moe", router_spread=1e-6)
