@@ -114,7 +114,7 @@ def test_partial_rollouts_replay_every_token_and_expert_parallelism_composes(moe
     long = {"--generate_max_len": "96", "--max_len": "128", "--prompt_max_len": "32"}
     long["--micro_train_batch_size"] = "32"
     flags = [*ASYNC, "--router_replay", "--partial_rollout", "--vllm_generate_batch_size", "64"]
-    partial = _grpo(moe, tmp_path / "partial", *flags, sizes=long, steps=6, no_kl=True)
+    partial = _grpo(moe, tmp_path / "partial", *flags, sizes=long, steps=8, no_kl=True)
     print("async partial replay (mean, max):", _gaps(partial))
     print("partial responses:", [r["async/partial_response_frac"] for r in partial])
     mixed = [r for r in partial if r["async/partial_response_frac"] > 0]
