@@ -56,6 +56,15 @@ class StepRecord:
     experts: np.ndarray
 
 
+@dataclass(frozen=True)
+class RecordedRouting:
+    """A rollout's routing from a step-by-step engine: one ``(L - 1, Lm, k)`` array per
+    finished sequence asked for, and the compact dtype to store it as."""
+
+    sequences: list[np.ndarray]
+    store: torch.dtype
+
+
 class RoutingError(RuntimeError):
     """The records do not cover a finished sequence (a vLLM change this adapter missed)."""
 
@@ -67,9 +76,12 @@ class _Request:
     experts: list[np.ndarray]
 
 
-def _by_request(records: Sequence[StepRecord]) -> dict[str, tuple[np.ndarray, ...]]:
-    """Per request: (positions, tokens, experts), later records winning over earlier ones at
-    the same position (a preempted request is computed again)."""
+def _by_request(
+    records: Sequence[StepRecord], keep_first: bool = False
+) -> dict[str, tuple[np.ndarray, ...]]:
+    """Per request: (covered, tokens, experts, size), later records winning over earlier ones
+    at the same position (a preempted request is computed again), or earlier ones with
+    ``keep_first``."""
     parts: dict[str, _Request] = {}
     for rec in records:
         for i, req in enumerate(rec.requests):
@@ -87,6 +99,8 @@ def _by_request(records: Sequence[StepRecord]) -> dict[str, tuple[np.ndarray, ..
         exp = np.concatenate(part.experts)
         size = int(pos.max()) + 1
         order = np.arange(len(pos))
+        if keep_first:
+            pos, order = pos[::-1], order[::-1]
         last = np.full(size, -1)
         last[pos] = order  # numpy assigns in order: the last write of a position wins
         covered = last >= 0
@@ -99,7 +113,10 @@ def _key(tokens: np.ndarray) -> bytes:
 
 
 def assemble_routing(
-    records: Sequence[StepRecord], sequences: Sequence[Sequence[int]], fill: int
+    records: Sequence[StepRecord],
+    sequences: Sequence[Sequence[int]],
+    fill: int,
+    keep_first: bool = False,
 ) -> list[np.ndarray]:
     """The routing of each finished sequence (prompt + response token ids), (L - 1, Lm, k).
 
@@ -109,9 +126,14 @@ def assemble_routing(
     records with the same leading tokens, whose routing it takes (the cache must hold nothing
     from before the records: the adapter resets it).
 
+    A position computed more than once (a preempted request computed again) keeps its last
+    computation, or with ``keep_first`` its first: a partial rollout's request, computed again
+    from its tokens under new weights, keeps at each position the routing of the forward that
+    sampled the token after it (docs/async.md, "Router replay").
+
     Raises RoutingError when a sequence has no matching request or a head no donor.
     """
-    requests = _by_request(records)
+    requests = _by_request(records, keep_first)
     # (last position, first computed position, tokens from there on) -> request
     index: dict[tuple[int, int, bytes], list[str]] = {}
     for req, (covered, tok, _, size) in requests.items():

@@ -4,7 +4,8 @@ Between two engine steps the caller's ``poll`` runs: it may load new weights int
 (partial rollouts) and returns the weight version that samples from then on, so every token
 carries the version that sampled it, beside its log-prob under that version. With ``keep``
 (over-sampling) the rollout ends as soon as every rank of the engine has ``keep`` prompts
-whose samples have all finished, and the stragglers are aborted.
+whose samples have all finished, and the stragglers are aborted. An engine that records routed
+experts (router replay) hands over the kept samples' routing at the end (``take_routing``).
 
 The ranks of one tensor-parallel engine see the same tokens in the same steps (vLLM's
 external launcher schedules identically on each), so each decides alone, and alike, when the
@@ -26,6 +27,7 @@ from fsdp_rlhf.rollout.engine import (
     pad_token_rows,
 )
 from fsdp_rlhf.rollout.groups import own_prompt_range
+from fsdp_rlhf.rollout.routing import RecordedRouting, pad_routing
 
 
 class StreamingEngine(Protocol):
@@ -40,6 +42,11 @@ class StreamingEngine(Protocol):
     def has_unfinished(self) -> bool: ...
 
     def abort_unfinished(self) -> None: ...
+
+    def take_routing(self, sequences: list[list[int]]) -> RecordedRouting | None:
+        """The experts the finished ``sequences`` (prompt + response ids) were routed to, one
+        ``(L - 1, Lm, k)`` array each (router replay); None when the engine records none."""
+        ...
 
 
 @dataclass
@@ -123,7 +130,19 @@ def stream_rollout(
         raise RuntimeError(f"the engine stopped with prompts unfinished: {done} of {wanted}")
     start, _ = ranges[rank_in_engine]
     kept = sorted(i - start for i in done[rank_in_engine][: wanted[rank_in_engine]])
-    return StreamedRollout(_output(samples, prompt_ids, kept, n, pad_id, start), kept, steps)
+    out = _output(samples, prompt_ids, kept, n, pad_id, start)
+    routing = engine.take_routing(
+        [[*prompt_ids[i], *samples[(start + i, j)].tokens] for i in kept for j in range(n)]
+    )
+    if routing is not None:  # router replay: (N, P + T, Lm, k) like out.sequences()
+        out.routed_experts = pad_routing(
+            routing.sequences,
+            [len(prompt_ids[i]) for i in kept for _ in range(n)],
+            out.prompt_ids.shape[1],
+            out.response_ids.shape[1],
+            routing.store,
+        )
+    return StreamedRollout(out, kept, steps)
 
 
 def _output(

@@ -77,6 +77,33 @@ def test_a_recomputed_position_keeps_the_last_computation():
     np.testing.assert_array_equal(got[0][1:], experts_of(9, [1, 2]))
 
 
+def test_a_partial_rollouts_positions_keep_the_routing_that_sampled_the_next_token():
+    """Two samples of one prompt (the step-by-step engine of router replay caches no prefix:
+    each computes its own prompt). After 2 steps new weights load in flight: both requests
+    are computed again from position 0 under the new weights (their KV recomputed), then a
+    goes on. With ``keep_first`` (the step-by-step engine's) each position keeps its first
+    computation, the forward that sampled the token after it: the old weights' up to the
+    switch, the new weights' after it; without, the recomputation's experts win."""
+    prompt = [11, 12, 13, 14]
+    a, b = [*prompt, 21, 22, 23, 24], [*prompt, 31, 32, 33]
+    records = [
+        record([("a", 0, prompt, 0), ("b", 1, prompt, 0)]),  # old weights
+        record([("a", 0, [21], 4), ("b", 1, [31], 4)]),
+        # new weights: both computed again from 0, then decoding
+        record([("a", 5, [*prompt, 21, 22], 0), ("b", 6, [*prompt, 31, 32], 0)]),
+        record([("a", 5, [23], 6)]),
+    ]
+    first = assemble_routing(records, [a, b], fill=255, keep_first=True)
+    assert [g.shape[0] for g in first] == [len(a) - 1, len(b) - 1]
+    np.testing.assert_array_equal(first[0][:5], experts_of(0, range(5)))  # prompt, 21: old
+    np.testing.assert_array_equal(first[0][5:], experts_of(5, [5, 6]))  # 22, 23: new
+    np.testing.assert_array_equal(first[1][:5], experts_of(1, range(5)))
+    np.testing.assert_array_equal(first[1][5], experts_of(6, [5])[0])  # 32: new
+    last = assemble_routing(records, [a, b], fill=255)
+    np.testing.assert_array_equal(last[0], experts_of(5, range(7)))  # all the new weights'
+    np.testing.assert_array_equal(last[1], experts_of(6, range(6)))
+
+
 def test_missing_routing_is_an_error_not_a_guess():
     seq = [1, 2, 3, 4]
     with pytest.raises(RoutingError, match="no engine forward computed it"):

@@ -81,9 +81,9 @@ CASES: dict[str, tuple] = {
         "ppo", ["--weight_sync", "delta", "--lora_rank", "8"], None, False,
         "--weight_sync delta with --lora_rank: LoRA syncs only its adapters",
     ),
-    "async-router-replay": (
-        "ppo", [*ASYNC, "--router_replay"], {"--pretrain": MOE}, False,
-        "--router_replay with --async_train: the step-by-step rollout engine",
+    "async-router-replay-cuda": (
+        "ppo", [*ASYNC, "--router_replay"], {"--pretrain": MOE}, True,
+        "--router_replay with --async_train on CUDA: the step-by-step engine records",
     ),
     "async-hf-engine": (
         "ppo", [*ASYNC, "--rollout_engine", "hf"], None, False,
@@ -330,6 +330,9 @@ def test_what_a_row_refuses_alone_runs_beside_everything_else():
     check_rules(_setting("train-rm", [], {"--pretrain": VLM}))
     ep = ["--expert_parallel_size", "2", "--reward_pretrain", "models/dense"]
     check_rules(_setting("ppo", ep, {"--pretrain": MOE, "--reward_pretrain": DENSE}))
+    # async x router replay (#48), partial rollouts and expert parallelism too, on CPU
+    replay = [*ASYNC, "--router_replay", "--partial_rollout", "--expert_parallel_size", "2"]
+    check_rules(_setting("ppo", replay, {"--pretrain": MOE}))
 
 
 def test_the_2026_families_rows_read_their_kind():

@@ -55,6 +55,7 @@ from fsdp_rlhf.rollout.engine import (  # noqa: E402
 from fsdp_rlhf.rollout.groups import RolloutGroups, gather_prompts, own_prompt_range  # noqa: E402
 from fsdp_rlhf.rollout.rng import GenerationRng  # noqa: E402
 from fsdp_rlhf.rollout.routing import (  # noqa: E402
+    RecordedRouting,
     assemble_routing,
     no_expert,
     pad_routing,
@@ -550,6 +551,17 @@ def _check_layout(cfg: RolloutConfig, groups: RolloutGroups) -> None:
         )
 
 
+def _log_engine(kwargs: dict, prompt_max_len: int, generate_max_len: int) -> None:
+    kv = kwargs.get("kv_cache_memory_bytes")
+    log.info(
+        "vLLM engine: max_model_len %d (prompts up to %d + responses up to %d tokens)%s",
+        kwargs["max_model_len"],
+        prompt_max_len,
+        generate_max_len,
+        f", KV cache {kv / GiB:.2f} GiB" if kv else "",
+    )
+
+
 class VLLMEngine:
     """A colocated vLLM engine over this rank's TP block. Every method is collective over the
     block (generate, update_weights) or the whole world (construction).
@@ -620,16 +632,14 @@ class VLLMEngine:
             router_replay=router_replay,
             max_images=max_images if vision is not None else 0,
         )
+        if streaming and router_replay:
+            # every request computes its own prompt (and its whole sequence again when weights
+            # load in flight): each position's first computation is then its own request's,
+            # never a cached block's computed by another request, possibly under other weights
+            kwargs["enable_prefix_caching"] = False
         if not torch.cuda.is_available():
             _cpu_compile_cache()
-        kv = kwargs.get("kv_cache_memory_bytes")
-        log.info(
-            "vLLM engine: max_model_len %d (prompts up to %d + responses up to %d tokens)%s",
-            kwargs["max_model_len"],
-            prompt_max_len,
-            cfg.generate_max_len,
-            f", KV cache {kv / GiB:.2f} GiB" if kv else "",
-        )
+        _log_engine(kwargs, prompt_max_len, cfg.generate_max_len)
         # vLLM reseeds the global RNGs while it starts
         with self._rng.active(), private_decoder_class(model_path, trust_remote_code):
             self.llm = LLM(**kwargs)
@@ -812,6 +822,9 @@ class VLLMEngine:
         gathered, counts = gather_prompts(self.groups, items, sampling)
         seeded = sampling.seed is not None and not sampling.is_greedy
         self._submissions += 1
+        recorder = self._routing.recorder if self._routing is not None else None
+        if recorder is not None and not self._running:
+            recorder.take()  # a new rollout: its records start here
         for i, (p, img) in enumerate(gathered):
             seed = request_seed(sampling.seed, self.groups.engine_index, i) if seeded else None
             for j in range(sampling.n):
@@ -838,8 +851,15 @@ class VLLMEngine:
         """One engine step of the submitted requests: the tokens each request gained, with
         their log-probs, and its finish reason once done."""
         deltas = []
-        with self._rng.active():
-            outputs = self.llm.llm_engine.step()
+        recorder = self._routing.recorder if self._routing is not None else None
+        if recorder is not None:
+            recorder.armed = True
+        try:
+            with self._rng.active():
+                outputs = self.llm.llm_engine.step()
+        finally:
+            if recorder is not None:
+                recorder.armed = False
         for out in outputs:
             comp = out.outputs[0]
             request_id = out.request_id.split("-")[0]  # vLLM may append a suffix of its own
@@ -859,6 +879,24 @@ class VLLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self._running) and self.llm.llm_engine.has_unfinished_requests()
+
+    def take_routing(self, sequences: list[list[int]]) -> RecordedRouting | None:
+        """The experts each of ``sequences`` (finished samples of the rollout driven since the
+        last :meth:`submit` with nothing running: prompt + response ids) was routed to,
+        (L - 1, Lm, k) each; None without router replay. A request computed again from its
+        tokens after weights loaded in flight keeps, at each position, the routing of its
+        first computation: that of the forward that sampled the next token (docs/async.md)."""
+        if self._routing is None:
+            return None
+        recorder = self._routing.recorder
+        if recorder is None:
+            raise RuntimeError(
+                "router replay: the step-by-step engine reads routed experts from this "
+                "adapter's CPU recorder only (the rules table refuses it on CUDA)"
+            )
+        fill = no_expert(self._routing.store)
+        routing = assemble_routing(recorder.take(), sequences, fill, keep_first=True)
+        return RecordedRouting(routing, self._routing.store)
 
     def abort_unfinished(self) -> None:
         """Drop every submitted request still running (over-sampling's stragglers, a stop)."""
