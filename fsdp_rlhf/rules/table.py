@@ -394,15 +394,6 @@ VLM = [
         "drop --async_train",
     ),
     Rule(
-        "vlm-router-replay",
-        ("VLM", "router replay"),
-        (PPO,),
-        vlm_with(lambda s: s.cfg.moe.router_replay, "--router_replay"),
-        "routing replay is not implemented for vision-language models (their prompts reach "
-        "vLLM with the image placeholders collapsed)",
-        "drop it",
-    ),
-    Rule(
         "freeze-visual-encoder-text-model",
         ("frozen vision tower", "VLM"),
         (PPO, SFT, DPO),

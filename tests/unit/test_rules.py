@@ -199,10 +199,6 @@ CASES: dict[str, tuple] = {
         "--async_train: the step-by-step rollout engine of asynchronous training does not take "
         "images yet",
     ),
-    "vlm-router-replay": (
-        "ppo", ["--router_replay"], {"--pretrain": VLM_MOE}, False,
-        "--router_replay: routing replay is not implemented for vision-language models",
-    ),
     "freeze-visual-encoder-text-model": (
         "sft", ["--freeze_visual_encoder"], None, False,
         "--freeze_visual_encoder: --pretrain models/dense is text-only",

@@ -1,11 +1,10 @@
 """PPO with a vision-language actor: the rows' images checked before any model loads, and each
 step's prompts turned into what the engine and the forwards take.
 
-What a vision-language actor does not combine with (a text-only or other-family critic or
-reward model, packing, multi-turn environments, asynchronous training, router replay, sequence
-parallelism) is refused by the rules table (``fsdp_rlhf.rules``, rows ``vlm-*``), before any
-model loads. A VLM critic or reward model holds its head on the language model
-(``models.vision_head``).
+What a vision-language actor does not combine with (a text-only or other-family critic or reward
+model, packing, multi-turn environments, asynchronous training, sequence parallelism) is refused
+by the rules table (``fsdp_rlhf.rules``, rows ``vlm-*``), before any model loads. A VLM critic
+or reward model holds its head on the language model (``models.vision_head``).
 ``--share_prompt_prefix`` (on by default) is turned off with a log line: the shared prompt pass
 has no image inputs.
 """
