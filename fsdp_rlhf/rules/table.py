@@ -195,15 +195,6 @@ SEQUENCE_PARALLEL = [
 # ---------------------------------------------------------------- expert parallelism
 
 
-def _moe_vlm(s) -> str | None:
-    """``--expert_parallel_size E: FLAG PATH is a vision-language MoE model``, or None."""
-    for flag, kind in s.models.items():
-        if kind.moe and kind.is_vlm:
-            what = f"{flag} {kind.path} is a vision-language MoE model"
-            return f"--expert_parallel_size {ep_size(s)}: {what}"
-    return None
-
-
 def _no_moe(s) -> str | None:
     """``--expert_parallel_size E: no MoE model to split (FLAG PATH ... are dense)``, or None
     (no model read yet: the flags alone)."""
@@ -214,14 +205,6 @@ def _no_moe(s) -> str | None:
 
 
 EXPERT_PARALLEL = [
-    Rule(
-        "expert-parallel-vlm",
-        ("expert parallel", "VLM"),
-        ALL,
-        lambda s: _moe_vlm(s) if ep_size(s) > 1 else None,
-        "expert parallelism is not tested with image inputs yet",
-        "use --expert_parallel_size 1",
-    ),
     Rule(
         "expert-parallel-needs-moe",
         ("expert parallel", "MoE"),
