@@ -122,7 +122,8 @@ test-models-full: install
 
 # Vision-language models (pytest marker `vlm`): a tiny Qwen2.5-VL under FSDP2 on 2 gloo ranks,
 # vLLM rollouts with images, GRPO that must learn an image-dependent answer (and its control),
-# OpenRLHF's VLM script in both dialects, SFT. About 6-7 minutes on 2 cores.
+# OpenRLHF's VLM script in both dialects, SFT, router replay on tiny Qwen3-VL-MoE / Qwen3.5-MoE
+# VLMs (about 5 minutes of it). About 11-12 minutes on 2 cores.
 test-vlm: install
 	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu -m vlm
 

@@ -45,6 +45,17 @@ def checkpoint_keys(path: str | Path) -> list[str] | None:
     return sorted(keys)
 
 
+def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape in the safetensors checkpoint in folder ``path`` (headers only)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []:
+        with safe_open(str(f), framework="pt") as st:
+            shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
+    return shapes
+
+
 def _conversions(model: nn.Module, keys: list[str] | None) -> list:
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import (
@@ -80,6 +91,8 @@ class CheckpointFormat:
         # as revert_weight_conversion: a sub-model's conversions are undone first
         reverse = [t.reverse_transform() for t in conversions[::-1]]
         self._model = model
+        self._checkpoint = checkpoint
+        self._shapes: dict[str, tuple[int, ...]] | None = None
         self._renamings = [t for t in reverse if isinstance(t, WeightRenaming)]
         self._converters = [t for t in reverse if isinstance(t, WeightConverter)]
         self._by_pattern = {p: c for c in self._converters for p in c.source_patterns}
@@ -125,7 +138,34 @@ class CheckpointFormat:
         patterns = converter.source_patterns
         return "*" not in "".join(patterns) and set(converter.collected_tensors) >= set(patterns)
 
+    def _checked_transpose(self, renamed: str, converter) -> None:
+        """A transpose that checks dims (Qwen3-VL-MoE's fused experts: (E, H, 2I) on disk,
+        (E, 2I, H) in transformers) compares the tensor with the model's parameter, which in
+        reverse it always equals: it would never transpose back (``save_pretrained`` of such a
+        model writes transformers' layout). Here it transposes exactly when the checkpoint
+        holds this tensor in the other shape."""
+        from transformers.core_model_loading import Transpose
+
+        ops = converter.operations
+        if not any(isinstance(op, Transpose) and op.check_dims for op in ops):
+            return
+        if self._shapes is None:
+            self._shapes = checkpoint_shapes(self._checkpoint) if self._checkpoint else {}
+        tensors = next(iter(converter.collected_tensors.values()))
+        tensor = tensors[0] if isinstance(tensors, list) else tensors
+        shape = getattr(tensor, "shape", None)
+        if callable(tensor) and shape is None:  # a lazy tensor: materialised by convert
+            return
+        on_disk = self._shapes.get(renamed)
+        if on_disk is None or shape is None or tuple(shape) == on_disk:
+            return
+        converter.operations = [
+            Transpose(op.dim0, op.dim1) if isinstance(op, Transpose) and op.check_dims else op
+            for op in ops
+        ]
+
     def _realize(self, renamed: str, converter) -> Iterator[tuple[str, torch.Tensor]]:
+        self._checked_transpose(renamed, converter)
         with torch.no_grad():
             out = converter.convert(renamed, model=self._model, config=self._model.config)
         for name, tensor in out.items():

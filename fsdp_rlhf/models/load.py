@@ -167,8 +167,8 @@ def check_expert_parallel(
     flag -> model folder; dense models are left as they are), before anything loads: one line
     naming the numbers. Each MoE model is built empty on the meta device to check that its
     fused experts are a layout the expert-parallel forward handles. Which models expert
-    parallelism combines with (no MoE model at all, a vision-language MoE) is the rules
-    table's (``fsdp_rlhf.rules``, rows ``expert-parallel-*``). ``ranks``: what
+    parallelism combines with (no MoE model at all) is the rules table's (``fsdp_rlhf.rules``,
+    rows ``expert-parallel-*``). ``ranks``: what
     ``world_size`` counts, for the error line (asynchronous training: the training ranks)."""
     if n == 1:
         return
@@ -194,11 +194,14 @@ def check_expert_parallel(
             continue  # a dense model beside an MoE actor: sharded as without the flag
         if problem := expert_parallel_problem(n, world_size, num_experts):
             raise UserError(f"{problem} ({flag} {path})")
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        auto = AutoModelForCausalLM
+        if is_vision_language(path, trust_remote_code):  # its language model's experts
+            auto = AutoModelForImageTextToText
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+            model = auto.from_config(config, trust_remote_code=trust_remote_code)
         odd = [p for m in routed_experts(model) if (p := unsupported_experts(m))]
         if odd:
             raise UserError(

@@ -14,6 +14,15 @@ Shapes: a sequence of L tokens (prompt + response) has routing for its first L -
 layers in model order, k experts per token. Expert ids are stored compactly (:func:`routing_dtype`),
 and :func:`no_expert` marks positions without routing (padding, each sequence's last token),
 where the trainer routes for itself.
+
+Images. A vision-language prompt's image placeholders stand for the image's features: two
+requests with the same token ids and other images route differently (the colour task's
+prompts are one such set). Each request then carries its images' identities (``media``: the
+ids the engine was handed for them, in placeholder order), and a sequence matches a request,
+or a cached head its donor, only when both the tokens and the images are the same. Token
+positions are the engine's: each placeholder repeated once per image token, as the trainer's
+expanded prompt holds them, so the routing of every image-token position lines up with the
+trainer's rows.
 """
 
 from __future__ import annotations
@@ -46,7 +55,8 @@ class StepRecord:
 
     ``requests`` (R,) the engine's ids of the requests in the batch, in batch order;
     ``query_start`` (R + 1,) where each request's tokens start in the flat batch; ``positions``
-    and ``tokens`` (n,) each token's position in its sequence and its id; ``experts`` (n, Lm, k).
+    and ``tokens`` (n,) each token's position in its sequence and its id; ``experts`` (n, Lm, k);
+    ``media`` (R,) each request's image ids in placeholder order (empty: none recorded).
     """
 
     requests: tuple[str, ...]
@@ -54,6 +64,10 @@ class StepRecord:
     positions: np.ndarray
     tokens: np.ndarray
     experts: np.ndarray
+    media: tuple[tuple[str, ...], ...] = ()
+
+
+Media = tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -74,6 +88,7 @@ class _Request:
     positions: list[np.ndarray]
     tokens: list[np.ndarray]
     experts: list[np.ndarray]
+    media: Media = ()
 
 
 def _by_request(
@@ -88,7 +103,8 @@ def _by_request(
             lo, hi = int(rec.query_start[i]), int(rec.query_start[i + 1])
             if hi <= lo:
                 continue
-            part = parts.setdefault(req, _Request([], [], []))
+            media = rec.media[i] if rec.media else ()
+            part = parts.setdefault(req, _Request([], [], [], media))
             part.positions.append(rec.positions[lo:hi])
             part.tokens.append(rec.tokens[lo:hi])
             part.experts.append(rec.experts[lo:hi])
@@ -104,12 +120,15 @@ def _by_request(
         last = np.full(size, -1)
         last[pos] = order  # numpy assigns in order: the last write of a position wins
         covered = last >= 0
-        out[req] = (covered, tok[last[covered]], exp[last[covered]], size)
+        out[req] = (covered, tok[last[covered]], exp[last[covered]], size, part.media)
     return out
 
 
-def _key(tokens: np.ndarray) -> bytes:
-    return hashlib.blake2b(np.ascontiguousarray(tokens, dtype=np.int64).tobytes()).digest()
+def _key(tokens: np.ndarray, media: Media = ()) -> bytes:
+    h = hashlib.blake2b(np.ascontiguousarray(tokens, dtype=np.int64).tobytes())
+    for item in media:
+        h.update(b"\0" + item.encode())
+    return h.digest()
 
 
 def assemble_routing(
@@ -117,14 +136,17 @@ def assemble_routing(
     sequences: Sequence[Sequence[int]],
     fill: int,
     keep_first: bool = False,
+    media: Sequence[Media] | None = None,
 ) -> list[np.ndarray]:
     """The routing of each finished sequence (prompt + response token ids), (L - 1, Lm, k).
 
     Requests are matched to sequences by content (the tokens each forward saw), so nothing
     depends on how the engine names requests. A request whose prompt started from the prefix
     cache computed only its tail; its cached head was computed by another request of the same
-    records with the same leading tokens, whose routing it takes (the cache must hold nothing
-    from before the records: the adapter resets it).
+    records with the same leading tokens (and images), whose routing it takes (the cache must
+    hold nothing from before the records: the adapter resets it).
+
+    ``media``: each sequence's image ids, as the records name them (None: no images).
 
     A position computed more than once (a preempted request computed again) keeps its last
     computation, or with ``keep_first`` its first: a partial rollout's request, computed again
@@ -136,13 +158,14 @@ def assemble_routing(
     requests = _by_request(records, keep_first)
     # (last position, first computed position, tokens from there on) -> request
     index: dict[tuple[int, int, bytes], list[str]] = {}
-    for req, (covered, tok, _, size) in requests.items():
+    for req, (covered, tok, _, size, images) in requests.items():
         first = int(np.argmax(covered))
         if not covered[first:].all():
             raise RoutingError(f"request {req}: positions missing inside the computed range")
-        index.setdefault((size - 1, first, _key(tok)), []).append(req)
+        index.setdefault((size - 1, first, _key(tok, images)), []).append(req)
     starts = sorted({k[1] for k in index})
     matched: list[tuple[int, str]] = []  # (first computed position, request) per sequence
+    media = media if media is not None else [()] * len(sequences)
     for i, seq in enumerate(sequences):
         ids = np.asarray(seq, dtype=np.int64)
         last = len(ids) - 2
@@ -150,7 +173,7 @@ def assemble_routing(
         for first in starts:
             if first > last:
                 break
-            reqs = index.get((last, first, _key(ids[first : last + 1])))
+            reqs = index.get((last, first, _key(ids[first : last + 1], media[i])))
             if reqs:
                 found = (first, reqs.pop())
                 break
@@ -162,12 +185,12 @@ def assemble_routing(
     out: list[np.ndarray | None] = [None] * len(sequences)
     for i in sorted(range(len(sequences)), key=lambda j: matched[j][0]):
         first, req = matched[i]
-        _, _, experts, size = requests[req]
+        _, _, experts, size, _ = requests[req]
         ids = np.asarray(sequences[i], dtype=np.int64)
         routing = np.full((size, *experts.shape[1:]), fill, dtype=experts.dtype)
         routing[first:] = experts
         if first > 0:
-            head = heads.get((first, _key(ids[:first])))
+            head = heads.get((first, _key(ids[:first], media[i])))
             if head is None:
                 raise RoutingError(
                     f"sequence {i}: its first {first} tokens came from the prefix cache and no "
@@ -176,7 +199,7 @@ def assemble_routing(
             routing[:first] = head
         for n in heads_needed:
             if n <= size:
-                heads.setdefault((n, _key(ids[:n])), routing[:n])
+                heads.setdefault((n, _key(ids[:n], media[i])), routing[:n])
         out[i] = routing
     return out  # type: ignore[return-value]
 

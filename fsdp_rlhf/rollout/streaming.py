@@ -43,9 +43,13 @@ class StreamingEngine(Protocol):
 
     def abort_unfinished(self) -> None: ...
 
-    def take_routing(self, sequences: list[list[int]]) -> RecordedRouting | None:
+    def take_routing(
+        self, sequences: list[list[int]], images: list[PromptImages | None] | None = None
+    ) -> RecordedRouting | None:
         """The experts the finished ``sequences`` (prompt + response ids) were routed to, one
-        ``(L - 1, Lm, k)`` array each (router replay); None when the engine records none."""
+        ``(L - 1, Lm, k)`` array each (router replay); None when the engine records none.
+        ``images``: each sequence's prompt's images (a vision-language model: the same tokens
+        with other images routed otherwise)."""
         ...
 
 
@@ -131,9 +135,11 @@ def stream_rollout(
     start, _ = ranges[rank_in_engine]
     kept = sorted(i - start for i in done[rank_in_engine][: wanted[rank_in_engine]])
     out = _output(samples, prompt_ids, kept, n, pad_id, start)
-    routing = engine.take_routing(
-        [[*prompt_ids[i], *samples[(start + i, j)].tokens] for i in kept for j in range(n)]
-    )
+    sequences = [[*prompt_ids[i], *samples[(start + i, j)].tokens] for i in kept for j in range(n)]
+    if images is None:
+        routing = engine.take_routing(sequences)
+    else:
+        routing = engine.take_routing(sequences, [images[i] for i in kept for _ in range(n)])
     if routing is not None:  # router replay: (N, P + T, Lm, k) like out.sequences()
         out.routed_experts = pad_routing(
             routing.sequences,

@@ -189,15 +189,6 @@ SEQUENCE_PARALLEL = [
 # ---------------------------------------------------------------- expert parallelism
 
 
-def _moe_vlm(s) -> str | None:
-    """``--expert_parallel_size E: FLAG PATH is a vision-language MoE model``, or None."""
-    for flag, kind in s.models.items():
-        if kind.moe and kind.is_vlm:
-            what = f"{flag} {kind.path} is a vision-language MoE model"
-            return f"--expert_parallel_size {ep_size(s)}: {what}"
-    return None
-
-
 def _no_moe(s) -> str | None:
     """``--expert_parallel_size E: no MoE model to split (FLAG PATH ... are dense)``, or None
     (no model read yet: the flags alone)."""
@@ -208,14 +199,6 @@ def _no_moe(s) -> str | None:
 
 
 EXPERT_PARALLEL = [
-    Rule(
-        "expert-parallel-vlm",
-        ("expert parallel", "VLM"),
-        ALL,
-        lambda s: _moe_vlm(s) if ep_size(s) > 1 else None,
-        "expert parallelism is not tested with image inputs yet",
-        "use --expert_parallel_size 1",
-    ),
     Rule(
         "expert-parallel-needs-moe",
         ("expert parallel", "MoE"),
@@ -369,15 +352,6 @@ VLM = [
         vlm_with(lambda s: multiturn(s) is not None, lambda s: s.cfg.multiturn.source[0]),
         "multi-turn environments return text only",
         "use single-turn rollouts, which take images",
-    ),
-    Rule(
-        "vlm-router-replay",
-        ("VLM", "router replay"),
-        (PPO,),
-        vlm_with(lambda s: s.cfg.moe.router_replay, "--router_replay"),
-        "routing replay is not implemented for vision-language models (their prompts reach "
-        "vLLM with the image placeholders collapsed)",
-        "drop it",
     ),
     Rule(
         "freeze-visual-encoder-text-model",

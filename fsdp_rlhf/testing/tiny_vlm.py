@@ -1,11 +1,20 @@
-"""Build small vision-language checkpoints (Qwen2.5-VL, Qwen3-VL), their processors and image
-data locally (no downloads).
+"""Build small vision-language checkpoints (Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5-MoE),
+their processors and image data locally (no downloads).
 
 The processor is the real one (``Qwen2_5_VLProcessor`` / ``Qwen3VLProcessor`` with the Qwen2-VL
 image processor), configured for small images: one merged image token covers 28x28 px
 (Qwen2.5-VL; 32x32 for Qwen3-VL) and images are resized to 56..112 px a side, so an image costs
 4 to 16 tokens. Text head_dim stays 64 (vLLM's CPU attention rejects smaller heads); the M-RoPE
 sections sum to head_dim / 2 as in published configs.
+
+The MoE ones keep what the published checkpoints' structure asks of the trainer and vLLM:
+``qwen3_vl_moe`` (Qwen/Qwen3-VL-30B-A3B-Instruct) has every text layer sparse (16 experts, top
+4, softmax router renormalised) and Qwen3-VL's vision tower with deepstack features;
+``qwen3_5_moe`` (Qwen/Qwen3.5-35B-A3B, whose text and vision config Qwen3.6-35B-A3B shares)
+has hybrid text layers (gated-delta-net linear attention, then gated full attention with a
+quarter of each head rotated, interleaved M-RoPE sections over those frequencies), every layer
+sparse with a gated shared expert, and a vision tower without deepstack. Its linear-attention
+heads are 128 wide (vLLM's CPU gated-delta-net kernel takes 128 only, and bf16 only).
 
 Two tokenizers: the byte-level BPE of ``testing.tiny`` (vocabulary 512, like the text models),
 or with ``words`` a word-level one whose vocabulary is those words and the special tokens. The
@@ -42,7 +51,9 @@ VL_WORDS = [*WORDS, *"what colour image picture square shape show".split()]
 COLOURS = {"red": (230, 20, 20), "green": (20, 200, 20), "blue": (20, 20, 230)}
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 112 * 112
 
-Arch = Literal["qwen2_5_vl", "qwen3_vl"]
+Arch = Literal["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5_moe"]
+# every text layer sparse: 16 experts, top 4 (published: 128/256 experts, top 8)
+_MOE = dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64)
 
 
 def build_word_tokenizer(out_dir: str | Path, words: list[str] | tuple[str, ...]):
@@ -92,7 +103,7 @@ def _processor(arch: Arch, tokenizer):
     )
 
 
-def _config(arch: Arch, tok, num_layers: int, tie: bool):
+def _text_config(arch: Arch, tok, num_layers: int, tie: bool) -> dict:
     ids = {t: tok.convert_tokens_to_ids(t) for t in VL_SPECIAL_TOKENS}
     text = dict(
         vocab_size=len(tok),
@@ -107,23 +118,45 @@ def _config(arch: Arch, tok, num_layers: int, tie: bool):
         bos_token_id=None,
         tie_word_embeddings=tie,
     )
-    special = dict(
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=tie,
-    )
-    if arch == "qwen2_5_vl":
-        from transformers import Qwen2_5_VLConfig
+    # sections of the 32 rotary frequencies of a 64-wide head: time, height, width
+    rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [8, 12, 12]}
+    if arch != "qwen2_5_vl":
+        text["head_dim"] = 64
+        rope.update(rope_theta=5e6, mrope_interleaved=True)
+    if arch == "qwen3_vl_moe":
+        # norm_topk_prob: in the published config.json (transformers' router renormalises
+        # always and has no such key; vLLM's Qwen3-VL-MoE reads it)
+        text.update(
+            _MOE,
+            moe_intermediate_size=32,  # 2I != H: the fused tensors' transpose is unambiguous
+            num_attention_heads=4,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+        )
+    if arch == "qwen3_5_moe":
+        # published: head_dim 256, a quarter rotated, sections [11, 11, 10] of its 32
+        # frequencies; here 16 of 64 dims rotated, 8 frequencies
+        rope.update(rope_theta=1e7, partial_rotary_factor=0.25, mrope_section=[3, 3, 2])
+        text.update(
+            _MOE,
+            num_attention_heads=4,
+            shared_expert_intermediate_size=64,
+            linear_num_key_heads=1,
+            linear_num_value_heads=2,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+            layer_types=["linear_attention", "full_attention"] * (num_layers // 2)
+            + ["linear_attention"] * (num_layers % 2),
+        )
+    text["rope_parameters"] = rope
+    return text
 
-        # sections of the 32 rotary frequencies of a 64-wide head: time, height, width
-        text["rope_parameters"] = {
-            "rope_type": "default",
-            "rope_theta": 1e6,
-            "mrope_section": [8, 12, 12],
-        }
-        vision = dict(
+
+def _vision_config(arch: Arch) -> dict:
+    if arch == "qwen2_5_vl":
+        return dict(
             depth=2,
             hidden_size=64,
             intermediate_size=128,
@@ -135,16 +168,6 @@ def _config(arch: Arch, tok, num_layers: int, tie: bool):
             spatial_merge_size=2,
             temporal_patch_size=2,
         )
-        return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **special)
-    from transformers import Qwen3VLConfig
-
-    text["head_dim"] = 64
-    text["rope_parameters"] = {
-        "rope_type": "default",
-        "rope_theta": 5e6,
-        "mrope_section": [8, 12, 12],
-        "mrope_interleaved": True,
-    }
     vision = dict(
         depth=2,
         hidden_size=64,
@@ -155,9 +178,37 @@ def _config(arch: Arch, tok, num_layers: int, tie: bool):
         spatial_merge_size=2,
         temporal_patch_size=2,
         num_position_embeddings=64,
-        deepstack_visual_indexes=[0],
     )
-    return Qwen3VLConfig(text_config=text, vision_config=vision, **special)
+    if arch != "qwen3_5_moe":  # Qwen3.5's tower has no deepstack features
+        vision["deepstack_visual_indexes"] = [0]
+    return vision
+
+
+_CONFIG_CLASSES = {
+    "qwen2_5_vl": "Qwen2_5_VLConfig",
+    "qwen3_vl": "Qwen3VLConfig",
+    "qwen3_vl_moe": "Qwen3VLMoeConfig",
+    "qwen3_5_moe": "Qwen3_5MoeConfig",
+}
+
+
+def _config(arch: Arch, tok, num_layers: int, tie: bool):
+    import transformers
+
+    ids = {t: tok.convert_tokens_to_ids(t) for t in VL_SPECIAL_TOKENS}
+    special = dict(
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=tie,
+    )
+    cls = getattr(transformers, _CONFIG_CLASSES[arch])
+    return cls(
+        text_config=_text_config(arch, tok, num_layers, tie),
+        vision_config=_vision_config(arch),
+        **special,
+    )
 
 
 def build_vl_model(
@@ -193,8 +244,27 @@ def build_vl_model(
         _config(arch, tok, num_layers, tie_word_embeddings)
     )
     model.to(torch.float32).save_pretrained(str(out))
+    if arch == "qwen3_vl_moe":
+        _published_expert_layout(out)
     write_generation_config(out, tok)
     return out
+
+
+def _published_expert_layout(out: Path) -> None:
+    """Qwen3-VL-MoE's published checkpoints hold the fused experts as (E, H, 2I) and (E, I, H),
+    transposed from transformers' (E, 2I, H) and (E, H, I), which its loader converts (and
+    vLLM's reads); ``save_pretrained`` of a model built from a config writes transformers'
+    layout, so the file is rewritten in the published one (temp, then rename)."""
+    from safetensors.torch import load_file, save_file
+
+    path = out / "model.safetensors"
+    tensors = load_file(str(path))
+    for name, t in tensors.items():
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            tensors[name] = t.transpose(1, 2).contiguous()
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(path)
 
 
 # ---------------------------------------------------------------- images

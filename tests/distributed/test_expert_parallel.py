@@ -89,7 +89,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
 
 
-def _check(per_rank: list[dict]) -> None:
+def _check(per_rank: list[dict], loose: tuple[str, ...] = (), loose_rel: float = 1e-3) -> None:
+    """EP against EP=1 (see the module docstring); gradients of parameters named with a suffix
+    in ``loose`` within ``loose_rel`` instead of 1e-5."""
     for rank, res in enumerate(per_rank):
         for replay, r in res.items():
             case = (rank, replay)
@@ -102,8 +104,10 @@ def _check(per_rank: list[dict]) -> None:
             assert grads.keys() == ref_grads.keys()
             experts = [n for n in grads if n.endswith(("gate_up_proj", "down_proj"))]
             assert experts and all(ref_grads[n].abs().max() > 0 for n in experts), case
-            worst = max(_rel(grads[n], ref_grads[n]) for n in grads if ref_grads[n].abs().max())
+            rel = {n: _rel(grads[n], ref_grads[n]) for n in grads if ref_grads[n].abs().max()}
+            worst = max(v for n, v in rel.items() if not n.endswith(loose))
             assert worst < 1e-5, (case, worst)
+            assert all(v < loose_rel for n, v in rel.items() if n.endswith(loose)), (case, rel)
             m, ref_m = r["ep"]["metrics"], r["ep1"]["metrics"]
             assert m.keys() == ref_m.keys() and ref_m, case
             for key, value in ref_m.items():

@@ -157,3 +157,37 @@ def test_shared_expert_family_at_ep2_with_lora_packing_and_token_budgets(tmp_pat
     assert_engine_matches_trainer(rows, 3)
     assert all(r["moe/router_replay_agreement"] > 0.99 for r in rows)
     assert all(r["moe/ep_group_load_max_mean"] >= 1.0 for r in rows)
+
+
+def test_vlm_moe_grpo_on_images_at_ep2_equals_ep1(tmp_path):
+    """GRPO on the colour images with a tiny Qwen3-VL-MoE (fp32), --router_replay and
+    --aux_loss_coef, at --expert_parallel_size 2 and 1: step 1 (the same rollout) gives the
+    same scores, losses and gradient norm, and the engine's log-probs equal the trainer's after
+    every weight sync of the split experts (the vision tower synced beside them)."""
+    from fsdp_rlhf.testing.tiny_vlm import build_vl_model, colour_rows, write_rows
+    from tests.vlm.conftest import COLOUR_REWARD
+    from tests.vlm.test_vlm_grpo import WORDS, grpo_flags
+
+    model = str(build_vl_model(tmp_path / "model", "qwen3_vl_moe", words=WORDS, seed=3))
+    data = tmp_path / "data"
+    write_rows(colour_rows(32, data / "images", seed=0), data / "prompts.jsonl")
+    (data / "reward.py").write_text(COLOUR_REWARD)
+    rows = {}
+    for ep in (2, 1):
+        save = tmp_path / f"ep{ep}"
+        args = grpo_flags(model, data, "prompts.jsonl", save)
+        args[args.index("--max_steps") + 1] = "2"
+        extra = ["--router_replay", "--aux_loss_coef", "0.01", "--enforce_eager"]
+        proc = torchrun(["ppo", *args, *extra, "--expert_parallel_size", str(ep)])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rows[ep] = read_metrics(save)
+        assert [r["step"] for r in rows[ep]] == [1, 2]
+        for r in rows[ep]:
+            assert r["rollout/logprob_diff/max"] < 1e-4, r
+            assert r["moe/router_replay_agreement"] > 0.99, r
+    a, b = rows[2][0], rows[1][0]
+    assert "moe/ep_group_load_max_mean" in a and "moe/ep_group_load_max_mean" not in b
+    for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "moe/aux_loss"):
+        assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (key, a[key], b[key])
+    keys = ("actor/pg_loss", "actor/grad_norm", "rollout/logprob_diff/max")
+    print({ep: [{k: r[k] for k in keys} for r in rs] for ep, rs in rows.items()})

@@ -210,3 +210,24 @@ def test_models_that_post_process_logits_keep_the_materialised_path(families):
     ):
         model = AutoModelForCausalLM.from_pretrained(families(name))
         assert (fusable_head(model) is not None) is fused, name
+
+
+def test_qwen3_vl_moe_syncs_its_experts_in_the_published_transposed_layout(tmp_path):
+    """Qwen3-VL-MoE's checkpoint holds the fused experts transposed from transformers' layout;
+    transformers' reverse transpose checks the model's own shape and so never transposes back.
+    The sync stream must be the file's tensors as they are on disk (what vLLM loads)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from fsdp_rlhf.models.checkpoint_format import checkpoint_format
+    from fsdp_rlhf.testing.tiny_vlm import build_vl_model
+
+    path = build_vl_model(tmp_path / "m", "qwen3_vl_moe", num_layers=1)
+    model = AutoModelForImageTextToText.from_pretrained(str(path))
+    on_disk = load_file(str(path / "model.safetensors"))
+    streamed = dict(checkpoint_format(str(path)).convert(iter(model.state_dict().items())))
+    experts = [n for n in on_disk if n.endswith("mlp.experts.gate_up_proj")]
+    assert experts and model.state_dict()[experts[0]].shape != on_disk[experts[0]].shape
+    assert streamed.keys() >= on_disk.keys()
+    for name, tensor in on_disk.items():
+        assert torch.equal(streamed[name], tensor), name

@@ -307,25 +307,6 @@ def test_expert_parallel_preflight_names_the_numbers(tiny_qwen2, tiny_qwen3_moe)
     check_expert_parallel(2, 2, {"--pretrain": tiny_qwen2})  # no MoE at all: the rules table's
 
 
-def test_expert_parallel_refuses_a_vision_language_moe(tmp_path):
-    """The rules table's row expert-parallel-vlm, on the kind read from the config alone."""
-    import json
-
-    from fsdp_rlhf.config import PPOConfig
-    from fsdp_rlhf.config_base import build_config
-    from fsdp_rlhf.models.kind import read_model_kind
-    from fsdp_rlhf.rules import RULES, Setting
-
-    config = {"model_type": "qwen3_vl_moe", "architectures": ["Qwen3VLMoeForConditionalGeneration"]}
-    (tmp_path / "config.json").write_text(json.dumps(config))  # Qwen3-VL-30B-A3B's kind
-    kind = read_model_kind(str(tmp_path), "--pretrain")
-    assert kind.moe and kind.is_vlm
-    (row,) = [r for r in RULES if r.id == "expert-parallel-vlm"]
-    cfg = build_config(PPOConfig, ["--pretrain", str(tmp_path), "--expert_parallel_size", "2"])[0]
-    line = row.message(Setting("ppo", cfg, {"--pretrain": kind}))
-    assert line is not None and "is a vision-language MoE model" in line
-
-
 def test_expert_group_load_counts_each_groups_share_of_the_assignments():
     from fsdp_rlhf.models.moe import expert_group_load
 

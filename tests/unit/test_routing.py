@@ -26,8 +26,9 @@ def experts_of(seq_id: int, positions) -> np.ndarray:
     return ((base + np.arange(K)[None, None, :]) % 50).astype(np.uint8)
 
 
-def record(parts) -> StepRecord:
-    """One engine step over ``parts``: (request, sequence id, tokens, first position)."""
+def record(parts, media=()) -> StepRecord:
+    """One engine step over ``parts``: (request, sequence id, tokens, first position);
+    ``media``: each request's image ids."""
     reqs, starts, pos, tok, exp = [], [0], [], [], []
     for req, seq_id, tokens, first in parts:
         positions = np.arange(first, first + len(tokens))
@@ -42,6 +43,7 @@ def record(parts) -> StepRecord:
         np.concatenate(pos),
         np.concatenate(tok),
         np.concatenate(exp),
+        tuple(media),
     )
 
 
@@ -67,6 +69,31 @@ def test_sequences_are_matched_by_content_whatever_the_request_names():
     got = assemble_routing(records, [s1, s2], fill=255)
     np.testing.assert_array_equal(got[0], experts_of(1, range(2)))
     np.testing.assert_array_equal(got[1], experts_of(2, range(2)))
+
+
+def test_the_same_tokens_with_other_images_are_told_apart_by_their_image_ids():
+    """Two prompts of the colour task: the same tokens (an image's placeholder repeated once
+    per image token, then the question), other images. Each sample of each prompt takes the
+    routing of the request that computed it with its own image, and a sample whose prompt came
+    from the prefix cache takes its head from the request with the same image, not the first
+    with the same tokens."""
+    pad = 9  # the image placeholder, expanded: 4 image tokens
+    prompt = [1, pad, pad, pad, pad, 2, 3]
+    red, blue = [*prompt, 40, 41], [*prompt, 40, 41]  # the same answer too
+    red2 = [*prompt, 50]
+    records = [
+        record([("b", 1, blue[:-1], 0), ("r", 0, red[:-1], 0)], [("blue",), ("red",)]),
+        record([("r2", 2, red2[5:-1], 5)], [("red",)]),  # its head from the prefix cache
+    ]
+    media = [("red",), ("blue",), ("red",)]
+    got = assemble_routing(records, [red, blue, red2], fill=255, media=media)
+    np.testing.assert_array_equal(got[0], experts_of(0, range(8)))
+    np.testing.assert_array_equal(got[1], experts_of(1, range(8)))
+    np.testing.assert_array_equal(got[2][:5], experts_of(0, range(5)))  # red's head
+    np.testing.assert_array_equal(got[2][5:], experts_of(2, range(5, 7)))
+    # the images are part of the content: no request computed red with a green image
+    with pytest.raises(RoutingError, match="no engine forward computed it"):
+        assemble_routing(records[:1], [red], fill=255, media=[("green",)])
 
 
 def test_a_recomputed_position_keeps_the_last_computation():

@@ -54,11 +54,6 @@ VLM_TOKENS = ModelKind(
     "models/vl10", "OtherVLForConditionalGeneration", 4, 2, vision=VisionTokens(10),
     patches=PATCHES,
 )  # fmt: skip
-VLM_MOE = ModelKind(
-    "models/vlmoe", "Qwen3_5MoeForConditionalGeneration", 4, 2, experts=8,
-    router="Qwen3_5MoeTopKRouter", linear_attention=True, gated_delta_net=True,
-    vision=VisionTokens(9),
-)  # fmt: skip
 
 # what every PPO case starts from: critic-free, groups of 4 (no row fires on it alone)
 PPO_BASE = ["--advantage_estimator", "grpo", "--n_samples_per_prompt", "4", "--bf16"]
@@ -68,11 +63,6 @@ ENV = ["--env_file", "env.py"]
 # row id -> (command, flags, models (flag -> kind; default: a dense --pretrain), cuda, words
 # of the line)
 CASES: dict[str, tuple] = {
-    "expert-parallel-vlm": (
-        "ppo", ["--expert_parallel_size", "2"], {"--pretrain": VLM_MOE}, False,
-        "--expert_parallel_size 2: --pretrain models/vlmoe is a vision-language MoE model: "
-        "expert parallelism is not tested with image inputs",
-    ),
     "expert-parallel-needs-moe": (
         "sft", ["--expert_parallel_size", "2"], None, False,
         "--expert_parallel_size 2: no MoE model to split (--pretrain models/dense are dense)",
@@ -185,10 +175,6 @@ CASES: dict[str, tuple] = {
     ),
     "vlm-multi-turn": (
         "ppo", ENV, {"--pretrain": VLM}, False, "--env_file: multi-turn environments return text",
-    ),
-    "vlm-router-replay": (
-        "ppo", ["--router_replay"], {"--pretrain": VLM_MOE}, False,
-        "--router_replay: routing replay is not implemented for vision-language models",
     ),
     "freeze-visual-encoder-text-model": (
         "sft", ["--freeze_visual_encoder"], None, False,

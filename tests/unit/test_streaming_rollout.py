@@ -45,7 +45,7 @@ class ScriptedEngine:
         self.aborted = True
         self.progress = {}
 
-    def take_routing(self, sequences):
+    def take_routing(self, sequences, images=None):
         return None
 
 

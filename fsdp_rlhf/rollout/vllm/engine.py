@@ -481,6 +481,23 @@ def check_expanded(prompt_token_ids: Sequence[int], expected: list[int]) -> None
         )
 
 
+def image_ids(images: PromptImages | None) -> tuple[str, ...]:
+    """Content ids of a prompt's images (mode, size and pixels hashed), handed to vLLM as their
+    ``multi_modal_uuids`` under router replay: the recorder reads them back per request, so a
+    sequence's routing is told apart from that of the same tokens with other images. Equal
+    images get equal ids, as vLLM's own hashing would give them (its caches may share them)."""
+    import hashlib
+
+    if images is None:
+        return ()
+    out = []
+    for image in images.images:
+        h = hashlib.blake2b(f"{image.mode} {image.size}".encode(), digest_size=16)
+        h.update(image.tobytes())
+        out.append("fsdp-rlhf-" + h.hexdigest())
+    return tuple(out)
+
+
 def to_rollout_output(
     request_outputs,
     sampling: SamplingConfig,
@@ -720,9 +737,13 @@ class VLLMEngine:
                 )
                 for i, (p, _) in enumerate(gathered)
             ]
-        requests = [self._request(ids, img) for ids, img in gathered]
-        outputs = []
         recorder = self._routing.recorder if self._routing is not None else None
+        # with the CPU recorder each image goes with its id, which the records name
+        media = [image_ids(img) if recorder is not None else () for _, img in gathered]
+        requests = [
+            self._request(ids, img, m) for (ids, img), m in zip(gathered, media, strict=True)
+        ]
+        outputs = []
         if recorder is not None:
             # every prefix the outputs reuse from the cache is then computed in this call,
             # where the recorder sees it
@@ -740,7 +761,7 @@ class VLLMEngine:
         expected = [list(ids) for ids, _ in gathered[start:stop]] if self.vision else None
         if self._routing is None:
             return to_rollout_output(outputs[start:stop], sampling, self.pad_token_id, expected)
-        routing = self._routed_experts(outputs)
+        routing = self._routed_experts(outputs, media)
         n = sampling.n
         return to_rollout_output(
             outputs[start:stop],
@@ -751,24 +772,32 @@ class VLLMEngine:
             routing_store=self._routing.store,
         )
 
-    def _request(self, ids: list[int], images: PromptImages | None) -> TokensPrompt:
+    def _request(
+        self, ids: list[int], images: PromptImages | None, media: tuple[str, ...] = ()
+    ) -> TokensPrompt:
         if images is None:
             return TokensPrompt(prompt_token_ids=ids)
-        return TokensPrompt(
+        prompt = TokensPrompt(
             prompt_token_ids=collapse_runs(ids, self.vision.image),
             multi_modal_data={"image": list(images.images)},
         )
+        if media:
+            prompt["multi_modal_uuids"] = {"image": list(media)}
+        return prompt
 
-    def _routed_experts(self, outputs) -> list[np.ndarray]:
-        """(L - 1, Lm, k) routing of every completion of ``outputs``, in output order."""
+    def _routed_experts(self, outputs, media: list[tuple[str, ...]]) -> list[np.ndarray]:
+        """(L - 1, Lm, k) routing of every completion of ``outputs``, in output order;
+        ``media``: each output's prompt's image ids (what the CPU recorder names them by)."""
         routing = self._routing
         if routing.recorder is None:
             return moe_ops.routing_from_outputs(outputs, routing.layers, routing.np_store)
-        sequences = []
-        for req in outputs:
+        sequences, seq_media = [], []
+        for req, images in zip(outputs, media, strict=True):
             for comp in sorted(req.outputs, key=lambda c: c.index):
                 sequences.append([*req.prompt_token_ids, *comp.token_ids])
-        return assemble_routing(routing.recorder.take(), sequences, no_expert(routing.store))
+                seq_media.append(images)
+        fill = no_expert(routing.store)
+        return assemble_routing(routing.recorder.take(), sequences, fill, seq_media)
 
     def update_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], in_flight: bool = False
@@ -838,7 +867,7 @@ class VLLMEngine:
                 request_id = f"{self._submissions}:{i}:{j}"
                 self.llm.llm_engine.add_request(
                     request_id,
-                    self._request(p, img),
+                    self._request(p, img, image_ids(img) if recorder is not None else ()),
                     params,
                     lora_request=self._lora_request(),
                 )
@@ -880,7 +909,9 @@ class VLLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._running) and self.llm.llm_engine.has_unfinished_requests()
 
-    def take_routing(self, sequences: list[list[int]]) -> RecordedRouting | None:
+    def take_routing(
+        self, sequences: list[list[int]], images: list[PromptImages | None] | None = None
+    ) -> RecordedRouting | None:
         """The experts each of ``sequences`` (finished samples of the rollout driven since the
         last :meth:`submit` with nothing running: prompt + response ids) was routed to,
         (L - 1, Lm, k) each; None without router replay. A request computed again from its
@@ -895,7 +926,8 @@ class VLLMEngine:
                 "adapter's CPU recorder only (the rules table refuses it on CUDA)"
             )
         fill = no_expert(self._routing.store)
-        routing = assemble_routing(recorder.take(), sequences, fill, keep_first=True)
+        media = None if images is None else [image_ids(im) for im in images]
+        routing = assemble_routing(recorder.take(), sequences, fill, keep_first=True, media=media)
         return RecordedRouting(routing, self._routing.store)
 
     def abort_unfinished(self) -> None:

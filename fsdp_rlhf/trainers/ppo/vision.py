@@ -2,11 +2,10 @@
 step's prompts turned into what the engine and the forwards take.
 
 What a vision-language actor does not combine with (a text-only or other-family critic or
-reward model, packing, multi-turn environments, router replay, sequence parallelism) is
-refused by the rules table (``fsdp_rlhf.rules``, rows ``vlm-*``), before any model loads.
-Under ``--async_train`` the rollout ranks encode each batch's prompts here too
-(``ppo.async_rollout``). A VLM critic or reward model holds its head on the language model
-(``models.vision_head``).
+reward model, multi-turn environments) is refused by the rules table (``fsdp_rlhf.rules``,
+rows ``vlm-*``), before any model loads. Under ``--async_train`` the rollout ranks encode each
+batch's prompts here too (``ppo.async_rollout``). A VLM critic or reward model holds its head on
+the language model (``models.vision_head``).
 ``--share_prompt_prefix`` (on by default) is turned off with a log line: the shared prompt pass
 has no image inputs.
 """
