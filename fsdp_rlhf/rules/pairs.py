@@ -91,9 +91,12 @@ MODEL_KINDS: dict[str, ModelKind] = {
                  ("in_channels", 3)),
     ),
     "vlm_moe": ModelKind(
-        "{model}", "Qwen3_5MoeForConditionalGeneration", 4, 2, experts=8,
-        router="Qwen3_5MoeTopKRouter", linear_attention=True, gated_delta_net=True,
-        split_heads=2, vision=VisionTokens(image=6, video=7, start=4, end=5, merge_size=2),
+        "{model}", "Qwen3_5MoeForConditionalGeneration", 4, 1, experts=16,
+        router="Qwen3_5MoeTopKRouter", attention=((4, 1),), linear_attention=True,
+        gated_delta_net=True, split_heads=2,
+        vision=VisionTokens(image=6, video=7, start=4, end=5, merge_size=2),
+        patches=(("patch_size", 16), ("temporal_patch_size", 2), ("spatial_merge_size", 2),
+                 ("in_channels", 3)),
     ),
 }  # fmt: skip
 
