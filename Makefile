@@ -9,7 +9,7 @@ STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml Makefile scripts/vllm_r
 MAX_JOBS ?= 8
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: install test test-async test-async-resume test-faults test-fast test-long test-bench test-models test-models-full test-vlm test-pairs test-sp test-ep test-gpu test-vllm-compat test-transformers-compat test-cluster demo bench lint fmt clean gpu-smoke tcmalloc
+.PHONY: install test test-async test-async-resume test-faults test-fast test-long test-bench test-models test-models-full test-vlm test-pairs test-flagship test-sp test-ep test-gpu test-vllm-compat test-transformers-compat test-cluster demo bench lint fmt clean gpu-smoke tcmalloc
 
 install: $(STAMP)
 
@@ -72,7 +72,7 @@ tcmalloc:
 test: install
 	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu --ignore=tests/models \
 	  -m "featured or (not asynchronous and not async_resume_full and not sp and not ep and not vlm \
-	  and not faults and not long and not pairs)"
+	  and not faults and not long and not pairs and not flagship)"
 
 # The longer runs beside a make test case of the same feature (LoRA GAE at TP 2 with export
 # and resume, vLLM serving a trained reward model, torch.compile against eager, RM packing
@@ -125,13 +125,19 @@ test-models-full: install
 # OpenRLHF's VLM script in both dialects, SFT, router replay on tiny Qwen3-VL-MoE / Qwen3.5-MoE
 # VLMs (about 5 minutes of it). About 11-12 minutes on 2 cores.
 test-vlm: install
-	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu -m vlm
+	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu -m "vlm and not long"
 
 # The pairwise matrix: every pair of SP, async, router replay, VLM, packing, LoRA, multi-turn and
 # critic that no rules-table row refuses, covered by a few 2-step ppo jobs (fsdp_rlhf/rules/pairs.py
 # plans them from the table; docs/compatibility.md#feature-pairs). About 3 minutes on 2 cores.
 test-pairs: install
 	$(BIN)/python -m pytest -q tests/e2e/test_pairs.py tests/unit/test_pairs_plan.py
+
+# The flagship run (marker `flagship`, tests/vlm/test_flagship.py): a tiny Qwen3.5-MoE VLM
+# (hybrid attention, MoE, a vision tower) learns the colour task with GRPO on 4 CPU ranks,
+# --async_train with partial rollouts on 2 engines, SP 2, router replay, packing, bf16.
+test-flagship: install
+	$(BIN)/python -m pytest -q tests/vlm/test_flagship.py -m flagship
 
 # python -m scripts.bench --smoke: every measurement path of the bench runs and writes sane numbers
 # (tiny sizes, one repetition; not speed). About 2-3 minutes on 2 cores.

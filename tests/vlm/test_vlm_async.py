@@ -83,6 +83,7 @@ def test_a_partial_rollout_of_image_prompts_keeps_its_images(tiny_vl, tmp_path):
     assert (lp[1] - lp[0])[mask].abs().max() > 0.1  # the versions are far apart
 
 
+@pytest.mark.long  # make test-long: CI's time goes to the pairs above
 def test_a_frozen_vision_tower_is_not_published(colour_vl, colour_data, tmp_path):
     """--freeze_visual_encoder: each version published to the rollout rank holds the language
     model only (the engine keeps the tower it loaded), as the colocated sync sends it."""

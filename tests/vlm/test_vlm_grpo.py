@@ -115,8 +115,9 @@ def test_an_unreadable_image_or_a_404_is_one_line_naming_the_row(colour_vl, colo
 @pytest.mark.parametrize(
     "name, flags",
     [
-        ("packed", ["--packing_samples"]),
-        ("sp2", ["--sequence_parallel_size", "2"]),
+        # each alone in make test-long; CI runs both together (sp2_packed)
+        pytest.param("packed", ["--packing_samples"], marks=pytest.mark.long),
+        pytest.param("sp2", ["--sequence_parallel_size", "2"], marks=pytest.mark.long),
         ("sp2_packed", ["--sequence_parallel_size", "2", "--packing_samples"]),
     ],
 )
