@@ -74,9 +74,12 @@ test: install
 	  -m "featured or (not asynchronous and not async_resume_full and not sp and not ep and not vlm \
 	  and not faults and not long and not pairs and not flagship)"
 
-# The longer runs beside a make test case of the same feature (LoRA GAE at TP 2 with export
-# and resume, vLLM serving a trained reward model, torch.compile against eager, RM packing
-# against padding): about 3.5 minutes, not in CI (its time budget); run them before a release.
+# The longer runs beside a CI case of the same feature (LoRA GAE at TP 2 with export and
+# resume, vLLM serving a trained reward model, torch.compile against eager, RM packing against
+# padding; the VLM runs with packing or SP alone, a VLM critic at SP 2, a frozen tower under
+# async, GRPO on the Qwen3.5-MoE VLM with and without replay, EP on Qwen3-VL-MoE, a partial
+# rollout's experts with weights held): about 12 minutes, not in CI (its time budget); run them
+# before a release.
 test-long: install
 	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu --ignore=tests/models -m long
 
@@ -85,7 +88,7 @@ test-long: install
 # one lossless-resume case (the full matrix is test-async-resume's).
 test-async: install
 	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu --ignore=tests/models \
-	  -m "asynchronous and not async_resume_full"
+	  -m "asynchronous and not async_resume_full and not long"
 
 # Lossless async resume, the full matrix (marker async_resume_full): runs SIGKILLed while
 # generating, queued, training and syncing on 1 and 2 training ranks against an uninterrupted
@@ -107,7 +110,7 @@ test-sp: install
 # Expert parallelism (pytest marker `ep`, docs/models.md#expert-parallelism): EP=2 against EP=1
 # on 2 and 4 gloo ranks, checkpoints resharded between expert-parallel sizes, GRPO with vLLM.
 test-ep: install
-	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu -m ep
+	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu -m "ep and not long"
 
 # The family matrix: a tiny model of each family (Qwen2/3, Qwen3-MoE, Qwen2-MoE, Qwen3.5,
 # Llama 3, Gemma 3, Mistral, Phi-3, OLMo 2) runs GRPO with vLLM rollouts (docs/models.md).

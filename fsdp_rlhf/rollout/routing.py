@@ -135,6 +135,7 @@ def assemble_routing(
     records: Sequence[StepRecord],
     sequences: Sequence[Sequence[int]],
     fill: int,
+    *,
     keep_first: bool = False,
     media: Sequence[Media] | None = None,
 ) -> list[np.ndarray]:

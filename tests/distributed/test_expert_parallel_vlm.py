@@ -103,7 +103,9 @@ def _compare(rank: int, world: int, path: str, image_dir: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("arch", ["qwen3_vl_moe", "qwen3_5_moe"])
+@pytest.mark.parametrize(
+    "arch", [pytest.param("qwen3_vl_moe", marks=pytest.mark.long), "qwen3_5_moe"]
+)  # CI: one
 def test_ep2_equals_ep1_on_a_vlm_moe_with_images(arch, tmp_path):
     from fsdp_rlhf.testing.tiny_vlm import build_vl_model
 

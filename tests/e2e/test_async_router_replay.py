@@ -134,7 +134,7 @@ def test_partial_rollouts_replay_every_token_and_expert_parallelism_composes(moe
     assert "moe/ep_group_tokens_max" in ep[0]
 
 
-@pytest.mark.parametrize("scale", [0.0, 0.05])
+@pytest.mark.parametrize("scale", [pytest.param(0.0, marks=pytest.mark.long), 0.05])  # CI: one
 def test_a_partial_rollouts_tokens_replay_the_experts_that_sampled_them(scale, tmp_path):
     """An MoE model with near-tied routers; after 6 engine steps weights load in flight (the
     same weights again, or every weight moved by 0.05 x a normal draw), and vLLM computes the

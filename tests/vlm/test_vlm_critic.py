@@ -95,7 +95,14 @@ def test_train_rm_on_image_pairs_prefers_the_images_colour(vl_reward_model, pair
 
 # the critic and reward model packed and split too (their values of each rank's slice)
 @pytest.mark.parametrize(
-    "extra", [[], ["--packing_samples", "--sequence_parallel_size", "2"]], ids=["padded", "sp2"]
+    "extra",
+    [
+        [],
+        pytest.param(
+            ["--packing_samples", "--sequence_parallel_size", "2"], marks=pytest.mark.long
+        ),
+    ],
+    ids=["padded", "sp2"],  # sp2 in make test-long: CI's pairs job runs a VLM critic at SP 2
 )
 def test_ppo_with_gae_on_a_vlm_with_a_vlm_reward_model(
     tiny_vl, vl_reward_model, pair_data, tmp_path, extra

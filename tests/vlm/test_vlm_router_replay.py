@@ -160,6 +160,7 @@ def test_the_engines_routing_lines_up_with_the_trainers_rows_image_tokens_includ
 GRPO_STEPS = 4
 
 
+@pytest.mark.long  # make test-long; CI runs this model with replay in make test-flagship
 def test_grpo_on_images_with_router_replay_on_the_qwen3_5_moe_vlm_in_bf16(tmp_path):
     """GRPO on the colour images, the tiny Qwen3.5-MoE VLM in bf16 (2 ranks, one vLLM engine
     each), with and without --router_replay, side by side: replayed, the trainer's log-probs
@@ -168,7 +169,8 @@ def test_grpo_on_images_with_router_replay_on_the_qwen3_5_moe_vlm_in_bf16(tmp_pa
     (bf16 rounding moves close calls)."""
     from fsdp_rlhf.testing.tiny_vlm import build_vl_model, colour_rows, write_rows
     from tests.vlm.conftest import COLOUR_REWARD
-    from tests.vlm.test_vlm_grpo import WORDS, grpo_flags
+    from tests.vlm.conftest import COLOUR_WORDS as WORDS
+    from tests.vlm.test_vlm_grpo import grpo_flags
 
     model = str(build_vl_model(tmp_path / "model", "qwen3_5_moe", words=WORDS, seed=3))
     data = tmp_path / "data"

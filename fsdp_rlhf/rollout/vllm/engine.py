@@ -797,7 +797,7 @@ class VLLMEngine:
                 sequences.append([*req.prompt_token_ids, *comp.token_ids])
                 seq_media.append(images)
         fill = no_expert(routing.store)
-        return assemble_routing(routing.recorder.take(), sequences, fill, seq_media)
+        return assemble_routing(routing.recorder.take(), sequences, fill, media=seq_media)
 
     def update_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], in_flight: bool = False
