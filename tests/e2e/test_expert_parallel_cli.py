@@ -166,7 +166,8 @@ def test_vlm_moe_grpo_on_images_at_ep2_equals_ep1(tmp_path):
     every weight sync of the split experts (the vision tower synced beside them)."""
     from fsdp_rlhf.testing.tiny_vlm import build_vl_model, colour_rows, write_rows
     from tests.vlm.conftest import COLOUR_REWARD
-    from tests.vlm.test_vlm_grpo import WORDS, grpo_flags
+    from tests.vlm.conftest import COLOUR_WORDS as WORDS
+    from tests.vlm.test_vlm_grpo import grpo_flags
 
     model = str(build_vl_model(tmp_path / "model", "qwen3_vl_moe", words=WORDS, seed=3))
     data = tmp_path / "data"
