@@ -27,6 +27,7 @@ from fsdp_rlhf.distributed.weight_broadcast import WeightLink
 from fsdp_rlhf.rollout import SamplingConfig, build_rollout_groups
 from fsdp_rlhf.rollout.routing import assemble_routing, no_expert, pad_routing
 from fsdp_rlhf.rollout.streaming import stream_rollout
+from fsdp_rlhf.testing.partial import switch_weights_after
 from fsdp_rlhf.trainers.experience import experience_from_rollout
 from fsdp_rlhf.trainers.ppo.async_queue import BatchPart
 
@@ -118,14 +119,7 @@ def rollout_side(model_path: str, env, bridge: Bridge, link: WeightLink) -> None
             router_replay=True,
         )
     engine.update_weights(weight_broadcast.receive(link))
-    polls = [0]
-
-    def poll() -> int:
-        polls[0] += 1
-        if polls[0] == SWITCH_AFTER + 1:  # after SWITCH_AFTER engine steps: new weights
-            bridge.send_object("in flight", 0, Channel.EXPERIENCE)
-            engine.update_weights(weight_broadcast.receive(link), in_flight=True)
-        return 0 if polls[0] <= SWITCH_AFTER else 1
+    poll = switch_weights_after(engine, bridge, link, SWITCH_AFTER)
 
     sampling = SamplingConfig(max_new_tokens=24, temperature=1.0, n=2, seed=11)
     both = _BothAssemblies(engine)
