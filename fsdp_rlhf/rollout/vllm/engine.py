@@ -856,6 +856,7 @@ class VLLMEngine:
             recorder.take()  # a new rollout: its records start here
         for i, (p, img) in enumerate(gathered):
             seed = request_seed(sampling.seed, self.groups.engine_index, i) if seeded else None
+            media = image_ids(img) if recorder is not None else ()  # once for its n samples
             for j in range(sampling.n):
                 params = sampling_params(
                     replace(sampling, n=1),
@@ -867,7 +868,7 @@ class VLLMEngine:
                 request_id = f"{self._submissions}:{i}:{j}"
                 self.llm.llm_engine.add_request(
                     request_id,
-                    self._request(p, img, image_ids(img) if recorder is not None else ()),
+                    self._request(p, img, media),
                     params,
                     lora_request=self._lora_request(),
                 )
@@ -926,7 +927,10 @@ class VLLMEngine:
                 "adapter's CPU recorder only (the rules table refuses it on CUDA)"
             )
         fill = no_expert(self._routing.store)
-        media = None if images is None else [image_ids(im) for im in images]
+        media = None
+        if images is not None:  # a prompt's n samples share its images: hash them once
+            ids = {id(im): image_ids(im) for im in images}
+            media = [ids[id(im)] for im in images]
         routing = assemble_routing(recorder.take(), sequences, fill, keep_first=True, media=media)
         return RecordedRouting(routing, self._routing.store)
 
