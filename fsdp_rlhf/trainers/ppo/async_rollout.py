@@ -13,7 +13,10 @@ Loop, for each batch ``j`` from the step resumed from::
     send       each training rank its prompts' rows, this rank's statistics and timings
 
 then it takes the remaining weight versions until training rank 0 says ``end`` (also how a
-stopping job ends it, in the middle of a batch). Each rollout rank takes versions at its own
+stopping job ends it, in the middle of a batch). With ``--eval_dataset`` a version published
+for an evaluation is loaded at a batch boundary (never while requests are in flight) and
+evaluated there on this rank's share of the eval prompts, rule-scored, before generation goes
+on; the sums go to training rank 0. Each rollout rank takes versions at its own
 pace: training rank 0 posts them to every rollout rank without waiting for any
 (``distributed.weight_broadcast``), so a fast engine is not held back by a slow one. Without
 partial rollouts batch ``j`` is sampled by exactly version ``j - 1 - K`` (after a resume at
@@ -43,6 +46,7 @@ from fsdp_rlhf.distributed import faults, weight_broadcast
 from fsdp_rlhf.distributed.bridge import Channel
 from fsdp_rlhf.distributed.delta_sync import Mirror
 from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars
+from fsdp_rlhf.distributed.layout import ParallelLayout
 from fsdp_rlhf.distributed.signals import GracefulStop
 from fsdp_rlhf.distributed.split_world import group_environment
 from fsdp_rlhf.metrics import PhaseTimer
@@ -66,6 +70,7 @@ from fsdp_rlhf.trainers.ppo.async_queue import (
     stop_key,
 )
 from fsdp_rlhf.trainers.ppo.dynamic_filtering import dynamic_sample
+from fsdp_rlhf.trainers.ppo.eval import build_evaluator
 from fsdp_rlhf.trainers.ppo.metrics import StatCollector, add_rollout_stats
 from fsdp_rlhf.trainers.ppo.multiturn import build_multiturn, run_multiturn
 from fsdp_rlhf.trainers.ppo.rewards import (
@@ -138,6 +143,9 @@ class RolloutWorker:
             else None
         )
         self.multiturn = build_multiturn(cfg, self.tokenizer, self.timer)
+        # the eval prompts' share of this rank (the rollout ranks split them as data ranks)
+        share = ParallelLayout(world_size=split.rollout_ranks, rank=self.index)
+        self.evaluator = build_evaluator(cfg, env, self.tokenizer, share, self.images)
         # a route's destination is a data-parallel rank: its sequence-parallel group
         self.sp_size = cfg.fsdp.sequence_parallel_size
         dp = split.training_ranks // self.sp_size
@@ -275,11 +283,12 @@ class RolloutWorker:
         return exp, prompts
 
     def _stream(
-        self, prompts: list[Prompt], sampling: SamplingConfig, keep: int | None
+        self, prompts: list[Prompt], sampling: SamplingConfig, keep: int | None, poll=None
     ) -> tuple[RolloutOutput, list[Prompt], ImageBatch | None]:
         """Generate step by step; returns the kept prompts' samples, the kept prompts and,
         for a VLM, their rows' images (each prompt's decoded, processed and sent to the
-        engine with it; the rows keep the processor's tensors for the training ranks)."""
+        engine with it; the rows keep the processor's tensors for the training ranks).
+        ``poll``: between engine steps (default: take what training rank 0 sent)."""
         ids, per_prompt = [p.ids for p in prompts], None
         if self.images is not None:
             ids, per_prompt = self.images.encode(prompts)
@@ -289,7 +298,7 @@ class RolloutWorker:
             sampling,
             rank_in_engine=self.env.rank,
             pad_id=self.tokenizer.pad_token_id,
-            poll=self._poll,
+            poll=poll or self._poll,
             keep=keep,
             images=per_prompt,
         )
@@ -322,6 +331,38 @@ class RolloutWorker:
         exp.scores = clip_scores(scores, self.cfg.algo.reward_clip_range)
         add_overlong_penalty(exp, self.cfg.algo, self.cfg.rollout.generate_max_len)
         add_stop_properly_penalty(exp, self.cfg.algo)
+
+    # ------------------------------------------------------------------ evaluation
+
+    def _evaluate(self, version: int) -> None:
+        """Evaluate the weights in the engine (``version``, loaded at a batch boundary) on
+        this rank's share of the eval prompts and send the sums to training rank 0, which
+        waits for them at the end of that step. Not timed into the batches' reports."""
+        t0 = time.perf_counter()
+        sums = self.evaluator.local_sums(self._eval_generate, self._eval_score)
+        message = {"version": version, "sums": sums, "seconds": time.perf_counter() - t0}
+        what = f"sending the evaluation of version {version}"
+        self.job.bridge.send_object(message, 0, Channel.EVAL, what=what)
+        self.ledger.record("evaluated", version=version)
+
+    def _eval_generate(self, prompts: list[Prompt], sampling: SamplingConfig, *_) -> RolloutOutput:
+        """The evaluator's ``generate``: step by step under the same weights throughout (new
+        weights wait for the next boundary; a stop signal is still passed on)."""
+
+        def hold() -> int:
+            self._tell_stop()
+            return -1 if self.version is None else self.version
+
+        return self._stream(prompts, sampling, keep=None, poll=hold)[0]
+
+    def _eval_score(self, exp: Experience, prompts: Sequence[Prompt], n: int) -> None:
+        """The colocated evaluation's scoring without a reward model (refused with one): the
+        rule reward, clipped; no length penalties."""
+        scores = torch.zeros(exp.num_sequences, device=exp.input_ids.device)
+        if self.rule is not None:
+            rule = rule_scores(self.rule, exp, prompts, self.tokenizer, n)
+            scores = scores + rule.to(scores.device)
+        exp.scores = clip_scores(scores, self.cfg.algo.reward_clip_range)
 
     def _messages(
         self, batch: int, exp: Experience, prompts: list[Prompt], report: dict
@@ -364,10 +405,13 @@ class RolloutWorker:
         self._tell_stop()
         if not boundary:
             faults.reached("generating", self.batch)
+        partial = self.cfg.asynchronous.partial_rollout
         while self._header_ready():
             header = self.header.result()
-            if header["kind"] == WEIGHTS and not self.cfg.asynchronous.partial_rollout:
+            if header["kind"] == WEIGHTS and not partial:
                 break  # taken when the batch that needs it starts (_wait_for)
+            if header["kind"] == WEIGHTS and header.get("eval") and not boundary:
+                break  # evaluated at the next boundary: no requests in flight then
             self._take(header, in_flight=not boundary, load=None)
         return -1 if self.version is None else self.version
 
@@ -390,13 +434,16 @@ class RolloutWorker:
     def _take(self, header: dict, *, in_flight: bool, load: bool | None = True) -> None:
         """Act on one message from training rank 0 and start receiving the next. New
         weights are loaded into the engine if ``load`` (None: unless a newer version is
-        already here), else only received."""
+        already here), else only received; weights to evaluate are loaded and evaluated."""
         if header["kind"] == END:
             raise RolloutEnded
         if header["kind"] != WEIGHTS:
             raise RuntimeError(f"unexpected message {header['kind']!r} from training rank 0")
         self.header = self._expect_header()  # the next one, while these weights arrive
-        if load is None:
+        evaluated = bool(header.get("eval"))
+        if evaluated:
+            load = True
+        elif load is None:
             load = not self._header_ready()
         version = int(header["version"])
         with self.timer("weight_load"):
@@ -414,6 +461,8 @@ class RolloutWorker:
         if load:
             self.version = version
         self.ledger.record("weights", version=version, loaded=load)
+        if evaluated:
+            self._evaluate(version)
 
     def _tell_stop(self) -> None:
         """A stop signal here reaches the training ranks' vote through the job's store."""

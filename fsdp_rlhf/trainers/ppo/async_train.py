@@ -10,6 +10,7 @@ with :class:`AsyncSource` as its source of experiences:
                     stale it is
     ...             reference log-probs, values, advantages, updates (the PPO step's own)
     after_update    the new actor weights to the rollout ranks (timing/weight_sync)
+    evaluate        (--eval_dataset, its steps) the rollout ranks' evaluation of them
 
 Checkpoints hold what a colocated run's do plus each rollout rank's prompt-sampler state after
 the last trained batch: a resumed run regenerates the batches after it from the checkpointed
@@ -21,6 +22,7 @@ generated, queued and trained, by which attempt.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -33,7 +35,13 @@ from fsdp_rlhf.config import PPOConfig, async_rollout_ranks
 from fsdp_rlhf.distributed import faults, weight_broadcast
 from fsdp_rlhf.distributed.bridge import Bridge, Channel, Patience, PeerLost, PeerSlow
 from fsdp_rlhf.distributed.delta_sync import DeltaSender, DeltaStats
-from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars, job_hosts, job_position
+from fsdp_rlhf.distributed.env import (
+    DistEnv,
+    all_reduce_scalars,
+    broadcast_object,
+    job_hosts,
+    job_position,
+)
 from fsdp_rlhf.distributed.heartbeat import peer_beats
 from fsdp_rlhf.distributed.layout import ParallelLayout
 from fsdp_rlhf.distributed.prefetch import StageTimes, staged
@@ -73,6 +81,7 @@ from fsdp_rlhf.trainers.ppo.async_queue import (
 )
 from fsdp_rlhf.trainers.ppo.async_rollout import RolloutWorker
 from fsdp_rlhf.trainers.ppo.dynamic_filtering import concat_experiences
+from fsdp_rlhf.trainers.ppo.eval import Evaluator, eval_due, finish_eval
 from fsdp_rlhf.trainers.ppo.metrics import StatCollector, throughput
 from fsdp_rlhf.trainers.ppo.rewards import add_overlong_penalty, add_stop_properly_penalty
 from fsdp_rlhf.trainers.ppo.rollout import adapter_sync
@@ -151,8 +160,6 @@ def launch(cfg: PPOConfig, debug: bool, build_trainer: BuildTrainer) -> int:
 class AsyncSource:
     """A training rank's source of experiences: the rollout ranks' queue (module docstring)."""
 
-    generate = None  # the training ranks hold no engine
-
     def __init__(self, job: AsyncJob, parts: SourceInputs) -> None:
         cfg, env = parts.cfg, parts.env
         self.cfg, self.env, self.job, self.parts = cfg, env, job, parts
@@ -228,10 +235,13 @@ class AsyncSource:
 
     def after_update(self, step: int, actor_updated: bool) -> dict[str, float]:
         """Every step but the last publishes the actor (the rollout ranks count versions by
-        step, changed or not); each rollout rank takes it when it is ready for it."""
-        if step >= self.parts.total_steps:
+        step, changed or not); each rollout rank takes it when it is ready for it. A step
+        that ends with an evaluation publishes it marked, the last one included: the
+        rollout ranks evaluate those weights (:meth:`evaluate`)."""
+        evaluated = eval_due(self.cfg, step, self.parts.total_steps)
+        if step >= self.parts.total_steps and not evaluated:
             return {}
-        sent = self.publish(step)
+        sent = self.publish(step, evaluated=evaluated)
         # waiting for rollout ranks to take weights (over NCCL, or beyond the schedule's bound
         # over gloo) is waiting for the rollout
         waited = all_reduce_scalars({"w": sent.waited}, "max")["w"]
@@ -264,6 +274,33 @@ class AsyncSource:
             "rollout_tps": rollout_tps,
             "vllm_tps": rollout_tps,
         }
+
+    def evaluate(self, evaluator: Evaluator, score, step: int) -> dict[str, float]:
+        """``eval/*`` of version ``step``: each rollout rank evaluated its share of the eval
+        prompts when it loaded those weights (published marked by :meth:`after_update`) and
+        sent its sums to training rank 0 (collective over the training ranks). The wait for
+        them is ``timing/eval``; the rollout ranks' own time ``timing/eval_rollout``."""
+        start = time.perf_counter()
+        summed = None
+        if self.sender:
+            split, parts = self.job.split, []
+            for i in range(split.rollout_ranks):
+                part = self.job.bridge.recv_object(
+                    split.rollout_rank(i), Channel.EVAL, f"receiving step {step}'s evaluation"
+                )
+                if part["version"] != step:
+                    raise RuntimeError(
+                        f"rollout rank {i} sent the evaluation of version {part['version']}; "
+                        f"step {step} expected its own; report it"
+                    )
+                parts.append(part)
+            sums = {k: sum(p["sums"][k] for p in parts) for k in parts[0]["sums"]}
+            summed = (sums, max(p["seconds"] for p in parts))
+        sums, seconds = broadcast_object(summed)
+        metrics = finish_eval(sums)
+        metrics["timing/eval"] = time.perf_counter() - start
+        metrics["timing/eval_rollout"] = seconds
+        return metrics
 
     def state_dict(self) -> dict:
         """Every rollout rank's sampler state (collective: gathered from the training ranks
@@ -384,11 +421,11 @@ class AsyncSource:
             )
         return attempt
 
-    def publish(self, version: int) -> weight_broadcast.PublishStats:
+    def publish(self, version: int, evaluated: bool = False) -> weight_broadcast.PublishStats:
         """Send the actor's weights as version ``version`` (collective over the training
         ranks: the gathers, made one bucket ahead with --weight_sync_overlap); each rollout
-        rank takes it when it is ready."""
-        header = {"kind": WEIGHTS, "version": version}
+        rank takes it when it is ready (``evaluated``: and evaluates it then)."""
+        header = {"kind": WEIGHTS, "version": version, "eval": evaluated}
         actor, dtype = self.parts.actor, engine_dtype(self.cfg)
         overlap, times = self.cfg.rollout.weight_sync_overlap, StageTimes()
         device = self.env.device

@@ -130,6 +130,10 @@ class ColocatedSource:
         engine = self.cfg.rollout.rollout_engine
         return throughput_metrics(metrics, times, self.cfg, self.env.world_size, engine)
 
+    def evaluate(self, evaluator, score, step: int) -> dict[str, float]:
+        """This rank's engine evaluates its share (it syncs the new weights first)."""
+        return evaluator.run(self.generate, score)
+
     def state_dict(self) -> dict:
         return {"sampler": self.sampler.state_dict()}
 

@@ -9,6 +9,13 @@ rewards. (OpenRLHF's evaluation averages the raw reward for pass@1 and takes the
 for pass@n, which agrees with this on 0/1 rewards; for a reward model's real-valued scores
 "correct" is only "scored above 0", so ``eval/score_mean`` is logged too.)
 
+Under ``--async_train`` the rollout ranks evaluate (the training ranks hold no engine): an
+evaluated step's weights are published with a flag, each rollout rank loads them at its next
+batch boundary, evaluates its share of the prompts before it generates on, and sends its sums
+to training rank 0; the training ranks wait for them at the end of that step (the metrics and
+``best`` belong to that step's weights, as colocated). With a reward model that is refused:
+the rollout ranks hold none (``rules`` row ``async-eval-reward-model``).
+
 Metrics (global over ranks): ``eval/greedy_pass@1``, ``eval/pass@1`` (sampled), ``eval/pass@k``
 for ``k = n`` and the k of ``--save_best_metric`` (unbiased estimator, see
 :mod:`fsdp_rlhf.algorithms.passk`), ``eval/score_mean``, ``eval/greedy_score_mean``.
@@ -80,6 +87,14 @@ def shard(num_prompts: int, rank: int, world_size: int) -> tuple[list[int], list
     return [i % num_prompts for i in idx], [i < num_prompts for i in idx]
 
 
+def eval_due(cfg: PPOConfig, step: int, total_steps: int) -> bool:
+    """Whether step ``step`` ends with an evaluation: every ``--eval_steps`` and the last."""
+    if cfg.eval.eval_dataset is None:
+        return False
+    every = cfg.logging.eval_steps
+    return step == total_steps or (every > 0 and step % every == 0)
+
+
 def pass_budgets(n: int, save_best_metric: str | None) -> list[int]:
     ks = {1, n}
     if save_best_metric:
@@ -145,8 +160,7 @@ class Evaluator:
         )
 
     def due(self, step: int, total_steps: int) -> bool:
-        every = self.cfg.logging.eval_steps
-        return step == total_steps or (every > 0 and step % every == 0)
+        return eval_due(self.cfg, step, total_steps)
 
     def _sampling(self, greedy: bool) -> SamplingConfig:
         e, r = self.cfg.eval, self.cfg.rollout
@@ -168,12 +182,16 @@ class Evaluator:
         score(exp, self.prompts, sampling.n)
         return exp.scores.reshape(len(self.prompts), sampling.n)
 
+    def local_sums(self, generate: Generate, score: Score) -> dict[str, float]:
+        """Generate and score this rank's share; its sums (see :func:`local_eval_sums`)."""
+        greedy = self._scores(generate, score, greedy=True)[:, 0]
+        sampled = self._scores(generate, score, greedy=False)
+        return local_eval_sums(greedy, sampled, self.real, self.ks)
+
     def run(self, generate: Generate, score: Score) -> dict[str, float]:
         """Generate, score and reduce (collective: every rank calls it at the same step)."""
         start = time.perf_counter()
-        greedy = self._scores(generate, score, greedy=True)[:, 0]
-        sampled = self._scores(generate, score, greedy=False)
-        local = local_eval_sums(greedy, sampled, self.real, self.ks)
+        local = self.local_sums(generate, score)
         sums = all_reduce_scalars(local, "sum", self.data_group)
         metrics = finish_eval(sums)
         metrics["timing/eval"] = time.perf_counter() - start

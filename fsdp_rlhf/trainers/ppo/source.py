@@ -17,6 +17,8 @@ A source is opened by the trainer once its models, optimizers and prompts exist
     settle(sampled, trained)     the step finished, or was abandoned before its update
     after_update(step, changed)  the actor's new weights go where the next rollouts need them
     throughput(metrics, times)   tokens per second, counted where this source generates
+    evaluate(evaluator, ...)     ``eval/*`` of the step's new weights, from wherever an engine
+                                 holds them (here; the rollout ranks under --async_train)
     state_dict / load_state_dict where the data stands, for a checkpoint and a resume
     close()
 """
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -36,15 +38,15 @@ from fsdp_rlhf.distributed.env import DistEnv
 from fsdp_rlhf.distributed.layout import ParallelLayout
 from fsdp_rlhf.distributed.sequence_parallel import SequenceParallel
 from fsdp_rlhf.metrics import PhaseTimer
-from fsdp_rlhf.rollout import RolloutOutput
 from fsdp_rlhf.trainers.experience import Experience
 from fsdp_rlhf.trainers.ppo.metrics import StatCollector
+
+if TYPE_CHECKING:
+    from fsdp_rlhf.trainers.ppo.eval import Evaluator
 
 # fills exp.scores for the batch's prompts (prompt i owns rows i*n .. i*n+n-1): the reward
 # model and the rule reward, clipped (the trainer's: the reward model lives with the trainer)
 Score = Callable[[Experience, list[Prompt]], None]
-# (prompts, sampling, metrics, phase) -> responses: sampling on demand (evaluation)
-Generate = Callable[..., RolloutOutput]
 
 
 @dataclass(frozen=True)
@@ -100,10 +102,7 @@ class Sampled:
 
 
 class ExperienceSource(Protocol):
-    """See the module docstring. ``generate`` samples on demand from this rank (evaluation);
-    None where the rank holds no engine (the training ranks of ``--async_train``)."""
-
-    generate: Generate | None
+    """See the module docstring."""
 
     def sample(self, step: int, stats: StatCollector) -> Sampled: ...
 
@@ -120,6 +119,13 @@ class ExperienceSource(Protocol):
     def throughput(
         self, metrics: dict[str, float], times: dict[str, float]
     ) -> dict[str, float]: ...
+
+    def evaluate(
+        self, evaluator: Evaluator, score: Callable[..., None], step: int
+    ) -> dict[str, float]:
+        """``eval/*`` for the weights after step ``step``'s update (collective over the
+        training ranks); ``score`` fills an eval batch's ``scores`` (exp, prompts, n)."""
+        ...
 
     def state_dict(self) -> dict[str, Any]:
         """Collective over the training ranks: the data position for a checkpoint."""

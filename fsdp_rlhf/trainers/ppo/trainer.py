@@ -438,9 +438,7 @@ class PPOTrainer:
     def evaluate(self) -> dict[str, float]:
         """``eval/*`` on the held-out prompts; keeps the best actor (--save_best_metric)."""
         evaluator: Evaluator = self.evaluator
-        if self.source.generate is None:
-            raise RuntimeError("evaluation needs an engine on this rank (refused with async)")
-        metrics = evaluator.run(self.source.generate, self.score)
+        metrics = self.source.evaluate(evaluator, self.score, self.step)
         # the phases eval ran (reward_model, resharding...) must not add to the next step's
         # timings; its total is timing/eval. (Eval also synced the new weights into the
         # engine, so the next step's rollout skips the sync and reports no weight_sync_gbps.)
