@@ -24,6 +24,10 @@ Downstream, the response is ``[model turn | observation | model turn | ...]`` wi
 next model token, as verl does), losses and KL average over model tokens only, and the forwards
 attend to every token through ``RolloutOutput.response_attention_mask``.
 
+A vision-language prompt's images go to the engine with every turn's history (which starts
+with the prompt's expanded image placeholders); the observations stay text, and the
+trajectory's row carries the prompt's images like a single-turn row.
+
 Router replay (``--router_replay``): every turn's engine call reports the experts it routed
 each position of its sequence (the history in prefill, its model turn in decode) to; the
 trajectory keeps, for each position, the routing of the FIRST call that computed it
@@ -37,18 +41,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
 
 from fsdp_rlhf.data.prompts import Prompt
 from fsdp_rlhf.distributed.env import all_reduce_scalars
+from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.metrics import PhaseTimer
 from fsdp_rlhf.rollout.engine import RolloutOutput, SamplingConfig, pad_token_rows
 from fsdp_rlhf.rollout.env import Environment, NewPrompt
 from fsdp_rlhf.rollout.routing import pad_routing
 
-Generate = Callable[[list[list[int]], SamplingConfig], RolloutOutput]
+# (histories, sampling[, images=...]) -> one turn's responses
+Generate = Callable[..., RolloutOutput]
 
 OBSERVATION_ROLE = "user"  # every chat template knows it; "tool" is not universal
 _PLACEHOLDER = "\u2063assistant-turn\u2063"
@@ -110,6 +117,7 @@ class Trajectory:
     slot: int = 0  # its index in the environment's batch
     # (positions, Lm, k) the engine's experts of positions 0.. (router replay; None: none yet)
     routing: np.ndarray | None = None
+    images: Any = None  # a vision-language prompt's images (PromptImages), sent every turn
 
     @property
     def length(self) -> int:
@@ -170,18 +178,31 @@ class MultiTurnRollout:
         self._routing_like: torch.Tensor | None = None  # the engine reported routed experts
 
     def run(
-        self, generate: Generate, prompts: Sequence[Prompt], sampling: SamplingConfig
+        self,
+        generate: Generate,
+        prompts: Sequence[Prompt],
+        sampling: SamplingConfig,
+        prompt_ids: Sequence[Sequence[int]] | None = None,
+        images: Sequence[Any] | None = None,
     ) -> tuple[RolloutOutput, list[Trajectory]]:
-        """``sampling.n`` trajectories per prompt, prompt-major like ``engine.generate``."""
+        """``sampling.n`` trajectories per prompt, prompt-major like ``engine.generate``.
+
+        A vision-language actor's prompts come with ``prompt_ids`` (their image placeholders
+        expanded) and ``images`` (each prompt's ``PromptImages``): every turn's history starts
+        with those ids and goes to the engine with the prompt's images (the environments'
+        observations are text)."""
         n = sampling.n
         self._routing_like = None
+        ids = prompt_ids if prompt_ids is not None else [p.ids for p in prompts]
         trajs = [
-            Trajectory(list(p.ids), [{"role": "user", "content": p.text, "label": p.label}])
-            for p in prompts
+            Trajectory(list(ids[i]), [{"role": "user", "content": p.text, "label": p.label}])
+            for i, p in enumerate(prompts)
             for _ in range(n)
         ]
         for slot, t in enumerate(trajs):
             t.slot = slot
+            if images is not None:
+                t.images = images[slot // n]
         self.env.start(sampling)
         self._reset(trajs, [prompts[i // n] for i in range(len(trajs))])
         for turn in range(self.budget.max_turns):
@@ -195,8 +216,12 @@ class MultiTurnRollout:
             if all_reduce_scalars({"live": float(len(live))}, "max")["live"] == 0:
                 break
             turn_sampling = replace(sampling, n=1, seed=turn_seed(sampling.seed, turn))
+            histories = [t.prompt_ids + t.response for t in live]
             with self.timer("rollout"):
-                out = generate([t.prompt_ids + t.response for t in live], turn_sampling)
+                if images is None:
+                    out = generate(histories, turn_sampling)
+                else:
+                    out = generate(histories, turn_sampling, images=[t.images for t in live])
             actions = self._add_model_turns(live, out)
             self._step(live, actions, last_turn=turn == self.budget.max_turns - 1)
         return self._output(trajs, sampling.n), trajs
@@ -208,6 +233,11 @@ class MultiTurnRollout:
             if r.error is not None:
                 t.error, t.done = True, True
             elif isinstance(r.value, NewPrompt):
+                if t.images is not None:
+                    raise UserError(
+                        "the environment's reset replaced a prompt that holds images; a "
+                        "vision-language prompt can only be extended (return a string)"
+                    )
                 ids = self.tokenizer(r.value.text, add_special_tokens=False)["input_ids"]
                 # left-truncated (like prompts) so that one full model turn still fits
                 room = self.budget.max_total_len - self.budget.generate_max_len

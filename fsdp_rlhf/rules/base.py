@@ -153,18 +153,6 @@ def when(cond: Callable[[Setting], bool], what: str | Callable[[Setting], str]):
     return fires
 
 
-def vlm_with(cond: Callable[[Setting], bool], flag: str | Callable[[Setting], str]):
-    """``fires`` of a row refusing ``flag`` (when ``cond`` holds) with a VLM actor."""
-
-    def fires(s: Setting) -> str | None:
-        head = vlm_actor(s)
-        if head is None or not cond(s):
-            return None
-        return f"{head}: {flag(s) if callable(flag) else flag}"
-
-    return fires
-
-
 def each_model(s: Setting, problem: Callable[[ModelKind], str | None]) -> str | None:
     """``--sequence_parallel_size N: FLAG PATH: problem`` for the first model with one."""
     for flag, kind in s.models.items():

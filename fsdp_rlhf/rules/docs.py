@@ -67,10 +67,9 @@ def _matrix(rules: list[Rule]) -> list[str]:
 
 def pairs_status(p: Plan) -> str:
     """The README status's count of the pairwise matrix."""
-    runs = len(PAIRS) - len(p.refused)
-    return (
-        f"{runs} of {len(PAIRS)} pairs run ({len(p.jobs)} jobs), {len(p.refused)} refused by a row"
-    )
+    runs, jobs = len(PAIRS) - len(p.refused), len(p.jobs)
+    refused = f"{len(p.refused)} refused by a row" if p.refused else "none refused"
+    return f"{runs} of {len(PAIRS)} pairs run ({jobs} job{'s' if jobs != 1 else ''}), {refused}"
 
 
 MODELS = {

@@ -21,7 +21,6 @@ from fsdp_rlhf.rules.base import (
     sp_models,
     uses_critic,
     vlm_actor,
-    vlm_with,
     when,
 )
 
@@ -57,9 +56,7 @@ ASYNC = [
         (PPO,),
         when(
             lambda s: (
-                is_async(s)
-                and bool(s.cfg.eval.eval_dataset)
-                and bool(s.cfg.models.reward_pretrain)
+                is_async(s) and bool(s.cfg.eval.eval_dataset) and bool(s.cfg.models.reward_pretrain)
             ),
             "--eval_dataset with --async_train and --reward_pretrain",
         ),
@@ -350,14 +347,6 @@ def _vlm_scalar_rows(flag: str, feature: str, what: str) -> list[Rule]:
 VLM = [
     *_vlm_scalar_rows("--critic_pretrain", "critic", "critic"),
     *_vlm_scalar_rows("--reward_pretrain", "reward model", "reward-model"),
-    Rule(
-        "vlm-multi-turn",
-        ("VLM", "multi-turn"),
-        (PPO,),
-        vlm_with(lambda s: multiturn(s) is not None, lambda s: s.cfg.multiturn.source[0]),
-        "multi-turn environments return text only",
-        "use single-turn rollouts, which take images",
-    ),
     Rule(
         "freeze-visual-encoder-text-model",
         ("frozen vision tower", "VLM"),

@@ -98,8 +98,9 @@ def _fill(argv: tuple[str, ...], values: dict[str, str]) -> list[str]:
 
 
 def _param(job: Job):
-    """make test runs the first job (the most features: today SP, async, router replay, VLM,
-    packing, LoRA and a critic on the tiny Qwen3.5-MoE VLM, about 25 s), make test-pairs all."""
+    """make test runs the first job (the most features: today all eight, SP, async, router
+    replay, VLM, packing, LoRA, multi-turn and a critic on the tiny Qwen3.5-MoE VLM, about
+    55 s), make test-pairs the others (none today) and the plan's unit tests."""
     name = f"job{job.number}-" + "+".join(f.replace(" ", "_") for f in job.features)
     marks = [pytest.mark.featured] if job.number == 1 else []
     return pytest.param(job, id=name, marks=marks)

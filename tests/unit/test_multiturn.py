@@ -15,7 +15,7 @@ from fsdp_rlhf.data.prompts import Prompt
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.metrics import PhaseTimer
 from fsdp_rlhf.rollout.engine import RolloutOutput, SamplingConfig
-from fsdp_rlhf.rollout.env import load_environment
+from fsdp_rlhf.rollout.env import EnvResult, NewPrompt, load_environment
 from fsdp_rlhf.rollout.multiturn import MultiTurnRollout, TurnBudget, trajectory_stats
 from fsdp_rlhf.testing.tiny import build_tokenizer
 from fsdp_rlhf.trainers.experience import experience_from_rollout
@@ -355,3 +355,38 @@ def test_router_replay_keeps_each_positions_first_call(tok, tmp_path):
         assert routing[:-1, 1].tolist() == [j % 7 for j in range(len(calls))]
         assert (routing[-1] == no_expert(torch.uint8)).all()
     assert (exp.routed_experts[0, : P - 3] == no_expert(torch.uint8)).all()  # left padding
+
+
+def test_a_vlm_prompts_images_go_with_every_turn(tok, tmp_path):
+    """A vision-language prompt: the histories start with its expanded ids, every turn's call
+    gets each live history's prompt images (in the live trajectories' order), and a reset that
+    replaces such a prompt is one line."""
+    env = load_environment(write_env(tmp_path, TWO_TURN_ENV), 5.0)
+    runner = MultiTurnRollout(env, tok, TurnBudget(4, 4096, 8), PhaseTimer(torch.device("cpu")))
+    engine, seen = FakeEngine(tok), []
+
+    def generate(histories, sampling, images=None):
+        seen.append(list(images))
+        return engine.generate(histories, sampling)
+
+    ps = [Prompt(ids=[5 + i, 6, 7], text=f"p{i}", label="L") for i in range(2)]
+    expanded = [[5, 90, 90, 90, 6, 7], [6, 91, 91, 6, 7]]  # placeholders expanded per image
+    images = ["image of p0", "image of p1"]  # stand-ins for PromptImages
+    sampling = SamplingConfig(max_new_tokens=8, n=2, seed=3)
+    out, trajs = runner.run(generate, ps, sampling, prompt_ids=expanded, images=images)
+    assert [t.prompt_ids for t in trajs] == [expanded[0]] * 2 + [expanded[1]] * 2
+    assert [c[0][: len(expanded[0])] for c in engine.calls] == [expanded[0]] * 2
+    expected = ["image of p0"] * 2 + ["image of p1"] * 2
+    assert seen == [expected, expected]  # two turns, all four trajectories live in both
+    assert out.prompt_ids.shape[0] == 4 and all(t.turns == 2 for t in trajs)
+
+    class Agent:  # an OpenRLHF agent's reset replaces the prompt text
+        def start(self, sampling):
+            pass
+
+        def reset(self, texts, labels):
+            return [EnvResult(NewPrompt("another prompt")) for _ in texts]
+
+    runner.env = Agent()
+    with pytest.raises(UserError, match="reset replaced a prompt that holds images"):
+        runner.run(generate, ps, sampling, prompt_ids=expanded, images=images)

@@ -174,9 +174,6 @@ CASES: dict[str, tuple] = {
         {"--pretrain": VLM, "--reward_pretrain": VLM_TOKENS}, False,
         "--reward_pretrain models/vl10 names other image tokens than --pretrain",
     ),
-    "vlm-multi-turn": (
-        "ppo", ENV, {"--pretrain": VLM}, False, "--env_file: multi-turn environments return text",
-    ),
     "freeze-visual-encoder-text-model": (
         "sft", ["--freeze_visual_encoder"], None, False,
         "--freeze_visual_encoder: --pretrain models/dense is text-only",
@@ -320,9 +317,23 @@ def test_what_a_row_refuses_alone_runs_beside_everything_else():
     # async x router replay (#48), partial rollouts and expert parallelism too, on CPU
     replay = [*ASYNC, "--router_replay", "--partial_rollout", "--expert_parallel_size", "2"]
     check_rules(_setting("ppo", replay, {"--pretrain": MOE}))
+    # a VLM in multi-turn rollouts (the prompt's images go with every turn)
+    check_rules(_setting("ppo", ENV, {"--pretrain": VLM}))
     # evaluation during async training, rule-scored on the rollout ranks (#48)
-    check_rules(_setting("ppo", [*ASYNC, "--eval_dataset", "e.jsonl", "--save_best_metric",
-                                 "pass@1", "--remote_rm_url", "r.py"]))
+    check_rules(
+        _setting(
+            "ppo",
+            [
+                *ASYNC,
+                "--eval_dataset",
+                "e.jsonl",
+                "--save_best_metric",
+                "pass@1",
+                "--remote_rm_url",
+                "r.py",
+            ],
+        )
+    )
 
 
 def test_the_2026_families_rows_read_their_kind():

@@ -267,11 +267,23 @@ class RolloutWorker:
         """One round: generate (step by step), then score here unless a reward model does.
         Returns the experience on the host and its prompts (fewer with ``keep``)."""
         sampling = self._sampling(batch, round_)
-        env_scores, images = None, None  # multi-turn environments return text only
+        env_scores, images = None, None
         if self.multiturn is not None:
+            ids = per_prompt = None  # a VLM's prompts: expanded ids, images sent every turn
+            if self.images is not None:
+                ids, per_prompt = self.images.encode(prompts)
             out, env_scores = run_multiturn(
-                self.multiturn, self._generate_turn, prompts, sampling, stats
+                self.multiturn,
+                self._generate_turn,
+                prompts,
+                sampling,
+                stats,
+                prompt_ids=ids,
+                images=per_prompt,
             )
+            if per_prompt is not None:
+                check_responses(out, self.images.vision.tokens)
+                images = StepImages.rows(per_prompt, sampling.n)
         else:
             out, prompts, images = self._stream(prompts, sampling, keep)
         exp = experience_from_rollout(out, torch.device("cpu"))
@@ -309,8 +321,11 @@ class RolloutWorker:
         rows = StepImages.rows([per_prompt[i] for i in streamed.kept], sampling.n)
         return out, kept, rows
 
-    def _generate_turn(self, prompt_ids: list[list[int]], sampling: SamplingConfig):
-        """One turn of a multi-turn rollout (the runner's ``generate``)."""
+    def _generate_turn(
+        self, prompt_ids: list[list[int]], sampling: SamplingConfig, images=None
+    ) -> RolloutOutput:
+        """One turn of a multi-turn rollout (the runner's ``generate``; ``images``: each
+        history's prompt images, a VLM's)."""
         return stream_rollout(
             self.engine,
             prompt_ids,
@@ -318,6 +333,7 @@ class RolloutWorker:
             rank_in_engine=self.env.rank,
             pad_id=self.tokenizer.pad_token_id,
             poll=self._poll,
+            images=images,
         ).output
 
     def _score(self, exp: Experience, prompts: Sequence[Prompt]) -> None:

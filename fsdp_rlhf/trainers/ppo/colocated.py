@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from fsdp_rlhf.data.prompts import Prompt, PromptSampler
 from fsdp_rlhf.models.vision import VisionTokens
 from fsdp_rlhf.rollout import RolloutEngine, RolloutOutput, SamplingConfig
@@ -155,18 +157,15 @@ class ColocatedSource:
         sampling = sampling_config(self.cfg, step, round_)
         env_scores = images = None
         step_images: StepImages | None = self.parts.images
-        if step_images is not None:  # a VLM: each prompt's images, expanded prompt ids
+        if self.multiturn is not None:  # --env_file: the environment's rewards are the scores
+            out, env_scores, prompt_images = self._multiturn(prompts, sampling, metrics, stats)
+        elif step_images is not None:  # a VLM: each prompt's images, expanded prompt ids
             out, prompt_images = self._generate_with_images(prompts, sampling, metrics)
+        else:
+            out = self.generate(prompts, sampling, metrics)
+        if step_images is not None:
             images = StepImages.rows(prompt_images, sampling.n)
             check_responses(out, step_images.vision.tokens)
-        elif self.multiturn is None:
-            out = self.generate(prompts, sampling, metrics)
-        else:  # --env_file: the environment's rewards are the scores
-            sp = self.parts.sp
-            out, env_scores = multiturn_rollout(
-                self.multiturn, self.session, sp.share(prompts), sampling, metrics, stats
-            )
-            out, env_scores = gather_rollouts(out, sp, self.pad_id, env_scores)
         exp = experience_from_rollout(out, self.env.device)
         exp.images = images
         exp.scores = env_scores.to(self.env.device) if env_scores is not None else None
@@ -175,6 +174,32 @@ class ColocatedSource:
         # group's ranks hold the same rows: the mean over copies is the same)
         add_rollout_stats(stats, out)
         return exp, metrics
+
+    def _multiturn(
+        self,
+        prompts: list[Prompt],
+        sampling: SamplingConfig,
+        metrics: dict[str, float],
+        stats: StatCollector,
+    ) -> tuple[RolloutOutput, torch.Tensor, list | None]:
+        """Multi-turn trajectories of this rank's share of ``prompts`` (gathered over a
+        sequence-parallel group), their summed rewards and, for a VLM, every prompt's images
+        (sent with each turn)."""
+        sp, ids, images = self.parts.sp, None, None
+        if self.parts.images is not None:
+            ids, images = self.parts.images.encode(prompts)
+        out, env_scores = multiturn_rollout(
+            self.multiturn,
+            self.session,
+            sp.share(prompts),
+            sampling,
+            metrics,
+            stats,
+            prompt_ids=None if ids is None else sp.share(ids),
+            images=None if images is None else sp.share(images),
+        )
+        out, env_scores = gather_rollouts(out, sp, self.pad_id, env_scores)
+        return out, env_scores, images
 
     def generate(
         self,

@@ -28,12 +28,17 @@ def multiturn_rollout(
     sampling: SamplingConfig,
     metrics: dict[str, float],
     stats: StatCollector,
+    prompt_ids: Sequence[Sequence[int]] | None = None,
+    images: Sequence | None = None,
 ) -> tuple[RolloutOutput, torch.Tensor]:
     """One wake-up (and weight sync) of ``session``'s engine for all turns; returns the batch
     and the (N,) summed environment rewards. ``stats`` gets ``multiturn/*`` (reduced with the
-    step's other statistics). Collective: one scalar all-reduce per turn."""
+    step's other statistics). Collective: one scalar all-reduce per turn. A VLM's prompts:
+    ``prompt_ids`` expanded and ``images`` (see ``MultiTurnRollout.run``)."""
     with session.awake(metrics) as engine:
-        return run_multiturn(runner, engine.generate, prompts, sampling, stats)
+        return run_multiturn(
+            runner, engine.generate, prompts, sampling, stats, prompt_ids=prompt_ids, images=images
+        )
 
 
 def run_multiturn(
@@ -42,9 +47,11 @@ def run_multiturn(
     prompts: Sequence[Prompt],
     sampling: SamplingConfig,
     stats: StatCollector,
+    prompt_ids: Sequence[Sequence[int]] | None = None,
+    images: Sequence | None = None,
 ) -> tuple[RolloutOutput, torch.Tensor]:
     """All turns with ``generate``; the batch, the (N,) summed rewards and ``multiturn/*``."""
-    out, trajs = runner.run(generate, prompts, sampling)
+    out, trajs = runner.run(generate, prompts, sampling, prompt_ids=prompt_ids, images=images)
     s = trajectory_stats(trajs)
     logs = runner.env.trajectory_logs()
     if logs is not None:  # the same on every rank: it depends on the environment's kind

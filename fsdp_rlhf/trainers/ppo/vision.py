@@ -2,7 +2,7 @@
 step's prompts turned into what the engine and the forwards take.
 
 What a vision-language actor does not combine with (a text-only or other-family critic or
-reward model, multi-turn environments) is refused by the rules table (``fsdp_rlhf.rules``,
+reward model) is refused by the rules table (``fsdp_rlhf.rules``,
 rows ``vlm-*``), before any model loads. Under ``--async_train`` the rollout ranks encode each
 batch's prompts here too (``ppo.async_rollout``). A VLM critic or reward model holds its head on
 the language model (``models.vision_head``).
