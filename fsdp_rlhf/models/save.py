@@ -37,16 +37,59 @@ def save_hf_model(
     save_path: str | Path,
     *,
     extra_config: dict[str, Any] | None = None,
+    layout_of: str | None = None,
 ) -> Path:
-    """Collective. Rank 0 writes ``save_path`` as a ``from_pretrained``-loadable folder.
+    """Collective. Rank 0 writes ``save_path`` as a ``from_pretrained``-loadable folder, its
+    tensors laid out as in the checkpoint ``layout_of`` (the model trained; see
+    :func:`match_checkpoint_layout`).
 
     The folder appears complete or not at all: files go to ``<save_path>.tmp-<pid>`` first and
     an existing ``save_path`` is replaced only after everything is written.
     """
     state = gather_full_state_dict(model)
     final = Path(save_path)
-    _write_atomically(final, lambda tmp: _write_hf(model, state, tokenizer, tmp, extra_config))
+
+    def fill(tmp: Path) -> None:
+        _write_hf(model, state, tokenizer, tmp, extra_config, layout_of)
+
+    _write_atomically(final, fill)
     return final
+
+
+def match_checkpoint_layout(out: Path, source: str | Path) -> list[str]:
+    """Give the tensors of the safetensors files in ``out`` the layout of the same tensors in
+    the checkpoint folder ``source``; returns the names changed.
+
+    transformers' loader transposes some weights by shape (Qwen3-VL-MoE's fused experts: (E, H,
+    2I) and (E, I, H) in the published checkpoints, (E, 2I, H) and (E, H, I) in the model), and
+    ``save_pretrained`` never transposes them back (in reverse the shapes always match), so the
+    export would hold a layout that vLLM's loader and the published checkpoints do not. A 3-D
+    tensor whose source shape is its own with the last two dimensions swapped is written
+    transposed. Nothing changes without a local ``source`` (a hub id) or for other models."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from fsdp_rlhf.models.checkpoint_format import checkpoint_shapes
+
+    shapes, changed = checkpoint_shapes(source), []
+    for path in sorted(out.glob("*.safetensors")) if shapes else []:
+        with safe_open(str(path), framework="pt") as f:
+            names = []
+            for name in f.keys():
+                mine, theirs = tuple(f.get_slice(name).get_shape()), shapes.get(name)
+                if theirs is not None and len(mine) == 3 and mine != theirs:
+                    if (mine[0], mine[2], mine[1]) == theirs:
+                        names.append(name)
+        if not names:
+            continue
+        tensors = load_file(str(path))
+        for name in names:
+            tensors[name] = tensors[name].transpose(1, 2).contiguous()
+        tmp = path.with_name(path.name + ".tmp")
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        tmp.replace(path)
+        changed += names
+    return changed
 
 
 def save_model(
@@ -67,7 +110,9 @@ def save_model(
     full (reward model, critic), saved in the adapter as peft's ``modules_to_save``.
     """
     if not lora.enabled:
-        return save_hf_model(model, tokenizer, save_path, extra_config=extra_config)
+        return save_hf_model(
+            model, tokenizer, save_path, extra_config=extra_config, layout_of=base_path
+        )
     state = gather_full_state_dict(model)
     final = Path(save_path)
 
@@ -81,7 +126,8 @@ def save_model(
         tensors = {k: v.contiguous() for k, v in adapter_state_dict(state, head).items()}
         save_file(tensors, str(adapter / "adapter_model.safetensors"))
         if lora.merge_lora:
-            _write_hf(model, merge_lora_state_dict(state, lora), tokenizer, tmp, extra_config)
+            merged = merge_lora_state_dict(state, lora)
+            _write_hf(model, merged, tokenizer, tmp, extra_config, base_path)
         elif tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
 
@@ -89,8 +135,17 @@ def save_model(
     return final
 
 
-def _write_hf(model, state, tokenizer, out: Path, extra_config: dict[str, Any] | None) -> None:
+def _write_hf(
+    model,
+    state,
+    tokenizer,
+    out: Path,
+    extra_config: dict[str, Any] | None,
+    layout_of: str | None = None,
+) -> None:
     model.save_pretrained(str(out), state_dict=state, safe_serialization=True)
+    if layout_of is not None:
+        match_checkpoint_layout(out, layout_of)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
     if extra_config:
