@@ -45,7 +45,9 @@ def _flags(model: str, data, save, extra=()) -> list[str]:
     return [*flags, "--env_file", str(data / "env.py"), "--max_turns", "2"]
 
 
-@pytest.mark.parametrize("placement", ["colocated", "async"])
+# async: the rollout rank's step-by-step engine turn by turn (make test-long; make test's pairs
+# job runs a VLM with multi-turn under async, in bf16)
+@pytest.mark.parametrize("placement", ["colocated", pytest.param("async", marks=pytest.mark.long)])
 def test_every_turn_sees_the_images_and_the_trainer_agrees(colour_vl, colour_data, tmp_path,
                                                             placement):  # fmt: skip
     (colour_data / "env.py").write_text(ASK_AGAIN_ENV)
