@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import replace
 
 import numpy as np
@@ -339,14 +340,23 @@ class RolloutWorker:
     def _score(self, exp: Experience, prompts: Sequence[Prompt]) -> None:
         """Rule reward (and the environment's rewards), clipped, then the length penalties:
         what the colocated step's scoring does without a reward model."""
-        scores = exp.scores if exp.scores is not None else torch.zeros(exp.num_sequences)
-        if self.rule is not None:
-            with self.timer("rule_reward"):
-                rule = rule_scores(self.rule, exp, prompts, self.tokenizer, self.n)
-            scores = scores + rule.to(scores.device)
-        exp.scores = clip_scores(scores, self.cfg.algo.reward_clip_range)
+        exp.scores = self._rule_scored(exp, prompts, self.n, timed=True)
         add_overlong_penalty(exp, self.cfg.algo, self.cfg.rollout.generate_max_len)
         add_stop_properly_penalty(exp, self.cfg.algo)
+
+    def _rule_scored(
+        self, exp: Experience, prompts: Sequence[Prompt], n: int, *, timed: bool
+    ) -> torch.Tensor:
+        """(N,) the environment's rewards (if any) plus the rule reward, clipped; ``timed``: the
+        rule reward counts into the batch's ``timing/rule_reward``."""
+        scores = exp.scores
+        if scores is None:
+            scores = torch.zeros(exp.num_sequences, device=exp.input_ids.device)
+        if self.rule is not None:
+            with self.timer("rule_reward") if timed else nullcontext():
+                rule = rule_scores(self.rule, exp, prompts, self.tokenizer, n)
+            scores = scores + rule.to(scores.device)
+        return clip_scores(scores, self.cfg.algo.reward_clip_range)
 
     # ------------------------------------------------------------------ evaluation
 
@@ -373,12 +383,8 @@ class RolloutWorker:
 
     def _eval_score(self, exp: Experience, prompts: Sequence[Prompt], n: int) -> None:
         """The colocated evaluation's scoring without a reward model (refused with one): the
-        rule reward, clipped; no length penalties."""
-        scores = torch.zeros(exp.num_sequences, device=exp.input_ids.device)
-        if self.rule is not None:
-            rule = rule_scores(self.rule, exp, prompts, self.tokenizer, n)
-            scores = scores + rule.to(scores.device)
-        exp.scores = clip_scores(scores, self.cfg.algo.reward_clip_range)
+        rule reward, clipped; no length penalties. Not timed into the next batch's report."""
+        exp.scores = self._rule_scored(exp, prompts, n, timed=False)
 
     def _messages(
         self, batch: int, exp: Experience, prompts: list[Prompt], report: dict
