@@ -67,7 +67,6 @@ def match_checkpoint_layout(out: Path, source: str | Path) -> list[str]:
     tensor whose source shape is its own with the last two dimensions swapped is written
     transposed. Nothing changes without a local ``source`` (a hub id) or for other models."""
     from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
 
     from fsdp_rlhf.models.checkpoint_format import checkpoint_shapes
 
@@ -80,16 +79,24 @@ def match_checkpoint_layout(out: Path, source: str | Path) -> list[str]:
                 if theirs is not None and len(mine) == 3 and mine != theirs:
                     if (mine[0], mine[2], mine[1]) == theirs:
                         names.append(name)
-        if not names:
-            continue
-        tensors = load_file(str(path))
-        for name in names:
-            tensors[name] = tensors[name].transpose(1, 2).contiguous()
-        tmp = path.with_name(path.name + ".tmp")
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        tmp.replace(path)
+        transpose_in_file(path, names)
         changed += names
     return changed
+
+
+def transpose_in_file(path: Path, names: list[str]) -> None:
+    """Rewrite the safetensors file ``path`` with the 3-D tensors ``names`` transposed in their
+    last two dimensions (a temp file, then a rename); nothing when ``names`` is empty."""
+    from safetensors.torch import load_file, save_file
+
+    if not names:
+        return
+    tensors = load_file(str(path))
+    for name in names:
+        tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(path)
 
 
 def save_model(

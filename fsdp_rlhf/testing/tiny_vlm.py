@@ -255,16 +255,16 @@ def _published_expert_layout(out: Path) -> None:
     transposed from transformers' (E, 2I, H) and (E, H, I), which its loader converts (and
     vLLM's reads); ``save_pretrained`` of a model built from a config writes transformers'
     layout, so the file is rewritten in the published one (temp, then rename)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
+
+    from fsdp_rlhf.models.save import transpose_in_file
 
     path = out / "model.safetensors"
-    tensors = load_file(str(path))
-    for name, t in tensors.items():
-        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
-            tensors[name] = t.transpose(1, 2).contiguous()
-    tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    tmp.replace(path)
+    with safe_open(str(path), framework="pt") as f:
+        names = [
+            k for k in f.keys() if k.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
+        ]
+    transpose_in_file(path, names)
 
 
 # ---------------------------------------------------------------- images
