@@ -68,7 +68,8 @@ class AgentInstanceBase(ABC):
 
     @abstractmethod
     def __init__(self, *args, **kwargs):
-        pass
+        """An agent file's instance takes OpenRLHF's constructor arguments; the base keeps
+        none of them (its subclass must define ``__init__``, as in OpenRLHF)."""
 
     async def reset(self, states: dict, **kwargs):
         return states
@@ -96,7 +97,8 @@ class SingleTurnAgentExecutor(AgentExecutorBase):
     """Stand-in for OpenRLHF's reward-function executor (refused: ``--remote_rm_url``)."""
 
     def __init__(self, *args, **kwargs):
-        pass
+        """Takes OpenRLHF's arguments and keeps none: the loader refuses this executor by its
+        class (an agent file using it is a reward function, ``--remote_rm_url``)."""
 
 
 def _shim_modules() -> dict[str, types.ModuleType]:
