@@ -75,7 +75,9 @@ def test_rank0_load_matches_every_rank_loading(tiny_llama, tmp_path):
         for (path, _), r in zip(cases, per_rank, strict=True):
             assert r["diffs"] and max(r["diffs"].values()) == 0.0, (path, r["diffs"])
             assert r["buffers"] and all(r["buffers"].values()), r["buffers"]
-            assert r["forward"] == 0.0 and r["same_config"], r
+            # the weights are equal bit for bit (above); logits computed from two models' buffers
+            # need not be: a CPU kernel's bits can depend on alignment and the ISA
+            assert r["forward"] < 1e-5 and r["same_config"], r
             assert r["tied"] in (None, True), r
             assert r["devices"] == {"cpu"}, r
 

@@ -48,6 +48,14 @@ def _close(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return rel
 
 
+def _same_weights(a, b) -> None:
+    """A save/load round trip is exact in the weights, bit for bit (names, dtypes, values)."""
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for name, tensor in sa.items():
+        assert tensor.dtype == sb[name].dtype and torch.equal(tensor, sb[name]), name
+
+
 def _inputs(model, ids: torch.Tensor, mask: torch.Tensor, images: ImageBatch):
     """The forward of padded VLM rows with their images (``models.inputs``)."""
     from fsdp_rlhf.models.inputs import forward_inputs
@@ -148,7 +156,10 @@ def test_scalar_checkpoint_format_and_round_trip(tiny, tmp_path):
     with torch.no_grad():
         before = token_values(critic, _inputs(critic, ids, mask, images))
         after = token_values(again, _inputs(again, ids, mask, images))
-    assert torch.equal(before, after)
+    # the weights are bit for bit; values computed from them need not be: a CPU kernel's bits
+    # can depend on its buffers' alignment and the ISA (AMX, AVX512, AVX2)
+    _same_weights(critic, again)
+    _close(after, before)
 
 
 def _checkpoint_keys(path) -> set[str]:
@@ -236,7 +247,8 @@ def test_qwen3_5_vlm_values_and_round_trip(moe, tmp_path):
         critic.save_pretrained(tmp_path / "critic")
         saved = str(tmp_path / "critic")
         again = load_scalar_model(saved, BackendConfig(), torch.device("cpu"))
-        assert torch.equal(token_values(again, _inputs(again, ids, mask, images)), values)
+        _same_weights(critic, again)
+        _close(token_values(again, _inputs(again, ids, mask, images)), values)
 
 
 def test_ppo_values_and_scores_take_each_rows_images(built):
