@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+
+from fsdp_rlhf.testing import warm_launch
+
+REPO = Path(__file__).resolve().parents[1]
+# folders whose tests launch ranks (torchrun, gloo): a session holding any starts the warm
+# launcher's server at once, so that its imports overlap the first tests
+_LAUNCHING = ("e2e", "distributed", "vlm", "models")
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -15,6 +23,17 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault(
     "HF_DATASETS_CACHE", os.path.join(tempfile.gettempdir(), "fsdp_rlhf_tests_hf_datasets")
 )
+
+
+def pytest_collection_finish(session):
+    if warm_launch.mode() != "warm":
+        return
+    tests = REPO / "tests"
+    for item in session.items:
+        parts = Path(str(item.fspath)).relative_to(tests).parts
+        if parts and parts[0] in _LAUNCHING:
+            warm_launch.start_server(REPO)
+            return
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,19 +1,31 @@
-"""Run a test function on N gloo ranks in spawned processes (CPU), and collect per-rank results."""
+"""Run a test function on N gloo ranks in their own processes (CPU), and collect per-rank results.
+
+The ranks are forked from the warm launcher's server (fsdp_rlhf/testing/warm_launch.py: torch
+and the rest imported once per session) or, with ``FSDP_RLHF_TEST_LAUNCHER=torchrun`` or when
+the server cannot serve the case, spawned as fresh processes.
+"""
 
 from __future__ import annotations
 
 import os
 import pickle
 import queue as queue_mod
+import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fsdp_rlhf.distributed.env import DistEnv, device_for, free_port
+from fsdp_rlhf.testing import warm_launch
+
+REPO = Path(__file__).resolve().parents[1]
+JOB_VAR = "FSDP_RLHF_TEST_JOB"  # the warm ranks' job file (the function, its arguments)
 
 
 def current_env() -> DistEnv:
@@ -56,6 +68,11 @@ def run_distributed(
     ``fn`` must be a module-level function (picklable). Returns the per-rank return values
     (they must be picklable); a failure on any rank raises with that rank's traceback.
     """
+    if warm_launch.mode() == "warm":
+        try:
+            return _run_warm(fn, world_size, args, timeout, backend)
+        except warm_launch.Fallback as why:
+            print(f"warm launcher: spawning the ranks ({why})", file=sys.stderr)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -91,3 +108,55 @@ def run_distributed(
     if errors:
         raise RuntimeError("\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def _run_warm(fn: Callable, world_size: int, args: tuple, timeout: float, backend: str) -> list:
+    with tempfile.TemporaryDirectory(prefix="dist_job_") as folder:
+        job = Path(folder) / "job.pkl"
+        job.write_bytes(pickle.dumps((fn, args, world_size, free_port(), backend)))
+        env = {**os.environ, JOB_VAR: str(job)}
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(REPO), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+        )
+        stdout, stderr = sys.stdout.fileno(), sys.stderr.fileno()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        code = warm_launch.launch(
+            "call", [], env, str(REPO), world_size, timeout, stdout, stderr,
+            call="tests.dist_utils:_warm_rank",
+        )  # fmt: skip
+        results, errors = {}, []
+        for rank in range(world_size):
+            path = Path(folder) / f"{rank}.pkl"
+            if not path.exists():
+                continue
+            status, payload = pickle.loads(path.read_bytes())
+            if status == "ok":
+                results[rank] = pickle.loads(payload)
+            else:
+                errors.append(f"rank {rank} failed:\n{payload}")
+        if not errors and (code != 0 or len(results) < world_size):
+            errors.append(f"a rank died (exit code {code})")
+        if errors:
+            raise RuntimeError("\n".join(errors))
+        return [results[r] for r in range(world_size)]
+
+
+class _FileQueue:
+    """``_worker``'s queue for a warm rank: its one result, written next to the job file."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    def put(self, item) -> None:
+        rank, status, payload = item
+        tmp = self.folder / f"{rank}.pkl.tmp"
+        tmp.write_bytes(pickle.dumps((status, payload)))
+        tmp.rename(self.folder / f"{rank}.pkl")
+
+
+def _warm_rank(rank: int) -> None:
+    """A warm rank's entry (the launcher's ``call``): the spawned rank's ``_worker``."""
+    job = Path(os.environ[JOB_VAR])
+    fn, args, world_size, port, backend = pickle.loads(job.read_bytes())
+    _worker(rank, world_size, port, fn, args, _FileQueue(job.parent), backend)

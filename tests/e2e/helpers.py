@@ -1,4 +1,10 @@
-"""Run the real CLI (directly or under torchrun) from tests."""
+"""Run the real CLI (directly or under torchrun) from tests.
+
+Both go through the warm launcher by default (fsdp_rlhf/testing/warm_launch.py): the ranks are
+forked from a server that has imported torch, transformers and vLLM once, with the environment
+torchrun gives them. ``FSDP_RLHF_TEST_LAUNCHER=torchrun`` runs real torchrun (and a fresh
+Python process for ``run_cli``) instead; a case the server cannot serve falls back by itself.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +12,10 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+from fsdp_rlhf.testing import warm_launch
 from fsdp_rlhf.testing.launch import local_torchrun
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,14 +36,8 @@ def run_cli(
     timeout: float = 300,
 ) -> subprocess.CompletedProcess:
     """``python -m fsdp_rlhf.cli ARGS`` as one process."""
-    return subprocess.run(
-        [sys.executable, "-m", "fsdp_rlhf.cli", *args],
-        capture_output=True,
-        text=True,
-        env=_env(env, replace_env),
-        timeout=timeout,
-        cwd=REPO,
-    )
+    cmd = [sys.executable, "-m", "fsdp_rlhf.cli", *args]
+    return _run(cmd, "single", 1, _env(env, replace_env), timeout)
 
 
 def torchrun(
@@ -43,9 +45,42 @@ def torchrun(
 ) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node N -m fsdp_rlhf.cli ARGS`` on a free local port."""
     cmd = local_torchrun(nproc, ["-m", "fsdp_rlhf.cli", *args])
-    return subprocess.run(
-        cmd, capture_output=True, text=True, env=_env(env), timeout=timeout, cwd=REPO
-    )
+    return _run(cmd, "torchrun", nproc, _env(env), timeout)
+
+
+def _run(
+    cmd: list[str], kind: str, nproc: int, env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess:
+    note = ""
+    if warm_launch.mode() == "warm":
+        try:
+            return _warm(cmd, kind, nproc, env, timeout)
+        except warm_launch.Fallback as why:
+            note = f"warm launcher: this case runs without it ({why})\n"
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
+    proc.stderr = note + proc.stderr
+    return proc
+
+
+def _warm(
+    cmd: list[str], kind: str, nproc: int, env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess:
+    """The same case on the warm launcher: ``cmd``'s outputs and exit code, as subprocess.run
+    would return them."""
+    argv = cmd[cmd.index("-m") :] if kind == "torchrun" else cmd[1:]
+    with tempfile.TemporaryFile("a+b") as out, tempfile.TemporaryFile("a+b") as err:
+        try:
+            code = warm_launch.launch(
+                kind, argv, env, str(REPO), nproc, timeout, out.fileno(), err.fileno()
+            )
+        except subprocess.TimeoutExpired as e:
+            raise subprocess.TimeoutExpired(cmd, timeout, _text(out), _text(err)) from e
+        return subprocess.CompletedProcess(cmd, code, _text(out), _text(err))
+
+
+def _text(f) -> str:
+    f.seek(0)
+    return f.read().decode(errors="replace")
 
 
 def read_metrics(save_path: str | Path) -> list[dict]:
