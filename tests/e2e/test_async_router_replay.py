@@ -5,15 +5,12 @@ Qwen3-MoE, CPU, real vLLM. `make test-async` runs these (marker ``asynchronous``
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 import torch
 
-from fsdp_rlhf.testing.launch import local_torchrun
 from fsdp_rlhf.testing.synthetic import prompt_rows, write_jsonl
 from fsdp_rlhf.trainers.experience import Experience
-from tests.e2e.helpers import REPO, _env, read_metrics, torchrun
+from tests.e2e.helpers import REPO, read_metrics, torchrun, torchrun_script
 from tests.e2e.test_ppo_cli import SHORT_REWARD_WITH_PREEMPTION, grpo_flags
 
 pytestmark = [pytest.mark.slow, pytest.mark.asynchronous]
@@ -155,8 +152,7 @@ def test_a_partial_rollouts_tokens_replay_the_experts_that_sampled_them(scale, t
     model = build_family(tmp_path / "model", "qwen3_moe", router_spread=1e-6)
     out = tmp_path / "replay.pt"
     worker = str(REPO / "tests" / "e2e" / "async_replay_worker.py")
-    cmd = local_torchrun(2, [worker, str(model), str(out), str(scale)])
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(None), timeout=600)
+    proc = torchrun_script(worker, [str(model), str(out), str(scale)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     saved = torch.load(out, weights_only=False)
     exp = Experience(**saved["rows"])

@@ -17,11 +17,10 @@ import torch
 from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.config_base import build_config
 from fsdp_rlhf.distributed.env import free_port
-from fsdp_rlhf.testing.launch import local_torchrun
 from fsdp_rlhf.testing.synthetic import prompt_rows, write_jsonl
 from fsdp_rlhf.trainers.experience import Experience
 from fsdp_rlhf.trainers.ppo.update import _correction
-from tests.e2e.helpers import REPO, _env, read_metrics, torchrun
+from tests.e2e.helpers import REPO, _env, read_metrics, torchrun, torchrun_script
 from tests.e2e.test_ppo_cli import (
     PARITY_REWARD,
     SHORT_REWARD_WITH_PREEMPTION,
@@ -240,10 +239,8 @@ def test_a_response_spans_two_weight_versions_and_each_token_keeps_its_own(tiny_
     token against that log-prob: ~1 where the trainer's policy sampled it, the ratio of the
     two versions where the older one did."""
     out = tmp_path / "partial.pt"
-    cmd = local_torchrun(
-        2, [str(REPO / "tests" / "e2e" / "async_partial_worker.py"), tiny_qwen2, str(out)]
-    )
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(None), timeout=600)
+    worker = REPO / "tests" / "e2e" / "async_partial_worker.py"
+    proc = torchrun_script(worker, [tiny_qwen2, str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     saved = torch.load(out, weights_only=False)
     exp = Experience(**saved["rows"])

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from fsdp_rlhf.testing.synthetic import prompt_rows, write_jsonl
-from tests.e2e.helpers import read_metrics, run_cli, torchrun
+from tests.e2e.helpers import python_c, read_metrics, run_cli, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -238,11 +236,8 @@ def _check_export(save: Path, extra: str = "pass") -> None:
         "AutoModelForSequenceClassification as S; m = C.from_pretrained(sys.argv[1]); "
         f"{extra}; S.from_pretrained(sys.argv[2])"
     )
-    subprocess.run(
-        [sys.executable, "-c", check, str(save), str(save / "critic")],
-        check=True,
-        capture_output=True,
-    )
+    proc = python_c(check, [str(save), str(save / "critic")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def _set_flags(flags: list[str], **values: str) -> list[str]:

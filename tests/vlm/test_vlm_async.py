@@ -9,15 +9,13 @@ runs these (marker ``vlm``).
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from fsdp_rlhf.testing.launch import local_torchrun
 from fsdp_rlhf.trainers.experience import Experience
-from tests.e2e.helpers import REPO, _env, read_metrics, torchrun
+from tests.e2e.helpers import REPO, read_metrics, torchrun, torchrun_script
 from tests.vlm.test_vlm_grpo import grpo_flags
 
 pytestmark = [pytest.mark.vlm, pytest.mark.slow]
@@ -61,8 +59,7 @@ def test_a_partial_rollout_of_image_prompts_keeps_its_images(tiny_vl, tmp_path):
     prompt's image: the resumed requests' images were encoded again by the new tower."""
     out = tmp_path / "partial.pt"
     worker = REPO / "tests" / "vlm" / "async_partial_vlm_worker.py"
-    cmd = local_torchrun(2, [str(worker), tiny_vl, str(out), str(tmp_path / "images")])
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(None), timeout=600)
+    proc = torchrun_script(worker, [tiny_vl, str(out), str(tmp_path / "images")])
     assert proc.returncode == 0, proc.stderr[-3000:]
     saved = torch.load(out, weights_only=False)
     exp = Experience(**saved["rows"])
