@@ -45,7 +45,19 @@ def _suite(item) -> str:
     return suites.suite_of(_folder(item), (m.name for m in item.iter_markers()))
 
 
+_CLOCK: dict[str, float] = {}
+
+
+def pytest_sessionstart(session):
+    import time
+
+    _CLOCK["start"] = time.monotonic()
+
+
 def pytest_collection_finish(session):
+    import time
+
+    _CLOCK["collected"] = time.monotonic()
     _SUITE_OF.update((item.nodeid, _suite(item)) for item in session.items)
     if warm_launch.mode() != "warm":
         return
@@ -140,4 +152,9 @@ def pytest_terminal_summary(terminalreporter, config):
             n, ok, bad, skip, sec = _SECONDS[suite]
             total += sec
             write(f"{suite:<14}{n:>7}{ok:>8}{bad:>8}{skip:>9}{sec:>10.0f}")
-    write(f"{'all':<14}{'':>32}{total:>10.0f}")
+    write(f"{'all tests':<14}{'':>32}{total:>10.0f}")
+    if "collected" in _CLOCK:
+        import time
+
+        write(f"{'collection':<14}{'':>32}{_CLOCK['collected'] - _CLOCK['start']:>10.0f}")
+        write(f"{'wall':<14}{'':>32}{time.monotonic() - _CLOCK['start']:>10.0f}")
