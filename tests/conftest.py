@@ -15,7 +15,7 @@ from tests import suites
 REPO = Path(__file__).resolve().parents[1]
 # folders whose tests launch ranks (torchrun, gloo): a session holding any starts the warm
 # launcher's server at once, so that its imports overlap the first tests
-_LAUNCHING = ("e2e", "distributed", "vlm", "models")
+_LAUNCHING = ("e2e", "distributed", "vlm", "models", "cluster")
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdp_rlhf.testing.launch import local_torchrun
 from tests.cluster.cluster import Cluster
+from tests.e2e.helpers import torchrun_logged
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent  # torchrun of the environment running the tests
@@ -97,14 +97,13 @@ class Run:
 
 
 def run_local(cmd: str, flags: list[str], log: Path, nproc: int = 2, timeout=600) -> Run:
-    """``cmd`` on this machine's own network namespace: one host, ``nproc`` ranks."""
-    argv = local_torchrun(nproc, ["-m", "fsdp_rlhf.cli", cmd, *flags])
+    """``cmd`` on this machine's own network namespace: one host, ``nproc`` ranks (the
+    single-host reference of a multi-host run: through the tests' warm launcher, which gives
+    the ranks torchrun's environment; the multi-host runs use the real launchers)."""
     t0 = time.monotonic()
-    with open(log, "wb") as out:
-        proc = subprocess.run(
-            argv, env=base_env(), stdout=out, stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO
-        )
-    return Run(proc.returncode, time.monotonic() - t0, {"local": log.read_text()})
+    log.write_bytes(b"")
+    code = torchrun_logged([cmd, *flags], log, base_env(), nproc, timeout)
+    return Run(code, time.monotonic() - t0, {"local": log.read_text()})
 
 
 def torchrun_argv(

@@ -56,6 +56,27 @@ def torchrun_script(
     return _run(cmd, "torchrun", nproc, _env(None), timeout)
 
 
+def torchrun_logged(
+    args: list[str], log: Path, env: dict[str, str], nproc: int = 2, timeout: float = 600
+) -> int:
+    """``torchrun --nproc_per_node N -m fsdp_rlhf.cli ARGS`` with stdout and stderr into
+    ``log`` (one file, as a shell's ``> log 2>&1``); returns the exit code."""
+    cmd = local_torchrun(nproc, ["-m", "fsdp_rlhf.cli", *args])
+    with open(log, "ab") as out:
+        if warm_launch.mode() == "warm":
+            try:
+                return warm_launch.launch(
+                    "torchrun", cmd[_target(cmd) :], env, str(REPO), nproc, timeout,
+                    out.fileno(), out.fileno(),
+                )  # fmt: skip
+            except warm_launch.Fallback as why:
+                out.write(f"warm launcher: this case runs without it ({why})\n".encode())
+                out.flush()
+        return subprocess.run(
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO
+        ).returncode
+
+
 def python_c(code: str, args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
     """``python -c CODE ARGS`` as one process (a check in a process of its own)."""
     return _run([sys.executable, "-c", code, *args], "single", 1, _env(None), timeout)
