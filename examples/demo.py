@@ -66,6 +66,15 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+WINDOW = 10  # steps per rolling mean: one step's score is 64 samples of 16 prompts, noisy
+
+
+def rolling(values: list[float], window: int = WINDOW) -> list[float]:
+    """The mean of each value and the ``window - 1`` before it (fewer at the start)."""
+    return [sum(values[max(0, i - window + 1) : i + 1]) / (i - max(0, i - window + 1) + 1)
+            for i in range(len(values))]  # fmt: skip
+
+
 def plot(rows: list[dict], png: Path) -> None:
     import matplotlib
 
@@ -73,11 +82,15 @@ def plot(rows: list[dict], png: Path) -> None:
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in rows]
+    scores, kls = [r["critic/score/mean"] for r in rows], [r["actor/kl"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
-    a.plot(steps, [r["critic/score/mean"] for r in rows], marker=".")
+    a.plot(steps, scores, marker=".", alpha=0.35, label="per step")
+    a.plot(steps, rolling(scores), label=f"mean of {WINDOW} steps")
     a.set(title="reward-model score (mean)", xlabel="PPO step", ylabel="score")
-    b.plot(steps, [r["actor/kl"] for r in rows], marker=".", color="tab:red")
-    b.set(title="KL(actor || reference)", xlabel="PPO step", ylabel="k1 per token")
+    a.legend(loc="lower right")
+    b.plot(steps, kls, marker=".", color="tab:red")
+    b.set(title="KL(actor || reference)", xlabel="PPO step", ylabel="nats per token (k1)")
+    b.set_ylim(bottom=0, top=max(1.0, 1.1 * max(kls)))
     for ax in (a, b):
         ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -86,8 +99,24 @@ def plot(rows: list[dict], png: Path) -> None:
     tmp.replace(png)
 
 
+def what_it_shows(ppo_rows: list[dict], kl_coef: float) -> str:
+    """The plot in one sentence, from the numbers it draws."""
+    scores, kls = [r["critic/score/mean"] for r in ppo_rows], [r["actor/kl"] for r in ppo_rows]
+    k = min(WINDOW, len(scores) // 2)
+    first, last = sum(scores[:k]) / k, sum(scores[-k:]) / k
+    trend = "rose" if last > first else "did not rise"
+    bound = "stayed under" if max(kls) < 1.0 else "reached"
+    return (
+        f"The reward model's score {trend} from {first:+.2f} (first {k} steps) to {last:+.2f} "
+        f"(last {k}) while the KL to the reference {bound} {max(kls):.2f} nats per token (its "
+        f"largest step; {kls[-1]:.2f} at the end): the KL loss (coefficient {kl_coef:g}) holds "
+        "the policy near the SFT model it started from while it learns what the reward model "
+        "rewards."
+    )
+
+
 def summary(rm_rows, ppo_rows, times) -> list[tuple[str, str]]:
-    k = min(5, len(ppo_rows) // 2)
+    k = min(WINDOW, len(ppo_rows) // 2)
     before = sum(r["critic/score/mean"] for r in ppo_rows[:k]) / k
     after = sum(r["critic/score/mean"] for r in ppo_rows[-k:]) / k
     evals = [r for r in rm_rows if "eval/acc" in r]
@@ -101,12 +130,13 @@ def summary(rm_rows, ppo_rows, times) -> list[tuple[str, str]]:
         "update",
         "all",
     ]
+    kls = [r["actor/kl"] for r in ppo_rows]
     out = [
         ("reward model eval accuracy", f"{evals[-1]['eval/acc']:.3f}" if evals else "-"),
         ("PPO steps", str(len(ppo_rows))),
         (f"RM score, first {k} steps (mean)", f"{before:+.3f}"),
         (f"RM score, last {k} steps (mean)", f"{after:+.3f}"),
-        ("final KL to reference", f"{ppo_rows[-1]['actor/kl']:.4f}"),
+        ("KL to reference: largest / final", f"{max(kls):.3f} / {kls[-1]:.3f}"),
         (
             "wall time: sft / train-rm / ppo",
             f"{times.get('sft', 0):.0f} s / {times['rm']:.0f} s / {times['ppo']:.0f} s",
@@ -117,6 +147,12 @@ def summary(rm_rows, ppo_rows, times) -> list[tuple[str, str]]:
         if vals:
             out.append((f"time per step: {p}", f"{1e3 * sum(vals) / len(vals):.0f} ms"))
     return out
+
+
+def kl_coef_of(config: Path) -> float:
+    import yaml
+
+    return float(yaml.safe_load(config.read_text())["algo"]["init_kl_coef"])
 
 
 def main() -> None:
@@ -208,6 +244,7 @@ def main() -> None:
     for k, v in summary(rm_rows, ppo_rows, times):
         table.add_row(k, v)
     Console().print(table)
+    print(what_it_shows(ppo_rows, kl_coef_of(REPO / "configs" / "demo_ppo.yaml")))
     print(f"plot: {png}\nlogs: {out / 'logs'}\nTensorBoard: tensorboard --logdir {out}")
 
 

@@ -253,13 +253,13 @@ def serve(path: str, parent: int) -> None:
     # what the imports set in the environment (vLLM's inductor settings, for one): a fresh
     # process that imports them has these too
     added = {k: v for k, v in os.environ.items() if base_env.get(k) != v}
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # agents are reaped by the kernel
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
     os.rename(path + ".tmp", path)  # connectable only once everything is imported
     listener.listen(16)
     listener.settimeout(1.0)
     while os.getppid() == parent:
+        _reap()  # finished agents (waited for: their CPU time counts as the session's)
         try:
             conn, _ = listener.accept()
         except TimeoutError:
@@ -277,6 +277,16 @@ def serve(path: str, parent: int) -> None:
                 code = 70
             os._exit(code)
         conn.close()
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
 
 
 def _model_modules() -> list[str]:
@@ -298,7 +308,6 @@ def _model_modules() -> list[str]:
 
 def _agent(conn: socket.socket, base_env: dict[str, str], added: dict[str, str]) -> int:
     """One case: read the request, fork its ranks, watch them and the connection, answer."""
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     os.setpgid(0, 0)  # the case's processes form one group, killed together
     conn.settimeout(None)
     request, fds = _recv(conn, max_fds=3)
