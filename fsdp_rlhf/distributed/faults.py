@@ -3,7 +3,7 @@ the OOM killer or a lost node would, at a named point of its work.
 
 ``FSDP_RLHF_KILL_AT=<rank>:<phase>:<n>`` (``<rank>``: the rank in the whole job) makes that
 rank SIGKILL itself when it reaches ``phase`` with number ``n`` (a batch, step or weight
-version; the phase says which). Unset, :func:`reached` only compares two strings. The points:
+version; the phase says which). Unset, :func:`reached` only reads one variable. The points:
 
     generating  a rollout rank, between two engine steps of batch n
     queued      a rollout rank, batch n sent and not yet trained, waiting for weights
@@ -30,13 +30,12 @@ def _spec() -> tuple[int, str, int] | None:
     return int(rank), phase, int(n)
 
 
-_SPEC = _spec()
-
-
 def reached(phase: str, n: int) -> None:
-    """This rank reached ``phase`` with number ``n``: dies here if the test said so."""
-    if _SPEC is None:
+    """This rank reached ``phase`` with number ``n``: dies here if the test said so (read
+    when called, not when imported: a process forked after the import has its own)."""
+    spec = _spec()
+    if spec is None:
         return
-    rank, want, at = _SPEC
+    rank, want, at = spec
     if want == phase and at == n and int(os.environ.get("RANK", "-1")) == rank:
         os.kill(os.getpid(), signal.SIGKILL)
