@@ -51,12 +51,16 @@ from torch.distributed.tensor import DTensor
 from fsdp_rlhf.distributed.collectives import collective_device
 from fsdp_rlhf.distributed.fsdp import all_gather_row, gather_bucket, local_row, param_buckets
 
+
 # A measurement hook for benchmarks/ (not a setting): with FSDP_RLHF_MEASURE_DELTA_BLOCKS=16,128
 # each delta sync also counts the blocks of that many elements holding a change, to compare a
 # changed-blocks encoding with the ones used (DeltaStats.blocks).
-MEASURE_BLOCKS = tuple(
-    int(b) for b in os.environ.get("FSDP_RLHF_MEASURE_DELTA_BLOCKS", "").split(",") if b.strip()
-)
+def measure_blocks() -> tuple[int, ...]:
+    """The block sizes FSDP_RLHF_MEASURE_DELTA_BLOCKS names (read per call, not at import)."""
+    raw = os.environ.get("FSDP_RLHF_MEASURE_DELTA_BLOCKS", "")
+    return tuple(int(b) for b in raw.split(",") if b.strip())
+
+
 CHECK_WORDS = 512  # int64 words per checksum row (4 KiB)
 ROW_ALIGN_BYTES = 8 * CHECK_WORDS  # a rank's row is padded to whole checksum rows
 ENCODINGS = ("dense", "sparse", "bitmap")
@@ -187,7 +191,7 @@ class BucketDelta:
     section: int  # payload bytes per rank
     payload: torch.Tensor  # (world, section) uint8 on the host
     changed: int | None = None  # elements that differ from the last sync (None: not compared)
-    blocks: dict[int, int] = field(default_factory=dict)  # MEASURE_BLOCKS: changed blocks
+    blocks: dict[int, int] = field(default_factory=dict)  # measure_blocks(): changed blocks
 
     def manifest(self) -> dict:
         return {
@@ -282,7 +286,8 @@ def encode_bucket(
     t1 = time.perf_counter()
     sums = checksum(new_row)
     t2 = time.perf_counter()
-    blocks = [0 if mask is None else int(mask.view(-1, b).any(1).sum()) for b in MEASURE_BLOCKS]
+    sizes = measure_blocks()
+    blocks = [0 if mask is None else int(mask.view(-1, b).any(1).sum()) for b in sizes]
     header = torch.tensor([row if mask is None else count, int(mask is not None), *sums, *blocks])
     headers = _gather_bytes(header.view(torch.uint8), group, world).view(torch.int64)
     t3 = time.perf_counter()
@@ -313,8 +318,8 @@ def encode_bucket(
     stats.exchange_s += (t3 - t2) + (t5 - t4)
     sums_all = [(int(h[2]), int(h[3])) for h in headers]
     delta = BucketDelta(encoding, counts, sums_all, section, payload, changed)
-    if everyone_has_old and MEASURE_BLOCKS:
-        delta.blocks = {b: int(headers[:, 4 + i].sum()) for i, b in enumerate(MEASURE_BLOCKS)}
+    if everyone_has_old and sizes:
+        delta.blocks = {b: int(headers[:, 4 + i].sum()) for i, b in enumerate(sizes)}
     return delta
 
 

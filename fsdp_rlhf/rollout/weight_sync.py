@@ -70,7 +70,7 @@ class SyncStats:
         }
         if self.changed_frac is not None:
             out[f"{prefix}/weight_sync_changed_frac"] = self.changed_frac
-        if self.delta is not None:  # only with delta_sync.MEASURE_BLOCKS (benchmarks)
+        if self.delta is not None:  # only with delta_sync.measure_blocks() (benchmarks)
             for size, n in self.delta.blocks.items():
                 total = self.delta.block_total[size]
                 out[f"{prefix}/weight_sync_blocks{size}_frac"] = n / total if total else 0.0

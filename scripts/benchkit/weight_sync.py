@@ -8,7 +8,7 @@ steps, and the sync's wall time with and without overlap against its parts.
    per step, the share of the engine-dtype elements that changed since the last sync, the
    bytes the gathers carried (``rollout/weight_sync_wire_bytes``) against a full sync's, the
    share of changed 16-, 128- and 1024-element blocks (the changed-blocks encoding not used,
-   measured through ``delta_sync.MEASURE_BLOCKS``), the sync's seconds, and the engine's
+   measured through ``delta_sync.measure_blocks()``), the sync's seconds, and the engine's
    log-probs against the trainer's. bf16 is ``--bf16`` (fp32 master weights, bf16 engine);
    fp32 is the default (fp32 engine).
 2. ``sync``: one torchrun job per shape and dtype (``--worker``): the FSDP2 actor beside a
