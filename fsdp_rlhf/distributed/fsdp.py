@@ -221,25 +221,39 @@ def clip_grad_norm_(
 ) -> float:
     """Total L2 norm of all (sharded) gradients across ranks; scales them to ``max_norm``.
 
-    Works on DTensor shards by summing local squares and all-reducing once, so no full gradient
-    is ever gathered. Grads may live on CPU (``--adam_offload``: FSDP's CPUOffloadPolicy) while
-    the group is NCCL: each shard's square-sum is taken where the shard lives, only the scalar
-    travels to the group's device, and grads are scaled in place where they live.
+    Works on the local shards of DTensors: each device's gradients (one group per device and
+    dtype) give their norms in one ``_foreach_norm`` kernel, the squares are summed on the
+    group's device and all-reduced once, and the host reads the total once (the step's one
+    sync: the clipping decision and the returned value need it); the scaling is one
+    ``_foreach_mul_`` per group. No full gradient is ever gathered. Grads may live on CPU
+    (``--adam_offload``: FSDP's CPUOffloadPolicy) while the group is NCCL: the norms are taken
+    where the shards live, only the squares travel to the group's device, and grads are
+    scaled in place where they live.
     Returns the norm before clipping; ``max_norm <= 0`` only measures.
     """
-    grads = [_local(p.grad) for p in params if p.grad is not None]
+    groups = _by_device_and_dtype([_local(p.grad) for p in params if p.grad is not None])
     # Also on one rank: a 1-rank all-reduce costs nothing and keeps the device path exercised.
     device = collective_device(group)
     sq = torch.zeros((), dtype=torch.float32, device=device)
-    for g in grads:
-        sq += g.detach().float().pow(2).sum().to(device)
+    for grads in groups:
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        sq += torch.stack(norms).square().sum().to(device)
     sq = all_reduce(sq, dist.ReduceOp.SUM, group)
     total = math.sqrt(float(sq))
     if max_norm > 0 and total > max_norm and math.isfinite(total):
         coef = max_norm / (total + 1e-6)
-        for g in grads:
-            g.mul_(coef)
+        for grads in groups:
+            torch._foreach_mul_(grads, coef)
     return total
+
+
+def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` (detached) in lists of one device and dtype each: what a foreach kernel
+    takes."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t.detach())
+    return list(groups.values())
 
 
 # Most bytes one gather moves (full tensors, summed over the bucket); a larger parameter goes
