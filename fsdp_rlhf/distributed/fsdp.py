@@ -92,13 +92,21 @@ def shard_model(
             experts are split over its groups and sharded over the ranks holding the same
             experts, as their own FSDP2 units inside the layers.
     """
-    mp = MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16 if bf16 else torch.float32, reduce_dtype=torch.float32
-    )
+    param_dtype = torch.bfloat16 if bf16 else torch.float32
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     kwargs = dict(
         mesh=mesh,
         mp_policy=mp,
         reshard_after_forward=reshard_after_forward(fsdp.zero_stage, frozen),
+    )
+    # Decoder layers take the previous layer's output, already in the compute dtype: no
+    # per-layer cast of their inputs (torchtitan's setting). The root and a vision tower keep
+    # the casts (pixel values arrive in fp32).
+    layer_kwargs = dict(
+        kwargs,
+        mp_policy=MixedPrecisionPolicy(
+            param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+        ),
     )
     if uses_cpu_offload_policy(cpu_offload, mesh.device_type):
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
@@ -108,7 +116,7 @@ def shard_model(
         raise ValueError(f"{type(model).__name__}: no decoder layers found to shard")
     experts = _shard_experts(model, ep, kwargs)
     for layer in layers:
-        fully_shard(layer, **kwargs)
+        fully_shard(layer, **layer_kwargs)
     tower = vision_tower(model)
     units = [*experts, *layers, *([tower] if tower is not None else [])]
     if tower is not None:
@@ -175,27 +183,47 @@ def _reshard_if_no_grad(module: nn.Module, args, output):
     return output
 
 
-def gradient_sync_every_micro_batch(zero_stage: int) -> bool:
+def gradient_sync_every_micro_batch(zero_stage: int, gathered: bool = False) -> bool:
     """ZeRO-3 reduce-scatters after every micro-batch so gradients accumulate in sharded form
-    (1/world of the fp32 grads resident); below ZeRO-3 the unsharded grads accumulate locally
-    and are reduced once, after the last micro-batch (fewer collectives, more memory)."""
-    return zero_stage >= 3
+    (1/world of the fp32 grads resident); below ZeRO-3, and at ZeRO-3 with ``gathered``
+    (``--accumulate_gathered``), the unsharded grads accumulate locally and are reduced once,
+    after the last micro-batch (fewer collectives, more memory)."""
+    return zero_stage >= 3 and not gathered
 
 
-def accumulate(model: FSDPModule, last: bool, zero_stage: int) -> None:
+def accumulate(model: FSDPModule, last: bool, zero_stage: int, gathered: bool = False) -> None:
     """Call before each micro-batch's forward/backward of one optimizer step.
 
     Below ZeRO-3, gradients are reduce-scattered only after the last micro-batch and the
     gathered parameters also stay until then: FSDP2 otherwise frees them after every backward
     and gathers them again for the next micro-batch's forward, one all-gather of the whole model
     per micro-batch (2 CPU ranks over gloo, 4 micro-batches: 10% of the PPO update's time).
-    At ZeRO-3 every micro-batch syncs (see ``gradient_sync_every_micro_batch``).
+    At ZeRO-3 every micro-batch gathers each layer twice (forward and backward) and
+    reduce-scatters it, unless ``gathered`` (``--accumulate_gathered``, chosen by the memory
+    model: :func:`resolve_accumulate_gathered`): then each layer is gathered once per
+    optimizer step and kept, with its unsharded gradients, until the last backward, as
+    torchtitan accumulates: one all-gather and one reduce-scatter per layer per step.
     """
-    if gradient_sync_every_micro_batch(zero_stage):
+    if gradient_sync_every_micro_batch(zero_stage, gathered):
         model.set_requires_gradient_sync(True)
         return
     model.set_requires_gradient_sync(last)
     model.set_reshard_after_backward(last)
+    if zero_stage >= 3:  # the root already keeps its params from forward to backward
+        model.set_reshard_after_forward(False)
+
+
+def resolve_accumulate_gathered(setting: str, zero_stage: int, device_type: str, fits) -> bool:
+    """``--accumulate_gathered`` as a decision: ``on``/``off`` as asked; ``auto`` on at ZeRO-3
+    on CUDA when ``fits()`` (the memory model: the update with every layer gathered and the
+    gradients unsharded, as below ZeRO-3), off on CPU (where memory, not launches, is what
+    ZeRO-3 is chosen for). Below ZeRO-3 accumulation is gathered anyway (returns False: nothing
+    to change)."""
+    if zero_stage < 3 or setting == "off":
+        return False
+    if setting == "on":
+        return True
+    return device_type == "cuda" and bool(fits())
 
 
 def set_sum_reduction(model: nn.Module, divide_by: float = 1.0) -> None:
