@@ -252,6 +252,10 @@ def prepare_model(
         )
     if parallel.sp.enabled:
         use_ulysses_attention(model)
+    if trainable and backend.float8:  # the rules table refused it where it cannot run
+        from fsdp_rlhf.models.float8 import use_float8
+
+        log.info("--float8: %d linear layers in rowwise float8 (torchao)", use_float8(model))
     if backend.torch_compile:
         whole = whole_layer_problem(
             model, env.device.type, backend.bf16, packed, parallel.sp.size
