@@ -70,6 +70,7 @@ def shard_model(
     frozen: bool = False,
     dp_size: int | None = None,
     ep: ExpertParallel | None = None,
+    layer_input_casts: bool = False,
 ) -> nn.Module:
     """Apply ``fully_shard`` to each decoder layer (a VLM's vision blocks included), to a
     VLM's vision tower as a whole (patch embedding and projector: its own unit, gathered only
@@ -91,6 +92,9 @@ def shard_model(
         ep: expert parallelism (``distributed.expert_parallel``): each MoE layer's routed
             experts are split over its groups and sharded over the ranks holding the same
             experts, as their own FSDP2 units inside the layers.
+        layer_input_casts: FSDP2 casts each decoder layer's floating inputs to the compute
+            dtype (``cast_forward_inputs``, its default; the GPU ladder's baseline). Off, the
+            layers take the previous layer's output as it is, already in that dtype.
     """
     param_dtype = torch.bfloat16 if bf16 else torch.float32
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
@@ -105,7 +109,9 @@ def shard_model(
     layer_kwargs = dict(
         kwargs,
         mp_policy=MixedPrecisionPolicy(
-            param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+            param_dtype=param_dtype,
+            reduce_dtype=torch.float32,
+            cast_forward_inputs=layer_input_casts,
         ),
     )
     if uses_cpu_offload_policy(cpu_offload, mesh.device_type):
