@@ -655,6 +655,15 @@ PRECISION = [
         needs=True,
     ),
     Rule(
+        "float8-cuda",
+        ("float8", "CUDA"),
+        ALL,
+        when(lambda s: s.cfg.backend.float8 and not s.cuda, "--float8 on CPU"),
+        "torchao's float8 matmuls run on CUDA GPUs with float8 tensor cores (sm_89+)",
+        "drop --float8",
+        needs=True,
+    ),
+    Rule(
         "float8-torchao",
         ("float8", "torchao"),
         ALL,
@@ -664,15 +673,6 @@ PRECISION = [
         ),
         "float8 training is torchao's (Float8Linear, rowwise scaling)",
         "install torchao (pip install torchao) or drop --float8",
-        needs=True,
-    ),
-    Rule(
-        "float8-cuda",
-        ("float8", "CUDA"),
-        ALL,
-        when(lambda s: s.cfg.backend.float8 and not s.cuda, "--float8 on CPU"),
-        "torchao's float8 matmuls run on CUDA GPUs with float8 tensor cores (sm_89+)",
-        "drop --float8",
         needs=True,
     ),
 ]

@@ -130,7 +130,7 @@ def test_packed_rows_one_kernel_call_per_layer_equal_to_the_loop(qwen2, n):
         assert q.shape[1] == 12 and k.shape[1] == v.shape[1] == 2  # K/V not repeated
         assert cu_q.dtype == cu_k.dtype == torch.int32 and cu_q.device == q.device
         assert cu_q.numel() == n + 1 and isinstance(max_q, int)
-        assert max_q == int(mask.sum(-1).max())
+        assert max_q == max_k == int(mask.sum(-1).max())
     _assert_equal(got, _run(qwen2, ids, mask, packed=True), mask)
 
 
@@ -198,7 +198,7 @@ def test_one_decoder_layer_traces_whole(qwen2):
                 model.train()
             layer, seen = model.model.layers[0], {}
             hook = layer.register_forward_pre_hook(
-                lambda _m, a, k: seen.update(args=a, kwargs=k), with_kwargs=True
+                lambda _m, a, k, seen=seen: seen.update(args=a, kwargs=k), with_kwargs=True
             )
             with kernel_override(reference_kernel()):
                 inputs = forward_inputs(ids, mask, packed=packed, group_size=group, response_len=T)
