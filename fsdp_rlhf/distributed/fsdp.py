@@ -128,7 +128,11 @@ def shard_model(
     if tower is not None:
         fully_shard(tower, **kwargs)
         tower_in_every_forward(model)  # ranks without images still gather the tower
-    fully_shard(model, **kwargs)
+    # The root (embeddings, final norm, output layer) keeps its params from forward to
+    # backward when a backward follows: its backward starts right after its forward ends, and
+    # at ZeRO-3 it would gather them again at once (the memory model counts the root gathered
+    # through the whole update).
+    fully_shard(model, **{**kwargs, "reshard_after_forward": frozen})
     if kwargs.get("offload_policy") is not None:
         for p in model.parameters():  # the optimizer only sees params: mark them too
             p._fsdp_rlhf_cpu_offload = True
