@@ -121,9 +121,10 @@ def shard_model(
     if not layers:
         raise ValueError(f"{type(model).__name__}: no decoder layers found to shard")
     experts = _shard_experts(model, ep, kwargs)
-    for layer in layers:
-        fully_shard(layer, **layer_kwargs)
     tower = vision_tower(model)
+    in_tower = set(tower.modules()) if tower is not None else set()
+    for layer in layers:  # a VLM's vision blocks keep the casts (fp32 rotary inputs)
+        fully_shard(layer, **(kwargs if layer in in_tower else layer_kwargs))
     units = [*experts, *layers, *([tower] if tower is not None else [])]
     if tower is not None:
         fully_shard(tower, **kwargs)

@@ -116,6 +116,10 @@ def whole_layer_problem(
         return "Ulysses' all-to-alls sit inside the attention"
     if any(is_router(m) for m in model.modules()):
         return "an MoE model's router hooks act per forward"
+    if getattr(model.config, "vision_config", None) is not None:
+        return "a vision-language model's vision blocks (not traced whole yet)"
+    if any("lora_" in name for name, _ in model.named_parameters()):
+        return "LoRA adapters (not traced whole yet)"
     text = model.config.get_text_config()
     if set(getattr(text, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
         return "layers other than full attention (sliding windows, recurrent layers)"
