@@ -6,11 +6,17 @@
   and the softmax in float32, as HF's eager attention does, are faster than float32 scores
   with ``masked_fill``. Without a backward SDPA stays: it is the faster one there. Timings:
   benchmarks/grpo_rm_vs_trl_intel-xeon-amx-2core_2026-11-22.md.
-- ``fsdp_rlhf_varlen`` (``--packing_samples`` on CPU or without flash-attn): causal
+- ``fsdp_rlhf_varlen`` (``--packing_samples`` unless HF's flash_attention_2 runs): causal
   attention per sequence of a packed row (models.packing.pack_rows), so its cost is the sum of
-  squared lengths rather than the row's length squared. With ``--flash_attn`` on CUDA, packed
-  forwards keep HF's flash_attention_2, whose varlen kernel does the same in one call per layer
-  (no Python loop, no host sync for the lengths).
+  squared lengths rather than the row's length squared. On CUDA in half precision one varlen
+  kernel call per layer does it for every sequence at once (``models.varlen``: torch's
+  ``varlen_attn`` or flash-attn's, K/V unrepeated, no host sync); elsewhere, and for what no
+  kernel takes, a loop over the sequences (:func:`varlen_loop`, the reference). With
+  ``--flash_attn`` on CUDA, packed forwards keep HF's flash_attention_2, whose varlen kernel
+  does the same.
+- GRPO's shared-prompt rows (``models.shared_prefix``) through ``fsdp_rlhf_padded``: on the
+  same varlen kernel where it runs (:func:`shared_prompt_varlen`: each response's keys are its
+  prompt's and its own), else two masked attentions (:func:`shared_prompt_attention`).
 
 Both fall back to SDPA's kernels for sequences longer than ``CPU_EXPLICIT_ATTENTION_MAX_LEN``,
 whose memory does not grow with length squared.

@@ -5,7 +5,8 @@ prompt, and a padded (B, P + T) batch computes every layer on each sample's copy
 ``s`` consecutive rows that share their prompt become one row ``[prompt | response_1 | ... |
 response_s]`` of ``P + s*T`` tokens: the prompt's tokens go through the model once, each response
 attends to the prompt's keys and causally to itself but never to its siblings (``models.attention``
-reads the layout from the 4D prompt mask this module passes as the attention mask). The result is
+reads the layout from the 4D prompt mask this module passes as the attention mask, or, where a
+varlen kernel runs, from the same rows as varlen segments, ``models.varlen``). The result is
 the same function of the weights as the padded forward, so log-probs, gradients and everything
 downstream are unchanged up to float rounding; the work drops from ``s (P + T)`` to ``P + s T``
 tokens per group (the bench's GRPO: 4 x (44 + 64) -> 44 + 4 x 64 tokens, 0.69x).
