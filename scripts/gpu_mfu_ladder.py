@@ -392,9 +392,31 @@ def run_rung(rung: Rung, s: Shape, device: torch.device, args, reference) -> dic
         host_syncs_per_step=syncs,
         tokens_per_step=tokens,
         model_tflop_per_step=flops / 1e12,
+        memory_model_gathers=memory_model_gathers(rung, s, device),
         levers=asdict(rung),
     )
     return row
+
+
+def memory_model_gathers(rung: Rung, s: Shape, device: torch.device) -> bool | None:
+    """What ``--accumulate_gathered auto`` would choose for this rung's update on this device
+    (the rungs from ``+FSDP/head/clipping`` on gather once per step regardless); None on CPU."""
+    if device.type != "cuda":
+        return None
+    from fsdp_rlhf.distributed.memory import JobFlags, ModelShape, gathered_update_fits
+
+    config = dict(
+        hidden_size=s.hidden, num_hidden_layers=s.layers, intermediate_size=s.intermediate,
+        vocab_size=s.vocab, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    flags = JobFlags(
+        world=1, device_bytes=torch.cuda.mem_get_info(device)[1], zero_stage=3,
+        micro_train_batch_size=s.rows, seq_len=s.row_len, response_len=s.response,
+        gradient_checkpointing=True, checkpointing_policy="selective" if rung.selective else "full",
+        critic=False, reward=False, engine="none", packing=True,
+    )  # fmt: skip
+    return gathered_update_fits(flags, ModelShape.from_hf_config(config), None, [])
 
 
 def profiled(step, cuda: bool) -> tuple[int | None, float | None]:
