@@ -275,8 +275,7 @@ def clip_grad_norm_(
     device = collective_device(group)
     sq = torch.zeros((), dtype=torch.float32, device=device)
     for grads in groups:
-        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-        sq += torch.stack(norms).square().sum().to(device)
+        sq += torch.stack(_foreach_norms(grads)).square().sum().to(device)
     sq = all_reduce(sq, dist.ReduceOp.SUM, group)
     total = math.sqrt(float(sq))
     if max_norm > 0 and total > max_norm and math.isfinite(total):
@@ -284,6 +283,14 @@ def clip_grad_norm_(
         for grads in groups:
             torch._foreach_mul_(grads, coef)
     return total
+
+
+def _foreach_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's L2 norm in float32, one kernel for the list."""
+    try:
+        return list(torch._foreach_norm(grads, 2, dtype=torch.float32))
+    except TypeError:  # a torch whose _foreach_norm takes no dtype
+        return [n.float() for n in torch._foreach_norm(grads, 2)]
 
 
 def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
