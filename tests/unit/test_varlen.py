@@ -285,3 +285,20 @@ def test_installed_varlen_attn_is_recognised_and_chosen_only_where_it_runs():
         assert varlen.select_kernel(cpu) is ref
         with kernel_override(None):
             assert varlen.select_kernel(cpu) is None
+
+
+def test_the_installed_varlen_attn_takes_our_call():
+    """This torch's own ``varlen_attn`` (its fake kernels, on meta tensors: no GPU here) takes
+    the adapter's call, K/V with 2 heads for 12 query heads and the queries a transposed view,
+    as ``varlen_sdpa`` passes them, forward and backward."""
+    kernel = varlen.torch_varlen_kernel()
+    if kernel is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q = torch.randn(12, 10, 128, **meta).transpose(0, 1).requires_grad_()
+    k, v = (torch.randn(10, 2, 128, **meta, requires_grad=True) for _ in range(2))
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32, device="meta")
+    out = kernel.call(q, k, v, cu, cu, 6, 6, None, None)
+    assert out.shape == (10, 12, 128)
+    out.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == (10, 2, 128)
