@@ -158,8 +158,9 @@ def test_dispatched_ops_per_layer_bounded_and_independent_of_the_sequences(qwen2
         _layer_ops(qwen2, *_packed_batch(n), kernel) for n in (2, 8)
     )
     assert layer2 == layer8 and total2 == total8
-    # norms, q/k/v/o, rotary, the kernel, SwiGLU, residuals: about 60 ops in eager
-    assert layer2 <= 80, layer2
+    # norms, q/k/v/o, rotary, the kernel, SwiGLU, residuals: 77 ops in eager (transformers
+    # 5.19); the loop takes 106 for 2 sequences and 154 for 8
+    assert layer2 <= 100, layer2
     # the loop grows with the number of sequences: what the kernel removes
     loop2, loop8 = (_layer_ops(qwen2, *_packed_batch(n), None)[0] for n in (2, 8))
     assert loop8 > loop2 > layer2
