@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import json
 import os
 import platform
@@ -329,6 +330,7 @@ def run_rung(rung: Rung, s: Shape, device: torch.device, args, reference) -> dic
     from fsdp_rlhf.models.inputs import forward_inputs
 
     cuda = device.type == "cuda"
+    gc.collect()  # the previous rung's model and optimizer (reference cycles through hooks)
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
