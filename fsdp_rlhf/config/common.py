@@ -30,12 +30,26 @@ class BackendConfig:
         "(warns); packed forwards then use its varlen kernel.",
     )
     gradient_checkpointing: bool = doc(False, "Recompute activations in backward to save memory.")
+    gradient_checkpointing_policy: Literal["full", "selective"] = doc(
+        "full",
+        "What --gradient_checkpointing recomputes in the decoder layers: full (each layer's "
+        "forward again; only its input is kept) or selective (the outputs of its matmuls and "
+        "its attention are kept, the elementwise ops recomputed: more memory, less recompute).",
+    )
     torch_compile: bool = doc(
-        False, "torch.compile each decoder layer's norms, MLP and attention block (fused kernels)."
+        False,
+        "torch.compile the decoder layers: on CUDA each whole layer as one graph (fullgraph; "
+        "RMSNorm, rotary, SwiGLU and residuals fused around the matmuls and the varlen "
+        "attention), on CPU each layer's norms, MLP and attention block.",
     )
     trust_remote_code: bool = doc(False, "Allow model code shipped inside checkpoint folders.")
     disable_fast_tokenizer: bool = doc(
         False, "Load the slow (Python) tokenizer instead of the Rust one."
+    )
+    float8: bool = doc(
+        False,
+        "torchao's float8 training (rowwise scaling) for the decoder layers' linear layers "
+        "(CUDA, sm_89+, torchao installed).",
     )
     full_determinism: bool = doc(
         False,
@@ -54,6 +68,13 @@ class FSDPConfig:
         2, "3: reshard params after forward (ZeRO-3); 0-2: keep them gathered until backward ends."
     )
     adam_offload: bool = doc(False, "Keep optimizer states on CPU (FSDP2 CPUOffloadPolicy).")
+    accumulate_gathered: Literal["auto", "on", "off"] = doc(
+        "auto",
+        "ZeRO-3 between the micro-batches of one optimizer step: keep each layer's gathered "
+        "params and unsharded grads (one all-gather and one reduce-scatter per layer per step, "
+        "as below ZeRO-3), or reshard after every forward and backward (off). auto: on where "
+        "the memory model says the update fits that way (CUDA), off on CPU.",
+    )
     sequence_parallel_size: int = doc(
         1,
         "Ulysses sequence parallelism: groups of N consecutive ranks share each micro-batch, "

@@ -70,6 +70,7 @@ def shard_model(
     frozen: bool = False,
     dp_size: int | None = None,
     ep: ExpertParallel | None = None,
+    layer_input_casts: bool = False,
 ) -> nn.Module:
     """Apply ``fully_shard`` to each decoder layer (a VLM's vision blocks included), to a
     VLM's vision tower as a whole (patch embedding and projector: its own unit, gathered only
@@ -91,14 +92,27 @@ def shard_model(
         ep: expert parallelism (``distributed.expert_parallel``): each MoE layer's routed
             experts are split over its groups and sharded over the ranks holding the same
             experts, as their own FSDP2 units inside the layers.
+        layer_input_casts: FSDP2 casts each decoder layer's floating inputs to the compute
+            dtype (``cast_forward_inputs``, its default; the GPU ladder's baseline). Off, the
+            layers take the previous layer's output as it is, already in that dtype.
     """
-    mp = MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16 if bf16 else torch.float32, reduce_dtype=torch.float32
-    )
+    param_dtype = torch.bfloat16 if bf16 else torch.float32
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     kwargs = dict(
         mesh=mesh,
         mp_policy=mp,
         reshard_after_forward=reshard_after_forward(fsdp.zero_stage, frozen),
+    )
+    # Decoder layers take the previous layer's output, already in the compute dtype: no
+    # per-layer cast of their inputs (torchtitan's setting). The root and a vision tower keep
+    # the casts (pixel values arrive in fp32).
+    layer_kwargs = dict(
+        kwargs,
+        mp_policy=MixedPrecisionPolicy(
+            param_dtype=param_dtype,
+            reduce_dtype=torch.float32,
+            cast_forward_inputs=layer_input_casts,
+        ),
     )
     if uses_cpu_offload_policy(cpu_offload, mesh.device_type):
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
@@ -107,14 +121,19 @@ def shard_model(
     if not layers:
         raise ValueError(f"{type(model).__name__}: no decoder layers found to shard")
     experts = _shard_experts(model, ep, kwargs)
-    for layer in layers:
-        fully_shard(layer, **kwargs)
     tower = vision_tower(model)
+    in_tower = set(tower.modules()) if tower is not None else set()
+    for layer in layers:  # a VLM's vision blocks keep the casts (fp32 rotary inputs)
+        fully_shard(layer, **(kwargs if layer in in_tower else layer_kwargs))
     units = [*experts, *layers, *([tower] if tower is not None else [])]
     if tower is not None:
         fully_shard(tower, **kwargs)
         tower_in_every_forward(model)  # ranks without images still gather the tower
-    fully_shard(model, **kwargs)
+    # The root (embeddings, final norm, output layer) keeps its params from forward to
+    # backward when a backward follows: its backward starts right after its forward ends, and
+    # at ZeRO-3 it would gather them again at once (the memory model counts the root gathered
+    # through the whole update).
+    fully_shard(model, **{**kwargs, "reshard_after_forward": frozen})
     if kwargs.get("offload_policy") is not None:
         for p in model.parameters():  # the optimizer only sees params: mark them too
             p._fsdp_rlhf_cpu_offload = True
@@ -175,27 +194,47 @@ def _reshard_if_no_grad(module: nn.Module, args, output):
     return output
 
 
-def gradient_sync_every_micro_batch(zero_stage: int) -> bool:
+def gradient_sync_every_micro_batch(zero_stage: int, gathered: bool = False) -> bool:
     """ZeRO-3 reduce-scatters after every micro-batch so gradients accumulate in sharded form
-    (1/world of the fp32 grads resident); below ZeRO-3 the unsharded grads accumulate locally
-    and are reduced once, after the last micro-batch (fewer collectives, more memory)."""
-    return zero_stage >= 3
+    (1/world of the fp32 grads resident); below ZeRO-3, and at ZeRO-3 with ``gathered``
+    (``--accumulate_gathered``), the unsharded grads accumulate locally and are reduced once,
+    after the last micro-batch (fewer collectives, more memory)."""
+    return zero_stage >= 3 and not gathered
 
 
-def accumulate(model: FSDPModule, last: bool, zero_stage: int) -> None:
+def accumulate(model: FSDPModule, last: bool, zero_stage: int, gathered: bool = False) -> None:
     """Call before each micro-batch's forward/backward of one optimizer step.
 
     Below ZeRO-3, gradients are reduce-scattered only after the last micro-batch and the
     gathered parameters also stay until then: FSDP2 otherwise frees them after every backward
     and gathers them again for the next micro-batch's forward, one all-gather of the whole model
     per micro-batch (2 CPU ranks over gloo, 4 micro-batches: 10% of the PPO update's time).
-    At ZeRO-3 every micro-batch syncs (see ``gradient_sync_every_micro_batch``).
+    At ZeRO-3 every micro-batch gathers each layer twice (forward and backward) and
+    reduce-scatters it, unless ``gathered`` (``--accumulate_gathered``, chosen by the memory
+    model: :func:`resolve_accumulate_gathered`): then each layer is gathered once per
+    optimizer step and kept, with its unsharded gradients, until the last backward, as
+    torchtitan accumulates: one all-gather and one reduce-scatter per layer per step.
     """
-    if gradient_sync_every_micro_batch(zero_stage):
+    if gradient_sync_every_micro_batch(zero_stage, gathered):
         model.set_requires_gradient_sync(True)
         return
     model.set_requires_gradient_sync(last)
     model.set_reshard_after_backward(last)
+    if zero_stage >= 3:  # the root already keeps its params from forward to backward
+        model.set_reshard_after_forward(False)
+
+
+def resolve_accumulate_gathered(setting: str, zero_stage: int, device_type: str, fits) -> bool:
+    """``--accumulate_gathered`` as a decision: ``on``/``off`` as asked; ``auto`` on at ZeRO-3
+    on CUDA when ``fits()`` (the memory model: the update with every layer gathered and the
+    gradients unsharded, as below ZeRO-3), off on CPU (where memory, not launches, is what
+    ZeRO-3 is chosen for). Below ZeRO-3 accumulation is gathered anyway (returns False: nothing
+    to change)."""
+    if zero_stage < 3 or setting == "off":
+        return False
+    if setting == "on":
+        return True
+    return device_type == "cuda" and bool(fits())
 
 
 def set_sum_reduction(model: nn.Module, divide_by: float = 1.0) -> None:
@@ -221,25 +260,46 @@ def clip_grad_norm_(
 ) -> float:
     """Total L2 norm of all (sharded) gradients across ranks; scales them to ``max_norm``.
 
-    Works on DTensor shards by summing local squares and all-reducing once, so no full gradient
-    is ever gathered. Grads may live on CPU (``--adam_offload``: FSDP's CPUOffloadPolicy) while
-    the group is NCCL: each shard's square-sum is taken where the shard lives, only the scalar
-    travels to the group's device, and grads are scaled in place where they live.
+    Works on the local shards of DTensors: each device's gradients (one group per device and
+    dtype) give their norms in one ``_foreach_norm`` kernel, the squares are summed on the
+    group's device and all-reduced once, and the host reads the total once (the step's one
+    sync: the clipping decision and the returned value need it); the scaling is one
+    ``_foreach_mul_`` per group. No full gradient is ever gathered. Grads may live on CPU
+    (``--adam_offload``: FSDP's CPUOffloadPolicy) while the group is NCCL: the norms are taken
+    where the shards live, only the squares travel to the group's device, and grads are
+    scaled in place where they live.
     Returns the norm before clipping; ``max_norm <= 0`` only measures.
     """
-    grads = [_local(p.grad) for p in params if p.grad is not None]
+    groups = _by_device_and_dtype([_local(p.grad) for p in params if p.grad is not None])
     # Also on one rank: a 1-rank all-reduce costs nothing and keeps the device path exercised.
     device = collective_device(group)
     sq = torch.zeros((), dtype=torch.float32, device=device)
-    for g in grads:
-        sq += g.detach().float().pow(2).sum().to(device)
+    for grads in groups:
+        sq += torch.stack(_foreach_norms(grads)).square().sum().to(device)
     sq = all_reduce(sq, dist.ReduceOp.SUM, group)
     total = math.sqrt(float(sq))
     if max_norm > 0 and total > max_norm and math.isfinite(total):
         coef = max_norm / (total + 1e-6)
-        for g in grads:
-            g.mul_(coef)
+        for grads in groups:
+            torch._foreach_mul_(grads, coef)
     return total
+
+
+def _foreach_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's L2 norm in float32, one kernel for the list."""
+    try:
+        return list(torch._foreach_norm(grads, 2, dtype=torch.float32))
+    except TypeError:  # a torch whose _foreach_norm takes no dtype
+        return [n.float() for n in torch._foreach_norm(grads, 2)]
+
+
+def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` (detached) in lists of one device and dtype each: what a foreach kernel
+    takes."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t.detach())
+    return list(groups.values())
 
 
 # Most bytes one gather moves (full tensors, summed over the bucket); a larger parameter goes

@@ -35,7 +35,12 @@ Bytes per element: fp32 master params/grads 4, Adam 2 x 4, bf16 compute copies 2
 values once with tied embeddings, twice without. Activations per layer and token are
 about ``9 h + 3 I`` bf16 values (norm in/out, q/k/v, attention out, o_proj, residual; SwiGLU gate,
 up and product), flash/SDPA attention keeping no ``s x s`` matrix; with gradient checkpointing
-only each layer's input (``h`` values) is kept, plus one layer recomputed in backward.
+only each layer's input (``h`` values) is kept, plus one layer recomputed in backward; with
+``--gradient_checkpointing_policy selective`` also the outputs of its matmuls and attention
+(``5 h + 2 kv + 2 I`` values with the input), the elementwise rest recomputed.
+ZeRO-3 with ``--accumulate_gathered`` (chosen here under ``auto``: :func:`gathered_update_fits`)
+holds the update's params and grads as below ZeRO-3: every layer gathered and the grads
+unsharded until the optimizer step's last micro-batch.
 Attention masks: SDPA keeps an explicit mask for backward as a bias in the compute dtype, one
 per layer (one, the recomputed layer's, with gradient checkpointing), and a sequence-parallel
 rank keeps it whole (the attention inside Ulysses runs whole rows): :func:`attention_mask_bytes`
@@ -198,6 +203,12 @@ class JobFlags:
     seq_len: int = 2048
     response_len: int = 1024  # generate_max_len: the positions whose logits are computed
     gradient_checkpointing: bool = False
+    # --gradient_checkpointing_policy: "full" keeps each layer's input, "selective" the outputs
+    # of its matmuls and attention too (models.checkpointing)
+    checkpointing_policy: str = "full"
+    # ZeRO-3 with --accumulate_gathered: the update holds every layer gathered and the grads
+    # unsharded across micro-batches, as below ZeRO-3
+    accumulate_gathered: bool = False
     critic: bool = True
     reward: bool = True
     vllm_pool_bytes: int = 0  # vLLM on CPU sizes its pool in GiB, not as a fraction: 0 = GPU
@@ -233,8 +244,8 @@ class JobFlags:
     @property
     def asleep(self) -> int:
         """What the rollout engine keeps on the device while the trainer works."""
-        if self.engine == "hf":
-            return 0  # its copy is counted as resident
+        if self.engine in ("hf", "none"):
+            return 0  # the HF engine's copy is counted as resident; "none": an offline job
         if not self.vllm_sleep:
             return self.pool
         return VLLM_ASLEEP_BYTES + (VLLM_CUDA_GRAPH_BYTES if self.cuda_graphs else 0)
@@ -329,6 +340,12 @@ def activation_bytes(f: JobFlags, m: ModelShape, b: int) -> int:
     per_layer = 2 * b * s * (9 * m.hidden + 3 * m.intermediate)
     if not f.gradient_checkpointing:
         kept = m.layers * per_layer
+    elif f.checkpointing_policy == "selective":
+        # the layer input and every matmul's and the attention's output (q, k, v, attention,
+        # o_proj, gate, up, down) kept; one layer's recomputed elementwise outputs and grads
+        kv = m.kv_dim or m.hidden
+        saved = 2 * b * s * (5 * m.hidden + 2 * kv + 2 * m.intermediate)
+        kept = m.layers * saved + 2 * per_layer
     else:  # layer inputs kept; one layer's activations and their grads live during its recompute
         kept = m.layers * 2 * b * s * m.hidden + 2 * per_layer
     if f.sequence_parallel > 1:  # one layer's q, k, v and output, sent and received (bf16)
@@ -377,7 +394,7 @@ def _gathered(f: JobFlags, m: ModelShape) -> dict:
     E = f.expert_parallel
     layer = m.gathered_layer_params(E)
     group = max(m.root_params, layer)
-    if f.zero_stage >= 3:
+    if f.zero_stage >= 3 and not f.accumulate_gathered:
         return {
             "gathered layers": f.dtype_bytes * (2 * layer + m.root_params),
             "root grads + fp32 reduce-scatter input": (f.dtype_bytes + 4) * group,
@@ -515,6 +532,20 @@ def plan_phases(
     if critic is not None:
         phases.append(update_phase(f, "critic update", critic, False, frozen, actor=actor))
     return phases
+
+
+def gathered_update_fits(
+    f: JobFlags, actor: ModelShape, critic: ModelShape | None, frozen: list[ModelShape]
+) -> bool:
+    """``--accumulate_gathered auto`` at ZeRO-3: whether every update phase fits with each
+    layer gathered once per optimizer step and the grads unsharded until its last micro-batch
+    (``distributed.fsdp.accumulate``)."""
+    at = replace(f, accumulate_gathered=True)
+    phases = [
+        update_phase(at, "actor update", actor, logits=True, frozen=frozen),
+        *([update_phase(at, "critic update", critic, False, frozen, actor)] if critic else []),
+    ]
+    return all(p.fits for p in phases)
 
 
 def engine_only_phases(f: JobFlags) -> list[Phase]:

@@ -26,6 +26,7 @@ from fsdp_rlhf.distributed.memory import (
     engine_weight_bytes,
     expert_parallel_options,
     fraction_limit,
+    gathered_update_fits,
     plan_phases,
     pool_fraction_limit,
 )
@@ -91,6 +92,7 @@ def job_flags(cfg: PPOConfig, world: int, device_bytes: int) -> JobFlags:
         seq_len=cfg.total_len,
         response_len=cfg.rollout.generate_max_len,
         gradient_checkpointing=cfg.backend.gradient_checkpointing,
+        checkpointing_policy=cfg.backend.gradient_checkpointing_policy,
         critic=cfg.algo.advantage_estimator in CRITIC_ESTIMATORS,
         reward=bool(cfg.models.reward_pretrain),
         lora=cfg.lora.enabled,
@@ -273,3 +275,56 @@ def resolve_vllm_utilization(
         )
     how = "chosen" if requested is None else "requested"
     return util, f"vLLM pool fraction {util:g} ({how}; fits up to {limit:.2f}): {numbers}"
+
+
+def accumulate_gathered(cfg: PPOConfig, world: int, device_type: str, device_bytes: int) -> bool:
+    """Whether the PPO updates accumulate with every layer gathered (``--accumulate_gathered``;
+    ``distributed.fsdp.accumulate``): ``auto`` asks the memory model whether every update
+    phase fits that way (a model folder it cannot read: no)."""
+    from fsdp_rlhf.distributed.fsdp import resolve_accumulate_gathered
+
+    def fits() -> bool:
+        flags = job_flags(cfg, world, device_bytes)
+        try:
+            models = job_models(cfg, flags)
+        except (OSError, ValueError, KeyError):
+            return False
+        return gathered_update_fits(flags, models.actor, models.critic, models.frozen)
+
+    setting, zero = cfg.fsdp.accumulate_gathered, cfg.fsdp.zero_stage
+    return resolve_accumulate_gathered(setting, zero, device_type, fits)
+
+
+def offline_accumulate_gathered(cfg, world: int, device_type: str, device_bytes: int) -> bool:
+    """:func:`accumulate_gathered` for ``sft``, ``dpo`` and ``train-rm`` (one trained model,
+    no rollout engine): the update phase of ``--pretrain``'s shape at ``--max_len`` and the
+    micro-batch (pairs count twice), gathered."""
+    from fsdp_rlhf.distributed.fsdp import resolve_accumulate_gathered
+
+    def fits() -> bool:
+        try:
+            shape = model_shape(cfg.models.pretrain)
+        except (OSError, ValueError, KeyError):
+            return False
+        pairs = not hasattr(cfg.data, "pretrain_mode")  # preference pairs: chosen + rejected
+        flags = JobFlags(
+            world=world,
+            device_bytes=device_bytes,
+            zero_stage=cfg.fsdp.zero_stage,
+            bf16=cfg.backend.bf16,
+            adam_offload=cfg.fsdp.adam_offload,
+            micro_train_batch_size=cfg.batch.micro_train_batch_size * (2 if pairs else 1),
+            seq_len=cfg.data.max_len,
+            response_len=cfg.data.max_len,
+            gradient_checkpointing=cfg.backend.gradient_checkpointing,
+            checkpointing_policy=cfg.backend.gradient_checkpointing_policy,
+            critic=False,
+            reward=False,
+            engine="none",
+            packing=bool(getattr(cfg.batch, "packing_samples", False)),
+            flash_attn=cfg.backend.flash_attn,
+        )
+        return gathered_update_fits(flags, shape, None, [])
+
+    setting, zero = cfg.fsdp.accumulate_gathered, cfg.fsdp.zero_stage
+    return resolve_accumulate_gathered(setting, zero, device_type, fits)

@@ -51,10 +51,11 @@ def global_token_count(
     masks = [mask] if isinstance(mask, torch.Tensor) else list(mask)
     if not masks:
         raise ValueError("global_token_count needs at least one mask")
-    local = sum(int(m.bool().sum().item()) for m in masks)
-    # int64 keeps the count exact; host masks (SFT's) are reduced on the group's device.
-    count = torch.tensor([local], dtype=torch.int64, device=masks[0].device)
-    return int(_all_reduce_sum(count, group).item())
+    # summed where the masks are, one read by the host at the end (each read is a device
+    # sync); int64 keeps the count exact; host masks (SFT's) are reduced on the group's device.
+    device = masks[0].device
+    local = torch.stack([m.bool().sum().to(device, torch.int64) for m in masks]).sum()
+    return int(_all_reduce_sum(local.view(1), group).item())
 
 
 @torch.no_grad()

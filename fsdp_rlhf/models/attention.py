@@ -6,11 +6,17 @@
   and the softmax in float32, as HF's eager attention does, are faster than float32 scores
   with ``masked_fill``. Without a backward SDPA stays: it is the faster one there. Timings:
   benchmarks/grpo_rm_vs_trl_intel-xeon-amx-2core_2026-11-22.md.
-- ``fsdp_rlhf_varlen`` (``--packing_samples`` on CPU or without flash-attn): causal
+- ``fsdp_rlhf_varlen`` (``--packing_samples`` unless HF's flash_attention_2 runs): causal
   attention per sequence of a packed row (models.packing.pack_rows), so its cost is the sum of
-  squared lengths rather than the row's length squared. With ``--flash_attn`` on CUDA, packed
-  forwards keep HF's flash_attention_2, whose varlen kernel does the same in one call per layer
-  (no Python loop, no host sync for the lengths).
+  squared lengths rather than the row's length squared. On CUDA in half precision one varlen
+  kernel call per layer does it for every sequence at once (``models.varlen``: torch's
+  ``varlen_attn`` or flash-attn's, K/V unrepeated, no host sync); elsewhere, and for what no
+  kernel takes, a loop over the sequences (:func:`varlen_loop`, the reference). With
+  ``--flash_attn`` on CUDA, packed forwards keep HF's flash_attention_2, whose varlen kernel
+  does the same.
+- GRPO's shared-prompt rows (``models.shared_prefix``) through ``fsdp_rlhf_padded``: on the
+  same varlen kernel where it runs (:func:`shared_prompt_varlen`: each response's keys are its
+  prompt's and its own), else two masked attentions (:func:`shared_prompt_attention`).
 
 Both fall back to SDPA's kernels for sequences longer than ``CPU_EXPLICIT_ATTENTION_MAX_LEN``,
 whose memory does not grow with length squared.
@@ -31,6 +37,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from fsdp_rlhf.models.varlen import (
+    VarlenKernel,
+    VarlenSegments,
+    resolve_kernels,
+    select_kernel,
+)
 
 PADDED_ATTENTION = "fsdp_rlhf_padded"
 VARLEN_ATTENTION = "fsdp_rlhf_varlen"
@@ -77,7 +90,13 @@ def padded_sdpa(
     ``attention_mask`` is their prompt mask: see :func:`shared_prompt_attention`.
     """
     sinks = kwargs.pop("s_aux", None)
+    segments = kwargs.pop("grouped_segments", None)
     if grouped_response_mask is not None:
+        kernel = None
+        if segments is not None and sinks is None and dropout == 0.0:
+            kernel = select_kernel(query)
+        if kernel is not None:
+            return shared_prompt_varlen(kernel, query, key, value, segments, scaling), None
         return shared_prompt_attention(
             query, key, value, attention_mask, grouped_response_mask, dropout, scaling, sinks
         ), None
@@ -173,6 +192,39 @@ def shared_prompt_attention(
     return torch.cat([out_p, out_r], dim=2).transpose(1, 2).contiguous()
 
 
+def shared_prompt_varlen(
+    kernel: VarlenKernel,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    segments: VarlenSegments,
+    scaling: float | None = None,
+) -> torch.Tensor:
+    """:func:`shared_prompt_attention` as one varlen kernel call: each group's prompt and each
+    of its responses a segment whose keys are ``[prompt | response]``
+    (``models.varlen.shared_prompt_segments``); the prompt's K/V gathered once per response
+    (KV heads only), no mask.
+
+    Args:
+        query: (G, H, P + s*T, D); key/value: (G, KV, P + s*T, D).
+    Returns:
+        (G, P + s*T, H, Dv): at left-padding positions zeros (they attend to nothing), at real
+        positions what :func:`shared_prompt_attention` gives.
+    """
+    G, H, Lm, D = query.shape
+    q = query.transpose(1, 2).reshape(G * Lm, H, D)
+    k, v = (
+        x.transpose(1, 2)
+        .reshape(G * Lm, x.shape[1], x.shape[-1])
+        .index_select(0, segments.key_index)
+        for x in (key, value)
+    )
+    out = kernel.call(
+        q, k, v, segments.cu_q, segments.cu_k, segments.max_q, segments.max_k, scaling, None
+    )
+    return out.view(G, Lm, H, value.shape[-1])
+
+
 def _masked_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -259,9 +311,6 @@ def span_attention(
     return torch.cat(outs)
 
 
-# A Python loop over data-dependent lengths: traced, it would specialise on every batch's lengths.
-# Compiled blocks (models.compile) call it as an eager function instead.
-@torch.compiler.disable
 def varlen_sdpa(
     module: nn.Module,
     query: torch.Tensor,
@@ -271,14 +320,22 @@ def varlen_sdpa(
     dropout: float = 0.0,
     scaling: float | None = None,
     cu_seq_lens_q: torch.Tensor | None = None,
+    max_length_q: int | None = None,
     shared_prefix_lens: torch.Tensor | None = None,
     sliding_window: int | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """HF attention interface: q (1, H, T, D), k/v (1, KV, T, D) -> (1, T, H, D), causal
-    attention within each ``cu_seq_lens_q`` segment; a sliding-window layer (Gemma 3's local
-    layers: transformers passes ``sliding_window``) attends to its last ``sliding_window``
-    keys, itself included, as transformers' padded mask does.
+    attention within each ``cu_seq_lens_q`` segment (``max_length_q`` the longest); a
+    sliding-window layer (Gemma 3's local layers: transformers passes ``sliding_window``)
+    attends to its last ``sliding_window`` keys, itself included, as transformers' padded mask
+    does.
+
+    One varlen kernel call over the whole row where one takes these queries
+    (``models.varlen.select_kernel``: CUDA, half precision, the window if any): K/V keep their
+    KV heads and the offsets stay on the device. Otherwise, and for what no kernel takes
+    (attention sinks, dropout, shared pair prefixes), a loop over the sequences
+    (:func:`varlen_loop`).
 
     With ``shared_prefix_lens`` (B,) the segments are preference pairs that share a prefix
     (models.shared_prefix.SharedPairRow): segment 2i is the chosen sequence, segment 2i + 1 the
@@ -288,7 +345,37 @@ def varlen_sdpa(
     """
     if cu_seq_lens_q is None or query.shape[0] != 1:
         raise ValueError(f"{VARLEN_ATTENTION} needs one packed row and cu_seq_lens_q (pack_rows)")
-    sinks = kwargs.get("s_aux")
+    kernel = None
+    if kwargs.get("s_aux") is None and shared_prefix_lens is None and dropout == 0.0:
+        kernel = select_kernel(query, sliding_window) if max_length_q is not None else None
+    if kernel is None:
+        out = varlen_loop(
+            query, key, value, dropout, scaling, cu_seq_lens_q, shared_prefix_lens,
+            sliding_window, kwargs.get("s_aux"),
+        )  # fmt: skip
+        return out, None
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, heads, D) views
+    cu = cu_seq_lens_q
+    out = kernel.call(q, k, v, cu, cu, max_length_q, max_length_q, scaling, sliding_window)
+    return out.unsqueeze(0), None
+
+
+# A Python loop over data-dependent lengths: traced, it would specialise on every batch's lengths.
+# Compiled layers (models.compile) call it as an eager function instead.
+@torch.compiler.disable
+def varlen_loop(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout: float,
+    scaling: float | None,
+    cu_seq_lens_q: torch.Tensor,
+    shared_prefix_lens: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`varlen_sdpa` one sequence at a time (the CPU path and the reference): K/V
+    repeated to the query heads, the offsets read on the host, one attention per sequence."""
     key, value = _repeat_kv(query, key, value)
     # split, not slicing: each slice's backward would allocate a zero gradient of the whole row
     lengths = cu_seq_lens_q.diff().tolist()
@@ -304,7 +391,7 @@ def varlen_sdpa(
             k = torch.cat([ks[i - 1][:, : prefixes[i]], k], dim=1)
             v = torch.cat([vs[i - 1][:, : prefixes[i]], v], dim=1)
         parts.append(_causal_attention(q, k, v, scale, dropout, explicit, sliding_window, sinks))
-    return torch.cat(parts, dim=1).transpose(0, 1).unsqueeze(0).contiguous(), None
+    return torch.cat(parts, dim=1).transpose(0, 1).unsqueeze(0).contiguous()
 
 
 def _causal_attention(
@@ -458,3 +545,4 @@ def register_attention() -> None:
     AttentionInterface.register(PADDED_ATTENTION, padded_sdpa)
     AttentionInterface.register(VARLEN_ATTENTION, varlen_sdpa)
     ALL_MASK_ATTENTION_FUNCTIONS.register(PADDED_ATTENTION, sdpa_mask)
+    resolve_kernels()  # here, not in the first (maybe traced) forward

@@ -57,6 +57,31 @@ def fusable_head(model: nn.Module) -> nn.Linear | None:
     return head
 
 
+# On CUDA the vocabulary blocks are sized from free memory (each block's kernels are launches
+# of their own: the fixed CPU budget cuts a 151,936 vocabulary into 56 blocks for 3,072
+# positions), up to this fraction of what is free for one block's fp32 temporaries (about 4
+# of (n, block))...
+HEAD_FREE_FRACTION = 1 / 16
+# ...and never fewer than this many blocks: the (n, V) logits are never made.
+HEAD_MIN_BLOCKS = 4
+
+
+def head_block_size(positions: int, vocab: int, device: torch.device) -> int | None:
+    """Vocabulary columns per block of the fused head for ``positions`` rows: on CUDA as
+    many as ``HEAD_FREE_FRACTION`` of the free memory holds (the caching allocator's free
+    blocks included), at least the CPU's budget and at most ``vocab / HEAD_MIN_BLOCKS``;
+    None elsewhere (``algorithms.head_logprobs``' fixed ``CHUNK_ELEMENTS`` budget)."""
+    if device.type != "cuda" or positions <= 0:
+        return None
+    from fsdp_rlhf.algorithms.logprobs import CHUNK_ELEMENTS
+
+    free = torch.cuda.mem_get_info(device)[0]
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    elements = int(free * HEAD_FREE_FRACTION) // (4 * 4)
+    cols = max(CHUNK_ELEMENTS // positions, elements // positions, 1)
+    return min(cols, -(-vocab // HEAD_MIN_BLOCKS))
+
+
 def model_logprobs(
     model: nn.Module,
     inputs: dict,
@@ -85,6 +110,8 @@ def model_logprobs(
             entropy_grad=entropy_grad,
         )
     made: list[torch.Tensor] = []
+    # read before the model runs: nothing inside the forward asks the device anything
+    block = head_block_size(labels.numel(), head.weight.shape[0], head.weight.device)
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         lp, ent = head_logprobs(
@@ -95,6 +122,7 @@ def model_logprobs(
             temperature=temperature,
             with_entropy=with_entropy,
             entropy_grad=entropy_grad,
+            block_size=block,
         )
         made.append(torch.stack([lp, ent if ent is not None else torch.zeros_like(lp)]))
         return made[-1]

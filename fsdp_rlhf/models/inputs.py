@@ -96,8 +96,7 @@ def packed_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> ModelR
     """The attended tokens of the B rows as one (1, n) row (``models.packing.pack_rows``)."""
     row = pack_rows(input_ids, attention_mask)
     where = row.cu_seqlens[:-1].unsqueeze(1) + position_ids_from_mask(attention_mask)
-    source = attention_mask.reshape(-1).bool().nonzero().view(1, -1)
-    return ModelRows(row.model_inputs(), where, source)
+    return ModelRows(row.model_inputs(), where, row.source.view(1, -1))
 
 
 def shared_prompt_rows(

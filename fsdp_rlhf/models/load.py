@@ -288,9 +288,21 @@ def load_causal_lm(
         else:
             model = _from_config(auto, path, dtype, impl, trust)
     model.config.use_cache = False
-    if backend.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model, backend)
     return model
+
+
+def enable_checkpointing(model: nn.Module, backend: BackendConfig) -> None:
+    """``--gradient_checkpointing`` with its ``--gradient_checkpointing_policy``
+    (``models.checkpointing``): transformers' full recompute, or selective checkpointing of the
+    decoder layers (a VLM's vision blocks keep the full recompute)."""
+    if not backend.gradient_checkpointing:
+        return
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if backend.gradient_checkpointing_policy == "selective":
+        from fsdp_rlhf.models.checkpointing import use_selective_checkpointing
+
+        use_selective_checkpointing(model)
 
 
 def _vlm_attn(attn: str) -> dict[str, str]:
@@ -370,8 +382,7 @@ def load_scalar_model(
     text = model.config.get_text_config()  # the config itself for a text model
     if text.pad_token_id is None:
         text.pad_token_id = text.eos_token_id
-    if backend.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model, backend)
     return model
 
 

@@ -5,7 +5,8 @@ prompt, and a padded (B, P + T) batch computes every layer on each sample's copy
 ``s`` consecutive rows that share their prompt become one row ``[prompt | response_1 | ... |
 response_s]`` of ``P + s*T`` tokens: the prompt's tokens go through the model once, each response
 attends to the prompt's keys and causally to itself but never to its siblings (``models.attention``
-reads the layout from the 4D prompt mask this module passes as the attention mask). The result is
+reads the layout from the 4D prompt mask this module passes as the attention mask, or, where a
+varlen kernel runs, from the same rows as varlen segments, ``models.varlen``). The result is
 the same function of the weights as the padded forward, so log-probs, gradients and everything
 downstream are unchanged up to float rounding; the work drops from ``s (P + T)`` to ``P + s T``
 tokens per group (the bench's GRPO: 4 x (44 + 64) -> 44 + 4 x 64 tokens, 0.69x).
@@ -30,6 +31,7 @@ from torch import nn
 from fsdp_rlhf.models.attention import PADDED_ATTENTION
 from fsdp_rlhf.models.packing import PackedRow
 from fsdp_rlhf.models.ulysses import base_attention
+from fsdp_rlhf.models.varlen import VarlenSegments, shared_prompt_segments
 
 
 def shared_group_size(n_samples: int, *batch_sizes: int) -> int:
@@ -66,7 +68,9 @@ class SharedPromptRows:
     ``response_mask`` (B, 1, 1, T) bool, True on the tokens attended (P' is the longest prompt
     of the batch: common left padding is cut); ``group_size`` s. ``logit_index`` (s, T) maps
     each response token to the position, among the last ``1 + s*T`` of the row, whose logits
-    predict it.
+    predict it. ``segments``: the same rows as varlen segments (each response's keys
+    ``[prompt | response]``, ``models.varlen.shared_prompt_segments``), for one varlen kernel
+    call per layer where one runs; the masks serve the masked path.
     """
 
     input_ids: torch.Tensor
@@ -75,6 +79,7 @@ class SharedPromptRows:
     response_mask: torch.Tensor
     group_size: int
     response_len: int
+    segments: VarlenSegments | None = None
 
     @property
     def logits_to_keep(self) -> int:
@@ -97,6 +102,8 @@ class SharedPromptRows:
             logits_to_keep=self.logits_to_keep,
             # models.attention.padded_sdpa: this keyword selects the shared-prompt layout
             grouped_response_mask=self.response_mask,
+            # and this one its varlen layout, where a varlen kernel runs (models.varlen)
+            grouped_segments=self.segments,
         )
 
 
@@ -115,14 +122,14 @@ def share_prompts(
     G, P = B // s, L - T
     prompt_ids = input_ids[:, :P].view(G, s, P)
     prompt_mask = attention_mask[:, :P].view(G, s, P)
-    if not (
-        torch.equal(prompt_ids, prompt_ids[:, :1].expand_as(prompt_ids))
-        and torch.equal(prompt_mask, prompt_mask[:, :1].expand_as(prompt_mask))
-    ):
-        raise ValueError(f"share_prompts: rows of a group of {s} do not share their prompt")
+    shared = (prompt_ids == prompt_ids[:, :1]).all() & (prompt_mask == prompt_mask[:, :1]).all()
     prompt_mask = prompt_mask[:, 0].bool()
     lengths = prompt_mask.sum(-1)
-    cut = P - int(lengths.max())  # left padding every prompt of the batch has
+    # one copy to the host for both the check and the lengths (each read is a device sync)
+    *lengths_host, shared_host = torch.cat([lengths, shared.long().view(1)]).tolist()
+    if not shared_host:
+        raise ValueError(f"share_prompts: rows of a group of {s} do not share their prompt")
+    cut = P - max(lengths_host)  # left padding every prompt of the batch has
     prompt_ids, prompt_mask = prompt_ids[:, 0, cut:], prompt_mask[:, cut:]
     prompt_positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
     response_mask = attention_mask[:, P:].bool()
@@ -139,6 +146,7 @@ def share_prompts(
         response_mask=response_mask[:, None, None, :].contiguous(),
         group_size=s,
         response_len=T,
+        segments=shared_prompt_segments(lengths, lengths_host, P - cut, s, T),
     )
 
 

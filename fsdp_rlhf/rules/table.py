@@ -4,6 +4,7 @@ from. A row refuses the settings its ``fires`` names; lifting a refusal is delet
 from __future__ import annotations
 
 from fsdp_rlhf.algorithms.names import ESTIMATORS_NEEDING_GROUPS
+from fsdp_rlhf.models.float8 import torchao_installed
 from fsdp_rlhf.models.moe import ROUTERS
 from fsdp_rlhf.models.ulysses import head_problem
 from fsdp_rlhf.rules.base import (
@@ -636,6 +637,46 @@ ENGINES_AND_MODELS = [
 
 # last: it fires on the default estimator (gae) alone, so every row about a flag the user set
 # is reported before it
+PRECISION = [
+    Rule(
+        "selective-checkpointing-needs-checkpointing",
+        ("selective checkpointing", "gradient checkpointing"),
+        ALL,
+        when(
+            lambda s: (
+                s.cfg.backend.gradient_checkpointing_policy == "selective"
+                and not s.cfg.backend.gradient_checkpointing
+            ),
+            "--gradient_checkpointing_policy selective without --gradient_checkpointing",
+        ),
+        "the policy says what the recompute keeps; without --gradient_checkpointing nothing "
+        "is recomputed",
+        "add --gradient_checkpointing (OpenRLHF's flag, unchanged)",
+        needs=True,
+    ),
+    Rule(
+        "float8-cuda",
+        ("float8", "CUDA"),
+        ALL,
+        when(lambda s: s.cfg.backend.float8 and not s.cuda, "--float8 on CPU"),
+        "torchao's float8 matmuls run on CUDA GPUs with float8 tensor cores (sm_89+)",
+        "drop --float8",
+        needs=True,
+    ),
+    Rule(
+        "float8-torchao",
+        ("float8", "torchao"),
+        ALL,
+        when(
+            lambda s: s.cfg.backend.float8 and not torchao_installed(),
+            "--float8 without torchao installed",
+        ),
+        "float8 training is torchao's (Float8Linear, rowwise scaling)",
+        "install torchao (pip install torchao) or drop --float8",
+        needs=True,
+    ),
+]
+
 DEFAULTS = [
     Rule(
         "critic-without-model",
@@ -665,5 +706,6 @@ RULES: list[Rule] = [
     *VLM,
     *MULTI_TURN,
     *ENGINES_AND_MODELS,
+    *PRECISION,
     *DEFAULTS,
 ]

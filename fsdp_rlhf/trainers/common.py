@@ -57,7 +57,7 @@ from fsdp_rlhf.errors import UserError, WriteFault, writing
 from fsdp_rlhf.metrics import MetricLogger, setup_logging, truncate_metrics
 from fsdp_rlhf.metrics_wandb import check_wandb, open_wandb
 from fsdp_rlhf.models.attention import use_varlen_attention
-from fsdp_rlhf.models.compile import compile_blocks
+from fsdp_rlhf.models.compile import compile_blocks, whole_layer_problem
 from fsdp_rlhf.models.ulysses import use_ulysses_attention
 
 log = logging.getLogger("fsdp_rlhf")
@@ -252,8 +252,17 @@ def prepare_model(
         )
     if parallel.sp.enabled:
         use_ulysses_attention(model)
+    if trainable and backend.float8:  # the rules table refused it where it cannot run
+        from fsdp_rlhf.models.float8 import use_float8
+
+        log.info("--float8: %d linear layers in rowwise float8 (torchao)", use_float8(model))
     if backend.torch_compile:
-        compile_blocks(model)
+        whole = whole_layer_problem(
+            model, env.device.type, backend.bf16, packed, parallel.sp.size
+        )  # fmt: skip
+        if whole is not None:
+            log.info("torch.compile: each layer's children, not whole layers: %s", whole)
+        compile_blocks(model, whole_layers=whole is None)
     # No model.to(env.device): fully_shard moves and shards one layer at a time, so the full
     # model never sits on the GPU (a 70B only has to fit the host).
     shard_model(

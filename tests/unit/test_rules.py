@@ -259,6 +259,13 @@ CASES: dict[str, tuple] = {
     "sft-multiturn-without-chat-template": (
         "sft", ["--multiturn"], None, False, "--multiturn without --apply_chat_template",
     ),
+    "selective-checkpointing-needs-checkpointing": (
+        "ppo", ["--gradient_checkpointing_policy", "selective"], None, True,
+        "--gradient_checkpointing_policy selective without --gradient_checkpointing",
+    ),
+    "float8-cuda": ("dpo", ["--float8"], None, False, "--float8 on CPU"),
+    # this venv has no torchao (the bare GPU box neither)
+    "float8-torchao": ("sft", ["--float8"], None, True, "--float8 without torchao installed"),
 }  # fmt: skip
 
 

@@ -166,7 +166,7 @@ class DPOTrainer(OfflineTrainer):
         refs = self.reference_logps(batches)
         sums: dict[str, float | torch.Tensor] = dict.fromkeys(PAIR_METRICS, 0.0)
         for i, (batch, ref) in enumerate(zip(batches, refs, strict=True)):
-            accumulate(self.model, i == len(batches) - 1, self.cfg.fsdp.zero_stage)
+            accumulate(self.model, i == len(batches) - 1, self.cfg.fsdp.zero_stage, self.gathered)
             logps = self._logps(self.model, batch)
             loss, stats = self._pair_stats(logps, ref, batch)
             (loss.mean() / len(batches)).backward()

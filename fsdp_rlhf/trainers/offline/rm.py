@@ -80,6 +80,7 @@ class RMTrainer(OfflineTrainer):
             self.guard,
             self.step,
             self.inputs,
+            self.gathered,
         )
 
     def evaluate(self) -> dict[str, float]:

@@ -59,9 +59,11 @@ def train_step(
     guard: BadStepGuard,
     step: int,
     spec: InputSpec,
+    gathered: bool = False,
 ) -> dict[str, float]:
     """Forward/backward over this rank's micro-batches (built by ``spec``: see
-    :func:`score_pairs`), clip, optimizer and scheduler step
+    :func:`score_pairs`; ``gathered``: ``--accumulate_gathered`` resolved), clip, optimizer
+    and scheduler step
     (skipped by ``guard`` when the gradient norm is NaN/Inf; ``step`` names it).
 
     Gradients are synchronised (reduce-scattered) only after the last micro-batch; each
@@ -75,7 +77,7 @@ def train_step(
         ("loss", "acc", "chosen_reward", "reject_reward", "margin"), 0.0
     )
     for i, batch in enumerate(batches):
-        accumulate(model, i == len(batches) - 1, cfg.fsdp.zero_stage)
+        accumulate(model, i == len(batches) - 1, cfg.fsdp.zero_stage, gathered)
         chosen, rejected = score_pairs(model, batch, device, spec)
         margin = batch.margin.to(device) if batch.margin is not None else None
         loss = objective(chosen, rejected, margin, cfg.loss)

@@ -118,7 +118,7 @@ class SFTTrainer(OfflineTrainer):
         n_global = global_token_count(masks, self.parallel.data_group)  # one all-reduce
         nll: float | torch.Tensor = 0.0
         for i, batch in enumerate(batches):
-            accumulate(self.model, i == len(batches) - 1, self.cfg.fsdp.zero_stage)
+            accumulate(self.model, i == len(batches) - 1, self.cfg.fsdp.zero_stage, self.gathered)
             logprobs, _ = _forward(self.model, batch, self.env.device, self.inputs)
             loss = -logprobs.sum() / n_global
             loss.backward()

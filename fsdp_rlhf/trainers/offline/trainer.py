@@ -25,6 +25,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from fsdp_rlhf.config import plan_offline_batches
@@ -33,6 +34,7 @@ from fsdp_rlhf.data.schedule import DataPosition, StepSchedule
 from fsdp_rlhf.distributed import checkpoint as ckpt
 from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars
 from fsdp_rlhf.distributed.layout import ParallelLayout
+from fsdp_rlhf.distributed.memory_plan import offline_accumulate_gathered
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.metrics import Progress
 from fsdp_rlhf.models.kind import ModelKind
@@ -189,6 +191,9 @@ class OfflineTrainer:
     ) -> None:
         self.cfg, self.env, self.plan, self.data = cfg, env, plan, data
         self.parallel = parallel
+        # ZeRO-3: each layer gathered once per optimizer step (--accumulate_gathered)
+        total = torch.cuda.mem_get_info(env.device)[1] if env.device.type == "cuda" else 0
+        self.gathered = offline_accumulate_gathered(cfg, env.world_size, env.device.type, total)
         self.model = model
         self.collate = collate
         self.optimizer = build_optimizer(model, cfg.optim)

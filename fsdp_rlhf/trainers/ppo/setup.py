@@ -31,7 +31,7 @@ from fsdp_rlhf.data.prompts import Prompt, check_chat_template, tokenize_prompts
 from fsdp_rlhf.distributed.ema import ShardedEMA
 from fsdp_rlhf.distributed.env import DistEnv
 from fsdp_rlhf.distributed.layout import ParallelLayout
-from fsdp_rlhf.distributed.memory_plan import resolve_vllm_utilization
+from fsdp_rlhf.distributed.memory_plan import accumulate_gathered, resolve_vllm_utilization
 from fsdp_rlhf.distributed.offload import offload_model, offload_optimizer
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.models.compile import check_compile_toolchain
@@ -572,6 +572,21 @@ def cuda_pool(cfg: PPOConfig, env: DistEnv, *, engine_only: bool = False) -> flo
     log.info(line)
     log.info(check_device_budget(env.device, util))
     return util
+
+
+def update_accumulation(cfg: PPOConfig, env: DistEnv) -> bool:
+    """Whether the updates keep each layer gathered across micro-batches at ZeRO-3
+    (``--accumulate_gathered``; ``auto``: the memory model decides on CUDA), logged once."""
+    total = torch.cuda.mem_get_info(env.device)[1] if env.device.type == "cuda" else 0
+    gathered = accumulate_gathered(cfg, env.world_size, env.device.type, total)
+    if cfg.fsdp.zero_stage >= 3:
+        how = (
+            "each layer gathered once per optimizer step, grads reduced after its last micro-batch"
+            if gathered
+            else "each layer gathered and its grads reduced at every micro-batch"
+        )
+        log.info("--accumulate_gathered %s: %s", cfg.fsdp.accumulate_gathered, how)
+    return gathered
 
 
 def merged_lora_scaling(cfg: PPOConfig) -> float | None:

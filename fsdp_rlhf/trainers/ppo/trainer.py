@@ -71,6 +71,7 @@ from fsdp_rlhf.trainers.ppo.setup import (
     offload_idle,
     prepare,
     prompt_group_size,
+    update_accumulation,
 )
 from fsdp_rlhf.trainers.ppo.source import ExperienceSource, OpenSource, SourceInputs
 from fsdp_rlhf.trainers.ppo.update import (
@@ -201,7 +202,10 @@ class PPOTrainer:
         )
         # a VLM actor's critic and reward model are VLMs of its family (rules: vlm-*)
         self.scalar_inputs = InputSpec(row_layout(self.packed), vision=vision, sp=self.sp)
-        self.update_plan = UpdatePlan.from_config(cfg, self.plan, self.group_size, parallel)
+        gathered = update_accumulation(cfg, self.env)
+        self.update_plan = UpdatePlan.from_config(
+            cfg, self.plan, self.group_size, parallel, gathered
+        )
         # the no-grad forwards' micro-batches: rows, or a token budget (--use_dynamic_batch)
         # (a token budget per GPU: a sequence-parallel group's micro-batch holds N times it)
         budget = cfg.batch.scoring_max_tokens

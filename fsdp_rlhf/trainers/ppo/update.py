@@ -69,6 +69,8 @@ class UpdatePlan:
     max_tokens: int | None = None
     # the run's parallel layout: the data group the token counts and sums reduce over
     parallel: ParallelLayout = ParallelLayout()
+    # ZeRO-3: each layer gathered once per optimizer step (--accumulate_gathered, resolved)
+    gathered: bool = False
 
     @property
     def batching(self) -> MicroBatching:
@@ -81,6 +83,7 @@ class UpdatePlan:
         plan: PPOBatchPlan,
         group_size: int = 1,
         parallel: ParallelLayout | None = None,
+        gathered: bool = False,
     ) -> UpdatePlan:
         dynamic = cfg.batch.use_dynamic_batch
         sp = plan.world_size // plan.dp_size  # a group's ranks each hold 1/sp of its tokens
@@ -96,6 +99,7 @@ class UpdatePlan:
             group_size=group_size,
             max_tokens=cfg.batch.train_max_tokens_per_gpu * sp if dynamic else None,
             parallel=parallel if parallel is not None else ParallelLayout(),
+            gathered=gathered,
         )
 
 
@@ -171,7 +175,7 @@ def _update_loop(
             num_tokens = global_token_count(minibatch.response_mask, plan.parallel.data_group)
             micros = list(micro_batches(minibatch, plan.batching))
             for i, (rows, mb) in enumerate(micros):
-                accumulate(opt.model, i == len(micros) - 1, plan.zero_stage)
+                accumulate(opt.model, i == len(micros) - 1, plan.zero_stage, plan.gathered)
                 inputs = mb.forward_inputs(spec)
                 held = scope(mb, inputs, rows is not None) if scope is not None else nullcontext()
                 with held:
