@@ -122,7 +122,9 @@ def _run_warm(fn: Callable, world_size: int, args: tuple, timeout: float, backen
         sys.stdout.flush()
         sys.stderr.flush()
         code = warm_launch.launch(
-            "call", [], env, str(REPO), world_size, timeout, stdout, stderr,
+            # sys.argv as a spawned rank has it (["-c", "--multiprocessing-fork"])
+            "call", ["-c", "--multiprocessing-fork"], env, str(REPO), world_size, timeout,
+            stdout, stderr,
             call="tests.dist_utils:_warm_rank",
         )  # fmt: skip
         results, errors = {}, []
