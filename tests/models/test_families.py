@@ -293,3 +293,55 @@ def assert_cli_refuses(model: Path, data: Path, tmp_path: Path, line: str, exact
     frames = [x for x in proc.stderr.splitlines() if x.strip().startswith('File "')]
     assert not [f for f in frames if "fsdp_rlhf" in f], frames
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_vllm_on_cpu_routes_ernie_without_its_correction_bias(tmp_path):
+    """The tiny ERNIE-4.5-MoE carries a random router and a nonzero correction bias, as the
+    published checkpoint does. vLLM 0.32 on CPU leaves the bias out of the choice of experts:
+    its prompt log-probs equal transformers' with the bias zeroed, not with it. What the
+    rules table's moe-correction-bias-cpu-vllm row stands on (it asks for --router_replay on
+    CPU); when this fails because vLLM agrees with the biased model, vLLM applies the bias on
+    CPU and the row goes."""
+    import os
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from fsdp_rlhf.rollout.vllm.engine import cpu_model_kwargs
+
+    if torch.cuda.is_available():
+        pytest.skip("vLLM's CUDA router applies the bias; this is the CPU router's gap")
+    model = build_family(tmp_path / "model", "ernie4_5_moe")
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    gate = hf.model.layers[1].mlp.gate
+    assert gate.weight.abs().min() > 0 and gate.moe_statics.e_score_correction_bias.std() > 1e-3
+    ids = [(7 * i + 3) % 400 + 10 for i in range(48)]
+
+    def hf_logprobs() -> torch.Tensor:
+        with torch.no_grad():
+            lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+        return lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+
+    biased = hf_logprobs()
+    with torch.no_grad():
+        gate.moe_statics.e_score_correction_bias.zero_()
+    unbiased = hf_logprobs()
+    config = AutoConfig.from_pretrained(model)
+    llm = LLM(
+        model=str(model),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=128,
+        kv_cache_memory_bytes=1 << 28,
+        seed=0,
+        **cpu_model_kwargs(config, torch.float32),
+    )
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+    engine = torch.tensor([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], ids[1:])])
+    llm.llm_engine.engine_core.shutdown()
+    gap = (engine - biased).abs()
+    assert gap.mean() > 1e-3, f"vLLM applies the bias on CPU now ({gap.mean():.1e}): drop the row"
+    assert (engine - unbiased).abs().max() < 1e-5  # measured 9.5e-7

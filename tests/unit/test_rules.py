@@ -21,6 +21,9 @@ DENSE = ModelKind("models/dense", "Qwen2ForCausalLM", heads=6, kv_heads=2)
 NINE_HEADS = ModelKind("models/nine", "Qwen2ForCausalLM", heads=9, kv_heads=3)
 MOE = ModelKind("models/moe", "Qwen3MoeForCausalLM", 4, 2, experts=8, router="Qwen3MoeTopKRouter")
 ODD_ROUTER = ModelKind("models/odd", "OddMoeForCausalLM", 4, 2, experts=8, router="OddRouter")
+ERNIE = ModelKind(
+    "models/ernie", "Ernie4_5_MoeForCausalLM", 2, 1, experts=16, router="Ernie4_5_MoeTopKRouter"
+)
 HYBRID = ModelKind(
     "models/hybrid", "Qwen3_5ForCausalLM", 4, 2, linear_attention=True, gated_delta_net=True,
     split_heads=2,
@@ -216,6 +219,11 @@ CASES: dict[str, tuple] = {
         "--pretrain models/mm2: vLLM on CPU cannot run the architecture MiniMaxM2ForCausalLM: "
         "its sigmoid router without expert groups",
     ),
+    "moe-correction-bias-cpu-vllm": (
+        "ppo", [], {"--pretrain": ERNIE}, False,
+        "--pretrain models/ernie (Ernie4_5_MoeForCausalLM) on CPU without --router_replay: "
+        "vLLM's CPU MoE router leaves out the correction bias",
+    ),
     "critic-without-model": (
         "ppo", ["--advantage_estimator", "gae"], None, False,
         "--advantage_estimator gae without --critic_pretrain or --reward_pretrain",
@@ -355,6 +363,15 @@ def test_the_2026_families_rows_read_their_kind():
         check_rules(_setting("ppo", ["--rollout_engine", "hf"], {"--pretrain": kind}))
         check_rules(_setting("sft", [], {"--pretrain": kind}))
     check_rules(_setting("ppo", [], {"--pretrain": MAMBA}))  # a dense Nemotron-H
+
+
+def test_the_unbiased_cpu_router_row_asks_for_replay_on_cpu_only():
+    """ERNIE 4.5 MoE runs on CPU with router replay, on CUDA (vLLM's CUDA router applies the
+    correction bias) and with the HF engine; offline commands run no engine."""
+    check_rules(_setting("ppo", ["--router_replay"], {"--pretrain": ERNIE}))
+    check_rules(_setting("ppo", [], {"--pretrain": ERNIE}, cuda=True))
+    check_rules(_setting("ppo", ["--rollout_engine", "hf"], {"--pretrain": ERNIE}))
+    check_rules(_setting("sft", [], {"--pretrain": ERNIE}))
 
 
 # ---------------------------------------------------------------- the kinds, read from configs
