@@ -340,7 +340,8 @@ def test_vllm_on_cpu_routes_ernie_without_its_correction_bias(tmp_path):
     )
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
     out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
-    engine = torch.tensor([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], ids[1:])])
+    given = zip(out.prompt_logprobs[1:], ids[1:], strict=True)
+    engine = torch.tensor([d[t].logprob for d, t in given])
     llm.llm_engine.engine_core.shutdown()
     gap = (engine - biased).abs()
     assert gap.mean() > 1e-3, f"vLLM applies the bias on CPU now ({gap.mean():.1e}): drop the row"
