@@ -44,6 +44,10 @@ def _selected(families) -> list:
     return [pytest.param(f, marks=full) if f in FULL_ONLY else f for f in families]
 
 
+# vLLM on CPU routes these without their correction bias (rules row
+# moe-correction-bias-cpu-vllm): replayed, the engine and the trainer agree, while the trainer's
+# own top k, which takes the bias, differs from the engine's for a share of the routings
+CPU_UNBIASED = ("ernie4_5_moe",)
 MATRIX = [f for f in FAMILIES if f not in (*HYBRID, *REFUSED, "qwen3_moe")]  # qwen3_moe: below
 # the families added for issues 46 and 51 run two steps: the engine's start-up load, then a
 # sync of the updated weights (the older families run three)
@@ -143,7 +147,12 @@ def test_family_runs_grpo_with_engine_and_trainer_agreeing(family, data, tmp_pat
     rows = ran(grpo(model, data, tmp_path / "run", steps, *flags), tmp_path / "run")
     assert_engine_matches_trainer(rows, steps)
     if moe:
-        assert all(r["moe/router_replay_agreement"] > 0.99 for r in rows)
+        agreement = [r["moe/router_replay_agreement"] for r in rows]
+        if family in CPU_UNBIASED and not torch.cuda.is_available():
+            # the trainer's own top k takes the correction bias, the engine's did not
+            assert all(a < 0.99 for a in agreement), agreement
+        else:
+            assert all(a > 0.99 for a in agreement), agreement
     if "--lora_rank" in flags:
         adapter = (tmp_path / "run" / "adapter" / "adapter_config.json").read_text()
         assert "q_proj" in adapter and "down_proj" in adapter  # attention, shared expert
