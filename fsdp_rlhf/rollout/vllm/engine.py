@@ -709,26 +709,33 @@ class VLLMEngine:
     def _start_routing(self, model_path: str, trust_remote_code: bool) -> _Routing:
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         store = routing_dtype(config_num_experts(config))
-        np_store = _Routing([], store, None).np_store
         if uses_vllm_capture():
-            layers = self.llm.collective_rpc(moe_ops.moe_layer_ids)[0]
-            first = self.groups.rank_in_engine == 0
-            design = moe_ops.detach_routing_consumer(moe_ops.engine_scheduler(self.llm), first)
-            log.info(
-                "router replay: vLLM's capture (%s) of %d MoE layers, read on rank %d of "
-                "this engine's %d",
-                design,
-                len(layers),
-                self.groups.engine_ranks[0],
-                self.groups.tp_size,
-            )
-            return _Routing(layers, store, None, moe_ops.CapturedRouting(layers, np_store))
+            return self._vllm_capture(store)
+        np_store = _Routing([], store, None).np_store
         recorder = self.llm.collective_rpc(moe_ops.install_recorder, args=(np_store,))[0]
         log.info(
             "router replay: the engine records the experts of %d MoE layers (eager vLLM on CPU)",
             len(recorder.layers),
         )
         return _Routing(recorder.layers, store, recorder)
+
+    def _vllm_capture(self, store: torch.dtype) -> _Routing:
+        """Read vLLM's own capture (on CUDA; tests on CPU run vLLM's connector around the CPU
+        runner): the first TP rank reads the rows, the others' schedulers give their side of
+        the connector up (``moe.detach_routing_consumer``). Collective over the TP block."""
+        layers = self.llm.collective_rpc(moe_ops.moe_layer_ids)[0]
+        first = self.groups.rank_in_engine == 0
+        design = moe_ops.detach_routing_consumer(moe_ops.engine_scheduler(self.llm), first)
+        log.info(
+            "router replay: vLLM's capture (%s) of %d MoE layers, read on rank %d of this "
+            "engine's %d",
+            design,
+            len(layers),
+            self.groups.engine_ranks[0],
+            self.groups.tp_size,
+        )
+        np_store = _Routing([], store, None).np_store
+        return _Routing(layers, store, None, moe_ops.CapturedRouting(layers, np_store))
 
     def generate(
         self,
