@@ -28,18 +28,6 @@ from fsdp_rlhf.rules.base import (
 
 ASYNC = [
     Rule(
-        "async-router-replay-cuda",
-        ("async", "router replay"),
-        (PPO,),
-        when(
-            lambda s: is_async(s) and s.cfg.moe.router_replay and s.cuda,
-            "--router_replay with --async_train on CUDA",
-        ),
-        "the step-by-step engine records routed experts with the CPU engine's hooks; reading "
-        "vLLM's own capture (CUDA) from step-by-step outputs is not written or run yet",
-        "run router replay without --async_train on CUDA",
-    ),
-    Rule(
         "async-hf-engine",
         ("async", "HF engine"),
         (PPO,),
@@ -260,23 +248,6 @@ MOE = [
         ),
         "the HF engine does not report the experts it routed to",
         "use --rollout_engine vllm",
-    ),
-    Rule(
-        "router-replay-vllm-tp-cuda",
-        ("router replay", "vLLM TP > 1"),
-        (PPO,),
-        when(
-            lambda s: (
-                s.cfg.moe.router_replay and s.cuda and s.cfg.rollout.vllm_tensor_parallel_size > 1
-            ),
-            lambda s: (
-                f"--router_replay with --vllm_tensor_parallel_size "
-                f"{s.cfg.rollout.vllm_tensor_parallel_size} on CUDA"
-            ),
-        ),
-        "vLLM 0.32 returns the routed experts on its first tensor-parallel rank only, and the "
-        "other ranks' schedulers (one per rank under the external launcher) fail without them",
-        "use --vllm_tensor_parallel_size 1",
     ),
     Rule(
         "lora-adapter-moe-cpu",

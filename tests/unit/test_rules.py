@@ -74,10 +74,6 @@ CASES: dict[str, tuple] = {
         "ppo", ["--weight_sync", "delta", "--lora_rank", "8"], None, False,
         "--weight_sync delta with --lora_rank: LoRA syncs only its adapters",
     ),
-    "async-router-replay-cuda": (
-        "ppo", [*ASYNC, "--router_replay"], {"--pretrain": MOE}, True,
-        "--router_replay with --async_train on CUDA: the step-by-step engine records",
-    ),
     "async-hf-engine": (
         "ppo", [*ASYNC, "--rollout_engine", "hf"], None, False,
         "--async_train with --rollout_engine hf: asynchronous training drives vLLM",
@@ -147,10 +143,6 @@ CASES: dict[str, tuple] = {
     "router-replay-hf-engine": (
         "ppo", ["--router_replay", "--rollout_engine", "hf"], {"--pretrain": MOE}, False,
         "the HF engine does not report the experts it routed to",
-    ),
-    "router-replay-vllm-tp-cuda": (
-        "ppo", ["--router_replay", "--vllm_tensor_parallel_size", "2"], {"--pretrain": MOE}, True,
-        "--router_replay with --vllm_tensor_parallel_size 2 on CUDA",
     ),
     "lora-adapter-moe-cpu": (
         "ppo", ["--lora_rank", "8"], {"--pretrain": MOE}, False, "use --lora_sync merged",
@@ -325,6 +317,11 @@ def test_what_a_row_refuses_alone_runs_beside_everything_else():
     # async x router replay (#48), partial rollouts and expert parallelism too, on CPU
     replay = [*ASYNC, "--router_replay", "--partial_rollout", "--expert_parallel_size", "2"]
     check_rules(_setting("ppo", replay, {"--pretrain": MOE}))
+    # router replay on CUDA at vLLM TP 2 and under --async_train, partial rollouts too (#60)
+    tp2 = ["--router_replay", "--vllm_tensor_parallel_size", "2"]
+    check_rules(_setting("ppo", tp2, {"--pretrain": MOE}, cuda=True))
+    replay_cuda = [*ASYNC, "--router_replay", "--partial_rollout"]
+    check_rules(_setting("ppo", replay_cuda, {"--pretrain": MOE}, cuda=True))
     # a VLM in multi-turn rollouts (the prompt's images go with every turn)
     check_rules(_setting("ppo", ENV, {"--pretrain": VLM}))
     # evaluation during async training, rule-scored on the rollout ranks (#48)
