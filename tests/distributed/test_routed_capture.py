@@ -2,8 +2,8 @@
 over 2 CPU ranks (tensor parallel 2): vLLM's connector, as it ships, runs around the CPU
 runner (``capture_glue``), the adapter's CPU recorder beside it as the reference.
 
-The connector keeps its rows on the TP group's first rank only; the engine's other rank gives
-up its scheduler's side of it, the first rank reads the rows and hands the other its own
+The connector keeps its rows on the TP group's first rank only; on the engine's other rank the
+scheduler's side of it asks for none, the first rank reads the rows and hands the other its own
 sequences'. Colocated (``generate``) and step by step (``submit`` / ``step`` /
 ``take_routing``, asynchronous training) with the weights loaded in flight, where every
 position must keep the routing of its first computation, as the CPU recorder's ``keep_first``
@@ -89,8 +89,8 @@ def _capture_checks(rank: int, world: int, model_path: str) -> dict:
     res = {"worker": engine.llm.collective_rpc(capture_glue.install)[0]}
     capture_glue.install_scheduler_side(engine.llm)
     engine._routing = engine._vllm_capture(torch.uint8)  # what the engine starts with on CUDA
-    scheduler = moe_ops.engine_scheduler(engine.llm)
-    res["scheduler_side_kept"] = scheduler.aux_output_connector is not None
+    side = moe_ops.engine_scheduler(engine.llm).aux_output_connector
+    res["asks_rows"] = side.take_output is not moe_ops._no_rows
     fill = no_expert(torch.uint8)
     sampling = SamplingConfig(max_new_tokens=12, temperature=1.0, n=2, seed=5)
 
@@ -144,7 +144,7 @@ def test_vllm_capture_at_tp2_colocated_and_step_by_step(tmp_path):
     results = run_distributed(_capture_checks, 2, model)
     print(results)
     assert [r["worker"] for r in results] == ["data plane", "capture only"]  # vLLM's design
-    assert [r["scheduler_side_kept"] for r in results] == [True, False]
+    assert [r["asks_rows"] for r in results] == [True, False]
     for rank, r in enumerate(results):
         n = 2 * len(PROMPTS[rank])
         assert r["colocated_rows"] == n and r["colocated_positions"] > 0, (rank, r)

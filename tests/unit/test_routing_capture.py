@@ -1,5 +1,5 @@
 """Reading vLLM's own routed-experts capture (router replay on CUDA), the parts that need no
-engine: why every TP rank but the first gives up its scheduler's side of vLLM's connector,
+engine: why only the first TP rank's scheduler side of vLLM's connector asks for rows,
 the first rank serving each rank of the engine its own rows over the engine's gloo group, and
 a finished request's rows kept by sample key and checked against its sequence. The engine
 with vLLM's connector around it at TP 2 is tests/distributed/test_routed_capture.py."""
@@ -10,40 +10,41 @@ import numpy as np
 import pytest
 
 from fsdp_rlhf.rollout.routing import RoutingError
-from fsdp_rlhf.rollout.vllm.moe import CapturedRouting, detach_routing_consumer
+from fsdp_rlhf.rollout.vllm.moe import CapturedRouting, rows_on_first_rank_only
 from tests.dist_utils import run_distributed
 
 
-def test_a_scheduler_side_without_the_first_ranks_rows_fails():
-    """vLLM 0.32's scheduler side asks every emitting request's rows of its runner's output;
-    the runner of a TP rank but the first has none (its worker keeps no data plane), so each
-    such rank's scheduler failed at its first step: what detach_routing_consumer prevents."""
+def test_only_the_first_ranks_scheduler_side_asks_for_rows():
+    """vLLM 0.32's scheduler side of the connector asks every emitting request's rows of its
+    runner's output; the runner of a TP rank but the first keeps none, so each such rank's
+    scheduler failed at its first step. There it now takes none; the first rank's still fails
+    without them (the rows are asked where they are)."""
     pytest.importorskip("vllm")
     from vllm import SamplingParams
     from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
     from vllm.v1.request import Request
 
     request = Request("r0", [1, 2, 3], SamplingParams(max_tokens=4), None)
-    with pytest.raises(AssertionError, match="auxiliary output worker output is missing r0"):
+    missing = "auxiliary output worker output is missing r0"
+    with pytest.raises(AssertionError, match=missing):
         AuxOutputSchedulerConnector().take_output(request, None)
+    first, other = (_Scheduler(AuxOutputSchedulerConnector()) for _ in range(2))
+    assert rows_on_first_rank_only(first, first=True) == "connector"
+    assert rows_on_first_rank_only(other, first=False) == "connector"
+    assert other.aux_output_connector.take_output(request, None) is None
+    with pytest.raises(AssertionError, match=missing):
+        first.aux_output_connector.take_output(request, None)
+    with pytest.raises(RuntimeError, match="capture is off"):
+        rows_on_first_rank_only(_Scheduler(None), first=True)
+    with pytest.raises(RuntimeError, match="neither the routed-experts connector"):
+        rows_on_first_rank_only(object(), first=True)
 
 
 class _Scheduler:
-    """The attribute vLLM 0.32's scheduler holds its connector side in (None: capture off)."""
+    """Where vLLM 0.32's scheduler holds its side of the connector (None: capture off)."""
 
     def __init__(self, side) -> None:
         self.aux_output_connector = side
-
-
-def test_only_the_first_rank_keeps_the_scheduler_side():
-    first, other = _Scheduler(side := object()), _Scheduler(object())
-    assert detach_routing_consumer(first, first=True) == "connector"
-    assert detach_routing_consumer(other, first=False) == "connector"
-    assert first.aux_output_connector is side and other.aux_output_connector is None
-    with pytest.raises(RuntimeError, match="capture is off"):
-        detach_routing_consumer(_Scheduler(None), first=True)
-    with pytest.raises(RuntimeError, match="neither the routed-experts connector"):
-        detach_routing_consumer(object(), first=True)
 
 
 class _Completion:

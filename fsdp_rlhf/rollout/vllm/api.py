@@ -102,9 +102,9 @@ CAPTURE_CALLS: Calls = {
 }
 
 # vLLM 0.32 and 0.33's design of that capture: the auxiliary-output connector, whose scheduler
-# side builds each step's metadata for the worker, takes the worker's rows and resets with the
-# prefix cache, and nothing else; every TP rank but the first gives it up
-# (moe.detach_routing_consumer). Checked when an engine's scheduler has one.
+# side builds each step's metadata for the worker, takes the worker's rows (on every TP rank but
+# the first the adapter's take_output returns none: moe.rows_on_first_rank_only) and resets
+# with the prefix cache. Checked when an engine's scheduler has one.
 CONNECTOR_CALLS: Calls = {
     "AuxOutputSchedulerConnector.build_connector_meta": (
         "vllm.distributed.aux_output_connector.connector",

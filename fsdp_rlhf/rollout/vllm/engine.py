@@ -721,11 +721,11 @@ class VLLMEngine:
 
     def _vllm_capture(self, store: torch.dtype) -> _Routing:
         """Read vLLM's own capture (on CUDA; tests on CPU run vLLM's connector around the CPU
-        runner): the first TP rank reads the rows, the others' schedulers give their side of
-        the connector up (``moe.detach_routing_consumer``). Collective over the TP block."""
+        runner): the first TP rank reads the rows, the others' schedulers ask for none
+        (``moe.rows_on_first_rank_only``)."""
         layers = self.llm.collective_rpc(moe_ops.moe_layer_ids)[0]
         first = self.groups.rank_in_engine == 0
-        design = moe_ops.detach_routing_consumer(moe_ops.engine_scheduler(self.llm), first)
+        design = moe_ops.rows_on_first_rank_only(moe_ops.engine_scheduler(self.llm), first)
         log.info(
             "router replay: vLLM's capture (%s) of %d MoE layers, read on rank %d of this "
             "engine's %d",

@@ -29,15 +29,16 @@ router hook writes every step's routing into a device buffer on every tensor-par
 in vLLM 0.32 and 0.33 the auxiliary-output connector (``vllm/distributed/aux_output_connector``)
 turns it into per-request rows on the first rank of the TP group only, and each scheduler's
 side of the connector takes them from its runner's output ("auxiliary output worker output is
-missing" on the others). Under the external launcher every rank runs its own scheduler, so the
-other ranks' schedulers give their side up (:func:`detach_routing_consumer`): it only builds
-metadata for the worker and reads its rows, never decides what is scheduled, so the ranks still
-schedule alike. The first rank reads the rows from its outputs and hands each rank of the
-engine its own sequences' (``rollout.groups.serve_from_first``): one gather of what each wants
-and one scatter per rollout over the engine's gloo group. Every rank of a TP group routes every
-token with the replicated router on the same all-reduced hidden states, so the first rank's
-rows are every rank's. vLLM 0.26 returns each rank's rows to its own scheduler (its
-``RoutedExpertsManager``): nothing to give up there. Step by step (asynchronous training) the
+missing" on the others). Under the external launcher every rank runs its own scheduler, so on
+every rank but the first the scheduler's side stops asking for rows
+(:func:`rows_on_first_rank_only`); it stays on every rank otherwise: its bookkeeping is fed by
+the scheduler alone and goes alike on every rank, and 0.33 bounds each prefix-cache hit with it,
+so the ranks still schedule alike. The first rank reads the rows from its outputs and hands
+each rank of the engine its own sequences' (``rollout.groups.serve_from_first``): one gather of
+what each wants and one scatter per rollout over the engine's gloo group. Every rank of a TP
+group routes every token with the replicated router on the same all-reduced hidden states, so
+the first rank's rows are every rank's. vLLM 0.26 returns each rank's rows to its own
+scheduler (its ``RoutedExpertsManager``): nothing to change there. Step by step (asynchronous training) the
 rows of a request come with its final output (:class:`CapturedRouting`); a request computed
 again after weights loaded in flight gets rows only from its last token on (the connector's
 emit cursor; 0.26: "token(s) at the END"), so each position keeps its first computation's
@@ -217,16 +218,19 @@ def engine_scheduler(llm):
         ) from None
 
 
-def detach_routing_consumer(scheduler, first: bool) -> str:
-    """Give up the scheduler's side of vLLM's routed-experts connector on every rank but the
-    first of the TP group (see the module docstring); returns the design found: "connector"
-    (vLLM 0.32, 0.33) or "per-rank" (0.26, where every rank gets its own rows)."""
-    if hasattr(scheduler, "aux_output_connector"):
-        if scheduler.aux_output_connector is None:
-            raise RuntimeError(
-                "router replay: vLLM's routed-experts capture is off "
-                "(enable_return_routed_experts was not taken)"
-            )
+def rows_on_first_rank_only(scheduler, first: bool) -> str:
+    """On every rank but the first of the TP group, the scheduler's side of vLLM's
+    routed-experts connector returns no rows instead of failing for want of them (its
+    ``take_output``, the one call that reads the runner's rows; see the module docstring);
+    returns the design found: "connector" (vLLM 0.32, 0.33) or "per-rank" (0.26, where every
+    rank gets its own rows)."""
+    side = getattr(scheduler, "aux_output_connector", False)
+    if side is None:
+        raise RuntimeError(
+            "router replay: vLLM's routed-experts capture is off "
+            "(enable_return_routed_experts was not taken)"
+        )
+    if side is not False:
         problems = check_calls(CONNECTOR_CALLS)
         if problems:
             raise RuntimeError(
@@ -234,7 +238,7 @@ def detach_routing_consumer(scheduler, first: bool) -> str:
                 "was written for (0.32, 0.33): " + "; ".join(problems)
             )
         if not first:
-            scheduler.aux_output_connector = None
+            side.take_output = _no_rows
         return "connector"
     if getattr(scheduler, "routed_experts_mgr", None) is not None:
         return "per-rank"
@@ -243,6 +247,11 @@ def detach_routing_consumer(scheduler, first: bool) -> str:
         "connector (aux_output_connector, vLLM 0.32-0.33) nor the per-rank store "
         "(routed_experts_mgr, 0.26) the adapter reads the capture through"
     )
+
+
+def _no_rows(request, output) -> None:
+    """``take_output`` of a TP rank whose runner keeps no rows: none for the request."""
+    return None
 
 
 def _routing_rows(routed, rows: int, layers: list[int], dtype: np.dtype) -> np.ndarray:
