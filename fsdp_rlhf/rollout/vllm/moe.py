@@ -38,11 +38,12 @@ each rank of the engine its own sequences' (``rollout.groups.serve_from_first``)
 what each wants and one scatter per rollout over the engine's gloo group. Every rank of a TP
 group routes every token with the replicated router on the same all-reduced hidden states, so
 the first rank's rows are every rank's. vLLM 0.26 returns each rank's rows to its own
-scheduler (its ``RoutedExpertsManager``): nothing to change there. Step by step (asynchronous training) the
-rows of a request come with its final output (:class:`CapturedRouting`); a request computed
-again after weights loaded in flight gets rows only from its last token on (the connector's
-emit cursor; 0.26: "token(s) at the END"), so each position keeps its first computation's
-routing, as the CPU recorder's ``keep_first`` does.
+scheduler (its ``RoutedExpertsManager``): nothing to change there. Step by step
+(asynchronous training) the rows of a request come with its final output
+(:class:`CapturedRouting`); a request computed again after weights loaded in flight gets rows
+only from its last token on (the connector's emit cursor; 0.26: "token(s) at the END"), so
+each position keeps its first computation's routing, as the CPU recorder's ``keep_first``
+does.
 """
 
 from __future__ import annotations
