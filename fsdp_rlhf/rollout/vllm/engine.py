@@ -830,10 +830,16 @@ class VLLMEngine:
         hands each rank its own (``serve_from_first``)."""
         routing = self._routing
         if routing.recorder is None:
-            every = None
-            if self.groups.rank_in_engine == 0:
-                every = moe_ops.routing_from_outputs(outputs, routing.layers, routing.np_store)
-            lookup = None if every is None else (lambda keys: [every[k] for k in keys])
+            lookup = None
+            if self.groups.rank_in_engine == 0:  # read inside the lookup: a failure there
+                every: list[np.ndarray] = []  # raises on every rank of the engine
+
+                def lookup(keys: list[int]) -> list[np.ndarray]:
+                    if not every:
+                        layers, dtype = routing.layers, routing.np_store
+                        every.extend(moe_ops.routing_from_outputs(outputs, layers, dtype))
+                    return [every[k] for k in keys]
+
             return serve_from_first(self.groups, list(own), lookup)
         sequences, seq_media = [], []
         for req, images in zip(outputs, media, strict=True):
