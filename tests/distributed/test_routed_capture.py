@@ -133,8 +133,23 @@ def _capture_checks(rank: int, world: int, model_path: str) -> dict:
     res["spanning_versions"] = int(spans.sum())
     res["streamed_equal_first"] = torch.equal(streamed.routed_experts, first)
     res["first_differs_from_recomputed"] = not torch.equal(first, recomputed)
+    res["lookup_error"] = _failed_lookup(groups)
     engine.close()
     return res
+
+
+def _failed_lookup(groups) -> str | None:
+    """A look-up failing on the first rank raises on every rank (none waits in the scatter)."""
+    from fsdp_rlhf.rollout.groups import serve_from_first
+
+    def lookup(keys):
+        return [{"k0": 0}[k] for k in keys]
+
+    try:
+        serve_from_first(groups, ["k9"], lookup if groups.rank_in_engine == 0 else None)
+    except KeyError as e:
+        return str(e)
+    return None
 
 
 def test_vllm_capture_at_tp2_colocated_and_step_by_step(tmp_path):
@@ -150,6 +165,7 @@ def test_vllm_capture_at_tp2_colocated_and_step_by_step(tmp_path):
         assert r["colocated_rows"] == n and r["colocated_positions"] > 0, (rank, r)
         assert r["colocated_equal"], (rank, r)
         assert r["streamed_rows"] == n and r["streamed_equal_first"], (rank, r)
+    assert [r["lookup_error"] for r in results] == ["'k9'", "'k9'"]
     # the load changed routing where responses span both versions (the check can fail)
     assert sum(r["spanning_versions"] for r in results) > 0, results
     assert any(r["first_differs_from_recomputed"] for r in results), results

@@ -1,8 +1,8 @@
 """Reading vLLM's own routed-experts capture (router replay on CUDA), the parts that need no
-engine: why only the first TP rank's scheduler side of vLLM's connector asks for rows,
-the first rank serving each rank of the engine its own rows over the engine's gloo group, and
-a finished request's rows kept by sample key and checked against its sequence. The engine
-with vLLM's connector around it at TP 2 is tests/distributed/test_routed_capture.py."""
+engine: why only the first TP rank's scheduler side of vLLM's connector asks for rows, and a
+finished request's rows kept by sample key and checked against its sequence. The engine with
+vLLM's connector around it at TP 2, the first rank serving the other its rows, is
+tests/distributed/test_routed_capture.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import pytest
 
 from fsdp_rlhf.rollout.routing import RoutingError
 from fsdp_rlhf.rollout.vllm.moe import CapturedRouting, rows_on_first_rank_only
-from tests.dist_utils import run_distributed
 
 
 def test_only_the_first_ranks_scheduler_side_asks_for_rows():
@@ -77,31 +76,3 @@ def test_finished_requests_rows_are_kept_by_key_and_checked_against_the_sequence
     captured.clear()  # a new rollout
     with pytest.raises(RoutingError):
         captured.take([(1, 0)], [8])
-
-
-def _serve(rank: int, world: int) -> dict:
-    from fsdp_rlhf.rollout.groups import build_rollout_groups, serve_from_first
-
-    groups = build_rollout_groups(2)
-    held = {f"k{i}": np.full((i + 1, 2), i) for i in range(5)}  # only the first rank's
-
-    def lookup(keys):
-        return [held[k] for k in keys]
-
-    wanted = {0: ["k0", "k3"], 1: ["k4", "k1", "k2"]}[rank]
-    got = serve_from_first(groups, wanted, lookup if rank == 0 else None)
-    try:
-        serve_from_first(groups, ["k9"], lookup if rank == 0 else None)
-        error = None
-    except KeyError as e:
-        error = str(e)
-    return {"got": [(a.shape[0], int(a[0, 0])) for a in got], "error": error}
-
-
-def test_the_first_rank_serves_each_rank_its_own_rows():
-    """Each rank asks its keys; the first rank alone holds the rows; a failed look-up there
-    raises on every rank (none is left waiting in the scatter)."""
-    results = run_distributed(_serve, 2)
-    assert results[0]["got"] == [(1, 0), (4, 3)]
-    assert results[1]["got"] == [(5, 4), (2, 1), (3, 2)]
-    assert [r["error"] for r in results] == ["'k9'", "'k9'"]
