@@ -16,6 +16,7 @@ without sequence parallelism, on its own engine slice) and the group all-gathers
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -27,6 +28,7 @@ from fsdp_rlhf.distributed.sequence_parallel import SequenceParallel, gather_obj
 from fsdp_rlhf.rollout.engine import RolloutOutput, SamplingConfig
 
 T = TypeVar("T")
+K = TypeVar("K")
 
 
 def tp_blocks(world_size: int, tp_size: int) -> list[list[int]]:
@@ -111,6 +113,35 @@ def gather_prompts(
         )
     flat = [p for part in parts for p in part[0]]
     return flat, [len(part[0]) for part in parts]
+
+
+def serve_from_first(
+    groups: RolloutGroups, keys: list[K], lookup: Callable[[list[K]], list[T]] | None
+) -> list[T]:
+    """The items of ``keys`` for this rank, from the engine's first rank, which alone holds
+    them: it calls ``lookup`` with each rank's keys in turn (the other ranks pass None). One
+    gather of the keys and one scatter of the items over the engine's gloo group; a lookup
+    that fails on the first rank raises on every rank, with its message."""
+    if groups.group is None:
+        if lookup is None:
+            raise ValueError("serve_from_first: a one-rank engine must look its keys up")
+        return lookup(keys)
+    first = groups.engine_ranks[0]
+    wanted: list[list[K] | None] = [None] * groups.tp_size
+    dist.all_gather_object(wanted, keys, group=groups.group)
+    parts: list | None = None
+    if groups.rank == first:
+        if lookup is None:
+            raise ValueError("serve_from_first: the engine's first rank must look keys up")
+        try:
+            parts = [lookup(k) for k in wanted]
+        except Exception as e:  # noqa: BLE001 - every rank raises it, not the first alone
+            parts = [e] * groups.tp_size
+    out: list = [None]
+    dist.scatter_object_list(out, parts, src=first, group=groups.group)
+    if isinstance(out[0], Exception):
+        raise out[0]
+    return out[0]
 
 
 def own_prompt_range(counts: list[int], rank_in_engine: int) -> tuple[int, int]:

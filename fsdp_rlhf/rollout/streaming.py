@@ -44,12 +44,17 @@ class StreamingEngine(Protocol):
     def abort_unfinished(self) -> None: ...
 
     def take_routing(
-        self, sequences: list[list[int]], images: list[PromptImages | None] | None = None
+        self,
+        sequences: list[list[int]],
+        images: list[PromptImages | None] | None = None,
+        keys: list[tuple[int, int]] | None = None,
     ) -> RecordedRouting | None:
         """The experts the finished ``sequences`` (prompt + response ids) were routed to, one
         ``(L - 1, Lm, k)`` array each (router replay); None when the engine records none.
         ``images``: each sequence's prompt's images (a vision-language model: the same tokens
-        with other images routed otherwise)."""
+        with other images routed otherwise); ``keys``: each sequence's sample, as the deltas
+        of :meth:`step` key it (an engine that hands routing over per request reads it by
+        these). Collective over the engine's ranks, like ``submit``."""
         ...
 
 
@@ -135,11 +140,13 @@ def stream_rollout(
     start, _ = ranges[rank_in_engine]
     kept = sorted(i - start for i in done[rank_in_engine][: wanted[rank_in_engine]])
     out = _output(samples, prompt_ids, kept, n, pad_id, start)
-    sequences = [[*prompt_ids[i], *samples[(start + i, j)].tokens] for i in kept for j in range(n)]
+    keys = [(start + i, j) for i in kept for j in range(n)]
+    sequences = [[*prompt_ids[k[0] - start], *samples[k].tokens] for k in keys]
     if images is None:
-        routing = engine.take_routing(sequences)
+        routing = engine.take_routing(sequences, keys=keys)
     else:
-        routing = engine.take_routing(sequences, [images[i] for i in kept for _ in range(n)])
+        kept_images = [images[i] for i in kept for _ in range(n)]
+        routing = engine.take_routing(sequences, kept_images, keys=keys)
     if routing is not None:  # router replay: (N, P + T, Lm, k) like out.sequences()
         out.routed_experts = pad_routing(
             routing.sequences,

@@ -29,18 +29,6 @@ from fsdp_rlhf.rules.base import (
 
 ASYNC = [
     Rule(
-        "async-router-replay-cuda",
-        ("async", "router replay"),
-        (PPO,),
-        when(
-            lambda s: is_async(s) and s.cfg.moe.router_replay and s.cuda,
-            "--router_replay with --async_train on CUDA",
-        ),
-        "the step-by-step engine records routed experts with the CPU engine's hooks; reading "
-        "vLLM's own capture (CUDA) from step-by-step outputs is not written or run yet",
-        "run router replay without --async_train on CUDA",
-    ),
-    Rule(
         "async-hf-engine",
         ("async", "HF engine"),
         (PPO,),
@@ -263,23 +251,6 @@ MOE = [
         "use --rollout_engine vllm",
     ),
     Rule(
-        "router-replay-vllm-tp-cuda",
-        ("router replay", "vLLM TP > 1"),
-        (PPO,),
-        when(
-            lambda s: (
-                s.cfg.moe.router_replay and s.cuda and s.cfg.rollout.vllm_tensor_parallel_size > 1
-            ),
-            lambda s: (
-                f"--router_replay with --vllm_tensor_parallel_size "
-                f"{s.cfg.rollout.vllm_tensor_parallel_size} on CUDA"
-            ),
-        ),
-        "vLLM 0.32 returns the routed experts on its first tensor-parallel rank only, and the "
-        "other ranks' schedulers (one per rank under the external launcher) fail without them",
-        "use --vllm_tensor_parallel_size 1",
-    ),
-    Rule(
         "lora-adapter-moe-cpu",
         ("LoRA adapter sync", "MoE"),
         (PPO,),
@@ -465,7 +436,38 @@ def _cpu_moe_problem(s) -> str | None:
     )
 
 
+# Routers choosing their experts by softmax score plus a correction bias (not grouped): vLLM
+# 0.32's CPU MoE router takes the plain softmax top k for them and leaves the bias out
+# (vllm/model_executor/layers/fused_moe/router/cpu_router.py, ``_softmax_topk``); its CUDA
+# router adds it (``fused_topk_bias``). Measured on the tiny ERNIE-4.5-MoE with a correction
+# bias (fp32, prompt log-probs): vLLM on CPU 8.6e-3 mean and 0.034 max per token from
+# transformers, and 1.4e-7 / 9.5e-7 from transformers with the bias zeroed.
+CPU_UNBIASED_ROUTERS = ("Ernie4_5_MoeTopKRouter", "Ernie4_5_VLMoeMoeTopKRouter")
+
+
+def _cpu_unbiased_router(s) -> str | None:
+    """``--pretrain PATH (ARCH) on CPU without --router_replay`` when vLLM on CPU would route
+    the actor without its correction bias and nothing replays the engine's choice."""
+    actor = s.actor
+    if s.cuda or s.cfg.rollout.rollout_engine != "vllm" or s.cfg.moe.router_replay:
+        return None
+    if actor is None or actor.router not in CPU_UNBIASED_ROUTERS:
+        return None
+    return f"--pretrain {actor.path} ({actor.architecture}) on CPU without --router_replay"
+
+
 ENGINES_AND_MODELS = [
+    Rule(
+        "moe-correction-bias-cpu-vllm",
+        ("MoE", "router replay"),
+        (PPO,),
+        _cpu_unbiased_router,
+        "vLLM's CPU MoE router leaves out the correction bias this router chooses its experts "
+        "with (its CUDA router applies it), so the engine routes otherwise than the trainer "
+        "from the first step",
+        "add --router_replay (the trainer then replays the engine's experts), or run on GPUs",
+        needs=True,
+    ),
     Rule(
         "delta-weight-sync-lora",
         ("delta weight sync", "LoRA"),

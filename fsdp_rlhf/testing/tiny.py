@@ -719,6 +719,63 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+# Where MoE blocks keep the correction bias that steers the choice of experts (not their
+# weights): DeepSeek-V3, GLM-4.5, MiniMax-M2, Nemotron-H ``e_score_correction_bias`` (ERNIE's
+# under ``moe_statics``), LFM2's ``expert_bias``.
+CORRECTION_BIASES = ("e_score_correction_bias", "expert_bias")
+# A correction bias is drawn with this fraction of the spread of its router's scores over the
+# experts: it then changes the chosen set of about two tokens in three (random routers of 16
+# experts, top 4, 20 draws: median 64% for softmax scores, range 53-79%; sigmoid 70%, 48-83%),
+# as a trained bias does, which exists to move load between experts.
+CORRECTION_BIAS_SPREAD = 0.4
+
+
+def _published_routers(model: torch.nn.Module, initializer_range: float) -> list[str]:
+    """Give the model's MoE routers what a published checkpoint's have: random weights where
+    transformers initialises them to zeros (ERNIE 4.5's router, whose experts would then tie
+    and every token take the first k), and nonzero correction biases (transformers initialises
+    them to zeros; a checkpoint's are trained, and an engine that drops one routes otherwise,
+    which a zero bias hides). Returns the names of the biases drawn."""
+    from fsdp_rlhf.models.moe import moe_routers
+    from fsdp_rlhf.models.routers import ROUTER_RULES
+
+    routers = moe_routers(model)
+    drawn = []
+    with torch.no_grad():
+        for router in routers:
+            if not router.weight.any():
+                router.weight.normal_(0.0, initializer_range)
+        # a parameter (ERNIE) or a buffer (the others), saved with the weights either way
+        for name, param in [*model.named_parameters(), *model.named_buffers()]:
+            if name.rsplit(".", 1)[-1] not in CORRECTION_BIASES:
+                continue
+            router = _router_of(model, name, routers)
+            logits = torch.randn(256, router.weight.shape[1]) @ router.weight.float().T
+            if ROUTER_RULES[type(router).__name__].score == "sigmoid":
+                scores = logits.sigmoid()
+            else:
+                scores = logits.softmax(-1)
+            spread = float(scores.std(-1).mean())
+            param.copy_(CORRECTION_BIAS_SPREAD * spread * torch.randn_like(param))
+            drawn.append(name)
+    return drawn
+
+
+def _router_of(model: torch.nn.Module, name: str, routers: list) -> torch.nn.Module:
+    """The router of the MoE block holding the parameter ``name`` (in the router itself,
+    ERNIE's in the router's ``moe_statics``, or beside it in the block: MiniMax-M2, LFM2)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    owners = [r for r in routers if _same_block(names[id(r)], name)]
+    if len(owners) != 1:
+        raise ValueError(f"{name}: {len(owners)} MoE routers in its block")
+    return owners[0]
+
+
+def _same_block(router: str, param: str) -> bool:
+    block = router.rsplit(".", 1)[0]  # the MoE block (mlp, feed_forward, mixer)
+    return param.startswith(block + ".")
+
+
 def _near_tied_routers(model: torch.nn.Module, spread: float) -> None:
     from fsdp_rlhf.models.moe import moe_routers
 
@@ -749,6 +806,9 @@ def build_family(
     tie to within a few float32 roundings and the rollout engine and the trainer, which round
     differently, route some tokens to different experts: the near-uniform routers of an
     untrained or collapsed MoE, where router replay matters in fp32 too.
+
+    Every MoE family's routers are random and its correction biases nonzero, as a published
+    checkpoint's are (:func:`_published_routers`).
     """
     import transformers
 
@@ -772,6 +832,8 @@ def build_family(
         kwargs.setdefault("vocab_size_per_layer_input", len(tok))  # one row per token
     torch.manual_seed(seed)
     model = getattr(transformers, fam.model_class)(config_cls(**kwargs))
+    if fam.moe:
+        _published_routers(model, model.config.get_text_config().initializer_range)
     if router_spread is not None:
         _near_tied_routers(model, router_spread)
     model.save_pretrained(str(out))

@@ -95,11 +95,11 @@ class _BothAssemblies:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def take_routing(self, sequences):
+    def take_routing(self, sequences, keys=None):
         records = list(self.engine._routing.recorder.records)
         fill = no_expert(self.engine._routing.store)
         self.recomputed = assemble_routing(records, sequences, fill)
-        return self.engine.take_routing(sequences)
+        return self.engine.take_routing(sequences, keys=keys)
 
 
 def rollout_side(model_path: str, env, bridge: Bridge, link: WeightLink) -> None:

@@ -271,26 +271,17 @@ def test_metrics_live_where_the_routers_run_not_where_the_parameters_are(moe_mod
     assert m["moe/expert_load_max_mean"] >= 1.0
 
 
-def test_router_replay_with_vllm_tensor_parallelism_is_refused_on_cuda_only(
-    tiny_qwen3_moe, monkeypatch
+def test_router_replay_with_vllm_tensor_parallelism_passes_the_checks_on_cpu_and_cuda(
+    tiny_qwen3_moe,
 ):
-    """vLLM's own capture (CUDA) keeps the routed experts on its first TP rank; the other
-    ranks' schedulers fail without them. On CPU every rank records them itself (the TP=2
-    engine's routing is checked in tests/e2e/test_sequence_parallel_cli.py)."""
+    """Refused on CUDA before #60 (vLLM's own capture keeps the rows on its first TP rank);
+    the first rank now serves the others (tests/distributed/test_routed_capture.py). On CPU
+    every rank records them itself (tests/e2e/test_sequence_parallel_cli.py)."""
     from fsdp_rlhf.rules import check_command
 
-    def cfg(tp: int):
-        argv = ["--pretrain", tiny_qwen3_moe, "--router_replay"]
-        return _ppo(*argv, "--vllm_tensor_parallel_size", str(tp))
-
-    check_command("ppo", cfg(2), cuda=False)
-    check_command("ppo", cfg(1), cuda=True)
-    with pytest.raises(UserError) as e:
-        check_command("ppo", cfg(2), cuda=True)
-    line = str(e.value)
-    assert "--router_replay with --vllm_tensor_parallel_size 2 on CUDA" in line
-    assert "first tensor-parallel rank only" in line and "--vllm_tensor_parallel_size 1" in line
-    assert "\n" not in line
+    argv = ["--pretrain", tiny_qwen3_moe, "--router_replay", "--vllm_tensor_parallel_size", "2"]
+    for cuda in (False, True):
+        check_command("ppo", _ppo(*argv), cuda=cuda)
 
 
 def test_expert_parallel_preflight_names_the_numbers(tiny_qwen2, tiny_qwen3_moe):

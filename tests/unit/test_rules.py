@@ -21,6 +21,9 @@ DENSE = ModelKind("models/dense", "Qwen2ForCausalLM", heads=6, kv_heads=2)
 NINE_HEADS = ModelKind("models/nine", "Qwen2ForCausalLM", heads=9, kv_heads=3)
 MOE = ModelKind("models/moe", "Qwen3MoeForCausalLM", 4, 2, experts=8, router="Qwen3MoeTopKRouter")
 ODD_ROUTER = ModelKind("models/odd", "OddMoeForCausalLM", 4, 2, experts=8, router="OddRouter")
+ERNIE = ModelKind(
+    "models/ernie", "Ernie4_5_MoeForCausalLM", 2, 1, experts=16, router="Ernie4_5_MoeTopKRouter"
+)
 HYBRID = ModelKind(
     "models/hybrid", "Qwen3_5ForCausalLM", 4, 2, linear_attention=True, gated_delta_net=True,
     split_heads=2,
@@ -70,10 +73,6 @@ CASES: dict[str, tuple] = {
     "delta-weight-sync-lora": (
         "ppo", ["--weight_sync", "delta", "--lora_rank", "8"], None, False,
         "--weight_sync delta with --lora_rank: LoRA syncs only its adapters",
-    ),
-    "async-router-replay-cuda": (
-        "ppo", [*ASYNC, "--router_replay"], {"--pretrain": MOE}, True,
-        "--router_replay with --async_train on CUDA: the step-by-step engine records",
     ),
     "async-hf-engine": (
         "ppo", [*ASYNC, "--rollout_engine", "hf"], None, False,
@@ -145,10 +144,6 @@ CASES: dict[str, tuple] = {
         "ppo", ["--router_replay", "--rollout_engine", "hf"], {"--pretrain": MOE}, False,
         "the HF engine does not report the experts it routed to",
     ),
-    "router-replay-vllm-tp-cuda": (
-        "ppo", ["--router_replay", "--vllm_tensor_parallel_size", "2"], {"--pretrain": MOE}, True,
-        "--router_replay with --vllm_tensor_parallel_size 2 on CUDA",
-    ),
     "lora-adapter-moe-cpu": (
         "ppo", ["--lora_rank", "8"], {"--pretrain": MOE}, False, "use --lora_sync merged",
     ),
@@ -215,6 +210,11 @@ CASES: dict[str, tuple] = {
         "ppo", [], {"--pretrain": MINIMAX}, False,
         "--pretrain models/mm2: vLLM on CPU cannot run the architecture MiniMaxM2ForCausalLM: "
         "its sigmoid router without expert groups",
+    ),
+    "moe-correction-bias-cpu-vllm": (
+        "ppo", [], {"--pretrain": ERNIE}, False,
+        "--pretrain models/ernie (Ernie4_5_MoeForCausalLM) on CPU without --router_replay: "
+        "vLLM's CPU MoE router leaves out the correction bias",
     ),
     "critic-without-model": (
         "ppo", ["--advantage_estimator", "gae"], None, False,
@@ -324,6 +324,11 @@ def test_what_a_row_refuses_alone_runs_beside_everything_else():
     # async x router replay (#48), partial rollouts and expert parallelism too, on CPU
     replay = [*ASYNC, "--router_replay", "--partial_rollout", "--expert_parallel_size", "2"]
     check_rules(_setting("ppo", replay, {"--pretrain": MOE}))
+    # router replay on CUDA at vLLM TP 2 and under --async_train, partial rollouts too (#60)
+    tp2 = ["--router_replay", "--vllm_tensor_parallel_size", "2"]
+    check_rules(_setting("ppo", tp2, {"--pretrain": MOE}, cuda=True))
+    replay_cuda = [*ASYNC, "--router_replay", "--partial_rollout"]
+    check_rules(_setting("ppo", replay_cuda, {"--pretrain": MOE}, cuda=True))
     # a VLM in multi-turn rollouts (the prompt's images go with every turn)
     check_rules(_setting("ppo", ENV, {"--pretrain": VLM}))
     # evaluation during async training, rule-scored on the rollout ranks (#48)
@@ -362,6 +367,15 @@ def test_the_2026_families_rows_read_their_kind():
         check_rules(_setting("ppo", ["--rollout_engine", "hf"], {"--pretrain": kind}))
         check_rules(_setting("sft", [], {"--pretrain": kind}))
     check_rules(_setting("ppo", [], {"--pretrain": MAMBA}))  # a dense Nemotron-H
+
+
+def test_the_unbiased_cpu_router_row_asks_for_replay_on_cpu_only():
+    """ERNIE 4.5 MoE runs on CPU with router replay, on CUDA (vLLM's CUDA router applies the
+    correction bias) and with the HF engine; offline commands run no engine."""
+    check_rules(_setting("ppo", ["--router_replay"], {"--pretrain": ERNIE}))
+    check_rules(_setting("ppo", [], {"--pretrain": ERNIE}, cuda=True))
+    check_rules(_setting("ppo", ["--rollout_engine", "hf"], {"--pretrain": ERNIE}))
+    check_rules(_setting("sft", [], {"--pretrain": ERNIE}))
 
 
 # ---------------------------------------------------------------- the kinds, read from configs

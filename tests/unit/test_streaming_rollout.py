@@ -45,7 +45,7 @@ class ScriptedEngine:
         self.aborted = True
         self.progress = {}
 
-    def take_routing(self, sequences, images=None):
+    def take_routing(self, sequences, images=None, keys=None):
         return None
 
 

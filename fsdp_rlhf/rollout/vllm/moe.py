@@ -22,8 +22,28 @@ batch belongs to. The compiled model would not call a hook set after it was trac
 engine runs eager when it records (``enforce_eager``). A multimodal model's forward is given
 embeddings (no token ids) and M-RoPE positions (3, n); the recorder then reads the ids and the
 1-D sequence positions from the runner's buffers, and each request's image ids (the
-``multi_modal_uuids`` the engine handed vLLM) from the runner's request state. On CUDA the
-engine's own capture is used (:func:`routing_from_outputs`); that path has not run on a GPU.
+``multi_modal_uuids`` the engine handed vLLM) from the runner's request state.
+
+Routing on CUDA: vLLM's own capture (``enable_return_routed_experts``), CUDA graphs kept. Its
+router hook writes every step's routing into a device buffer on every tensor-parallel rank;
+in vLLM 0.32 and 0.33 the auxiliary-output connector (``vllm/distributed/aux_output_connector``)
+turns it into per-request rows on the first rank of the TP group only, and each scheduler's
+side of the connector takes them from its runner's output ("auxiliary output worker output is
+missing" on the others). Under the external launcher every rank runs its own scheduler, so on
+every rank but the first the scheduler's side stops asking for rows
+(:func:`rows_on_first_rank_only`); it stays on every rank otherwise: its bookkeeping is fed by
+the scheduler alone and goes alike on every rank, and 0.33 bounds each prefix-cache hit with it,
+so the ranks still schedule alike. The first rank reads the rows from its outputs and hands
+each rank of the engine its own sequences' (``rollout.groups.serve_from_first``): one gather of
+what each wants and one scatter per rollout over the engine's gloo group. Every rank of a TP
+group routes every token with the replicated router on the same all-reduced hidden states, so
+the first rank's rows are every rank's. vLLM 0.26 returns each rank's rows to its own
+scheduler (its ``RoutedExpertsManager``): nothing to change there. Step by step
+(asynchronous training) the rows of a request come with its final output
+(:class:`CapturedRouting`); a request computed again after weights loaded in flight gets rows
+only from its last token on (the connector's emit cursor; 0.26: "token(s) at the END"), so
+each position keeps its first computation's routing, as the CPU recorder's ``keep_first``
+does.
 """
 
 from __future__ import annotations
@@ -35,6 +55,7 @@ import numpy as np
 import torch
 
 from fsdp_rlhf.rollout.routing import RoutingError, StepRecord
+from fsdp_rlhf.rollout.vllm.api import CONNECTOR_CALLS, check_calls
 
 log = logging.getLogger(__name__)
 
@@ -178,13 +199,99 @@ def routing_from_outputs(outputs, layers: list[int], dtype: np.dtype) -> list[np
     out = []
     for req in outputs:
         for comp in sorted(req.outputs, key=lambda c: c.index):
-            routed = getattr(comp, "routed_experts", None)
             rows = len(req.prompt_token_ids) + len(comp.token_ids) - 1
-            if routed is None or routed.shape[0] != rows:
-                got = "none" if routed is None else f"{routed.shape[0]} positions"
-                raise RoutingError(
-                    f"router replay: vLLM returned {got} of routed experts for a sequence of "
-                    f"{rows + 1} tokens (expected {rows})"
-                )
-            out.append(np.ascontiguousarray(routed[:, layers]).astype(dtype))
+            out.append(_routing_rows(getattr(comp, "routed_experts", None), rows, layers, dtype))
     return out
+
+
+# ---------------------------------------------------------------- vLLM's own capture (CUDA)
+
+
+def engine_scheduler(llm):
+    """The scheduler of an in-process engine (external launcher: ``InprocClient`` ->
+    ``EngineCore``)."""
+    try:
+        return llm.llm_engine.engine_core.engine_core.scheduler
+    except AttributeError as e:
+        raise RuntimeError(
+            "router replay: vLLM's in-process engine has no reachable scheduler "
+            f"(llm.llm_engine.engine_core.engine_core.scheduler: {e})"
+        ) from None
+
+
+def rows_on_first_rank_only(scheduler, first: bool) -> str:
+    """On every rank but the first of the TP group, the scheduler's side of vLLM's
+    routed-experts connector returns no rows instead of failing for want of them (its
+    ``take_output``, the one call that reads the runner's rows; see the module docstring);
+    returns the design found: "connector" (vLLM 0.32, 0.33) or "per-rank" (0.26, where every
+    rank gets its own rows)."""
+    side = getattr(scheduler, "aux_output_connector", False)
+    if side is None:
+        raise RuntimeError(
+            "router replay: vLLM's routed-experts capture is off "
+            "(enable_return_routed_experts was not taken)"
+        )
+    if side is not False:
+        problems = check_calls(CONNECTOR_CALLS)
+        if problems:
+            raise RuntimeError(
+                "router replay: vLLM's routed-experts connector is not the one the adapter "
+                "was written for (0.32, 0.33): " + "; ".join(problems)
+            )
+        if not first:
+            side.take_output = _no_rows
+        return "connector"
+    if getattr(scheduler, "routed_experts_mgr", None) is not None:
+        return "per-rank"
+    raise RuntimeError(
+        f"router replay: vLLM's {type(scheduler).__name__} has neither the routed-experts "
+        "connector (aux_output_connector, vLLM 0.32-0.33) nor the per-rank store "
+        "(routed_experts_mgr, 0.26) the adapter reads the capture through"
+    )
+
+
+def _no_rows(request, output) -> None:
+    """``take_output`` of a TP rank whose runner keeps no rows: none for the request."""
+    return None
+
+
+def _routing_rows(routed, rows: int, layers: list[int], dtype: np.dtype) -> np.ndarray:
+    """The MoE layers of vLLM's ``(rows, num_layers, k)`` routed experts (every decoder layer,
+    dense ones unfilled), as ``dtype``; raises when vLLM returned another number of rows."""
+    if routed is None or routed.shape[0] != rows:
+        got = "none" if routed is None else f"{routed.shape[0]} positions"
+        raise RoutingError(
+            f"router replay: vLLM returned {got} of routed experts for a sequence of "
+            f"{rows + 1} tokens (expected {rows})"
+        )
+    return np.ascontiguousarray(routed[:, layers]).astype(dtype)
+
+
+class CapturedRouting:
+    """vLLM's capture read step by step: each finished request's rows, by the key the engine
+    gave it, until :meth:`take` (see the module docstring)."""
+
+    def __init__(self, layers: list[int], dtype: np.dtype) -> None:
+        self.layers = layers
+        self.dtype = dtype
+        self._done: dict[tuple[int, int], np.ndarray] = {}
+
+    def note(self, key: tuple[int, int], output) -> None:
+        """Keep the rows of ``output``, a ``RequestOutput`` of one sample, once it finished
+        (vLLM hands them over then, every step's concatenated; a DELTA output's tokens are
+        its last step's only, so the rows are checked against the sequence in :meth:`take`)."""
+        if output.finished:
+            self._done[key] = output.outputs[0].routed_experts
+
+    def clear(self) -> None:
+        self._done.clear()
+
+    def take(self, keys: list[tuple[int, int]], lengths: list[int]) -> list[np.ndarray]:
+        """The rows of the finished samples ``keys``, sequences of ``lengths`` tokens."""
+        missing = [k for k in keys if k not in self._done]
+        if missing:
+            raise RoutingError(f"router replay: no routed experts for samples {missing[:4]}")
+        return [
+            _routing_rows(self._done.pop(k), n - 1, self.layers, self.dtype)
+            for k, n in zip(keys, lengths, strict=True)
+        ]
