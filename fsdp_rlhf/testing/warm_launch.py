@@ -17,8 +17,8 @@ What a case gets is what ``torchrun --nproc_per_node N -m fsdp_rlhf.cli ...`` gi
   ``TORCHELASTIC_USE_AGENT_STORE=True``, so ``init_process_group`` and the exit report
   (fsdp_rlhf/distributed/exit_report.py) find it as under torchrun;
 - torchrun's ending: the first rank to fail (a non-zero code or a signal) has the others sent
-  SIGTERM, then SIGKILL after 30 s; the case's code is 0, or 1 when any rank failed, and a
-  one-line summary per failed rank goes to stderr;
+  SIGTERM, then SIGKILL after 30 s; the case's code is 0, or 1 when any rank failed, and
+  torchrun's own report of the failed ranks (its ChildFailedError message) goes to stderr;
 - the real code path: ``fsdp_rlhf.cli`` run as ``__main__`` (runpy), real gloo, in-process vLLM.
 
 What each forked rank resets from the server's state (nothing carries from one case to the
@@ -342,17 +342,22 @@ def _agent(conn: socket.socket, base_env: dict[str, str], added: dict[str, str])
             conn.close()
             _rank(request, rank, envs[rank], (stdin, stdout, stderr))
         pids[pid] = rank
-    codes = _watch(pids, conn, stderr, request.get("name", "fsdp_rlhf.cli"))
+    codes = _watch(pids, conn, stderr, request.get("name", "fsdp_rlhf.cli"), run_dir)
     del store
     failed = [c for c in codes.values() if c != 0]
     _send(conn, {"returncode": 1 if failed else 0, "ranks": [codes[r] for r in range(nproc)]})
     return 0
 
 
-def _watch(pids: dict[int, int], conn: socket.socket, stderr: int, name: str) -> dict[int, int]:
+def _watch(
+    pids: dict[int, int], conn: socket.socket, stderr: int, name: str, run_dir: str
+) -> dict[int, int]:
     """torchrun's monitor: poll the ranks; the first failure stops the others (SIGTERM, then
-    SIGKILL after :data:`STOP_GRACE_S`); a closed connection kills them all at once."""
+    SIGKILL after :data:`STOP_GRACE_S`) and is reported as torchrun reports it (its
+    ChildFailedError message: the ranks found failed at that poll); a closed connection kills
+    them all at once."""
     codes: dict[int, int] = {}
+    failed: dict[int, tuple[int, int]] = {}  # rank -> (pid, code), as torchrun saw them
     stop_at = None
     conn.setblocking(False)
     while len(codes) < len(pids):
@@ -362,10 +367,9 @@ def _watch(pids: dict[int, int], conn: socket.socket, stderr: int, name: str) ->
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 codes[rank] = os.waitstatus_to_exitcode(status)
-                if codes[rank] != 0:
-                    line = f"warm launcher: {name} rank {rank} (pid {pid}) failed"
-                    os.write(stderr, f"{line}, exitcode {codes[rank]}\n".encode())
-        if stop_at is None and any(c != 0 for c in codes.values()) and len(codes) < len(pids):
+                if codes[rank] != 0 and stop_at is None:
+                    failed[rank] = (pid, codes[rank])
+        if stop_at is None and failed:
             _signal_all(pids, codes, signal.SIGTERM)
             stop_at = time.monotonic() + STOP_GRACE_S
         if stop_at is not None and time.monotonic() > stop_at:
@@ -377,7 +381,24 @@ def _watch(pids: dict[int, int], conn: socket.socket, stderr: int, name: str) ->
             pass
         time.sleep(POLL_S)
     conn.setblocking(True)
+    if failed:
+        os.write(stderr, _failure_report(name, failed, run_dir).encode())
     return codes
+
+
+def _failure_report(name: str, failed: dict[int, tuple[int, int]], run_dir: str) -> str:
+    """What torchrun prints when ranks fail: its own ChildFailedError message."""
+    from torch.distributed.elastic.multiprocessing.errors import (
+        ChildFailedError,
+        ProcessFailure,
+    )
+
+    failures = {
+        rank: ProcessFailure(rank, pid, code, os.path.join(run_dir, str(rank), "error.json"))
+        for rank, (pid, code) in failed.items()
+    }
+    message = ChildFailedError(name, failures).format_msg()
+    return f"torch.distributed.elastic.multiprocessing.errors.ChildFailedError: {message}\n"
 
 
 def _signal_all(pids: dict[int, int], codes: dict[int, int], sig: int) -> None:
@@ -440,11 +461,21 @@ def _run(request: dict, rank: int) -> int:
         exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
     elif argv[0] == "-m":
         sys.argv = ["-m", *argv[2:]]
+        _unimport(argv[1])
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
     else:
         sys.argv = list(argv)
         runpy.run_path(argv[0], run_name="__main__")
     return 0
+
+
+def _unimport(module: str) -> None:
+    """A fresh ``python -m package.module`` has not imported the module itself (it runs as
+    ``__main__`` only); the server imported it for its dependencies."""
+    sys.modules.pop(module, None)
+    parent, _, child = module.rpartition(".")
+    if parent and parent in sys.modules and hasattr(sys.modules[parent], child):
+        delattr(sys.modules[parent], child)
 
 
 def _exit_code(code) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -30,7 +31,7 @@ dist.all_reduce(t)
 store = dist.distributed_c10d._get_default_store()
 store.set(f"seen/{dist.get_rank()}", "1")
 keys = sorted(k for k in os.environ if k not in json.loads(os.environ["PROBE_BASE_KEYS"]))
-print(json.dumps({
+sys.stdout.write(json.dumps({
     "rank": dist.get_rank(),
     "env": {k: os.environ[k] for k in keys},
     "argv": sys.argv[1:],
@@ -43,7 +44,8 @@ print(json.dumps({
     "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
     "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
     "main": __name__,
-}), flush=True)
+}) + "\n")  # one write: the ranks share the file (print writes the newline apart when unbuffered)
+sys.stdout.flush()
 dist.barrier()
 dist.destroy_process_group()
 """
@@ -128,6 +130,10 @@ def test_a_failing_rank_ends_the_case_as_under_torchrun(tmp_path):
         assert proc.returncode == 1, proc.stderr[-2000:]
         assert "rank 1 fails" in proc.stderr
         assert "rank 0 got SIGTERM" in proc.stdout, proc.stdout
+        # torchrun's report of the failed rank, the form the resume tests read
+        report = r"rank\s*: 1 \(local_rank: 1\)\s+exitcode\s*: 3 \(pid: \d+\)"
+        assert re.search(report, proc.stderr), proc.stderr[-2000:]
+        assert "Root Cause (first observed failure)" in proc.stderr
 
 
 def test_a_timeout_kills_the_case(tmp_path):
