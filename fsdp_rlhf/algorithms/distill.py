@@ -151,6 +151,11 @@ def _rows_per_chunk(vocab: int, chunk_size: int | None) -> int:
     return size
 
 
+def _chunk(hidden: torch.Tensor, index: torch.Tensor | None, start: int, stop: int):
+    """Rows ``start:stop`` of the positions: of ``hidden`` itself, or at ``index``."""
+    return hidden[start:stop] if index is None else hidden.index_select(0, index[start:stop])
+
+
 def _log_softmax_rows(hidden: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
     """(c, V) float32 log-probs of a chunk: ``hidden @ weight.T`` (or ``hidden`` as logits when
     ``weight`` is None), normalised over V."""
@@ -163,6 +168,7 @@ def topk_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor | None,
     k: int,
+    index: torch.Tensor | None = None,
     *,
     chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,9 +176,10 @@ def topk_logprobs(
     a time (no (n, V) tensor).
 
     Args:
-        hidden: (n, H) final hidden states, or (n, V) logits when ``weight`` is None.
+        hidden: (N, H) final hidden states, or (N, V) logits when ``weight`` is None.
         weight: (V, H) the output layer's weight, or None.
         k: tokens per position (at most V).
+        index: (n,) the rows of ``hidden`` to read (may repeat); None: all N, in order.
         chunk_size: positions per chunk (None: about ``CHUNK_ELEMENTS`` / V).
 
     Returns:
@@ -181,12 +188,13 @@ def topk_logprobs(
     vocab = hidden.shape[-1] if weight is None else weight.shape[0]
     if not 1 <= k <= vocab:
         raise ValueError(f"top-k needs 1 <= k <= V ({vocab}), got {k}")
-    n, size = hidden.shape[0], _rows_per_chunk(vocab, chunk_size)
+    n = hidden.shape[0] if index is None else index.numel()
+    size = _rows_per_chunk(vocab, chunk_size)
     values = torch.empty(n, k, dtype=torch.float32, device=hidden.device)
     ids = torch.empty(n, k, dtype=torch.long, device=hidden.device)
     for start in range(0, n, size):
         stop = min(start + size, n)
-        top = _log_softmax_rows(hidden[start:stop], weight).topk(k, dim=-1)
+        top = _log_softmax_rows(_chunk(hidden, index, start, stop), weight).topk(k, dim=-1)
         values[start:stop], ids[start:stop] = top.values, top.indices
     return values, ids
 
@@ -195,54 +203,56 @@ class _PickedLogProbs(torch.autograd.Function):
     """Log-probs of k chosen tokens per position, recomputed a chunk at a time in backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, ids, size):
-        n = hidden.shape[0]
+    def forward(ctx, hidden, weight, ids, index, size):
+        n = ids.shape[0]
         out = torch.empty(ids.shape, dtype=torch.float32, device=hidden.device)
         for start in range(0, n, size):
             stop = min(start + size, n)
-            out[start:stop] = _log_softmax_rows(hidden[start:stop], weight).gather(
-                -1, ids[start:stop]
-            )
-        ctx.save_for_backward(hidden, weight, ids)
+            rows = _chunk(hidden, index, start, stop)
+            out[start:stop] = _log_softmax_rows(rows, weight).gather(-1, ids[start:stop])
+        ctx.save_for_backward(hidden, weight, ids, index)
         ctx.size = size
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        hidden, weight, ids = ctx.saved_tensors
+        hidden, weight, ids, index = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
         grad_weight = None
         if need_weight and weight is not None:
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for start in range(0, hidden.shape[0], ctx.size):
-            stop = min(start + ctx.size, hidden.shape[0])
+        for start in range(0, ids.shape[0], ctx.size):
+            stop = min(start + ctx.size, ids.shape[0])
             g = grad[start:stop].float()
+            rows = _chunk(hidden, index, start, stop)
             # d log p_j / dz = onehot(j) - p, summed over the k picked tokens
-            gz = _log_softmax_rows(hidden[start:stop], weight).exp_().mul_(-g.sum(-1, True))
+            gz = _log_softmax_rows(rows, weight).exp_().mul_(-g.sum(-1, True))
             gz.scatter_add_(-1, ids[start:stop], g)
-            _backprop_chunk(gz, hidden, weight, start, stop, grad_hidden, grad_weight)
+            _backprop_chunk(gz, rows, weight, index, start, stop, grad_hidden, grad_weight)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
 
 
-def _backprop_chunk(gz, hidden, weight, start, stop, grad_hidden, grad_weight) -> None:
-    """A chunk's logit gradient (c, V) into the hidden states' and the weight's gradients."""
-    if weight is None:  # hidden are the logits
-        if grad_hidden is not None:
-            grad_hidden[start:stop] = gz.to(hidden.dtype)
-        return
+def _backprop_chunk(gz, rows, weight, index, start, stop, grad_hidden, grad_weight) -> None:
+    """A chunk's logit gradient (c, V) into the hidden states' gradient (at ``index``, or rows
+    ``start:stop``) and the weight's."""
     if grad_hidden is not None:
-        grad_hidden[start:stop] = (gz.to(weight.dtype) @ weight).to(hidden.dtype)
+        g = gz if weight is None else gz.to(weight.dtype) @ weight  # without weight: logits
+        if index is None:
+            grad_hidden[start:stop] = g.to(grad_hidden.dtype)
+        else:
+            grad_hidden.index_add_(0, index[start:stop], g.to(grad_hidden.dtype))
     if grad_weight is not None:
-        grad_weight.addmm_(gz.t(), hidden[start:stop].float())
+        grad_weight.addmm_(gz.t(), rows.float())
 
 
 def picked_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor | None,
     ids: torch.Tensor,
+    index: torch.Tensor | None = None,
     *,
     chunk_size: int | None = None,
 ) -> torch.Tensor:
@@ -251,16 +261,17 @@ def picked_logprobs(
     chunk, so nothing (n, V) is kept.
 
     Args:
-        hidden: (n, H) hidden states with grad, or (n, V) logits when ``weight`` is None.
+        hidden: (N, H) hidden states with grad, or (N, V) logits when ``weight`` is None.
         weight: (V, H) the output layer's weight (with grad), or None.
         ids: (n, k) token ids.
+        index: (n,) the row of ``hidden`` of each position (may repeat); None: n = N, in order.
 
     Returns:
         (n, k) float32 log-probs; differentiable with respect to ``hidden`` and ``weight``.
     """
     vocab = hidden.shape[-1] if weight is None else weight.shape[0]
     size = _rows_per_chunk(vocab, chunk_size)
-    return _PickedLogProbs.apply(hidden, weight, ids, size)
+    return _PickedLogProbs.apply(hidden, weight, ids, index, size)
 
 
 class _ChunkedForwardKL(torch.autograd.Function):
@@ -304,7 +315,8 @@ class _ChunkedForwardKL(torch.autograd.Function):
                 g = grad_logp[start:stop].float().unsqueeze(-1)
                 gz.sub_(ps.mul_(g)).scatter_add_(-1, labels[start:stop].unsqueeze(-1), g)
             del ps
-            _backprop_chunk(gz, hidden, weight, start, stop, grad_hidden, grad_weight)
+            rows = hidden[start:stop]
+            _backprop_chunk(gz, rows, weight, None, start, stop, grad_hidden, grad_weight)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None

@@ -50,6 +50,7 @@ from fsdp_rlhf.config.offline import (
 from fsdp_rlhf.config.ppo import (
     GSPO_PAPER_CLIP,
     AsyncConfig,
+    DistillConfig,
     MoEConfig,
     MultiTurnConfig,
     PlacementConfig,
@@ -74,6 +75,7 @@ __all__ = [
     "DPOConfig",
     "DPOLossConfig",
     "DPOModelConfig",
+    "DistillConfig",
     "FSDPConfig",
     "GuardConfig",
     "LoggingConfig",

@@ -242,6 +242,28 @@ def collect_batch_stats(
             stats.add_weighted_mean(f"rollout/{name}", mismatch[name], tokens)
 
 
+def collect_distill_stats(stats: StatCollector, exp: Experience) -> None:
+    """On-policy distillation (with a teacher): ``distill/reverse_kl``, the mean over response
+    tokens of ``old_logprob - teacher_logprob`` (the sampled-token estimate of
+    KL(student || teacher) under the policy that sampled them), ``distill/teacher_logprob`` and
+    ``distill/student_logprob`` (token means), and with a top-k loss ``distill/topk_mass``, the
+    probability the teacher's top-k tokens hold."""
+    if exp.teacher_logprobs is None:
+        return
+    mask = exp.response_mask
+    tokens = mask.sum()
+    n = tokens.clamp(min=1)
+    for name, values in (
+        ("reverse_kl", exp.old_logprobs - exp.teacher_logprobs),
+        ("teacher_logprob", exp.teacher_logprobs),
+        ("student_logprob", exp.old_logprobs),
+    ):
+        stats.add_weighted_mean(f"distill/{name}", (values * mask).sum() / n, tokens)
+    if exp.teacher_topk_logprobs is not None:
+        mass = exp.teacher_topk_logprobs.exp().sum(-1)
+        stats.add_weighted_mean("distill/topk_mass", (mass * mask).sum() / n, tokens)
+
+
 def throughput_metrics(
     metrics: dict[str, float],
     times: dict[str, float],

@@ -191,3 +191,22 @@ def test_against_trl_distillation_trainer_loss(beta):
         s_lp = picked_logprobs(hidden[valid], weight, ids)
         ours = topk_kl(s_lp, t_lp, "reverse").mean()
     torch.testing.assert_close(ours, theirs.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_top_k_and_picked_log_probs_at_repeated_row_indices():
+    """``index`` picks (and may repeat) rows of the hidden states, as a head's output rows are
+    read for the positions some label needs; gradients land on the picked rows."""
+    gen = make_gen(11)
+    hidden = randn(5, 4, gen=gen).float().requires_grad_()
+    weight = randn(9, 4, gen=gen).float().requires_grad_()
+    index = torch.tensor([3, 0, 3, 4])
+    values, ids = topk_logprobs(hidden.detach(), weight.detach(), 2, index, chunk_size=3)
+    direct = torch.log_softmax(hidden[index] @ weight.T, -1)
+    torch.testing.assert_close(values, direct.topk(2, -1).values)
+    out = picked_logprobs(hidden, weight, ids, index, chunk_size=3)
+    torch.testing.assert_close(out, direct.gather(-1, ids))
+    got = torch.autograd.grad(out.sum(), [hidden, weight])
+    want = torch.autograd.grad(direct.gather(-1, ids).sum(), [hidden, weight])
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    assert float(got[0][1].abs().sum()) == 0.0  # row 1 is never read
