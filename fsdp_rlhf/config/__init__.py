@@ -3,7 +3,7 @@
 
     common.py    the sections every command shares (backend, FSDP2 and sequence parallelism,
                  optimizer, checkpoints, logging, guards, vision inputs, LoRA)
-    offline.py   `train-rm`, `sft` and `dpo`
+    offline.py   `train-rm`, `sft`, `dpo` and `kd`
     ppo.py       `ppo` (rollout, algorithm, eval, multi-turn, MoE, asynchronous training)
     batches.py   batch plans: per-rank sizes derived from a batch config and the world, and the
                  checks that they divide
@@ -37,6 +37,9 @@ from fsdp_rlhf.config.offline import (
     DPOConfig,
     DPOLossConfig,
     DPOModelConfig,
+    KDConfig,
+    KDLossConfig,
+    KDModelConfig,
     PairBatchConfig,
     PolicyModelConfig,
     PreferenceDataConfig,
@@ -78,6 +81,9 @@ __all__ = [
     "DistillConfig",
     "FSDPConfig",
     "GuardConfig",
+    "KDConfig",
+    "KDLossConfig",
+    "KDModelConfig",
     "LoggingConfig",
     "LoraConfig",
     "MoEConfig",

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_rlhf.algorithms import picked_logprobs, topk_logprobs
+from fsdp_rlhf.algorithms import kd_forward_kl, picked_logprobs, topk_logprobs
 from fsdp_rlhf.distributed.sequence_parallel import gather_sequence
 from fsdp_rlhf.models.head import head_call, model_logprobs
 from fsdp_rlhf.models.inputs import ForwardInputs, last_token_index, position_ids_from_mask
@@ -29,6 +29,8 @@ __all__ = [
     "last_token_index",
     "logprobs_at",
     "position_ids_from_mask",
+    "head_inputs_at",
+    "kd_at",
     "response_logprobs",
     "row_values",
     "sequence_scores",
@@ -209,6 +211,61 @@ def topk_at(
     values = _spread(values, mine, n, inputs.sp)
     picked = _spread(ids[0], mine, n, inputs.sp)
     return values.view(*index.shape, k), picked.view(*index.shape, k)
+
+
+@torch.no_grad()
+def head_inputs_at(
+    model: nn.Module, inputs: ForwardInputs, index: torch.Tensor, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What the output layer makes the logits from at model-row positions ``index`` (n,): the
+    (n, H) final hidden states and a copy of its (vocab, H) weight's first ``vocab`` rows, or,
+    when the model's logits must be made (``models.head``), the (n, vocab) logits and None.
+    The same on every rank of a sequence-parallel group. Knowledge distillation's teacher side:
+    kept for the student's forward, where both models' logits are made a chunk at a time."""
+    kwargs, rows, mine = _head_rows(model, inputs, index)
+    weights: list[torch.Tensor] = []
+
+    def hidden(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # a copy: FSDP2 frees the gathered weight when the forward ends
+        weights.append(weight[:vocab].detach().clone())
+        return flat.reshape(-1, flat.shape[-1]).index_select(0, rows)
+
+    def logits(flat: torch.Tensor) -> torch.Tensor:
+        return flat.reshape(-1, flat.shape[-1]).index_select(0, rows)[:, :vocab]
+
+    out = _spread(head_call(model, kwargs, hidden, logits), mine, index.numel(), inputs.sp)
+    return out, weights[0] if weights else None
+
+
+def kd_at(
+    model: nn.Module,
+    inputs: ForwardInputs,
+    index: torch.Tensor,
+    labels: torch.Tensor,
+    teacher: tuple[torch.Tensor, torch.Tensor | None],
+    vocab: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The student's side of knowledge distillation at model-row positions ``index`` (n,):
+    the log-probs of ``labels`` (n,) and KL(teacher || student) over the first ``vocab``
+    tokens (``algorithms.kd_forward_kl``: both models' logits a chunk of positions at a time),
+    with grad; ``teacher`` is :func:`head_inputs_at`'s answer. The same on every rank of a
+    sequence-parallel group."""
+    kwargs, rows, mine = _head_rows(model, inputs, index)
+    t_rows, t_weight = teacher
+    if mine is not None:
+        t_rows, labels = t_rows[mine], labels.reshape(-1)[mine]
+
+    def run(flat: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        picked = flat.reshape(-1, flat.shape[-1]).index_select(0, rows)
+        if weight is None:
+            picked = picked[:, :vocab]
+        else:
+            weight = weight[:vocab]
+        return torch.stack(kd_forward_kl(picked, weight, t_rows, t_weight, labels.reshape(-1)))
+
+    out = head_call(model, kwargs, run, lambda logits: run(logits, None))
+    out = _spread(out.t(), mine, index.numel(), inputs.sp)
+    return out[:, 0], out[:, 1]
 
 
 def _arange(like: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,7 @@ FEATURES: dict[str, str] = {
     "teacher": "`--teacher_pretrain` / `--teacher_url`",
     "served teacher": "`--teacher_url`",
     "no reward": "none of `--reward_pretrain`, `--remote_rm_url`, `--env_file`",
+    "knowledge distillation": "`fsdp-rlhf kd`",
     "MoE": "an MoE model",
     "dense": "a dense model",
     "hybrid": "recurrent layers (Qwen3.5, Qwen3-Next, Nemotron-H, Granite-4.0-H, LFM2)",

@@ -495,6 +495,32 @@ DISTILL = [
 ]
 
 
+KD = [
+    Rule(
+        "kd-vlm",
+        ("knowledge distillation", "VLM"),
+        (KD,),
+        when(lambda s: vlm_actor(s) is not None, lambda s: f"kd: {vlm_actor(s)}"),
+        "offline knowledge distillation is written for text rows: its teacher forward takes no "
+        "images",
+        "distil a vision-language student on-policy (fsdp-rlhf ppo --teacher_pretrain), or "
+        "fine-tune it with sft",
+    ),
+    Rule(
+        "kd-sequence-parallel",
+        ("knowledge distillation", "sequence parallel"),
+        (KD,),
+        when(
+            lambda s: s.cfg.fsdp.sequence_parallel_size > 1,
+            lambda s: f"kd with --sequence_parallel_size {s.cfg.fsdp.sequence_parallel_size}",
+        ),
+        "the KD loss's two-model forward has not been checked against an unsplit run under "
+        "Ulysses yet (no test of it)",
+        "use --sequence_parallel_size 1 (raise --zero_stage or lower --max_len for memory)",
+    ),
+]
+
+
 def _teacher_offload(s) -> bool:
     if s.command == PPO:
         return s.cfg.distill.teacher_offload
@@ -803,6 +829,7 @@ RULES: list[Rule] = [
     *VLM,
     *MULTI_TURN,
     *DISTILL,
+    *KD,
     *ENGINES_AND_MODELS,
     *DEFAULTS,
 ]
