@@ -44,8 +44,8 @@ from fsdp_rlhf.models.vision import prepare_policy
 from fsdp_rlhf.trainers import common
 from fsdp_rlhf.trainers.common import load_and_prepare
 from fsdp_rlhf.trainers.offline.data import prepare_sft_data
-from fsdp_rlhf.trainers.offline.sft import SFTTrainer
-from fsdp_rlhf.trainers.offline.trainer import TrainData, prepare_command
+from fsdp_rlhf.trainers.offline.sft_steps import build_sft_policy, sft_evaluate
+from fsdp_rlhf.trainers.offline.trainer import OfflineTrainer, TrainData, prepare_command
 
 log = logging.getLogger(__name__)
 
@@ -107,10 +107,11 @@ def build_teacher(cfg: KDConfig, env: DistEnv, parallel: ParallelLayout) -> nn.M
     )
 
 
-class KDTrainer(SFTTrainer):
+class KDTrainer(OfflineTrainer):
     """SFT's student, optimizer and schedule, and a frozen teacher."""
 
     command = "kd"
+    model_name = "policy"
     train_keys = TRAIN_KEYS
 
     def __init__(
@@ -120,7 +121,11 @@ class KDTrainer(SFTTrainer):
         prepared: tuple[OfflineBatchPlan, TrainData],
         parallel: ParallelLayout,
     ):
-        super().__init__(cfg, env, prepared, parallel)
+        plan, data = prepared
+        model, self.inputs, collate = build_sft_policy(cfg, env, data, parallel)
+        super().__init__(
+            cfg, env, plan, data, model, parallel, collate=collate, guard_name="policy"
+        )
         self.teacher = build_teacher(cfg, env, parallel)
         if cfg.model.teacher_offload:
             offload_model(self.teacher, env.device)
@@ -172,3 +177,11 @@ class KDTrainer(SFTTrainer):
             "tokens": host["n"],
         }
         return {**stats, **self.optimizer_step()}
+
+    def evaluate(self) -> dict[str, float] | None:
+        """SFT's eval loss: the student's NLL over the eval set's learned tokens."""
+        if self.data.eval is None:
+            return None
+        return sft_evaluate(
+            self.model, self.eval_batches(), self.env.device, self.inputs, self.parallel
+        )

@@ -42,6 +42,7 @@ from fsdp_rlhf.models.load import (
     load_causal_lm,
     load_scalar_model,
     load_tokenizer,
+    model_context,
     reward_normalization,
     text_config,
 )
@@ -182,20 +183,6 @@ def _check_env(cfg: PPOConfig) -> None:
         load_environment(path, cfg.multiturn.env_timeout_s)
     else:
         load_agent_class(path)
-
-
-def model_context(path: str, trust_remote_code: bool = False) -> int | None:
-    """The tokens a model at ``path`` takes (``max_position_embeddings``, times the RoPE
-    factor of an extended context: vLLM allows at most that); None when its config says not."""
-    text = text_config(path, trust_remote_code)
-    context = getattr(text, "max_position_embeddings", None)
-    if not context:
-        return None
-    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
-    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
-    if kind not in (None, "default") and rope.get("factor"):
-        context = int(context * float(rope["factor"]))
-    return context
 
 
 def check_context_length(cfg: PPOConfig) -> None:

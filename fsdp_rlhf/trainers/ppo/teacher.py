@@ -28,7 +28,7 @@ from fsdp_rlhf.distributed.layout import ParallelLayout
 from fsdp_rlhf.distributed.offload import offload_model, onload_model
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.models.inputs import InputSpec
-from fsdp_rlhf.models.load import load_causal_lm, load_tokenizer
+from fsdp_rlhf.models.load import load_causal_lm, load_tokenizer, model_context
 from fsdp_rlhf.models.vision import prepare_policy
 from fsdp_rlhf.trainers.experience import Experience, batched_logprobs, batched_topk
 from fsdp_rlhf.trainers.micro_batches import MicroBatching
@@ -57,8 +57,6 @@ def check_teacher(cfg: PPOConfig) -> ServedTeacher | None:
     """``prepare``'s checks of the teacher (the rules table compares a colocated teacher's
     tokenizer): its context, and a served one's reachability, context and tokenizer. Returns
     the served teacher's connection (None: colocated or none)."""
-    from fsdp_rlhf.trainers.ppo.setup import model_context
-
     d = cfg.distill
     if d.teacher_pretrain:
         context = model_context(d.teacher_pretrain, cfg.backend.trust_remote_code)
