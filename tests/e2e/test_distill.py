@@ -173,7 +173,7 @@ def test_bad_teacher_inputs_end_in_one_line(distill_data, tmp_path):
         "tokenizer": (["--teacher_pretrain", str(other)], "its vocabulary has"),
         "url": (
             ["--teacher_url", f"http://127.0.0.1:{free_port()}", "--teacher_retries", "1"],
-            "failed after 1 attempt: URLError",
+            "/v1/models failed after 1 attempt: ConnectionRefusedError",
         ),
         "context": (["--teacher_pretrain", str(short)], "its context is 32 tokens"),
     }

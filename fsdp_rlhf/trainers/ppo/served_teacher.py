@@ -18,6 +18,7 @@ import json
 import logging
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from typing import Any
@@ -177,8 +178,8 @@ def _call(url: str, payload: dict | None, timeout: float, retries: int, shown: s
             client_error = isinstance(e, urllib.error.HTTPError) and 400 <= e.code < 500
             if attempt == retries - 1 or client_error:  # a 4xx will not change on a retry
                 raise TeacherServerError(
-                    f"--teacher_url {shown}: {url.rsplit('/', 1)[-1] or url} failed after "
-                    f"{attempt + 1} attempt{'s' if attempt else ''}: {what}"
+                    f"--teacher_url {shown}: {urllib.parse.urlparse(url).path or url} failed "
+                    f"after {attempt + 1} attempt{'s' if attempt else ''}: {what}"
                 ) from None
             delay = min(2.0**attempt, 10.0)
             log.warning("teacher server %s: %s; retry %d in %.0fs", shown, what, attempt + 1, delay)
