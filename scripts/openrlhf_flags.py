@@ -11,9 +11,10 @@
 
 reads ``openrlhf/cli/train_{ppo_ray,rm,sft,dpo}.py`` at that tag (``--parsers kd``: the
 offline knowledge distillation's ``train_kd.py``, in releases 0.2.5 to 0.9.5 and on a branch;
-or in that PyPI wheel: releases after 0.11.0 have no tag in the mirrors we read) without running them (their
-imports need Ray and DeepSpeed): the ``parser.add_argument(...)`` calls of the ``__main__``
-block are read from the syntax tree, ``for prefix in (...)`` loops unrolled. What is written is
+or in that PyPI wheel: releases after 0.11.0 have no tag in the mirrors we read) without
+running them (their imports need Ray and DeepSpeed): the ``parser.add_argument(...)`` calls of
+the ``__main__`` block are read from the syntax tree, ``for prefix in (...)`` loops unrolled.
+What is written is
 facts about their interface (names, types, defaults, choices), one JSON file per parser, so that
 ``tests/unit/test_compat.py`` can walk every flag. Their code is not copied.
 """

@@ -76,8 +76,12 @@ PAIR_FEATURES: tuple[PairFeature, ...] = (
     # through every other feature's forwards
     PairFeature(
         "teacher",
-        (("--teacher_pretrain", "{model}", "--distill_loss", "forward_kl_topk",
-          "--distill_topk", "4"),),
+        (
+            (
+                *("--teacher_pretrain", "{model}", "--distill_loss", "forward_kl_topk"),
+                *("--distill_topk", "4"),
+            ),
+        ),
     ),  # fmt: skip
 )
 NAMES = tuple(f.name for f in PAIR_FEATURES)
