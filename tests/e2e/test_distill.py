@@ -86,9 +86,10 @@ def distill_data(tiny_qwen2, tmp_path_factory):
     return root
 
 
-def distill_flags(data: Path, save: Path, steps: int = STEPS) -> list[str]:
+def distill_flags(data: Path, save: Path, steps: int = STEPS, student: str = "") -> list[str]:
     return [
-        "--pretrain", str(data / "student"), "--teacher_pretrain", str(data / "teacher"),
+        "--pretrain", student or str(data / "student"),
+        "--teacher_pretrain", str(data / "teacher"),
         "--prompt_data", str(data / "prompts.jsonl"), "--input_key", "input",
         "--advantage_estimator", "grpo", "--n_samples_per_prompt", "4",
         "--rollout_batch_size", "8", "--train_batch_size", "32",
@@ -159,7 +160,7 @@ def test_the_logged_reverse_kl_agrees_with_transformers_on_the_saved_student(
         assert mine == pytest.approx(s["distill/reverse_kl"], abs=1e-3), (mine, s)
 
 
-def test_bad_teacher_inputs_end_in_one_line(distill_data, tmp_path):
+def test_bad_teacher_inputs_end_in_one_line(tiny_qwen2, tmp_path):
     """Each fails in prepare, before any model loads: a teacher of another tokenizer, an
     unreachable served teacher, a teacher whose context is shorter than the sequences."""
     from fsdp_rlhf.distributed.env import free_port
@@ -167,7 +168,8 @@ def test_bad_teacher_inputs_end_in_one_line(distill_data, tmp_path):
 
     other = build_model(tmp_path / "other", "qwen2", vocab_size=400)
     short = build_model(tmp_path / "short", "qwen2", max_position_embeddings=32)
-    base = distill_flags(distill_data, tmp_path / "run", steps=1)
+    write_jsonl(prompt_rows(8, chat=True), tmp_path / "prompts.jsonl")
+    base = distill_flags(tmp_path, tmp_path / "run", steps=1, student=tiny_qwen2)
     teacher = base.index("--teacher_pretrain")
     cases = {
         "tokenizer": (["--teacher_pretrain", str(other)], "its vocabulary has"),
