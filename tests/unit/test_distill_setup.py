@@ -115,3 +115,33 @@ def test_the_advantage_signal_needs_the_old_log_probs_before_the_update():
     cfg, _ = build_config(PPOConfig, [*argv, "--distill_loss", "k3"])
     assert reuse_update_logprobs(cfg.algo, 1, True, cfg.distill)
     assert reuse_update_logprobs(cfg.algo, 1, True)
+
+
+def test_served_scores_land_on_the_response_tokens():
+    """``Teacher`` with a served teacher: each answer's entries go to the response columns
+    they predict, nothing to padding; the top-k rows padded with no mass."""
+    from fsdp_rlhf.trainers.ppo.teacher import Teacher
+
+    ids = torch.tensor([[0, 5, 6, 7, 8, 0], [4, 5, 6, 9, 10, 11]])
+    mask = torch.tensor([[0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]])
+    response = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    exp = Experience(ids, mask, response, torch.zeros(2, 3))
+
+    class Server:
+        def score(self, sequences, topk):
+            assert sequences == [[5, 6, 7, 8], [4, 5, 6, 9, 10, 11]] and topk == 2
+            out = []
+            for seq in sequences:
+                lps = [-float(t) / 10 for t in seq[1:]]  # token t: -t / 10
+                tops = [[(t, -0.01)] for t in seq[1:]]  # one entry: the second is padding
+                out.append((lps, tops))
+            return out
+
+    teacher = Teacher.__new__(Teacher)
+    teacher.served, teacher.topk = Server(), 2
+    teacher.score(exp, 4)
+    assert torch.allclose(
+        exp.teacher_logprobs, torch.tensor([[-0.7, -0.8, 0.0], [-0.9, -1.0, -1.1]])
+    )
+    assert exp.teacher_topk_ids[1, :, 0].tolist() == [9, 10, 11]
+    assert exp.teacher_topk_logprobs[0, 0].tolist() == pytest.approx([-0.01, -1e4])

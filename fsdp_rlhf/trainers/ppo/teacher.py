@@ -145,22 +145,31 @@ class Teacher:
     def _score_served(self, exp: Experience) -> None:
         mask = exp.response_mask
         N, T = mask.shape
-        scores = self.served.score(sequences_of(exp.input_ids, exp.attention_mask), self.topk)
+        k = self.topk
+        scores = self.served.score(sequences_of(exp.input_ids, exp.attention_mask), k)
         positions = response_positions(exp.attention_mask, T).cpu()
         logprobs = torch.zeros(N, T)
-        k = self.topk
-        top_lp = torch.full((N, T, k), -1e4) if k else None
-        top_ids = torch.zeros(N, T, k, dtype=torch.long) if k else None
+        top_lp = torch.full((N, T, k), -1e4)  # a rank the server left out: no mass
+        top_ids = torch.zeros(N, T, k, dtype=torch.long)
         for i, (lps, tops) in enumerate(scores):
-            for j in range(T):
-                pos = int(positions[i, j])
-                if pos < 1:
-                    continue
-                logprobs[i, j] = lps[pos - 1]
-                if k:
-                    for r, (token, lp) in enumerate(tops[pos - 1]):
-                        top_ids[i, j, r], top_lp[i, j, r] = token, lp
+            cols = (positions[i] >= 1).nonzero().squeeze(1)
+            at = positions[i][cols] - 1  # entry j of a sequence's scores predicts token j + 1
+            logprobs[i, cols] = torch.tensor(lps)[at]
+            if k:
+                ids, lp = _ranked(tops, k)
+                top_ids[i, cols], top_lp[i, cols] = ids[at], lp[at]
         exp.teacher_logprobs = logprobs.to(mask.device) * mask
         if k:
             exp.teacher_topk_logprobs = top_lp.to(mask.device)
             exp.teacher_topk_ids = top_ids.to(mask.device)
+
+
+def _ranked(tops: list[list[tuple[int, float]]], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(L, k) ids and log-probs of a sequence's top-k per position (padded with no mass)."""
+    ids = torch.zeros(len(tops), k, dtype=torch.long)
+    lp = torch.full((len(tops), k), -1e4)
+    for j, entry in enumerate(tops):
+        if entry:
+            ids[j, : len(entry)] = torch.tensor([t for t, _ in entry])
+            lp[j, : len(entry)] = torch.tensor([v for _, v in entry])
+    return ids, lp
