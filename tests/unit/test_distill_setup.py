@@ -138,10 +138,11 @@ def test_served_scores_land_on_the_response_tokens():
             return out
 
     teacher = Teacher.__new__(Teacher)
-    teacher.served, teacher.topk = Server(), 2
+    teacher.served, teacher.topk, teacher.student_vocab = Server(), 2, 11  # id 11: outside
     teacher.score(exp, 4)
     assert torch.allclose(
         exp.teacher_logprobs, torch.tensor([[-0.7, -0.8, 0.0], [-0.9, -1.0, -1.1]])
     )
-    assert exp.teacher_topk_ids[1, :, 0].tolist() == [9, 10, 11]
+    assert exp.teacher_topk_ids[1, :, 0].tolist() == [9, 10, 0]
+    assert exp.teacher_topk_logprobs[1, 2, 0] == -1e4  # a row the student lacks: no mass
     assert exp.teacher_topk_logprobs[0, 0].tolist() == pytest.approx([-0.01, -1e4])

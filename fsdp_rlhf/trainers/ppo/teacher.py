@@ -28,7 +28,7 @@ from fsdp_rlhf.distributed.layout import ParallelLayout
 from fsdp_rlhf.distributed.offload import offload_model, onload_model
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.models.inputs import InputSpec
-from fsdp_rlhf.models.load import load_causal_lm, load_tokenizer, model_context
+from fsdp_rlhf.models.load import load_causal_lm, load_tokenizer, model_context, text_config
 from fsdp_rlhf.models.vision import prepare_policy
 from fsdp_rlhf.trainers.experience import Experience, batched_logprobs, batched_topk
 from fsdp_rlhf.trainers.micro_batches import MicroBatching
@@ -124,13 +124,24 @@ class Teacher:
         self.cfg, self.device, self.model, self.spec = cfg, env.device, model, spec
         self.topk = cfg.distill.distill_topk if cfg.distill.topk else 0
         self.served = connect(cfg) if model is None else None
+        # the student's output rows: a teacher whose embeddings are padded further (the same
+        # tokenizer) could rank a padding row, which the student cannot score
+        text = text_config(cfg.models.pretrain, cfg.backend.trust_remote_code)
+        self.student_vocab = getattr(text, "vocab_size", None)
 
     def score(self, exp: Experience, micro: MicroBatching | int) -> None:
         """``exp.teacher_logprobs`` (N, T), and with top-k ``exp.teacher_topk_logprobs`` /
         ``exp.teacher_topk_ids`` (N, T, k); 0 off the response mask."""
         if self.served is not None:
             self._score_served(exp)
-            return
+        else:
+            self._score_colocated(exp, micro)
+        if self.topk and self.student_vocab:  # no mass on rows the student lacks
+            outside = exp.teacher_topk_ids >= self.student_vocab
+            exp.teacher_topk_logprobs = exp.teacher_topk_logprobs.masked_fill(outside, -1e4)
+            exp.teacher_topk_ids = exp.teacher_topk_ids.masked_fill(outside, 0)
+
+    def _score_colocated(self, exp: Experience, micro: MicroBatching | int) -> None:
         offload = self.cfg.distill.teacher_offload
         onload_model(self.model, self.device)
         try:
