@@ -146,3 +146,19 @@ def test_served_scores_land_on_the_response_tokens():
     assert exp.teacher_topk_ids[1, :, 0].tolist() == [9, 10, 0]
     assert exp.teacher_topk_logprobs[1, 2, 0] == -1e4  # a row the student lacks: no mass
     assert exp.teacher_topk_logprobs[0, 0].tolist() == pytest.approx([-0.01, -1e4])
+
+
+def test_the_job_plan_reads_the_teachers_shape(tiny_qwen2, tiny_llama):
+    """``doctor``'s memory plan: the teacher's folder read like the actor's, its shard in
+    every phase (offloaded: in the scoring phase only)."""
+    from fsdp_rlhf.distributed.memory_plan import job_flags, job_models, plan_job
+
+    argv = ["--pretrain", tiny_qwen2, "--teacher_pretrain", tiny_llama]
+    cfg, _ = build_config(PPOConfig, argv)
+    models = job_models(cfg, job_flags(cfg, 2, 8 * GIB))
+    assert models.teacher is not None and models.teacher.hidden == 576  # the Llama's
+    phases = plan_job(cfg, 2, 8 * GIB, cuda=False)
+    assert all("teacher shard" in p.parts for p in phases)
+    cfg, _ = build_config(PPOConfig, [*argv, "--teacher_offload"])
+    phases = {p.name: p for p in plan_job(cfg, 2, 8 * GIB, cuda=False)}
+    assert "teacher shard (onloaded)" in phases["scoring (no-grad)"].parts
