@@ -62,6 +62,13 @@ COMMANDS: tuple[Command, ...] = (
         openrlhf=("dpo",),
     ),
     Command(
+        "kd",
+        "KDConfig",
+        "fsdp_rlhf.trainers.offline.kd",
+        "Knowledge distillation: SFT plus KL to a frozen teacher's distributions (OpenRLHF "
+        "train_kd).",
+    ),
+    Command(
         "ppo",
         "PPOConfig",
         "fsdp_rlhf.trainers.ppo",

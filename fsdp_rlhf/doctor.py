@@ -155,6 +155,20 @@ def _check_models(
 
         what = "--reward_pretrain"
         checks.append(_try(f"{what} loads", lambda: shard(reward, False, what)))
+    if cfg.distill.teacher_pretrain:  # on-policy distillation's teacher, sharded like the ref
+        from fsdp_rlhf.trainers.ppo.teacher import load_teacher
+
+        def teacher() -> str:
+            lines: list[str] = []
+
+            def sharded(load, _cfg, _env, trainable: bool, what: str, _parallel):
+                lines.append(shard(load, trainable, what))
+                return held[-1]
+
+            load_teacher(cfg, env, parallel, sharded)
+            return lines[0]
+
+        checks.append(_try("--teacher_pretrain loads", teacher))
     return checks
 
 

@@ -6,10 +6,15 @@
     python -m scripts.openrlhf_flags --wheel /tmp/orl/openrlhf-0.11.2-*.whl \
         --out fsdp_rlhf/compat/data
 
-reads ``openrlhf/cli/train_{ppo_ray,rm,sft,dpo}.py`` at that tag (or in that PyPI wheel:
-releases after 0.11.0 have no tag in the mirrors we read) without running them (their
-imports need Ray and DeepSpeed): the ``parser.add_argument(...)`` calls of the ``__main__``
-block are read from the syntax tree, ``for prefix in (...)`` loops unrolled. What is written is
+    python -m scripts.openrlhf_flags --git-dir OPENRLHF.git --tag v0.9.5 --parsers kd \
+        --out fsdp_rlhf/compat/data
+
+reads ``openrlhf/cli/train_{ppo_ray,rm,sft,dpo}.py`` at that tag (``--parsers kd``: the
+offline knowledge distillation's ``train_kd.py``, in releases 0.2.5 to 0.9.5 and on a branch;
+or in that PyPI wheel: releases after 0.11.0 have no tag in the mirrors we read) without
+running them (their imports need Ray and DeepSpeed): the ``parser.add_argument(...)`` calls of
+the ``__main__`` block are read from the syntax tree, ``for prefix in (...)`` loops unrolled.
+What is written is
 facts about their interface (names, types, defaults, choices), one JSON file per parser, so that
 ``tests/unit/test_compat.py`` can walk every flag. Their code is not copied.
 """
@@ -29,6 +34,8 @@ PARSERS = {
     "sft": "openrlhf/cli/train_sft.py",
     "dpo": "openrlhf/cli/train_dpo.py",
 }
+# parsers OpenRLHF has removed (train_kd.py after 0.9.5): extracted when asked for by name
+REMOVED_PARSERS = {"kd": "openrlhf/cli/train_kd.py"}
 
 
 def _value(node: ast.AST, env: dict[str, object]) -> object:
@@ -120,9 +127,9 @@ def extract(source: str) -> list[dict]:
     return flags
 
 
-def _from_git(git_dir: str, tag: str) -> tuple[str, dict[str, str]]:
+def _from_git(git_dir: str, tag: str, parsers: dict[str, str]) -> tuple[str, dict[str, str]]:
     sources = {}
-    for command, path in PARSERS.items():
+    for command, path in parsers.items():
         sources[command] = subprocess.run(
             ["git", "--git-dir", git_dir, "show", f"{tag}:{path}"],
             check=True,
@@ -155,16 +162,21 @@ def main() -> None:
     ap.add_argument("--tag")
     ap.add_argument("--wheel", help="an openrlhf wheel from PyPI instead of a git tag")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--parsers", nargs="*", help="with --git-dir: these parsers only (kd, ...)")
     args = ap.parse_args()
+    parsers = PARSERS
+    if args.parsers:
+        known = {**PARSERS, **REMOVED_PARSERS}
+        parsers = {name: known[name] for name in args.parsers}
     if args.wheel:
         release, sources = _from_wheel(args.wheel)
     elif args.git_dir and args.tag:
-        release, sources = _from_git(args.git_dir, args.tag)
+        release, sources = _from_git(args.git_dir, args.tag, parsers)
     else:
         ap.error("give --wheel, or --git-dir and --tag")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for command, path in PARSERS.items():
+    for command, path in parsers.items():
         flags = extract(sources[command])
         doc = {"openrlhf": release, "parser": path, "flags": flags}
         if args.wheel:

@@ -1,6 +1,6 @@
 """RLHF math as pure torch functions: masked statistics, log-probs, KL, rewards, advantages,
-losses, direct preference (DPO/IPO) losses, rollout/trainer mismatch correction,
-dynamic-sampling filters and pass@k. Nothing
+losses, direct preference (DPO/IPO) losses, distillation signals, rollout/trainer mismatch
+correction, dynamic-sampling filters and pass@k. Nothing
 here imports model, inference or config code, so it can be unit-tested in isolation and
 reused by any trainer.
 
@@ -29,6 +29,8 @@ _MODULE_OF = {
     "aggregate_loss": "losses",
     "binary_kl": "correction",
     "clip_scores": "rewards",
+    "distill_advantages": "distill",
+    "distill_kl": "distill",
     "dpo_loss": "preference",
     "dr_grpo": "advantages",
     "dynamic_filter_groups": "filtering",
@@ -38,13 +40,16 @@ _MODULE_OF = {
     "eval_pass_metrics": "passk",
     "expand_group_mask": "filtering",
     "flash_reinforce": "advantages",
-    "gating_statistic": "correction",
+    "forward_kl_from_logits": "distill",
     "gae": "advantages",
     "gathered_logprobs": "logprobs",
+    "gating_statistic": "correction",
     "grpo": "advantages",
+    "gspo_loss": "losses",
     "head_logprobs": "logprobs",
     "ipo_loss": "preference",
-    "gspo_loss": "losses",
+    "kd_forward_kl": "distill",
+    "kd_loss": "distill",
     "kl_estimate": "kl",
     "kl_mean_parts": "kl",
     "logprobs_from_logits": "logprobs",
@@ -57,6 +62,7 @@ _MODULE_OF = {
     "pairwise_loss": "losses",
     "pass_at_k": "passk",
     "pass_at_k_per_prompt": "passk",
+    "picked_logprobs": "distill",
     "policy_loss": "losses",
     "preference_logits": "preference",
     "preference_loss": "preference",
@@ -67,6 +73,9 @@ _MODULE_OF = {
     "rollout_mismatch_metrics": "correction",
     "shape_rewards": "rewards",
     "stop_properly_penalty": "rewards",
+    "topk_kl": "distill",
+    "topk_logprobs": "distill",
+    "topk_mass": "distill",
     "total_variation": "correction",
     "value_loss": "losses",
 }

@@ -63,3 +63,10 @@ def correction_problem(mode: str, low: float, high: float, gating: str = "ratio"
             f"threshold, the bound), got LOW={low}"
         )
     return None
+
+
+# On-policy distillation signals (algorithms.distill): the reverse-KL advantage, a KL loss term
+# with one of Schulman's estimators, or a top-k KL with a tail bucket.
+DistillLoss = Literal["advantage", "k1", "k2", "k3", "forward_kl_topk", "reverse_kl_topk"]
+DISTILL_LOSSES: tuple[str, ...] = get_args(DistillLoss)
+TOPK_DISTILL_LOSSES = ("forward_kl_topk", "reverse_kl_topk")

@@ -297,6 +297,85 @@ DPO_RULES: dict[str, Rule] = {
     ),
 }
 
+# ------------------------------------------------------------------ kd
+
+
+# OpenRLHF's offline knowledge distillation (openrlhf.cli.train_kd, releases 0.2.5 to 0.9.5,
+# and the FSDP2 rewrite's branch that renamed its checkpoint and model flags): its SFT flags
+# plus the teacher's. Its parsers are in data/openrlhf-*-kd.json (tests/unit/test_kd.py).
+def _reshard(values: Values) -> list[str]:
+    value = values[0].lower() if values else "true"
+    return ["--zero_stage", "3" if value in ("true", "1", "yes") else "2"]
+
+
+KD_RULES: dict[str, Rule] = {
+    **SFT_RULES,
+    **_pairs(
+        ("teacher_model", None, rename("teacher_pretrain")),
+        ("model_name_or_path", None, rename("pretrain")),
+        ("ckpt_save_path", None, rename("save_path")),
+        ("max_checkpoints_to_keep", None, rename("max_ckpt_num")),
+        (
+            "disable_fsdp2_ckpt",
+            None,
+            Refuse(
+                "resumable checkpoints are FSDP2 DCP shards, the state --load_checkpoint "
+                "resumes from",
+                "use --save_steps -1 to write none",
+            ),
+        ),
+        (
+            "dcp_checkpoint_from_path",
+            None,
+            Refuse(
+                "a step folder of OpenRLHF's own checkpoint layout cannot be resumed here",
+                "resume this trainer's checkpoints with --ckpt_path DIR --load_checkpoint",
+            ),
+        ),
+        (
+            "resume_training",
+            None,
+            Accept("a resume (--load_checkpoint) restores the optimizer, schedule and data order"),
+        ),
+        (
+            "fsdp2_cpu_offload",
+            None,
+            switch("adam_offload", "FSDP2's CPUOffloadPolicy: parameters, gradients, optimizer"),
+        ),
+        (
+            "fsdp2_reshard_after_forward",
+            None,
+            To(_reshard, "--zero_stage 3", "--no-...: --zero_stage 2 (kept after the forward)"),
+        ),
+        ("fsdp2_tp_size", None, when_default("1", "no tensor parallelism", "; ".join(TRAIN_TP))),
+        ("fsdp2_tp_sequence_parallel", None, Accept("it only applies to --fsdp2_tp_size > 1")),
+        ("fsdp2_tp_loss_parallel", None, Accept("it only applies to --fsdp2_tp_size > 1")),
+        (
+            "fsdp2_cp_size",
+            None,
+            rename(
+                "sequence_parallel_size",
+                "each sequence split over that many ranks by Ulysses all-to-all",
+            ),
+        ),
+        (
+            "hf_max_shard_size_gb",
+            None,
+            Accept("the exported model is written in transformers' default safetensors shards"),
+        ),
+        (
+            "universal_ckpt",
+            None,
+            Accept("DCP checkpoints are resharded on load, so they resume at another world size"),
+        ),
+        (
+            "disable_trace_cache",
+            None,
+            Accept("a DeepSpeed ZeRO-3 trace cache switch; FSDP2 has none"),
+        ),
+    ),
+}
+
 # ------------------------------------------------------------------ ppo
 
 PLACEMENT = ("ref", "reward", "actor", "critic")
@@ -722,6 +801,7 @@ TABLES: dict[str, Table] = {
     "train-rm": Table("train-rm", RM_RULES),
     "sft": Table("sft", SFT_RULES),
     "dpo": Table("dpo", DPO_RULES),
+    "kd": Table("kd", KD_RULES),
 }
 # Every release whose parsers changed (0.10.2-0.10.4 define 0.11.0's flags; 0.11.1 adds
 # --algo.kl.unbiased_gradient, 0.11.2 the rest of its rollout-correction and FlashREINFORCE

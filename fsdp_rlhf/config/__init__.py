@@ -3,7 +3,7 @@
 
     common.py    the sections every command shares (backend, FSDP2 and sequence parallelism,
                  optimizer, checkpoints, logging, guards, vision inputs, LoRA)
-    offline.py   `train-rm`, `sft` and `dpo`
+    offline.py   `train-rm`, `sft`, `dpo` and `kd`
     ppo.py       `ppo` (rollout, algorithm, eval, multi-turn, MoE, asynchronous training)
     batches.py   batch plans: per-rank sizes derived from a batch config and the world, and the
                  checks that they divide
@@ -37,6 +37,9 @@ from fsdp_rlhf.config.offline import (
     DPOConfig,
     DPOLossConfig,
     DPOModelConfig,
+    KDConfig,
+    KDLossConfig,
+    KDModelConfig,
     PairBatchConfig,
     PolicyModelConfig,
     PreferenceDataConfig,
@@ -50,6 +53,7 @@ from fsdp_rlhf.config.offline import (
 from fsdp_rlhf.config.ppo import (
     GSPO_PAPER_CLIP,
     AsyncConfig,
+    DistillConfig,
     MoEConfig,
     MultiTurnConfig,
     PlacementConfig,
@@ -74,8 +78,12 @@ __all__ = [
     "DPOConfig",
     "DPOLossConfig",
     "DPOModelConfig",
+    "DistillConfig",
     "FSDPConfig",
     "GuardConfig",
+    "KDConfig",
+    "KDLossConfig",
+    "KDModelConfig",
     "LoggingConfig",
     "LoraConfig",
     "MoEConfig",

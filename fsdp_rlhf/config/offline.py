@@ -1,4 +1,4 @@
-"""The config trees of the offline commands: `fsdp-rlhf train-rm`, `sft` and `dpo`."""
+"""The config trees of the offline commands: `fsdp-rlhf train-rm`, `sft`, `dpo` and `kd`."""
 
 from __future__ import annotations
 
@@ -261,3 +261,59 @@ class DPOConfig:
     def __post_init__(self) -> None:
         if self.data.margin_key is not None:
             raise ConfigError("--margin_key is train-rm's; DPO pairs carry no margin")
+
+
+# ---------------------------------------------------------------- kd
+
+
+@dataclass(frozen=True, kw_only=True)
+class KDModelConfig:
+    """The student to train and its frozen teacher."""
+
+    pretrain: str = doc("", "Student model folder to train (or hub name when online).")
+    teacher_pretrain: str = doc(
+        "",
+        "Teacher model folder: frozen, FSDP2-sharded over the ranks; its tokenizer must equal "
+        "the student's (OpenRLHF's --teacher_model).",
+    )
+    teacher_offload: bool = doc(False, "Keep the teacher in host memory between its forwards.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class KDLossConfig:
+    """Knowledge distillation on dataset responses (Hinton et al. 2015; OpenRLHF train_kd)."""
+
+    kd_coef: float = doc(
+        0.4,
+        "Weight of KL(teacher || student) over the vocabulary: loss = (1 - kd_coef) x NLL + "
+        "kd_coef x KL, each a mean over the learned tokens.",
+    )
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.kd_coef <= 1.0:
+            raise ConfigError(f"kd_coef must be in [0, 1], got {self.kd_coef}")
+
+
+@command_config
+@dataclass(frozen=True, kw_only=True)
+class KDConfig:
+    """`fsdp-rlhf kd`."""
+
+    FLAT_NAMES: ClassVar[dict[str, str]] = OPTIM_FLAT_NAMES
+
+    model: KDModelConfig = section(KDModelConfig)
+    backend: BackendConfig = section(BackendConfig)
+    fsdp: FSDPConfig = section(FSDPConfig)
+    data: SFTDataConfig = section(SFTDataConfig)
+    vision: VisionConfig = section(VisionConfig)
+    batch: SFTBatchConfig = doc(
+        help="Batch sizes (global = summed over all ranks).",
+        factory=lambda: SFTBatchConfig(max_epochs=1),  # OpenRLHF train_kd's one epoch
+    )
+    optim: OptimConfig = doc(help="AdamW and schedule.", factory=lambda: OptimConfig(lr=5e-6))
+    loss: KDLossConfig = section(KDLossConfig)
+    ckpt: CheckpointConfig = section(CheckpointConfig)
+    logging: LoggingConfig = section(LoggingConfig)
+    guard: GuardConfig = section(GuardConfig)
+    lora: LoraConfig = section(LoraConfig)
+    seed: int = doc(42, "Seed for data order, init and dropout.")

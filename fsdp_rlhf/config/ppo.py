@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from fsdp_rlhf.algorithms.names import (
+    TOPK_DISTILL_LOSSES,
     AdvantageEstimator,
+    DistillLoss,
     ISGating,
     LossAgg,
     correction_problem,
@@ -41,6 +43,83 @@ class PPOModelsConfig:
         None, "Name of an environment variable whose value is sent as 'Authorization: Bearer'."
     )
     normalize_reward: bool = doc(False, "Normalise scores by the mean/std in the RM's config.")
+
+
+# verl's default number of teacher tokens per position for its top-k losses
+DEFAULT_DISTILL_TOPK = 32
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistillConfig:
+    """On-policy distillation (docs/distillation.md): a frozen teacher scores every token the
+    student samples; off without --teacher_pretrain / --teacher_url."""
+
+    teacher_pretrain: str | None = doc(
+        None,
+        "Teacher model folder: frozen, FSDP2-sharded over the ranks like the reference, scoring "
+        "each sampled token (its tokenizer must equal --pretrain's).",
+    )
+    teacher_url: str | None = doc(
+        None,
+        "A served teacher instead: the base URL of an OpenAI-compatible vLLM server "
+        "(http://host:port), asked for prompt_logprobs over each prompt + response.",
+    )
+    teacher_offload: bool = doc(
+        False, "Keep the teacher in host memory between its forwards (--teacher_pretrain)."
+    )
+    distill_coef: float = doc(1.0, "Weight of the distillation signal.")
+    distill_loss: DistillLoss = doc(
+        "advantage",
+        "advantage: A_t += -coef (log pi_S - log pi_T) on each sampled token, under the "
+        "policy loss; k1 / k2 / k3: KL(student || teacher) estimated from the sampled tokens, "
+        "coef x it in the loss; forward_kl_topk / reverse_kl_topk: the KL over the teacher's "
+        "top --distill_topk tokens plus a tail bucket, in the loss.",
+    )
+    distill_topk: int | None = doc(
+        None,
+        f"Teacher tokens per position of the top-k losses (default {DEFAULT_DISTILL_TOPK}).",
+    )
+    teacher_batch_size: int = doc(16, "--teacher_url: sequences per request.")
+    teacher_timeout_s: float = doc(120.0, "--teacher_url: the most seconds one request may take.")
+    teacher_retries: int = doc(3, "--teacher_url: attempts per request before the run stops.")
+
+    def __post_init__(self) -> None:
+        if self.teacher_pretrain and self.teacher_url:
+            raise ConfigError("--teacher_pretrain and --teacher_url both name a teacher: pass one")
+        if self.distill_coef < 0:
+            raise ConfigError(f"distill_coef must be >= 0, got {self.distill_coef}")
+        topk = self.distill_loss in TOPK_DISTILL_LOSSES
+        if self.distill_topk is not None and not topk:
+            raise ConfigError(
+                f"--distill_topk applies to --distill_loss {' / '.join(TOPK_DISTILL_LOSSES)}, "
+                f"not {self.distill_loss}"
+            )
+        if topk and self.distill_topk is None:
+            object.__setattr__(self, "distill_topk", DEFAULT_DISTILL_TOPK)
+        if self.distill_topk is not None and self.distill_topk < 1:
+            raise ConfigError(f"distill_topk must be >= 1, got {self.distill_topk}")
+        for name in ("teacher_batch_size", "teacher_retries"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.teacher_timeout_s <= 0:
+            raise ConfigError(f"teacher_timeout_s must be > 0, got {self.teacher_timeout_s}")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.teacher_pretrain or self.teacher_url)
+
+    @property
+    def teacher(self) -> str | None:
+        """``--teacher_pretrain PATH`` or ``--teacher_url URL`` (None: no teacher)."""
+        if self.teacher_pretrain:
+            return f"--teacher_pretrain {self.teacher_pretrain}"
+        if self.teacher_url:
+            return f"--teacher_url {self.teacher_url}"
+        return None
+
+    @property
+    def topk(self) -> bool:
+        return self.distill_loss in TOPK_DISTILL_LOSSES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -560,6 +639,7 @@ class PPOConfig:
     }
 
     models: PPOModelsConfig = section(PPOModelsConfig)
+    distill: DistillConfig = section(DistillConfig)
     placement: PlacementConfig = section(PlacementConfig)
     asynchronous: AsyncConfig = section(AsyncConfig)
     backend: BackendConfig = section(BackendConfig)

@@ -222,6 +222,7 @@ class JobFlags:
     # whole model on every rank) lives in host memory, which a CPU job's phases count
     sync_mirror: bool = False
     expert_parallel: int = 1  # --expert_parallel_size: ranks splitting each MoE layer's experts
+    teacher_offload: bool = False  # --teacher_offload: the teacher's shard on the host between uses
 
     @property
     def ema_on_device(self) -> bool:
@@ -298,7 +299,17 @@ def _frozen_bytes(f: JobFlags) -> int:
     return 2 if f.bf16 else 4  # frozen models load in bf16 under --bf16 (models.load)
 
 
-def resident_during_rollout(f: JobFlags, actor: ModelShape, frozen: list[ModelShape]) -> dict:
+def _teacher_shard(f: JobFlags, teacher: ModelShape | None) -> dict:
+    """On-policy distillation's colocated teacher: its frozen shard, resident unless
+    ``--teacher_offload`` keeps it on the host (a served teacher: nothing here)."""
+    if teacher is None or f.teacher_offload:
+        return {}
+    return {"teacher shard": _frozen_bytes(f) * teacher.params // f.world}
+
+
+def resident_during_rollout(
+    f: JobFlags, actor: ModelShape, frozen: list[ModelShape], teacher: ModelShape | None = None
+) -> dict:
     """Trainer memory that stays on the device while vLLM holds its pool. The trainer offloads
     the actor's optimizer and the whole critic between their updates; with ``--adam_offload``
     the trainable shards live on the host anyway."""
@@ -309,6 +320,7 @@ def resident_during_rollout(f: JobFlags, actor: ModelShape, frozen: list[ModelSh
         parts["actor fp32 shard"] = 4 * actor.params // f.world
     if not f.ref_reward_offload:
         parts["ref/reward shards"] = sum(_frozen_bytes(f) * m.params for m in frozen) // f.world
+    parts.update(_teacher_shard(f, teacher))
     parts.update(_ema(f, actor))
     parts.update(_mirror(f, actor))
     return parts
@@ -413,6 +425,7 @@ def update_phase(
     logits: bool,
     frozen: list,
     actor: ModelShape | None = None,
+    teacher: ModelShape | None = None,
 ) -> Phase:
     per_param = 4 if f.lora else 4 + 4 + 8  # LoRA: fp32 base shards; no grads or Adam state
     states = 0 if f.adam_offload else per_param * m.params // f.world
@@ -437,6 +450,7 @@ def update_phase(
         parts["hf engine copy"] = f.dtype_bytes * (actor or m).params
     if not f.ref_reward_offload:
         parts["ref/reward shards"] = sum(_frozen_bytes(f) * x.params for x in frozen) // f.world
+    parts.update(_teacher_shard(f, teacher))
     parts.update(_ema(f, actor or m))
     parts.update(_mirror(f, actor or m))
     parts["vllm"] = f.asleep
@@ -450,21 +464,29 @@ def update_phase(
 
 
 def scoring_phase(
-    f: JobFlags, actor: ModelShape, frozen: list[ModelShape], critic: ModelShape | None = None
+    f: JobFlags,
+    actor: ModelShape,
+    frozen: list[ModelShape],
+    critic: ModelShape | None = None,
+    teacher: ModelShape | None = None,
 ) -> Phase:
     """The no-grad passes, one model at a time; the phase holds the larger of
 
-    * a policy pass (old log-probs, reference, reward): the largest model's gathered layer and
-      root (its shard too when ``--ref_reward_offload`` onloads it), the logits;
+    * a policy pass (old log-probs, reference, reward, teacher): the largest model's gathered
+      layer and root (its shard too when ``--ref_reward_offload`` / ``--teacher_offload``
+      onloads it), the logits;
     * the critic's values: its fp32 shard, onloaded for this pass and kept through its update
       (``PPOTrainer.forward_old_ref_values``), and its gathered layer and root.
     """
-    b, biggest = f.micro_rollout_batch_size, max([actor, *frozen], key=lambda m: m.params)
-    base = resident_during_rollout(f, actor, frozen)
+    scored = [actor, *frozen, *([teacher] if teacher is not None else [])]
+    b, biggest = f.micro_rollout_batch_size, max(scored, key=lambda m: m.params)
+    base = resident_during_rollout(f, actor, frozen, teacher)
     base["vllm"] = f.asleep if f.vllm_sleep else 0
     parts = dict(base)
     if f.ref_reward_offload:  # the scored model is onloaded for its pass
         parts["scored model shard"] = _frozen_bytes(f) * biggest.params // f.world
+    if teacher is not None and f.teacher_offload:  # onloaded for its pass (an upper bound)
+        parts["teacher shard (onloaded)"] = _frozen_bytes(f) * teacher.params // f.world
     layer = biggest.gathered_layer_params(f.expert_parallel)
     parts["gathered layer + root"] = 2 * (layer + biggest.root_params)
     # the response positions' logits and one chunk's fp32 temporaries
@@ -510,11 +532,16 @@ def hf_sync_bytes(f: JobFlags, actor: ModelShape) -> int:
 
 
 def plan_phases(
-    f: JobFlags, actor: ModelShape, critic: ModelShape | None, frozen: list[ModelShape]
+    f: JobFlags,
+    actor: ModelShape,
+    critic: ModelShape | None,
+    frozen: list[ModelShape],
+    teacher: ModelShape | None = None,
 ) -> list[Phase]:
-    """Every phase of a PPO step on one device, in step order."""
+    """Every phase of a PPO step on one device, in step order (``teacher``: on-policy
+    distillation's colocated teacher)."""
     pool = f.pool
-    resident = resident_during_rollout(f, actor, frozen)
+    resident = resident_during_rollout(f, actor, frozen, teacher)
     util_fix = "--vllm_gpu_memory_utilization (lower) or --adam_offload / --ref_reward_offload"
     if f.engine == "hf":  # the sync into the local copy, then generation: never both
         gen = hf_generation(f, actor)
@@ -527,10 +554,14 @@ def plan_phases(
         wake = Phase("vllm start-up/wake", wake_parts, f.device_bytes, util_fix)
         rollout_parts = {"vllm pool": pool, **resident, "sync buckets": 2 * SYNC_BUCKET_BYTES}
         phases = [wake, Phase("rollout", _with_slack(rollout_parts), f.device_bytes, util_fix)]
-    phases.append(scoring_phase(f, actor, frozen, critic))
-    phases.append(update_phase(f, "actor update", actor, logits=True, frozen=frozen))
+    phases.append(scoring_phase(f, actor, frozen, critic, teacher))
+    phases.append(
+        update_phase(f, "actor update", actor, logits=True, frozen=frozen, teacher=teacher)
+    )
     if critic is not None:
-        phases.append(update_phase(f, "critic update", critic, False, frozen, actor=actor))
+        phases.append(
+            update_phase(f, "critic update", critic, False, frozen, actor=actor, teacher=teacher)
+        )
     return phases
 
 
@@ -563,12 +594,16 @@ def engine_only_phases(f: JobFlags) -> list[Phase]:
 
 
 def pool_fraction_limit(
-    f: JobFlags, actor: ModelShape, critic: ModelShape | None, frozen: list[ModelShape]
+    f: JobFlags,
+    actor: ModelShape,
+    critic: ModelShape | None,
+    frozen: list[ModelShape],
+    teacher: ModelShape | None = None,
 ) -> float:
     """The largest ``--vllm_gpu_memory_utilization`` with which every phase that holds vLLM's
     pool fits (wake and rollout; every phase when the engine does not sleep). 1.0 when no
     phase holds it (the HF engine); below 0 when nothing fits even without a pool."""
-    return fraction_limit(lambda g: plan_phases(g, actor, critic, frozen), f)
+    return fraction_limit(lambda g: plan_phases(g, actor, critic, frozen, teacher), f)
 
 
 def fraction_limit(plan: Callable[[JobFlags], list[Phase]], f: JobFlags) -> float:

@@ -106,6 +106,7 @@ def job_flags(cfg: PPOConfig, world: int, device_bytes: int) -> JobFlags:
         packing=cfg.batch.packing_samples,
         flash_attn=cfg.backend.flash_attn,
         shared_prompts=n if sharing else 1,
+        teacher_offload=cfg.distill.teacher_offload,
     )
 
 
@@ -116,6 +117,7 @@ class JobModels:
     actor: ModelShape
     critic: ModelShape | None
     frozen: list[ModelShape]
+    teacher: ModelShape | None = None  # on-policy distillation's colocated teacher
 
 
 def job_models(cfg: PPOConfig, flags: JobFlags) -> JobModels:
@@ -124,7 +126,8 @@ def job_models(cfg: PPOConfig, flags: JobFlags) -> JobModels:
     critic = model_shape(critic_src) if flags.critic and critic_src else None
     reward = [model_shape(cfg.models.reward_pretrain)] if flags.reward else []
     frozen = reward if flags.lora else [actor, *reward]  # LoRA: no reference model
-    return JobModels(actor, critic, frozen)
+    path = cfg.distill.teacher_pretrain
+    return JobModels(actor, critic, frozen, model_shape(path) if path else None)
 
 
 def plan_job(
@@ -185,7 +188,7 @@ def expert_parallel_fit(
 
 
 def _args(models: JobModels) -> tuple:
-    return models.actor, models.critic, models.frozen
+    return models.actor, models.critic, models.frozen, models.teacher
 
 
 def _auto_fraction(limit: float) -> float:

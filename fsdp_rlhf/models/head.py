@@ -18,6 +18,7 @@ policy's suppressed placeholder tokens) and output layers that are not a plain b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -91,17 +92,22 @@ def model_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    extra: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, ...]:
     """Log-probs (and entropies) of ``labels`` under ``model(**inputs)``, predicted at rows
     ``index`` of its flattened logits (None: the logits are (B, T, V), aligned with the labels).
 
     The same as ``gathered_logprobs(model(**inputs).logits, labels, index, ...)`` up to float
     rounding; see the module docstring for when the logits are never made.
+
+    ``extra(hidden, weight)``: a further differentiable result of the same forward, from the
+    hidden states the output layer receives and its weight (or ``(logits, None)`` when the
+    logits are made), returned third (on-policy distillation's top-k log-probs).
     """
     head = fusable_head(model)
     if head is None:
         logits = model(**inputs).logits
-        return gathered_logprobs(
+        out = gathered_logprobs(
             logits,
             labels,
             index,
@@ -109,9 +115,11 @@ def model_logprobs(
             with_entropy=with_entropy,
             entropy_grad=entropy_grad,
         )
+        return out if extra is None else (*out, extra(logits, None))
     made: list[torch.Tensor] = []
     # read before the model runs: nothing inside the forward asks the device anything
     block = head_block_size(labels.numel(), head.weight.shape[0], head.weight.device)
+    shapes: list[torch.Size] = []
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         lp, ent = head_logprobs(
@@ -124,7 +132,12 @@ def model_logprobs(
             entropy_grad=entropy_grad,
             block_size=block,
         )
-        made.append(torch.stack([lp, ent if ent is not None else torch.zeros_like(lp)]))
+        out = torch.stack([lp, ent if ent is not None else torch.zeros_like(lp)])
+        if extra is not None:  # one root output: FSDP2's backward hooks see both parts
+            more = extra(hidden, head.weight)
+            shapes.append(more.shape)
+            out = torch.cat([out.reshape(-1), more.reshape(-1).to(out.dtype)])
+        made.append(out)
         return made[-1]
 
     with _forward_replaced(head, forward):
@@ -134,9 +147,44 @@ def model_logprobs(
             f"{type(model).__name__} changes its output layer's logits before returning them; "
             "add the config key that makes it do so to models.head.LOGITS_POST_PROCESSING"
         )
+    if extra is not None:
+        n = labels.numel()
+        more = out[2 * n :].view(shapes[0])
+        lp, ent = _parts(out[: 2 * n].view(2, *labels.shape), with_entropy, entropy_grad)
+        return lp, ent, more
+    return _parts(out, with_entropy, entropy_grad)
+
+
+def _parts(out: torch.Tensor, with_entropy: bool, entropy_grad: bool):
+    """(2, ...) stacked log-probs and entropies -> the pair ``model_logprobs`` returns."""
     if not with_entropy:
         return out[0], None
     return out[0], out[1] if entropy_grad else out[1].detach()
+
+
+def head_call(model: nn.Module, inputs: dict, on_hidden, on_logits) -> torch.Tensor:
+    """``on_hidden(hidden, weight)`` on the final hidden states the output layer receives and
+    its weight, inside the model's forward (FSDP2 has the weight gathered there; the result is
+    the root's output, so a backward through it reaches every layer), or ``on_logits(logits)``
+    on the model's logits when its output layer is not fusable (see the module docstring).
+    ``hidden`` / ``logits`` are (R, c, H) / (R, c, V); the result may be any tensor."""
+    head = fusable_head(model)
+    if head is None:
+        return on_logits(model(**inputs).logits)
+    made: list[torch.Tensor] = []
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        made.append(on_hidden(hidden, head.weight))
+        return made[-1]
+
+    with _forward_replaced(head, forward):
+        out = model(**inputs).logits
+    if len(made) != 1 or out is not made[0]:
+        raise RuntimeError(
+            f"{type(model).__name__} changes its output layer's logits before returning them; "
+            "add the config key that makes it do so to models.head.LOGITS_POST_PROCESSING"
+        )
+    return out
 
 
 @contextmanager

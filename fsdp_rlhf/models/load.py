@@ -156,6 +156,20 @@ def text_config(path: str, trust_remote_code: bool = False):
     return cfg.get_text_config()
 
 
+def model_context(path: str, trust_remote_code: bool = False) -> int | None:
+    """The tokens a model at ``path`` takes (``max_position_embeddings``, times the RoPE
+    factor of an extended context: vLLM allows at most that); None when its config says not."""
+    text = text_config(path, trust_remote_code)
+    context = getattr(text, "max_position_embeddings", None)
+    if not context:
+        return None
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if kind not in (None, "default") and rope.get("factor"):
+        context = int(context * float(rope["factor"]))
+    return context
+
+
 def check_expert_parallel(
     n: int,
     world_size: int,

@@ -40,13 +40,19 @@ def model_paths(command: str, cfg: Any) -> dict[str, str | None]:
     """Flag -> folder of every model ``command`` loads with ``cfg`` (None: not loaded)."""
     if command != PPO:
         ref = getattr(cfg.model, "ref_pretrain", None)  # dpo's separate reference
-        return {"--pretrain": cfg.model.pretrain, "--ref_pretrain": ref}
+        teacher = getattr(cfg.model, "teacher_pretrain", None)  # kd's teacher
+        return {
+            "--pretrain": cfg.model.pretrain,
+            "--ref_pretrain": ref,
+            "--teacher_pretrain": teacher,
+        }
     m = cfg.models
     critic = m.critic_pretrain if cfg.algo.advantage_estimator in CRITIC_ESTIMATORS else None
     return {
         "--pretrain": m.pretrain,
         "--reward_pretrain": m.reward_pretrain,
         "--critic_pretrain": critic,
+        "--teacher_pretrain": cfg.distill.teacher_pretrain,
     }
 
 

@@ -11,8 +11,8 @@ from fsdp_rlhf.algorithms.names import CRITIC_ESTIMATORS
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.models.kind import ModelKind
 
-PPO, SFT, DPO, RM = "ppo", "sft", "dpo", "train-rm"
-OFFLINE = (SFT, DPO, RM)
+PPO, SFT, DPO, RM, KD = "ppo", "sft", "dpo", "train-rm", "kd"
+OFFLINE = (SFT, DPO, RM, KD)
 ALL = (PPO, *OFFLINE)
 
 # The matrix's axes, in order: a feature (a flag, or what the model is) and what turns it on.
@@ -39,6 +39,10 @@ FEATURES: dict[str, str] = {
     "flash-attn": "`--flash_attn`",
     "fp32": "no `--bf16`",
     "VLM": "a vision-language model",
+    "teacher": "`--teacher_pretrain` / `--teacher_url`",
+    "served teacher": "`--teacher_url`",
+    "no reward": "none of `--reward_pretrain`, `--remote_rm_url`, `--env_file`",
+    "knowledge distillation": "`fsdp-rlhf kd`",
     "MoE": "an MoE model",
     "dense": "a dense model",
     "hybrid": "recurrent layers (Qwen3.5, Qwen3-Next, Nemotron-H, Granite-4.0-H, LFM2)",
@@ -127,6 +131,21 @@ def adapter_sync(s: Setting) -> bool:
 
 def uses_critic(s: Setting) -> bool:
     return s.cfg.algo.advantage_estimator in CRITIC_ESTIMATORS
+
+
+def teacher(s: Setting) -> str | None:
+    """``--teacher_pretrain PATH`` / ``--teacher_url URL`` (ppo) or ``--teacher_pretrain PATH``
+    (kd), or None without a teacher."""
+    if s.command == PPO:
+        return s.cfg.distill.teacher
+    path = getattr(s.cfg.model, "teacher_pretrain", None)
+    return f"--teacher_pretrain {path}" if path else None
+
+
+def no_reward(s: Setting) -> bool:
+    """No reward source at all: a ppo run with a teacher distils only."""
+    m = s.cfg.models
+    return not (m.reward_pretrain or m.remote_rm_url) and multiturn(s) is None
 
 
 def oversampling(s: Setting) -> bool:

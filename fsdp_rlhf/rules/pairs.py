@@ -1,4 +1,4 @@
-"""The pairwise matrix (issue #48): every pair of eight features either runs in a 2-step
+"""The pairwise matrix (issue #48): every pair of nine features either runs in a 2-step
 ``fsdp-rlhf ppo`` job on tiny models (``make test-pairs``) or is refused by a row of the rules
 table. Nothing here is a list of refused pairs: each pair's config is composed from the
 features' flags and checked against the rows themselves, with the kind of the tiny model the
@@ -70,6 +70,18 @@ PAIR_FEATURES: tuple[PairFeature, ...] = (
             ),
         ),
         drops=("--advantage_estimator",),
+    ),  # fmt: skip
+    # on-policy distillation from a colocated teacher (the job's own model: the same tokenizer
+    # and kind), with the top-k loss: the teacher's top-k and the student's log-probs of them
+    # through every other feature's forwards
+    PairFeature(
+        "teacher",
+        (
+            (
+                *("--teacher_pretrain", "{model}", "--distill_loss", "forward_kl_topk"),
+                *("--distill_topk", "4"),
+            ),
+        ),
     ),  # fmt: skip
 )
 NAMES = tuple(f.name for f in PAIR_FEATURES)
@@ -198,6 +210,8 @@ def first_refusal(argv: Sequence[str], model: str, rules: Sequence[Rule]) -> Rul
     models = {"--pretrain": kind}
     if cfg.algo.advantage_estimator == "gae":
         models["--critic_pretrain"] = kind
+    if cfg.distill.teacher_pretrain:
+        models["--teacher_pretrain"] = kind
     for setting in (Setting(PPO, cfg, {}, False), Setting(PPO, cfg, models, False)):
         for rule in rules:
             if rule.message(setting) is not None:

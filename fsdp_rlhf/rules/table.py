@@ -4,12 +4,14 @@ from. A row refuses the settings its ``fires`` names; lifting a refusal is delet
 from __future__ import annotations
 
 from fsdp_rlhf.algorithms.names import ESTIMATORS_NEEDING_GROUPS
+from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.models.float8 import torchao_installed
 from fsdp_rlhf.models.moe import ROUTERS
 from fsdp_rlhf.models.ulysses import head_problem
 from fsdp_rlhf.rules.base import (
     ALL,
     DPO,
+    KD,
     PPO,
     SFT,
     Rule,
@@ -18,8 +20,10 @@ from fsdp_rlhf.rules.base import (
     ep_size,
     is_async,
     multiturn,
+    no_reward,
     oversampling,
     sp_models,
+    teacher,
     uses_critic,
     vlm_actor,
     when,
@@ -335,6 +339,169 @@ VLM = [
     ),
 ]
 
+# ---------------------------------------------------------------- distillation
+
+
+def _tokenizer_problem(s) -> str | None:
+    """``--teacher_pretrain PATH: what differs`` when the teacher's tokenizer maps tokens to
+    other ids than the student's, or has other special tokens (models.tokenizer_match)."""
+    kind, actor = s.models.get("--teacher_pretrain"), s.actor
+    if kind is None or actor is None or kind.path == actor.path:
+        return None
+    from fsdp_rlhf.models.load import load_tokenizer
+    from fsdp_rlhf.models.tokenizer_match import tokenizer_difference
+
+    backend = s.cfg.backend
+    try:
+        student, teacher = load_tokenizer(actor.path, backend), load_tokenizer(kind.path, backend)
+    except (UserError, OSError, ValueError):  # no tokenizer to read (kinds made up in tests)
+        return None
+    found = tokenizer_difference(student, teacher)
+    return None if found is None else f"--teacher_pretrain {kind.path}: {found}"
+
+
+def _distill_only(s, on, what: str):
+    """``fires`` text of a row about a ppo run with a teacher and no reward source."""
+    if teacher(s) is None or not no_reward(s) or not on(s):
+        return None
+    return f"{teacher(s)} without a reward source, with {what(s) if callable(what) else what}"
+
+
+DISTILL = [
+    Rule(
+        "distill-cross-tokenizer",
+        ("teacher", "another tokenizer"),
+        (PPO, KD),
+        _tokenizer_problem,
+        "the teacher scores the student's token ids (rendered once with the student's chat "
+        "template), so its tokenizer must map every token to the same id and have the same "
+        "special tokens; cross-tokenizer distillation (aligning two vocabularies) is not "
+        "implemented",
+        "use a teacher with the student's tokenizer (its model family), or train on the "
+        "teacher's generations with fsdp-rlhf sft",
+    ),
+    Rule(
+        "vlm-text-teacher",
+        ("VLM", "teacher"),
+        (PPO,),
+        _vlm_scalar_model("--teacher_pretrain", lambda a, k: None if k.is_vlm else "is text-only"),
+        "it would score the tokens after each image placeholder without the image",
+        "pass a vision-language teacher of the student's family",
+    ),
+    Rule(
+        "vlm-other-family-teacher",
+        ("VLM", "teacher"),
+        (PPO,),
+        _vlm_scalar_model(
+            "--teacher_pretrain", lambda a, k: _other_family(a, k) if k.is_vlm else None
+        ),
+        "it would read the student's image placeholders and pixel patches otherwise than its own",
+        "pass a teacher of the student's model family",
+    ),
+    Rule(
+        "served-teacher-vlm",
+        ("served teacher", "VLM"),
+        (PPO,),
+        when(
+            lambda s: bool(s.cfg.distill.teacher_url) and vlm_actor(s) is not None,
+            lambda s: f"--teacher_url with {vlm_actor(s)}",
+        ),
+        "a served teacher is sent token ids only; the images would need vLLM's multi-modal "
+        "inputs, which its completions API takes with text prompts only",
+        "colocate the teacher (--teacher_pretrain)",
+    ),
+    Rule(
+        "distill-only-critic",
+        ("no reward", "critic"),
+        (PPO,),
+        lambda s: _distill_only(
+            s, uses_critic, lambda s: f"--advantage_estimator {s.cfg.algo.advantage_estimator}"
+        ),
+        "without a reward every task advantage is zero, so a critic would only learn to "
+        "predict zero; the teacher's signal needs no critic",
+        "use a critic-free estimator (--advantage_estimator grpo), or add a reward source",
+    ),
+    Rule(
+        "distill-only-dynamic-filtering",
+        ("no reward", "dynamic filtering"),
+        (PPO,),
+        lambda s: _distill_only(s, lambda s: s.cfg.algo.dynamic_filtering, "--dynamic_filtering"),
+        "every group's scores are equal without a reward, so dynamic filtering would drop them all",
+        "drop --dynamic_filtering, or add a reward source",
+    ),
+    Rule(
+        "distill-only-eval",
+        ("no reward", "eval"),
+        (PPO,),
+        lambda s: _distill_only(s, lambda s: bool(s.cfg.eval.eval_dataset), "--eval_dataset"),
+        "evaluation reports pass@k of the rewards, and there are none",
+        "drop --eval_dataset, or add a reward source",
+    ),
+    Rule(
+        "teacher-offload-needs-teacher",
+        ("teacher offload", "colocated teacher"),
+        (PPO, KD),
+        lambda s: (
+            "--teacher_offload without --teacher_pretrain"
+            if _teacher_offload(s) and not (teacher(s) or "").startswith("--teacher_pretrain")
+            else None
+        ),
+        "it keeps a colocated teacher in host memory between its forwards",
+        "drop --teacher_offload, or pass --teacher_pretrain",
+        needs=True,
+    ),
+    Rule(
+        "distill-needs-teacher",
+        ("distillation loss", "teacher"),
+        (PPO,),
+        when(
+            lambda s: (
+                teacher(s) is None
+                and (s.cfg.distill.distill_loss != "advantage" or s.cfg.distill.distill_coef != 1.0)
+            ),
+            lambda s: (
+                f"--distill_loss {s.cfg.distill.distill_loss} / --distill_coef without a teacher"
+            ),
+        ),
+        "they choose how a teacher's log-probs train the student",
+        "add --teacher_pretrain or --teacher_url",
+        needs=True,
+    ),
+]
+
+
+KD_ROWS = [
+    Rule(
+        "kd-vlm",
+        ("knowledge distillation", "VLM"),
+        (KD,),
+        when(lambda s: vlm_actor(s) is not None, lambda s: f"kd: {vlm_actor(s)}"),
+        "offline knowledge distillation is written for text rows: its teacher forward takes no "
+        "images",
+        "distil a vision-language student on-policy (fsdp-rlhf ppo --teacher_pretrain), or "
+        "fine-tune it with sft",
+    ),
+    Rule(
+        "kd-sequence-parallel",
+        ("knowledge distillation", "sequence parallel"),
+        (KD,),
+        when(
+            lambda s: s.cfg.fsdp.sequence_parallel_size > 1,
+            lambda s: f"kd with --sequence_parallel_size {s.cfg.fsdp.sequence_parallel_size}",
+        ),
+        "the KD loss's two-model forward has not been checked against an unsplit run under "
+        "Ulysses yet (no test of it)",
+        "use --sequence_parallel_size 1 (raise --zero_stage or lower --max_len for memory)",
+    ),
+]
+
+
+def _teacher_offload(s) -> bool:
+    if s.command == PPO:
+        return s.cfg.distill.teacher_offload
+    return bool(getattr(s.cfg.model, "teacher_offload", False))
+
+
 # ---------------------------------------------------------------- multi-turn environments
 
 MULTI_TURN = [
@@ -615,7 +782,7 @@ ENGINES_AND_MODELS = [
     Rule(
         "sft-multiturn-output-key",
         ("multi-turn SFT", "output key"),
-        (SFT,),
+        (SFT, KD),
         when(
             lambda s: s.cfg.data.multiturn and s.cfg.data.output_key is not None,
             "--multiturn with --output_key",
@@ -626,7 +793,7 @@ ENGINES_AND_MODELS = [
     Rule(
         "sft-multiturn-without-chat-template",
         ("multi-turn SFT", "chat template"),
-        (SFT,),
+        (SFT, KD),
         when(
             lambda s: s.cfg.data.multiturn and not s.cfg.data.apply_chat_template,
             "--multiturn without --apply_chat_template",
@@ -707,6 +874,8 @@ RULES: list[Rule] = [
     *MOE,
     *VLM,
     *MULTI_TURN,
+    *DISTILL,
+    *KD_ROWS,
     *ENGINES_AND_MODELS,
     *PRECISION,
     *DEFAULTS,

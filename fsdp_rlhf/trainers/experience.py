@@ -13,7 +13,13 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import nn
 
-from fsdp_rlhf.models.forward import response_logprobs, sequence_scores, token_values
+from fsdp_rlhf.models.forward import (
+    response_logprobs,
+    response_positions,
+    sequence_scores,
+    token_values,
+    topk_at,
+)
 from fsdp_rlhf.models.inputs import ForwardInputs, InputSpec
 from fsdp_rlhf.models.moe import MoEHooks, routing_scope
 from fsdp_rlhf.models.vision import ImageBatch
@@ -37,6 +43,11 @@ class Experience:
     rewards: torch.Tensor | None = None  # (N, T) shaped, KL included
     advantages: torch.Tensor | None = None  # (N, T)
     returns: torch.Tensor | None = None  # (N, T)
+    # on-policy distillation: the teacher's log-probs of the sampled tokens (N, T), and with a
+    # top-k loss its top-k tokens (N, T, k) and their log-probs
+    teacher_logprobs: torch.Tensor | None = None
+    teacher_topk_logprobs: torch.Tensor | None = None
+    teacher_topk_ids: torch.Tensor | None = None
     # (N, P+T, Lm, k) the engine's experts per token and MoE layer (--router_replay)
     routed_experts: torch.Tensor | None = None
     images: ImageBatch | None = None  # N rows' images (a vision-language model)
@@ -88,7 +99,8 @@ class Experience:
             cut["routed_experts"] = self.routed_experts[:, start : P + keep]
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name not in cut and isinstance(value, torch.Tensor) and value.ndim == 2:
+            # the (N, T) fields, and the teacher's (N, T, k) top-k
+            if f.name not in cut and isinstance(value, torch.Tensor) and value.ndim in (2, 3):
                 cut[f.name] = value[:, :keep]
         return replace(self, **cut)
 
@@ -146,6 +158,27 @@ def batched_logprobs(
         if rows is not None:
             out[rows, : mb.response_len] = lp
     return out * exp.response_mask
+
+
+@torch.no_grad()
+def batched_topk(
+    model: nn.Module,
+    exp: Experience,
+    micro: int | MicroBatching,
+    k: int,
+    spec: InputSpec,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, T, k) log-probs (temperature 1) and ids of the k most likely tokens at each
+    response position, micro-batched as :func:`batched_logprobs`."""
+    N, T = exp.response_mask.shape
+    logprobs = torch.zeros(N, T, k, device=exp.response_mask.device)
+    ids = torch.zeros(N, T, k, dtype=torch.long, device=exp.response_mask.device)
+    for rows, mb in micro_batches(exp, _batching(micro, spec)):
+        inputs = mb.forward_inputs(spec)
+        lp, top = topk_at(model, inputs, response_positions(inputs, mb.response_len), k)
+        if rows is not None:
+            logprobs[rows, : mb.response_len], ids[rows, : mb.response_len] = lp, top
+    return logprobs, ids
 
 
 @torch.no_grad()

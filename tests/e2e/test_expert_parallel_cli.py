@@ -52,6 +52,9 @@ def _grpo(model: str, data: Path, save: Path, ep: int) -> list[str]:
         "--ckpt_path", str(save / "ckpt"), "--save_steps", "-1", "--seed", "7",
         "--router_replay", "--aux_loss_coef", "0.01", "--enforce_eager",
         "--expert_parallel_size", str(ep),
+        # an MoE distillation teacher (the model itself) split like the actor, scoring every
+        # batch; weight 0: the learning and the resume below are GRPO's
+        "--teacher_pretrain", model, "--distill_coef", "0",
     ]  # fmt: skip
 
 
@@ -67,6 +70,7 @@ def test_moe_grpo_ep2_replays_the_engines_routing_learns_and_resumes_at_ep1(moe_
     for r in rows:  # every step's rollout follows a weight sync of the split experts
         assert r["rollout/logprob_diff/max"] < 1e-4, r
         assert r["moe/aux_loss"] > 0 and r["moe/ep_group_load_max_mean"] >= 1.0, r
+        assert r["timing/teacher"] > 0 and r["distill/teacher_logprob"] < 0, r
     assert rows[0]["moe/router_replay_agreement"] < 0.9, rows[0]  # the ties are real
     scores = [r["critic/score/mean"] for r in rows]
     assert sum(scores[-3:]) / 3 > sum(scores[:3]) / 3 + 0.05, scores

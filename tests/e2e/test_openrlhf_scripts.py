@@ -15,8 +15,13 @@ from pathlib import Path
 import pytest
 
 from fsdp_rlhf.distributed.env import free_port
-from fsdp_rlhf.testing.synthetic import preference_rows, prompt_rows, write_jsonl
-from tests.e2e.helpers import _env, read_metrics
+from fsdp_rlhf.testing.synthetic import (
+    continuation_rows,
+    preference_rows,
+    prompt_rows,
+    write_jsonl,
+)
+from tests.e2e.helpers import REPO, _env, read_metrics
 from tests.e2e.test_ppo_cli import PARITY_REWARD, SHORT_REWARD_WITH_PREEMPTION
 
 pytestmark = pytest.mark.slow
@@ -31,10 +36,14 @@ def data(tmp_path_factory):
     write_jsonl(preference_rows(80), root / "pairs.jsonl")
     (root / "reward.py").write_text(SHORT_REWARD_WITH_PREEMPTION)
     (root / "parity_reward.py").write_text(PARITY_REWARD)
+    kd = [{"question": r["input"], "response": r["output"]} for r in continuation_rows(48)]
+    write_jsonl(kd, root / "kd.jsonl")
     return root
 
 
-def run_script(name: str, model: str, data: Path, save: Path) -> subprocess.CompletedProcess:
+def run_script(
+    name: str, model: str, data: Path, save: Path, extra: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     import sys
 
     env = _env(
@@ -44,6 +53,7 @@ def run_script(name: str, model: str, data: Path, save: Path) -> subprocess.Comp
             "SAVE": str(save),
             "PORT": str(free_port()),
             "PYTHON": sys.executable,
+            **(extra or {}),
         }
     )
     return subprocess.run(
@@ -129,6 +139,8 @@ def test_scripts_are_bash_and_name_no_flag_of_ours_only(tmp_path):
         for version in VERSIONS
         for f in openrlhf_flags(parser, version)
     }
+    for path in (REPO / "fsdp_rlhf" / "compat" / "data").glob("openrlhf-*-kd.json"):
+        theirs |= {f["names"][0] for f in json.loads(path.read_text())["flags"]}
     for script in SCRIPTS.glob("*.sh"):
         text = script.read_text()
         flags = {
@@ -178,3 +190,48 @@ def test_reinforce_baseline_script_with_ring_attention_and_32k_responses(
     config = (save / "config.yaml").read_text()
     for line in ("sequence_parallel_size: 2", "generate_max_len: 32768", "zero_stage: 3"):
         assert line in config, line
+
+
+@pytest.fixture(scope="module")
+def kd_teacher(tmp_path_factory) -> str:
+    """A teacher for OpenRLHF's KD scripts: the tiny Qwen2's shape and tokenizer, other weights."""
+    from fsdp_rlhf.testing.tiny import build_model
+
+    return str(build_model(tmp_path_factory.mktemp("kd_teacher"), "qwen2", seed=5))
+
+
+def _kd_run(script: str, model: str, teacher: str, data: Path, save: Path) -> list[str]:
+    """Runs one of OpenRLHF's KD scripts; returns its translation notes after checking the run:
+    three optimizer steps (48 samples / 16), the loss (1 - 0.4) NLL + 0.4 KL of its parts, the
+    teacher offloaded, the student exported."""
+    proc = run_script(script, model, data, save, extra={"TEACHER": teacher})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    notes = translated(proc.stdout)
+    assert any("--teacher_model" in n and "--teacher_pretrain" in n for n in notes), notes
+    rows = read_metrics(save)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["forward_kl"] > 0 and r["nll"] > 0
+        assert r["loss"] == pytest.approx(0.6 * r["nll"] + 0.4 * r["forward_kl"], rel=1e-3)
+    assert rows[-1]["nll"] < rows[0]["nll"]
+    config = (save / "config.yaml").read_text()
+    for line in ("kd_coef: 0.4", "teacher_offload: true", "bf16: true"):
+        assert line in config, line
+    assert (save / "config.json").is_file() and (save / "model.safetensors").is_file()
+    return notes
+
+
+def test_kd_script_in_openrlhf_fsdp2_branch_flags(tiny_qwen2, kd_teacher, data, tmp_path):
+    notes = _kd_run("kd_fsdp2_branch.sh", tiny_qwen2, kd_teacher, data, tmp_path / "kd")
+    for theirs, ours in (
+        ("--model_name_or_path", "--pretrain"),
+        ("--ckpt_save_path", "--save_path"),
+        ("--param_dtype bf16", "--bf16"),
+    ):
+        assert any(theirs in n and ours in n for n in notes), (theirs, notes)
+
+
+@pytest.mark.long
+def test_kd_script_in_openrlhf_release_flags(tiny_qwen2, kd_teacher, data, tmp_path):
+    _kd_run("kd_v0.9_flat.sh", tiny_qwen2, kd_teacher, data, tmp_path / "kd")
+    assert "zero_stage: 3" in (tmp_path / "kd" / "config.yaml").read_text()

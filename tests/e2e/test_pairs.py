@@ -30,6 +30,7 @@ EVIDENCE = {
     "multi-turn": "multiturn/turns/max",
     "critic": "critic/vf_loss",
     "async": "async/staleness_max",
+    "teacher": "distill/topk_mass",
 }
 # what the start-up log says for the feature
 LOG = {"sequence parallel": "sequence-parallel 2 (Ulysses)", "async": "+ 1 rollout ranks"}

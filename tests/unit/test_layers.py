@@ -51,7 +51,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 # its own. The ppo package re-exports its trainer: importing it (``from ..ppo import x``) counts
 # as importing the entry, importing one of its modules (``from ..ppo.x import y``) does not.
 _ENTRY_MODULES = tuple(
-    f"fsdp_rlhf.trainers.{m}" for m in ("ppo.trainer", "offline.rm", "offline.sft", "offline.dpo")
+    f"fsdp_rlhf.trainers.{m}"
+    for m in ("ppo.trainer", "offline.rm", "offline.sft", "offline.dpo", "offline.kd")
 )
 TRAINER_ENTRIES = ("fsdp_rlhf.trainers.ppo", *_ENTRY_MODULES)
 _ENTRY_PREFIXES = tuple(f"{m}." for m in _ENTRY_MODULES)

@@ -9,14 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_rlhf.config import DPOConfig, PPOConfig, RMConfig, SFTConfig
+from fsdp_rlhf.config import DPOConfig, KDConfig, PPOConfig, RMConfig, SFTConfig
 from fsdp_rlhf.config_base import build_config
 from fsdp_rlhf.errors import UserError
 from fsdp_rlhf.models.kind import ModelKind, read_model_kind
 from fsdp_rlhf.models.vision import VisionTokens
 from fsdp_rlhf.rules import RULES, Refused, Setting, check_rules
 
-CONFIGS = {"ppo": PPOConfig, "sft": SFTConfig, "dpo": DPOConfig, "train-rm": RMConfig}
+CONFIGS = {
+    "ppo": PPOConfig, "sft": SFTConfig, "dpo": DPOConfig, "train-rm": RMConfig, "kd": KDConfig,
+}  # fmt: skip
 DENSE = ModelKind("models/dense", "Qwen2ForCausalLM", heads=6, kv_heads=2)
 NINE_HEADS = ModelKind("models/nine", "Qwen2ForCausalLM", heads=9, kv_heads=3)
 MOE = ModelKind("models/moe", "Qwen3MoeForCausalLM", 4, 2, experts=8, router="Qwen3MoeTopKRouter")
@@ -62,6 +64,7 @@ VLM_TOKENS = ModelKind(
 PPO_BASE = ["--advantage_estimator", "grpo", "--n_samples_per_prompt", "4", "--bf16"]
 ASYNC = ["--async_train", "--vllm_num_engines", "1"]
 ENV = ["--env_file", "env.py"]
+TEACHER = ["--teacher_pretrain", "models/teacher"]
 
 # row id -> (command, flags, models (flag -> kind; default: a dense --pretrain), cuda, words
 # of the line)
@@ -266,6 +269,54 @@ CASES: dict[str, tuple] = {
     "float8-cuda": ("dpo", ["--float8"], None, False, "--float8 on CPU"),
     # this venv has no torchao (the bare GPU box neither)
     "float8-torchao": ("sft", ["--float8"], None, True, "--float8 without torchao installed"),
+    # on-policy and offline distillation (a case's "tokenizers": two real tokenizer folders)
+    "distill-cross-tokenizer": (
+        "ppo", [*TEACHER], "tokenizers", False,
+        "/teacher: its vocabulary has 400 tokens, --pretrain's 499: the teacher scores the "
+        "student's token ids",
+    ),
+    "vlm-text-teacher": (
+        "ppo", [*TEACHER], {"--pretrain": VLM, "--teacher_pretrain": DENSE}, False,
+        "--pretrain models/vl is a vision-language model: --teacher_pretrain models/dense is "
+        "text-only",
+    ),
+    "vlm-other-family-teacher": (
+        "ppo", [*TEACHER], {"--pretrain": VLM, "--teacher_pretrain": VLM_PATCHES}, False,
+        "--teacher_pretrain models/vl16 takes other image patches",
+    ),
+    "served-teacher-vlm": (
+        "ppo", ["--teacher_url", "http://teacher:8000"], {"--pretrain": VLM}, False,
+        "--teacher_url with --pretrain models/vl is a vision-language model",
+    ),
+    "distill-only-critic": (
+        "ppo", [*TEACHER, "--advantage_estimator", "gae", "--critic_pretrain", "c"], None, False,
+        "--teacher_pretrain models/teacher without a reward source, with --advantage_estimator "
+        "gae",
+    ),
+    "distill-only-dynamic-filtering": (
+        "ppo", [*TEACHER, "--dynamic_filtering"], None, False,
+        "without a reward source, with --dynamic_filtering: every group's scores are equal",
+    ),
+    "distill-only-eval": (
+        "ppo", ["--teacher_url", "http://t:1", "--eval_dataset", "e.jsonl"], None, False,
+        "--teacher_url http://t:1 without a reward source, with --eval_dataset",
+    ),
+    "teacher-offload-needs-teacher": (
+        "ppo", ["--teacher_url", "http://t:1", "--teacher_offload"], None, False,
+        "--teacher_offload without --teacher_pretrain",
+    ),
+    "distill-needs-teacher": (
+        "ppo", ["--distill_loss", "k3"], None, False,
+        "--distill_loss k3 / --distill_coef without a teacher",
+    ),
+    "kd-vlm": (
+        "kd", [*TEACHER], {"--pretrain": VLM}, False,
+        "kd: --pretrain models/vl is a vision-language model",
+    ),
+    "kd-sequence-parallel": (
+        "kd", [*TEACHER, "--sequence_parallel_size", "2"], None, False,
+        "kd with --sequence_parallel_size 2: the KD loss",
+    ),
 }  # fmt: skip
 
 
@@ -281,9 +332,24 @@ def test_every_row_has_a_case():
     assert set(CASES) == set(ids)
 
 
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory) -> dict:
+    """A dense student and a teacher whose tokenizers differ (vocabularies of 512 and 400)."""
+    from fsdp_rlhf.testing.tiny import build_tokenizer
+
+    root = tmp_path_factory.mktemp("tokenizers")
+    for name, size in (("student", 512), ("teacher", 400)):
+        build_tokenizer(root / name, vocab_size=size)
+    student = ModelKind(str(root / "student"), "Qwen2ForCausalLM", heads=6, kv_heads=2)
+    teacher = ModelKind(str(root / "teacher"), "Qwen2ForCausalLM", heads=6, kv_heads=2)
+    return {"--pretrain": student, "--teacher_pretrain": teacher}
+
+
 @pytest.mark.parametrize("row", sorted(CASES))
-def test_the_row_refuses_its_settings_with_its_line(row):
+def test_the_row_refuses_its_settings_with_its_line(row, request):
     command, flags, models, cuda, words = CASES[row]
+    if models == "tokenizers":
+        models = request.getfixturevalue("tokenizers")
     with pytest.raises(Refused) as e:
         check_rules(_setting(command, flags, models, cuda))
     line = str(e.value)

@@ -18,22 +18,18 @@ micro-batch it lands in.
 from __future__ import annotations
 
 import logging
-from functools import partial
 
 import torch
-from torch import nn
 
 from fsdp_rlhf.config import OfflineBatchPlan, SFTConfig
-from fsdp_rlhf.data.sft import SFTBatch, collate_samples
-from fsdp_rlhf.distributed.env import DistEnv, all_reduce_scalars
+from fsdp_rlhf.data.sft import SFTBatch
+from fsdp_rlhf.distributed.env import DistEnv
 from fsdp_rlhf.distributed.fsdp import accumulate
 from fsdp_rlhf.distributed.layout import ParallelLayout
 from fsdp_rlhf.distributed.stats import global_token_count, to_host
-from fsdp_rlhf.models.inputs import InputSpec
-from fsdp_rlhf.models.label_logprobs import label_logprobs
 from fsdp_rlhf.trainers import common
 from fsdp_rlhf.trainers.offline.data import prepare_sft_data
-from fsdp_rlhf.trainers.offline.models import build_policy
+from fsdp_rlhf.trainers.offline.sft_steps import build_sft_policy, sft_evaluate, sft_forward
 from fsdp_rlhf.trainers.offline.trainer import OfflineTrainer, TrainData, prepare_command
 
 log = logging.getLogger(__name__)
@@ -48,37 +44,6 @@ def main(cfg: SFTConfig, debug: bool = False) -> int:
 
 def prepare(cfg: SFTConfig, world_size: int) -> tuple[OfflineBatchPlan, TrainData]:
     return prepare_command("sft", cfg, world_size, prepare_sft_data)
-
-
-def _forward(model: nn.Module, batch: SFTBatch, device: torch.device, spec: InputSpec):
-    ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
-    learned = batch.loss_mask.to(device)
-    inputs = spec.build(ids, mask, images=batch.images)
-    return label_logprobs(model, inputs, learned), learned
-
-
-@torch.no_grad()
-def sft_evaluate(
-    model: nn.Module,
-    batches: list[SFTBatch],
-    device: torch.device,
-    spec: InputSpec,
-    parallel: ParallelLayout | None = None,
-) -> dict[str, float]:
-    """Token-mean NLL over every learned token of the eval set (a collective over
-    ``parallel``'s data group; None: every rank), the forwards built by ``spec``."""
-    data_group = parallel.data_group if parallel is not None else None
-    model.eval()
-    sums: dict[str, float | torch.Tensor] = {"nll": 0.0, "tokens": 0.0}
-    for batch in batches:
-        logprobs, learned = _forward(model, batch, device, spec)
-        learned[batch.num_valid :] = False  # rows padding an uneven shard
-        # on the device: one host copy below, not a synchronisation per batch
-        sums["nll"] -= logprobs[learned].double().sum()
-        sums["tokens"] += learned.sum()
-    model.train()
-    tot = all_reduce_scalars(to_host(sums), op="sum", group=data_group)
-    return {"eval/loss": tot["nll"] / max(tot["tokens"], 1.0)}
 
 
 class SFTTrainer(OfflineTrainer):
@@ -96,12 +61,7 @@ class SFTTrainer(OfflineTrainer):
         parallel: ParallelLayout,
     ):
         plan, data = prepared
-        common.write_run_config(cfg, env)
-        model = build_policy(cfg, env, parallel, grad_reduce="sum")
-        vision = data.vision.tokens if data.vision is not None else None
-        rows = "packed" if cfg.batch.packing_samples else "padded"
-        self.inputs = InputSpec(rows, vision=vision, sp=parallel.sp)
-        collate = partial(collate_samples, vision=data.vision)
+        model, self.inputs, collate = build_sft_policy(cfg, env, data, parallel)
         super().__init__(
             cfg, env, plan, data, model, parallel, collate=collate, guard_name="policy"
         )
@@ -119,7 +79,7 @@ class SFTTrainer(OfflineTrainer):
         nll: float | torch.Tensor = 0.0
         for i, batch in enumerate(batches):
             accumulate(self.model, i == len(batches) - 1, self.cfg.fsdp.zero_stage, self.gathered)
-            logprobs, _ = _forward(self.model, batch, self.env.device, self.inputs)
+            logprobs, _ = sft_forward(self.model, batch, self.env.device, self.inputs)
             loss = -logprobs.sum() / n_global
             loss.backward()
             nll += loss.detach().double()  # on the device: one host copy per step

@@ -242,6 +242,28 @@ def collect_batch_stats(
             stats.add_weighted_mean(f"rollout/{name}", mismatch[name], tokens)
 
 
+def collect_distill_stats(stats: StatCollector, exp: Experience) -> None:
+    """On-policy distillation (with a teacher): ``distill/reverse_kl``, the mean over response
+    tokens of ``old_logprob - teacher_logprob`` (the sampled-token estimate of
+    KL(student || teacher) under the policy that sampled them), ``distill/teacher_logprob`` and
+    ``distill/student_logprob`` (token means), and with a top-k loss ``distill/topk_mass``, the
+    probability the teacher's top-k tokens hold."""
+    if exp.teacher_logprobs is None:
+        return
+    mask = exp.response_mask
+    tokens = mask.sum()
+    n = tokens.clamp(min=1)
+    for name, values in (
+        ("reverse_kl", exp.old_logprobs - exp.teacher_logprobs),
+        ("teacher_logprob", exp.teacher_logprobs),
+        ("student_logprob", exp.old_logprobs),
+    ):
+        stats.add_weighted_mean(f"distill/{name}", (values * mask).sum() / n, tokens)
+    if exp.teacher_topk_logprobs is not None:
+        mass = exp.teacher_topk_logprobs.exp().sum(-1)
+        stats.add_weighted_mean("distill/topk_mass", (mass * mask).sum() / n, tokens)
+
+
 def throughput_metrics(
     metrics: dict[str, float],
     times: dict[str, float],
@@ -269,6 +291,23 @@ def throughput_metrics(
     return out
 
 
+SHOWN = ("step", "prompt", "response", "score")  # the columns TensorBoard and W&B show
+
+
+def _distill_sample(exp: Experience, i: int) -> dict:
+    """Row ``i``'s attended token ids, where its response starts among them, and its mean
+    sampled-token reverse KL to the teacher."""
+    T = exp.response_len
+    attended = exp.attention_mask[i].bool()
+    mask = exp.response_mask[i]
+    gap = ((exp.old_logprobs[i] - exp.teacher_logprobs[i]) * mask).sum() / mask.sum().clamp(min=1)
+    return {
+        "input_ids": exp.input_ids[i][attended].tolist(),
+        "response_start": int(attended[:-T].sum()),
+        "distill/reverse_kl": float(gap),
+    }
+
+
 def log_samples(
     logger: MetricLogger,
     tokenizer,
@@ -280,7 +319,10 @@ def log_samples(
     save_path: str,
     k: int = 3,
 ) -> None:
-    """A few prompt/response/score triples to TensorBoard text and ``samples.jsonl``."""
+    """A few prompt/response/score triples to TensorBoard text and ``samples.jsonl``. With a
+    teacher each ``samples.jsonl`` row also holds its sequence's token ids (``input_ids``, the
+    response from ``response_start``) and its ``distill/reverse_kl`` (the token mean of
+    ``old_logprob - teacher_logprob`` over its generated tokens), for checks outside the run."""
     T = exp.response_len
     rows = []
     for i in range(min(k, exp.num_sequences)):
@@ -294,10 +336,13 @@ def log_samples(
                 "score": float(exp.scores[i]),
             }
         )
+        if exp.teacher_logprobs is not None:
+            rows[-1].update(_distill_sample(exp, i))
     path = Path(save_path) / "samples.jsonl"
     with writing(path), open(path, "a") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
+    rows = [{k: v for k, v in r.items() if k in SHOWN} for r in rows]
     body = "\n\n".join(
         f"**prompt**: {r['prompt']}\n\n**response**: {r['response']}\n\n**score**: {r['score']:.4f}"
         for r in rows

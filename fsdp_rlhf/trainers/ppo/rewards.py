@@ -12,13 +12,14 @@ import torch.distributed as dist
 from fsdp_rlhf.algorithms import (
     AdaptiveKLController,
     FixedKLController,
+    distill_advantages,
     estimate_advantages,
     kl_estimate,
     kl_mean_parts,
     overlong_penalty,
     stop_properly_penalty,
 )
-from fsdp_rlhf.config import PPOAlgoConfig
+from fsdp_rlhf.config import DistillConfig, PPOAlgoConfig
 from fsdp_rlhf.distributed.env import all_reduce_scalars
 from fsdp_rlhf.distributed.layout import ParallelLayout
 from fsdp_rlhf.distributed.stats import (
@@ -85,6 +86,22 @@ def compute_advantages(
         mean_fn=partial(_global_mean, group=group),
     )
     exp.rewards, exp.advantages, exp.returns = out
+
+
+@torch.no_grad()
+def add_distill_advantages(exp: Experience, distill: DistillConfig) -> None:
+    """``--distill_loss advantage``: each sampled token's advantage gains
+    ``-distill_coef * (old_logprob - teacher_logprob)``, after the estimator (not whitened,
+    not discounted: the per-token reverse KL of Thinking Machines' on-policy distillation,
+    NeMo-RL's ``opd`` and slime's ``--use-opd``). Without a reward source the task advantages
+    are zero and this is the whole signal. Nothing without a teacher or with a loss-term
+    signal."""
+    if exp.teacher_logprobs is None or distill.distill_loss != "advantage":
+        return
+    extra = distill_advantages(
+        exp.old_logprobs, exp.teacher_logprobs, exp.response_mask, distill.distill_coef
+    )
+    exp.advantages = exp.advantages + extra
 
 
 @torch.no_grad()

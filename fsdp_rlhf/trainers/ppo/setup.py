@@ -42,6 +42,7 @@ from fsdp_rlhf.models.load import (
     load_causal_lm,
     load_scalar_model,
     load_tokenizer,
+    model_context,
     reward_normalization,
     text_config,
 )
@@ -64,6 +65,7 @@ from fsdp_rlhf.rollout.memory_budget import check_device_budget
 from fsdp_rlhf.rules import PPO, check_command, check_flags, model_paths
 from fsdp_rlhf.trainers.common import load_and_prepare, log_startup
 from fsdp_rlhf.trainers.ppo.rollout import adapter_sync
+from fsdp_rlhf.trainers.ppo.teacher import check_teacher, load_teacher
 from fsdp_rlhf.trainers.ppo.vision import row_check
 from fsdp_rlhf.trainers.rule_reward import RewardFn, auth_headers, build_rule_reward
 
@@ -151,7 +153,12 @@ def _check_rewards(cfg: PPOConfig) -> None:
         _check_env(cfg)
         return
     if not m.reward_pretrain and not m.remote_rm_url:
-        raise UserError("no reward source: pass --reward_pretrain and/or --remote_rm_url")
+        if cfg.distill.enabled:  # on-policy distillation only: the teacher is the signal
+            return
+        raise UserError(
+            "no reward source: pass --reward_pretrain and/or --remote_rm_url (or distil from a "
+            "teacher: --teacher_pretrain / --teacher_url)"
+        )
     if m.reward_pretrain:
         check_model_path(m.reward_pretrain, "--reward_pretrain")
         if m.normalize_reward and reward_normalization(m.reward_pretrain) is None:
@@ -184,14 +191,13 @@ def check_context_length(cfg: PPOConfig) -> None:
     start-up (a traceback), and nothing here lowers the user's lengths behind their back."""
     if cfg.rollout.rollout_engine != "vllm":
         return
-    text = text_config(cfg.models.pretrain, cfg.backend.trust_remote_code)
-    context = getattr(text, "max_position_embeddings", None)
-    if not context:
+    context = model_context(cfg.models.pretrain, cfg.backend.trust_remote_code)
+    if context is None:
         return
+    text = text_config(cfg.models.pretrain, cfg.backend.trust_remote_code)
     rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
     kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
-    if kind not in (None, "default") and rope.get("factor"):  # extended: vLLM allows at most this
-        context = int(context * float(rope["factor"]))
+    kind = kind if kind not in (None, "default") and rope.get("factor") else None
     need = cfg.total_len
     if need > context:
         if cfg.multiturn.source is not None:
@@ -242,6 +248,7 @@ def prepare(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any, dict[st
     ranks = "the training ranks" if plan.rollout_ranks else "the world size"
     check_expert_parallel(cfg.fsdp.expert_parallel_size, plan.world_size, paths, trust, ranks)
     check_context_length(cfg)
+    check_teacher(cfg)  # its context; a served teacher's answer, context and tokenizer
     _check_outputs(cfg)
     vlm = kinds["--pretrain"].is_vlm
     if vlm:
@@ -282,7 +289,8 @@ def prepare(cfg: PPOConfig, world_size: int) -> tuple[PPOBatchPlan, Any, dict[st
 @dataclass
 class Models:
     """Everything with weights. ``critic``/``reward`` are None when not used; ``ref`` is None
-    with LoRA (the reference policy is the actor with its adapters disabled)."""
+    with LoRA (the reference policy is the actor with its adapters disabled); ``teacher`` is
+    the colocated teacher of on-policy distillation (None: none, or a served one)."""
 
     tokenizer: Any
     actor: nn.Module
@@ -291,6 +299,7 @@ class Models:
     reward: nn.Module | None
     reward_norm: tuple[float, float] | None
     rule_reward: RewardFn | None
+    teacher: nn.Module | None = None
 
 
 def load_ppo_model(
@@ -378,7 +387,10 @@ def build_models(cfg: PPOConfig, env: DistEnv, tokenizer, parallel: ParallelLayo
         # prepare already refused --normalize_reward without the statistics
         norm = reward_normalization(m.reward_pretrain) if m.normalize_reward else None
     rule = build_rule_reward(m.remote_rm_url, m.remote_rm_auth_env) if m.remote_rm_url else None
-    return Models(tokenizer, actor, ref, critic, reward, norm, rule)
+    teacher = None
+    if cfg.distill.teacher_pretrain:
+        teacher = load_teacher(cfg, env, parallel, load_ppo_model)
+    return Models(tokenizer, actor, ref, critic, reward, norm, rule, teacher)
 
 
 def load_reward_model(
@@ -606,18 +618,25 @@ def adapter_spec(cfg: PPOConfig, actor: nn.Module) -> AdapterSpec | None:
 
 
 def offload_idle(
-    models: Models, optimizers: dict, ref_reward_offload: bool, device: torch.device
+    models: Models,
+    optimizers: dict,
+    ref_reward_offload: bool,
+    device: torch.device,
+    teacher_offload: bool = False,
 ) -> None:
     """Before the first rollout, what it does not use goes to host memory (no-op on CPU jobs
     and for --adam_offload models): the critic and its optimizer state (restored by a resume),
-    and with --ref_reward_offload the frozen models."""
+    with --ref_reward_offload the reference and reward models, with --teacher_offload the
+    teacher."""
     if models.critic is not None:
         offload_optimizer(optimizers["critic"], device)
         offload_model(models.critic, device)
-    if ref_reward_offload:
-        for model in (models.ref, models.reward):
-            if model is not None:
-                offload_model(model, device)
+    frozen = [models.ref, models.reward] if ref_reward_offload else []
+    if teacher_offload:
+        frozen.append(models.teacher)
+    for model in frozen:
+        if model is not None:
+            offload_model(model, device)
 
 
 def data_settings(cfg: PPOConfig, num_prompts: int) -> dict[str, int]:

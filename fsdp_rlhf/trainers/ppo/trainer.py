@@ -54,8 +54,14 @@ from fsdp_rlhf.trainers.guards import BadStepGuard, check_finite_scores
 from fsdp_rlhf.trainers.micro_batches import MicroBatching
 from fsdp_rlhf.trainers.ppo.colocated import ColocatedSource, start_engine
 from fsdp_rlhf.trainers.ppo.eval import Evaluator, build_evaluator
-from fsdp_rlhf.trainers.ppo.metrics import StatCollector, collect_batch_stats, log_samples
+from fsdp_rlhf.trainers.ppo.metrics import (
+    StatCollector,
+    collect_batch_stats,
+    collect_distill_stats,
+    log_samples,
+)
 from fsdp_rlhf.trainers.ppo.rewards import (
+    add_distill_advantages,
     build_kl_controller,
     compute_advantages,
     observe_kl,
@@ -74,6 +80,7 @@ from fsdp_rlhf.trainers.ppo.setup import (
     update_accumulation,
 )
 from fsdp_rlhf.trainers.ppo.source import ExperienceSource, OpenSource, SourceInputs
+from fsdp_rlhf.trainers.ppo.teacher import Teacher, teacher_spec
 from fsdp_rlhf.trainers.ppo.update import (
     TrainedModel,
     UpdatePlan,
@@ -150,6 +157,10 @@ class PPOTrainer:
         self.optimizers, self.schedulers = build_optimizers(cfg, self.models, updates)
         self.ema = build_ema(cfg, self.models.actor, self.optimizers["actor"])  # None: off
         self._plan_forwards(cfg, parallel)
+        self.teacher = None  # on-policy distillation's teacher, colocated or served
+        if cfg.distill.enabled:
+            spec = teacher_spec(self.models.teacher, self.actor_inputs)
+            self.teacher = Teacher(cfg, env, self.models.teacher, spec)
         self.kl_ctl = build_kl_controller(cfg.algo)
         self.timer = PhaseTimer(env.device, census_from_env(env.device, self.memory_owners))
         self.source: ExperienceSource = open_source(
@@ -174,7 +185,13 @@ class PPOTrainer:
         }
         self.step = 0
         self._resume()  # optimizer state is created here, while the engine sleeps
-        offload_idle(self.models, self.optimizers, cfg.placement.ref_reward_offload, env.device)
+        offload_idle(
+            self.models,
+            self.optimizers,
+            cfg.placement.ref_reward_offload,
+            env.device,
+            teacher_offload=cfg.distill.teacher_offload,
+        )
         self.logger = common.open_metrics(cfg, env, self.step)
         log.info(
             "PPO: %d steps, %d prompts/step x %d samples, world %d (%d engines x TP %d, "
@@ -234,6 +251,7 @@ class PPOTrainer:
         m = self.models
         engine = getattr(self.source, "engine", None)  # the colocated source's
         models = {"actor": m.actor, "critic": m.critic, "ref": m.ref, "reward": m.reward}
+        models["teacher"] = m.teacher
         models["engine copy"] = engine.model if isinstance(engine, HFEngine) else None
         ema = {"actor ema": list(self.ema.shadow.values())} if self.ema is not None else {}
         return owners_of(models, self.optimizers, ema)
@@ -274,7 +292,10 @@ class PPOTrainer:
         prompts back)."""
         stats = StatCollector()
         reuse = reuse_update_logprobs(
-            self.cfg.algo, self.plan.optimizer_steps_per_epoch, self.actor_updates
+            self.cfg.algo,
+            self.plan.optimizer_steps_per_epoch,
+            self.actor_updates,
+            distill=self.cfg.distill,
         )
         with self.timer("all"):
             # 1-2. the step's batch, scored (reward model and/or rule reward), from the source:
@@ -300,6 +321,8 @@ class PPOTrainer:
                     self.cfg.batch.n_samples_per_prompt,
                     self.parallel,
                 )
+                # on-policy distillation's reverse-KL advantage of each sampled token
+                add_distill_advantages(exp, self.cfg.distill)
                 kl_metrics = (
                     {} if reuse else observe_kl(exp, self.cfg.algo, self.kl_ctl, self.parallel)
                 )
@@ -313,6 +336,7 @@ class PPOTrainer:
             update_metrics.update(self.source.after_update(self.step, self.actor_updates))
         self.source.settle(sampled, trained=True)
         collect_batch_stats(stats, exp, trainer_old_logprobs=not self.rollout_logprobs_as_old)
+        collect_distill_stats(stats, exp)
         metrics = {**sampled.metrics, **kl_metrics, **update_metrics, **stats.reduce()}
         metrics.update(self.source.throughput(metrics, self.timer.times))
         metrics.update(self.timer.pop())
@@ -354,6 +378,9 @@ class PPOTrainer:
                 )
         with self.timer("reference_model"), self.reference() as ref:
             exp.ref_logprobs = batched_logprobs(ref, exp, micro, temp, self.actor_inputs)
+        if self.teacher is not None:
+            with self.timer("teacher"):
+                self.teacher.score(exp, micro)
         if self.models.critic is not None:
             with self.timer("critic_model"):
                 onload_model(self.models.critic, self.env.device)
@@ -396,6 +423,7 @@ class PPOTrainer:
                     reuse_logprobs=reuse_logprobs,
                     moe=self.moe,
                     aux_loss_coef=cfg.moe.aux_loss_coef,
+                    distill=cfg.distill if self.teacher is not None else None,
                 )
             metrics.update(actor_metrics)
             if self.moe is not None:

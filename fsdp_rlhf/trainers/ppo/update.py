@@ -18,14 +18,16 @@ from torch import nn
 
 from fsdp_rlhf.algorithms import (
     aggregate_loss,
+    distill_kl,
     entropy_bonus,
     gspo_loss,
     kl_estimate,
     policy_loss,
     rollout_correction,
+    topk_kl,
     value_loss,
 )
-from fsdp_rlhf.config import PPOAlgoConfig, PPOBatchPlan, PPOConfig
+from fsdp_rlhf.config import DistillConfig, PPOAlgoConfig, PPOBatchPlan, PPOConfig
 from fsdp_rlhf.distributed.fsdp import accumulate
 from fsdp_rlhf.distributed.layout import ParallelLayout
 from fsdp_rlhf.distributed.stats import global_token_count
@@ -118,7 +120,10 @@ class TrainedModel:
 
 
 def reuse_update_logprobs(
-    algo: PPOAlgoConfig, optimizer_steps_per_epoch: int, actor_updates: bool
+    algo: PPOAlgoConfig,
+    optimizer_steps_per_epoch: int,
+    actor_updates: bool,
+    distill: DistillConfig | None = None,
 ) -> bool:
     """Whether the actor update's own forward can supply ``old_logprobs``, saving a forward.
 
@@ -126,11 +131,15 @@ def reuse_update_logprobs(
     runs on the weights the batch was sampled with, so its detached log-probs are exactly the
     old ones (the ratio is 1, as verl and TRL also exploit). That holds only if nothing needs
     them before the update: not a KL penalty in the reward, nor an adaptive KL controller (it
-    sets the coefficient the update uses). Never with ``--use_rollout_logprobs_as_old``
-    (verl's bypass mode): the engine's log-probs are the old ones there.
+    sets the coefficient the update uses), nor distillation's reverse-KL advantage (it is
+    part of the advantages). Never with ``--use_rollout_logprobs_as_old`` (verl's bypass mode):
+    the engine's log-probs are the old ones there.
     """
+    distill_advantage = distill is not None and distill.enabled
+    distill_advantage = distill_advantage and distill.distill_loss == "advantage"
     return (
         actor_updates
+        and not distill_advantage
         and not algo.use_rollout_logprobs_as_old
         and algo.ppo_epochs == 1
         and optimizer_steps_per_epoch == 1
@@ -273,15 +282,21 @@ def _actor_loss_fn(
     reuse_logprobs: bool,
     moe: MoEHooks | None = None,
     aux_loss_coef: float = 0.0,
+    distill: DistillConfig | None = None,
 ) -> LossFn:
+    term = _distill_term(distill)
+    topk = distill is not None and distill.topk
+
     def loss_fn(mb: Experience, inputs: ForwardInputs, num_tokens: int, num_seqs: int):
-        logprobs, entropy = response_logprobs(
+        logprobs, entropy, *picked = response_logprobs(
             model,
             inputs,
             mb.response_len,
             temperature=temperature,
             with_entropy=True,
             entropy_grad=algo.entropy_loss_coef > 0,  # else a metric only
+            # a top-k distillation loss: the student's log-probs of the teacher's top-k tokens
+            picked_ids=mb.teacher_topk_ids if topk else None,
         )
         old_logprobs = logprobs.detach() * mb.response_mask if reuse_logprobs else mb.old_logprobs
         is_weights, corr_stats = _correction(algo, logprobs, old_logprobs, mb)
@@ -312,6 +327,13 @@ def _actor_loss_fn(
         }
         if algo.use_kl_loss:
             loss = loss + kl_coef * kl_loss
+        if term is not None:  # a distillation loss term (not the advantage signal)
+            per_token = term(mb, logprobs, picked[0] if picked else None)
+            distill_loss = aggregate_loss(
+                per_token, mb.response_mask, mode=algo.loss_agg_mode, **_counts(agg)
+            )
+            stats["distill/loss"] = distill_loss.detach()
+            loss = loss + distill.distill_coef * distill_loss
         if algo.entropy_loss_coef > 0:
             loss = loss + entropy_bonus(entropy, mb.response_mask, algo.entropy_loss_coef, **agg)
         if moe is not None:
@@ -325,6 +347,22 @@ def _actor_loss_fn(
         return loss, stats
 
     return loss_fn
+
+
+def _distill_term(distill: DistillConfig | None):
+    """``term(mb, logprobs, picked) -> (B, T)`` per-token distillation loss of a loss-term
+    signal (``--distill_loss k1 / k2 / k3 / forward_kl_topk / reverse_kl_topk``), or None (no
+    teacher, or the advantage signal). The sampled-token estimators take the update's own
+    log-probs (at the rollout temperature); the top-k KLs the student's log-probs of the
+    teacher's top-k tokens (``picked``, temperature 1 as the teacher's), made by the same
+    forward's output layer."""
+    if distill is None or distill.distill_loss == "advantage":
+        return None
+    kind = distill.distill_loss
+    if kind in ("k1", "k2", "k3"):
+        return lambda mb, logprobs, picked: distill_kl(logprobs, mb.teacher_logprobs, kind)
+    direction = "forward" if kind == "forward_kl_topk" else "reverse"
+    return lambda mb, logprobs, picked: topk_kl(picked, mb.teacher_topk_logprobs, direction)
 
 
 def _counts(agg: dict) -> dict:
@@ -345,6 +383,7 @@ def update_actor(
     reuse_logprobs: bool = False,
     moe: MoEHooks | None = None,
     aux_loss_coef: float = 0.0,
+    distill: DistillConfig | None = None,
 ) -> tuple[dict[str, float], torch.Tensor | None]:
     """The actor's policy-gradient updates on one rollout batch.
 
@@ -355,13 +394,15 @@ def update_actor(
             :func:`reuse_update_logprobs`); they are returned rather than written into ``exp``.
         moe: an MoE actor's router hooks: its forwards replay ``exp.routed_experts`` when set,
             count routing statistics, and add ``aux_loss_coef`` x the load-balancing loss.
+        distill: with a teacher whose signal is a loss term, ``distill_coef`` x that term is
+            added (``exp.teacher_*`` set); None: none.
 
     Returns:
         ``(metrics, old_logprobs)``: the (N, T) log-probs the update used as old ones when
         ``reuse_logprobs``, else None.
     """
     loss_fn = _actor_loss_fn(
-        actor.model, algo, kl_coef, temperature, plan, reuse_logprobs, moe, aux_loss_coef
+        actor.model, algo, kl_coef, temperature, plan, reuse_logprobs, moe, aux_loss_coef, distill
     )
     collected = torch.zeros_like(exp.response_mask) if reuse_logprobs else None
 
@@ -373,6 +414,8 @@ def update_actor(
         return routing_scope(moe, mb.routed_experts, inputs, collect=counted)
 
     sums = ("actor/pg_loss", "actor/kl_loss", "actor/entropy")
+    if distill is not None and distill.distill_loss != "advantage":
+        sums += ("distill/loss",)
     if moe is not None:
         sums += ("moe/aux_loss",)
     out, grad_norm = _update_loop(
