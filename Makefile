@@ -9,7 +9,7 @@ STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml Makefile scripts/vllm_r
 MAX_JOBS ?= 8
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: install test test-async test-async-resume test-faults test-fast test-long test-bench test-models test-models-full test-vlm test-pairs test-flagship test-sp test-ep test-gpu test-vllm-compat test-transformers-compat test-cluster demo bench lint fmt clean gpu-smoke tcmalloc
+.PHONY: install test test-async test-async-resume test-faults test-fast test-long test-bench test-models test-models-full test-vlm test-pairs test-flagship test-distill test-sp test-ep test-gpu test-vllm-compat test-transformers-compat test-cluster demo bench lint fmt clean gpu-smoke tcmalloc
 
 install: $(STAMP)
 
@@ -144,6 +144,14 @@ test-pairs: install
 # --async_train with partial rollouts on 2 engines, SP 2, router replay, packing, bf16.
 test-flagship: install
 	$(PYTEST) tests/vlm/test_flagship.py --suites flagship
+
+# On-policy distillation's longer runs (marker `distill`, tests/e2e/test_distill.py): a student
+# fine-tuned in the test learns a teacher's answers by pure distillation (the logged reverse KL
+# against transformers on the saved student), and a `vllm serve` teacher scores as the
+# colocated one. make test runs the short cases (bad inputs, the KD script, the pairs job's
+# teacher).
+test-distill: install
+	$(PYTEST) tests/e2e/test_distill.py --suites distill
 
 # python -m scripts.bench --smoke: every measurement path of the bench runs and writes sane numbers
 # (tiny sizes, one repetition; not speed). About 2-3 minutes on 2 cores.

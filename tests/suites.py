@@ -21,6 +21,7 @@ SUITES = {
     "vlm": "vision-language models",
     "pairs": "the pairwise feature matrix's jobs after the first",
     "flagship": "the hybrid MoE VLM trained async with SP and router replay",
+    "distill": "on-policy distillation's longer runs: a fine-tuned teacher, a served teacher",
     "bench": "the bench's smoke run",
     "sp": "sequence parallelism",
     "ep": "expert parallelism",
@@ -29,7 +30,10 @@ SUITES = {
     "long": "the longer duplicates of a CI case (not in CI)",
 }
 # What .ci/run runs in one pytest process (the GPU suite runs apart: vLLM hidden from it).
-CI = ("test", "faults", "async", "models", "vlm", "pairs", "flagship", "bench", "sp", "ep")
+CI = (
+    "test", "faults", "async", "models", "vlm", "pairs", "flagship", "distill", "bench", "sp",
+    "ep",
+)  # fmt: skip
 
 # (marker, suite), in order: the first marker a test carries decides.
 _BY_MARKER = (
@@ -38,6 +42,7 @@ _BY_MARKER = (
     ("models_full", "models-full"),
     ("featured", "test"),
     ("flagship", "flagship"),
+    ("distill", "distill"),
     ("pairs", "pairs"),
     ("faults", "faults"),
     ("asynchronous", "async"),

@@ -113,6 +113,7 @@ def pure_run(distill_data, tmp_path_factory):
     return save, proc
 
 
+@pytest.mark.distill
 def test_pure_distillation_moves_the_student_to_the_teacher(pure_run):
     save, proc = pure_run
     rows = read_metrics(save)
@@ -134,6 +135,7 @@ def test_pure_distillation_moves_the_student_to_the_teacher(pure_run):
     assert final and all(s["response"].count("blue") >= 3 for s in final), final
 
 
+@pytest.mark.distill
 def test_the_logged_reverse_kl_agrees_with_transformers_on_the_saved_student(
     pure_run, distill_data
 ):
@@ -259,7 +261,7 @@ def _batch(tokenizer, prompts: list[str]):
     return Experience(ids, mask, response, torch.zeros(len(rows), T))
 
 
-@pytest.mark.long
+@pytest.mark.distill
 def test_a_served_teacher_scores_as_the_colocated_one(distill_data, served_teacher, tmp_path):
     """The same rows scored by the teacher in this process (the colocated teacher's forward
     code, unsharded) and by ``vllm serve`` through ``--teacher_url``: per-token log-probs and
