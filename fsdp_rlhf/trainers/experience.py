@@ -40,6 +40,8 @@ class Experience:
     # (N, P+T, Lm, k) the engine's experts per token and MoE layer (--router_replay)
     routed_experts: torch.Tensor | None = None
     images: ImageBatch | None = None  # N rows' images (a vision-language model)
+    # (N, K) int64: each row's marks from its rollout rank (the pairing audit, ppo.pairing)
+    sample_marks: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -88,7 +90,13 @@ class Experience:
             cut["routed_experts"] = self.routed_experts[:, start : P + keep]
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name not in cut and isinstance(value, torch.Tensor) and value.ndim == 2:
+            per_token = f.name != "sample_marks"  # the (N, K) marks are per row
+            if (
+                f.name not in cut
+                and isinstance(value, torch.Tensor)
+                and value.ndim == 2
+                and per_token
+            ):
                 cut[f.name] = value[:, :keep]
         return replace(self, **cut)
 

@@ -40,6 +40,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+import fsdp_rlhf.trainers.ppo.pairing as pairing
 from fsdp_rlhf.algorithms import clip_scores
 from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.data.prompts import Prompt, PromptSampler
@@ -395,10 +396,14 @@ class RolloutWorker:
         base = self.index * self.per_rank
         for route in self.my_routes:
             lo, hi = route.start - base, route.stop - base
+            rows = exp.rows(torch.arange(lo * self.n, hi * self.n))
+            indices = [self.prompt_index[id(p)] for p in prompts[lo:hi]]
+            if pairing.enabled():  # each sample marked as sent, checked at the update
+                rows.sample_marks = pairing.sample_marks(rows, indices, self.n)
             part = BatchPart(
                 batch,
-                exp.rows(torch.arange(lo * self.n, hi * self.n)),
-                [self.prompt_index[id(p)] for p in prompts[lo:hi]],
+                rows,
+                indices,
                 self.sampler.state_dict(),
                 report if route.dest == self.reports_to else None,
             )

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+import fsdp_rlhf.trainers.ppo.pairing as pairing
 from fsdp_rlhf.algorithms import (
     aggregate_loss,
+    behaviour_ratio_stats,
     entropy_bonus,
     gspo_loss,
     kl_estimate,
@@ -26,6 +28,7 @@ from fsdp_rlhf.algorithms import (
     value_loss,
 )
 from fsdp_rlhf.config import PPOAlgoConfig, PPOBatchPlan, PPOConfig
+from fsdp_rlhf.distributed.env import all_reduce_scalars
 from fsdp_rlhf.distributed.fsdp import accumulate
 from fsdp_rlhf.distributed.layout import ParallelLayout
 from fsdp_rlhf.distributed.stats import global_token_count
@@ -198,25 +201,44 @@ def _update_loop(
     return reduced, finite_mean(norms)
 
 
+def off_policy_mode(algo: PPOAlgoConfig) -> str:
+    """``--off_policy_correction`` as the update applies it: ``none``, ``behaviour`` or
+    ``decoupled`` (an unresolved ``auto``, a config built without its placement, is the
+    colocated default)."""
+    mode = algo.off_policy_correction
+    if mode == "auto":
+        return "behaviour" if algo.use_rollout_logprobs_as_old else "none"
+    return mode
+
+
+def ratio_anchor(algo: PPOAlgoConfig, old_logprobs: torch.Tensor, mb: Experience) -> torch.Tensor:
+    """The log-probs the PPO ratio is taken against: the behaviour policy's (each token's engine
+    log-prob, its own version's) with ``--off_policy_correction behaviour``, else the trainer's
+    old ones (with bypass mode those already are the engine's)."""
+    if off_policy_mode(algo) == "behaviour" and not algo.use_rollout_logprobs_as_old:
+        return mb.engine_logprobs * mb.response_mask
+    return old_logprobs
+
+
 def _correction(
     algo: PPOAlgoConfig, logprobs: torch.Tensor, old_logprobs: torch.Tensor, mb: Experience
 ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
-    """Rollout/trainer mismatch weights (``--is_correction``) and their ``rollout_corr/*`` stats.
+    """Per-token weights of the policy loss and their ``rollout_corr/*`` stats: the rollout
+    correction (``--is_correction``), or decoupled PPO's behaviour weights ``pi_old /
+    pi_behaviour``, tokens above ``--behaviour_weight_cap`` dropped (AReaL's; ``icepop`` over
+    ``[0, cap]``).
 
     With ``--use_rollout_logprobs_as_old`` the old log-probs *are* the engine's, so the mismatch
     is measured against the update's own (detached) log-probs instead: on the first minibatch of
     the first epoch those are the trainer's old ones.
     """
     trainer = logprobs.detach() if algo.use_rollout_logprobs_as_old else old_logprobs
+    mode, gating = algo.is_correction, algo.is_correction_gating
     low, high = algo.is_truncated_threshold
+    if off_policy_mode(algo) == "decoupled":
+        mode, gating, low, high = "icepop", "ratio", 0.0, algo.behaviour_weight_cap
     weights, st = rollout_correction(
-        trainer,
-        mb.engine_logprobs,
-        mb.response_mask,
-        algo.is_correction,
-        low,
-        high,
-        algo.is_correction_gating,
+        trainer, mb.engine_logprobs, mb.response_mask, mode, low, high, gating
     )
     return weights, {f"rollout_corr/{k}": v for k, v in st.items()}
 
@@ -287,7 +309,16 @@ def _actor_loss_fn(
             num_seqs=num_seqs,
             norm_len=plan.norm_len,
         )
-        loss, pg_stats = _policy_term(algo, logprobs, old_logprobs, mb, is_weights, agg)
+        anchor = ratio_anchor(algo, old_logprobs, mb)
+        loss, pg_stats = _policy_term(algo, logprobs, anchor, mb, is_weights, agg)
+        behaviour = behaviour_ratio_stats(
+            logprobs,
+            mb.engine_logprobs,
+            mb.advantages,
+            mb.response_mask,
+            algo.eps_clip,
+            algo.eps_clip_high,
+        )
         kl = kl_estimate(
             logprobs,
             mb.ref_logprobs,
@@ -304,6 +335,7 @@ def _actor_loss_fn(
             # the split into micro-batches (summed over them, see _update_loop)
             "actor/entropy": (entropy.detach() * mb.response_mask).sum() / max(num_tokens, 1),
             **corr_stats,
+            **{f"actor/{k}": v for k, v in behaviour.items()},
             "logprobs": old_logprobs,
         }
         if algo.use_kl_loss:
@@ -371,9 +403,20 @@ def update_actor(
     sums = ("actor/pg_loss", "actor/kl_loss", "actor/entropy")
     if moe is not None:
         sums += ("moe/aux_loss",)
+    audited = [0]
+    if exp.sample_marks is not None:  # the pairing audit: each row against its marks
+        unchecked = loss_fn
+
+        def loss_fn(mb, inputs, num_tokens, num_seqs):
+            audited[0] += pairing.check_rows(mb, actor.step)
+            return unchecked(mb, inputs, num_tokens, num_seqs)
+
     out, grad_norm = _update_loop(
         actor, exp, plan, generator, loss_fn, spec, keep, sums, scope if moe is not None else None
     )
+    if exp.sample_marks is not None:
+        rows = all_reduce_scalars({"rows": audited[0]}, "sum", plan.parallel.data_group)
+        out["pairing/rows_checked"] = rows["rows"]
     out["actor/grad_norm"] = grad_norm
     out.update(actor.guard.metrics("actor/"))
     out["grad_norm"] = grad_norm  # MindSpeed RL's name for the actor's norm, kept as an alias
