@@ -57,8 +57,10 @@ def _row_digests(exp: Experience, i: int) -> dict[str, int]:
     """Row ``i``'s parts, digested (everything but its prompt and place)."""
     attended = exp.attention_mask[i].bool()
     generated = exp.response_mask[i].bool()
+    by_position = torch.zeros_like(attended)  # which of the row's tokens the model generated
+    by_position[-exp.response_len :] = generated
     out = {
-        "tokens": _crc(exp.input_ids[i][attended].long(), generated.to(torch.uint8)),
+        "tokens": _crc(exp.input_ids[i][attended].long(), by_position[attended].to(torch.uint8)),
         "score": -1,
         "behaviour": _crc(exp.engine_logprobs[i][generated].float()),
         "image": 0,
