@@ -93,9 +93,11 @@ class RolloutEnded(Exception):
 
 
 def engine_seed(seed: int | None, engine: int) -> int | None:
-    """A sampling seed of one engine's own (engines must not draw the same random numbers)."""
-    if seed is None:
-        return None
+    """A sampling seed of one engine's own (engines must not draw the same random numbers).
+    Engine 0 keeps the step's seed: at equal weights, one engine samples the batches a
+    one-rank colocated run does (the mechanics of the asynchronous step are compared on them)."""
+    if seed is None or engine == 0:
+        return seed
     return int(np.random.SeedSequence([seed, engine]).generate_state(1)[0])
 
 
