@@ -68,6 +68,7 @@ _MODULE_OF = {
     "rollout_correction": "correction",
     "rollout_mismatch_metrics": "correction",
     "shape_rewards": "rewards",
+    "staleness_clip": "correction",
     "stop_properly_penalty": "rewards",
     "total_variation": "correction",
     "value_loss": "losses",

@@ -235,14 +235,38 @@ def rollout_correction(
     return weights, stats
 
 
+def staleness_clip(
+    clip_eps_low: float, clip_eps_high: float | None, lag: torch.Tensor | None
+) -> tuple[float | torch.Tensor, float | torch.Tensor]:
+    """PPO's clip range around the behaviour policy for tokens ``lag`` versions stale: the
+    ratio bounds ``[(1 - eps_low)^(1 + lag), (1 + eps_high)^(1 + lag)]``, returned as the
+    ``(clip_eps_low, clip_eps_high)`` :func:`~fsdp_rlhf.algorithms.losses.policy_loss` takes
+    (per token when ``lag`` is a (B, T) tensor; the plain range for ``lag`` None or 0).
+
+    Each PPO update may move the policy one trust region (``1 +- eps``) from where it starts;
+    the policy this update produces is ``1 + lag`` updates from a token sampled ``lag``
+    versions before the update's start, so the region around the behaviour policy compounds.
+    One region (the plain clip) silences tokens that only moved as on-policy updates would
+    have; none lets a stale batch push its tokens further in the direction the updates since
+    it was sampled already took them.
+    """
+    clip_eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
+    if lag is None:
+        return clip_eps_low, clip_eps_high
+    power = 1.0 + lag.clamp(min=0).to(torch.float32)
+    low = 1.0 - (1.0 - clip_eps_low) ** power
+    high = (1.0 + clip_eps_high) ** power - 1.0
+    return low, high
+
+
 @torch.no_grad()
 def behaviour_ratio_stats(
     logprobs: torch.Tensor,
     behaviour_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    clip_eps_low: float = 0.2,
-    clip_eps_high: float | None = None,
+    clip_eps_low: float | torch.Tensor = 0.2,
+    clip_eps_high: float | torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """The policy being trained against the behaviour policy (the weights that sampled each
     token), on valid tokens: ``r_t = exp(logprobs - behaviour_logprobs)``.
@@ -252,7 +276,8 @@ def behaviour_ratio_stats(
         behaviour_logprobs: (B, T) the engine's log-probs of the sampled tokens.
         advantages: (B, T) advantages.
         response_mask: (B, T) valid response tokens.
-        clip_eps_low, clip_eps_high: PPO's clip range (``None``: ``clip_eps_low``).
+        clip_eps_low, clip_eps_high: PPO's clip range around the behaviour policy
+            (``None``: ``clip_eps_low``), floats or per token (:func:`staleness_clip`).
 
     Returns:
         Detached local 0-d tensors: ``behaviour_ratio`` (token mean of ``r_t``),

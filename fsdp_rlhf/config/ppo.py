@@ -255,7 +255,7 @@ def _pair(value: tuple[float, ...], name: str, *, ordered: bool = False) -> tupl
 
 # What --off_policy_correction auto becomes (chosen by measurement:
 # benchmarks/2026-12-01-async-correction.md)
-AUTO_OFF_POLICY = {"async": "none", "colocated": "none"}
+AUTO_OFF_POLICY = {"async": "behaviour", "colocated": "none"}
 
 
 def resolve_off_policy_correction(

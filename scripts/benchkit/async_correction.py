@@ -62,6 +62,12 @@ MODES: dict[str, tuple[int, list[str]]] = {
         [*ASYNC, "--off_policy_correction", "decoupled", "--decoupled_weight_cap", DECOUPLED_CAP],
     ),
     "async_default": (2, ASYNC),
+    # the clip around the behaviour policy as wide as two updates' (1 - eps)^2 .. (1 + eps)^2
+    "async_behaviour_wide": (
+        2,
+        [*ASYNC, "--off_policy_correction", "behaviour", "--eps_clip", "0.36"]
+        + ["--eps_clip_high", "0.44"],
+    ),
 }
 # the same modes with the flags the code had before --off_policy_correction existed
 LEGACY_MODES: dict[str, tuple[int, list[str]]] = {

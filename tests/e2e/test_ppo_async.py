@@ -21,7 +21,7 @@ from fsdp_rlhf.testing.launch import local_torchrun
 from fsdp_rlhf.testing.synthetic import prompt_rows, write_jsonl
 from fsdp_rlhf.trainers.experience import Experience
 from fsdp_rlhf.trainers.ppo import pairing
-from fsdp_rlhf.trainers.ppo.update import _correction
+from fsdp_rlhf.trainers.ppo.update import _correction, ratio_anchor
 from tests.e2e.helpers import REPO, _env, read_metrics, torchrun
 from tests.e2e.test_ppo_cli import (
     PARITY_REWARD,
@@ -285,6 +285,13 @@ def test_a_response_spans_two_weight_versions_and_each_token_keeps_its_own(tiny_
     weights, _ = _correction(cfg.algo, lp1, lp1, exp)
     assert torch.allclose(weights[new], torch.ones_like(weights[new]), atol=3e-3)
     assert torch.allclose(weights[old], torch.exp(lp1 - lp0)[old], rtol=5e-3)
+    # the ratio against the behaviour policy (--off_policy_correction behaviour) takes each
+    # token's own version's log-prob: 1 where the trainer's policy sampled it, the two
+    # versions' ratio where the older one did
+    behaviour = build_config(PPOConfig, ["--off_policy_correction", "behaviour"])[0].algo
+    ratio = torch.exp(lp1 - ratio_anchor(behaviour, lp1, exp))
+    assert torch.allclose(ratio[new], torch.ones_like(ratio[new]), atol=3e-3)
+    assert torch.allclose(ratio[old], torch.exp(lp1 - lp0)[old], rtol=5e-3)
 
 
 SCRIPTS = Path(__file__).parent / "openrlhf_scripts"

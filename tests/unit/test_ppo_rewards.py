@@ -22,7 +22,12 @@ from fsdp_rlhf.trainers.ppo.rewards import (
     compute_advantages,
     observe_kl,
 )
-from fsdp_rlhf.trainers.ppo.update import _correction, ratio_anchor, reuse_update_logprobs
+from fsdp_rlhf.trainers.ppo.update import (
+    _correction,
+    clip_range,
+    ratio_anchor,
+    reuse_update_logprobs,
+)
 from fsdp_rlhf.trainers.rule_reward import build_rule_reward, http_reward
 
 
@@ -392,3 +397,22 @@ def test_stat_collector_leaves_out_an_optional_mean_nothing_counted():
     stats.add_weighted_mean("c", torch.tensor(0.0), torch.tensor(0))
     out = stats.reduce()
     assert out["a"] == 1.5 and "b" not in out and out["c"] == 0.0
+
+
+def test_the_clip_around_the_behaviour_policy_widens_with_each_tokens_staleness():
+    """--off_policy_correction behaviour under async training: a token sampled k versions
+    before the policy the step starts from clips at (1 +- eps)^(1 + k); colocated batches (no
+    versions) and the other corrections keep the flags' range."""
+    exp = _experience(n_prompts=1, n=2, T=3)
+    exp.response_mask = torch.ones(2, 3)
+    algo = PPOAlgoConfig(off_policy_correction="behaviour", eps_clip=0.2, eps_clip_high=0.28)
+    assert clip_range(algo, exp, None) == (0.2, 0.28)  # no versions: colocated
+    exp.token_versions = torch.tensor([[4, 4, 4], [3, 4, 2]])
+    low, high = clip_range(algo, exp, trained_version=4)
+    assert torch.allclose(1 + high, torch.tensor([[1.28, 1.28, 1.28], [1.28**2, 1.28, 1.28**3]]))
+    assert torch.allclose(1 - low, torch.tensor([[0.8, 0.8, 0.8], [0.8**2, 0.8, 0.8**3]]))
+    for mode in ("none", "decoupled"):
+        other = PPOAlgoConfig(off_policy_correction=mode, eps_clip=0.2, eps_clip_high=0.28)
+        assert clip_range(other, exp, trained_version=4) == (0.2, 0.28)
+    with pytest.raises(ValueError, match="needs the version"):
+        clip_range(algo, exp, None)

@@ -25,6 +25,7 @@ from fsdp_rlhf.algorithms import (
     kl_estimate,
     policy_loss,
     rollout_correction,
+    staleness_clip,
     value_loss,
 )
 from fsdp_rlhf.config import PPOAlgoConfig, PPOBatchPlan, PPOConfig
@@ -220,6 +221,21 @@ def ratio_anchor(algo: PPOAlgoConfig, old_logprobs: torch.Tensor, mb: Experience
     return old_logprobs
 
 
+def clip_range(
+    algo: PPOAlgoConfig, mb: Experience, trained_version: int | None
+) -> tuple[float | torch.Tensor, float | torch.Tensor]:
+    """PPO's ``(clip_eps_low, clip_eps_high)``: around the behaviour policy, widened per token
+    by its staleness (``staleness_clip``: ``trained_version`` minus the version that sampled
+    it; asynchronous training), else the flags' range."""
+    low, high = algo.eps_clip, algo.eps_clip_high
+    if off_policy_mode(algo) != "behaviour" or mb.token_versions is None:
+        return staleness_clip(low, high, None)
+    if trained_version is None:
+        raise ValueError("a batch with weight versions needs the version it is trained from")
+    lag = (trained_version - mb.token_versions) * mb.response_mask.long()
+    return staleness_clip(low, high, lag)
+
+
 def _correction(
     algo: PPOAlgoConfig, logprobs: torch.Tensor, old_logprobs: torch.Tensor, mb: Experience
 ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
@@ -250,8 +266,10 @@ def _policy_term(
     mb: Experience,
     is_weights: torch.Tensor | None,
     agg: dict,
+    clip: tuple | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO's token-ratio loss, or GSPO's sequence-ratio loss (``--policy_loss_type gspo``)."""
+    """PPO's token-ratio loss (``clip``: its ``(eps_low, eps_high)``, default the flags'), or
+    GSPO's sequence-ratio loss (``--policy_loss_type gspo``, its own range)."""
     if algo.policy_loss_type == "gspo":
         low, high = algo.gspo_eps_clip_low_high
         loss, st = gspo_loss(
@@ -266,13 +284,14 @@ def _policy_term(
         )
         extra = {"actor/seq_clipfrac": st["seq_clipfrac"], "actor/seq_ratio": st["seq_ratio_mean"]}
     else:
+        low, high = clip if clip is not None else (algo.eps_clip, algo.eps_clip_high)
         loss, st = policy_loss(
             logprobs,
             old_logprobs,
             mb.advantages,
             mb.response_mask,
-            clip_eps_low=algo.eps_clip,
-            clip_eps_high=algo.eps_clip_high,
+            clip_eps_low=low,
+            clip_eps_high=high,
             dual_clip=algo.dual_clip,
             is_weights=is_weights,
             **agg,
@@ -291,6 +310,7 @@ def _actor_loss_fn(
     reuse_logprobs: bool,
     moe: MoEHooks | None = None,
     aux_loss_coef: float = 0.0,
+    trained_version: int | None = None,
 ) -> LossFn:
     def loss_fn(mb: Experience, inputs: ForwardInputs, num_tokens: int, num_seqs: int):
         logprobs, entropy = response_logprobs(
@@ -310,14 +330,10 @@ def _actor_loss_fn(
             norm_len=plan.norm_len,
         )
         anchor = ratio_anchor(algo, old_logprobs, mb)
-        loss, pg_stats = _policy_term(algo, logprobs, anchor, mb, is_weights, agg)
+        clip = clip_range(algo, mb, trained_version)
+        loss, pg_stats = _policy_term(algo, logprobs, anchor, mb, is_weights, agg, clip)
         behaviour = behaviour_ratio_stats(
-            logprobs,
-            mb.engine_logprobs,
-            mb.advantages,
-            mb.response_mask,
-            algo.eps_clip,
-            algo.eps_clip_high,
+            logprobs, mb.engine_logprobs, mb.advantages, mb.response_mask, *clip
         )
         kl = kl_estimate(
             logprobs,
@@ -388,8 +404,18 @@ def update_actor(
         ``(metrics, old_logprobs)``: the (N, T) log-probs the update used as old ones when
         ``reuse_logprobs``, else None.
     """
+    # the policy this step starts from: version step - 1 (asynchronous batches' tokens carry
+    # the versions that sampled them)
     loss_fn = _actor_loss_fn(
-        actor.model, algo, kl_coef, temperature, plan, reuse_logprobs, moe, aux_loss_coef
+        actor.model,
+        algo,
+        kl_coef,
+        temperature,
+        plan,
+        reuse_logprobs,
+        moe,
+        aux_loss_coef,
+        trained_version=actor.step - 1,
     )
     collected = torch.zeros_like(exp.response_mask) if reuse_logprobs else None
 

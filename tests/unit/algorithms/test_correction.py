@@ -254,3 +254,20 @@ def test_logprob_gap_by_staleness_sums_each_lag_apart():
     assert [float(gaps[0][0]), int(gaps[0][1])] == pytest.approx([0.1, 1])
     assert [float(gaps[1][0]), int(gaps[1][1])] == pytest.approx([0.5 + 0.0 + 0.0 + 1.0, 4])
     assert int(gaps[2][1]) == 0  # the lag-2 token is padding
+
+
+def test_staleness_clip_compounds_one_trust_region_per_version():
+    from fsdp_rlhf.algorithms import staleness_clip
+
+    assert staleness_clip(0.2, 0.28, None) == (0.2, 0.28)
+    assert staleness_clip(0.2, None, None) == (0.2, 0.2)
+    low, high = staleness_clip(0.2, 0.28, torch.tensor([[0, 1, 2]]))
+    assert torch.allclose(1 - low, torch.tensor([[0.8, 0.8**2, 0.8**3]]))
+    assert torch.allclose(1 + high, torch.tensor([[1.28, 1.28**2, 1.28**3]]))
+    # per token in the PPO loss: a token one version stale clips at 1.28^2, not 1.28
+    adv = torch.ones(1, 3)
+    logprobs = torch.log(torch.tensor([[1.5, 1.5, 1.5]])).requires_grad_(True)
+    loss, st = policy_loss(logprobs, torch.zeros(1, 3), adv, torch.ones(1, 3), low, high)
+    loss.backward()
+    assert logprobs.grad[0, 0] == 0 and logprobs.grad[0, 1] < 0 and logprobs.grad[0, 2] < 0
+    assert st["pg_clipfrac"] == pytest.approx(1 / 3)
