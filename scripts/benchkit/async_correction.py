@@ -81,7 +81,7 @@ LEGACY_MODES: dict[str, tuple[int, list[str]]] = {
     "async_default": (2, ASYNC),
 }
 # several optimizer steps per rollout batch, colocated: 128 samples in minibatches of 32
-MINIBATCH = ["--train_batch_size", "32", "--micro_train_batch_size", "32"]
+MINIBATCH = ["--train_batch_size", "32", "--micro_train_batch_size", "16"]
 COLOCATED_MB: dict[str, tuple[int, list[str]]] = {
     "colocated_mb4_none": (2, [*MINIBATCH, "--off_policy_correction", "none"]),
     "colocated_mb4_behaviour": (2, [*MINIBATCH, "--off_policy_correction", "behaviour"]),
@@ -241,7 +241,77 @@ def summarise(results: dict, k: int) -> dict:
     return out
 
 
+def _cell(values: list, fmt: str = "{:.2f}") -> str:
+    shown = [("-" if v is None else fmt.format(v)) for v in values]
+    return " / ".join(shown)
+
+
+def render(paths: list[str], k: int, labels: dict[str, str]) -> str:
+    """Markdown tables of the runs in ``paths`` (JSON files of this harness), one per task:
+    per mode the seeds' first-k and last-k mean scores, the gain and its ratio to the
+    colocated runs' of the same file (seed by seed), the mean score over all steps, the
+    steps-to-score and seconds to it (the steps' ``timing/all`` summed), and the median step."""
+    out = []
+    files = [json.loads(Path(p).read_text()) for p in paths]
+    tasks = {t for f in files for t in f["runs"]}
+    for task in ("text", "vl", "moe_vl"):
+        if task not in tasks:
+            continue
+        out += [f"### {task}", ""]
+        out.append(
+            "| run | first 5 | last 5 | gain | vs colocated | mean over steps | steps to score"
+            " | s to score | s/step |"
+        )
+        out.append("|---|---|---|---|---|---|---|---|---|")
+        for path, f in zip(paths, files, strict=True):
+            by_seed = f["runs"].get(task, {})
+            seeds = sorted(by_seed)
+            modes = [m for m in MODE_ORDER if any(m in by_seed[x] for x in seeds)]
+            for mode in modes:
+                cols: dict[str, list] = {c: [] for c in ("f", "l", "g", "r", "a", "to", "s", "st")}
+                for seed in seeds:
+                    rec = by_seed[seed].get(mode)
+                    if rec is None:
+                        continue
+                    sc = scores(rec)
+                    base = by_seed[seed].get("colocated")
+                    bs = scores(base) if base else None
+                    cols["f"].append(statistics.fmean(sc[:k]))
+                    cols["l"].append(statistics.fmean(sc[-k:]))
+                    cols["g"].append(gain(sc, k))
+                    cols["r"].append(gain(sc, k) / gain(bs, k) if bs and gain(bs, k) else None)
+                    cols["a"].append(statistics.fmean(sc))
+                    target = statistics.fmean(bs[:k]) + 0.5 * gain(bs, k) if bs else None
+                    to = steps_to(sc, target, k) if target is not None else None
+                    cols["to"].append(to)
+                    times = [r["timing/all"] for r in rec["rows"]]
+                    cols["s"].append(sum(times[:to]) if to else None)
+                    cols["st"].append(statistics.median(times[2:]))
+                name = labels.get(f"{Path(path).stem}:{mode}", f"{Path(path).stem}: {mode}")
+                out.append(
+                    f"| {name} | {_cell(cols['f'])} | {_cell(cols['l'])} | {_cell(cols['g'])} "
+                    f"| {_cell(cols['r'])} | {_cell(cols['a'])} | {_cell(cols['to'], '{}')} "
+                    f"| {_cell(cols['s'], '{:.0f}')} | {_cell(cols['st'])} |"
+                )
+        out.append("")
+    return "\n".join(out)
+
+
+MODE_ORDER = [
+    "colocated",
+    "async_none",
+    "async_decoupled",
+    "async_behaviour",
+    "async_behaviour_wide",
+    "async_default",
+    *COLOCATED_MB,
+]
+
+
 def main() -> int:
+    if sys.argv[1:2] == ["render"]:  # render FILE... : the report's tables
+        print(render(sys.argv[2:], k=5, labels={}))
+        return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON results (rewritten after every run)")
     p.add_argument("--tasks", default="text,vl,moe_vl")
