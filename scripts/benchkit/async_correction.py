@@ -59,7 +59,7 @@ MODES: dict[str, tuple[int, list[str]]] = {
     "async_behaviour": (2, [*ASYNC, "--off_policy_correction", "behaviour"]),
     "async_decoupled": (
         2,
-        [*ASYNC, "--off_policy_correction", "decoupled", "--decoupled_weight_cap", DECOUPLED_CAP],
+        [*ASYNC, "--off_policy_correction", "decoupled", "--behaviour_weight_cap", DECOUPLED_CAP],
     ),
     "async_default": (2, ASYNC),
     # the clip around the behaviour policy as wide as two updates' (1 - eps)^2 .. (1 + eps)^2
@@ -87,7 +87,7 @@ COLOCATED_MB: dict[str, tuple[int, list[str]]] = {
     "colocated_mb4_behaviour": (2, [*MINIBATCH, "--off_policy_correction", "behaviour"]),
     "colocated_mb4_decoupled": (
         2,
-        [*MINIBATCH, "--off_policy_correction", "decoupled", "--decoupled_weight_cap", "5"],
+        [*MINIBATCH, "--off_policy_correction", "decoupled", "--behaviour_weight_cap", "5"],
     ),
 }
 
@@ -252,7 +252,11 @@ def render(paths: list[str], k: int, labels: dict[str, str]) -> str:
     colocated runs' of the same file (seed by seed), the mean score over all steps, the
     steps-to-score and seconds to it (the steps' ``timing/all`` summed), and the median step."""
     out = []
-    files = [json.loads(Path(p).read_text()) for p in paths]
+    files = []
+    for path in paths:  # FILE, or FILE:SECTION of a combined report
+        name, _, section = path.partition(":")
+        data = json.loads(Path(name).read_text())
+        files.append(data[section] if section else data)
     tasks = {t for f in files for t in f["runs"]}
     for task in ("text", "vl", "moe_vl"):
         if task not in tasks:
@@ -287,7 +291,8 @@ def render(paths: list[str], k: int, labels: dict[str, str]) -> str:
                     times = [r["timing/all"] for r in rec["rows"]]
                     cols["s"].append(sum(times[:to]) if to else None)
                     cols["st"].append(statistics.median(times[2:]))
-                name = labels.get(f"{Path(path).stem}:{mode}", f"{Path(path).stem}: {mode}")
+                tag = path.partition(":")[2] or Path(path).stem
+                name = labels.get(f"{tag}:{mode}", f"{tag}: {mode}")
                 out.append(
                     f"| {name} | {_cell(cols['f'])} | {_cell(cols['l'])} | {_cell(cols['g'])} "
                     f"| {_cell(cols['r'])} | {_cell(cols['a'])} | {_cell(cols['to'], '{}')} "
