@@ -377,6 +377,7 @@ def test_openrlhf_async_agent_script(tiny_qwen2, tmp_path, script):
         "partial_rollout: true",
         "advantage_estimator: reinforce_baseline",
         "is_correction: icepop",
+        "off_policy_correction: none",  # OpenRLHF's ratio against the trainer's old log-probs
         "use_dynamic_batch: true",
         "dynamic_filtering: true",
         "bf16: true",
@@ -430,6 +431,7 @@ def test_openrlhf_flash_reinforce_script(tiny_qwen2, tmp_path):
         "n_samples_per_prompt: 1",
         "is_correction: seq_mask",
         "is_correction_gating: binary_kl",
+        "off_policy_correction: none",
         "loss_agg_mode: seq-mean-token-mean",
         "init_kl_coef: 0.0",
         "vllm_generate_batch_size: 16",
