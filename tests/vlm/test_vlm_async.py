@@ -23,7 +23,10 @@ from tests.vlm.test_vlm_grpo import grpo_flags
 
 pytestmark = [pytest.mark.vlm, pytest.mark.slow]
 
-STEPS = 8
+# the behaviour correction (the async default) starts slower where stale batches point the
+# right way: 8 steps gained 0.12 with it (0.33 with the ratio against the trainer's old
+# log-probs), 12 steps 0.30
+STEPS = 12
 # Max |engine - trainer| log-prob of a token sampled by the weights the trainer holds, fp32 on
 # both sides: measured ~1e-6 (as the colocated VLM run's, tests/vlm/test_vlm_rollout.py)
 LOGPROB_TOL = 1e-4
