@@ -16,7 +16,12 @@ rollout rank (``--async_queue_size 1``) with the PPO ratio taken against
 
 * ``async_none``: the trainer's old log-probs (the policy before the update: the ratio is 1
   on a batch trained once; the behaviour policy never enters);
-* ``async_behaviour``: the behaviour policy (each token's engine log-prob, its own version's);
+* ``async_behaviour``: the behaviour policy (each token's engine log-prob, its own version's),
+  clipped to one trust region per version of staleness (``--off_policy_correction
+  behaviour``); with ``--legacy_flags`` (the code before it) to one region
+  (``--use_rollout_logprobs_as_old``);
+* ``async_behaviour_wide``: the exploration before the per-token rule, the behaviour clip at a
+  fixed ``(1 -+ eps)^2`` (one version of staleness);
 * ``async_decoupled``: AReaL's decoupled PPO, proximal policy = the trainer's old log-probs
   for the clip, and each token's loss weighted by ``pi_prox / pi_behav``, tokens above the
   cap (5) dropped;
@@ -25,13 +30,15 @@ rollout rank (``--async_queue_size 1``) with the PPO ratio taken against
 Runs are interleaved (seed by seed, task by task, every mode in turn) so that the machine's
 load drifts over all modes alike; the JSON is rewritten after every run and a rerun skips
 the runs it already holds. Per run: every step's score and the off-policy metrics, wall time
-and the load average at start and end. ``--colocated_minibatches`` adds the colocated
+and the load average at start and end. The modes ``colocated_mb4_*`` ask the colocated
 question (several optimizer steps per rollout: ``--train_batch_size`` a quarter of the
-rollout) as modes ``colocated_mb4_*``.
+rollout) with each correction. ``--lr TASK=LR`` overrides a task's learning rate.
 
 ``summarise`` computes per task and mode: gain = mean score of the last ``k`` steps minus the
 first ``k``, its ratio to colocated's, steps-to-score (the first step whose ``k``-step
-trailing mean reaches the first steps' mean plus half colocated's gain) and seconds per step.
+trailing mean reaches the first steps' mean plus half colocated's gain) and seconds per step;
+``python -m scripts.benchkit.async_correction render FILE[:SECTION]...`` prints the report's
+tables.
 """
 
 from __future__ import annotations
