@@ -41,6 +41,11 @@ counts tokens with.
 "Bypass" mode (``--use_rollout_logprobs_as_old``) needs no function here: passing the engine's
 log-probs as ``old_logprobs`` makes the PPO ratio itself correct for the mismatch.
 
+Off-policy batches (asynchronous training: tokens sampled by weights one or more versions
+behind ``pi_old``) are the same problem with a larger gap; ``--off_policy_correction`` chooses
+how the behaviour policy enters the objective (docs/async.md). :func:`behaviour_ratio_stats`
+and :func:`logprob_gap_by_staleness` make the gap visible whatever the choice.
+
 Shapes: (B, T) for every per-token tensor; masks are 1/True on valid response tokens.
 """
 
@@ -228,3 +233,97 @@ def rollout_correction(
         valid.to(ratio.dtype).sum().clamp(min=1)
     )
     return weights, stats
+
+
+def staleness_clip(
+    clip_eps_low: float, clip_eps_high: float | None, lag: torch.Tensor | None
+) -> tuple[float | torch.Tensor, float | torch.Tensor]:
+    """PPO's clip range around the behaviour policy for tokens ``lag`` versions stale: the
+    ratio bounds ``[(1 - eps_low)^(1 + lag), (1 + eps_high)^(1 + lag)]``, returned as the
+    ``(clip_eps_low, clip_eps_high)`` :func:`~fsdp_rlhf.algorithms.losses.policy_loss` takes
+    (per token when ``lag`` is a (B, T) tensor; the plain range for ``lag`` None or 0).
+
+    Each PPO update may move the policy one trust region (``1 +- eps``) from where it starts;
+    the policy this update produces is ``1 + lag`` updates from a token sampled ``lag``
+    versions before the update's start, so the region around the behaviour policy compounds.
+    One region (the plain clip) silences tokens that only moved as on-policy updates would
+    have; none lets a stale batch push its tokens further in the direction the updates since
+    it was sampled already took them.
+    """
+    clip_eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
+    if lag is None:
+        return clip_eps_low, clip_eps_high
+    power = 1.0 + lag.clamp(min=0).to(torch.float32)
+    low = 1.0 - (1.0 - clip_eps_low) ** power
+    high = (1.0 + clip_eps_high) ** power - 1.0
+    return low, high
+
+
+@torch.no_grad()
+def behaviour_ratio_stats(
+    logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_eps_low: float | torch.Tensor = 0.2,
+    clip_eps_high: float | torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """The policy being trained against the behaviour policy (the weights that sampled each
+    token), on valid tokens: ``r_t = exp(logprobs - behaviour_logprobs)``.
+
+    Args:
+        logprobs: (B, T) log-probs under the policy being updated.
+        behaviour_logprobs: (B, T) the engine's log-probs of the sampled tokens.
+        advantages: (B, T) advantages.
+        response_mask: (B, T) valid response tokens.
+        clip_eps_low, clip_eps_high: PPO's clip range around the behaviour policy
+            (``None``: ``clip_eps_low``), floats or per token (:func:`staleness_clip`).
+
+    Returns:
+        Detached local 0-d tensors: ``behaviour_ratio`` (token mean of ``r_t``),
+        ``behaviour_ratio_max`` (its max; reduce with MAX) and ``behaviour_clipfrac`` (valid
+        tokens a PPO clip around the behaviour policy silences: ``r_t > 1 + eps_high`` with a
+        positive advantage, ``r_t < 1 - eps_low`` with a negative one).
+    """
+    clip_eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
+    valid = response_mask.bool()
+    log_ratio = (logprobs.detach() - behaviour_logprobs).clamp(-_LOG_RATIO_GUARD, _LOG_RATIO_GUARD)
+    ratio = torch.where(valid, log_ratio.exp(), torch.ones_like(log_ratio))
+    silenced = ((advantages > 0) & (ratio > 1.0 + clip_eps_high)) | (
+        (advantages < 0) & (ratio < 1.0 - clip_eps_low)
+    )
+    return {
+        "behaviour_ratio": masked_mean(ratio, response_mask),
+        "behaviour_ratio_max": ratio.where(valid, torch.zeros_like(ratio)).amax()
+        if ratio.numel()
+        else ratio.sum(),
+        "behaviour_clipfrac": masked_mean((silenced & valid).to(ratio.dtype), response_mask),
+    }
+
+
+@torch.no_grad()
+def logprob_gap_by_staleness(
+    old_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    lag: torch.Tensor,
+    response_mask: torch.Tensor,
+    max_lag: int,
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """``|log pi_old - log pi_behaviour|`` per staleness: for each lag ``0 .. max_lag`` (the
+    versions between the weights that sampled a token and ``pi_old``) the sum over the valid
+    tokens of that lag and their count (local 0-d tensors; divide the global sums).
+
+    Args:
+        old_logprobs: (B, T) the trainer's log-probs before this step's update.
+        behaviour_logprobs: (B, T) the engine's log-probs (each token its own version's).
+        lag: (B, T) integer staleness of each token.
+        response_mask: (B, T) valid response tokens.
+        max_lag: the largest lag reported (the queue's bound).
+    """
+    valid = response_mask.bool()
+    gap = (old_logprobs - behaviour_logprobs).abs()
+    out = {}
+    for k in range(max_lag + 1):
+        tokens = valid & (lag == k)
+        out[k] = (gap.where(tokens, torch.zeros_like(gap)).sum(), tokens.sum())
+    return out

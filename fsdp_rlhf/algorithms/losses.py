@@ -82,8 +82,8 @@ def policy_loss(
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    clip_eps_low: float = 0.2,
-    clip_eps_high: float | None = None,
+    clip_eps_low: float | torch.Tensor = 0.2,
+    clip_eps_high: float | torch.Tensor | None = None,
     dual_clip: float | None = None,
     loss_agg: LossAgg = "token-mean",
     num_tokens: Count = None,
@@ -104,7 +104,8 @@ def policy_loss(
         old_logprobs: (B, T) log-probs under the policy that generated the rollout.
         advantages: (B, T) advantages.
         response_mask: (B, T) valid response tokens.
-        clip_eps_low: Lower clip range, ratio >= 1 - clip_eps_low.
+        clip_eps_low: Lower clip range, ratio >= 1 - clip_eps_low; a float, or (B, T) per
+            token (a range widened by staleness, ``correction.staleness_clip``).
         clip_eps_high: Upper clip range; ``None`` uses ``clip_eps_low``.
         dual_clip: Dual-clip constant ``c > 1``; ``None`` disables.
         loss_agg: Aggregation mode, see :func:`aggregate_loss`.

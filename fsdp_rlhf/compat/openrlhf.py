@@ -682,8 +682,16 @@ def _is_value(gathered: dict[str, tuple[Flag, Values]], key: str, default: str) 
     return value
 
 
+# OpenRLHF's IS correction weighs its trainer's old log-probs (recomputed by the actor, under
+# async training too) against the engine's, and takes the PPO ratio against the old ones: a
+# script that sets one keeps that meaning (the ratio against the behaviour log-probs, this
+# trainer's default under --async_train, would replace the correction it asked for)
+KEEP_TRAINER_OLD = ["--off_policy_correction", "none"]
+
+
 def _is_correction(gathered: dict[str, tuple[Flag, Values]], out: list[str]) -> None:
-    """OpenRLHF's IS correction in either release's spelling (one of them per line)."""
+    """OpenRLHF's IS correction in either release's spelling (one of them per line), with the
+    PPO ratio against the trainer's old log-probs, as OpenRLHF takes it (``KEEP_TRAINER_OLD``)."""
     old = [gathered[k][0] for k in ("is.enable", "is.type") if k in gathered]
     new = [gathered[k][0] for k in ("is.level", "is.mode", "is.gating") if k in gathered]
     if old and new:
@@ -695,6 +703,7 @@ def _is_correction(gathered: dict[str, tuple[Flag, Values]], out: list[str]) -> 
         if "is.enable" not in gathered:
             return  # OpenRLHF ignores the type unless the switch is on
         out += ["--is_correction", IS_TYPES[_is_value(gathered, "is.type", "tis")]]
+        out += KEEP_TRAINER_OLD
         return
     level = _is_value(gathered, "is.level", "off")
     mode = _is_value(gathered, "is.mode", "mask")
@@ -712,6 +721,7 @@ def _is_correction(gathered: dict[str, tuple[Flag, Values]], out: list[str]) -> 
     out += ["--is_correction", IS_LEVEL_MODES[(level, mode)]]
     if gating != "ratio":
         out += ["--is_correction_gating", gating]
+    out += KEEP_TRAINER_OLD
 
 
 def _tis(gathered: dict[str, tuple[Flag, Values]], flags: list[Flag], out: list[str]) -> None:

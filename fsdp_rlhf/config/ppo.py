@@ -332,6 +332,27 @@ def _pair(value: tuple[float, ...], name: str, *, ordered: bool = False) -> tupl
     return low, high
 
 
+# What --off_policy_correction auto becomes (chosen by measurement:
+# benchmarks/2026-12-01-async-correction.md)
+AUTO_OFF_POLICY = {"async": "behaviour", "colocated": "none"}
+
+
+def resolve_off_policy_correction(
+    mode: str, async_train: bool, is_correction: str, rollout_logprobs_as_old: bool
+) -> str:
+    """``--off_policy_correction`` with ``auto`` resolved: the flag's own value when set; an
+    ``--is_correction`` keeps the ratio against the trainer's old log-probs (the correction's
+    definition, and OpenRLHF's meaning of its flags under async training); bypass mode takes
+    it against the behaviour log-probs; otherwise the measured choice for the placement."""
+    if mode != "auto":
+        return mode
+    if rollout_logprobs_as_old:
+        return "behaviour"
+    if is_correction != "none":
+        return "none"
+    return AUTO_OFF_POLICY["async" if async_train else "colocated"]
+
+
 @dataclass(frozen=True, kw_only=True)
 class PPOAlgoConfig:
     """PPO objective, advantages and KL."""
@@ -414,6 +435,21 @@ class PPOAlgoConfig:
         "Bypass mode: the rollout engine's log-probs serve as the old log-probs (no trainer "
         "recomputation; the PPO ratio then corrects the mismatch itself).",
     )
+    off_policy_correction: Literal["auto", "none", "behaviour", "decoupled"] = doc(
+        "auto",
+        "How the behaviour policy (the weights that sampled each token, its engine log-prob) "
+        "enters the PPO objective: none (the ratio against the trainer's old log-probs); "
+        "behaviour (the ratio against each token's behaviour log-prob); decoupled (AReaL: the "
+        "clip around the trainer's old log-probs, each token's loss weighted by pi_old / "
+        "pi_behaviour, tokens above --behaviour_weight_cap dropped); auto: "
+        f"{AUTO_OFF_POLICY['async']} under --async_train, {AUTO_OFF_POLICY['colocated']} "
+        "colocated, none with --is_correction (docs/async.md).",
+    )
+    behaviour_weight_cap: float = doc(
+        5.0,
+        "--off_policy_correction decoupled: tokens whose pi_old / pi_behaviour exceeds this "
+        "are dropped (AReaL's behaviour importance weight cap; > 1).",
+    )
     dynamic_filtering: bool = doc(
         False,
         "DAPO dynamic sampling: drop prompt groups whose scores are all equal (or, with "
@@ -460,6 +496,7 @@ class PPOAlgoConfig:
             raise ConfigError(f"dual_clip must be > 1, got {self.dual_clip}")
         self._check_clips()
         self._check_is_correction()
+        self._check_off_policy()
         if self.dynamic_filtering_reward_range:
             _pair(
                 self.dynamic_filtering_reward_range, "dynamic_filtering_reward_range", ordered=True
@@ -494,6 +531,27 @@ class PPOAlgoConfig:
         if low < 0 or high < 0:
             raise ConfigError(f"gspo_eps_clip_low_high must be >= 0, got {[low, high]}")
         self._set(gspo_eps_clip_low_high=(low, high))
+
+    def _check_off_policy(self) -> None:
+        mode = self.off_policy_correction
+        if self.behaviour_weight_cap <= 1.0:
+            raise ConfigError(
+                f"behaviour_weight_cap must be > 1 (a cap below 1 drops on-policy tokens), "
+                f"got {self.behaviour_weight_cap}"
+            )
+        if self.use_rollout_logprobs_as_old and mode in ("none", "decoupled"):
+            raise ConfigError(
+                f"--use_rollout_logprobs_as_old takes the PPO ratio against the behaviour "
+                f"policy; --off_policy_correction {mode} takes it against the trainer's old "
+                "log-probs: use one of them"
+            )
+        if mode in ("behaviour", "decoupled") and self.is_correction != "none":
+            raise ConfigError(
+                f"--off_policy_correction {mode} corrects with the behaviour log-probs itself; "
+                f"--is_correction {self.is_correction} weighs the trainer's old log-probs "
+                "against them too: use one of them (--off_policy_correction none keeps "
+                "--is_correction)"
+            )
 
     def _check_is_correction(self) -> None:
         mode = self.is_correction.replace("-", "_")
@@ -668,6 +726,14 @@ class PPOConfig:
                 f"prompt_max_len ({self.data.prompt_max_len}) must be < max_len ({max_len}): "
                 "max_len counts the prompt and its response"
             )
+        algo = self.algo
+        resolved = resolve_off_policy_correction(
+            algo.off_policy_correction,
+            self.asynchronous.async_train,
+            algo.is_correction,
+            algo.use_rollout_logprobs_as_old,
+        )
+        algo._set(off_policy_correction=resolved)  # written resolved into config.yaml
         buffer = self.algo.overlong_buffer_len
         if buffer is not None and buffer > self.rollout.generate_max_len:
             raise ConfigError(

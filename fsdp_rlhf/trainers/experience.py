@@ -51,6 +51,8 @@ class Experience:
     # (N, P+T, Lm, k) the engine's experts per token and MoE layer (--router_replay)
     routed_experts: torch.Tensor | None = None
     images: ImageBatch | None = None  # N rows' images (a vision-language model)
+    # (N, K) int64: each row's marks from its rollout rank (the pairing audit, ppo.pairing)
+    sample_marks: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -99,8 +101,14 @@ class Experience:
             cut["routed_experts"] = self.routed_experts[:, start : P + keep]
         for f in fields(self):
             value = getattr(self, f.name)
-            # the (N, T) fields, and the teacher's (N, T, k) top-k
-            if f.name not in cut and isinstance(value, torch.Tensor) and value.ndim in (2, 3):
+            # the (N, T) fields, and the teacher's (N, T, k) top-k; the (N, K) marks are per row
+            per_token = f.name != "sample_marks"
+            if (
+                f.name not in cut
+                and isinstance(value, torch.Tensor)
+                and value.ndim in (2, 3)
+                and per_token
+            ):
                 cut[f.name] = value[:, :keep]
         return replace(self, **cut)
 

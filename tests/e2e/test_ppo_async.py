@@ -19,7 +19,8 @@ from fsdp_rlhf.config_base import build_config
 from fsdp_rlhf.distributed.env import free_port
 from fsdp_rlhf.testing.synthetic import prompt_rows, write_jsonl
 from fsdp_rlhf.trainers.experience import Experience
-from fsdp_rlhf.trainers.ppo.update import _correction
+from fsdp_rlhf.trainers.ppo import pairing
+from fsdp_rlhf.trainers.ppo.update import _correction, ratio_anchor
 from tests.e2e.helpers import REPO, _env, read_metrics, torchrun, torchrun_script
 from tests.e2e.test_ppo_cli import (
     PARITY_REWARD,
@@ -181,7 +182,14 @@ def test_eval_on_the_rollout_ranks_equals_the_colocated_eval(tiny_qwen2, data, t
     evaluation's exactly (same prompts, seeds, rule reward); two engines split the 9 prompts
     5 + 4 (a wrapped repeat not counted) and their greedy numbers equal it too (the sampled
     ones draw other seeds per engine). The ledger has each evaluated version loaded before
-    its evaluation; --save_best_metric keeps the best step."""
+    its evaluation; --save_best_metric keeps the best step.
+
+    The mechanics of the asynchronous step, on this fixed policy: one engine samples the
+    colocated run's batches, and the update's losses equal the colocated ones to 1e-4 whatever
+    the staleness and the default correction (the behaviour policy is the same weights); the
+    pairing audit (FSDP_RLHF_PAIRING_AUDIT) checks every sample's tokens, score, versions and
+    group at the update against what the rollout rank sent; the staleness metrics read 0
+    (the same weights a version apart)."""
     write_jsonl(prompt_rows(9, seed=99, chat=True), tmp_path / "eval.jsonl")
     (tmp_path / "parity.py").write_text(PARITY_REWARD)
 
@@ -205,10 +213,20 @@ def test_eval_on_the_rollout_ranks_equals_the_colocated_eval(tiny_qwen2, data, t
     }
     rows = {}
     for name, (args, nproc) in runs.items():
-        run = torchrun(["ppo", *args], nproc=nproc)
+        run = torchrun(["ppo", *args], nproc=nproc, env={pairing.ENV: "1"})
         assert run.returncode == 0, (name, run.stderr[-3000:])
         rows[name] = read_metrics(tmp_path / name)
         assert [r["step"] for r in rows[name]] == [1, 2], name
+    for a, b in zip(rows["colocated"], rows["one_engine"], strict=True):
+        assert a["critic/score/mean"] == b["critic/score/mean"], a["step"]
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
+            assert b[key] == pytest.approx(a[key], abs=1e-4), (a["step"], key)
+        assert b["pairing/rows_checked"] == 64 and "pairing/rows_checked" not in a
+        assert b["actor/behaviour_ratio"] == pytest.approx(1.0, abs=1e-4)
+    one = rows["one_engine"]
+    assert one[0]["rollout/logprob_diff/staleness_0"] < 1e-4  # the first batch: on policy
+    assert "rollout/logprob_diff/staleness_1" not in one[0]
+    assert one[1]["rollout/logprob_diff/staleness_1"] < 1e-4  # frozen: a version apart, equal
     base = rows["colocated"][0]
     assert 0 < base["eval/pass@1"] < 1, base  # the parity reward: some right, some wrong
     for name in ("one_engine", "two_engines"):
@@ -264,6 +282,13 @@ def test_a_response_spans_two_weight_versions_and_each_token_keeps_its_own(tiny_
     weights, _ = _correction(cfg.algo, lp1, lp1, exp)
     assert torch.allclose(weights[new], torch.ones_like(weights[new]), atol=3e-3)
     assert torch.allclose(weights[old], torch.exp(lp1 - lp0)[old], rtol=5e-3)
+    # the ratio against the behaviour policy (--off_policy_correction behaviour) takes each
+    # token's own version's log-prob: 1 where the trainer's policy sampled it, the two
+    # versions' ratio where the older one did
+    behaviour = build_config(PPOConfig, ["--off_policy_correction", "behaviour"])[0].algo
+    ratio = torch.exp(lp1 - ratio_anchor(behaviour, lp1, exp))
+    assert torch.allclose(ratio[new], torch.ones_like(ratio[new]), atol=3e-3)
+    assert torch.allclose(ratio[old], torch.exp(lp1 - lp0)[old], rtol=5e-3)
 
 
 SCRIPTS = Path(__file__).parent / "openrlhf_scripts"
@@ -349,6 +374,7 @@ def test_openrlhf_async_agent_script(tiny_qwen2, tmp_path, script):
         "partial_rollout: true",
         "advantage_estimator: reinforce_baseline",
         "is_correction: icepop",
+        "off_policy_correction: none",  # OpenRLHF's ratio against the trainer's old log-probs
         "use_dynamic_batch: true",
         "dynamic_filtering: true",
         "bf16: true",
@@ -402,6 +428,7 @@ def test_openrlhf_flash_reinforce_script(tiny_qwen2, tmp_path):
         "n_samples_per_prompt: 1",
         "is_correction: seq_mask",
         "is_correction_gating: binary_kl",
+        "off_policy_correction: none",
         "loss_agg_mode: seq-mean-token-mean",
         "init_kl_coef: 0.0",
         "vllm_generate_batch_size: 16",

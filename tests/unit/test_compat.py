@@ -231,6 +231,24 @@ def test_max_len_alone_gives_each_response_what_its_prompt_leaves():
         translate("ppo", ["--max_len", "100", "--max_new_tokens", "100"])
 
 
+def test_an_openrlhf_async_script_with_an_is_correction_keeps_openrlhfs_ratio():
+    """OpenRLHF weighs its trainer's old log-probs against the engine's and takes the PPO ratio
+    against the old ones, under async training too: a script that sets its IS correction keeps
+    that (the translation says so); one that sets none gets this trainer's async default."""
+    from fsdp_rlhf.config.ppo import AUTO_OFF_POLICY
+
+    for spelled in (
+        ("--async_train", "--enable_vllm_is_correction", "--vllm_is_correction_type", "icepop"),
+        ("--train.async_enable", "--algo.advantage.is_correction_level", "token"),
+    ):
+        argv = [*spelled, "--vllm_num_engines", "1"]
+        assert "--off_policy_correction none" in " ".join(translate("ppo", argv).argv)
+        algo = _cfg("ppo", *argv).algo
+        assert (algo.is_correction, algo.off_policy_correction) == ("icepop", "none")
+    algo = _cfg("ppo", "--train.async_enable", "--vllm_num_engines", "1").algo
+    assert algo.off_policy_correction == AUTO_OFF_POLICY["async"]
+
+
 def test_is_correction_type_without_the_switch_does_nothing_as_in_openrlhf():
     assert _cfg("ppo", "--vllm_is_correction_type", "icepop").algo.is_correction == "none"
     assert _cfg("ppo", "--enable_vllm_is_correction").algo.is_correction == "tis"

@@ -447,6 +447,32 @@ def test_is_correction_flags():
         _algo("--use_rollout_logprobs_as_old", "--is_correction", "tis")
 
 
+def test_off_policy_correction_auto_follows_the_placement_and_the_flags():
+    """auto resolves to the measured choice of each placement (AUTO_OFF_POLICY), to none when
+    --is_correction weighs the trainer's old log-probs (OpenRLHF's meaning), to behaviour in
+    bypass mode; explicit values stay; contradictions are one line."""
+    from fsdp_rlhf.config.ppo import AUTO_OFF_POLICY
+
+    asynchronous = ["--async_train", "--vllm_num_engines", "1"]
+    assert _algo().off_policy_correction == AUTO_OFF_POLICY["colocated"]
+    assert _algo(*asynchronous).off_policy_correction == AUTO_OFF_POLICY["async"]
+    assert _algo(*asynchronous, "--is_correction", "icepop").off_policy_correction == "none"
+    assert _algo("--use_rollout_logprobs_as_old").off_policy_correction == "behaviour"
+    for mode in ("none", "behaviour", "decoupled"):
+        assert _algo(*asynchronous, "--off_policy_correction", mode).off_policy_correction == mode
+        assert _algo("--off_policy_correction", mode).off_policy_correction == mode
+    assert _algo("--behaviour_weight_cap", "2").behaviour_weight_cap == 2.0
+    for argv, words in (
+        (["--off_policy_correction", "behaviour", "--is_correction", "tis"], "use one of them"),
+        (["--off_policy_correction", "decoupled", "--is_correction", "icepop"], "use one"),
+        (["--off_policy_correction", "none", "--use_rollout_logprobs_as_old"], "use one"),
+        (["--behaviour_weight_cap", "1"], "must be > 1"),
+        (["--off_policy_correction", "bypass"], "one of"),
+    ):
+        with pytest.raises(ConfigError, match=words):
+            _algo(*argv)
+
+
 def test_dynamic_filtering_and_overlong_flags():
     algo = _algo()
     assert not algo.dynamic_filtering and algo.dynamic_filtering_reward_range == ()

@@ -22,7 +22,12 @@ from fsdp_rlhf.trainers.ppo.rewards import (
     compute_advantages,
     observe_kl,
 )
-from fsdp_rlhf.trainers.ppo.update import _correction, reuse_update_logprobs
+from fsdp_rlhf.trainers.ppo.update import (
+    _correction,
+    clip_range,
+    ratio_anchor,
+    reuse_update_logprobs,
+)
 from fsdp_rlhf.trainers.rule_reward import build_rule_reward, http_reward
 
 
@@ -356,3 +361,58 @@ def test_the_update_reads_the_gating_of_the_config():
     weights, stats = _correction(algo, trainer, trainer, exp)
     torch.testing.assert_close(weights, torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
     assert stats["rollout_corr/is_seq_masked_frac"].item() == 0.5
+
+
+def test_the_ratio_anchor_and_the_weights_of_each_off_policy_correction():
+    """none: the PPO ratio against the trainer's old log-probs, no weights; behaviour: against
+    the engine's (each token's behaviour log-prob); decoupled: against the old ones, each token
+    weighted by pi_old / pi_behaviour, those above --behaviour_weight_cap given 0 (AReaL)."""
+    exp = _experience(n_prompts=1, n=4, T=6)
+    gap = torch.tensor([0.5, -0.3, 2.0, 0.0, 0.1, -1.0])  # log pi_old - log pi_behaviour
+    exp.engine_logprobs = (exp.old_logprobs - gap) * exp.response_mask
+    current = exp.old_logprobs.clone()
+    for mode, anchor in (("none", exp.old_logprobs), ("behaviour", exp.engine_logprobs)):
+        algo = PPOAlgoConfig(off_policy_correction=mode)
+        assert torch.equal(ratio_anchor(algo, exp.old_logprobs, exp), anchor), mode
+        weights, _ = _correction(algo, current, exp.old_logprobs, exp)
+        assert weights is None, mode
+    decoupled = PPOAlgoConfig(off_policy_correction="decoupled", behaviour_weight_cap=5.0)
+    assert torch.equal(ratio_anchor(decoupled, exp.old_logprobs, exp), exp.old_logprobs)
+    weights, st = _correction(decoupled, current, exp.old_logprobs, exp)
+    ratio = gap.exp().expand_as(weights)
+    expected = torch.where(ratio <= 5.0, ratio, torch.zeros_like(ratio)) * exp.response_mask
+    assert torch.allclose(weights, expected)  # exp(2) = 7.4 > 5: dropped
+    assert st["rollout_corr/is_masked_frac"] > 0
+    # bypass mode: the old log-probs already are the engine's
+    bypass = PPOAlgoConfig(use_rollout_logprobs_as_old=True)
+    assert torch.equal(ratio_anchor(bypass, exp.engine_logprobs, exp), exp.engine_logprobs)
+
+
+def test_stat_collector_leaves_out_an_optional_mean_nothing_counted():
+    from fsdp_rlhf.trainers.ppo.metrics import StatCollector
+
+    stats = StatCollector()
+    stats.add_sum_over_count("a", torch.tensor(3.0), torch.tensor(2))
+    stats.add_sum_over_count("b", torch.tensor(0.0), torch.tensor(0))
+    stats.add_weighted_mean("c", torch.tensor(0.0), torch.tensor(0))
+    out = stats.reduce()
+    assert out["a"] == 1.5 and "b" not in out and out["c"] == 0.0
+
+
+def test_the_clip_around_the_behaviour_policy_widens_with_each_tokens_staleness():
+    """--off_policy_correction behaviour under async training: a token sampled k versions
+    before the policy the step starts from clips at (1 +- eps)^(1 + k); colocated batches (no
+    versions) and the other corrections keep the flags' range."""
+    exp = _experience(n_prompts=1, n=2, T=3)
+    exp.response_mask = torch.ones(2, 3)
+    algo = PPOAlgoConfig(off_policy_correction="behaviour", eps_clip=0.2, eps_clip_high=0.28)
+    assert clip_range(algo, exp, None) == (0.2, 0.28)  # no versions: colocated
+    exp.token_versions = torch.tensor([[4, 4, 4], [3, 4, 2]])
+    low, high = clip_range(algo, exp, trained_version=4)
+    assert torch.allclose(1 + high, torch.tensor([[1.28, 1.28, 1.28], [1.28**2, 1.28, 1.28**3]]))
+    assert torch.allclose(1 - low, torch.tensor([[0.8, 0.8, 0.8], [0.8**2, 0.8, 0.8**3]]))
+    for mode in ("none", "decoupled"):
+        other = PPOAlgoConfig(off_policy_correction=mode, eps_clip=0.2, eps_clip_high=0.28)
+        assert clip_range(other, exp, trained_version=4) == (0.2, 0.28)
+    with pytest.raises(ValueError, match="needs the version"):
+        clip_range(algo, exp, None)

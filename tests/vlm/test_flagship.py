@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import pytest
 
+from fsdp_rlhf.trainers.ppo import pairing
 from tests.e2e.helpers import read_metrics, torchrun
 from tests.vlm.conftest import COLOUR_REWARD, COLOUR_WORDS
 from tests.vlm.test_vlm_grpo import grpo_flags
@@ -58,7 +59,9 @@ def test_async_sp_router_replay_grpo_on_a_hybrid_moe_vlm_learns_the_colour(tmp_p
     flags = grpo_flags(model, data, "prompts.jsonl", save, extra)
     flags[flags.index("--max_steps") + 1] = str(STEPS)
     flags[flags.index("--generate_max_len") + 1] = "16"  # room for a weight load mid-response
-    proc = torchrun(["ppo", *flags], nproc=4, timeout=900)
+    # the pairing audit on: every sample's image, experts, score, group and versions checked
+    # at the update against what its rollout rank sent
+    proc = torchrun(["ppo", *flags], nproc=4, timeout=900, env={pairing.ENV: "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     log = " ".join((proc.stdout + proc.stderr).split())
     assert "sequence-parallel 2 (Ulysses), 2 training + 2 rollout ranks" in log, log[-2000:]
@@ -78,6 +81,7 @@ def test_async_sp_router_replay_grpo_on_a_hybrid_moe_vlm_learns_the_colour(tmp_p
         first["rollout/logprob_diff/max"],
     )  # fmt: skip
     assert staleness[0] == 0 and max(staleness) <= QUEUE, staleness
+    assert all(r["pairing/rows_checked"] == 128 for r in rows)  # 16 prompts x 8, each once
     evaluated = [r["step"] for r in rows if "eval/pass@1" in r]
     assert evaluated == [STEPS // 2, STEPS], evaluated
     assert first["rollout/logprob_diff/mean"] < LOGPROB_MEAN_TOL, first

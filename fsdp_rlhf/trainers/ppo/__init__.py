@@ -18,6 +18,7 @@ experiences, the asynchronous trainer). ``PPOTrainer`` and ``main`` are re-expor
     async_rollout.py      a rollout rank: batches generated ahead, within the staleness bound
     async_queue.py        what travels between rollout and training ranks, and their schedule
     async_ledger.py       the ledger: which prompts were generated, queued and trained
+    pairing.py            the pairing audit: each async sample checked at the update
 """
 
 from fsdp_rlhf.trainers.ppo.trainer import PPOTrainer, build_colocated, main

@@ -40,6 +40,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+import fsdp_rlhf.trainers.ppo.pairing as pairing
 from fsdp_rlhf.algorithms import clip_scores
 from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.data.prompts import Prompt, PromptSampler
@@ -92,9 +93,11 @@ class RolloutEnded(Exception):
 
 
 def engine_seed(seed: int | None, engine: int) -> int | None:
-    """A sampling seed of one engine's own (engines must not draw the same random numbers)."""
-    if seed is None:
-        return None
+    """A sampling seed of one engine's own (engines must not draw the same random numbers).
+    Engine 0 keeps the step's seed: at equal weights, one engine samples the batches a
+    one-rank colocated run does (the mechanics of the asynchronous step are compared on them)."""
+    if seed is None or engine == 0:
+        return seed
     return int(np.random.SeedSequence([seed, engine]).generate_state(1)[0])
 
 
@@ -395,10 +398,14 @@ class RolloutWorker:
         base = self.index * self.per_rank
         for route in self.my_routes:
             lo, hi = route.start - base, route.stop - base
+            rows = exp.rows(torch.arange(lo * self.n, hi * self.n))
+            indices = [self.prompt_index[id(p)] for p in prompts[lo:hi]]
+            if pairing.enabled():  # each sample marked as sent, checked at the update
+                rows.sample_marks = pairing.sample_marks(rows, indices, self.n)
             part = BatchPart(
                 batch,
-                exp.rows(torch.arange(lo * self.n, hi * self.n)),
-                [self.prompt_index[id(p)] for p in prompts[lo:hi]],
+                rows,
+                indices,
                 self.sampler.state_dict(),
                 report if route.dest == self.reports_to else None,
             )

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import fsdp_rlhf.trainers.ppo.pairing as pairing
 from fsdp_rlhf.config import PPOConfig, async_rollout_ranks
 from fsdp_rlhf.distributed import faults, weight_broadcast
 from fsdp_rlhf.distributed.bridge import Bridge, Channel, Patience, PeerLost, PeerSlow
@@ -213,6 +214,8 @@ class AsyncSource:
         self._staleness(exp, stats, step)
         samplers = {route.source: part.sampler for route, part in received}
         groups = [(i, p.rows.num_sequences // len(p.prompts)) for p in parts for i in p.prompts]
+        if groups:  # the pairing audit's marks, if the rollout ranks sent them
+            pairing.check_groups(exp, [g[0] for g in groups], groups[0][1], step)
         position = {"step": step, "samplers": samplers, "groups": groups}
         return Sampled(exp, prompts, metrics, position)
 

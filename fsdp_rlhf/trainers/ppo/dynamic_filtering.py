@@ -72,7 +72,7 @@ def concat_experiences(parts: list[Experience], pad_id: int) -> Experience:
                 value = F.pad(value, (left, right), value=pad)
             elif f.name == "routed_experts":  # (N, P+T, Lm, k): no routing at the padding
                 value = F.pad(value, (0, 0, 0, 0, left, right), value=no_expert(value.dtype))
-            elif value.dim() == 2:  # (N, T) per-token field
+            elif value.dim() == 2 and f.name != "sample_marks":  # (N, T) per-token field
                 value = F.pad(value, (0, right), value=0)
             out.setdefault(f.name, []).append(value)
 

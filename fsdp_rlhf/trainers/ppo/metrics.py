@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fsdp_rlhf.algorithms import rollout_mismatch_metrics
+from fsdp_rlhf.algorithms import logprob_gap_by_staleness, rollout_mismatch_metrics
 from fsdp_rlhf.config import PPOConfig
 from fsdp_rlhf.distributed.env import all_reduce_scalars
 from fsdp_rlhf.distributed.stats import to_host
@@ -36,6 +36,7 @@ class StatCollector:
         self.mins: dict[str, Number] = {}
         self.only_maxs: dict[str, Number] = {}
         self.means: list[str] = []
+        self.optional: set[str] = set()  # means left out when no rank counted anything
 
     def add(self, name: str, values: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         values = values.detach().float()
@@ -56,6 +57,12 @@ class StatCollector:
         token counts, say), i.e. the mean over every rank's entries."""
         self._accumulate(name, local_mean * weight, weight)
 
+    def add_sum_over_count(self, name: str, total: Number, count: Number) -> None:
+        """Only ``name``: global ``sum(total) / sum(count)``, left out of :meth:`reduce` when
+        the global count is 0 (a quantity of entries that may not exist this step)."""
+        self._accumulate(name, total, count)
+        self.optional.add(name)
+
     def _accumulate(self, name: str, total: Number, count: Number) -> None:
         self.sums[f"{name}/sum"] = self.sums.get(f"{name}/sum", 0.0) + total
         self.sums[f"{name}/count"] = self.sums.get(f"{name}/count", 0.0) + count
@@ -75,6 +82,7 @@ class StatCollector:
             "mins": to_host(self.mins),
             "only_maxs": to_host(self.only_maxs),
             "means": list(self.means),
+            "optional": sorted(self.optional),
         }
 
     def merge(self, part: dict) -> None:
@@ -89,19 +97,20 @@ class StatCollector:
             for k, v in theirs.items():
                 mine[k] = pick(float(mine[k]), v) if k in mine else v
         self.means += [m for m in part["means"] if m not in self.means]
+        self.optional.update(part.get("optional", ()))
 
     def names(self) -> tuple[list[str], ...]:
         """The names this rank holds (for :meth:`include` on the others)."""
         return (
             sorted(self.sums), sorted(self.maxs), sorted(self.mins), sorted(self.only_maxs),
-            list(self.means),
+            list(self.means), sorted(self.optional),
         )  # fmt: skip
 
     def include(self, names: tuple[list[str], ...]) -> None:
         """Hold ``names`` (another rank's :meth:`names`) too, with values that change no
         reduction (0 summed, -inf for maxima, inf for minima): every rank must reduce the same
         names, though some statistics reach one rank only (a rollout rank's report)."""
-        sums, maxs, mins, only_maxs, means = names
+        sums, maxs, mins, only_maxs, means, optional = names
         for keys, store, neutral in (
             (sums, self.sums, 0.0),
             (maxs, self.maxs, -math.inf),
@@ -111,6 +120,7 @@ class StatCollector:
             for k in keys:
                 store.setdefault(k, neutral)
         self.means += [m for m in means if m not in self.means]
+        self.optional.update(optional)
 
     def reduce(self) -> dict[str, float]:
         host = to_host({**self.sums, **{f"max:{k}": v for k, v in self.maxs.items()}})
@@ -125,7 +135,11 @@ class StatCollector:
             count = sums[f"{name}/count"]
             return sums[f"{name}/sum"] / count if count else 0.0
 
-        out = {name: mean(name) for name in self.means}
+        out = {
+            name: mean(name)
+            for name in self.means
+            if name not in self.optional or sums[f"{name}/count"]
+        }
         for name in self.maxs:
             out[f"{name}/mean"] = mean(name)
             out[f"{name}/max"] = maxs[name]
@@ -220,8 +234,15 @@ def add_rollout_stats(stats: StatCollector, out: RolloutOutput) -> None:
 
 
 def collect_batch_stats(
-    stats: StatCollector, exp: Experience, trainer_old_logprobs: bool = True
+    stats: StatCollector,
+    exp: Experience,
+    trainer_old_logprobs: bool = True,
+    trained_version: int | None = None,
+    max_lag: int = 0,
 ) -> None:
+    """The batch's statistics. ``trained_version`` (asynchronous training: the policy version
+    the step starts from; its tokens carry the versions that sampled them) adds the trainer's
+    old log-probs against the behaviour log-probs by staleness, lags ``0 .. max_lag``."""
     mask = exp.response_mask
     stats.add("critic/score", exp.scores)
     stats.add("critic/rewards", (exp.rewards * mask).sum(-1))
@@ -240,6 +261,13 @@ def collect_batch_stats(
         tokens = mask.sum()
         for name in ("mismatch_kl", "mismatch_k1", "mismatch_abs_diff"):
             stats.add_weighted_mean(f"rollout/{name}", mismatch[name], tokens)
+        if trained_version is not None and exp.token_versions is not None:
+            lag = trained_version - exp.token_versions
+            gaps = logprob_gap_by_staleness(
+                exp.old_logprobs, exp.engine_logprobs, lag, mask, max_lag
+            )
+            for k, (total, count) in gaps.items():
+                stats.add_sum_over_count(f"rollout/logprob_diff/staleness_{k}", total, count)
 
 
 def collect_distill_stats(stats: StatCollector, exp: Experience) -> None:

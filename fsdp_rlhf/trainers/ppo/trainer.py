@@ -335,7 +335,15 @@ class PPOTrainer:
             #    or they are published to the rollout ranks
             update_metrics.update(self.source.after_update(self.step, self.actor_updates))
         self.source.settle(sampled, trained=True)
-        collect_batch_stats(stats, exp, trainer_old_logprobs=not self.rollout_logprobs_as_old)
+        asynchronous = self.cfg.asynchronous
+        collect_batch_stats(
+            stats,
+            exp,
+            trainer_old_logprobs=not self.rollout_logprobs_as_old,
+            # the versions that sampled the tokens, against the policy this step starts from
+            trained_version=self.step - 1 if asynchronous.async_train else None,
+            max_lag=asynchronous.async_queue_size,
+        )
         collect_distill_stats(stats, exp)
         metrics = {**sampled.metrics, **kl_metrics, **update_metrics, **stats.reduce()}
         metrics.update(self.source.throughput(metrics, self.timer.times))

@@ -16,18 +16,22 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+import fsdp_rlhf.trainers.ppo.pairing as pairing
 from fsdp_rlhf.algorithms import (
     aggregate_loss,
+    behaviour_ratio_stats,
     distill_kl,
     entropy_bonus,
     gspo_loss,
     kl_estimate,
     policy_loss,
     rollout_correction,
+    staleness_clip,
     topk_kl,
     value_loss,
 )
 from fsdp_rlhf.config import DistillConfig, PPOAlgoConfig, PPOBatchPlan, PPOConfig
+from fsdp_rlhf.distributed.env import all_reduce_scalars
 from fsdp_rlhf.distributed.fsdp import accumulate
 from fsdp_rlhf.distributed.layout import ParallelLayout
 from fsdp_rlhf.distributed.stats import global_token_count
@@ -211,25 +215,59 @@ def _update_loop(
     return reduced, finite_mean(norms)
 
 
+def off_policy_mode(algo: PPOAlgoConfig) -> str:
+    """``--off_policy_correction`` as the update applies it: ``none``, ``behaviour`` or
+    ``decoupled`` (an unresolved ``auto``, a config built without its placement, is the
+    colocated default)."""
+    mode = algo.off_policy_correction
+    if mode == "auto":
+        return "behaviour" if algo.use_rollout_logprobs_as_old else "none"
+    return mode
+
+
+def ratio_anchor(algo: PPOAlgoConfig, old_logprobs: torch.Tensor, mb: Experience) -> torch.Tensor:
+    """The log-probs the PPO ratio is taken against: the behaviour policy's (each token's engine
+    log-prob, its own version's) with ``--off_policy_correction behaviour``, else the trainer's
+    old ones (with bypass mode those already are the engine's)."""
+    if off_policy_mode(algo) == "behaviour" and not algo.use_rollout_logprobs_as_old:
+        return mb.engine_logprobs * mb.response_mask
+    return old_logprobs
+
+
+def clip_range(
+    algo: PPOAlgoConfig, mb: Experience, trained_version: int | None
+) -> tuple[float | torch.Tensor, float | torch.Tensor]:
+    """PPO's ``(clip_eps_low, clip_eps_high)``: around the behaviour policy, widened per token
+    by its staleness (``staleness_clip``: ``trained_version`` minus the version that sampled
+    it; asynchronous training), else the flags' range."""
+    low, high = algo.eps_clip, algo.eps_clip_high
+    if off_policy_mode(algo) != "behaviour" or mb.token_versions is None:
+        return staleness_clip(low, high, None)
+    if trained_version is None:
+        raise ValueError("a batch with weight versions needs the version it is trained from")
+    lag = (trained_version - mb.token_versions) * mb.response_mask.long()
+    return staleness_clip(low, high, lag)
+
+
 def _correction(
     algo: PPOAlgoConfig, logprobs: torch.Tensor, old_logprobs: torch.Tensor, mb: Experience
 ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
-    """Rollout/trainer mismatch weights (``--is_correction``) and their ``rollout_corr/*`` stats.
+    """Per-token weights of the policy loss and their ``rollout_corr/*`` stats: the rollout
+    correction (``--is_correction``), or decoupled PPO's behaviour weights ``pi_old /
+    pi_behaviour``, tokens above ``--behaviour_weight_cap`` dropped (AReaL's; ``icepop`` over
+    ``[0, cap]``).
 
     With ``--use_rollout_logprobs_as_old`` the old log-probs *are* the engine's, so the mismatch
     is measured against the update's own (detached) log-probs instead: on the first minibatch of
     the first epoch those are the trainer's old ones.
     """
     trainer = logprobs.detach() if algo.use_rollout_logprobs_as_old else old_logprobs
+    mode, gating = algo.is_correction, algo.is_correction_gating
     low, high = algo.is_truncated_threshold
+    if off_policy_mode(algo) == "decoupled":
+        mode, gating, low, high = "icepop", "ratio", 0.0, algo.behaviour_weight_cap
     weights, st = rollout_correction(
-        trainer,
-        mb.engine_logprobs,
-        mb.response_mask,
-        algo.is_correction,
-        low,
-        high,
-        algo.is_correction_gating,
+        trainer, mb.engine_logprobs, mb.response_mask, mode, low, high, gating
     )
     return weights, {f"rollout_corr/{k}": v for k, v in st.items()}
 
@@ -241,8 +279,10 @@ def _policy_term(
     mb: Experience,
     is_weights: torch.Tensor | None,
     agg: dict,
+    clip: tuple | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO's token-ratio loss, or GSPO's sequence-ratio loss (``--policy_loss_type gspo``)."""
+    """PPO's token-ratio loss (``clip``: its ``(eps_low, eps_high)``, default the flags'), or
+    GSPO's sequence-ratio loss (``--policy_loss_type gspo``, its own range)."""
     if algo.policy_loss_type == "gspo":
         low, high = algo.gspo_eps_clip_low_high
         loss, st = gspo_loss(
@@ -257,13 +297,14 @@ def _policy_term(
         )
         extra = {"actor/seq_clipfrac": st["seq_clipfrac"], "actor/seq_ratio": st["seq_ratio_mean"]}
     else:
+        low, high = clip if clip is not None else (algo.eps_clip, algo.eps_clip_high)
         loss, st = policy_loss(
             logprobs,
             old_logprobs,
             mb.advantages,
             mb.response_mask,
-            clip_eps_low=algo.eps_clip,
-            clip_eps_high=algo.eps_clip_high,
+            clip_eps_low=low,
+            clip_eps_high=high,
             dual_clip=algo.dual_clip,
             is_weights=is_weights,
             **agg,
@@ -283,6 +324,7 @@ def _actor_loss_fn(
     moe: MoEHooks | None = None,
     aux_loss_coef: float = 0.0,
     distill: DistillConfig | None = None,
+    trained_version: int | None = None,
 ) -> LossFn:
     term = _distill_term(distill)
     topk = distill is not None and distill.topk
@@ -306,7 +348,12 @@ def _actor_loss_fn(
             num_seqs=num_seqs,
             norm_len=plan.norm_len,
         )
-        loss, pg_stats = _policy_term(algo, logprobs, old_logprobs, mb, is_weights, agg)
+        anchor = ratio_anchor(algo, old_logprobs, mb)
+        clip = clip_range(algo, mb, trained_version)
+        loss, pg_stats = _policy_term(algo, logprobs, anchor, mb, is_weights, agg, clip)
+        behaviour = behaviour_ratio_stats(
+            logprobs, mb.engine_logprobs, mb.advantages, mb.response_mask, *clip
+        )
         kl = kl_estimate(
             logprobs,
             mb.ref_logprobs,
@@ -323,6 +370,7 @@ def _actor_loss_fn(
             # the split into micro-batches (summed over them, see _update_loop)
             "actor/entropy": (entropy.detach() * mb.response_mask).sum() / max(num_tokens, 1),
             **corr_stats,
+            **{f"actor/{k}": v for k, v in behaviour.items()},
             "logprobs": old_logprobs,
         }
         if algo.use_kl_loss:
@@ -401,8 +449,19 @@ def update_actor(
         ``(metrics, old_logprobs)``: the (N, T) log-probs the update used as old ones when
         ``reuse_logprobs``, else None.
     """
+    # the policy this step starts from: version step - 1 (asynchronous batches' tokens carry
+    # the versions that sampled them)
     loss_fn = _actor_loss_fn(
-        actor.model, algo, kl_coef, temperature, plan, reuse_logprobs, moe, aux_loss_coef, distill
+        actor.model,
+        algo,
+        kl_coef,
+        temperature,
+        plan,
+        reuse_logprobs,
+        moe,
+        aux_loss_coef,
+        distill,
+        trained_version=actor.step - 1,
     )
     collected = torch.zeros_like(exp.response_mask) if reuse_logprobs else None
 
@@ -418,9 +477,20 @@ def update_actor(
         sums += ("distill/loss",)
     if moe is not None:
         sums += ("moe/aux_loss",)
+    audited = [0]
+    if exp.sample_marks is not None:  # the pairing audit: each row against its marks
+        unchecked = loss_fn
+
+        def loss_fn(mb, inputs, num_tokens, num_seqs):
+            audited[0] += pairing.check_rows(mb, actor.step)
+            return unchecked(mb, inputs, num_tokens, num_seqs)
+
     out, grad_norm = _update_loop(
         actor, exp, plan, generator, loss_fn, spec, keep, sums, scope if moe is not None else None
     )
+    if exp.sample_marks is not None:
+        rows = all_reduce_scalars({"rows": audited[0]}, "sum", plan.parallel.data_group)
+        out["pairing/rows_checked"] = rows["rows"]
     out["actor/grad_norm"] = grad_norm
     out.update(actor.guard.metrics("actor/"))
     out["grad_norm"] = grad_norm  # MindSpeed RL's name for the actor's norm, kept as an alias

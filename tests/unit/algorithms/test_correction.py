@@ -219,3 +219,55 @@ def test_binary_kl_of_agreeing_policies_is_never_negative_in_float32():
     one_token[:, 0] = True
     w, stats = rollout_correction(old, rollout, one_token, "seq_mask", 0.0, 5e-3, "binary_kl")
     assert stats["is_seq_masked_frac"].item() == 0.0 and (w[:, 0] > 0).all()
+
+
+def test_behaviour_ratio_stats_by_definition():
+    """r = exp(logprobs - behaviour) over valid tokens; a clip around the behaviour policy
+    silences a token whose ratio left [1 - eps_low, 1 + eps_high] the way its advantage pushes."""
+    from fsdp_rlhf.algorithms import behaviour_ratio_stats
+
+    behaviour = torch.zeros(2, 4)
+    logprobs = torch.log(torch.tensor([[1.5, 1.1, 0.5, 9.0], [0.7, 1.0, 1.3, 2.0]]))
+    advantages = torch.tensor([[1.0, 1.0, 1.0, 1.0], [-1.0, -1.0, 1.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.float)  # 9.0 is padding
+    st = behaviour_ratio_stats(logprobs, behaviour, advantages, mask, 0.2, 0.28)
+    valid = [1.5, 1.1, 0.5, 0.7, 1.0, 1.3, 2.0]
+    assert st["behaviour_ratio"] == pytest.approx(sum(valid) / len(valid))
+    assert st["behaviour_ratio_max"] == pytest.approx(2.0)
+    # silenced: 1.5 (A > 0, above 1.28), 0.7 (A < 0, below 0.8), 1.3 (A > 0, above 1.28);
+    # not 0.5 (A > 0 pushes it up: the clip lets it), nor 2.0 (A = 0)
+    assert st["behaviour_clipfrac"] == pytest.approx(3 / 7)
+    # ratio 1 everywhere: nothing silenced
+    same = behaviour_ratio_stats(behaviour, behaviour, advantages, mask)
+    assert same["behaviour_ratio"] == 1.0 and same["behaviour_clipfrac"] == 0.0
+
+
+def test_logprob_gap_by_staleness_sums_each_lag_apart():
+    from fsdp_rlhf.algorithms import logprob_gap_by_staleness
+
+    old = torch.tensor([[0.0, -1.0, -2.0], [-0.5, -0.5, 0.0]])
+    behaviour = torch.tensor([[-0.1, -1.5, -2.0], [-0.5, -1.5, -7.0]])
+    lag = torch.tensor([[0, 1, 1], [1, 1, 2]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.float)
+    gaps = logprob_gap_by_staleness(old, behaviour, lag, mask, max_lag=2)
+    assert set(gaps) == {0, 1, 2}
+    assert [float(gaps[0][0]), int(gaps[0][1])] == pytest.approx([0.1, 1])
+    assert [float(gaps[1][0]), int(gaps[1][1])] == pytest.approx([0.5 + 0.0 + 0.0 + 1.0, 4])
+    assert int(gaps[2][1]) == 0  # the lag-2 token is padding
+
+
+def test_staleness_clip_compounds_one_trust_region_per_version():
+    from fsdp_rlhf.algorithms import staleness_clip
+
+    assert staleness_clip(0.2, 0.28, None) == (0.2, 0.28)
+    assert staleness_clip(0.2, None, None) == (0.2, 0.2)
+    low, high = staleness_clip(0.2, 0.28, torch.tensor([[0, 1, 2]]))
+    assert torch.allclose(1 - low, torch.tensor([[0.8, 0.8**2, 0.8**3]]))
+    assert torch.allclose(1 + high, torch.tensor([[1.28, 1.28**2, 1.28**3]]))
+    # per token in the PPO loss: a token one version stale clips at 1.28^2, not 1.28
+    adv = torch.ones(1, 3)
+    logprobs = torch.log(torch.tensor([[1.5, 1.5, 1.5]])).requires_grad_(True)
+    loss, st = policy_loss(logprobs, torch.zeros(1, 3), adv, torch.ones(1, 3), low, high)
+    loss.backward()
+    assert logprobs.grad[0, 0] == 0 and logprobs.grad[0, 1] < 0 and logprobs.grad[0, 2] < 0
+    assert st["pg_clipfrac"] == pytest.approx(1 / 3)
