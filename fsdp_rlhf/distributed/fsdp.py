@@ -96,26 +96,11 @@ def shard_model(
             dtype (``cast_forward_inputs``, its default; the GPU ladder's baseline). Off, the
             layers take the previous layer's output as it is, already in that dtype.
     """
-    param_dtype = torch.bfloat16 if bf16 else torch.float32
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    kwargs = dict(
-        mesh=mesh,
-        mp_policy=mp,
-        reshard_after_forward=reshard_after_forward(fsdp.zero_stage, frozen),
-    )
-    # Decoder layers take the previous layer's output, already in the compute dtype: no
-    # per-layer cast of their inputs (torchtitan's setting). The root and a vision tower keep
-    # the casts (pixel values arrive in fp32).
-    layer_kwargs = dict(
-        kwargs,
-        mp_policy=MixedPrecisionPolicy(
-            param_dtype=param_dtype,
-            reduce_dtype=torch.float32,
-            cast_forward_inputs=layer_input_casts,
-        ),
-    )
+    kwargs, layer_kwargs = _unit_kwargs(mesh, fsdp, bf16, frozen, layer_input_casts)
     if uses_cpu_offload_policy(cpu_offload, mesh.device_type):
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
+        kwargs["offload_policy"] = layer_kwargs["offload_policy"] = CPUOffloadPolicy(
+            pin_memory=True
+        )
         model._fsdp_rlhf_cpu_offload = True
     layers = decoder_layers(model)
     if not layers:
@@ -140,6 +125,41 @@ def shard_model(
     for m in [*units, model]:
         # Registered after fully_shard, so it runs after FSDP's own post-forward hook.
         m.register_forward_hook(_reshard_if_no_grad)
+    _set_reduction(model, mesh, grad_reduce, dp_size, experts, ep)
+    if dist.get_backend(mesh.get_group()) == "gloo":
+        use_p2p_reduce_scatter(model)
+    return model
+
+
+def _unit_kwargs(
+    mesh: DeviceMesh, fsdp: FSDPConfig, bf16: bool, frozen: bool, layer_input_casts: bool
+) -> tuple[dict, dict]:
+    """``fully_shard``'s arguments for the root and a vision tower, and for decoder layers.
+
+    Decoder layers take the previous layer's output, already in the compute dtype: no
+    per-layer cast of their inputs (torchtitan's setting). The root and a vision tower keep
+    the casts (pixel values arrive in fp32)."""
+    param_dtype = torch.bfloat16 if bf16 else torch.float32
+    kwargs = dict(
+        mesh=mesh,
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
+        reshard_after_forward=reshard_after_forward(fsdp.zero_stage, frozen),
+    )
+    layer_mp = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=layer_input_casts
+    )
+    return kwargs, dict(kwargs, mp_policy=layer_mp)
+
+
+def _set_reduction(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    grad_reduce: Literal["mean", "sum"],
+    dp_size: int | None,
+    experts: list[nn.Module],
+    ep: ExpertParallel | None,
+) -> None:
+    """How the units reduce their gradients (see :func:`shard_model`'s ``grad_reduce``)."""
     if grad_reduce == "sum":
         set_sum_reduction(model)
     elif (dp_size is not None and dp_size != mesh.size()) or experts:
@@ -152,9 +172,6 @@ def shard_model(
         # it divides once.
         for m in experts:
             m.set_force_sum_reduction_for_comms(False)
-    if dist.get_backend(mesh.get_group()) == "gloo":
-        use_p2p_reduce_scatter(model)
-    return model
 
 
 def _shard_experts(model: nn.Module, ep: ExpertParallel | None, kwargs: dict) -> list[nn.Module]:

@@ -385,16 +385,21 @@ def _actor_loss_fn(
         if algo.entropy_loss_coef > 0:
             loss = loss + entropy_bonus(entropy, mb.response_mask, algo.entropy_loss_coef, **agg)
         if moe is not None:
-            # the micro-batch's share of the step's tokens: summed over micro-batches and
-            # ranks, the term is the token-weighted mean of the micro-batches' losses
-            share = mb.response_mask.sum() / max(num_tokens, 1)
-            aux = moe.aux_loss() * share
-            stats["moe/aux_loss"] = aux.detach()
-            if aux_loss_coef > 0:
-                loss = loss + aux_loss_coef * aux
+            loss = loss + _moe_aux_term(moe, mb, num_tokens, aux_loss_coef, stats)
         return loss, stats
 
     return loss_fn
+
+
+def _moe_aux_term(
+    moe: MoEHooks, mb: Experience, num_tokens: int, aux_loss_coef: float, stats: dict
+) -> torch.Tensor | float:
+    """``aux_loss_coef`` x the load-balancing loss, weighted by the micro-batch's share of the
+    step's tokens (summed over micro-batches and ranks: the token-weighted mean of the
+    micro-batches' losses); the loss goes to ``stats`` whatever the coefficient."""
+    aux = moe.aux_loss() * (mb.response_mask.sum() / max(num_tokens, 1))
+    stats["moe/aux_loss"] = aux.detach()
+    return aux_loss_coef * aux if aux_loss_coef > 0 else 0.0
 
 
 def _distill_term(distill: DistillConfig | None):
