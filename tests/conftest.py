@@ -140,9 +140,14 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_terminal_summary(terminalreporter, config):
+    write = terminalreporter.write_line
+    if warm_launch.FALLBACKS:
+        write("")
+        write(f"warm launcher: {len(warm_launch.FALLBACKS)} case(s) ran without it:")
+        for line in warm_launch.FALLBACKS:
+            write(f"  {line}")
     if not config.getoption("--suites") or not _SECONDS:
         return
-    write = terminalreporter.write_line
     write("")
     write("seconds per suite (setup + call + teardown of its tests, tests/suites.py):")
     write(f"{'suite':<14}{'tests':>7}{'passed':>8}{'failed':>8}{'skipped':>9}{'seconds':>10}")

@@ -72,7 +72,7 @@ def run_distributed(
         try:
             return _run_warm(fn, world_size, args, timeout, backend)
         except warm_launch.Fallback as why:
-            print(f"warm launcher: spawning the ranks ({why})", file=sys.stderr)
+            print(warm_launch.note_fallback(fn.__qualname__, why), file=sys.stderr)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import gc
 import importlib
 import json
 import os
@@ -156,11 +157,19 @@ def _import_time(key: str) -> bool:
     return key.startswith(IMPORT_TIME) and not key.startswith(RUN_TIME)
 
 
-def import_time_differences(server: Mapping[str, str], case: Mapping[str, str]) -> list[str]:
+def import_time_differences(
+    server: Mapping[str, str], case: Mapping[str, str], added: Mapping[str, str] | None = None
+) -> list[str]:
     """The variables read at import whose values differ between the server's environment
-    and a case's (sorted names; empty when the case can fork from the server)."""
+    (before its imports) and a case's (sorted names; empty when the case can fork from the
+    server). A value the server's imports set themselves (``added``) is no difference: a
+    process that has imported those libraries, as the test process often has (vLLM sets
+    TORCHINDUCTOR_CACHE_DIR), passes it on, and a fresh rank importing them would set it."""
+    added = added or {}
     keys = {k for k in (*server, *case) if _import_time(k)}
-    return sorted(k for k in keys if server.get(k) != case.get(k))
+    return sorted(
+        k for k in keys if case.get(k) != server.get(k) and (k not in added or case[k] != added[k])
+    )
 
 
 def torchrun_env(
@@ -253,6 +262,11 @@ def serve(path: str, parent: int) -> None:
     # what the imports set in the environment (vLLM's inductor settings, for one): a fresh
     # process that imports them has these too
     added = {k: v for k, v in os.environ.items() if base_env.get(k) != v}
+    # the imported modules' objects live as long as a rank: out of the collector's sight, a
+    # rank's collections scan only its own objects (as a fresh process's would) and do not
+    # touch, so copy, the server's pages
+    gc.collect()
+    gc.freeze()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
     os.rename(path + ".tmp", path)  # connectable only once everything is imported
@@ -318,7 +332,7 @@ def _agent(conn: socket.socket, base_env: dict[str, str], added: dict[str, str])
         _send(conn, {"added": added})
         return 0
     env = dict(request["env"])
-    differ = import_time_differences(base_env, env)
+    differ = import_time_differences(base_env, env, added)
     if differ:
         _send(conn, {"fallback": f"the case sets {', '.join(differ)} differently"})
         return 0
@@ -578,6 +592,16 @@ def imports_added() -> dict[str, str]:
 
 class Fallback(Exception):
     """The case cannot fork from the server (the reason is the message): run it for real."""
+
+
+# this test process's cases that ran without the server, and why (the session's summary)
+FALLBACKS: list[str] = []
+
+
+def note_fallback(what: str, why: Fallback) -> str:
+    """Remember a case that runs without the server; the line its output starts with."""
+    FALLBACKS.append(f"{what}: {why}")
+    return f"warm launcher: this case runs without it ({why})"
 
 
 def launch(

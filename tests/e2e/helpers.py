@@ -70,7 +70,7 @@ def torchrun_logged(
                     out.fileno(), out.fileno(),
                 )  # fmt: skip
             except warm_launch.Fallback as why:
-                out.write(f"warm launcher: this case runs without it ({why})\n".encode())
+                out.write((warm_launch.note_fallback(" ".join(args[:8]), why) + "\n").encode())
                 out.flush()
         return subprocess.run(
             cmd, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO
@@ -90,7 +90,7 @@ def _run(
         try:
             return _warm(cmd, kind, nproc, env, timeout)
         except warm_launch.Fallback as why:
-            note = f"warm launcher: this case runs without it ({why})\n"
+            note = warm_launch.note_fallback(" ".join(cmd[-12:]), why) + "\n"
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
     proc.stderr = note + proc.stderr
     return proc
