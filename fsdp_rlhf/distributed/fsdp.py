@@ -96,7 +96,8 @@ def shard_model(
             dtype (``cast_forward_inputs``, its default; the GPU ladder's baseline). Off, the
             layers take the previous layer's output as it is, already in that dtype.
     """
-    kwargs, layer_kwargs = _unit_kwargs(mesh, fsdp, bf16, frozen, layer_input_casts)
+    compute = _compute_dtype(model, bf16)
+    kwargs, layer_kwargs = _unit_kwargs(mesh, fsdp, compute, frozen, layer_input_casts)
     if uses_cpu_offload_policy(cpu_offload, mesh.device_type):
         kwargs["offload_policy"] = layer_kwargs["offload_policy"] = CPUOffloadPolicy(
             pin_memory=True
@@ -131,22 +132,36 @@ def shard_model(
     return model
 
 
+def _compute_dtype(model: nn.Module, bf16: bool) -> torch.dtype:
+    """bf16, else float32; a float64 model (a test's exact reference) stays in float64, its
+    gradients reduced in float64."""
+    if bf16:
+        return torch.bfloat16
+    wide = any(p.dtype == torch.float64 for p in model.parameters())
+    return torch.float64 if wide else torch.float32
+
+
 def _unit_kwargs(
-    mesh: DeviceMesh, fsdp: FSDPConfig, bf16: bool, frozen: bool, layer_input_casts: bool
+    mesh: DeviceMesh,
+    fsdp: FSDPConfig,
+    compute: torch.dtype,
+    frozen: bool,
+    layer_input_casts: bool,
 ) -> tuple[dict, dict]:
     """``fully_shard``'s arguments for the root and a vision tower, and for decoder layers.
 
     Decoder layers take the previous layer's output, already in the compute dtype: no
     per-layer cast of their inputs (torchtitan's setting). The root and a vision tower keep
     the casts (pixel values arrive in fp32)."""
-    param_dtype = torch.bfloat16 if bf16 else torch.float32
+    param_dtype = compute
+    reduce_dtype = torch.promote_types(compute, torch.float32)
     kwargs = dict(
         mesh=mesh,
-        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         reshard_after_forward=reshard_after_forward(fsdp.zero_stage, frozen),
     )
     layer_mp = MixedPrecisionPolicy(
-        param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=layer_input_casts
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=layer_input_casts
     )
     return kwargs, dict(kwargs, mp_policy=layer_mp)
 

@@ -447,17 +447,20 @@ def _attend(
 ) -> torch.Tensor:
     """``softmax(q k^T * scale + bias) v`` over a batch of heads: q (N, L, D), k/v (N, S, D),
     bias (N, L, S) in q's dtype -> (N, L, D). Scores in the input dtype with the mask added
-    inside the matmul, softmax in float32 (as HF's eager attention does).
+    inside the matmul, softmax in float32 (as HF's eager attention does), or float64 for float64
+    inputs: their mask floor (float64's min) is -inf in float32, and a left-padding query's
+    all -inf row would be NaN.
 
     ``sinks`` (N,): each head's attention-sink logit, one more score of every query's softmax
     whose probability is dropped (it has no value), as gpt-oss's eager attention computes it."""
     scores = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=scale)
+    softmax_dtype = torch.promote_types(scores.dtype, torch.float32)
     if sinks is None:
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(q.dtype)
         return torch.bmm(probs, v)
     N, L, S = scores.shape
     sink = sinks.to(scores.dtype).view(N, 1, 1).expand(N, L, 1)
-    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=softmax_dtype)
     return torch.bmm(probs[..., :S].to(q.dtype), v)
 
 

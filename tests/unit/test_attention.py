@@ -107,3 +107,22 @@ def test_torch_compile_takes_a_new_sequence_length_without_recompiling(tiny_qwen
     with torch._dynamo.config.patch(error_on_recompile=True):
         for length in (13, 23):
             model(input_ids=ids[:, :length]).logits.sum().backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_query_that_attends_to_nothing_gives_finite_outputs_in_every_dtype(dtype):
+    """The explicit attention's mask floor is the input dtype's min: a float64 one, taken into a
+    float32 softmax, was -inf, and a left-padding query's row NaN (then NaN gradients)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=g, dtype=dtype) for _ in range(3))
+    allowed = torch.ones(1, 1, 4, 4, dtype=torch.bool).tril()
+    allowed[..., 0, :] = False  # a left-padding position: no key
+    q.requires_grad_(True)
+    out = attention._masked_attention(q, k, v, allowed, 8**-0.5, 0.0, explicit=True)
+    out.sum().backward()
+    assert out.dtype == dtype
+    assert out.isfinite().all() and q.grad.isfinite().all()
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q[..., 1:, :].detach(), k, v, attn_mask=allowed[..., 1:, :], scale=8**-0.5
+    )
+    torch.testing.assert_close(out[..., 1:, :].detach(), ref)
