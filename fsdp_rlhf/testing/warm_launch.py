@@ -356,20 +356,26 @@ def _agent(conn: socket.socket, base_env: dict[str, str], added: dict[str, str])
             conn.close()
             _rank(request, rank, envs[rank], (stdin, stdout, stderr))
         pids[pid] = rank
-    codes = _watch(pids, conn, stderr, request.get("name", "fsdp_rlhf.cli"), run_dir)
+    # torchrun reports failed ranks and exits 1; one plain process exits with its own code
+    report = request.get("name", "fsdp_rlhf.cli") if request["kind"] == "torchrun" else None
+    codes = _watch(pids, conn, stderr, report, run_dir)
     del store
-    failed = [c for c in codes.values() if c != 0]
-    _send(conn, {"returncode": 1 if failed else 0, "ranks": [codes[r] for r in range(nproc)]})
+    ranks = [codes[r] for r in range(nproc)]
+    if request["kind"] == "single":
+        returncode = ranks[0]
+    else:
+        returncode = 1 if any(ranks) else 0
+    _send(conn, {"returncode": returncode, "ranks": ranks})
     return 0
 
 
 def _watch(
-    pids: dict[int, int], conn: socket.socket, stderr: int, name: str, run_dir: str
+    pids: dict[int, int], conn: socket.socket, stderr: int, name: str | None, run_dir: str
 ) -> dict[int, int]:
     """torchrun's monitor: poll the ranks; the first failure stops the others (SIGTERM, then
-    SIGKILL after :data:`STOP_GRACE_S`) and is reported as torchrun reports it (its
-    ChildFailedError message: the ranks found failed at that poll); a closed connection kills
-    them all at once."""
+    SIGKILL after :data:`STOP_GRACE_S`) and, with a ``name``, is reported as torchrun reports it
+    (its ChildFailedError message: the ranks found failed at that poll); a closed connection
+    kills them all at once."""
     codes: dict[int, int] = {}
     failed: dict[int, tuple[int, int]] = {}  # rank -> (pid, code), as torchrun saw them
     stop_at = None
@@ -395,7 +401,7 @@ def _watch(
             pass
         time.sleep(POLL_S)
     conn.setblocking(True)
-    if failed:
+    if failed and name is not None:
         os.write(stderr, _failure_report(name, failed, run_dir).encode())
     return codes
 
@@ -616,7 +622,8 @@ def launch(
     call: str = "",
     port: int | None = None,
 ) -> int:
-    """Run one case on the session's server; returns its exit code (torchrun's: 0 or 1).
+    """Run one case on the session's server; returns its exit code (torchrun's, 0 or 1, or a
+    single process's own).
 
     ``kind``: ``"torchrun"`` (``argv`` after ``python``, ranks as torchrun starts them),
     ``"single"`` (one process, the environment as given) or ``"call"`` (``call`` names a

@@ -171,3 +171,19 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:  # a zombie is dead
         return f.read().split()[2] != "Z"
+
+
+def test_one_process_exits_with_its_own_code(tmp_path):
+    """A CLI's usage error is exit 2 as a plain process, and no torchrun report follows."""
+    argv = ["-c", "import sys; print('error: bad flag', file=sys.stderr); sys.exit(2)"]
+    real = subprocess.run(
+        [sys.executable, *argv], capture_output=True, text=True, env=_env(None), cwd=REPO
+    )
+    with tempfile.TemporaryFile("a+b") as err:
+        code = warm_launch.launch(
+            "single", argv, _env(None), str(REPO), 1, 60, sys.stdout.fileno(), err.fileno()
+        )
+        err.seek(0)
+        stderr = err.read().decode()
+    assert real.returncode == code == 2, (real.returncode, code, stderr)
+    assert stderr == real.stderr == "error: bad flag\n", stderr
