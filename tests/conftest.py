@@ -114,6 +114,21 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _environment():
+    """Each test leaves the process environment as it found it. An in-process vLLM engine sets
+    variables for its workers (LD_PRELOAD with libgomp and tcmalloc, VLLM_*, inductor's): left
+    set, every later case launched from this process would inherit them (CI runs all suites in
+    one process), and differ from the warm launcher's server, so run without it."""
+    import os
+
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 _SECONDS: dict[str, list] = {}
 
 

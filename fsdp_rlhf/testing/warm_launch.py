@@ -605,7 +605,8 @@ FALLBACKS: list[str] = []
 
 
 def note_fallback(what: str, why: Fallback) -> str:
-    """Remember a case that runs without the server; the line its output starts with."""
+    """Remember a case that runs without the server (listed at the session's end; the case's
+    own output stays as the process writes it: tests read its lines); the line to log."""
     FALLBACKS.append(f"{what}: {why}")
     return f"warm launcher: this case runs without it ({why})"
 

@@ -70,8 +70,7 @@ def torchrun_logged(
                     out.fileno(), out.fileno(),
                 )  # fmt: skip
             except warm_launch.Fallback as why:
-                out.write((warm_launch.note_fallback(" ".join(args[:8]), why) + "\n").encode())
-                out.flush()
+                warm_launch.note_fallback(" ".join(args[:8]), why)
         return subprocess.run(
             cmd, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO
         ).returncode
@@ -85,15 +84,12 @@ def python_c(code: str, args: list[str], timeout: float = 300) -> subprocess.Com
 def _run(
     cmd: list[str], kind: str, nproc: int, env: dict[str, str], timeout: float
 ) -> subprocess.CompletedProcess:
-    note = ""
     if warm_launch.mode() == "warm":
         try:
             return _warm(cmd, kind, nproc, env, timeout)
         except warm_launch.Fallback as why:
-            note = warm_launch.note_fallback(" ".join(cmd[-12:]), why) + "\n"
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
-    proc.stderr = note + proc.stderr
-    return proc
+            warm_launch.note_fallback(" ".join(cmd[-12:]), why)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
 
 
 def _warm(
