@@ -259,5 +259,9 @@ def _fetch(url: str, limit: int = -1, timeout: float = FETCH_TIMEOUT_S) -> bytes
 
 
 def _short(ref: Any) -> str:
+    """How a message names an image: a path in full (the user must find the file), inline
+    bytes by type, a long URL or base64 payload cut."""
+    if isinstance(ref, str) and _kind(ref) == "path":
+        return repr(ref)
     text = ref if isinstance(ref, str) else type(ref).__name__
     return repr(text if len(text) <= 80 else text[:60] + "...")

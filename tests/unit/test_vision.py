@@ -84,7 +84,10 @@ def test_unreadable_images_are_named_from_their_header(tmp_path):
     for ref in refs:
         problem = ref_problem(ref)
         assert problem is not None and "is not an image PIL can read" in problem, ref
-    assert "junk.png" in ref_problem(str(tmp_path / "junk.png"))
+    deep = tmp_path / ("d" * 90) / "junk.png"  # a long path is named in full, never cut
+    deep.parent.mkdir()
+    deep.write_bytes(junk)
+    assert f"image file '{deep}' is not an image" in ref_problem(str(deep))
     server, base = _serve(tmp_path)
     try:
         assert ref_problem(f"{base}/ok.png") is None
