@@ -148,7 +148,9 @@ def test_the_installed_vllm_passes_and_is_in_range():
     from fsdp_rlhf.rollout.vllm import engine as ve
 
     assert check_calls(ENGINE_CALLS) == [] and check_calls(LORA_CALLS) == []
-    assert check_calls(CAPTURE_CALLS) == [] and check_calls(CONNECTOR_CALLS) == []
+    assert check_calls(CAPTURE_CALLS) == []
+    if ve.release(vllm.__version__) >= (0, 32):  # the routed-experts connector (0.26: per rank)
+        assert check_calls(CONNECTOR_CALLS) == []
     low, high = ve.SUPPORTED_VLLM
     assert low <= ve.release(vllm.__version__) <= high
     assert ve.release("0.26.0+cpu") == (0, 26) and ve.release("0.33.1rc1") == (0, 33)
