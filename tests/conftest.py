@@ -120,8 +120,6 @@ def _environment():
     variables for its workers (LD_PRELOAD with libgomp and tcmalloc, VLLM_*, inductor's): left
     set, every later case launched from this process would inherit them (CI runs all suites in
     one process), and differ from the warm launcher's server, so run without it."""
-    import os
-
     saved = dict(os.environ)
     yield
     if os.environ != saved:

@@ -153,15 +153,14 @@ def _unit_kwargs(
     Decoder layers take the previous layer's output, already in the compute dtype: no
     per-layer cast of their inputs (torchtitan's setting). The root and a vision tower keep
     the casts (pixel values arrive in fp32)."""
-    param_dtype = compute
     reduce_dtype = torch.promote_types(compute, torch.float32)
     kwargs = dict(
         mesh=mesh,
-        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce_dtype),
         reshard_after_forward=reshard_after_forward(fsdp.zero_stage, frozen),
     )
     layer_mp = MixedPrecisionPolicy(
-        param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=layer_input_casts
+        param_dtype=compute, reduce_dtype=reduce_dtype, cast_forward_inputs=layer_input_casts
     )
     return kwargs, dict(kwargs, mp_policy=layer_mp)
 

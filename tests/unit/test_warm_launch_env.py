@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from fsdp_rlhf.testing.warm_launch import cli_env, import_time_differences, torchrun_env
 
 
@@ -34,25 +36,20 @@ def test_torchrun_environment_of_each_rank():
     assert "OMP_NUM_THREADS" not in torchrun_env({}, 1, 1, "/r")[0]
 
 
-def test_the_cli_settings_come_first_and_user_values_win():
+def test_the_cli_settings_come_first_and_user_values_win(monkeypatch):
     from fsdp_rlhf import cli
 
     env = cli_env({"TRANSFORMERS_VERBOSITY": "info"})
     assert env["TRANSFORMERS_VERBOSITY"] == "info"
-    # the same defaults as the CLI's quiet_libraries
-    import os
-
-    saved = dict(os.environ)
-    try:
-        for key in ("HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS"):
-            os.environ.pop(key, None)
-        os.environ.pop("TRANSFORMERS_VERBOSITY", None)
-        os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        cli.quiet_libraries()
-        quiet = {k: os.environ[k] for k in cli_env({}) if k in os.environ and k in env}
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    # the same defaults as the CLI's quiet_libraries: each variable it sets, cli_env sets alike
+    for key in ("HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.delenv("TRANSFORMERS_VERBOSITY", raising=False)
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    before = dict(os.environ)
+    cli.quiet_libraries()
+    quiet = {k: v for k, v in os.environ.items() if before.get(k) != v}
+    assert quiet
     fresh = cli_env({})
     for key, value in quiet.items():
         assert fresh[key] == value, key
