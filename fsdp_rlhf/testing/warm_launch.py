@@ -59,6 +59,7 @@ import gc
 import importlib
 import json
 import os
+import shutil
 import signal
 import socket
 import struct
@@ -360,6 +361,7 @@ def _agent(conn: socket.socket, base_env: dict[str, str], added: dict[str, str])
     report = request.get("name", "fsdp_rlhf.cli") if request["kind"] == "torchrun" else None
     codes = _watch(pids, conn, stderr, report, run_dir)
     del store
+    shutil.rmtree(run_dir, ignore_errors=True)  # the ranks' error files, read by the report
     ranks = [codes[r] for r in range(nproc)]
     if request["kind"] == "single":
         returncode = ranks[0]
@@ -542,12 +544,15 @@ class Server:
         return True
 
     def stop(self) -> None:
+        """End the server; its folder goes with it unless it had ended by itself (its log then
+        says why, and the fallback lines name it)."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+            shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
         with contextlib.suppress(OSError):
             os.unlink(self.path)
 

@@ -144,7 +144,7 @@ def test_a_timeout_kills_the_case(tmp_path):
     start = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired):
         warm_launch.launch(
-            "torchrun", [str(path)], _env(None), str(REPO), 2, 20,
+            "torchrun", [str(path)], _env(None), str(REPO), 2, 5,
             sys.stdout.fileno(), sys.stderr.fileno(),
         )  # fmt: skip
     assert time.monotonic() - start < 60
