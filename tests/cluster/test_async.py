@@ -6,9 +6,10 @@ training side) with the rollout rank overriding the placement: 1 training node o
 the same flags (they include --load_checkpoint), every step is trained once.
 
 Lossless resume across the hosts: 2 ranks a host, 2 training ranks on node1 and 2 engines on
-node2, one epoch of tests/e2e/test_ppo_async_resume.py's run SIGKILLed on node2 while a rollout
-rank receives weights, then on node1 while a training rank trains, then finished: its ledger
-trains every step on its scheduled prompts, every prompt of the epoch once."""
+node2, one epoch of tests/e2e/test_ppo_async_resume.py's quick run (16 prompts, 4 steps)
+SIGKILLed on node2 while a rollout rank receives weights, then on node1 while a training rank
+trains, then finished: its ledger trains every step on its scheduled prompts, every prompt of
+the epoch once."""
 
 from __future__ import annotations
 
@@ -77,13 +78,15 @@ def test_async_sigkill_on_either_host_then_resume_trains_every_prompt_once(
 ):
     cluster, name = setup.cluster, "async_lossless"
     data = tmp_path / "data"
-    write_jsonl(prompt_rows(lossless.PROMPTS, chat=True), data / "prompts.jsonl")
+    prompts = lossless.QUICK_PROMPTS
+    write_jsonl(prompt_rows(prompts, chat=True), data / "prompts.jsonl")
     (data / "reward.py").write_text(lossless.REWARD)
     save = setup.save(name)
-    flags = [*lossless.flags(tiny_qwen2, data, save), "--num_nodes", "1"]
+    flags = [*lossless.flags(tiny_qwen2, data, save, prompts), "--num_nodes", "1"]
     flags += ["--num_gpus_per_node", "2", "--no_bf16", "--enforce_eager"]
-    # ranks 0, 1 train on node1; rollout ranks 2, 3 (engines 0, 1) on node2
-    kills = {"node2": "3:syncing:3", "node1": "1:training:6"}
+    # ranks 0, 1 train on node1; rollout ranks 2, 3 (engines 0, 1) on node2: rank 3 dies
+    # receiving the weights of step 2, the next start's rank 1 in step 4 (of 4)
+    kills = {"node2": "3:syncing:2", "node1": "1:training:4"}
     for i, (host, kill) in enumerate(kills.items()):
         tag = f"{name}_{i}"
         cut = runs.run_hosts(
@@ -96,6 +99,7 @@ def test_async_sigkill_on_either_host_then_resume_trains_every_prompt_once(
     text = " ".join(done.logs["node1"].split())
     assert "ranks 0-1 train, 2-3 generate (2 engines x TP 1)" in text
     assert "asynchronous resume at step" in text
-    assert trained(save / "ledger") == lossless.schedule()
-    assert [r["step"] for r in runs.read_metrics(save)] == list(range(1, lossless.STEPS + 1))
+    assert trained(save / "ledger") == lossless.schedule(prompts)
+    steps = prompts // lossless.BATCH
+    assert [r["step"] for r in runs.read_metrics(save)] == list(range(1, steps + 1))
     runs.record(logs, "async_lossless_done_s", done.seconds)
