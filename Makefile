@@ -16,7 +16,7 @@ UV_VERSION := 0.13.9
 # uv writes no bytecode unless told (pip does): without it every process compiles torch's,
 # vLLM's and transformers' sources again where PYTHONDONTWRITEBYTECODE is set (common in
 # containers): 19 s instead of 9.5 s to import the CLI's rollout engine, per rank and launch.
-# --compile-bytecode compiles the packages each call installs (~30 s in all here).
+# --compile-bytecode compiles the packages each call installs (about 20 s more in all here).
 CPU_PIP := $(if $(filter uv,$(INSTALLER)),$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python,$(BIN)/pip install -q)
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 

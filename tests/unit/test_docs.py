@@ -42,6 +42,7 @@ TOOL_FLAGS = {
     "slurm": "nodes gpus_per_node cpus_per_task signal requeue kill_on_bad_exit batch",
     "pip": "no_index no_deps no_compile target only_binary python_version platform",
     "docker": "build_arg",
+    "uv": "compile_bytecode",  # make install's uv calls (Makefile)
     "pytest": "suites",  # tests/conftest.py's option (tests/suites.py)
 }
 
