@@ -105,8 +105,8 @@ def _check(per_rank: list[dict], loose: tuple[str, ...] = (), loose_rel: float =
             experts = [n for n in grads if n.endswith(("gate_up_proj", "down_proj"))]
             assert experts and all(ref_grads[n].abs().max() > 0 for n in experts), case
             rel = {n: _rel(grads[n], ref_grads[n]) for n in grads if ref_grads[n].abs().max()}
-            worst = max(v for n, v in rel.items() if not n.endswith(loose))
-            assert worst < 1e-5, (case, worst)
+            worst = max((v, n) for n, v in rel.items() if not n.endswith(loose))
+            assert worst[0] < 1e-5, (case, worst)
             assert all(v < loose_rel for n, v in rel.items() if n.endswith(loose)), (case, rel)
             m, ref_m = r["ep"]["metrics"], r["ep1"]["metrics"]
             assert m.keys() == ref_m.keys() and ref_m, case

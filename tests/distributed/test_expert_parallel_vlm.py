@@ -13,6 +13,10 @@ the same way at EP=2 (6e-5 to 9e-5 relative, no images); they are checked within
 their conditioning, not the split: on one process, without EP, the same batch in reversed row
 order moves them 1e-5 relative and a 1e-7 relative change of the embeddings 1.7e-4, where the
 other parameters move 2-4e-7 and 1.2e-6 (tiny Qwen3.5-MoE, fp32, measured 2026-11-27).
+The projection that makes the decay gate's input (``in_proj_a``) shares that conditioning: its
+gradient is the same per-token factor as ``dt_bias``'s, weighted by the hidden states. EP=2
+moved it 2.4e-6 to 6.7e-6 relative in three runs and 1.05e-5 in one CI run (2026-12-02), past
+the 1e-5 bound, where every other parameter stays under 8e-7: it is checked within 1e-3 too.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.ep]
 
 T, N = 5, 2  # response tokens, samples per prompt
 COLOURS = {0: ["red", "blue"], 1: ["green", "red"]}
-DECAY = ("linear_attn.A_log", "linear_attn.dt_bias")  # see the module docstring
+# see the module docstring; in_proj_a makes the gate's input a: its gradient is dt_bias's
+# per-token factor weighted by the hidden states
+DECAY = ("linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.in_proj_a.weight")
 
 
 def _batch(path: str, rank: int, image_dir: str):
