@@ -83,7 +83,12 @@ tcmalloc:
 # Multi-rank runs go through the warm launcher (fsdp_rlhf/testing/warm_launch.py);
 # FSDP_RLHF_TEST_LAUNCHER=torchrun runs them under real torchrun (docs/testing.md).
 SUITES ?= test
-PYTEST := $(BIN)/python -m pytest -q
+# Two pytest-xdist workers by default (TEST_JOBS=1: one process): a 2-rank run keeps both cores
+# busy only part of the time, and the other worker's tests fill the rest. Tests that read a
+# clock, the multi-host and the bench runs run alone (tests/conftest.py, docs/testing.md).
+TEST_JOBS ?= 2
+PYTEST_SERIAL := $(BIN)/python -m pytest -q
+PYTEST := $(BIN)/python -m pytest -q $(if $(filter-out 0 1,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadgroup)
 test: install
 	$(PYTEST) tests --suites "$(SUITES)"
 
@@ -94,7 +99,7 @@ test: install
 # rollout's experts with weights held): about 12 minutes, not in CI (its time budget); run them
 # before a release.
 test-long: install
-	$(PYTEST) tests --suites long
+	$(PYTEST_SERIAL) tests --suites long
 
 # --async_train end to end (tests marked asynchronous): rollout and training ranks under
 # torchrun with real vLLM, partial rollouts, OpenRLHF's async agent script, a lost rollout rank,
@@ -106,7 +111,7 @@ test-async: install
 # generating, queued, training and syncing on 1 and 2 training ranks against an uninterrupted
 # run's ledger. About 28 minutes on 2 loaded cores: not part of .ci/run.
 test-async-resume: install
-	$(PYTEST) tests/e2e/test_ppo_async_resume.py --suites async-resume
+	$(PYTEST_SERIAL) tests/e2e/test_ppo_async_resume.py --suites async-resume
 
 # Fault injection (pytest marker `faults`): a failure on one rank reported every time (10
 # launches), the same failure on every rank as one line, a reward function raising on rank 1,
@@ -133,7 +138,7 @@ test-models: install
 # Every family of the matrix, also those beside a like family in CI's selection (gemma4 dense,
 # glm4_moe, ernie4_5_moe, lfm2_moe, olmo3, smollm3, qwen3_next): about 15 more minutes.
 test-models-full: install
-	$(PYTEST) tests/models --suites "models models-full"
+	$(PYTEST_SERIAL) tests/models --suites "models models-full"
 
 # Vision-language models (pytest marker `vlm`): a tiny Qwen2.5-VL under FSDP2 on 2 gloo ranks,
 # vLLM rollouts with images, GRPO that must learn an image-dependent answer (and its control),
@@ -179,7 +184,7 @@ test-cluster: install
 # The GPU suite (tests/gpu) as the bare GPU box runs it, vLLM hidden from every import: on CPU
 # every CUDA check SKIPs with its reason and the CLI steps run on 2 gloo ranks. 3-5 minutes.
 test-gpu: install
-	PYTHONPATH=$(CURDIR)/tests/gpu/without_vllm $(PYTEST) tests/gpu --suites gpu
+	PYTHONPATH=$(CURDIR)/tests/gpu/without_vllm $(BIN)/python -m pytest -q tests/gpu --suites gpu
 
 test-fast: install
 	$(BIN)/python -m pytest -q tests/unit

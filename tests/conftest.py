@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 import tempfile
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -46,25 +50,63 @@ def _suite(item) -> str:
 
 
 _CLOCK: dict[str, float] = {}
+# Two pytest-xdist workers (make's TEST_JOBS, default 2) fill each other's idle time: a 2-rank
+# run keeps 2 cores busy only part of the time (rank 0 loads while rank 1 waits, collectives,
+# start-up). A test whose assertions read a clock, and the multi-host and bench runs, must not
+# share the cores: they run alone (the `exclusive` marker; the folders below), the other
+# worker waiting between its tests (_alone).
+_ALONE_FOLDERS = ("cluster", "bench")
+_LOCK_DIR = "FSDP_RLHF_TEST_LOCK_DIR"
+
+
+def _in_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def pytest_configure(config):
+    if not _in_worker(config) and getattr(config.option, "numprocesses", None):
+        # the workers inherit the controller's environment: one lock folder for the run
+        os.environ[_LOCK_DIR] = tempfile.mkdtemp(prefix="fsdp_rlhf_test_locks_")
+
+
+def pytest_unconfigure(config):
+    folder = os.environ.get(_LOCK_DIR)
+    if folder and not _in_worker(config):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_sessionstart(session):
-    import time
-
     _CLOCK["start"] = time.monotonic()
 
 
 def pytest_collection_finish(session):
-    import time
-
     _CLOCK["collected"] = time.monotonic()
-    _SUITE_OF.update((item.nodeid, _suite(item)) for item in session.items)
     if warm_launch.mode() != "warm":
         return
     if any(_folder(item) in _LAUNCHING for item in session.items):
         warm_launch.start_server(REPO)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """The controller's collection line: when the first worker has collected."""
+    _CLOCK.setdefault("collected", time.monotonic())
+
+
+def _group(item) -> str | None:
+    """The worker that runs ``item`` runs these with it: the multi-host tests (one cluster of
+    network-namespace hosts and one Slurm per run) and the tests of a module that shares a
+    module- or class-scoped fixture (run once, asserted many times)."""
+    if _folder(item) == "cluster":
+        return "cluster"
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info is not None else ()
+    if any(d.scope in ("module", "class", "package") for ds in defs for d in ds):
+        return item.nodeid.split("::")[0]
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(config, items):
     chosen = config.getoption("--suites")
     if chosen:
@@ -75,6 +117,11 @@ def pytest_collection_modifyitems(config, items):
         keep = [i for i in items if _suite(i) in wanted]
         config.hook.pytest_deselected(items=[i for i in items if _suite(i) not in wanted])
         items[:] = keep
+    for item in items:
+        item.user_properties.append(("suite", _suite(item)))  # the controller's table reads it
+        group = _group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
@@ -109,6 +156,62 @@ def tiny_qwen2_tied(tmp_path_factory) -> str:
     return str(build_model(path, "qwen2", tie_word_embeddings=True, seed=2))
 
 
+def _alone(item) -> bool:
+    return item.get_closest_marker("exclusive") is not None or _folder(item) in _ALONE_FOLDERS
+
+
+@contextmanager
+def _flock(path: str, how: int):
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, how)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+@contextmanager
+def _turn(folder: str, alone: bool):
+    """A readers-writer lock over the workers: a test that runs alone holds ``run`` exclusively;
+    the others share it. ``gate`` gives a waiting lone test priority: it holds the gate while it
+    waits and runs, and a shared taker passes the gate before taking ``run``."""
+    gate, run = os.path.join(folder, "gate"), os.path.join(folder, "run")
+    if alone:
+        with _flock(gate, fcntl.LOCK_EX), _flock(run, fcntl.LOCK_EX):
+            yield
+        return
+    with _flock(gate, fcntl.LOCK_EX):
+        pass
+    with _flock(run, fcntl.LOCK_SH):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Setup, call and teardown (module fixtures included) under the workers' lock."""
+    folder = os.environ.get(_LOCK_DIR)
+    if not folder or not _in_worker(item.config):
+        yield
+        return
+    with _turn(folder, _alone(item)):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """The cases the warm launcher passed to torchrun during this test travel with its last
+    report (a worker's list is not the controller's)."""
+    outcome = yield
+    if call.when == "teardown":
+        report = outcome.get_result()
+        new = warm_launch.FALLBACKS[_SENT[0] :]
+        _SENT[0] = len(warm_launch.FALLBACKS)
+        report.user_properties.extend(("warm_fallback", line) for line in new)
+
+
+_SENT = [0]  # of warm_launch.FALLBACKS, in this process
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
@@ -128,11 +231,14 @@ def _environment():
 
 
 _SECONDS: dict[str, list] = {}
+_FALLBACKS: list[str] = []  # the run's, from every worker's reports
 
 
 def pytest_runtest_logreport(report):
     """Seconds per suite (setup + call + teardown of its tests) for the table at the end."""
-    suite = _SUITE_OF.get(report.nodeid)
+    props = report.user_properties
+    _FALLBACKS.extend(v for k, v in props if k == "warm_fallback" and report.when == "teardown")
+    suite = next((v for k, v in props if k == "suite"), None)
     if suite is None:
         return
     row = _SECONDS.setdefault(suite, [0, 0, 0, 0, 0.0])  # tests, passed, failed, skipped, s
@@ -143,9 +249,6 @@ def pytest_runtest_logreport(report):
         row[1 if report.passed else 3 if report.skipped else 2] += 1
 
 
-_SUITE_OF: dict[str, str] = {}
-
-
 def pytest_sessionfinish(session, exitstatus):
     """A suite may be empty today (pairs: the plan's one job is featured): not a failure."""
     if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED and session.config.getoption("--suites"):
@@ -154,10 +257,10 @@ def pytest_sessionfinish(session, exitstatus):
 
 def pytest_terminal_summary(terminalreporter, config):
     write = terminalreporter.write_line
-    if warm_launch.FALLBACKS:
+    if _FALLBACKS:
         write("")
-        write(f"warm launcher: {len(warm_launch.FALLBACKS)} case(s) ran without it:")
-        for line in warm_launch.FALLBACKS:
+        write(f"warm launcher: {len(_FALLBACKS)} case(s) ran without it:")
+        for line in _FALLBACKS:
             write(f"  {line}")
     if not config.getoption("--suites") or not _SECONDS:
         return
@@ -172,7 +275,5 @@ def pytest_terminal_summary(terminalreporter, config):
             write(f"{suite:<14}{n:>7}{ok:>8}{bad:>8}{skip:>9}{sec:>10.0f}")
     write(f"{'all tests':<14}{'':>32}{total:>10.0f}")
     if "collected" in _CLOCK:
-        import time
-
         write(f"{'collection':<14}{'':>32}{_CLOCK['collected'] - _CLOCK['start']:>10.0f}")
         write(f"{'wall':<14}{'':>32}{time.monotonic() - _CLOCK['start']:>10.0f}")

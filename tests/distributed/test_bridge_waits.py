@@ -21,6 +21,7 @@ import torch.distributed as dist
 from fsdp_rlhf.distributed.env import free_port
 from fsdp_rlhf.distributed.heartbeat import detection_bound_s
 
+pytestmark = pytest.mark.exclusive  # its assertions read a clock: it runs alone (conftest.py)
 REPO = Path(__file__).resolve().parents[2]
 HEARTBEAT_S = 2.0
 RANK = """

@@ -18,6 +18,7 @@ from torch.distributed import TCPStore
 
 from fsdp_rlhf.distributed.exit_report import WAIT_S
 
+pytestmark = pytest.mark.exclusive  # its assertions read a clock: it runs alone (conftest.py)
 REPO = Path(__file__).resolve().parents[2]
 
 CHILD = """

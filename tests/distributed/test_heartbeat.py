@@ -14,11 +14,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 
 from fsdp_rlhf.distributed.env import free_port
 from fsdp_rlhf.distributed.heartbeat import EXIT_CODE, detection_bound_s
 
+pytestmark = pytest.mark.exclusive  # its assertions read a clock: it runs alone (conftest.py)
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 2.0
 RANK = """

@@ -16,10 +16,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 
 from fsdp_rlhf.distributed.env import free_port
 
+pytestmark = pytest.mark.exclusive  # its assertions read a clock: it runs alone (conftest.py)
 REPO = Path(__file__).resolve().parents[2]
 SLOW_S = 5.0
 RANK = """

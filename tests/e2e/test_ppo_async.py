@@ -456,6 +456,7 @@ def test_a_rollout_rank_that_dies_ends_the_job_naming_it(tiny_qwen2, data, tmp_p
     assert any("rollout rank 1 (engine 0) is gone" in line for line in lines), proc.stderr[-3000:]
 
 
+@pytest.mark.exclusive  # the line's wait (6x s) reads a clock
 def test_a_live_but_slow_rollout_rank_is_named_alive_not_gone(tiny_qwen2, data, tmp_path):
     """The rollout rank's reward function takes 75 s at the 2nd batch, longer than
     --dist_timeout_min 1: the training rank, which published step 1's weights without

@@ -19,6 +19,8 @@ from fsdp_rlhf.distributed.heartbeat import (
     watched_rank,
 )
 
+pytestmark = pytest.mark.exclusive  # its assertions read a clock: it runs alone (conftest.py)
+
 # ---------------------------------------------------------------- pure logic
 
 
