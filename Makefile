@@ -88,7 +88,7 @@ SUITES ?= test
 # clock, the multi-host and the bench runs run alone (tests/conftest.py, docs/testing.md).
 TEST_JOBS ?= 2
 PYTEST_SERIAL := $(BIN)/python -m pytest -q
-PYTEST := $(BIN)/python -m pytest -q $(if $(filter-out 0 1,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadgroup)
+PYTEST := $(BIN)/python -m pytest -q $(if $(filter-out 0 1,$(TEST_JOBS)),-n $(TEST_JOBS))
 test: install
 	$(PYTEST) tests --suites "$(SUITES)"
 

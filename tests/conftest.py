@@ -93,20 +93,44 @@ def pytest_xdist_node_collection_finished(node, ids):
     _CLOCK.setdefault("collected", time.monotonic())
 
 
-def _group(item) -> str | None:
-    """The worker that runs ``item`` runs these with it: the multi-host tests (one cluster of
-    network-namespace hosts and one Slurm per run) and the tests of a module that shares a
-    module- or class-scoped fixture (run once, asserted many times)."""
-    if _folder(item) == "cluster":
-        return "cluster"
-    info = getattr(item, "_fixtureinfo", None)
-    defs = info.name2fixturedefs.values() if info is not None else ()
-    if any(d.scope in ("module", "class", "package") for ds in defs for d in ds):
-        return item.nodeid.split("::")[0]
-    return None
+def _shares_fixtures(path: str) -> bool:
+    """Whether the test module at ``path`` (relative to the repo) holds a module- or
+    class-scoped fixture (no conftest here holds one: tests/unit/test_docs.py checks)."""
+    if path not in _SHARING:
+        text = (REPO / path).read_text() if (REPO / path).is_file() else ""
+        _SHARING[path] = any(f'scope="{s}"' in text for s in ("module", "class", "package"))
+    return _SHARING[path]
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (--dist loadgroup)
+_SHARING: dict[str, bool] = {}
+
+
+def _work_unit(nodeid: str) -> str:
+    """The tests one worker runs together: every multi-host test (one cluster of
+    network-namespace hosts and one Slurm per run), every test of a module that shares a
+    module- or class-scoped fixture (a run asserted many times), else the test alone."""
+    path = nodeid.split("::")[0]
+    if path.startswith("tests/cluster/"):
+        return "tests/cluster"
+    return path if _shares_fixtures(path) else nodeid
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's load-by-scope scheduling over :func:`_work_unit`'s units (the largest first).
+    xdist's own ``loadgroup`` marks a test's group on its node id, which pytest 9.2's items
+    no longer take."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _work_unit(nodeid)
+
+    return ByWorkUnit(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     chosen = config.getoption("--suites")
     if chosen:
@@ -119,9 +143,6 @@ def pytest_collection_modifyitems(config, items):
         items[:] = keep
     for item in items:
         item.user_properties.append(("suite", _suite(item)))  # the controller's table reads it
-        group = _group(item)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

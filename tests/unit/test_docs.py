@@ -43,7 +43,7 @@ TOOL_FLAGS = {
     "pip": "no_index no_deps no_compile target only_binary python_version platform",
     "docker": "build_arg",
     "uv": "compile_bytecode",  # make install's uv calls (Makefile)
-    "pytest": "suites dist",  # tests/conftest.py's option (tests/suites.py); xdist's --dist
+    "pytest": "suites",  # tests/conftest.py's option (tests/suites.py)
 }
 
 

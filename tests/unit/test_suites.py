@@ -58,3 +58,21 @@ def test_the_makefile_and_ci_name_only_known_suites_and_ci_leaves_none_out():
     # the rest is named here with the reason it is not in CI
     not_in_ci = {"async-resume", "models-full", "long"}
     assert set(suites.SUITES) == set(suites.CI) | {"cluster", "gpu"} | not_in_ci
+
+
+def test_the_two_workers_keep_shared_fixtures_and_the_cluster_on_one_worker():
+    """tests/conftest.py's work units: a module with a module- or class-scoped fixture runs on
+    one worker (its fixture once), every multi-host test on one worker (one cluster), other
+    tests alone; no conftest holds such a fixture (a unit is a module, not a folder)."""
+    from tests import conftest
+
+    shared = "tests/bench/test_bench_smoke.py"
+    assert conftest._work_unit(f"{shared}::test_our_side_is_measured_and_written") == shared
+    assert conftest._work_unit("tests/cluster/test_slurm.py::test_x") == "tests/cluster"
+    assert conftest._work_unit("tests/cluster/test_async.py::test_y") == "tests/cluster"
+    lone = "tests/unit/test_suites.py::test_the_suites_option_parses_and_refuses_unknown_names"
+    assert conftest._work_unit(lone) == lone
+    for path in (REPO / "tests").rglob("conftest.py"):
+        text = path.read_text()
+        for scope in ("module", "class", "package"):
+            assert f'scope="{scope}"' not in text, (path, scope)
