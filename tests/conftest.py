@@ -7,7 +7,7 @@ import os
 import shutil
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
@@ -93,25 +93,36 @@ def pytest_xdist_node_collection_finished(node, ids):
     _CLOCK.setdefault("collected", time.monotonic())
 
 
+def _module_text(path: str) -> str:
+    """The source of the test module at ``path`` (relative to the repo; "" if none)."""
+    if path not in _TEXTS:
+        _TEXTS[path] = (REPO / path).read_text() if (REPO / path).is_file() else ""
+    return _TEXTS[path]
+
+
+_TEXTS: dict[str, str] = {}
+_EXCLUSIVE_MODULE = "pytestmark = pytest.mark.exclusive"
+ALONE_UNIT = "tests run alone"
+
+
 def _shares_fixtures(path: str) -> bool:
-    """Whether the test module at ``path`` (relative to the repo) holds a module- or
-    class-scoped fixture (no conftest here holds one: tests/unit/test_docs.py checks)."""
-    if path not in _SHARING:
-        text = (REPO / path).read_text() if (REPO / path).is_file() else ""
-        _SHARING[path] = any(f'scope="{s}"' in text for s in ("module", "class", "package"))
-    return _SHARING[path]
-
-
-_SHARING: dict[str, bool] = {}
+    """Whether the test module at ``path`` holds a module- or class-scoped fixture (no
+    conftest here holds one: tests/unit/test_suites.py checks)."""
+    return any(f'scope="{s}"' in _module_text(path) for s in ("module", "class", "package"))
 
 
 def _work_unit(nodeid: str) -> str:
-    """The tests one worker runs together: every multi-host test (one cluster of
-    network-namespace hosts and one Slurm per run), every test of a module that shares a
-    module- or class-scoped fixture (a run asserted many times), else the test alone."""
+    """The tests one worker runs together: every test that runs alone (the multi-host tests,
+    one cluster of network-namespace hosts and one Slurm per run; the bench; the modules
+    marked ``exclusive``), one after another under one hold of the lock; every test of a
+    module that shares a module- or class-scoped fixture (a run asserted many times); else
+    the test by itself. The scheduler sees node ids, not items: the ``exclusive`` marker
+    counts here on a whole module (``pytestmark``), as every use of it is
+    (tests/unit/test_suites.py checks)."""
     path = nodeid.split("::")[0]
-    if path.startswith("tests/cluster/"):
-        return "tests/cluster"
+    folder = path.split("/")[1] if path.count("/") >= 2 else ""
+    if folder in _ALONE_FOLDERS or _EXCLUSIVE_MODULE in _module_text(path):
+        return ALONE_UNIT
     return path if _shares_fixtures(path) else nodeid
 
 
@@ -209,13 +220,26 @@ def _turn(folder: str, alone: bool):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """Setup, call and teardown (module fixtures included) under the workers' lock."""
+    """Setup, call and teardown (module fixtures included) under the workers' lock; a lone
+    test followed by another keeps the lock for it (the other worker, once it waited for its
+    current test to end, waits once, not once per lone test)."""
     folder = os.environ.get(_LOCK_DIR)
     if not folder or not _in_worker(item.config):
         yield
         return
-    with _turn(folder, _alone(item)):
+    alone = _alone(item)
+    if not _HELD:  # else the lone test before this one kept the lock for it
+        turn = ExitStack()
+        turn.enter_context(_turn(folder, alone))
+        _HELD.append(turn)
+    try:
         yield
+    finally:
+        if not (alone and nextitem is not None and _alone(nextitem)):
+            _HELD.pop().close()
+
+
+_HELD: list[ExitStack] = []  # this worker's turn at the lock
 
 
 @pytest.hookimpl(hookwrapper=True)

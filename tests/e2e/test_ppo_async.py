@@ -339,8 +339,10 @@ def test_openrlhf_async_agent_script(tiny_qwen2, tmp_path, script):
     """OpenRLHF's train_reinforce_baseline_ray_agent_async.sh in both spellings, at test
     sizes, ring attention included (2 training ranks in one sequence-parallel group beside a
     rollout rank): async training with partial rollouts, an agent over two tries, dynamic filtering,
-    token-budget micro-batches, packing, icepop, bf16, HF checkpoints; run again it resumes
-    from its last checkpoint (--load_checkpoint) and has nothing left to do."""
+    token-budget micro-batches, packing, icepop, bf16, HF checkpoints. Both spellings ask to
+    resume (--load_checkpoint, --ckpt.load_enable); the flat one's script is run again and
+    resumes from its last checkpoint with nothing left to do (what the resume does does not
+    depend on how the flag was spelled)."""
     data = tmp_path / "data"
     rows = [{"prompt": r["input"], "label": r["label"]} for r in prompt_rows(64)]
     write_jsonl(rows, data / "agent_prompts.jsonl")
@@ -379,9 +381,12 @@ def test_openrlhf_async_agent_script(tiny_qwen2, tmp_path, script):
         "dynamic_filtering: true",
         "bf16: true",
         "sequence_parallel_size: 2",  # the script's ring attention, as Ulysses
+        "load_checkpoint: true",
     ):
         assert line in config, line
     assert (save / "ckpt" / "step_4" / "hf" / "model.safetensors").is_file()
+    if "dotted" in script:
+        return
     again = run()
     assert again.returncode == 0, again.stderr[-4000:]
     assert "resumed from" in again.stdout and [r["step"] for r in read_metrics(save)] == [
@@ -456,17 +461,22 @@ def test_a_rollout_rank_that_dies_ends_the_job_naming_it(tiny_qwen2, data, tmp_p
     assert any("rollout rank 1 (engine 0) is gone" in line for line in lines), proc.stderr[-3000:]
 
 
-@pytest.mark.exclusive  # the line's wait (6x s) reads a clock
 def test_a_live_but_slow_rollout_rank_is_named_alive_not_gone(tiny_qwen2, data, tmp_path):
-    """The rollout rank's reward function takes 75 s at the 2nd batch, longer than
+    """The rollout rank's reward function takes 120 s at the 2nd batch, longer than
     --dist_timeout_min 1: the training rank, which published step 1's weights without
     waiting for the rollout rank to take them, waits for batch 2 and gives up after a minute
     with one line saying who waited for what and that the rollout rank is alive (its
-    heartbeat moves), not "gone" as a lost rank is."""
+    heartbeat moves), not "gone" as a lost rank is.
+
+    It shares the cores with the other pytest worker's tests (most of its minute is a wait):
+    the give-up comes at the bound plus one poll (at most 5 s) whatever the load, and the
+    sleep, which starts as the rollout rank scores batch 2 beside step 1's update, outlasts
+    the bound by a minute, more than that update takes under load; the job ends at the
+    give-up, so the sleep's length costs nothing."""
     reward = tmp_path / "slow_reward.py"
     reward.write_text(
         "import time\ncalls = 0\n\n\ndef reward_func(queries, prompts, labels):\n"
-        "    global calls\n    calls += 1\n    if calls == 2:\n        time.sleep(75)\n"
+        "    global calls\n    calls += 1\n    if calls == 2:\n        time.sleep(120)\n"
         "    return [0.0] * len(queries)\n"
     )
     save = tmp_path / "slow"

@@ -61,17 +61,32 @@ def test_the_makefile_and_ci_name_only_known_suites_and_ci_leaves_none_out():
 
 
 def test_the_two_workers_keep_shared_fixtures_and_the_cluster_on_one_worker():
-    """tests/conftest.py's work units: a module with a module- or class-scoped fixture runs on
-    one worker (its fixture once), every multi-host test on one worker (one cluster), other
-    tests alone; no conftest holds such a fixture (a unit is a module, not a folder)."""
+    """tests/conftest.py's work units: every test that runs alone (the cluster, the bench, the
+    modules marked exclusive) in one unit, a module with a module- or class-scoped fixture on
+    one worker (its fixture once), other tests by themselves; no conftest holds such a fixture
+    (a unit is a module, not a folder), and the exclusive marker marks whole modules (the
+    scheduler reads it from their text)."""
     from tests import conftest
 
-    shared = "tests/bench/test_bench_smoke.py"
-    assert conftest._work_unit(f"{shared}::test_our_side_is_measured_and_written") == shared
-    assert conftest._work_unit("tests/cluster/test_slurm.py::test_x") == "tests/cluster"
-    assert conftest._work_unit("tests/cluster/test_async.py::test_y") == "tests/cluster"
+    alone = conftest.ALONE_UNIT
+    assert conftest._work_unit("tests/cluster/test_slurm.py::test_x") == alone
+    assert conftest._work_unit("tests/cluster/test_async.py::test_y") == alone
+    assert conftest._work_unit("tests/bench/test_bench_smoke.py::test_w") == alone
+    assert conftest._work_unit("tests/unit/test_heartbeat.py::test_z") == alone
+    shared = "tests/e2e/test_pairs.py"
+    assert conftest._shares_fixtures(shared)
+    assert conftest._work_unit(f"{shared}::test_w") == shared
     lone = "tests/unit/test_suites.py::test_the_suites_option_parses_and_refuses_unknown_names"
     assert conftest._work_unit(lone) == lone
+    decorator = "@pytest.mark." + "exclusive"  # not this file's own text
+    marked = 0
+    for path in (REPO / "tests").rglob("test_*.py"):
+        text = path.read_text()
+        assert decorator not in text, path
+        if conftest._EXCLUSIVE_MODULE in text:
+            marked += 1
+            assert conftest._work_unit(f"{path.relative_to(REPO)}::t") == alone, path
+    assert marked >= 5
     for path in (REPO / "tests").rglob("conftest.py"):
         text = path.read_text()
         for scope in ("module", "class", "package"):
