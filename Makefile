@@ -184,7 +184,7 @@ test-cluster: install
 # The GPU suite (tests/gpu) as the bare GPU box runs it, vLLM hidden from every import: on CPU
 # every CUDA check SKIPs with its reason and the CLI steps run on 2 gloo ranks. 3-5 minutes.
 test-gpu: install
-	PYTHONPATH=$(CURDIR)/tests/gpu/without_vllm $(BIN)/python -m pytest -q tests/gpu --suites gpu
+	PYTHONPATH=$(CURDIR)/tests/gpu/without_vllm $(PYTEST_SERIAL) tests/gpu --suites gpu
 
 test-fast: install
 	$(BIN)/python -m pytest -q tests/unit

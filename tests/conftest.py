@@ -189,7 +189,9 @@ def tiny_qwen2_tied(tmp_path_factory) -> str:
 
 
 def _alone(item) -> bool:
-    return item.get_closest_marker("exclusive") is not None or _folder(item) in _ALONE_FOLDERS
+    """Whether the test runs alone: the scheduler's rule (:func:`_work_unit`), so the lock and
+    the work units cannot disagree."""
+    return _work_unit(item.nodeid) == ALONE_UNIT
 
 
 @contextmanager
