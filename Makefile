@@ -89,8 +89,10 @@ SUITES ?= test
 TEST_JOBS ?= 2
 PYTEST_SERIAL := $(BIN)/python -m pytest -q
 PYTEST := $(BIN)/python -m pytest -q $(if $(filter-out 0 1,$(TEST_JOBS)),-n $(TEST_JOBS))
+# PYTEST_ARGS: more of pytest's options (.ci/run: --durations, the slowest tests listed)
+PYTEST_ARGS ?=
 test: install
-	$(PYTEST) tests --suites "$(SUITES)"
+	$(PYTEST) tests --suites "$(SUITES)" $(PYTEST_ARGS)
 
 # The longer runs beside a CI case of the same feature (LoRA GAE at TP 2 with export and
 # resume, vLLM serving a trained reward model, torch.compile against eager, RM packing against
